@@ -1,0 +1,324 @@
+"""Frozen CLIP over open_clip: tokenizer, text encoder (pooled + token states) and image encoder.
+
+Shapes (``D`` = CLIP embedding size, ``L`` = context length, ``W`` = text transformer width):
+
+* ``encode_text(prompts)`` → :class:`TextEncoding` with ``text_embed [B, D]`` (unit norm),
+  ``text_tokens [B, L, W]`` (final-layer token states after the final LayerNorm) and
+  ``text_mask [B, L]`` (True on real tokens, start/end tokens included).
+* ``encode_image(images)`` → ``image_embed [B, D]`` (unit norm). ``images`` is a PIL image, a list of
+  them (open_clip's own preprocessing) or a float tensor ``[B, 3, H, W]`` in ``[-1, 1]`` (resized on the
+  shorter side with bicubic antialiasing, centre-cropped and normalised the same way).
+
+Loading never downloads unless ``pretrained`` is an open_clip hub tag (e.g. ``"openai"``)::
+
+    clip = FrozenCLIP.from_config(ClipConfig("ViT-L-14", pretrained="/models/vit-l-14.safetensors"))
+    clip = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=TINY_CFG))   # custom, random init
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import open_clip
+from open_clip.model import CLIP, CustomTextCLIP
+from open_clip.tokenizer import SimpleTokenizer
+
+from .config import ClipConfig
+
+__all__ = ["FrozenCLIP", "TextEncoding", "check_prompts"]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class TextEncoding:
+    """CLIP text conditioning. ``text_embed [B, D]``, ``text_tokens [B, L, W]``, ``text_mask [B, L]``."""
+
+    text_embed: torch.Tensor
+    text_tokens: torch.Tensor
+    text_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.text_embed.shape[0]
+
+    def repeat_interleave(self, n: int) -> "TextEncoding":
+        """Each row repeated ``n`` times in place (for ``num_images_per_prompt``)."""
+        if n == 1:
+            return self
+        return TextEncoding(*(t.repeat_interleave(n, dim=0) for t in (self.text_embed, self.text_tokens, self.text_mask)))
+
+    def to(self, *args, **kwargs) -> "TextEncoding":
+        return TextEncoding(self.text_embed.to(*args, **kwargs), self.text_tokens.to(*args, **kwargs),
+                            self.text_mask.to(kwargs.get("device", args[0] if args and not isinstance(args[0], torch.dtype) else self.text_mask.device)))
+
+    def __getitem__(self, idx) -> "TextEncoding":
+        return TextEncoding(self.text_embed[idx], self.text_tokens[idx], self.text_mask[idx])
+
+
+def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> list[str]:
+    """Normalise ``prompt`` to a non-empty list of strings or raise a clear error."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, (list, tuple)):
+        prompts = list(prompt)
+    else:
+        raise TypeError(f"{what} must be a string or a list of strings, got {type(prompt).__name__}")
+    if not prompts:
+        raise ValueError(f"{what} list is empty: pass at least one string")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise TypeError(f"{what}[{i}] must be a string, got {type(p).__name__} ({p!r})")
+    return prompts
+
+
+def _build_model(model_cfg: dict) -> torch.nn.Module:
+    cfg = copy.deepcopy(model_cfg)
+    custom_text = cfg.pop("custom_text", False) or "hf_model_name" in cfg.get("text_cfg", {})
+    cfg.pop("preprocess_cfg", None)
+    cls = CustomTextCLIP if custom_text else CLIP
+    return cls(**cfg)
+
+
+class FrozenCLIP(torch.nn.Module):
+    """A frozen open_clip model with the tokenizer and preprocessing unCLIP needs (see module doc)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, model_name: str, model_cfg: dict,
+                 pretrained: str | None = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.model_cfg = model_cfg
+        self.pretrained = pretrained
+        visual = model.visual
+        size = getattr(visual, "image_size", model_cfg.get("vision_cfg", {}).get("image_size", 224))
+        self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
+        pp = getattr(visual, "preprocess_cfg", None) or {}
+        self.image_mean = tuple(pp.get("mean", open_clip.OPENAI_DATASET_MEAN))
+        self.image_std = tuple(pp.get("std", open_clip.OPENAI_DATASET_STD))
+        self.preprocess = open_clip.image_transform(self.image_size, is_train=False,
+                                                     mean=self.image_mean, std=self.image_std)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, cfg: ClipConfig) -> "FrozenCLIP":
+        """Build from a :class:`ClipConfig` (model name + tag/local path, or a custom ``model_cfg``)."""
+        if cfg.model_cfg is not None:
+            model_cfg = copy.deepcopy(cfg.model_cfg)
+        else:
+            model_cfg = open_clip.get_model_config(cfg.model_name)
+            if model_cfg is None:
+                raise ValueError(
+                    f"unknown open_clip model name {cfg.model_name!r}; use one of open_clip.list_models() "
+                    f"(e.g. 'ViT-L-14') or give clip.model_cfg for a custom architecture")
+        model = _build_model(model_cfg)
+        if cfg.pretrained:
+            _load_pretrained(model, cfg.model_name, cfg.pretrained)
+        tokenizer = _make_tokenizer(cfg.model_name, model_cfg)
+        return cls(model, tokenizer, cfg.model_name, model_cfg, cfg.pretrained)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "FrozenCLIP":
+        """Load a folder written by :meth:`save_pretrained` (``config.json`` + ``model.safetensors``)."""
+        path = Path(path)
+        cfg_file = path / CONFIG_NAME
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"CLIP folder {path} has no {CONFIG_NAME}; expected a folder written by "
+                                    f"FrozenCLIP.save_pretrained")
+        meta = json.loads(cfg_file.read_text())
+        model = _build_model(meta["model_cfg"])
+        weights = path / WEIGHTS_NAME
+        if weights.is_file():
+            _load_safetensors(model, weights)
+        elif meta.get("pretrained"):
+            _load_pretrained(model, meta["model_name"], meta["pretrained"])
+        else:
+            raise FileNotFoundError(f"CLIP weights missing: provide {weights} (or set 'pretrained' in {cfg_file})")
+        return cls(model, _make_tokenizer(meta["model_name"], meta["model_cfg"]), meta["model_name"],
+                   meta["model_cfg"], meta.get("pretrained"))
+
+    def save_pretrained(self, path: str | os.PathLike, save_weights: bool = True) -> None:
+        """Write ``config.json`` and (by default) ``model.safetensors`` to ``path``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"model_name": self.model_name, "model_cfg": self.model_cfg,
+                "pretrained": None if save_weights else self.pretrained}
+        (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
+        if save_weights:
+            state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
+            save_file(state, str(path / WEIGHTS_NAME))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def embed_dim(self) -> int:
+        """D, the size of the joint CLIP embedding."""
+        return int(self.model_cfg["embed_dim"])
+
+    @property
+    def text_width(self) -> int:
+        """W, the width of the text transformer's token states."""
+        return int(self.model_cfg["text_cfg"].get("width", 512))
+
+    @property
+    def context_length(self) -> int:
+        """L, the tokenizer's context length."""
+        return int(self.tokenizer.context_length)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ------------------------------------------------------------------ text
+    def tokenize(self, prompts: Union[str, Sequence[str]], warn: bool = True) -> torch.Tensor:
+        """Token ids ``[B, L]``; warns (showing the cut text) when a prompt exceeds the context length."""
+        prompts = check_prompts(prompts)
+        if warn and isinstance(self.tokenizer, SimpleTokenizer):
+            limit = self.context_length - 2  # start and end tokens
+            for p in prompts:
+                ids = self.tokenizer.encode(p)
+                if len(ids) > limit:
+                    kept = self.tokenizer.decode(ids[:limit]).strip()
+                    cut = self.tokenizer.decode(ids[limit:]).strip()
+                    warnings.warn(f"prompt truncated to {self.context_length} tokens: kept {kept!r}, "
+                                  f"cut {cut!r}", stacklevel=3)
+        return self.tokenizer(prompts)
+
+    @torch.no_grad()
+    def encode_text(self, prompts: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
+        """Encode prompts (or token ids ``[B, L]``) → :class:`TextEncoding` (see module doc for shapes)."""
+        ids = prompts if isinstance(prompts, torch.Tensor) else self.tokenize(prompts)
+        ids = ids.to(self.device)
+        m = self.model
+        if isinstance(m, CLIP):
+            cast = m.transformer.get_cast_dtype()
+            x = m.token_embedding(ids).to(cast) + m.positional_embedding.to(cast)
+            x = m.transformer(x, attn_mask=m.attn_mask)
+            tokens = m.ln_final(x)
+            pooled = open_clip.transformer.text_global_pool(tokens, ids, m.text_pool_type,
+                                                            eos_token_id=getattr(m, "text_eos_id", None))
+            if m.text_projection is not None:
+                pooled = m.text_projection(pooled) if isinstance(m.text_projection, torch.nn.Linear) \
+                    else pooled @ m.text_projection
+        else:  # CustomTextCLIP with an open_clip TextTransformer
+            text = m.text
+            old = getattr(text, "output_tokens", False)
+            text.output_tokens = True
+            try:
+                pooled, tokens = text(ids)
+            finally:
+                text.output_tokens = old
+        pad_id = getattr(self.tokenizer, "pad_id", 0) or 0
+        mask = ids != pad_id
+        return TextEncoding(F.normalize(pooled.float(), dim=-1), tokens.float(), mask)
+
+    # ------------------------------------------------------------------ images
+    def preprocess_tensor(self, images: torch.Tensor) -> torch.Tensor:
+        """``[B, 3, H, W]`` in [-1, 1] → CLIP input (shorter side resize, centre crop, normalise)."""
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"image tensor must be [B, 3, H, W], got {tuple(images.shape)}")
+        x = (images.float() + 1) / 2
+        h, w = x.shape[-2:]
+        s = self.image_size / min(h, w)
+        nh, nw = max(self.image_size, round(h * s)), max(self.image_size, round(w * s))
+        if (nh, nw) != (h, w):
+            x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
+        top, left = (nh - self.image_size) // 2, (nw - self.image_size) // 2
+        x = x[..., top:top + self.image_size, left:left + self.image_size].clamp(0, 1)
+        mean = torch.tensor(self.image_mean, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.image_std, device=x.device).view(1, 3, 1, 1)
+        return (x - mean) / std
+
+    @torch.no_grad()
+    def encode_image(self, images) -> torch.Tensor:
+        """PIL image(s) or a ``[B, 3, H, W]`` tensor in [-1, 1] → ``image_embed [B, D]`` (unit norm)."""
+        if isinstance(images, Image.Image):
+            images = [images]
+        if isinstance(images, torch.Tensor):
+            pixels = self.preprocess_tensor(images.to(self.device))
+        elif isinstance(images, (list, tuple)) and images and all(isinstance(i, Image.Image) for i in images):
+            pixels = torch.stack([self.preprocess(i.convert("RGB")) for i in images]).to(self.device)
+        else:
+            raise TypeError("images must be a PIL image, a non-empty list of PIL images, or a float tensor "
+                            "[B, 3, H, W] in [-1, 1]")
+        feats = self.model.encode_image(pixels.to(self.dtype))
+        return F.normalize(feats.float(), dim=-1)
+
+
+def _make_tokenizer(model_name: str, model_cfg: dict):
+    text_cfg = model_cfg.get("text_cfg", {})
+    if "hf_tokenizer_name" in text_cfg or "hf_model_name" in text_cfg:
+        return open_clip.get_tokenizer(model_name)
+    return SimpleTokenizer(context_length=int(text_cfg.get("context_length", 77)))
+
+
+def _load_safetensors(model: torch.nn.Module, file: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("attn_mask")]
+    if missing or unexpected:
+        raise ValueError(f"CLIP weights {file} do not match the model config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def _load_pretrained(model: torch.nn.Module, model_name: str, pretrained: str) -> None:
+    """Load a local weights file/folder, or an open_clip hub tag (the only path that downloads)."""
+    p = Path(pretrained)
+    if p.is_dir():
+        for name in (WEIGHTS_NAME, "open_clip_model.safetensors", "open_clip_pytorch_model.bin"):
+            if (p / name).is_file():
+                p = p / name
+                break
+        else:
+            raise FileNotFoundError(f"no CLIP weights in folder {pretrained}: provide {p / WEIGHTS_NAME} "
+                                    f"or open_clip_model.safetensors")
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            _load_safetensors(model, p)
+        else:
+            open_clip.load_checkpoint(model, str(p), weights_only=True)
+        return
+    if os.sep in pretrained or pretrained.endswith((".safetensors", ".bin", ".pt", ".pth")):
+        raise FileNotFoundError(f"CLIP weights file not found: {pretrained}")
+    tags = open_clip.list_pretrained_tags_by_model(model_name)
+    if pretrained not in tags:
+        raise ValueError(f"{pretrained!r} is neither a local weights path nor a pretrained tag of {model_name} "
+                         f"(tags: {tags})")
+    try:
+        ckpt = open_clip.download_pretrained(open_clip.get_pretrained_cfg(model_name, pretrained))
+    except Exception as exc:  # offline
+        raise FileNotFoundError(
+            f"could not download open_clip weights {model_name}/{pretrained} ({exc}); offline, download them "
+            f"elsewhere and pass the local file as clip.pretrained=/path/to/open_clip_model.safetensors") from exc
+    if not ckpt:
+        raise FileNotFoundError(f"could not fetch open_clip weights {model_name}/{pretrained}")
+    open_clip.load_checkpoint(model, ckpt, weights_only=True)
+
+
+def tiny_clip_config(embed_dim: int = 32, width: int = 32, layers: int = 2, image_size: int = 32,
+                     context_length: int = 32, vocab_size: int = 49408) -> dict:
+    """An open_clip model config for tests and small demos (a few hundred thousand parameters)."""
+    return {
+        "embed_dim": embed_dim,
+        "vision_cfg": {"image_size": image_size, "layers": layers, "width": width, "patch_size": 8,
+                       "head_width": 16},
+        "text_cfg": {"context_length": context_length, "vocab_size": vocab_size, "width": width,
+                     "heads": max(1, width // 16), "layers": layers},
+    }

@@ -1,0 +1,207 @@
+"""Image stages: the base decoder conditioned on CLIP image embeddings, and the upsamplers.
+
+:class:`UnCLIPDecoder` (Ramesh et al. 2022, §2.1) wraps diffusers' ``UNet2DConditionModel``. The CLIP
+image embedding ``image_embed [B, D]`` is projected and added to the timestep embedding and projected
+into ``num_image_tokens`` extra context tokens concatenated before the (projected, normalised) caption
+token states; the pooled text embedding is also added to the timestep embedding (as in GLIDE and Karlo).
+A learned null image embedding replaces ``image_embed`` for the unconditional pass and for dropout in
+training; the null caption is the CLIP encoding of the empty string.
+
+:class:`UnCLIPUpsampler` wraps ``UNet2DModel``: the low-res image is upsampled (bicubic) and
+concatenated to ``x_t`` (6 input channels); the noise level of the low-res conditioning augmentation is
+an input (``class_embed_type="timestep"``). Convolution-only blocks by default. An optional second
+network can run the final step (Karlo's ``super_res_last``).
+
+:func:`degrade` implements the training-time low-res corruption: Gaussian blur (first upsampler) or a
+BSR-style random degradation (second upsampler; Zhang et al. 2021).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+
+from .clip import TextEncoding
+
+__all__ = ["UnCLIPDecoder", "UnCLIPUpsampler", "degrade", "gaussian_blur", "upsample_low_res"]
+
+
+class UnCLIPDecoder(ModelMixin, ConfigMixin):
+    """Base decoder. ``forward(x_t [B,3,H,W], t, image_embed [B,D], text, drop_image [B]?) → [B,C,H,W]``.
+
+    ``C`` is 3 (eps/x_0/v) or 6 with ``learned_variance`` (Karlo's mean + variance interpolation).
+    """
+
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, embed_dim: int = 768, text_width: int = 768, sample_size: int = 64,
+                 block_out_channels: tuple = (320, 640, 960, 1280), layers_per_block: int = 3,
+                 down_block_types: tuple = ("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D",
+                                            "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D"),
+                 up_block_types: tuple = ("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D",
+                                          "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+                 mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn", attention_head_dim: int = 64,
+                 num_image_tokens: int = 4, norm_num_groups: int = 32, cross_attention_dim: Optional[int] = None,
+                 use_text_tokens: bool = True, learned_variance: bool = False):
+        super().__init__()
+        cross = cross_attention_dim or block_out_channels[-1]
+        time_dim = block_out_channels[0] * 4
+        self.unet = UNet2DConditionModel(
+            sample_size=sample_size, in_channels=3, out_channels=6 if learned_variance else 3,
+            down_block_types=tuple(down_block_types), up_block_types=tuple(up_block_types),
+            mid_block_type=mid_block_type, block_out_channels=tuple(block_out_channels),
+            layers_per_block=layers_per_block, cross_attention_dim=cross, attention_head_dim=attention_head_dim,
+            norm_num_groups=norm_num_groups, class_embed_type="identity", resnet_time_scale_shift="scale_shift")
+        self.null_image_embed = torch.nn.Parameter(torch.zeros(embed_dim))
+        self.image_to_time = torch.nn.Linear(embed_dim, time_dim)
+        self.text_to_time = torch.nn.Linear(embed_dim, time_dim)
+        self.image_to_tokens = torch.nn.Linear(embed_dim, num_image_tokens * cross)
+        self.text_tokens_proj = torch.nn.Linear(text_width, cross) if use_text_tokens else None
+        self.text_tokens_norm = torch.nn.LayerNorm(cross) if use_text_tokens else None
+
+    @property
+    def out_image_channels(self) -> int:
+        return 3
+
+    def condition(self, image_embed: torch.Tensor, text: TextEncoding,
+                  drop_image: Optional[torch.Tensor] = None):
+        """Context tokens ``[B, n+L, X]``, their mask ``[B, n+L]`` and the additive time embedding."""
+        b = image_embed.shape[0]
+        image_embed = image_embed.to(self.dtype)
+        if drop_image is not None:
+            null = self.null_image_embed.to(image_embed).expand(b, -1)
+            image_embed = torch.where(drop_image.view(b, 1).to(image_embed.device), null, image_embed)
+        text_embed = text.text_embed.to(self.dtype)
+        time_add = self.image_to_time(image_embed) + self.text_to_time(text_embed)
+        n = self.config.num_image_tokens
+        tokens = self.image_to_tokens(image_embed).view(b, -1, n).transpose(1, 2)  # [B, n, X]
+        mask = torch.ones(b, n, dtype=torch.bool, device=image_embed.device)
+        if self.text_tokens_proj is not None:
+            txt = self.text_tokens_norm(self.text_tokens_proj(text.text_tokens.to(self.dtype)))
+            tokens = torch.cat([tokens, txt], dim=1)
+            mask = torch.cat([mask, text.text_mask.to(mask.device).bool()], dim=1)
+        return tokens, mask, time_add
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, image_embed: Optional[torch.Tensor] = None,
+                text: Optional[TextEncoding] = None, drop_image: Optional[torch.Tensor] = None,
+                cond: Optional[tuple] = None) -> torch.Tensor:
+        """Predict the target for ``x_t``; pass ``cond`` (from :meth:`condition`) to reuse conditioning."""
+        if cond is None:
+            cond = self.condition(image_embed, text, drop_image)
+        tokens, mask, time_add = cond
+        return self.unet(x_t.to(self.dtype), t, encoder_hidden_states=tokens, class_labels=time_add,
+                         encoder_attention_mask=mask, return_dict=False)[0]
+
+    @classmethod
+    def from_clip(cls, clip, **kwargs) -> "UnCLIPDecoder":
+        """A decoder sized for ``clip`` (a :class:`~unclip.clip.FrozenCLIP`)."""
+        return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, **kwargs)
+
+
+class UnCLIPUpsampler(ModelMixin, ConfigMixin):
+    """Super-resolution stage ``low_res_size → sample_size``.
+
+    ``forward(x_t [B,3,H,W], t, low_res_up [B,3,H,W], noise_level [B]) → [B,3,H,W]`` where
+    ``low_res_up`` is the (corrupted, noised) low-res image already upsampled to ``H×W``.
+    """
+
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, sample_size: int = 256, low_res_size: int = 64,
+                 block_out_channels: tuple = (320, 640, 960, 1280), layers_per_block: int = 3,
+                 down_block_types: tuple = ("DownBlock2D",) * 4, up_block_types: tuple = ("UpBlock2D",) * 4,
+                 norm_num_groups: int = 32, noise_level_conditioning: bool = True, noise_level: int = 0,
+                 final_step_model: bool = False, resnet_time_scale_shift: str = "scale_shift"):
+        super().__init__()
+        if sample_size <= low_res_size:
+            raise ValueError(f"upsampler sample_size ({sample_size}) must exceed low_res_size ({low_res_size})")
+
+        def make():
+            return UNet2DModel(
+                sample_size=sample_size, in_channels=6, out_channels=3, down_block_types=tuple(down_block_types),
+                up_block_types=tuple(up_block_types), block_out_channels=tuple(block_out_channels),
+                layers_per_block=layers_per_block, norm_num_groups=norm_num_groups,
+                class_embed_type="timestep" if noise_level_conditioning else None,
+                resnet_time_scale_shift=resnet_time_scale_shift)
+
+        self.unet = make()
+        self.final_unet = make() if final_step_model else None
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, low_res_up: torch.Tensor,
+                noise_level: Optional[torch.Tensor] = None, final_step: bool = False) -> torch.Tensor:
+        unet = self.final_unet if (final_step and self.final_unet is not None) else self.unet
+        x = torch.cat([x_t, low_res_up.to(x_t)], dim=1).to(self.dtype)
+        labels = None
+        if self.config.noise_level_conditioning:
+            if noise_level is None:
+                noise_level = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+            labels = noise_level.to(x.device).long().expand(x.shape[0]) if noise_level.ndim == 0 else noise_level.to(x.device)
+        return unet(x, t, class_labels=labels, return_dict=False)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# low-res conditioning
+# --------------------------------------------------------------------------------------------------
+def upsample_low_res(low: torch.Tensor, size: int) -> torch.Tensor:
+    """Bicubic (antialiased) resize of ``[B, 3, h, w]`` to ``size × size``, clamped to [-1, 1]."""
+    return F.interpolate(low.float(), size=(size, size), mode="bicubic", align_corners=False,
+                         antialias=True).clamp(-1, 1)
+
+
+def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Per-sample Gaussian blur of ``x [B, C, H, W]`` with ``sigma [B]`` (pixels; 0 = identity)."""
+    radius = max(1, int(math.ceil(3 * float(sigma.max()))))
+    coords = torch.arange(-radius, radius + 1, dtype=torch.float32, device=x.device)
+    s = sigma.to(x.device).float().clamp_min(1e-4).view(-1, 1)
+    k = torch.exp(-0.5 * (coords.view(1, -1) / s) ** 2)
+    k = k / k.sum(dim=1, keepdim=True)  # [B, K]
+    b, c, h, w = x.shape
+    y = x.float().reshape(1, b * c, h, w)
+    kh = k.repeat_interleave(c, dim=0).view(b * c, 1, 1, -1)
+    kv = k.repeat_interleave(c, dim=0).view(b * c, 1, -1, 1)
+    y = F.conv2d(F.pad(y, (radius, radius, 0, 0), mode="reflect"), kh, groups=b * c)
+    y = F.conv2d(F.pad(y, (0, 0, radius, radius), mode="reflect"), kv, groups=b * c)
+    return y.view(b, c, h, w).to(x.dtype)
+
+
+def degrade(high: torch.Tensor, low_res_size: int, mode: str, generators, blur_sigma=(0.4, 0.6)) -> torch.Tensor:
+    """Training-time low-res conditioning from a high-res crop ``[B, 3, H, W]`` in [-1, 1].
+
+    ``mode="blur"``: antialiased downsample then a Gaussian blur with σ ~ U(blur_sigma) (first upsampler).
+    ``mode="bsr"``: a BSR-style chain per sample — blur with random σ, downsample through a random
+    intermediate size and interpolation mode, additive Gaussian noise of random strength and a random
+    JPEG-like quantisation (second upsampler). ``mode="none"``: downsample only.
+    Random draws come from ``generators`` (one per sample). Returns ``[B, 3, low_res_size, low_res_size]``.
+    """
+    b = high.shape[0]
+    low = F.interpolate(high.float(), size=(low_res_size, low_res_size), mode="bicubic", antialias=True,
+                        align_corners=False)
+    if mode == "none":
+        return low.clamp(-1, 1)
+    u = torch.stack([torch.rand(6, generator=g) for g in generators])  # [B, 6]
+    if mode == "blur":
+        lo, hi = blur_sigma
+        return gaussian_blur(low, lo + (hi - lo) * u[:, 0]).clamp(-1, 1)
+    if mode != "bsr":
+        raise ValueError(f"unknown low-res corruption {mode!r}; use blur, bsr or none")
+    out = []
+    for i in range(b):
+        x = high[i:i + 1].float()
+        x = gaussian_blur(x, (0.2 + 2.8 * u[i, 0]).view(1) * (x.shape[-1] / low_res_size) ** 0.5)
+        mid = int(low_res_size * (1.0 + 1.0 * float(u[i, 1])))
+        mode_i = ("bilinear", "bicubic", "area")[int(u[i, 2] * 3) % 3]
+        kw = {"align_corners": False} if mode_i != "area" else {}
+        x = F.interpolate(x, size=(mid, mid), mode=mode_i, **kw)
+        x = F.interpolate(x, size=(low_res_size, low_res_size), mode="bicubic", antialias=True, align_corners=False)
+        g = generators[i]
+        x = x + (float(u[i, 3]) * 0.1) * torch.randn(x.shape, generator=g)
+        levels = 16 + int(u[i, 4] * 240)  # coarse colour quantisation, a cheap stand-in for JPEG
+        x = torch.round((x.clamp(-1, 1) + 1) / 2 * levels) / levels * 2 - 1
+        out.append(x)
+    return torch.cat(out).clamp(-1, 1)

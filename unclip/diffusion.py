@@ -1,0 +1,195 @@
+"""One training loss and one classifier-free-guided sampling loop for every stage.
+
+Noise schedules and update rules come from diffusers schedulers; this module only chooses them by name
+(:func:`make_scheduler`), computes the training target (:func:`diffusion_loss`: ``epsilon``, ``sample``
+(x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023) and runs the reverse process
+with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
+
+    eps_hat = eps(x_t | ∅) + s · (eps(x_t | c) − eps(x_t | ∅))
+
+Guided and unguided passes run as one batch ``[uncond; cond]``; with ``s == 1`` the unconditional
+pass is skipped (it cancels exactly), so guidance 1 *is* the unguided path.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, UnCLIPScheduler)
+from diffusers.utils.torch_utils import randn_tensor
+from tqdm.auto import tqdm
+
+from .config import DiffusionConfig
+
+__all__ = ["SCHEDULERS", "make_scheduler", "training_scheduler", "diffusion_loss", "sample_loop",
+           "check_sampling_args", "Generator"]
+
+Generator = Optional[Union[torch.Generator, Sequence[torch.Generator]]]
+
+SCHEDULERS = ("ddpm", "ddim", "dpm++", "unclip")
+
+
+def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: float) -> None:
+    """Raise a clear error for an unknown sampler, ``steps < 1`` or ``guidance_scale < 0``."""
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"{stage}: unknown sampler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{stage}: steps must be an integer >= 1, got {steps!r}")
+    if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
+        raise ValueError(f"{stage}: guidance scale must be a number >= 0, got {guidance_scale!r}")
+
+
+def make_scheduler(name: str, diffusion: DiffusionConfig, *, clip_sample_range: Optional[float] = 1.0,
+                   learned_variance: bool = False):
+    """A diffusers scheduler for sampling, by name: ``ddpm``, ``ddim``, ``dpm++`` or ``unclip``.
+
+    ``clip_sample_range`` clips predicted x_0 to ``[-r, r]`` (1 for images; None disables, e.g. for prior
+    embeddings under DPM-Solver++). ``learned_variance``: the model outputs ``2C`` channels (mean,
+    variance interpolation) as in Karlo's decoder; only ``ddpm``/``unclip`` use the variance half.
+    """
+    common = dict(num_train_timesteps=diffusion.num_train_timesteps, beta_schedule=diffusion.beta_schedule)
+    clip = clip_sample_range is not None
+    rng = float(clip_sample_range or 1.0)
+    pred = diffusion.prediction_type
+    if name == "unclip":
+        if diffusion.beta_schedule != "squaredcos_cap_v2" or pred == "v_prediction":
+            raise ValueError("the 'unclip' sampler needs beta_schedule squaredcos_cap_v2 and an epsilon or "
+                             "sample (x_0) model; use ddpm, ddim or dpm++")
+        return UnCLIPScheduler(variance_type="learned_range" if learned_variance else "fixed_small_log",
+                               clip_sample=clip, clip_sample_range=rng, prediction_type=pred,
+                               num_train_timesteps=diffusion.num_train_timesteps)
+    if name == "ddpm":
+        return DDPMScheduler(**common, prediction_type=pred, clip_sample=clip, clip_sample_range=rng,
+                             variance_type="learned_range" if learned_variance else "fixed_small",
+                             timestep_spacing="trailing")
+    if name == "ddim":
+        return DDIMScheduler(**common, prediction_type=pred, clip_sample=clip, clip_sample_range=rng,
+                             timestep_spacing="trailing", set_alpha_to_one=False)
+    if name == "dpm++":
+        return DPMSolverMultistepScheduler(**common, prediction_type=pred, algorithm_type="dpmsolver++",
+                                           solver_order=2, timestep_spacing="trailing",
+                                           final_sigmas_type="zero")
+    raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+
+
+def training_scheduler(diffusion: DiffusionConfig) -> DDPMScheduler:
+    """The forward (noising) process used in training: ``add_noise`` and ``get_velocity``."""
+    return DDPMScheduler(num_train_timesteps=diffusion.num_train_timesteps,
+                         beta_schedule=diffusion.beta_schedule, prediction_type=diffusion.prediction_type)
+
+
+def _per_sample(fn: Callable[[torch.Generator], torch.Tensor], generators: Sequence[torch.Generator]):
+    return torch.stack([fn(g) for g in generators])
+
+
+def diffusion_loss(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_0: torch.Tensor,
+                   scheduler: DDPMScheduler, *, prediction_type: str = "epsilon",
+                   min_snr_gamma: Optional[float] = None,
+                   generators: Optional[Sequence[torch.Generator]] = None,
+                   t: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+                   reduction: str = "mean") -> torch.Tensor:
+    """Denoising loss ``|| target − model_fn(x_t, t) ||²`` on ``x_0 [B, ...]``.
+
+    ``t ~ U{0, T-1}`` and ``eps ~ N(0, I)`` are drawn per sample from ``generators`` (one
+    ``torch.Generator`` per sample, so results do not depend on how samples are grouped into batches),
+    or from the global RNG when ``generators`` is None. ``prediction_type``: ``epsilon`` (target eps),
+    ``sample`` (target x_0) or ``v_prediction`` (target v = α·eps − σ·x_0). ``min_snr_gamma`` weights
+    each sample by ``min(SNR, γ)`` expressed for the chosen target. Returns a scalar (``reduction="mean"``)
+    or the per-sample losses ``[B]`` (``reduction="none"``).
+    """
+    b = x_0.shape[0]
+    T = scheduler.config.num_train_timesteps
+    cpu = torch.device("cpu")
+    if t is None:
+        if generators is not None:
+            t = _per_sample(lambda g: torch.randint(0, T, (), generator=g, device=cpu), generators)
+        else:
+            t = torch.randint(0, T, (b,), device=cpu)
+    if noise is None:
+        if generators is not None:
+            noise = _per_sample(lambda g: torch.randn(x_0.shape[1:], generator=g, device=cpu), generators)
+        else:
+            noise = torch.randn(x_0.shape, device=cpu)
+    t = t.to(x_0.device)
+    noise = noise.to(x_0.device, x_0.dtype)
+    x_t = scheduler.add_noise(x_0, noise, t)
+    pred = model_fn(x_t, t).float()
+    if prediction_type == "epsilon":
+        target = noise
+    elif prediction_type == "sample":
+        target = x_0
+    elif prediction_type == "v_prediction":
+        target = scheduler.get_velocity(x_0, noise, t)
+    else:
+        raise ValueError(f"unknown prediction_type {prediction_type!r}; use epsilon, sample or v_prediction")
+    if pred.shape != target.shape:
+        raise ValueError(f"model output {tuple(pred.shape)} does not match the target {tuple(target.shape)}")
+    loss = F.mse_loss(pred, target.float(), reduction="none").flatten(1).mean(1)
+    if min_snr_gamma is not None:
+        ac = scheduler.alphas_cumprod.to(x_0.device)[t].float()
+        snr = ac / (1 - ac)
+        clipped = torch.clamp(snr, max=float(min_snr_gamma))
+        weight = {"epsilon": clipped / snr, "sample": clipped, "v_prediction": clipped / (snr + 1)}[prediction_type]
+        loss = loss * weight
+    return loss.mean() if reduction == "mean" else loss
+
+
+def _step_kwargs(scheduler, generator, prev_timestep):
+    params = inspect.signature(scheduler.step).parameters
+    kwargs = {}
+    if "generator" in params:
+        kwargs["generator"] = generator
+    if "prev_timestep" in params:
+        kwargs["prev_timestep"] = prev_timestep
+    return kwargs
+
+
+def sample_loop(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape: tuple, scheduler, *,
+                num_steps: int, guidance_scale: float, generator: Generator = None,
+                device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
+                latents: Optional[torch.Tensor] = None, learned_variance: bool = False,
+                progress: bool = True, desc: str = "sampling") -> torch.Tensor:
+    """Run the reverse process from noise ``x_T`` of ``shape`` and return ``x_0``.
+
+    ``denoise(x_in, t)`` returns the model output for ``x_in``; when ``guidance_scale != 1`` ``x_in`` is
+    ``[x_t; x_t]`` (batch ``2B``) and the caller's conditioning must be ordered ``[uncond; cond]``,
+    prepared once (see :func:`is_guided`). ``generator`` (one, or a list with one per batch element)
+    draws the initial noise and any noise the scheduler adds, so a seed reproduces the result and a
+    list of per-image generators gives the same images whether they are sampled together or alone.
+    """
+    guided = is_guided(guidance_scale)
+    scheduler.set_timesteps(num_steps, device=device)
+    timesteps = scheduler.timesteps
+    if latents is None:
+        latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
+    elif tuple(latents.shape) != tuple(shape):
+        raise ValueError(f"latents must have shape {tuple(shape)}, got {tuple(latents.shape)}")
+    x = latents.to(device=device, dtype=dtype) * scheduler.init_noise_sigma
+    channels = shape[1] if len(shape) > 2 else None
+    for i, t in enumerate(tqdm(timesteps, desc=desc, disable=not progress, leave=False)):
+        x_in = torch.cat([x, x]) if guided else x
+        x_in = scheduler.scale_model_input(x_in, t)
+        out = denoise(x_in, t)
+        var = None
+        if learned_variance:
+            out, var = out.split(channels, dim=1)
+        if guided:
+            uncond, cond = out.chunk(2)
+            out = uncond + guidance_scale * (cond - uncond)
+            if var is not None:
+                var = var.chunk(2)[1]
+        if var is not None and getattr(scheduler.config, "variance_type", None) == "learned_range":
+            out = torch.cat([out, var], dim=1)
+        prev = timesteps[i + 1] if i + 1 < len(timesteps) else None
+        x = scheduler.step(out, t, x, **_step_kwargs(scheduler, generator, prev)).prev_sample
+    return x
+
+
+def is_guided(guidance_scale: float) -> bool:
+    """Whether sampling runs the unconditional pass (every scale except exactly 1)."""
+    return float(guidance_scale) != 1.0
+
+
+__all__.append("is_guided")

@@ -1,0 +1,79 @@
+"""The diffusion prior: CLIP text → CLIP image embedding (Ramesh et al. 2022, §2.2).
+
+:class:`UnCLIPPrior` wraps diffusers' ``PriorTransformer`` (a causal transformer over
+``[text tokens (L), text_embed, time, x_t, prediction token]``) with the unCLIP glue:
+
+* embedding normalisation: the diffusion runs on ``(image_embed − mean) / std`` with per-dimension
+  statistics stored with the weights (``set_embedding_stats``), as in Karlo;
+* a projection of the text token states ``[B, L, W]`` to the embedding width ``D`` when ``W != D``;
+* ``x_0`` prediction (the transformer predicts the clean normalised embedding).
+
+The unconditional input for classifier-free guidance is the CLIP encoding of the empty caption (as in
+Karlo and diffusers), so exported weights sample identically elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import ModelMixin, PriorTransformer
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+
+from .clip import TextEncoding
+
+__all__ = ["UnCLIPPrior"]
+
+
+class UnCLIPPrior(ModelMixin, ConfigMixin):
+    """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised space)."""
+
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, embed_dim: int = 768, text_width: int = 768, context_length: int = 77,
+                 num_layers: int = 24, num_attention_heads: int = 32, attention_head_dim: int = 64,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.transformer = PriorTransformer(
+            num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
+            num_layers=num_layers, embedding_dim=embed_dim, num_embeddings=context_length,
+            additional_embeddings=4, dropout=dropout)
+        self.text_token_proj = (torch.nn.Linear(text_width, embed_dim) if text_width != embed_dim
+                                else torch.nn.Identity())
+        with torch.no_grad():  # identity statistics until set from data
+            self.transformer.clip_std.fill_(1.0)
+
+    # ------------------------------------------------------------------ statistics
+    def set_embedding_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Store the per-dimension mean/std ``[D]`` of the training image embeddings."""
+        d = self.config.embed_dim
+        if mean.shape[-1] != d or std.shape[-1] != d:
+            raise ValueError(f"embedding statistics must have {d} dims, got {tuple(mean.shape)} and {tuple(std.shape)}")
+        if not torch.isfinite(mean).all() or not torch.isfinite(std).all() or (std <= 0).any():
+            raise ValueError("embedding statistics must be finite with std > 0")
+        with torch.no_grad():
+            self.transformer.clip_mean.copy_(mean.reshape(1, d))
+            self.transformer.clip_std.copy_(std.reshape(1, d))
+
+    def normalize(self, image_embed: torch.Tensor) -> torch.Tensor:
+        """``[B, D]`` CLIP image embeddings → the diffusion's normalised space."""
+        tr = self.transformer
+        return (image_embed - tr.clip_mean.to(image_embed)) / tr.clip_std.to(image_embed)
+
+    def denormalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`normalize`."""
+        tr = self.transformer
+        return x * tr.clip_std.to(x) + tr.clip_mean.to(x)
+
+    # ------------------------------------------------------------------ network
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: TextEncoding) -> torch.Tensor:
+        """``x_t [B, D]``, ``t [B]`` or scalar, ``text`` with ``B`` rows → predicted ``x_0 [B, D]``."""
+        tokens = self.text_token_proj(text.text_tokens.to(self.dtype))
+        out = self.transformer(x_t.to(self.dtype), timestep=t, proj_embedding=text.text_embed.to(self.dtype),
+                               encoder_hidden_states=tokens, attention_mask=text.text_mask,
+                               return_dict=False)[0]
+        return out
+
+    @classmethod
+    def from_clip(cls, clip, **kwargs) -> "UnCLIPPrior":
+        """A prior sized for ``clip`` (a :class:`~unclip.clip.FrozenCLIP`)."""
+        return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, context_length=clip.context_length,
+                   **kwargs)
