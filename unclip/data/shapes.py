@@ -1,0 +1,508 @@
+"""The built-in "shapes" caption dataset (spec: ``specs/shapes.md``).
+
+A procedural text–image world so that every stage can be trained, tested and evaluated offline:
+one or two flat, anti-aliased shapes on a flat background, a caption describing them, and the
+ground truth of every image.
+
+Conventions
+-----------
+* All geometry is in fractions of the image: ``x`` of the width W (left = 0), ``y`` of the height H
+  (top = 0). Images are square, ``resolution x resolution`` RGB.
+* ``extent`` is the diameter (circle), side (square) or base (triangle) as a fraction of W.
+  Triangles are equilateral, apex up: height = extent * sqrt(3) / 2.
+* An object's ``center`` is the centre of its bounding box (for a triangle: half its height, not its
+  centroid); ``bbox`` is ``[x0, y0, x1, y1]``.
+* Single objects sit at a named position, jittered by up to ±0.04 on each axis; the jitter range is
+  narrowed where needed so that the object lies fully inside the image (with a 0.01 margin).
+* Two objects are both small, of different colors, with bounding boxes at least 0.02 apart; the
+  first object's centre is at least 0.25·W (or H) from the second's along the relation axis, and at
+  most 0.1 off along the other axis, so the relation is unambiguous.
+* A scene is a pure function of ``(seed, split, index)``; the resolution only changes the rendering.
+
+Held-out split
+--------------
+``HELDOUT_COMBINATIONS`` lists attribute combinations that never occur in the ``"train"`` split. A
+scene is held out iff one of its objects matches one of them (all keys of the combination equal).
+The ``"heldout"`` split is built by construction from these combinations, ``"train"`` by
+deterministic rejection, ``"all"`` samples the whole world.
+
+Files written by :func:`write_shapes`
+-------------------------------------
+* ``folder``: ``{index:08d}.png`` (or ``.jpg``), ``{index:08d}.txt`` (caption), ``{index:08d}.json``
+  (truth).
+* ``webdataset``: img2dataset layout, ``{shard:05d}.tar`` holding ``{key}.png|jpg``, ``{key}.txt``,
+  ``{key}.json`` (``{"key", "caption", "truth", ...}``) plus ``{shard:05d}_stats.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import operator
+import os
+import random
+import re
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (230, 40, 40),
+    "green": (40, 180, 70),
+    "blue": (40, 90, 230),
+    "yellow": (245, 215, 50),
+    "purple": (150, 60, 210),
+    "orange": (250, 140, 30),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
+    "gray": (128, 128, 128),
+}
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+SIZES: dict[str, tuple[float, float]] = {"small": (0.22, 0.28), "large": (0.45, 0.55)}
+POSITIONS: dict[str, tuple[float, float]] = {
+    "center": (0.5, 0.5),
+    "left": (0.27, 0.5),
+    "right": (0.73, 0.5),
+    "top": (0.5, 0.27),
+    "bottom": (0.5, 0.73),
+}
+RELATIONS: tuple[str, ...] = ("to the left of", "to the right of", "above", "below")
+SPLITS: tuple[str, ...] = ("train", "heldout", "all")
+
+#: Attribute combinations never seen in training. An object matches one when all its keys agree.
+HELDOUT_COMBINATIONS: tuple[dict[str, str], ...] = (
+    {"color": "red", "shape": "triangle"},
+    {"color": "blue", "shape": "circle"},
+    {"color": "yellow", "shape": "square"},
+    {"shape": "square", "position": "bottom"},
+)
+
+POSITION_PHRASES: dict[str, str] = {
+    "center": "in the center",
+    "left": "on the left",
+    "right": "on the right",
+    "top": "at the top",
+    "bottom": "at the bottom",
+}
+SIZE_WORDS: dict[str, tuple[str, ...]] = {"small": ("small", "tiny", "little"), "large": ("large", "big")}
+JITTER = 0.04
+MARGIN = 0.01
+MIN_SEPARATION = 0.25
+PAIR_GAP = 0.02
+PAIR_MAX_OFF_AXIS = 0.1
+TRIANGLE_HEIGHT = math.sqrt(3.0) / 2.0
+_SINGLE_TEMPLATES = ("{obj} {pos}{bg}", "{pos}, {obj}{bg}", "there is {obj} {pos}{bg}", "an image of {obj} {pos}{bg}")
+_PAIR_TEMPLATES = ("{a} {rel} {b}{bg}", "there is {a} {rel} {b}{bg}", "an image of {a} {rel} {b}{bg}")
+
+
+@dataclass
+class ShapesSample:
+    """One sample: ``image`` (PIL RGB, resolution x resolution), ``caption`` and ``truth`` (JSON-able)."""
+
+    image: Image.Image
+    caption: str
+    truth: dict
+
+
+def article(word: str) -> str:
+    """English indefinite article for ``word``: ``"an"`` before a vowel sound, else ``"a"``."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def half_size(shape: str, extent: float) -> tuple[float, float]:
+    """Half width and half height of a shape's bounding box, as fractions of the image side."""
+    if shape == "triangle":
+        return extent / 2.0, extent * TRIANGLE_HEIGHT / 2.0
+    return extent / 2.0, extent / 2.0
+
+
+def matches_combination(obj: dict, combination: dict) -> bool:
+    """True iff every attribute named in ``combination`` equals the object's."""
+    return all(obj.get(k) == v for k, v in combination.items())
+
+
+def is_heldout(scene: dict) -> bool:
+    """True iff an object of ``scene`` (a truth or :func:`parse_caption` dict) shows a held-out combination."""
+    return any(matches_combination(o, c) for o in scene["objects"] for c in HELDOUT_COMBINATIONS)
+
+
+def _object(shape, color, size, position, cx, cy, extent) -> dict:
+    hx, hy = half_size(shape, extent)
+    return {
+        "shape": shape, "color": color, "size": size, "position": position,
+        "center": [round(cx, 6), round(cy, 6)],
+        "bbox": [round(cx - hx, 6), round(cy - hy, 6), round(cx + hx, 6), round(cy + hy, 6)],
+        "extent": round(extent, 6),
+    }
+
+
+def _pair_applicable(combination: dict) -> bool:
+    return "position" not in combination and combination.get("size", "small") == "small"
+
+
+def _sample_attributes(rng: random.Random, split: str, pair: bool) -> list[dict]:
+    """Attribute dicts (shape, color, size, position) for one scene of ``split``."""
+
+    def draw() -> list[dict]:
+        if pair:
+            c1, c2 = rng.sample(sorted(COLORS), 2)
+            return [{"shape": rng.choice(SHAPES), "color": c, "size": "small", "position": None} for c in (c1, c2)]
+        return [{"shape": rng.choice(SHAPES), "color": rng.choice(sorted(COLORS)),
+                 "size": rng.choice(sorted(SIZES)), "position": rng.choice(sorted(POSITIONS))}]
+
+    if split == "all":
+        return draw()
+    if split == "train":
+        for _ in range(10_000):
+            objs = draw()
+            if not is_heldout({"objects": objs}):
+                return objs
+        raise AssertionError("rejection sampling of a training scene did not terminate")
+    # heldout: pick a combination uniformly, impose it on one object, fill the rest at random.
+    candidates = [c for c in HELDOUT_COMBINATIONS if not pair or _pair_applicable(c)]
+    combo = rng.choice(candidates)
+    objs = draw()
+    k = rng.randrange(len(objs))
+    objs[k].update(combo)
+    if pair and objs[0]["color"] == objs[1]["color"]:
+        other = 1 - k
+        objs[other]["color"] = rng.choice(sorted(set(COLORS) - {objs[k]["color"]}))
+    assert is_heldout({"objects": objs})
+    return objs
+
+
+def _place_single(rng: random.Random, obj: dict) -> dict:
+    extent = rng.uniform(*SIZES[obj["size"]])
+    hx, hy = half_size(obj["shape"], extent)
+    px, py = POSITIONS[obj["position"]]
+    cx = rng.uniform(max(px - JITTER, hx + MARGIN), min(px + JITTER, 1 - hx - MARGIN))
+    cy = rng.uniform(max(py - JITTER, hy + MARGIN), min(py + JITTER, 1 - hy - MARGIN))
+    return _object(obj["shape"], obj["color"], obj["size"], obj["position"], cx, cy, extent)
+
+
+def _place_pair(rng: random.Random, objs: list[dict], relation: str) -> list[dict]:
+    axis = 0 if relation in ("to the left of", "to the right of") else 1
+    sign = -1.0 if relation in ("to the left of", "above") else 1.0  # sign of (first - second) on axis
+    for _ in range(10_000):
+        extents = [rng.uniform(*SIZES["small"]) for _ in objs]
+        halves = [half_size(o["shape"], e) for o, e in zip(objs, extents)]
+        need = max(MIN_SEPARATION, halves[0][axis] + halves[1][axis] + PAIR_GAP)
+        sep = rng.uniform(need, need + 0.3)
+        off = rng.uniform(-PAIR_MAX_OFF_AXIS, PAIR_MAX_OFF_AXIS)
+        second = [rng.uniform(0, 1), rng.uniform(0, 1)]
+        first = list(second)
+        first[axis] += sign * sep
+        first[1 - axis] += off
+        centers = (first, second)
+        if all(h[i] + MARGIN <= c[i] <= 1 - h[i] - MARGIN for c, h in zip(centers, halves) for i in (0, 1)):
+            return [_object(o["shape"], o["color"], "small", None, c[0], c[1], e)
+                    for o, c, e in zip(objs, centers, extents)]
+    raise AssertionError("placement of a two-object scene did not terminate")
+
+
+def sample_truth(rng: random.Random, split: str = "all", two_object_prob: float = 0.3) -> dict:
+    """Draw one scene's ground truth with ``rng`` (see module docstring for the structure)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    background = rng.choice(sorted(BACKGROUNDS))
+    pair = rng.random() < two_object_prob
+    objs = _sample_attributes(rng, split, pair)
+    if pair:
+        relation = rng.choice(RELATIONS)
+        return {"background": background, "relation": relation, "objects": _place_pair(rng, objs, relation)}
+    return {"background": background, "relation": None, "objects": [_place_single(rng, objs[0])]}
+
+
+def render(truth: dict, resolution: int = 64) -> Image.Image:
+    """Draw ``truth`` as a ``resolution x resolution`` RGB image (flat colors, anti-aliased edges).
+
+    Drawn at up to 4x the resolution with ``PIL.ImageDraw`` and reduced with a box filter.
+    """
+    if not isinstance(resolution, int) or resolution < 8:
+        raise ValueError(f"resolution must be an int >= 8, got {resolution!r}")
+    factor = max(1, min(4, 4096 // resolution))
+    side = resolution * factor
+    canvas = Image.new("RGB", (side, side), BACKGROUNDS[truth["background"]])
+    draw = ImageDraw.Draw(canvas)
+    for obj in truth["objects"]:
+        fill = COLORS[obj["color"]]
+        x0, y0, x1, y1 = (v * side for v in obj["bbox"])
+        if obj["shape"] == "circle":
+            draw.ellipse([x0, y0, x1 - 1, y1 - 1], fill=fill)
+        elif obj["shape"] == "square":
+            draw.rectangle([round(x0), round(y0), round(x1) - 1, round(y1) - 1], fill=fill)
+        elif obj["shape"] == "triangle":
+            draw.polygon([(x0, y1 - 1), (x1 - 1, y1 - 1), ((x0 + x1 - 1) / 2, y0)], fill=fill)
+        else:
+            raise ValueError(f"unknown shape {obj['shape']!r}; expected one of {SHAPES}")
+    if factor > 1:
+        canvas = canvas.resize((resolution, resolution), Image.BOX)
+    return canvas
+
+
+def _object_phrase(obj: dict, rng: random.Random, with_size: bool) -> str:
+    words = [rng.choice(SIZE_WORDS[obj["size"]])] if with_size else []
+    words += [obj["color"], obj["shape"]]
+    return f"{article(words[0])} {' '.join(words)}"
+
+
+def make_caption(truth: dict, rng: random.Random, background_phrase_prob: float = 0.5) -> str:
+    """A caption for ``truth`` with randomly varied phrasing (templates, size synonyms, background)."""
+    bg = f" on a {truth['background']} background" if rng.random() < background_phrase_prob else ""
+    objs = truth["objects"]
+    if truth["relation"] is None:
+        obj = _object_phrase(objs[0], rng, with_size=True)
+        return rng.choice(_SINGLE_TEMPLATES).format(obj=obj, pos=POSITION_PHRASES[objs[0]["position"]], bg=bg)
+    a, b = (_object_phrase(o, rng, with_size=False) for o in objs)
+    return rng.choice(_PAIR_TEMPLATES).format(a=a, rel=truth["relation"], b=b, bg=bg)
+
+
+_SIZE_OF_WORD = {w: s for s, words in SIZE_WORDS.items() for w in words}
+_POSITION_OF_PHRASE = {p: k for k, p in POSITION_PHRASES.items()}
+
+
+def _alt(words) -> str:
+    return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+
+
+_OBJ = (r"an?\s+(?:(?P<size{i}>" + _alt(_SIZE_OF_WORD) + r")\s+)?(?P<color{i}>" + _alt(COLORS)
+        + r")\s+(?P<shape{i}>" + _alt(SHAPES) + ")")
+_PREFIX = r"(?:(?:there\s+is|an\s+image\s+of)\s+)?"
+_BG = r"(?:\s+on\s+an?\s+(?P<bg>" + _alt(BACKGROUNDS) + r")\s+background)?"
+_POS = "(?P<pos{i}>" + _alt(_POSITION_OF_PHRASE) + ")"
+_SINGLE_RE = re.compile("^" + _PREFIX + "(?:" + _POS.format(i=1) + r",?\s+)?" + _OBJ.format(i=0)
+                        + r"(?:\s+" + _POS.format(i=2) + ")?" + _BG + "$")
+_PAIR_RE = re.compile("^" + _PREFIX + _OBJ.format(i=0) + r"\s+(?P<rel>" + _alt(RELATIONS) + r")\s+"
+                      + _OBJ.format(i=1) + _BG + "$")
+
+
+def parse_caption(text: str) -> dict:
+    """Parse a shapes caption into the attributes it names (the inverse of :func:`make_caption`).
+
+    Returns ``{"background": name | None, "relation": None | relation, "objects": [{"shape", "color",
+    "size", "position"}]}``; attributes the caption does not name are ``None``. Raises ``ValueError``
+    for text that is not a shapes caption.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"caption must be a str, got {type(text).__name__}")
+    norm = re.sub(r"\s+", " ", text.strip().lower()).rstrip(".").strip()
+    m = _PAIR_RE.match(norm)
+    if m:
+        objs = [{"shape": m[f"shape{i}"], "color": m[f"color{i}"],
+                 "size": _SIZE_OF_WORD.get(m[f"size{i}"]) if m[f"size{i}"] else None, "position": None}
+                for i in (0, 1)]
+        return {"background": m["bg"], "relation": m["rel"], "objects": objs}
+    m = _SINGLE_RE.match(norm)
+    if m and not (m["pos1"] and m["pos2"]):
+        pos = m["pos1"] or m["pos2"]
+        obj = {"shape": m["shape0"], "color": m["color0"],
+               "size": _SIZE_OF_WORD[m["size0"]] if m["size0"] else None,
+               "position": _POSITION_OF_PHRASE[pos] if pos else None}
+        return {"background": m["bg"], "relation": None, "objects": [obj]}
+    raise ValueError(
+        f"not a shapes caption: {text!r}. Expected e.g. 'a small red circle on the left "
+        f"[on a black background]' or 'a red circle to the left of a blue square'; colors "
+        f"{sorted(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)}")
+
+
+class ShapesWorld:
+    """The shapes dataset as an indexable, effectively infinite sequence.
+
+    ``world[i]`` -> :class:`ShapesSample`, a pure function of ``(seed, split, index, resolution)``
+    (the per-index RNG is ``random.Random(f"{seed}:{split}:{index}")``; no global state).
+    """
+
+    def __init__(self, resolution: int = 64, seed: int = 0, split: str = "train",
+                 two_object_prob: float = 0.3, background_phrase_prob: float = 0.5):
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+        if not isinstance(resolution, int) or not 8 <= resolution <= 4096:
+            raise ValueError(f"resolution must be an int in [8, 4096], got {resolution!r}")
+        for name, p in (("two_object_prob", two_object_prob), ("background_phrase_prob", background_phrase_prob)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {p}")
+        self.resolution, self.seed, self.split = resolution, int(seed), split
+        self.two_object_prob, self.background_phrase_prob = two_object_prob, background_phrase_prob
+
+    def rng(self, index: int) -> random.Random:
+        return random.Random(f"{self.seed}:{self.split}:{index}")
+
+    def truth(self, index: int) -> dict:
+        """The ground truth of sample ``index`` without rendering it."""
+        return sample_truth(self.rng(self._check(index)), self.split, self.two_object_prob)
+
+    def _check(self, index) -> int:
+        try:
+            value = operator.index(index) if not isinstance(index, bool) else -1
+        except TypeError:
+            value = -1
+        if value < 0:
+            raise IndexError(f"ShapesWorld index must be a non-negative int, got {index!r}")
+        return value
+
+    def __getitem__(self, index: int) -> ShapesSample:
+        rng = self.rng(self._check(index))
+        truth = sample_truth(rng, self.split, self.two_object_prob)
+        caption = make_caption(truth, rng, self.background_phrase_prob)
+        return ShapesSample(render(truth, self.resolution), caption, truth)
+
+    def __repr__(self) -> str:
+        return (f"ShapesWorld(resolution={self.resolution}, seed={self.seed}, split={self.split!r}, "
+                f"two_object_prob={self.two_object_prob}, background_phrase_prob={self.background_phrase_prob})")
+
+
+def _encode(image: Image.Image, image_format: str) -> bytes:
+    buf = io.BytesIO()
+    if image_format == "png":
+        image.save(buf, format="PNG")
+    else:
+        image.save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shapes(out_dir, num_samples: int, *, resolution: int = 64, seed: int = 0, split: str = "train",
+                 format: str = "folder", shard_size: int = 1000, start_index: int = 0,
+                 image_format: str = "png", two_object_prob: float = 0.3,
+                 background_phrase_prob: float = 0.5, progress: bool = True) -> list[Path]:
+    """Write samples ``start_index .. start_index + num_samples - 1`` of a :class:`ShapesWorld`.
+
+    ``format="folder"``: ``{index:08d}.{png|jpg,txt,json}`` in ``out_dir``. ``format="webdataset"``:
+    ``{shard:05d}.tar`` shards of ``shard_size`` samples (keys ``{index:08d}``; the shard number is
+    ``start_index // shard_size + i``, so ``start_index`` must be a multiple of ``shard_size``) and
+    ``{shard:05d}_stats.json``. Every file is written to a temporary name and renamed.
+    Returns the image paths (folder) or the shard paths (webdataset).
+    """
+    from tqdm.auto import tqdm
+
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    if format not in ("folder", "webdataset"):
+        raise ValueError(f"format must be 'folder' or 'webdataset', got {format!r}")
+    if image_format not in ("png", "jpg"):
+        raise ValueError(f"image_format must be 'png' or 'jpg', got {image_format!r}")
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be an int >= 1, got {shard_size!r}")
+    if not isinstance(start_index, int) or start_index < 0:
+        raise ValueError(f"start_index must be an int >= 0, got {start_index!r}")
+    if format == "webdataset" and start_index % shard_size:
+        raise ValueError(f"start_index ({start_index}) must be a multiple of shard_size ({shard_size}) "
+                         "so that shard numbers do not collide")
+    world = ShapesWorld(resolution, seed, split, two_object_prob, background_phrase_prob)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    bar = tqdm(total=num_samples, desc=f"shapes {split}", unit="img", disable=not progress)
+    if format == "folder":
+        for index in range(start_index, start_index + num_samples):
+            s = world[index]
+            stem = out / f"{index:08d}"
+            _atomic_write(stem.with_suffix(".json"), json.dumps(s.truth).encode())
+            _atomic_write(stem.with_suffix(".txt"), s.caption.encode())
+            image_path = stem.with_suffix(f".{image_format}")
+            _atomic_write(image_path, _encode(s.image, image_format))
+            written.append(image_path)
+            bar.update(1)
+        bar.close()
+        return written
+    end = start_index + num_samples
+    for shard_start in range(start_index, end, shard_size):
+        shard = shard_start // shard_size
+        path = out / f"{shard:05d}.tar"
+        tmp = path.with_name(path.name + ".tmp")
+        t0 = time.time()
+        count = 0
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for index in range(shard_start, min(shard_start + shard_size, end)):
+                s = world[index]
+                key = f"{index:08d}"
+                meta = {"key": key, "caption": s.caption, "truth": s.truth, "index": index, "seed": seed,
+                        "split": split, "status": "success", "error_message": None,
+                        "width": resolution, "height": resolution}
+                _tar_add(tar, f"{key}.{image_format}", _encode(s.image, image_format))
+                _tar_add(tar, f"{key}.txt", s.caption.encode())
+                _tar_add(tar, f"{key}.json", json.dumps(meta).encode())
+                count += 1
+                bar.update(1)
+        os.replace(tmp, path)
+        t1 = time.time()
+        stats = {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0,
+                 "duration": t1 - t0, "start_time": t0, "end_time": t1, "status_dict": {"success": count},
+                 "shapes": {"seed": seed, "split": split, "resolution": resolution, "start_index": shard_start}}
+        _atomic_write(out / f"{shard:05d}_stats.json", json.dumps(stats, indent=2).encode())
+        written.append(path)
+    bar.close()
+    return written
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unclip make-shapes",
+                                description="Write the procedural shapes text-image dataset.")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--num", type=_int_at_least(1), required=True, help="number of samples")
+    p.add_argument("--resolution", type=_int_at_least(1), default=64, help="image side in pixels (8..4096)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--split", choices=SPLITS, default="train")
+    p.add_argument("--format", choices=("folder", "webdataset"), default="folder")
+    p.add_argument("--shard-size", type=_int_at_least(1), default=1000)
+    p.add_argument("--start-index", type=_int_at_least(0), default=0)
+    p.add_argument("--image-format", choices=("png", "jpg"), default="png")
+    p.add_argument("--two-object-prob", type=float, default=0.3)
+    p.add_argument("--background-phrase-prob", type=float, default=0.5)
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    """CLI: ``unclip make-shapes OUT --num N [--resolution R --seed S --split train ...]``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 8 <= args.resolution <= 4096:
+        parser.error(f"--resolution must be in [8, 4096], got {args.resolution}")
+    for flag, p in (("--two-object-prob", args.two_object_prob), ("--background-phrase-prob", args.background_phrase_prob)):
+        if not 0.0 <= p <= 1.0:
+            parser.error(f"{flag} must be in [0, 1], got {p}")
+    try:
+        paths = write_shapes(args.out, args.num, resolution=args.resolution, seed=args.seed, split=args.split,
+                             format=args.format, shard_size=args.shard_size, start_index=args.start_index,
+                             image_format=args.image_format, two_object_prob=args.two_object_prob,
+                             background_phrase_prob=args.background_phrase_prob, progress=not args.no_progress)
+    except ValueError as e:
+        parser.error(str(e))
+    kind = "shards" if args.format == "webdataset" else "images"
+    print(f"wrote {args.num} samples ({len(paths)} {kind}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
