@@ -146,8 +146,9 @@ class UnCLIPPipeline:
         return mods
 
     def to(self, device=None, dtype=None) -> "UnCLIPPipeline":
+        kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         for m in self.modules().values():
-            m.to(device=device, dtype=dtype)
+            m.to(**kwargs)
         self._null_text = None
         return self
 
@@ -172,8 +173,6 @@ class UnCLIPPipeline:
                 raise ValueError(f"upsampler {name} expects {up.config.low_res_size}px input but the previous "
                                  f"stage makes {size}px images")
             size = up.config.sample_size
-        for m in self.modules().values():
-            m.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: Union[str, os.PathLike], safe_serialization: bool = True) -> None:
@@ -228,7 +227,50 @@ class UnCLIPPipeline:
         prior = UnCLIPPrior.from_pretrained(sub(comps["prior"])) if comps.get("prior") else None
         decoder = UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder")))
         ups = [UnCLIPUpsampler.from_pretrained(sub(n)) for n in comps.get("upsamplers", [])]
-        return cls(clip, prior, decoder, ups, diffusion=index.get("diffusion"), sampling=index.get("sampling"))
+        pipe = cls(clip, prior, decoder, ups, diffusion=index.get("diffusion"), sampling=index.get("sampling"))
+        for m in pipe.modules().values():
+            m.eval().requires_grad_(False)
+        return pipe
+
+    @classmethod
+    def from_components(cls, clip: Union[str, os.PathLike], decoder: Union[str, os.PathLike],
+                        prior: Union[str, os.PathLike, None] = None,
+                        upsamplers: Sequence[Union[str, os.PathLike]] = ()) -> "UnCLIPPipeline":
+        """Assemble a pipeline from component folders exported by the training commands
+        (``<output_dir>/final/<name>``, each with ``config.json``, weights and ``unclip_stage.json``)."""
+        diffusion, sampling = {}, {}
+
+        def meta(folder, expected):
+            folder = Path(folder)
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"{expected} component folder {folder} has no config.json")
+            m = folder / "unclip_stage.json"
+            data = json.loads(m.read_text()) if m.is_file() else {}
+            if data and data.get("stage") != expected:
+                raise ValueError(f"{folder} holds a {data.get('stage')!r} component, expected {expected!r}")
+            return folder, data
+
+        clip_m = FrozenCLIP.from_pretrained(clip)
+        prior_m = None
+        if prior is not None:
+            folder, data = meta(prior, "prior")
+            prior_m = UnCLIPPrior.from_pretrained(folder)
+            diffusion["prior"], sampling["prior"] = data.get("diffusion", DEFAULT_DIFFUSION["prior"]), data.get("sampling", DEFAULT_SAMPLING["prior"])
+        folder, data = meta(decoder, "decoder")
+        dec = UnCLIPDecoder.from_pretrained(folder)
+        diffusion["decoder"], sampling["decoder"] = data.get("diffusion", DEFAULT_DIFFUSION["decoder"]), data.get("sampling", DEFAULT_SAMPLING["decoder"])
+        ups = []
+        for u in upsamplers:
+            folder, data = meta(u, "upsampler")
+            up = UnCLIPUpsampler.from_pretrained(folder)
+            name = f"sr{up.config.sample_size}"
+            diffusion[name] = data.get("diffusion", DEFAULT_DIFFUSION["upsampler"])
+            sampling[name] = data.get("sampling", DEFAULT_SAMPLING["upsampler"])
+            ups.append(up)
+        pipe = cls(clip_m, prior_m, dec, ups, diffusion=diffusion, sampling=sampling)
+        for m in pipe.modules().values():
+            m.eval().requires_grad_(False)
+        return pipe
 
     # ------------------------------------------------------------------ settings
     def _settings(self, stage: str, overrides: Optional[dict]) -> SamplerConfig:

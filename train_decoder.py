@@ -1,0 +1,3 @@
+import sys
+from unclip.train_decoder import main
+sys.exit(main())

@@ -1,0 +1,29 @@
+"""``unclip assemble``: a pipeline folder from component folders written by the training commands.
+
+    unclip assemble --clip runs/prior/final/clip --prior runs/prior/final/prior \\
+        --decoder runs/decoder/final/decoder --upsampler runs/sr256/final/sr256 --out my-pipeline
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .pipeline import UnCLIPPipeline
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="unclip assemble", description=__doc__.splitlines()[0])
+    p.add_argument("--clip", required=True, help="CLIP folder (final/clip of any training run)")
+    p.add_argument("--prior", help="prior component folder")
+    p.add_argument("--decoder", required=True, help="decoder component folder")
+    p.add_argument("--upsampler", action="append", default=[], help="upsampler folder, in order (repeatable)")
+    p.add_argument("--out", required=True, help="output pipeline folder")
+    args = p.parse_args(argv)
+    pipe = UnCLIPPipeline.from_components(args.clip, args.decoder, args.prior, args.upsampler)
+    pipe.save_pretrained(args.out)
+    print(f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
