@@ -1,0 +1,546 @@
+"""Training data sources: image folders, img2dataset webdataset shards and precomputed CLIP embeddings.
+
+Every source is a *sample stream*: an endless iterable of sample dicts, deterministic for
+``(seed, rank, world_size)`` and exactly resumable. Built with ``start=k`` (the number of samples this
+rank already consumed) a stream yields exactly the samples that a stream built with ``start=0`` yields
+after its first ``k``.
+
+Samples
+-------
+* image sources: ``{"image": float32 [3, R, R] in [-1, 1], "caption": str, "skipped": int}``; the image
+  is converted to RGB, resized on the shorter side to ``R`` (bicubic, antialiased) and centre-cropped.
+* embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str, "skipped": int}``.
+
+``skipped`` is the number of bad samples the stream dropped right before this one (unreadable image,
+missing or empty caption, non-finite embedding), so a trainer can sum it even when the stream runs
+inside DataLoader workers (:func:`collate` sums it per batch). Bad samples never raise; the first few
+are logged with the reason. A stream whose whole epoch is bad raises ``ValueError``.
+
+Splitting the data
+------------------
+The data is split across ``world_size * num_workers`` *consumers*. Worker ``w`` of rank ``r`` is consumer
+``c = r + w * world_size``; it takes positions ``p ≡ c (mod world_size * num_workers)`` of each epoch's
+order (files or rows) or, for webdataset, those shards of the epoch's shard order. The union over a
+rank's workers is therefore exactly "every ``world_size``-th item" for that rank. ``worker`` and
+``num_workers`` default to ``torch.utils.data.get_worker_info()`` (worker 0 of 1 in the main process);
+``start`` always counts the samples *this consumer* yielded. :class:`StreamDataset` converts a rank's
+consumed-sample count into per-worker starts for ``DataLoader(num_workers=k)``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+__all__ = ["FolderStream", "WebDatasetStream", "EmbeddingStream", "StreamDataset", "collate",
+           "image_to_tensor", "open_rgb", "list_images", "expand_urls", "iter_tar_samples",
+           "embedding_shards", "IMAGE_EXTENSIONS"]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+_TAR_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+_MAX_LOGGED = 5
+
+
+class BadSample(Exception):
+    """Internal: a sample that must be skipped; the message is the reason."""
+
+
+class _EpochEnd(int):
+    """Internal marker: one epoch of a consumer's raw items (this many) has been produced."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding helpers (also used by ``unclip embed``)
+# --------------------------------------------------------------------------------------------------
+def open_rgb(src: Union[str, Path, bytes]) -> Image.Image:
+    """Fully decode an image file or encoded bytes to an RGB PIL image; raises ``BadSample`` if unreadable."""
+    try:
+        with Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src) as im:
+            im.load()
+            return im.convert("RGB")
+    except Exception as exc:  # PIL raises many types for broken data (OSError, SyntaxError, ValueError, ...)
+        raise BadSample(f"unreadable image ({type(exc).__name__}: {exc})") from None
+
+
+def check_caption(raw: Optional[Union[bytes, str]]) -> str:
+    """The stripped caption, or ``BadSample`` if missing, not UTF-8 or empty."""
+    if raw is None:
+        raise BadSample("missing caption")
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadSample("caption is not valid UTF-8") from None
+    caption = raw.strip()
+    if not caption:
+        raise BadSample("empty caption")
+    return caption
+
+
+def image_to_tensor(image: Image.Image, resolution: int) -> torch.Tensor:
+    """PIL image → float32 ``[3, R, R]`` in [-1, 1]: RGB, shorter side to ``R`` (bicubic, antialias), centre crop."""
+    arr = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).unsqueeze(0).float().div_(255.0)
+    h, w = x.shape[-2:]
+    s = resolution / min(h, w)
+    nh, nw = max(resolution, round(h * s)), max(resolution, round(w * s))
+    if (nh, nw) != (h, w):
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
+    top, left = (nh - resolution) // 2, (nw - resolution) // 2
+    x = x[0, :, top:top + resolution, left:left + resolution].clamp_(0.0, 1.0)
+    return (x * 2.0 - 1.0).contiguous()
+
+
+def list_images(path: Union[str, Path]) -> list[Path]:
+    """Image files under ``path`` (recursively, sorted by relative path); ``ValueError`` if there are none."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"image folder {root} does not exist or is not a directory")
+    files = sorted((p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
+                   key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}; expected image files "
+                         f"with same-stem .txt captions")
+    return files
+
+
+def expand_urls(urls: Union[str, Sequence[str]]) -> list[str]:
+    """Shard URLs from a path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string or list."""
+    from webdataset.shardlists import expand_urls as wds_expand
+
+    if isinstance(urls, (str, Path)):
+        out = wds_expand(str(urls))
+    elif isinstance(urls, (list, tuple)):
+        out = [u for item in urls for u in wds_expand(str(item))]
+    else:
+        raise TypeError(f"urls must be a string or a list of strings, got {type(urls).__name__}")
+    if not out:
+        raise ValueError(f"no shards in {urls!r}")
+    return out
+
+
+def iter_tar_samples(urls: Sequence[str], on_error: Callable[[Exception], None]) -> Iterator[dict]:
+    """Raw img2dataset samples (``{"__key__", "__url__", "jpg"|..., "txt", ...}`` bytes) of ``urls`` in order.
+
+    Uses webdataset's tar readers; a broken shard or member is reported to ``on_error`` and skipped.
+    """
+    from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+    def handler(exc: Exception) -> bool:
+        on_error(exc)
+        return True
+
+    opened = url_opener(({"url": u} for u in urls), handler=handler)
+    return group_by_keys(tar_file_expander(opened, handler=handler), handler=handler)
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) for k in key])
+
+
+def _check_split(seed, rank, world_size, start) -> None:
+    for name, value, low in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("start", start, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} must be < world_size {world_size}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The shared stream loop
+# --------------------------------------------------------------------------------------------------
+class _Stream:
+    """Base: subclasses produce raw items per consumer (``_raw``), check them (``_check``) and build samples."""
+
+    what = "sample"
+
+    def __init__(self, *, seed: int, rank: int, world_size: int, start: int = 0,
+                 worker: Optional[int] = None, num_workers: Optional[int] = None):
+        _check_split(seed, rank, world_size, start)
+        self.seed, self.rank, self.world_size, self.start = int(seed), int(rank), int(world_size), int(start)
+        self.worker, self.num_workers = worker, num_workers
+        self._logged = 0
+
+    def consumer(self) -> tuple[int, int]:
+        """``(c, n)``: this consumer's index and the number of consumers (see module doc)."""
+        worker, num_workers = self.worker, self.num_workers
+        if worker is None or num_workers is None:
+            info = torch.utils.data.get_worker_info()
+            worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker {worker} must be in [0, num_workers={num_workers})")
+        return self.rank + worker * self.world_size, self.world_size * num_workers
+
+    def _bad(self, reason: str) -> None:
+        if self._logged < _MAX_LOGGED:
+            logger.warning("%s: skipping bad %s: %s", type(self).__name__, self.what, reason)
+        elif self._logged == _MAX_LOGGED:
+            logger.warning("%s: further bad samples are skipped without logging (see 'skipped' counts)",
+                           type(self).__name__)
+        self._logged += 1
+
+    def __iter__(self) -> Iterator[dict]:
+        c, n = self.consumer()
+        consumed = skipped = run_of_bad = 0
+        epoch_len = None
+        for item in self._raw(c, n):
+            if isinstance(item, _EpochEnd):
+                if item == 0:
+                    raise ValueError(f"{self.describe()}: consumer {c} of {n} (rank {self.rank}) got no "
+                                     f"samples in a whole epoch")
+                epoch_len = int(item)
+                continue
+            try:
+                value = self._check(item)
+            except BadSample as exc:
+                skipped += 1
+                run_of_bad += 1
+                self._bad(str(exc))
+                if epoch_len is not None and run_of_bad >= epoch_len:
+                    raise ValueError(f"{self.describe()}: {run_of_bad} bad samples in a row (a whole epoch); "
+                                     f"last reason: {exc}") from None
+                continue
+            run_of_bad = 0
+            if consumed >= self.start:
+                sample = self._sample(value)
+                sample["skipped"] = skipped
+                yield sample
+            skipped = 0
+            consumed += 1
+
+    # subclasses define: describe() -> str, _raw(c, n) -> items and _EpochEnd markers,
+    # _check(item) -> value (or raise BadSample), _sample(value) -> dict without 'skipped'
+
+    def _sample(self, value) -> dict:  # image sources: value = (PIL image, caption)
+        image, caption = value
+        return {"image": image_to_tensor(image, self.resolution), "caption": caption}
+
+
+# --------------------------------------------------------------------------------------------------
+# Folder
+# --------------------------------------------------------------------------------------------------
+class FolderStream(_Stream):
+    """Images (png/jpg/jpeg/webp, recursively) with same-stem ``.txt`` captions, looping over epochs.
+
+    Epoch ``e`` visits the files in a permutation seeded by ``(seed, e)`` (sorted order if
+    ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position ``c``.
+    Resuming re-reads (decodes) the skipped files to know which were bad, so skip counts stay exact.
+    """
+
+    what = "image"
+
+    def __init__(self, path, resolution: int, *, seed: int, rank: int, world_size: int, start: int = 0,
+                 shuffle: bool = True, worker: Optional[int] = None, num_workers: Optional[int] = None):
+        super().__init__(seed=seed, rank=rank, world_size=world_size, start=start, worker=worker,
+                         num_workers=num_workers)
+        self.path, self.resolution, self.shuffle = Path(path), int(resolution), bool(shuffle)
+        self.files = list_images(self.path)
+
+    def describe(self) -> str:
+        return f"image folder {self.path} ({len(self.files)} images)"
+
+    def _raw(self, c: int, n: int) -> Iterator:
+        if len(self.files) <= c:
+            raise ValueError(f"{self.describe()} has fewer images than consumers (world_size * num_workers = {n}); "
+                             f"add images or use fewer processes/workers")
+        epoch = 0
+        while True:
+            order = _rng(self.seed, epoch).permutation(len(self.files)) if self.shuffle else np.arange(len(self.files))
+            mine = order[c::n]
+            for i in mine:
+                yield self.files[i]
+            yield _EpochEnd(len(mine))
+            epoch += 1
+
+    def _check(self, file: Path):
+        txt = file.with_suffix(".txt")
+        if not txt.is_file():
+            raise BadSample(f"{file}: missing caption file {txt.name}")
+        try:
+            caption = check_caption(txt.read_bytes())
+        except BadSample as exc:
+            raise BadSample(f"{file}: {exc}") from None
+        try:
+            return open_rgb(file), caption
+        except BadSample as exc:
+            raise BadSample(f"{file}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# WebDataset (img2dataset shards)
+# --------------------------------------------------------------------------------------------------
+class WebDatasetStream(_Stream):
+    """img2dataset tar shards (``{key}.jpg|png|webp`` + ``{key}.txt`` (+ ``.json``)), looping over epochs.
+
+    ``urls``: a local path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string, list, or
+    ``pipe:`` URLs (e.g. ``"pipe:cat data/00000.tar"``). Epoch ``e`` orders the shards by a permutation
+    seeded by ``(seed, e)``; consumer ``c`` of ``n`` (module doc) reads shards ``c, c+n, …`` of that order,
+    so shards are split across ranks *and* DataLoader workers. Samples pass through a shuffle buffer of
+    ``shuffle_buffer`` raw samples (seeded by ``(seed, c, n)``; 0 or 1 disables it) that carries over
+    epochs, then are decoded; unreadable images and missing/empty ``.txt`` captions are skipped and
+    counted; a shard that cannot be opened or is cut short is logged and the rest of it is lost (not
+    counted). Resuming re-reads and decodes the skipped samples (tar shards have no random access).
+    """
+
+    what = "webdataset sample"
+
+    def __init__(self, urls, resolution: int, *, seed: int, rank: int, world_size: int, start: int = 0,
+                 shuffle_buffer: int = 1000, worker: Optional[int] = None, num_workers: Optional[int] = None):
+        super().__init__(seed=seed, rank=rank, world_size=world_size, start=start, worker=worker,
+                         num_workers=num_workers)
+        self.urls = expand_urls(urls)
+        self.resolution, self.shuffle_buffer = int(resolution), int(shuffle_buffer)
+        if len(self.urls) < self.world_size:
+            raise ValueError(
+                f"webdataset has {len(self.urls)} shard(s) but world_size is {self.world_size}: every process needs "
+                f"at least one whole shard. Re-shard the data into at least {self.world_size} (ideally many more) "
+                f"shards, e.g. img2dataset with a smaller --number_sample_per_shard, or run fewer processes")
+
+    def describe(self) -> str:
+        return f"webdataset {self.urls[0]}{' …' if len(self.urls) > 1 else ''} ({len(self.urls)} shards)"
+
+    def _shard_error(self, exc: Exception) -> None:
+        self._bad(f"broken shard or member ({type(exc).__name__}: {exc})")
+
+    def _epochs(self, c: int, n: int) -> Iterator:
+        if len(self.urls) <= c:
+            raise ValueError(
+                f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader workers) but only "
+                f"{len(self.urls)} shards; every worker needs a shard: use fewer DataLoader workers or more shards")
+        epoch = 0
+        while True:
+            order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
+            count = 0
+            for raw in iter_tar_samples([self.urls[i] for i in order[c::n]], self._shard_error):
+                count += 1
+                yield raw
+            yield _EpochEnd(count)
+            epoch += 1
+
+    def _raw(self, c: int, n: int) -> Iterator:
+        if self.shuffle_buffer <= 1:
+            yield from self._epochs(c, n)
+            return
+        rng, buf = _rng(self.seed, 1, c, n), []
+        for item in self._epochs(c, n):
+            if isinstance(item, _EpochEnd):
+                yield item
+            elif len(buf) < self.shuffle_buffer:
+                buf.append(item)
+            else:
+                i = int(rng.integers(len(buf)))
+                yield buf[i]
+                buf[i] = item
+
+    def _check(self, raw: dict):
+        where = f"{raw.get('__url__')}:{raw.get('__key__')}"
+        ext = next((k for k in _TAR_IMAGE_KEYS if k in raw), None)
+        if ext is None:
+            raise BadSample(f"{where}: no image member ({'/'.join(_TAR_IMAGE_KEYS)})")
+        try:
+            caption = check_caption(raw.get("txt"))
+            return open_rgb(raw[ext]), caption
+        except BadSample as exc:
+            raise BadSample(f"{where}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Precomputed embeddings (clip-retrieval layout)
+# --------------------------------------------------------------------------------------------------
+_SHARD_RE = {"img_emb": re.compile(r"^img_emb_(\d+)\.npy$"), "text_emb": re.compile(r"^text_emb_(\d+)\.npy$"),
+             "metadata": re.compile(r"^metadata_(\d+)\.jsonl$")}
+
+
+def embedding_shards(path) -> dict[str, dict[int, Path]]:
+    """``{"img_emb"|"text_emb"|"metadata": {shard index: file}}`` found under ``path``."""
+    root = Path(path)
+    out = {}
+    for sub, pattern in _SHARD_RE.items():
+        folder = root / sub
+        found = {}
+        if folder.is_dir():
+            for f in folder.iterdir():
+                m = pattern.match(f.name)
+                if m:
+                    found[int(m.group(1))] = f
+        out[sub] = found
+    return out
+
+
+def _count_lines(file: Path) -> int:
+    data = file.read_bytes()
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+
+
+class EmbeddingStream(_Stream):
+    """CLIP image/text embedding pairs from the clip-retrieval layout written by ``unclip embed``.
+
+    Layout: ``path/img_emb/img_emb_{i}.npy`` and ``path/text_emb/text_emb_{i}.npy`` (``[N_i, D]``, fp16 or
+    fp32, memory-mapped) and ``path/metadata/metadata_{i}.jsonl`` — one JSON object per row with
+    ``"key"`` and ``"caption"``. (clip-retrieval writes ``metadata_{i}.parquet``; reading parquet needs
+    pyarrow, so this project writes and reads JSON lines instead.) On construction every shard is checked
+    to line up: the same shard indices in all three folders, the same number of rows, the same ``D``, and
+    ``stats.json`` (if present) agreeing on shard and row counts; a mismatch raises ``ValueError`` naming
+    the shard. Epoch ``e`` visits shards in a permutation seeded by ``(seed, e)`` and each shard's rows in a
+    permutation seeded by ``(seed, e, shard)``; consumer ``c`` of ``n`` takes every ``n``-th row of that
+    order. Rows with a non-finite value or an empty caption are skipped and counted.
+    """
+
+    what = "embedding row"
+
+    def __init__(self, path, *, seed: int, rank: int, world_size: int, start: int = 0,
+                 worker: Optional[int] = None, num_workers: Optional[int] = None):
+        super().__init__(seed=seed, rank=rank, world_size=world_size, start=start, worker=worker,
+                         num_workers=num_workers)
+        self.path = Path(path)
+        found = embedding_shards(self.path)
+        if not any(found.values()):
+            raise ValueError(f"no embedding shards under {self.path}: expected img_emb/img_emb_0.npy, "
+                             f"text_emb/text_emb_0.npy and metadata/metadata_0.jsonl (write them with `unclip embed`)")
+        indices = sorted(set().union(*(set(v) for v in found.values())))
+        for i in indices:
+            missing = [sub for sub in found if i not in found[sub]]
+            if missing:
+                raise ValueError(f"{self.path}: shard {i} is missing from {', '.join(missing)} "
+                                 f"(present in the others); the shards do not line up")
+        self.shards = indices
+        self.rows, self.embed_dim = [], None
+        for i in indices:
+            img = np.load(found["img_emb"][i], mmap_mode="r")
+            txt = np.load(found["text_emb"][i], mmap_mode="r")
+            n_meta = _count_lines(found["metadata"][i])
+            if img.ndim != 2 or txt.ndim != 2:
+                raise ValueError(f"{self.path}: shard {i}: embeddings must be 2-D [N, D], got {img.shape} and {txt.shape}")
+            if not img.shape[0] == txt.shape[0] == n_meta:
+                raise ValueError(f"{self.path}: shard {i} does not line up: img_emb_{i} has {img.shape[0]} rows, "
+                                 f"text_emb_{i} {txt.shape[0]}, metadata_{i} {n_meta}")
+            dims = {img.shape[1], txt.shape[1]} | ({self.embed_dim} if self.embed_dim else set())
+            if len(dims) != 1:
+                raise ValueError(f"{self.path}: shard {i}: embedding size mismatch (img {img.shape[1]}, "
+                                 f"text {txt.shape[1]}, earlier shards {self.embed_dim})")
+            self.embed_dim = img.shape[1]
+            self.rows.append(img.shape[0])
+        self.files = found
+        stats = self.path / "stats.json"
+        if stats.is_file():
+            meta = json.loads(stats.read_text())
+            if meta.get("num_shards", len(indices)) != len(indices) or meta.get("count", sum(self.rows)) != sum(self.rows):
+                raise ValueError(f"{self.path}: stats.json records {meta.get('num_shards')} shards / "
+                                 f"{meta.get('count')} rows but {len(indices)} shards / {sum(self.rows)} rows were "
+                                 f"found (shards {indices}); a shard was deleted or added")
+
+    def __len__(self) -> int:
+        return sum(self.rows)
+
+    def describe(self) -> str:
+        return f"embeddings {self.path} ({len(self.shards)} shards, {len(self)} rows)"
+
+    def _raw(self, c: int, n: int) -> Iterator:
+        if len(self) <= c:
+            raise ValueError(f"{self.describe()} has fewer rows than consumers ({n})")
+        epoch = 0
+        while True:
+            count = offset = 0
+            for s in _rng(self.seed, 3, epoch).permutation(len(self.shards)):
+                i, nrows = self.shards[s], self.rows[s]
+                rows = _rng(self.seed, 4, epoch, i).permutation(nrows)[(c - offset) % n::n]
+                offset += nrows
+                if len(rows) == 0:
+                    continue
+                img = np.load(self.files["img_emb"][i], mmap_mode="r")
+                txt = np.load(self.files["text_emb"][i], mmap_mode="r")
+                meta = [json.loads(line) for line in self.files["metadata"][i].read_text("utf-8").splitlines()]
+                finite = np.isfinite(img[rows]).all(1) & np.isfinite(txt[rows]).all(1)
+                for r, ok in zip(rows.tolist(), finite.tolist()):
+                    yield i, r, ok, img, txt, meta[r]
+                count += len(rows)
+            yield _EpochEnd(count)
+            epoch += 1
+
+    def _check(self, item):
+        i, r, ok, img, txt, meta = item
+        if not ok:
+            raise BadSample(f"shard {i} row {r} ({meta.get('key')}): non-finite embedding")
+        try:
+            caption = check_caption(meta.get("caption"))
+        except BadSample as exc:
+            raise BadSample(f"shard {i} row {r} ({meta.get('key')}): {exc}") from None
+        return img, txt, r, caption
+
+    def _sample(self, value) -> dict:
+        img, txt, r, caption = value
+        return {"image_embed": torch.from_numpy(np.array(img[r], dtype=np.float32)),
+                "text_embed": torch.from_numpy(np.array(txt[r], dtype=np.float32)), "caption": caption}
+
+
+# --------------------------------------------------------------------------------------------------
+# DataLoader integration
+# --------------------------------------------------------------------------------------------------
+class StreamDataset(torch.utils.data.IterableDataset):
+    """A rank's stream for ``DataLoader(dataset, batch_size=batch_size, num_workers=k, collate_fn=collate)``.
+
+    ``factory(start=..., worker=..., num_workers=...)`` builds one consumer's stream, e.g.
+    ``functools.partial(FolderStream, path, 64, seed=0, rank=rank, world_size=world_size)``; ``start`` is
+    the number of samples this *rank* already consumed (a multiple of ``batch_size`` when ``k > 0``).
+
+    Exact resume with workers: each worker streams its own disjoint part (module doc) and batches it
+    itself, and an in-order DataLoader returns batch ``j`` from worker ``j % k``. After
+    ``start = m * batch_size`` consumed samples, logical worker ``v`` has delivered
+    ``len(range(v, m, k))`` batches, and the next batch is due from logical worker ``m % k``. A new
+    DataLoader starts at worker 0, so DataLoader worker ``w`` plays logical worker ``(w + m) % k`` and
+    restarts that worker's stream after the batches it delivered: the resumed loader yields exactly the
+    batches ``m, m+1, …`` of an uninterrupted one. The batching depends on ``k`` and ``batch_size``:
+    keep both fixed across a resume. With ``k = 0`` the rank's stream is the single consumer's stream and
+    ``start`` is used as is. Do not let another layer (e.g. ``accelerator.prepare``) shard this dataset again.
+    """
+
+    def __init__(self, factory: Callable[..., object], *, start: int = 0, batch_size: int = 1):
+        super().__init__()
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be an int >= 0, got {start!r}")
+        self.factory, self.start, self.batch_size = factory, start, batch_size
+
+    def worker_plan(self, worker: int, num_workers: int) -> tuple[int, int]:
+        """``(logical worker, its start)`` for DataLoader worker ``worker`` of ``num_workers`` (see class doc)."""
+        if num_workers <= 1:
+            return 0, self.start
+        if self.start % self.batch_size:
+            raise ValueError(f"resuming with DataLoader workers needs start ({self.start}) to be a multiple of "
+                             f"batch_size ({self.batch_size}); resume at a batch boundary or use num_workers=0")
+        done = self.start // self.batch_size
+        logical = (worker + done) % num_workers
+        return logical, len(range(logical, done, num_workers)) * self.batch_size
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        logical, start = self.worker_plan(worker, num_workers)
+        return iter(self.factory(start=start, worker=logical, num_workers=num_workers))
+
+
+def collate(samples: list[dict]) -> dict:
+    """Batch sample dicts: tensors stacked on a new first axis, strings listed, ``skipped`` summed."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    out = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        if key == "skipped":
+            out[key] = sum(int(v) for v in values)
+        elif isinstance(values[0], torch.Tensor):
+            out[key] = torch.stack(values)
+        else:
+            out[key] = values
+    return out
