@@ -251,6 +251,9 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _convert(value, non_none[0], where, source)
         errors = []
         for arg in args:
             if arg is type(None):

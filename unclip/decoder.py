@@ -9,8 +9,10 @@ training; the null caption is the CLIP encoding of the empty string.
 
 :class:`UnCLIPUpsampler` wraps ``UNet2DModel``: the low-res image is upsampled (bicubic) and
 concatenated to ``x_t`` (6 input channels); the noise level of the low-res conditioning augmentation is
-an input (``class_embed_type="timestep"``). Convolution-only blocks by default. An optional second
-network can run the final step (Karlo's ``super_res_last``).
+an input (sinusoidal features → MLP, added to the time embedding). Convolution-only blocks by default. An optional second
+network can run the final step (Karlo's ``super_res_last``). Karlo's upsampler has no noise-level input,
+no mid-block attention (``add_attention=False``) and does not clamp the bicubic-upsampled conditioning
+(``clamp_low_res=False``); those flags let converted weights sample exactly as in diffusers.
 
 :func:`degrade` implements the training-time low-res corruption: Gaussian blur (first upsampler) or a
 BSR-style random degradation (second upsampler; Zhang et al. 2021).
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
 from .clip import TextEncoding
 
@@ -117,7 +120,8 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
                  block_out_channels: tuple = (320, 640, 960, 1280), layers_per_block: int = 3,
                  down_block_types: tuple = ("DownBlock2D",) * 4, up_block_types: tuple = ("UpBlock2D",) * 4,
                  norm_num_groups: int = 32, noise_level_conditioning: bool = True, noise_level: int = 0,
-                 final_step_model: bool = False, resnet_time_scale_shift: str = "scale_shift"):
+                 final_step_model: bool = False, resnet_time_scale_shift: str = "scale_shift",
+                 add_attention: bool = True, clamp_low_res: bool = True):
         super().__init__()
         if sample_size <= low_res_size:
             raise ValueError(f"upsampler sample_size ({sample_size}) must exceed low_res_size ({low_res_size})")
@@ -127,11 +131,14 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
                 sample_size=sample_size, in_channels=6, out_channels=3, down_block_types=tuple(down_block_types),
                 up_block_types=tuple(up_block_types), block_out_channels=tuple(block_out_channels),
                 layers_per_block=layers_per_block, norm_num_groups=norm_num_groups,
-                class_embed_type="timestep" if noise_level_conditioning else None,
-                resnet_time_scale_shift=resnet_time_scale_shift)
+                class_embed_type="identity" if noise_level_conditioning else None,
+                resnet_time_scale_shift=resnet_time_scale_shift, add_attention=add_attention)
 
         self.unet = make()
         self.final_unet = make() if final_step_model else None
+        if noise_level_conditioning:  # sinusoidal features of the noise level → MLP, added to the time embedding
+            self.noise_level_proj = Timesteps(block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0)
+            self.noise_level_embedding = TimestepEmbedding(block_out_channels[0], block_out_channels[0] * 4)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, low_res_up: torch.Tensor,
                 noise_level: Optional[torch.Tensor] = None, final_step: bool = False) -> torch.Tensor:
@@ -141,17 +148,19 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
         if self.config.noise_level_conditioning:
             if noise_level is None:
                 noise_level = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-            labels = noise_level.to(x.device).long().expand(x.shape[0]) if noise_level.ndim == 0 else noise_level.to(x.device)
+            noise_level = noise_level.to(x.device).reshape(-1).expand(x.shape[0])
+            labels = self.noise_level_embedding(self.noise_level_proj(noise_level).to(self.dtype))
         return unet(x, t, class_labels=labels, return_dict=False)[0]
 
 
 # --------------------------------------------------------------------------------------------------
 # low-res conditioning
 # --------------------------------------------------------------------------------------------------
-def upsample_low_res(low: torch.Tensor, size: int) -> torch.Tensor:
-    """Bicubic (antialiased) resize of ``[B, 3, h, w]`` to ``size × size``, clamped to [-1, 1]."""
-    return F.interpolate(low.float(), size=(size, size), mode="bicubic", align_corners=False,
-                         antialias=True).clamp(-1, 1)
+def upsample_low_res(low: torch.Tensor, size: int, clamp: bool = True) -> torch.Tensor:
+    """Bicubic (antialiased) resize of ``[B, 3, h, w]`` to ``size × size``, clamped to [-1, 1] unless
+    ``clamp=False`` (Karlo/diffusers keep the bicubic overshoot)."""
+    up = F.interpolate(low.float(), size=(size, size), mode="bicubic", align_corners=False, antialias=True)
+    return up.clamp(-1, 1) if clamp else up
 
 
 def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -100,8 +100,10 @@ class UnCLIPPipeline:
 
     def __init__(self, clip: FrozenCLIP, prior: Optional[UnCLIPPrior], decoder: UnCLIPDecoder,
                  upsamplers: Sequence[UnCLIPUpsampler] = (), diffusion: Optional[dict] = None,
-                 sampling: Optional[dict] = None):
+                 sampling: Optional[dict] = None, prior_clip_range: Optional[float] = 10.0):
         self.clip = clip
+        # the prior sampler clips predicted x_0 (normalised embedding) to [-r, r]; None disables (Karlo: 5)
+        self.prior_clip_range = None if prior_clip_range is None else float(prior_clip_range)
         self.prior = prior
         self.decoder = decoder
         self.upsamplers = list(upsamplers)
@@ -114,6 +116,8 @@ class UnCLIPPipeline:
             self.diffusion[name] = d if isinstance(d, DiffusionConfig) else from_dict(DiffusionConfig, d, prefix=f"diffusion.{name}")
             self.sampling[name] = copy.deepcopy(s) if isinstance(s, SamplerConfig) else from_dict(SamplerConfig, s, prefix=f"sampling.{name}")
         self._check_components()
+        for m in self.modules().values():
+            m.eval()
         self._null_text: Optional[TextEncoding] = None
 
     # ------------------------------------------------------------------ structure
@@ -192,6 +196,7 @@ class UnCLIPPipeline:
                            "decoder": "decoder", "upsamplers": self.upsampler_names},
             "diffusion": {k: to_dict(v) for k, v in self.diffusion.items()},
             "sampling": {k: to_dict(v) for k, v in self.sampling.items()},
+            "prior_clip_range": self.prior_clip_range,
         }
         (path / PIPELINE_FILE).write_text(json.dumps(index, indent=2))
 
@@ -227,7 +232,8 @@ class UnCLIPPipeline:
         prior = UnCLIPPrior.from_pretrained(sub(comps["prior"])) if comps.get("prior") else None
         decoder = UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder")))
         ups = [UnCLIPUpsampler.from_pretrained(sub(n)) for n in comps.get("upsamplers", [])]
-        pipe = cls(clip, prior, decoder, ups, diffusion=index.get("diffusion"), sampling=index.get("sampling"))
+        pipe = cls(clip, prior, decoder, ups, diffusion=index.get("diffusion"), sampling=index.get("sampling"),
+                   prior_clip_range=index.get("prior_clip_range", 10.0))
         for m in pipe.modules().values():
             m.eval().requires_grad_(False)
         return pipe
@@ -293,8 +299,6 @@ class UnCLIPPipeline:
         clip_range = self.prior_clip_range if kind == "prior" else 1.0
         return make_scheduler(s.scheduler, self.diffusion[stage], clip_sample_range=clip_range,
                               learned_variance=learned)
-
-    prior_clip_range: Optional[float] = 10.0
 
     # ------------------------------------------------------------------ stages
     def encode_text(self, prompt: Union[str, Sequence[str]]) -> TextEncoding:
@@ -396,7 +400,7 @@ class UnCLIPPipeline:
 
     def _upsample_one(self, name, up, low, s, generator, progress):
         b, size = low.shape[0], up.config.sample_size
-        low_up = upsample_low_res(low, size)
+        low_up = upsample_low_res(low, size, clamp=up.config.clamp_low_res)
         level = int(up.config.noise_level)
         levels = torch.full((b,), level, dtype=torch.long, device=self.device)
         if level > 0:
@@ -454,7 +458,7 @@ class UnCLIPPipeline:
     @torch.no_grad()
     def clip_scores(self, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
         """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings ``[B, D]``."""
-        img = self.clip.encode_image(images)
+        img = F.normalize(self.clip.encode_image(images), dim=-1)
         return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
 
     @torch.no_grad()

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    run = TrainingRun(cfg, resume=args.resume)
+    run = TrainingRun(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
     torch.manual_seed(cfg.train.seed)
     clip = FrozenCLIP.from_config(cfg.clip).to(run.device)
     if cfg.stage == "decoder":
@@ -167,6 +167,9 @@ def main(argv=None) -> int:
             path = run.out / "samples" / f"step_{run.state.step + 1:08d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
             sample_grid(run, clip, first, null).save(path)
+    if not run.finished:
+        run.finish()
+        return 0
     meta = {"stage": cfg.stage, "name": name, "diffusion": to_dict(cfg.diffusion), "sampling": to_dict(cfg.sample)}
     out = run.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
     if run.accelerator.is_main_process:

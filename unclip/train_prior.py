@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if cfg.diffusion.prediction_type != "sample":
         logger.warning("the paper's prior predicts x_0 (diffusion.prediction_type=sample); using %s",
                        cfg.diffusion.prediction_type)
-    run = TrainingRun(cfg, resume=args.resume)
+    run = TrainingRun(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
     torch.manual_seed(cfg.train.seed)
     clip = FrozenCLIP.from_config(cfg.clip).to(run.device)
     fields = {k: v for k, v in to_dict(cfg.prior).items()}
@@ -106,6 +106,9 @@ def main(argv=None) -> int:
                 gens = run.generators(len(batch["caption"]))
                 loss = prior_loss(model, batch, clip, null, gens, cfg, noise_sched, run.device)
                 run.backward(loss)
+    if not run.finished:
+        run.finish()
+        return 0
     meta = {"stage": "prior", "name": "prior", "diffusion": to_dict(cfg.diffusion), "sampling": to_dict(cfg.sample)}
     out = run.export("prior", lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
     if run.accelerator.is_main_process:

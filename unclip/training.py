@@ -78,6 +78,9 @@ def stage_argparser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder to resume from")
     p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--max-steps-this-run", type=int, default=None,
+                   help="stop (with a checkpoint, without exporting) after this many optimizer steps in this "
+                        "invocation, e.g. to fit a scheduler's time slot; resume later with --resume latest")
     return p
 
 
@@ -111,8 +114,12 @@ class _RunState:
 class TrainingRun:
     """Accelerator, optimizer, schedule, EMA, checkpoints and logging for one stage (see module doc)."""
 
-    def __init__(self, cfg: StageConfig, resume: Optional[str] = None):
+    def __init__(self, cfg: StageConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None):
         self.cfg = cfg
+        if max_steps_this_run is not None and max_steps_this_run < 1:
+            raise ValueError("--max-steps-this-run must be >= 1")
+        self.max_steps_this_run = max_steps_this_run
+        self.finished = False
         t = cfg.train
         self.out = Path(t.output_dir)
         mp = t.mixed_precision
@@ -196,8 +203,10 @@ class TrainingRun:
         bar = tqdm(total=t.max_steps, initial=self.state.step, desc=f"train {self.cfg.stage}",
                    disable=not (t.progress and self.accelerator.is_local_main_process), dynamic_ncols=True)
         last_t, last_samples = time.perf_counter(), self.state.samples
+        stop_at = t.max_steps if self.max_steps_this_run is None else min(
+            t.max_steps, self.state.step + self.max_steps_this_run)
         try:
-            while self.state.step < t.max_steps:
+            while self.state.step < stop_at:
                 micro = []
                 for _ in range(t.grad_accum_steps):
                     batch = next(it)
@@ -228,6 +237,9 @@ class TrainingRun:
             bar.close()
         if not (t.checkpoint_every and self.state.step % t.checkpoint_every == 0):
             self.save_checkpoint()
+        self.finished = self.state.step >= t.max_steps
+        if not self.finished:
+            logger.info("stopped at step %d of %d; resume with --resume latest", self.state.step, t.max_steps)
 
     def accumulate(self):
         return self.accelerator.accumulate(self.model)
@@ -338,7 +350,17 @@ class TrainingRun:
         acc.wait_for_everyone()
         return target
 
+    def parameter_checksums(self) -> list[float]:
+        """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
+        local = torch.stack([p.detach().double().sum() + p.detach().double().abs().sum() for p in self.trainable]).sum()
+        return [float(x) for x in self.accelerator.gather(local.float().reshape(1).to(self.device))]
+
     def finish(self) -> None:
+        sums = self.parameter_checksums()
+        if self.accelerator.is_main_process:
+            (self.out / "rank_checksums.json").write_text(json.dumps(sums))
+        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+            raise RuntimeError(f"ranks hold different weights at the end of training: checksums {sums}")
         self.log({"skipped_data_total": self.state.skipped_data, "nonfinite_total": self.state.nonfinite})
         if self.state.skipped_data:
             logger.warning("skipped %d bad samples on rank %d", self.state.skipped_data, self.rank)

@@ -1,0 +1,25 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe():
+    from unclip.tiny import tiny_pipeline
+
+    return tiny_pipeline(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tiny_pipe):
+    return tiny_pipe.clip
+
+
+def gens(*seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]

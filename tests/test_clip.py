@@ -1,0 +1,93 @@
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.config import ClipConfig
+
+
+def test_text_shapes_norms_and_masks(tiny_clip):
+    prompts = ["a red circle", "a small blue square on the left on a gray background"]
+    enc = tiny_clip.encode_text(prompts)
+    D, L, W = tiny_clip.embed_dim, tiny_clip.context_length, tiny_clip.text_width
+    assert enc.text_embed.shape == (2, D)
+    assert enc.text_tokens.shape == (2, L, W)
+    assert enc.text_mask.shape == (2, L) and enc.text_mask.dtype == torch.bool
+    assert torch.allclose(enc.text_embed.norm(dim=-1), torch.ones(2), atol=1e-5)
+    # mask covers start + words + end token exactly
+    ids = tiny_clip.tokenize(prompts)
+    for i, p in enumerate(prompts):
+        n = len(tiny_clip.tokenizer.encode(p)) + 2
+        assert enc.text_mask[i].sum() == n and enc.text_mask[i, :n].all()
+        assert ids[i, n - 1] == tiny_clip.tokenizer.eot_token_id
+    assert not torch.allclose(enc.text_embed[0], enc.text_embed[1])
+
+
+def test_pooled_embedding_matches_open_clip(tiny_clip):
+    ids = tiny_clip.tokenize(["a green triangle"])
+    ours = tiny_clip.encode_text(["a green triangle"]).text_embed
+    ref = torch.nn.functional.normalize(tiny_clip.model.encode_text(ids), dim=-1)
+    assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_truncation_warning_shows_cut_text(tiny_clip):
+    long = " ".join(f"word{i}" for i in range(60)) + " finalword"
+    with pytest.warns(UserWarning, match="truncated.*cut '.*finalword'"):
+        enc = tiny_clip.encode_text([long])
+    assert enc.text_mask.all()  # every position used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_clip.encode_text(["short prompt"])  # no warning
+
+
+def test_image_encoding_pil_and_tensor(tiny_clip):
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    pil = Image.fromarray(arr)
+    e_pil = tiny_clip.encode_image(pil)
+    e_t = tiny_clip.encode_image(torch.from_numpy(arr).permute(2, 0, 1)[None].float() / 127.5 - 1)
+    assert e_pil.shape == (1, tiny_clip.embed_dim)
+    assert torch.allclose(e_pil.norm(dim=-1), torch.ones(1), atol=1e-5)
+    assert torch.allclose(e_pil, e_t, atol=2e-3)  # same preprocessing on both paths at native size
+    other = tiny_clip.encode_image(Image.fromarray(255 - arr))
+    assert not torch.allclose(e_pil, other, atol=1e-3)
+
+
+def test_bad_inputs(tiny_clip):
+    with pytest.raises(TypeError, match="prompt must be a string"):
+        tiny_clip.encode_text(3)
+    with pytest.raises(TypeError, match=r"prompt\[1\] must be a string"):
+        tiny_clip.encode_text(["ok", None])
+    with pytest.raises(ValueError, match="empty"):
+        tiny_clip.encode_text([])
+    with pytest.raises(TypeError, match="PIL image"):
+        tiny_clip.encode_image("not an image")
+    with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
+        tiny_clip.encode_image(torch.zeros(1, 4, 8, 8))
+
+
+def test_missing_local_weights_names_file(tmp_path):
+    missing = tmp_path / "weights" / "clip.safetensors"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        FrozenCLIP.from_config(ClipConfig("tiny", pretrained=str(missing), model_cfg=tiny_clip_config()))
+    with pytest.raises(ValueError, match="unknown open_clip model name"):
+        FrozenCLIP.from_config(ClipConfig("not-a-model"))
+
+
+def test_save_load_and_local_weights_file(tiny_clip, tmp_path):
+    tiny_clip.save_pretrained(tmp_path / "clip")
+    again = FrozenCLIP.from_pretrained(tmp_path / "clip")
+    a = tiny_clip.encode_text(["a purple square"])
+    b = again.encode_text(["a purple square"])
+    assert torch.equal(a.text_embed, b.text_embed) and torch.equal(a.text_tokens, b.text_tokens)
+    # the same weights as `clip.pretrained` (a local file) in a config
+    c = FrozenCLIP.from_config(ClipConfig("tiny", pretrained=str(tmp_path / "clip" / "model.safetensors"),
+                                          model_cfg=tiny_clip.model_cfg))
+    assert torch.equal(c.encode_text(["a purple square"]).text_embed, a.text_embed)
+    assert not any(p.requires_grad for p in again.parameters())
+    (tmp_path / "clip" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        FrozenCLIP.from_pretrained(tmp_path / "clip")

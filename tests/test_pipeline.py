@@ -1,0 +1,168 @@
+import json
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import unclip.diffusion as diffusion
+from unclip import UnCLIPPipeline, slerp
+from unclip.tiny import tiny_pipeline
+
+from conftest import gens
+
+PROMPTS = ["a small red circle on the left", "a big blue square in the center on a black background"]
+
+
+def run(pipe, prompts=PROMPTS, seeds=(0, 1), **kw):
+    kw.setdefault("output_type", "pt")
+    return pipe(prompts, generator=gens(*seeds), progress=False, **kw)
+
+
+def test_output_sizes_at_every_stage(tiny_pipe):
+    out = run(tiny_pipe, num_images_per_prompt=2, return_intermediates=True)
+    assert out.images.shape == (4, 3, 64, 64)
+    assert {k: tuple(v.shape) for k, v in out.stage_images.items()} == {
+        "decoder": (4, 3, 16, 16), "sr32": (4, 3, 32, 32), "sr64": (4, 3, 64, 64)}
+    assert out.image_embeds.shape == (4, tiny_pipe.clip.embed_dim)
+    assert out.images.min() >= 0 and out.images.max() <= 1
+    pil = run(tiny_pipe, output_type="pil").images
+    assert len(pil) == 2 and all(isinstance(i, Image.Image) and i.size == (64, 64) for i in pil)
+    arr = run(tiny_pipe, output_type="np").images
+    assert arr.shape == (2, 64, 64, 3) and arr.dtype == np.uint8
+
+
+def test_seeds_reproduce_and_differ(tiny_pipe):
+    a, b = run(tiny_pipe).images, run(tiny_pipe).images
+    c = run(tiny_pipe, seeds=(5, 6)).images
+    assert torch.equal(a, b)
+    assert (a - c).abs().mean() > 1e-3
+
+
+def test_save_load_identical(tiny_pipe, tmp_path):
+    tiny_pipe.save_pretrained(tmp_path / "p")
+    index = json.loads((tmp_path / "p" / "unclip.json").read_text())
+    assert index["components"]["upsamplers"] == ["sr32", "sr64"]
+    assert {p.name for p in (tmp_path / "p").iterdir()} >= {"clip", "prior", "decoder", "sr32", "sr64"}
+    again = UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    assert again.sampling == tiny_pipe.sampling
+    assert torch.equal(run(tiny_pipe).images, run(again).images)
+
+
+@pytest.fixture(scope="module")
+def pipe64():
+    # float64 so that the comparisons below test the sampling logic (generator streams, batching, guidance)
+    # and not float32 kernels whose rounding depends on the batch size
+    return tiny_pipeline(seed=0).to(dtype=torch.float64)
+
+
+def test_batch_equals_one_by_one(pipe64):
+    batched = run(pipe64, num_images_per_prompt=2, seeds=(3, 4)).images
+    single = torch.cat([pipe64([p], num_images_per_prompt=2, generator=gens(s), output_type="pt",
+                               progress=False).images for p, s in zip(PROMPTS, (3, 4))])
+    assert torch.allclose(batched, single, atol=1e-7)
+    assert not torch.allclose(batched[0], batched[1])  # two images per prompt differ
+
+
+def test_guidance_one_is_the_unguided_path(pipe64):
+    tiny_pipe = pipe64
+    s = {"prior": {"guidance_scale": 1.0}, "decoder": {"guidance_scale": 1.0}}
+    plain = run(tiny_pipe, sampling=s).images
+    # force the batched [uncond; cond] path at scale 1: eps_u + 1·(eps_c − eps_u) must equal eps_c
+    with mock.patch.object(diffusion, "is_guided", lambda scale: True), \
+            mock.patch("unclip.pipeline.is_guided", lambda scale: True):
+        forced = run(tiny_pipe, sampling=s).images
+    assert torch.allclose(plain, forced, atol=1e-7)
+    guided = run(tiny_pipe, sampling={"decoder": {"guidance_scale": 5.0}}).images
+    assert (guided - plain).abs().mean() > 1e-3
+
+
+def test_best_of_n_keeps_highest_similarity(tiny_pipe):
+    text = tiny_pipe.encode_text(PROMPTS)
+    best, cands = tiny_pipe.sample_image_embeds(text, 2, gens(0, 1), {"prior": {"best_of": 4}},
+                                                return_candidates=True, progress=False)
+    assert cands.shape == (4, 4, tiny_pipe.clip.embed_dim)
+    te = text.text_embed.repeat_interleave(2, 0)
+    sims = torch.einsum("bnd,bd->bn", torch.nn.functional.normalize(cands, dim=-1), te)
+    assert not torch.allclose(cands[:, 0], cands[:, 1])
+    for i in range(4):
+        assert torch.equal(best[i], cands[i, int(sims[i].argmax())])
+
+
+def test_rerank_keeps_best_clip_candidate(tiny_pipe):
+    prompt = PROMPTS[:1]
+    kept = run(tiny_pipe, prompts=prompt, seeds=(7,), rerank_candidates=3, return_intermediates=True)
+    cands = run(tiny_pipe, prompts=prompt, seeds=(7,), num_images_per_prompt=3, return_intermediates=True)
+    small = cands.stage_images["decoder"]
+    scores = tiny_pipe.clip_scores(small, tiny_pipe.encode_text(prompt).text_embed.repeat(3, 1))
+    assert kept.images.shape == (1, 3, 64, 64)
+    assert len(set(scores.tolist())) == 3
+    assert torch.equal(kept.stage_images["decoder"][0], small[int(scores.argmax())])
+
+
+def test_variations_and_interpolation(tiny_pipe, tmp_path):
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    img.save(tmp_path / "in.png")
+    v = tiny_pipe.variations(tmp_path / "in.png", num_images=3, generator=gens(0, 1, 2), output_type="pt",
+                             progress=False)
+    assert v.images.shape == (3, 3, 64, 64)
+    assert torch.allclose(v.image_embeds[0], tiny_pipe.clip.encode_image(img)[0])
+    it = tiny_pipe.interpolate("a red circle", img, num_steps=4, output_type="pt", progress=False)
+    assert it.images.shape == (4, 3, 64, 64)
+    assert torch.allclose(it.image_embeds[-1], tiny_pipe.clip.encode_image(img)[0], atol=1e-5)
+    assert not torch.allclose(it.images[0], it.images[-1])
+
+
+def test_slerp_endpoints_and_norm():
+    a, b = torch.nn.functional.normalize(torch.randn(2, 8), dim=-1)
+    assert torch.allclose(slerp(a, b, 0.0), a, atol=1e-6) and torch.allclose(slerp(a, b, 1.0), b, atol=1e-6)
+    assert torch.allclose(slerp(a, b, 0.3).norm(), torch.tensor(1.0), atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"prompt": []}, ValueError, "empty"),
+    ({"prompt": 5}, TypeError, "string"),
+    ({"prompt": ["ok", 3]}, TypeError, r"prompt\[1\]"),
+    ({"sampling": {"decoder": {"scheduler": "euler"}}}, ValueError, "unknown sampler 'euler'"),
+    ({"sampling": {"prior": {"guidance_scale": -1}}}, ValueError, "guidance scale must be"),
+    ({"sampling": {"sr32": {"steps": 0}}}, ValueError, "steps must be an integer >= 1"),
+    ({"sampling": {"decoder": {"stepz": 3}}}, ValueError, "unknown sampling setting 'stepz'"),
+    ({"num_images_per_prompt": 0}, ValueError, "num_images_per_prompt"),
+    ({"output_type": "jpeg"}, ValueError, "output_type"),
+])
+def test_bad_input_fails_before_compute(tiny_pipe, kwargs, exc, match):
+    kwargs = {"prompt": "a red circle", **kwargs}
+    with mock.patch.object(tiny_pipe.prior, "forward", side_effect=AssertionError("computed")):
+        with pytest.raises(exc, match=match):
+            tiny_pipe(progress=False, **kwargs)
+
+
+def test_over_long_prompt_warns(tiny_pipe):
+    with pytest.warns(UserWarning, match="truncated"):
+        run(tiny_pipe, prompts=["a red circle " * 20], seeds=(0,))
+
+
+def test_load_errors(tiny_pipe, tmp_path):
+    tiny_pipe.save_pretrained(tmp_path / "p")
+    import shutil
+
+    shutil.rmtree(tmp_path / "p" / "sr32")
+    with pytest.raises(FileNotFoundError, match="'sr32' is missing"):
+        UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    with pytest.raises(ValueError, match="not an unclip pipeline folder"):
+        UnCLIPPipeline.from_pretrained(tmp_path)
+    # embedding sizes that disagree are caught at load, naming both
+    other = tiny_pipeline(seed=1, clip_kwargs={"embed_dim": 24})
+    other.prior.save_pretrained(tmp_path / "p2" / "prior")
+    tiny_pipe.save_pretrained(tmp_path / "p2")
+    other.prior.save_pretrained(tmp_path / "p2" / "prior")
+    with pytest.raises(ValueError, match="prior embed_dim 24 != CLIP embed_dim 32"):
+        UnCLIPPipeline.from_pretrained(tmp_path / "p2")
+
+
+def test_decode_checks_embeddings(tiny_pipe):
+    with pytest.raises(ValueError, match=r"image_embed must be a tensor \[B, 32\]"):
+        tiny_pipe.decode(torch.zeros(2, 7), progress=False)
+    with pytest.raises(ValueError, match="NaN"):
+        tiny_pipe.decode(torch.full((1, 32), float("nan")), progress=False)
