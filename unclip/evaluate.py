@@ -1,0 +1,466 @@
+"""``unclip evaluate``: sample a pipeline on a prompt set and score the samples.
+
+Usage::
+
+    unclip evaluate --model PATH (--prompts FILE | --coco-captions JSON | --shapes) --out DIR
+                    [--reference DIR|NPZ] [--num-samples N] [--batch-size B] [--seed S]
+                    [--inception PATH|random] [--clip-model NAME|DIR --clip-pretrained PATH]
+                    [--clip-fid] [--shapes] [--resolution 256] [--sampling JSON|FILE] [--save-samples]
+    unclip evaluate --samples DIR ...      # score existing images (DIR/x.png + DIR/x.txt caption)
+
+Writes ``report.json``, ``report.md`` (a markdown table), ``grid.png`` (the first 64 samples) and
+``prompts.txt`` (the exact prompts, one per sample) to ``--out``.
+
+Samples
+-------
+Sample ``i`` uses prompt ``i mod P`` and its own ``torch.Generator`` seeded with
+``SeedSequence([seed, i])``, so a sample does not depend on the batch size or on the other prompts.
+
+Fixed preprocessing (decides comparability; recorded in every report and stats cache)
+-----------------------------------------------------------------------------------
+Generated images (uint8 from the pipeline, ``round(255·x)``) and reference images alike: converted
+to RGB (alpha dropped); unless already ``R x R``, the shorter side is resized to ``R = --resolution``
+(default 256) with PIL bicubic (antialiased) and the centre ``R x R`` is cropped; kept as uint8.
+The Inception then resizes ``R → 299`` with TF1-compatible bilinear interpolation (torch-fidelity,
+no antialias), as the original TensorFlow FID code. CLIP sees the same ``R x R`` images through
+open_clip's own preprocessing. Statistics are only comparable between runs that agree on all of this,
+on the Inception weights (sha256 recorded) and on the reference set.
+
+Metrics
+-------
+* FID: Fréchet distance of Inception pool3 (2048-d) features against ``--reference`` (an image
+  folder, whose stats are computed once and cached to ``--reference-cache``, default
+  ``OUT/reference_stats.npz``, or a stats ``.npz``). Weights come from ``--inception`` (local file
+  ``weights-inception-2015-12-05-6726825d.pth``); ``--inception random`` is for tests only.
+* CLIP score: cosine of evaluation-CLIP image and text embeddings, reported as mean
+  ``max(100·cos, 0)`` (torchmetrics) and mean ``2.5·max(cos, 0)`` (CLIP-S, Hessel et al. 2021). The
+  evaluation CLIP defaults to the pipeline's own (conditioning) CLIP, which flatters the model; pass
+  ``--clip-model`` to use another. ``--clip-fid``: Fréchet distance of (unit-norm) CLIP image features.
+* Shapes faithfulness (``--shapes``): :func:`unclip.data.shapes_eval.evaluate_images`; without
+  ``--prompts``, prompts are drawn from the held-out split with ``--seed``.
+
+Zero-shot MS-COCO (unCLIP / Karlo protocol): ``--coco-captions captions_val2014.json`` samples
+``--num-samples`` (default 30000) captions without replacement with ``--seed`` from the annotations
+sorted by id; ``--reference`` is the val2014 image folder (every image resized on the shorter side and
+centre-cropped to 256 as above), or its cached ``.npz``.
+
+Bad input never yields a silent number: blank prompt lines and unreadable images are skipped and
+counted in the report; non-UTF-8 prompt files, empty folders and reference sets smaller than the
+sample set (unless ``--allow-small-reference``) are errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm.auto import tqdm
+
+from . import metrics as M
+
+__all__ = ["main", "build_parser", "run", "read_prompts", "read_coco_captions", "shapes_prompts", "sample_seed",
+           "SampleScorer", "report_markdown"]
+
+GRID_MAX = 64
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def read_prompts(path) -> tuple[list[str], int]:
+    """One prompt per line (UTF-8) → ``(prompts, number of blank lines skipped)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if data.endswith(b"\n"):
+        lines.pop()  # the final newline ends the last line; it does not start a blank one
+    prompts, blank = [], 0
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}, line {lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                             f"{e.start + 1}); save the prompt file as UTF-8") from None
+        line = (line.lstrip("\ufeff") if lineno == 1 else line).strip()
+        if line:
+            prompts.append(line)
+        else:
+            blank += 1
+    if not prompts:
+        raise ValueError(f"prompt file {path} has no prompts ({blank} blank lines)")
+    return prompts, blank
+
+
+def read_coco_captions(path, num: int, seed: int) -> list[str]:
+    """``num`` captions sampled without replacement (``random.Random(seed)``) from a COCO captions JSON."""
+    path = Path(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"COCO captions file not found: {path}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a COCO captions JSON file: {e}") from None
+    anns = data.get("annotations") if isinstance(data, dict) else None
+    if not isinstance(anns, list) or not all(isinstance(a, dict) and "caption" in a for a in anns):
+        raise ValueError(f"{path} has no 'annotations' list of {{'caption': ...}} entries (expected e.g. "
+                         f"captions_val2014.json)")
+    anns = sorted(anns, key=lambda a: (a.get("id", 0), a.get("image_id", 0), a["caption"]))
+    caps = [" ".join(str(a["caption"]).split()) for a in anns]
+    caps = [c for c in caps if c]
+    if num > len(caps):
+        raise ValueError(f"asked for {num} captions but {path} has only {len(caps)}")
+    return [caps[i] for i in random.Random(seed).sample(range(len(caps)), num)]
+
+
+def shapes_prompts(num: int, seed: int) -> list[str]:
+    """``num`` captions of the held-out shapes split (a pure function of ``seed``)."""
+    from .data.shapes import ShapesWorld
+
+    world = ShapesWorld(resolution=8, seed=seed, split="heldout")
+    return [world[i].caption for i in range(num)]
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a run with ``seed`` (independent of batching)."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+
+
+# ------------------------------------------------------------------------------------------ scoring
+class SampleScorer:
+    """Accumulates everything the metrics need from batches of (uint8 ``[R, R, 3]`` images, captions)."""
+
+    def __init__(self, inception=None, clip=None, clip_fid: bool = False, shapes: bool = False,
+                 save_dir: Optional[Path] = None):
+        self.inception, self.clip, self.clip_fid, self.shapes = inception, clip, clip_fid, shapes
+        self.inc_stats, self.clip_stats = M.GaussianStats(), M.GaussianStats()
+        self.cosines, self.shape_images, self.captions, self.grid = [], [], [], []
+        self.save_dir = save_dir
+        if save_dir is not None:
+            save_dir.mkdir(parents=True, exist_ok=True)
+
+    def add(self, images: list[np.ndarray], captions: list[str]) -> None:
+        if self.save_dir is not None:
+            for i, (a, c) in enumerate(zip(images, captions), len(self.captions)):
+                Image.fromarray(a).save(self.save_dir / f"{i:06d}.png")
+                (self.save_dir / f"{i:06d}.txt").write_text(c + "\n", encoding="utf-8")
+        self.captions += captions
+        self.grid += images[:max(0, GRID_MAX - len(self.grid))]
+        if self.inception is not None:
+            self.inc_stats.update(M.inception_features(self.inception, images))
+        if self.clip is not None:
+            img = self.clip.encode_image([Image.fromarray(a) for a in images])
+            self.cosines.append(M.clip_cosines(img, self.clip.encode_text(captions).text_embed))
+            if self.clip_fid:
+                self.clip_stats.update(img)
+        if self.shapes:
+            self.shape_images += images
+
+    def shapes_report(self) -> dict:
+        from .data.shapes_eval import evaluate_images
+
+        return evaluate_images(self.shape_images, self.captions)
+
+
+def _iter_generated(pipe, prompts: list[str], num: int, seed: int, batch_size: int, resolution: int,
+                    sampling: Optional[dict], progress: bool):
+    bar = tqdm(total=num, desc="sampling", disable=not progress)
+    for start in range(0, num, batch_size):
+        idx = range(start, min(num, start + batch_size))
+        batch = [prompts[i % len(prompts)] for i in idx]
+        gens = [torch.Generator(device=pipe.device).manual_seed(sample_seed(seed, i)) for i in idx]
+        out = pipe(batch, 1, generator=gens, sampling=sampling, output_type="np", progress=False)
+        yield [M.to_eval_image(Image.fromarray(a), resolution) for a in out.images], batch
+        bar.update(len(batch))
+    bar.close()
+
+
+def _iter_folder(folder: Path, num: Optional[int], resolution: int, batch_size: int, skipped: list,
+                 progress: bool):
+    files = M.list_images(folder)
+    if not files:
+        raise ValueError(f"samples folder {folder} contains no images")
+    missing = [p for p in files if not p.with_suffix(".txt").is_file()]
+    if missing:
+        raise ValueError(f"{len(missing)} samples in {folder} have no caption file, e.g. "
+                         f"{missing[0].with_suffix('.txt')}")
+    files = files[:num] if num else files
+    for start in tqdm(range(0, len(files), batch_size), desc="samples", disable=not progress):
+        imgs, caps = [], []
+        for p in files[start:start + batch_size]:
+            arr = M.read_image(p, resolution)
+            if arr is None:
+                skipped.append(str(p.relative_to(folder)))
+                continue
+            imgs.append(arr)
+            caps.append(" ".join(p.with_suffix(".txt").read_text(encoding="utf-8").split()))
+        if imgs:
+            yield imgs, caps
+
+
+# ------------------------------------------------------------------------------------------- output
+def make_grid(images: list[np.ndarray]) -> Image.Image:
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    h, w = images[0].shape[:2]
+    grid = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
+    for i, a in enumerate(images):
+        grid.paste(Image.fromarray(a), ((i % cols) * w, (i // cols) * h))
+    return grid
+
+
+def _fmt(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def report_markdown(r: dict) -> str:
+    rows = []
+    if "fid" in r:
+        f = r["fid"]
+        note = "" if f["comparable"] else " **NOT COMPARABLE (test Inception or non-standard features)**"
+        rows.append(("FID", f.get("value", f.get("not_computed")), f"{f['inception']}, {f['feature']}-d, "
+                     f"reference {f['reference_count']} images{note}"))
+    c = r.get("clip_score", {})
+    if "clip_score_100" in c:
+        rows += [("CLIP score (100·cos)", c["clip_score_100"], c["model"]),
+                 ("CLIPScore (2.5·cos, Hessel)", c["clipscore_2.5"], c["model"]),
+                 ("CLIP cosine (mean)", c["cosine_mean"], f"{c['negative_count']} negative of {c['count']}")]
+    elif c:
+        rows.append(("CLIP score", c.get("not_computed"), ""))
+    if "clip_fid" in r:
+        rows.append(("CLIP-FID", r["clip_fid"]["value"], r["clip_fid"]["model"]))
+    if "shapes" in r:
+        for kind in ("single", "pair"):
+            row = r["shapes"][kind]
+            for k, v in row.items():
+                if k != "count" and not k.endswith("_count"):
+                    rows.append((f"shapes {kind}: {k}", v, f"{row[k + '_count']} prompts"))
+        rows.append(("shapes: all correct", r["shapes"]["all"], f"{r['shapes']['count']} prompts"))
+    for k, v in r["skipped"].items():
+        rows.append((f"skipped: {k}", v, ""))
+    lines = [f"# Evaluation of `{r['model']}`", "",
+             f"{r['num_samples']} samples at {r['resolution']}px, seed {r['seed']}, prompts: {r['prompts']['source']}",
+             "", "| metric | value | details |", "| --- | --- | --- |"]
+    lines += [f"| {a} | {_fmt(b)} | {c} |" for a, b, c in rows]
+    return "\n".join(lines + [""] + [f"- {w}" for w in r["warnings"]]) + "\n"
+
+
+# --------------------------------------------------------------------------------------------- main
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unclip evaluate", description="FID, CLIP score, CLIP-FID and shapes "
+                                "faithfulness of a pipeline's samples (see the unclip.evaluate docs).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="pipeline folder")
+    src.add_argument("--samples", help="score existing images instead: folder of images with .txt captions")
+    pr = p.add_mutually_exclusive_group()
+    pr.add_argument("--prompts", help="UTF-8 text file, one prompt per line")
+    pr.add_argument("--coco-captions", help="COCO captions JSON (e.g. captions_val2014.json)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--reference", help="reference image folder or stats .npz (enables FID)")
+    p.add_argument("--reference-cache", help="where to cache a folder's stats (default OUT/reference_stats.npz)")
+    p.add_argument("--allow-small-reference", action="store_true")
+    p.add_argument("--num-samples", type=_positive, help="default: one per prompt; COCO 30000; shapes 500")
+    p.add_argument("--batch-size", type=_positive, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inception", help=f"local {M.INCEPTION_FILE} (or .safetensors); 'random' = TEST ONLY")
+    p.add_argument("--inception-feature", type=int, default=2048, choices=(64, 192, 768, 2048),
+                   help="Inception layer; FID is defined on 2048 (smaller ones only for quick tests)")
+    p.add_argument("--clip-model", help="evaluation CLIP: open_clip model name, or a FrozenCLIP folder "
+                   "(default: the pipeline's own CLIP)")
+    p.add_argument("--clip-pretrained", help="local weights of --clip-model (or an open_clip tag: downloads)")
+    p.add_argument("--clip-fid", action="store_true", help="also Fréchet distance on CLIP image features")
+    p.add_argument("--shapes", action="store_true", help="shapes faithfulness (held-out prompts by default)")
+    p.add_argument("--resolution", type=int, default=256, help="evaluation side R (images resized + cropped)")
+    p.add_argument("--sampling", help='JSON (or a JSON file) of per-stage overrides, e.g. {"prior": {"steps": 10}}')
+    p.add_argument("--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _load_clip(args, pipe):
+    from .clip import FrozenCLIP
+    from .config import ClipConfig
+
+    if args.clip_model:
+        folder = Path(args.clip_model)
+        if folder.is_dir():
+            clip = FrozenCLIP.from_pretrained(folder)
+            return clip, f"{clip.model_name} from {folder}"
+        if not args.clip_pretrained:
+            raise ValueError("--clip-model NAME needs --clip-pretrained PATH (a random CLIP scores nothing)")
+        clip = FrozenCLIP.from_config(ClipConfig(args.clip_model, pretrained=args.clip_pretrained))
+        return clip, f"{args.clip_model} ({args.clip_pretrained})"
+    if pipe is not None:
+        return pipe.clip, f"pipeline's own CLIP ({pipe.clip.model_name}, the conditioning CLIP)"
+    return None, None
+
+
+def _parse_sampling(text):
+    if text is None:
+        return None
+    path = Path(text)
+    try:
+        value = json.loads(path.read_text() if not text.lstrip().startswith("{") and path.is_file() else text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--sampling is not valid JSON: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError('--sampling must be a JSON object of per-stage objects, e.g. {"decoder": {"steps": 10}}')
+    return value
+
+
+def run(args) -> dict:
+    if not (args.model or args.samples):
+        raise ValueError("pass --model PATH (generate) or --samples DIR (score existing images)")
+    if args.resolution < 16:
+        raise ValueError(f"--resolution must be >= 16, got {args.resolution}")
+    out = Path(args.out)
+    warn, skipped, report = [], {}, {"model": args.model or args.samples, "seed": args.seed,
+                                     "resolution": args.resolution, "preprocessing": M.PREPROCESSING}
+    prompts, n = None, args.num_samples
+    if args.model:
+        if args.prompts:
+            prompts, skipped["blank_prompt_lines"] = read_prompts(args.prompts)
+            report["prompts"] = {"source": str(args.prompts), "count": len(prompts)}
+        elif args.coco_captions:
+            n = n or 30000
+            prompts = read_coco_captions(args.coco_captions, n, args.seed)
+            report["prompts"] = {"source": f"COCO {args.coco_captions} (sampled with seed {args.seed})"}
+        elif args.shapes:
+            n = n or 500
+            prompts = shapes_prompts(n, args.seed)
+            report["prompts"] = {"source": f"shapes held-out split, seed {args.seed}"}
+        else:
+            raise ValueError("pass --prompts FILE, --coco-captions JSON or --shapes")
+        n = n or len(prompts)
+        if args.shapes:
+            from .data.shapes import parse_caption
+
+            for i, prompt in enumerate(prompts):
+                try:
+                    parse_caption(prompt)
+                except ValueError as e:
+                    raise ValueError(f"--shapes: prompt {i + 1} is not a shapes caption: {e}") from None
+    elif args.prompts or args.coco_captions:
+        raise ValueError("--samples takes the captions from DIR/*.txt; drop --prompts/--coco-captions")
+    else:
+        report["prompts"] = {"source": f"captions in {args.samples}"}
+    if n is not None and n < 2 and args.reference:
+        raise ValueError("FID needs at least 2 samples (--num-samples)")
+    sampling = _parse_sampling(args.sampling)
+    pipe = None
+    if args.model:
+        from .pipeline import UnCLIPPipeline
+
+        pipe = UnCLIPPipeline.from_pretrained(args.model).to(args.device)
+        for stage in pipe.stage_names:
+            pipe._settings(stage, sampling)  # unknown keys fail before any work
+        report["sampling"] = {k: vars(pipe._settings(k, sampling)) for k in pipe.stage_names}
+        if pipe.resolution < args.resolution:
+            warn.append(f"samples are {pipe.resolution}px, upsampled to {args.resolution}px for evaluation")
+    clip, clip_name = _load_clip(args, pipe)
+    if clip is not None:
+        clip.to(args.device)
+        clip_id = {"name": clip_name, "fingerprint": M.clip_fingerprint(clip)}
+    elif args.clip_fid:
+        raise ValueError("--clip-fid needs a CLIP: pass --model or --clip-model")
+    if args.clip_fid and not args.reference:
+        raise ValueError("--clip-fid needs --reference (CLIP features of the reference set)")
+
+    inception = ref_meta = None
+    if args.reference:
+        inception, inc_id = M.load_inception(args.inception, args.inception_feature)
+        inception.to(args.device)
+        if not inc_id["comparable"]:
+            warn.append(f"FID uses {inc_id['name']}, {inc_id['feature']}-d: NOT comparable with published FID")
+        cache = args.reference_cache or out / "reference_stats.npz"
+        min_count = 0 if args.allow_small_reference else (n or 0)
+        ref_meta, ref = M.reference_stats(args.reference, cache, args.resolution, inception, inc_id,
+                                        clip if args.clip_fid else None, clip_id if args.clip_fid else None,
+                                        args.batch_size, min_count, not args.no_progress)
+        skipped["unreadable_reference_images"] = ref_meta.get("skipped", 0)
+    scorer = SampleScorer(inception, clip, args.clip_fid, args.shapes,
+                          out / "samples" if args.save_samples else None)
+    if pipe is not None:
+        batches = _iter_generated(pipe, prompts, n, args.seed, args.batch_size, args.resolution, sampling,
+                                  not args.no_progress)
+    else:
+        bad: list = []
+        batches = _iter_folder(Path(args.samples), n, args.resolution, args.batch_size, bad, not args.no_progress)
+    for images, caps in batches:
+        scorer.add(images, caps)
+    if pipe is None:
+        skipped["unreadable_samples"] = len(bad)
+        if not scorer.captions:
+            raise ValueError(f"no readable images in samples folder {args.samples} ({len(bad)} unreadable)")
+        if args.reference and ref_meta.get("count") is not None and not args.allow_small_reference:
+            M.check_reference_count(ref_meta["count"], len(scorer.captions), args.reference)
+    n = len(scorer.captions)
+    report.update(num_samples=n, batch_size=args.batch_size, skipped=skipped)
+    if pipe is not None:
+        report["sample_seeds"] = "sample i: torch.Generator seeded with SeedSequence([seed, i]), prompt i mod P"
+    if skipped.get("blank_prompt_lines"):
+        warn.append(f"{skipped['blank_prompt_lines']} blank lines in the prompt file were skipped")
+    if skipped.get("unreadable_samples") or skipped.get("unreadable_reference_images"):
+        warn.append("some images could not be read and were skipped (see 'skipped')")
+
+    if inception is not None:
+        mu, sigma = scorer.inc_stats.mu_sigma()
+        report["fid"] = {"value": M.frechet_distance(mu, sigma, ref["mu"], ref["sigma"]), "inception": inc_id["name"],
+                         "inception_sha256": inc_id["sha256"], "feature": inc_id["feature"],
+                         "comparable": inc_id["comparable"], "reference": str(args.reference),
+                         "reference_count": ref_meta.get("count")}
+    else:
+        warn.append("FID not computed: no --reference")
+    if clip is not None:
+        report["clip_score"] = {"model": clip_name, **M.clip_score_summary(torch.cat(scorer.cosines))}
+        if args.clip_fid:
+            mu, sigma = scorer.clip_stats.mu_sigma()
+            report["clip_fid"] = {"value": M.frechet_distance(mu, sigma, ref["clip_mu"], ref["clip_sigma"]),
+                                  "model": clip_name}
+    else:
+        report["clip_score"] = {"not_computed": "no CLIP: pass --model or --clip-model"}
+    if args.shapes:
+        report["shapes"] = scorer.shapes_report()
+        if args.resolution < 64:
+            warn.append(f"shapes detection is only reliable from 64px; evaluated at {args.resolution}px")
+    report["warnings"] = warn
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(report_markdown(report), encoding="utf-8")
+    (out / "prompts.txt").write_text("\n".join(scorer.captions) + "\n", encoding="utf-8")
+    make_grid(scorer.grid).save(out / "grid.png")
+    return report
+
+
+def main(argv=None) -> int:
+    """CLI entry point (see module doc). Returns 0; user errors exit with status 2 and a message."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = run(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        parser.error(str(e))
+    print(report_markdown(report))
+    print(f"wrote {Path(args.out) / 'report.json'}, report.md, grid.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
