@@ -4,7 +4,7 @@ Shapes (``D`` = CLIP embedding size, ``L`` = context length, ``W`` = text transf
 
 * ``encode_text(prompts)`` → :class:`TextEncoding` with ``text_embed [B, D]`` (unit norm),
   ``text_tokens [B, L, W]`` (final-layer token states after the final LayerNorm) and
-  ``text_mask [B, L]`` (True on real tokens, start/end tokens included).
+  ``text_mask [B, L]`` (True on real tokens up to the end token, start/end tokens included).
 * ``encode_image(images)`` → ``image_embed [B, D]`` (unit norm). ``images`` is a PIL image, a list of
   them (open_clip's own preprocessing) or a float tensor ``[B, 3, H, W]`` in ``[-1, 1]`` (resized on the
   shorter side with bicubic antialiasing, centre-cropped and normalised the same way).
@@ -13,12 +13,19 @@ Loading never downloads unless ``pretrained`` is an open_clip hub tag (e.g. ``"o
 
     clip = FrozenCLIP.from_config(ClipConfig("ViT-L-14", pretrained="/models/vit-l-14.safetensors"))
     clip = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=TINY_CFG))   # custom, random init
+
+Weights converted from diffusers/Karlo (:mod:`unclip.convert`) set ``normalize_embeds=False`` (Karlo feeds
+the raw projected CLIP embeddings to its prior and decoder), use :class:`CompatTokenizer` (the text
+handling of transformers' ``CLIPTokenizer``) and, without an image tower in the source folder,
+``has_vision=False`` (``encode_image`` then raises).
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
+import re
+import unicodedata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +41,7 @@ from open_clip.tokenizer import SimpleTokenizer
 
 from .config import ClipConfig
 
-__all__ = ["FrozenCLIP", "TextEncoding", "check_prompts"]
+__all__ = ["FrozenCLIP", "TextEncoding", "CompatTokenizer", "check_prompts"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -93,13 +100,17 @@ class FrozenCLIP(torch.nn.Module):
     """A frozen open_clip model with the tokenizer and preprocessing unCLIP needs (see module doc)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, model_name: str, model_cfg: dict,
-                 pretrained: str | None = None):
+                 pretrained: str | None = None, *, normalize_embeds: bool = True, has_vision: bool = True,
+                 tokenizer_cfg: dict | None = None):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_cfg = model_cfg
         self.pretrained = pretrained
+        self.normalize_embeds = bool(normalize_embeds)  # L2-normalise text/image embeddings (Karlo: False)
+        self.has_vision = bool(has_vision)  # False: the image tower is a placeholder without weights
+        self.tokenizer_cfg = tokenizer_cfg  # None: open_clip's SimpleTokenizer; else CompatTokenizer kwargs
         visual = model.visual
         size = getattr(visual, "image_size", model_cfg.get("vision_cfg", {}).get("image_size", 224))
         self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
@@ -144,8 +155,10 @@ class FrozenCLIP(torch.nn.Module):
             _load_pretrained(model, meta["model_name"], meta["pretrained"])
         else:
             raise FileNotFoundError(f"CLIP weights missing: provide {weights} (or set 'pretrained' in {cfg_file})")
-        return cls(model, _make_tokenizer(meta["model_name"], meta["model_cfg"]), meta["model_name"],
-                   meta["model_cfg"], meta.get("pretrained"))
+        tok_cfg = meta.get("tokenizer")
+        return cls(model, _make_tokenizer(meta["model_name"], meta["model_cfg"], tok_cfg), meta["model_name"],
+                   meta["model_cfg"], meta.get("pretrained"), normalize_embeds=meta.get("normalize_embeds", True),
+                   has_vision=meta.get("has_vision", True), tokenizer_cfg=tok_cfg)
 
     def save_pretrained(self, path: str | os.PathLike, save_weights: bool = True) -> None:
         """Write ``config.json`` and (by default) ``model.safetensors`` to ``path``."""
@@ -154,7 +167,9 @@ class FrozenCLIP(torch.nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         meta = {"model_name": self.model_name, "model_cfg": self.model_cfg,
-                "pretrained": None if save_weights else self.pretrained}
+                "pretrained": None if save_weights else self.pretrained,
+                "normalize_embeds": self.normalize_embeds, "has_vision": self.has_vision,
+                "tokenizer": self.tokenizer_cfg}
         (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
         if save_weights:
             state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
@@ -223,9 +238,15 @@ class FrozenCLIP(torch.nn.Module):
                 pooled, tokens = text(ids)
             finally:
                 text.output_tokens = old
-        pad_id = getattr(self.tokenizer, "pad_id", 0) or 0
-        mask = ids != pad_id
-        return TextEncoding(F.normalize(pooled.float(), dim=-1), tokens.float(), mask)
+        if isinstance(self.tokenizer, SimpleTokenizer):  # real tokens: everything up to the first end token
+            is_eot = ids == self.tokenizer.eot_token_id
+            last = torch.where(is_eot.any(1), is_eot.int().argmax(1), ids.shape[1] - 1)
+            mask = torch.arange(ids.shape[1], device=ids.device)[None] <= last[:, None]
+        else:
+            pad_id = getattr(self.tokenizer, "pad_id", 0) or 0
+            mask = ids != pad_id
+        pooled = F.normalize(pooled.float(), dim=-1) if self.normalize_embeds else pooled.float()
+        return TextEncoding(pooled, tokens.float(), mask)
 
     # ------------------------------------------------------------------ images
     def preprocess_tensor(self, images: torch.Tensor) -> torch.Tensor:
@@ -247,6 +268,11 @@ class FrozenCLIP(torch.nn.Module):
     @torch.no_grad()
     def encode_image(self, images) -> torch.Tensor:
         """PIL image(s) or a ``[B, 3, H, W]`` tensor in [-1, 1] → ``image_embed [B, D]`` (unit norm)."""
+        if not self.has_vision:
+            raise ValueError(f"CLIP {self.model_name!r} has no image-tower weights (it was converted from a "
+                             f"text-to-image diffusers/Karlo folder without image_encoder/), so it cannot embed "
+                             f"images (variations, reranking, CLIP scores); convert a folder that has "
+                             f"image_encoder/ (the image-variations layout) or pass image embeddings directly")
         if isinstance(images, Image.Image):
             images = [images]
         if isinstance(images, torch.Tensor):
@@ -257,11 +283,62 @@ class FrozenCLIP(torch.nn.Module):
             raise TypeError("images must be a PIL image, a non-empty list of PIL images, or a float tensor "
                             "[B, 3, H, W] in [-1, 1]")
         feats = self.model.encode_image(pixels.to(self.dtype))
-        return F.normalize(feats.float(), dim=-1)
+        return F.normalize(feats.float(), dim=-1) if self.normalize_embeds else feats.float()
 
 
-def _make_tokenizer(model_name: str, model_cfg: dict):
+class CompatTokenizer(SimpleTokenizer):
+    """open_clip's CLIP BPE with the text handling of transformers' ``CLIPTokenizer`` (converted weights).
+
+    Differences from :class:`SimpleTokenizer`: text is cleaned with NFC + whitespace collapsing + lower
+    case (no ftfy / HTML unescaping); sequences are padded with ``pad_token`` instead of id 0; and the
+    special strings ``<|startoftext|>``, ``<|endoftext|>`` and ``pad_token`` are split out of the prompt and
+    map to their ids, as transformers does for special tokens (Karlo pads with ``"!"``, so a ``!`` in a
+    prompt becomes id 0 there, not the ``!</w>`` word piece).
+    """
+
+    NAMES = {"<|startoftext|>": "<start_of_text>", "<|endoftext|>": "<end_of_text>"}
+
+    def __init__(self, context_length: int = 77, pad_token: str = "<|endoftext|>"):
+        super().__init__(context_length=context_length)
+        self.clean_fn = _clean_nfc
+        self.pad_token = pad_token
+        self.special = {}
+        for tok in ("<|startoftext|>", "<|endoftext|>", pad_token):
+            key = self.NAMES.get(tok, tok)
+            if key not in self.encoder:
+                raise ValueError(f"tokenizer pad token {tok!r} is not in the CLIP BPE vocabulary")
+            self.special[tok] = self.encoder[key]
+        self.pad_token_id = self.special[pad_token]
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in self.special) + ")")
+
+    def encode(self, text):
+        ids = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:
+                ids.append(self.special[piece])
+            elif piece:
+                ids.extend(super().encode(piece))
+        return ids
+
+    def __call__(self, texts, context_length=None) -> torch.LongTensor:
+        """Token ids ``[B, L]``: start, at most ``L - 2`` tokens, end, then ``pad_token_id``."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        length = int(context_length or self.context_length)
+        out = torch.full((len(texts), length), self.pad_token_id, dtype=torch.long)
+        for i, text in enumerate(texts):
+            ids = [self.sot_token_id] + self.encode(text)[:length - 2] + [self.eot_token_id]
+            out[i, :len(ids)] = torch.tensor(ids)
+        return out
+
+
+def _clean_nfc(text: str) -> str:
+    return re.sub(r"\s+", " ", unicodedata.normalize("NFC", text)).lower()
+
+
+def _make_tokenizer(model_name: str, model_cfg: dict, tokenizer_cfg: dict | None = None):
     text_cfg = model_cfg.get("text_cfg", {})
+    if tokenizer_cfg is not None:
+        return CompatTokenizer(context_length=int(text_cfg.get("context_length", 77)), **tokenizer_cfg)
     if "hf_tokenizer_name" in text_cfg or "hf_model_name" in text_cfg:
         return open_clip.get_tokenizer(model_name)
     return SimpleTokenizer(context_length=int(text_cfg.get("context_length", 77)))
