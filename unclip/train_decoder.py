@@ -23,7 +23,7 @@ from PIL import Image
 
 from .clip import FrozenCLIP, TextEncoding
 from .config import to_dict, to_yaml
-from .data.streams import batches, make_stream
+from .data.streams import make_batches
 from .decoder import UnCLIPDecoder, UnCLIPUpsampler, degrade, upsample_low_res
 from .diffusion import diffusion_loss, make_scheduler, sample_loop, training_scheduler
 from .training import TrainingRun, load_stage_config, sample_generators, stage_argparser
@@ -149,10 +149,10 @@ def main(argv=None) -> int:
     model.train()
     null = clip.encode_text([""])
     noise_sched = training_scheduler(cfg.diffusion)
-    stream = make_stream(cfg.data, resolution=resolution, seed=cfg.train.seed, rank=run.rank,
-                         world_size=run.world, start=run.state.samples)
+    data = make_batches(cfg.data, resolution=resolution, seed=cfg.train.seed, rank=run.rank,
+                        world_size=run.world, start=run.state.samples)
     first = None
-    for micro in run.steps(batches(stream, cfg.data.batch_size)):
+    for micro in run.steps(data):
         for batch in micro:
             first = first or batch
             with run.accumulate():

@@ -17,7 +17,7 @@ import torch
 
 from .clip import FrozenCLIP, TextEncoding
 from .config import to_dict, to_yaml
-from .data.streams import batches, make_stream
+from .data.streams import batches, make_batches, make_stream
 from .diffusion import diffusion_loss, training_scheduler
 from .prior import UnCLIPPrior
 from .training import TrainingRun, load_stage_config, stage_argparser
@@ -98,9 +98,9 @@ def main(argv=None) -> int:
     model.train()
     null = clip.encode_text([""])
     noise_sched = training_scheduler(cfg.diffusion)
-    stream = make_stream(cfg.data, resolution=clip.image_size, seed=cfg.train.seed, rank=run.rank,
-                         world_size=run.world, start=run.state.samples)
-    for micro in run.steps(batches(stream, cfg.data.batch_size)):
+    data = make_batches(cfg.data, resolution=clip.image_size, seed=cfg.train.seed, rank=run.rank,
+                        world_size=run.world, start=run.state.samples)
+    for micro in run.steps(data):
         for batch in micro:
             with run.accumulate():
                 gens = run.generators(len(batch["caption"]))

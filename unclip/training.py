@@ -131,8 +131,16 @@ class TrainingRun:
                 comm_hook=DDPCommunicationHookType.POWER_SGD,
                 comm_state_option={"matrix_approximation_rank": t.powersgd_rank}))
         trackers = [x for x in t.trackers if x]
+        # a second run in the same process (tests, notebooks) may use another precision: Accelerate keeps
+        # its settings in a process-wide singleton, so start it afresh (the process group is kept)
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+        # a multi-process launch without GPUs (torchrun/accelerate on CPU) trains with DDP over gloo
+        multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         self.accelerator = Accelerator(
-            mixed_precision=mp, kwargs_handlers=handlers, log_with=trackers or None,
+            cpu=multi_cpu, mixed_precision=mp, kwargs_handlers=handlers, log_with=trackers or None,
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=t.grad_accum_steps,
                                                                     sync_with_dataloader=False),
             project_config=ProjectConfiguration(project_dir=str(self.out), logging_dir=str(self.out / "logs")))
@@ -232,7 +240,7 @@ class TrainingRun:
                     raise NonFiniteError(
                         f"{self.state.consecutive_nonfinite} consecutive optimizer steps had a non-finite loss or "
                         f"gradient (step {self.state.step}); lower train.lr, use mixed_precision=bf16/no, or check "
-                        f"the data. The last good state is in {self.latest_checkpoint()}")
+                        f"the data. The state at the stop (skipped steps left the weights untouched) is in {self.latest_checkpoint()}")
         finally:
             bar.close()
         if not (t.checkpoint_every and self.state.step % t.checkpoint_every == 0):

@@ -1,0 +1,208 @@
+"""Training: loss falls per stage, exact resume, accumulation equivalence, DDP on gloo, bad data, export."""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from unclip import UnCLIPPipeline
+from unclip.decoder import degrade, gaussian_blur
+from unclip.training import NonFiniteError, warmup_cosine
+from unclip import train_decoder, train_prior
+
+from conftest import CONFIGS, ROOT
+
+CFG = {"prior": CONFIGS / "tiny" / "prior.yaml", "decoder": CONFIGS / "tiny" / "decoder.yaml",
+       "sr32": CONFIGS / "tiny" / "sr32.yaml", "sr64": CONFIGS / "tiny" / "sr64.yaml"}
+QUIET = ["train.progress=false"]
+
+
+def train(stage, out, *overrides, args=()):
+    main = train_prior.main if stage == "prior" else train_decoder.main
+    return main([str(CFG[stage]), f"train.output_dir={out}", *QUIET, *overrides, *args])
+
+
+def metrics(out):
+    return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out):
+    return [m["loss"] for m in metrics(out) if "loss" in m]
+
+
+def weights(folder):
+    files = sorted(Path(folder).glob("*.safetensors"))
+    assert files, f"no weights in {folder}"
+    return load_file(str(files[0]))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Each tiny stage trained for 40 steps on the shapes world (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("runs")
+    for stage in CFG:
+        assert train(stage, root / stage, "train.max_steps=40", "train.log_every=1", "train.lr=2e-3",
+                     "train.warmup_steps=2", "train.checkpoint_every=20") == 0
+    return root
+
+
+@pytest.mark.parametrize("stage", list(CFG))
+def test_loss_falls_on_shapes(trained, stage):
+    ls = losses(trained / stage)
+    assert len(ls) == 40 and all(map(torch.isfinite, torch.tensor(ls)))
+    first, last = sum(ls[:8]) / 8, sum(ls[-8:]) / 8
+    assert last < 0.75 * first, (stage, first, last)
+
+
+def test_exported_components_generate(trained, tmp_path):
+    from unclip.assemble import main as assemble
+
+    final = {s: trained / s / "final" for s in CFG}
+    assert (final["decoder"] / "decoder" / "unclip_stage.json").is_file()
+    assert assemble(["--clip", str(final["prior"] / "clip"), "--prior", str(final["prior"] / "prior"),
+                     "--decoder", str(final["decoder"] / "decoder"), "--upsampler", str(final["sr32"] / "sr32"),
+                     "--upsampler", str(final["sr64"] / "sr64"), "--out", str(tmp_path / "pipe")]) == 0
+    pipe = UnCLIPPipeline.from_pretrained(tmp_path / "pipe")
+    assert pipe.stage_names == ["prior", "decoder", "sr32", "sr64"]
+    out = pipe("a small red circle on the left", generator=torch.Generator().manual_seed(0), output_type="pt",
+               progress=False, sampling={"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsamplers": {"steps": 2}})
+    assert out.images.shape == (1, 3, 64, 64) and torch.isfinite(out.images).all()
+    # the exported decoder holds the EMA weights, not the raw ones
+    ckpt = sorted((trained / "decoder" / "checkpoints").glob("step_*"))[-1]
+    raw = load_file(str(ckpt / "model.safetensors"))
+    ema = weights(final["decoder"] / "decoder")
+    key = next(k for k in ema if k.startswith("unet.conv_in.weight"))
+    assert not torch.equal(raw[key], ema[key])
+
+
+def test_checkpoints_keep_last_and_sample_grid(tmp_path):
+    assert train("decoder", tmp_path / "r", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=2",
+                 "train.sample_every=3") == 0
+    names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "r" / "samples").iterdir()) == ["step_00000003.png", "step_00000006.png"]
+    assert (tmp_path / "r" / "config.yaml").is_file() and (tmp_path / "r" / "checkpoints" / "step_00000006" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("stage", ["decoder", "prior"])
+def test_resume_is_exact(tmp_path, stage):
+    common = ["train.max_steps=6", "train.checkpoint_every=3", "train.warmup_steps=2"]
+    assert train(stage, tmp_path / "full", *common) == 0
+    # first half: stop after 3 steps as a preempted job would (checkpoint, no export)
+    assert train(stage, tmp_path / "split", *common, args=["--max-steps-this-run", "3"]) == 0
+    assert not (tmp_path / "split" / "final").exists()
+    # a half-written checkpoint left by a killed job is ignored
+    (tmp_path / "split" / "checkpoints" / "step_00000005.tmp").mkdir()
+    assert train(stage, tmp_path / "split", *common, args=["--resume", "latest"]) == 0
+    name = "prior" if stage == "prior" else "decoder"
+    a, b = weights(tmp_path / "full" / "final" / name), weights(tmp_path / "split" / "final" / name)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    init = weights(tmp_path / "full" / "checkpoints" / "step_00000003")
+    assert any(not torch.equal(init[k], a[k]) for k in init if k in a)
+
+
+def test_accumulation_matches_big_batch(tmp_path):
+    common = ["train.max_steps=2", "train.ema=false", "train.warmup_steps=0"]
+    assert train("decoder", tmp_path / "acc", *common, "data.batch_size=1", "train.grad_accum_steps=8") == 0
+    assert train("decoder", tmp_path / "big", *common, "data.batch_size=8", "train.grad_accum_steps=1") == 0
+    a, b = weights(tmp_path / "acc" / "final" / "decoder"), weights(tmp_path / "big" / "final" / "decoder")
+    diffs = [float((a[k] - b[k]).abs().max()) for k in a]
+    assert max(diffs) < 1e-5
+    init_changed = metrics(tmp_path / "acc")[-2]["loss"]
+    assert init_changed == pytest.approx(metrics(tmp_path / "big")[-2]["loss"], rel=1e-4)
+
+
+def test_two_process_torchrun_gloo(tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "train_decoder.py"), str(CFG["decoder"]), f"train.output_dir={out}", "train.max_steps=3",
+           "train.progress=false"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sums = json.loads((out / "rank_checksums.json").read_text())
+    assert len(sums) == 2 and sums[0] == sums[1]
+    # the two ranks trained on different samples: a single-process run with the same config differs
+    assert train("decoder", tmp_path / "single", "train.max_steps=3") == 0
+    single = weights(tmp_path / "single" / "final" / "decoder")
+    ddp = weights(out / "final" / "decoder")
+    assert any(not torch.allclose(single[k], ddp[k]) for k in single)
+
+
+def _corrupt_shard(path: Path, good_dir: Path):
+    """A tar whose first members are bad (garbage jpg, missing caption), then good shapes samples."""
+    import io
+
+    with tarfile.open(path, "w") as tar:
+        def add(name, data):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        add("bad0.jpg", b"\xff\xd8\xff garbage")
+        add("bad0.txt", b"a red circle")
+        add("bad1.png", (good_dir / sorted(p.name for p in good_dir.glob("*.png"))[0]).read_bytes())
+        for i, png in enumerate(sorted(good_dir.glob("*.png"))):
+            add(f"good{i:03d}.png", png.read_bytes())
+            add(f"good{i:03d}.txt", png.with_suffix(".txt").read_bytes())
+
+
+def test_corrupt_samples_are_skipped_and_counted(tmp_path):
+    from unclip.data.shapes import write_shapes
+
+    write_shapes(tmp_path / "imgs", 8, resolution=16, format="folder", progress=False)
+    shard = tmp_path / "shard-00000.tar"
+    _corrupt_shard(shard, tmp_path / "imgs")
+    assert train("decoder", tmp_path / "r", "data.source=webdataset", f"data.path={shard}", "data.batch_size=4",
+                 "data.shuffle_buffer=1", "train.max_steps=2") == 0
+    last = metrics(tmp_path / "r")[-1]
+    assert last["skipped_data_total"] == 2
+
+
+def test_nonfinite_steps_are_skipped_then_stop(tmp_path):
+    with pytest.raises(NonFiniteError, match="3 consecutive optimizer steps had a non-finite"):
+        train("decoder", tmp_path / "r", "train.lr=1e30", "train.warmup_steps=0", "train.max_steps=50",
+              "train.max_consecutive_nonfinite=3", "train.checkpoint_every=100")
+    ckpts = list((tmp_path / "r" / "checkpoints").glob("step_*"))
+    assert len(ckpts) == 1  # the state at the stop is kept
+
+
+def test_bf16_mixed_precision_on_cpu(tmp_path):
+    assert train("decoder", tmp_path / "r", "train.mixed_precision=bf16", "train.max_steps=2", "train.log_every=1") == 0
+    assert all(map(lambda x: x == x, losses(tmp_path / "r")))
+
+
+def test_warmup_cosine_schedule():
+    kw = dict(warmup=10, total=110, base_lr=1e-3, min_lr=1e-6)
+    assert warmup_cosine(0, **kw) == pytest.approx(0.1)
+    assert warmup_cosine(9, **kw) == pytest.approx(1.0)
+    assert warmup_cosine(60, **kw) * 1e-3 == pytest.approx((1e-3 + 1e-6) / 2, rel=1e-6)
+    assert warmup_cosine(110, **kw) * 1e-3 == pytest.approx(1e-6)
+    assert warmup_cosine(500, **kw) * 1e-3 == pytest.approx(1e-6)
+
+
+def test_low_res_corruptions():
+    g = [torch.Generator().manual_seed(i) for i in range(2)]
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    sharp = torch.nn.functional.interpolate(x, size=(16, 16), mode="bicubic", antialias=True)
+    blur = degrade(x, 16, "blur", g, (0.4, 0.6))
+    assert blur.shape == (2, 3, 16, 16)
+    hf = lambda t: (t[..., 1:, :] - t[..., :-1, :]).abs().mean()
+    assert hf(blur) < hf(sharp)
+    bsr = degrade(x, 16, "bsr", [torch.Generator().manual_seed(i) for i in range(2)])
+    assert bsr.shape == (2, 3, 16, 16) and bsr.abs().max() <= 1
+    assert not torch.allclose(bsr[0], degrade(x, 16, "bsr", [torch.Generator().manual_seed(5)] * 2)[0])
+    assert torch.allclose(gaussian_blur(x, torch.zeros(2)), x, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown low-res corruption"):
+        degrade(x, 16, "jpeg", g)
+
+
+def test_wrong_stage_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="this command trains decoder or upsampler"):
+        train_decoder.main([str(CFG["prior"]), f"train.output_dir={tmp_path}"])
