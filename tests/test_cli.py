@@ -1,0 +1,68 @@
+"""The `unclip` command and `unclip generate`."""
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from unclip import cli
+from unclip.generate import main as generate
+
+
+def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
+    tiny_pipe.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    args = ["a red circle", "a blue square", "--model", str(tmp_path / "model"), "--num-images", "2",
+            "--seed", "7", "--out", str(out), "--decoder-steps", "3", "--decoder-guidance", "2.5",
+            "--sr-sampler", "ddpm", "--prior-best-of", "1", "--no-progress"]
+    assert generate(args) == 0
+    record = json.loads((out / "generate.json").read_text())
+    files = sorted(p.name for p in out.glob("0*.png"))
+    assert files == ["000_00.png", "000_01.png", "001_00.png", "001_01.png"]
+    assert [f["file"] for f in record["files"]] == files
+    assert record["seeds"] == [7, 8] and record["prompts"] == ["a red circle", "a blue square"]
+    assert record["sampling"]["decoder"]["steps"] == 3 and record["sampling"]["decoder"]["guidance_scale"] == 2.5
+    assert record["sampling"]["sr32"]["scheduler"] == "ddpm" and record["sampling"]["prior"]["best_of"] == 1
+    for f in files:
+        assert Image.open(out / f).size == (64, 64)
+    assert Image.open(out / "grid.png").size == (128, 128)
+    # the sidecar reproduces the images
+    again = tmp_path / "again"
+    assert generate([a if a != str(out) else str(again) for a in args]) == 0
+    for f in files:
+        assert (out / f).read_bytes() == (again / f).read_bytes()
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--tiny", "--num-images", "0"], "--num-images"),
+    (["--tiny"], "at least one prompt"),
+    (["", "--tiny"], "empty"),
+    (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
+])
+def test_generate_bad_input(args, match, capsys, tmp_path):
+    with pytest.raises((SystemExit, ValueError)) as e:
+        generate(args + ["--out", str(tmp_path)])
+    text = str(e.value) + capsys.readouterr().err
+    assert match in text
+
+
+def test_generate_prompts_file_errors(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"a red circle\n\xff\xfe bad\n")
+    with pytest.raises(SystemExit):
+        generate(["--prompts-file", str(f), "--tiny", "--out", str(tmp_path)])
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_cli_dispatch(capsys):
+    assert cli.main([]) == 0 and "generate" in capsys.readouterr().out
+    assert cli.main(["generat"]) == 2 and "did you mean 'generate'" in capsys.readouterr().err
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip()
+    for name in cli.COMMANDS:
+        __import__(cli.COMMANDS[name][0])  # every subcommand module exists and imports
+
+
+def test_console_script_installed():
+    proc = subprocess.run([sys.executable, "-m", "unclip.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "train-decoder" in proc.stdout
