@@ -166,3 +166,13 @@ def test_decode_checks_embeddings(tiny_pipe):
         tiny_pipe.decode(torch.zeros(2, 7), progress=False)
     with pytest.raises(ValueError, match="NaN"):
         tiny_pipe.decode(torch.full((1, 32), float("nan")), progress=False)
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim", "dpm++", "unclip"])
+def test_every_sampler_runs_every_stage(tiny_pipe, sampler):
+    s = {"prior": {"scheduler": sampler, "steps": 3}, "decoder": {"scheduler": sampler, "steps": 3},
+         "upsamplers": {"scheduler": sampler, "steps": 2}}
+    a = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1], return_intermediates=True)
+    b = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1])
+    assert torch.isfinite(a.images).all() and torch.equal(a.images, b.images)
+    assert a.stage_images["sr64"].shape == (1, 3, 64, 64)

@@ -82,7 +82,8 @@ def test_exported_components_generate(trained, tmp_path):
 
 def test_checkpoints_keep_last_and_sample_grid(tmp_path):
     assert train("decoder", tmp_path / "r", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=2",
-                 "train.sample_every=3") == 0
+                 "train.sample_every=3", "train.trackers=[tensorboard]") == 0
+    assert list((tmp_path / "r" / "logs").rglob("events.out.tfevents*"))  # TensorBoard tracker wrote events
     names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert names == ["step_00000004", "step_00000006"]
     assert sorted(p.name for p in (tmp_path / "r" / "samples").iterdir()) == ["step_00000003.png", "step_00000006.png"]
@@ -119,12 +120,13 @@ def test_accumulation_matches_big_batch(tmp_path):
     assert init_changed == pytest.approx(metrics(tmp_path / "big")[-2]["loss"], rel=1e-4)
 
 
-def test_two_process_torchrun_gloo(tmp_path):
+@pytest.mark.parametrize("powersgd", [0, 1])
+def test_two_process_torchrun_gloo(tmp_path, powersgd):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
            str(ROOT / "train_decoder.py"), str(CFG["decoder"]), f"train.output_dir={out}", "train.max_steps=3",
-           "train.progress=false"]
+           "train.progress=false", f"train.powersgd_rank={powersgd}", "train.powersgd_start_step=2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sums = json.loads((out / "rank_checksums.json").read_text())
@@ -163,6 +165,14 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path):
                  "data.shuffle_buffer=1", "train.max_steps=2") == 0
     last = metrics(tmp_path / "r")[-1]
     assert last["skipped_data_total"] == 2
+
+
+def test_gradient_checkpointing_gives_the_same_training(tmp_path):
+    common = ["train.max_steps=2", "train.ema=false", "train.warmup_steps=0"]
+    assert train("decoder", tmp_path / "a", *common) == 0
+    assert train("decoder", tmp_path / "b", *common, "train.gradient_checkpointing=true") == 0
+    a, b = weights(tmp_path / "a" / "final" / "decoder"), weights(tmp_path / "b" / "final" / "decoder")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
 def test_nonfinite_steps_are_skipped_then_stop(tmp_path):

@@ -160,10 +160,15 @@ class DataConfig:
     ``source``: ``shapes`` (generated on the fly), ``folder`` (images + same-stem ``.txt`` captions),
     ``webdataset`` (img2dataset tar shards, local paths, brace patterns or ``pipe:`` URLs) or
     ``embeddings`` (precomputed ``.npy`` shards written by ``unclip embed``; prior only).
+    ``embeddings_path``: with ``source`` ``webdataset`` or ``folder``, the ``unclip embed`` output for exactly
+    those images; each sample then carries its precomputed ``image_embed``/``text_embed`` (matched by key,
+    tar shard ``i`` ↔ embedding shard ``i``) instead of running CLIP on it, and the shards are checked to
+    line up (``ValueError`` naming the shard and key otherwise); see :mod:`unclip.data.paired`.
     """
 
     source: Literal["shapes", "folder", "webdataset", "embeddings"] = "shapes"
     path: Optional[str] = None
+    embeddings_path: Optional[str] = None
     resolution: int = 64
     batch_size: int = 8
     num_workers: int = 0
@@ -176,7 +181,13 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """The optimisation recipe: AdamW, linear warmup then cosine decay to ``min_lr``, clipping, EMA."""
+    """The optimisation recipe: AdamW, linear warmup then cosine decay to ``min_lr``, clipping, EMA.
+
+    ``grad_accum_steps`` micro-batches of ``data.batch_size`` per process make one optimizer step.
+    ``powersgd_rank > 0`` compresses DDP gradients with PowerSGD of that rank (Accelerate's DDP comm hook)
+    after ``powersgd_start_step`` steps of plain all-reduce. ``max_consecutive_nonfinite``: training stops
+    after that many optimizer steps in a row were skipped for a non-finite loss or gradient.
+    """
 
     output_dir: str = "runs/experiment"
     seed: int = 0
@@ -197,6 +208,7 @@ class TrainConfig:
     image_embed_drop_prob: float = 0.1
     gradient_checkpointing: bool = False
     powersgd_rank: int = 0
+    powersgd_start_step: int = 1000
     checkpoint_every: int = 1000
     keep_last: int = 3
     log_every: int = 10

@@ -129,7 +129,8 @@ class TrainingRun:
         if t.powersgd_rank > 0:
             handlers.append(DistributedDataParallelKwargs(
                 comm_hook=DDPCommunicationHookType.POWER_SGD,
-                comm_state_option={"matrix_approximation_rank": t.powersgd_rank}))
+                comm_state_option={"matrix_approximation_rank": t.powersgd_rank,
+                                   "start_powerSGD_iter": max(2, t.powersgd_start_step)}))
         trackers = [x for x in t.trackers if x]
         # a second run in the same process (tests, notebooks) may use another precision: Accelerate keeps
         # its settings in a process-wide singleton, so start it afresh (the process group is kept)
