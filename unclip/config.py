@@ -254,6 +254,10 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+_SCALARS = {bool: ("true or false", (bool,)), int: ("an integer", (int,)), float: ("a number", (int, float)),
+            str: ("a string", (str,))}
+
+
 def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
     """Check ``value`` against annotation ``tp`` and convert it (nested dataclasses, int→float)."""
     origin = typing.get_origin(tp)
@@ -296,22 +300,11 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: '{where}' must be a mapping, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{source}: '{where}' must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: '{where}' must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{source}: '{where}' must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{source}: '{where}' must be a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        what, accepted = _SCALARS[tp]
+        if not isinstance(value, accepted) or (tp is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{source}: '{where}' must be {what}, got {value!r}")
+        return float(value) if tp is float else value
     raise TypeError(f"unsupported annotation {tp!r} at {where}")  # internal: schema bug
 
 

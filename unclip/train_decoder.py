@@ -167,16 +167,7 @@ def main(argv=None) -> int:
             path = run.out / "samples" / f"step_{run.state.step + 1:08d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
             sample_grid(run, clip, first, null).save(path)
-    if not run.finished:
-        run.finish()
-        return 0
-    meta = {"stage": cfg.stage, "name": name, "diffusion": to_dict(cfg.diffusion), "sampling": to_dict(cfg.sample)}
-    out = run.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
-    if run.accelerator.is_main_process:
-        clip.save_pretrained(out.parent / "clip")
-        print(f"exported {name} to {out}")
-    run.finish()
-    return 0
+    return run.complete(name, clip)
 
 
 if __name__ == "__main__":

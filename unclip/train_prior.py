@@ -106,16 +106,7 @@ def main(argv=None) -> int:
                 gens = run.generators(len(batch["caption"]))
                 loss = prior_loss(model, batch, clip, null, gens, cfg, noise_sched, run.device)
                 run.backward(loss)
-    if not run.finished:
-        run.finish()
-        return 0
-    meta = {"stage": "prior", "name": "prior", "diffusion": to_dict(cfg.diffusion), "sampling": to_dict(cfg.sample)}
-    out = run.export("prior", lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
-    if run.accelerator.is_main_process:
-        clip.save_pretrained(out.parent / "clip")
-        print(f"exported prior to {out}")
-    run.finish()
-    return 0
+    return run.complete("prior", clip)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 from .config import StageConfig, load_config, save_config, to_yaml
+from .config import to_dict as _to_dict
 
 __all__ = ["TrainingRun", "warmup_cosine", "sample_generators", "stage_argparser", "load_stage_config",
            "NonFiniteError", "STAGE_META_FILE"]
@@ -358,6 +359,20 @@ class TrainingRun:
                     self.ema.restore(self.trainable)
         acc.wait_for_everyone()
         return target
+
+    def complete(self, name: str, clip) -> int:
+        """End the run: if ``max_steps`` was reached, export ``final/<name>`` (EMA weights, with the stage's
+        diffusion and sampling settings) and ``final/clip``; then close trackers. Returns the exit code."""
+        if self.finished:
+            cfg = self.cfg
+            meta = {"stage": cfg.stage, "name": name, "diffusion": _to_dict(cfg.diffusion),
+                    "sampling": _to_dict(cfg.sample)}
+            out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
+            if self.accelerator.is_main_process:
+                clip.save_pretrained(out.parent / "clip")
+                print(f"exported {name} to {out}")
+        self.finish()
+        return 0
 
     def parameter_checksums(self) -> list[float]:
         """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
