@@ -48,6 +48,10 @@ def make_stream(data: DataConfig, *, resolution: int, seed: int, rank: int, worl
                 start: int = 0, **worker) -> Iterable[dict]:
     """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if given),
     starting after ``start`` consumed samples."""
+    if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
+        from .paired import paired_stream
+
+        return paired_stream(data, resolution, seed=seed, rank=rank, world_size=world_size, start=start, **worker)
     if data.source == "shapes":
         return ShapesStream(data.shapes_resolution or resolution, seed=data.shapes_seed, split=data.shapes_split,
                             two_object_prob=data.shapes_two_object_prob, rank=rank, world_size=world_size,
@@ -77,6 +81,9 @@ def make_batches(data: DataConfig, *, resolution: int, seed: int, rank: int, wor
     from functools import partial
 
     from .sources import StreamDataset
+
+    if data.embeddings_path:  # check the pairing now, before the workers start (they reuse the cached check)
+        make_stream(data, resolution=resolution, seed=seed, rank=rank, world_size=world_size)
 
     def factory(start: int, worker: int, num_workers: int):
         return make_stream(data, resolution=resolution, seed=seed, rank=rank, world_size=world_size, start=start,
