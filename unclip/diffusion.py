@@ -150,7 +150,8 @@ def sample_loop(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], s
                 num_steps: int, guidance_scale: float, generator: Generator = None,
                 device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
                 latents: Optional[torch.Tensor] = None, learned_variance: bool = False,
-                progress: bool = True, desc: str = "sampling") -> torch.Tensor:
+                progress: bool = True, desc: str = "sampling",
+                autocast_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Run the reverse process from noise ``x_T`` of ``shape`` and return ``x_0``.
 
     ``denoise(x_in, t)`` returns the model output for ``x_in``; when ``guidance_scale != 1`` ``x_in`` is
@@ -158,6 +159,8 @@ def sample_loop(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], s
     prepared once (see :func:`is_guided`). ``generator`` (one, or a list with one per batch element)
     draws the initial noise and any noise the scheduler adds, so a seed reproduces the result and a
     list of per-image generators gives the same images whether they are sampled together or alone.
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs only ``denoise`` under ``torch.autocast``; its output
+    is cast back to ``dtype`` so guidance and the scheduler step stay in full precision.
     """
     guided = is_guided(guidance_scale)
     scheduler.set_timesteps(num_steps, device=device)
@@ -171,7 +174,12 @@ def sample_loop(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], s
     for i, t in enumerate(tqdm(timesteps, desc=desc, disable=not progress, leave=False)):
         x_in = torch.cat([x, x]) if guided else x
         x_in = scheduler.scale_model_input(x_in, t)
-        out = denoise(x_in, t)
+        if autocast_dtype is None:
+            out = denoise(x_in, t)
+        else:
+            with torch.autocast(torch.device(device).type, dtype=autocast_dtype):
+                out = denoise(x_in, t)
+            out = out.to(x.dtype)
         var = None
         if learned_variance:
             out, var = out.split(channels, dim=1)

@@ -119,6 +119,7 @@ class UnCLIPPipeline:
         for m in self.modules().values():
             m.eval()
         self._null_text: Optional[TextEncoding] = None
+        self._autocast_dtype: Optional[torch.dtype] = None
 
     # ------------------------------------------------------------------ structure
     @property
@@ -149,11 +150,53 @@ class UnCLIPPipeline:
         mods.update(zip(self.upsampler_names, self.upsamplers))
         return mods
 
-    def to(self, device=None, dtype=None) -> "UnCLIPPipeline":
+    def to(self, device=None, dtype=None, memory_format=None) -> "UnCLIPPipeline":
+        """Move every component; ``memory_format=torch.channels_last`` stores the image networks' conv
+        weights NHWC, which makes their activations NHWC too (faster convolutions on CPUs with oneDNN,
+        same results to float rounding; see benchmarks/README.md)."""
         kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         for m in self.modules().values():
             m.to(**kwargs)
+        if memory_format is not None:
+            for m in [self.decoder, *self.upsamplers]:
+                m.to(memory_format=memory_format)
         self._null_text = None
+        return self
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """``None`` (default: full precision) or ``torch.bfloat16``/``torch.float16``: run every denoising
+        network call under ``torch.autocast`` in that dtype. Weights, latents, guidance and the scheduler
+        stay in the pipeline's dtype. On CPUs with native bf16 (AVX512-BF16/AMX) this is faster and changes
+        images slightly (see benchmarks/README.md)."""
+        return self._autocast_dtype
+
+    @autocast_dtype.setter
+    def autocast_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"autocast_dtype must be None or a torch.dtype, got {type(dtype).__name__}")
+        if dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {dtype}")
+        self._autocast_dtype = dtype
+
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        """The networks called once per sampling step (prior transformer, decoder UNet, upsampler UNets)."""
+        nets = {}
+        if self.prior is not None:
+            nets["prior"] = self.prior.transformer
+        nets["decoder"] = self.decoder.unet
+        for name, up in zip(self.upsampler_names, self.upsamplers):
+            nets[name] = up.unet
+            if up.final_unet is not None:
+                nets[f"{name}.final"] = up.final_unet
+        return nets
+
+    def compile(self, **kwargs) -> "UnCLIPPipeline":
+        """``torch.compile`` every network in :meth:`denoisers` in place (``kwargs`` go to ``torch.compile``,
+        e.g. ``mode="max-autotune"``); weights and state-dict names are unchanged. The first call of each
+        stage compiles (minutes for a mid-size UNet on a CPU); see benchmarks/README.md for when it pays."""
+        for net in self.denoisers().values():
+            net.compile(**kwargs)
         return self
 
     def _check_components(self) -> None:
@@ -341,7 +384,8 @@ class UnCLIPPipeline:
         sched = self._scheduler("prior", s)
         x = sample_loop(lambda x_in, t: self.prior(x_in, t, cond), (batch, self.clip.embed_dim), sched,
                         num_steps=s.steps, guidance_scale=s.guidance_scale, generator=gen, device=self.device,
-                        dtype=self.prior.dtype, latents=latents, progress=progress, desc="prior")
+                        dtype=self.prior.dtype, latents=latents, progress=progress, desc="prior",
+                        autocast_dtype=self.autocast_dtype)
         cands = self.prior.denormalize(x.float()).view(b * n, N, -1)
         text_embed = text.text_embed.repeat_interleave(n, dim=0).to(cands)
         scores = (F.normalize(cands, dim=-1) * text_embed[:, None]).sum(-1)  # [B·n, N]
@@ -376,7 +420,8 @@ class UnCLIPPipeline:
         x = sample_loop(lambda x_in, t: self.decoder(x_in, t, cond=cond), (b, 3, size, size), sched,
                         num_steps=s.steps, guidance_scale=s.guidance_scale, generator=generator,
                         device=self.device, dtype=self.decoder.dtype, latents=latents,
-                        learned_variance=self.decoder.config.learned_variance, progress=progress, desc="decoder")
+                        learned_variance=self.decoder.config.learned_variance, progress=progress, desc="decoder",
+                        autocast_dtype=self.autocast_dtype)
         return x.float().clamp(-1, 1)
 
     @torch.no_grad()
@@ -419,7 +464,8 @@ class UnCLIPPipeline:
             return up(x_in, t, low_up, levels, final_step=final)
 
         x = sample_loop(denoise, (b, 3, size, size), sched, num_steps=s.steps, guidance_scale=s.guidance_scale,
-                        generator=generator, device=self.device, dtype=up.dtype, progress=progress, desc=name)
+                        generator=generator, device=self.device, dtype=up.dtype, progress=progress, desc=name,
+                        autocast_dtype=self.autocast_dtype)
         return x.float().clamp(-1, 1)
 
     # ------------------------------------------------------------------ composed

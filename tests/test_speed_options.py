@@ -1,0 +1,177 @@
+"""Speed options of ``UnCLIPPipeline`` leave results unchanged (within stated tolerances), and the
+sampling loop does the work once: conditioning once per call, guided + unguided passes in one batch.
+
+Timing is measured in ``benchmarks/`` (see benchmarks/README.md), never asserted here.
+
+Tolerances:
+* ``pipe.to(memory_format=torch.channels_last)``: images within 1e-4 (float rounding of NHWC convolutions).
+* ``pipe.compile()`` (inductor): prior embeddings within 1e-5 (only the prior is compiled here: compiling
+  the UNets takes minutes on a CPU; benchmarks/bench_compile.py measures them).
+* ``pipe.autocast_dtype = torch.bfloat16``: every network's first output (same input) within 3% relative
+  L2 error, prior embeddings within 0.05 absolute. End-to-end images of *random* networks are not
+  compared: an epsilon-predicting step at t = T divides the error by sqrt(alpha_bar_T), so any rounding
+  change flips clipped pixels of an untrained decoder.
+"""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from unclip.pipeline import UnCLIPPipeline
+from unclip.tiny import tiny_pipeline
+
+PROMPTS = ["a red circle", "a blue square"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is several times faster than two on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _images(pipe, **kw):
+    return pipe(PROMPTS, generator=_gen(), output_type="pt", progress=False, return_intermediates=True, **kw)
+
+
+def _record_first_outputs(pipe):
+    """Forward hooks on every denoising network: first output and whether autocast was on inside."""
+    seen, handles = {}, []
+    for name, net in pipe.denoisers().items():
+        def hook(module, args, out, name=name):
+            if name not in seen:
+                out = out[0]  # the pipeline calls every network with return_dict=False
+                seen[name] = (out.detach().float().clone(), torch.is_autocast_enabled("cpu"),
+                              torch.get_autocast_dtype("cpu"))
+        handles.append(net.register_forward_hook(hook))
+    return seen, handles
+
+
+# ------------------------------------------------------------------------------------------ autocast
+def test_full_precision_is_the_default():
+    pipe = tiny_pipeline(seed=0)
+    assert pipe.autocast_dtype is None
+    seen, handles = _record_first_outputs(pipe)
+    _images(pipe)
+    for h in handles:
+        h.remove()
+    assert set(seen) == set(pipe.denoisers())
+    assert all(not enabled and out.dtype == torch.float32 for out, enabled, _ in seen.values())
+
+
+def _stage_first_outputs(pipe):
+    """Each stage run alone from the same inputs: first output of every network, and the prior's embeddings."""
+    seen, handles = _record_first_outputs(pipe)
+    embeds = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)
+    pipe.decode(torch.randn(len(PROMPTS), pipe.clip.embed_dim, generator=_gen(1)), PROMPTS, generator=_gen(),
+                progress=False)
+    for name, up in zip(pipe.upsampler_names, pipe.upsamplers):
+        low = torch.rand(len(PROMPTS), 3, up.config.low_res_size, up.config.low_res_size, generator=_gen(2)) * 2 - 1
+        pipe.upsample(low, generator=_gen(), stages=[name], progress=False)
+    for h in handles:
+        h.remove()
+    return seen, embeds
+
+
+def test_bf16_autocast_within_tolerance():
+    pipe = tiny_pipeline(seed=0)
+    ref_seen, ref_embeds = _stage_first_outputs(pipe)
+    ref = _images(pipe)
+
+    pipe.autocast_dtype = torch.bfloat16
+    seen, embeds = _stage_first_outputs(pipe)
+    out = _images(pipe)
+    assert set(seen) == set(ref_seen) == set(pipe.denoisers())
+    for name, (o, enabled, dtype) in seen.items():
+        assert enabled and dtype == torch.bfloat16, name  # the option is in effect inside every network
+        r = ref_seen[name][0]
+        rel = float((o - r).norm() / r.norm())
+        assert 0 < rel <= 0.03, (name, rel)  # changed (bf16 really used) but only by bf16 rounding
+    assert float((embeds - ref_embeds).abs().max()) <= 0.05
+    # weights, latents and outputs stay fp32; images valid
+    assert pipe.decoder.dtype == torch.float32 and out.images.dtype == torch.float32
+    assert out.images.shape == ref.images.shape and torch.isfinite(out.images).all()
+    assert 0 <= float(out.images.min()) and float(out.images.max()) <= 1
+    pipe.autocast_dtype = None  # back to exactly the fp32 results
+    torch.testing.assert_close(_images(pipe).images, ref.images, atol=0, rtol=0)
+
+
+def test_autocast_dtype_is_validated():
+    pipe = tiny_pipeline(seed=0)
+    with pytest.raises(ValueError, match="bfloat16"):
+        pipe.autocast_dtype = torch.float32
+    with pytest.raises(TypeError, match="torch.dtype"):
+        pipe.autocast_dtype = "bf16"
+    assert pipe.autocast_dtype is None
+
+
+# ------------------------------------------------------------------------------------------ channels-last
+def test_channels_last_same_images():
+    pipe = tiny_pipeline(seed=0)
+    ref = _images(pipe)
+    pipe.to(memory_format=torch.channels_last)
+    for net in [pipe.decoder.unet, *(u.unet for u in pipe.upsamplers)]:
+        assert net.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    out = _images(pipe)
+    assert float((out.images - ref.images).abs().max()) <= 1e-4
+    for stage, img in ref.stage_images.items():
+        assert float((out.stage_images[stage] - img).abs().max()) <= 1e-4, stage
+    with tempfile.TemporaryDirectory() as tmp:  # saving channels-last weights round-trips
+        pipe.save_pretrained(tmp)
+        again = _images(UnCLIPPipeline.from_pretrained(tmp))
+    assert float((again.images - ref.images).abs().max()) <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------ compile
+def test_compile_keeps_weights_and_results():
+    pipe = tiny_pipeline(seed=0)
+    keys = {n: list(m.state_dict()) for n, m in pipe.modules().items()}
+    ref = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)
+    assert pipe.compile() is pipe
+    assert all(net._compiled_call_impl is not None for net in pipe.denoisers().values())
+    assert {n: list(m.state_dict()) for n, m in pipe.modules().items()} == keys  # no "_orig_mod." prefixes
+    out = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)  # compiles the prior (inductor)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ work done once
+def test_conditioning_once_and_guidance_batched(monkeypatch):
+    pipe = tiny_pipeline(seed=0)
+    steps = {"prior": 4, "decoder": 5}
+    sampling = {"prior": {"steps": steps["prior"], "guidance_scale": 2.0, "best_of": 2},
+                "decoder": {"steps": steps["decoder"], "guidance_scale": 2.0},
+                "upsamplers": {"steps": 3, "guidance_scale": 1.0}}
+    calls = {"condition": 0, "encode_text": 0}
+    condition, encode_text = pipe.decoder.condition, pipe.clip.encode_text
+
+    def counted_condition(*a, **k):
+        calls["condition"] += 1
+        return condition(*a, **k)
+
+    def counted_encode_text(*a, **k):
+        calls["encode_text"] += 1
+        return encode_text(*a, **k)
+
+    monkeypatch.setattr(pipe.decoder, "condition", counted_condition)
+    monkeypatch.setattr(pipe.clip, "encode_text", counted_encode_text)
+    batches = {name: [] for name in pipe.denoisers()}
+    handles = [net.register_forward_pre_hook(lambda m, a, k, name=name: batches[name].append(
+        (a[0] if a else next(iter(k.values()))).shape[0]), with_kwargs=True)
+        for name, net in pipe.denoisers().items()]
+    pipe(PROMPTS, generator=_gen(), sampling=sampling, output_type="pt", progress=False)
+    for h in handles:
+        h.remove()
+    b = len(PROMPTS)
+    assert calls["condition"] == 1  # decoder conditioning: once per call, not per step
+    assert calls["encode_text"] == 2  # the prompts, and the empty caption once (cached afterwards)
+    assert batches["prior"] == [2 * b * 2] * steps["prior"]  # [uncond; cond] × best_of in ONE pass per step
+    assert batches["decoder"] == [2 * b] * steps["decoder"]
+    assert batches["sr32"] == [b] * 3 and batches["sr64"] == [b] * 3  # guidance 1: no unconditional pass
