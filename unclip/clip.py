@@ -29,7 +29,7 @@ import unicodedata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F

@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 from .clip import FrozenCLIP, TextEncoding, check_prompts
 from .config import DiffusionConfig, SamplerConfig, from_dict, to_dict
 from .decoder import UnCLIPDecoder, UnCLIPUpsampler, upsample_low_res
 from .diffusion import Generator, check_sampling_args, is_guided, make_scheduler, sample_loop, training_scheduler
 from .prior import UnCLIPPrior
+from .pipeline_utils import (BUNDLED, DEFAULT_MODEL, PIPELINE_FILE, as_image_input, bundled_model_path, check_count,
+                             check_embeds, check_output_type, expand_generator, load_components, slerp,
+                             stage_kind, to_output)
 
 __all__ = ["UnCLIPPipeline", "UnCLIPOutput", "slerp", "PIPELINE_FILE", "DEFAULT_SAMPLING"]
 
-PIPELINE_FILE = "unclip.json"
 FORMAT_VERSION = 1
 
 DEFAULT_SAMPLING = {
@@ -68,33 +68,6 @@ class UnCLIPOutput:
     stage_images: dict = field(default_factory=dict)
 
 
-def slerp(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
-    """Spherical interpolation between ``a`` and ``b`` (``[..., D]``) at weight ``w ∈ [0, 1]``."""
-    an, bn = F.normalize(a.float(), dim=-1), F.normalize(b.float(), dim=-1)
-    omega = torch.acos((an * bn).sum(-1, keepdim=True).clamp(-1 + 1e-7, 1 - 1e-7))
-    so = torch.sin(omega)
-    out = torch.sin((1 - w) * omega) / so * a.float() + torch.sin(w * omega) / so * b.float()
-    small = omega.abs() < 1e-4
-    return torch.where(small, (1 - w) * a.float() + w * b.float(), out)
-
-
-def _expand_generator(generator: Generator, batch: int, repeat: int, what: str) -> Generator:
-    """One generator per final batch element (or a single shared one)."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return generator
-    gens = list(generator)
-    if len(gens) == batch:
-        return [g for g in gens for _ in range(repeat)]
-    if len(gens) == batch * repeat:
-        return gens
-    raise ValueError(f"{what}: got {len(gens)} generators for {batch} prompts × {repeat} images; pass one "
-                     f"generator, one per prompt, or one per image")
-
-
-def _stage_kind(name: str) -> str:
-    return "upsampler" if name.startswith("sr") else name
-
-
 class UnCLIPPipeline:
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
@@ -110,7 +83,7 @@ class UnCLIPPipeline:
         self.diffusion: dict[str, DiffusionConfig] = {}
         self.sampling: dict[str, SamplerConfig] = {}
         for name in self.stage_names:
-            kind = _stage_kind(name)
+            kind = stage_kind(name)
             d = (diffusion or {}).get(name, DEFAULT_DIFFUSION[kind])
             s = (sampling or {}).get(name, DEFAULT_SAMPLING[kind])
             self.diffusion[name] = d if isinstance(d, DiffusionConfig) else from_dict(DiffusionConfig, d, prefix=f"diffusion.{name}")
@@ -287,36 +260,8 @@ class UnCLIPPipeline:
                         upsamplers: Sequence[Union[str, os.PathLike]] = ()) -> "UnCLIPPipeline":
         """Assemble a pipeline from component folders exported by the training commands
         (``<output_dir>/final/<name>``, each with ``config.json``, weights and ``unclip_stage.json``)."""
-        diffusion, sampling = {}, {}
-
-        def meta(folder, expected):
-            folder = Path(folder)
-            if not (folder / "config.json").is_file():
-                raise FileNotFoundError(f"{expected} component folder {folder} has no config.json")
-            m = folder / "unclip_stage.json"
-            data = json.loads(m.read_text()) if m.is_file() else {}
-            if data and data.get("stage") != expected:
-                raise ValueError(f"{folder} holds a {data.get('stage')!r} component, expected {expected!r}")
-            return folder, data
-
-        clip_m = FrozenCLIP.from_pretrained(clip)
-        prior_m = None
-        if prior is not None:
-            folder, data = meta(prior, "prior")
-            prior_m = UnCLIPPrior.from_pretrained(folder)
-            diffusion["prior"], sampling["prior"] = data.get("diffusion", DEFAULT_DIFFUSION["prior"]), data.get("sampling", DEFAULT_SAMPLING["prior"])
-        folder, data = meta(decoder, "decoder")
-        dec = UnCLIPDecoder.from_pretrained(folder)
-        diffusion["decoder"], sampling["decoder"] = data.get("diffusion", DEFAULT_DIFFUSION["decoder"]), data.get("sampling", DEFAULT_SAMPLING["decoder"])
-        ups = []
-        for u in upsamplers:
-            folder, data = meta(u, "upsampler")
-            up = UnCLIPUpsampler.from_pretrained(folder)
-            name = f"sr{up.config.sample_size}"
-            diffusion[name] = data.get("diffusion", DEFAULT_DIFFUSION["upsampler"])
-            sampling[name] = data.get("sampling", DEFAULT_SAMPLING["upsampler"])
-            ups.append(up)
-        pipe = cls(clip_m, prior_m, dec, ups, diffusion=diffusion, sampling=sampling)
+        parts = load_components(clip, decoder, prior, upsamplers, DEFAULT_DIFFUSION, DEFAULT_SAMPLING)
+        pipe = cls(*parts)
         for m in pipe.modules().values():
             m.eval().requires_grad_(False)
         return pipe
@@ -337,7 +282,7 @@ class UnCLIPPipeline:
         return s
 
     def _scheduler(self, stage: str, s: SamplerConfig):
-        kind = _stage_kind(stage)
+        kind = stage_kind(stage)
         learned = kind == "decoder" and self.decoder.config.learned_variance
         clip_range = self.prior_clip_range if kind == "prior" else 1.0
         return make_scheduler(s.scheduler, self.diffusion[stage], clip_sample_range=clip_range,
@@ -371,9 +316,9 @@ class UnCLIPPipeline:
             raise ValueError("this pipeline has no prior; pass image embeddings to decode() directly")
         s = self._settings("prior", sampling)
         text = self._as_text(text)
-        n, N = _check_count(num_images_per_prompt), s.best_of
+        n, N = check_count(num_images_per_prompt), s.best_of
         b = len(text)
-        gen = _expand_generator(generator, b, n * N, "sample_image_embeds")
+        gen = expand_generator(generator, b, n * N, "sample_image_embeds")
         cond = text.repeat_interleave(n * N).to(device=self.device)
         batch = b * n * N
         if is_guided(s.guidance_scale):
@@ -399,7 +344,7 @@ class UnCLIPPipeline:
         """Decoder: ``image_embed [B, D]`` (+ optional captions/TextEncoding with B rows) → ``[B, 3, s, s]``
         in [-1, 1] at the decoder's resolution. Without text the empty caption is used."""
         s = self._settings("decoder", sampling)
-        image_embed = _check_embeds(image_embed, self.clip.embed_dim)
+        image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
         text = self.null_text(b) if text is None else self._as_text(text)
         if len(text) != b:
@@ -483,12 +428,12 @@ class UnCLIPPipeline:
         ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]`` in [0, 1]).
         """
         prompts = check_prompts(prompt)
-        _check_output_type(output_type)
-        n, k = _check_count(num_images_per_prompt), _check_count(rerank_candidates, "rerank_candidates")
+        check_output_type(output_type)
+        n, k = check_count(num_images_per_prompt), check_count(rerank_candidates, "rerank_candidates")
         for stage in self.stage_names:
             self._settings(stage, sampling)  # validate everything before any compute
         text = self.encode_text(prompts)
-        gen = _expand_generator(generator, len(prompts), n * k, "generator")
+        gen = expand_generator(generator, len(prompts), n * k, "generator")
         text_k = text.repeat_interleave(n * k)
         embeds = self.sample_image_embeds(text_k, 1, gen, sampling, progress=progress)
         small = self.decode(embeds, text_k, gen, sampling, progress=progress)
@@ -511,14 +456,14 @@ class UnCLIPPipeline:
     def variations(self, image, num_images: int = 1, generator: Generator = None, caption: Optional[str] = None,
                    sampling: Optional[dict] = None, output_type: str = "pil", progress: bool = True) -> UnCLIPOutput:
         """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1)."""
-        _check_output_type(output_type)
-        n = _check_count(num_images, "num_images")
-        embed = self.clip.encode_image(_as_image_input(image))
+        check_output_type(output_type)
+        n = check_count(num_images, "num_images")
+        embed = self.clip.encode_image(as_image_input(image))
         if embed.shape[0] != 1:
             raise ValueError("variations takes one image; call it once per image")
         embeds = embed.repeat(n, 1)
         text = self.encode_text([caption] * n) if caption is not None else None
-        gen = _expand_generator(generator, 1, n, "generator")
+        gen = expand_generator(generator, 1, n, "generator")
         small = self.decode(embeds, text, gen, sampling, progress=progress)
         final = self.upsample(small, gen, sampling, progress=progress)
         return UnCLIPOutput(to_output(final, output_type), embeds)
@@ -531,8 +476,8 @@ class UnCLIPPipeline:
         Prompts go through the prior first. Every frame is decoded from the same initial noise so the
         frames differ only by the embedding.
         """
-        _check_output_type(output_type)
-        if _check_count(num_steps, "num_steps") < 2:
+        check_output_type(output_type)
+        if check_count(num_steps, "num_steps") < 2:
             raise ValueError("interpolate: num_steps must be >= 2")
         seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
         ends = []
@@ -540,7 +485,7 @@ class UnCLIPPipeline:
             if isinstance(x, str):
                 ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, progress=progress))
             else:
-                ends.append(self.clip.encode_image(_as_image_input(x)))
+                ends.append(self.clip.encode_image(as_image_input(x)))
         ws = torch.linspace(0, 1, num_steps)
         embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=seed_gen))
@@ -548,58 +493,3 @@ class UnCLIPPipeline:
         small = self.decode(embeds, None, gens, sampling, progress=progress)
         final = self.upsample(small, gens, sampling, progress=progress)
         return UnCLIPOutput(to_output(final, output_type), embeds)
-
-
-# --------------------------------------------------------------------------------------------------
-def _check_count(n, what="num_images_per_prompt") -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {n!r}")
-    return n
-
-
-def _check_output_type(output_type: str) -> None:
-    if output_type not in ("pil", "np", "pt"):
-        raise ValueError(f"output_type must be 'pil', 'np' or 'pt', got {output_type!r}")
-
-
-def _check_embeds(image_embed, dim: int) -> torch.Tensor:
-    if not isinstance(image_embed, torch.Tensor) or image_embed.ndim != 2 or image_embed.shape[1] != dim:
-        shape = tuple(image_embed.shape) if isinstance(image_embed, torch.Tensor) else type(image_embed).__name__
-        raise ValueError(f"image_embed must be a tensor [B, {dim}], got {shape}")
-    if not torch.isfinite(image_embed).all():
-        raise ValueError("image_embed contains NaN or inf")
-    return image_embed
-
-
-def _as_image_input(image):
-    if isinstance(image, (str, os.PathLike)):
-        path = Path(image)
-        if not path.is_file():
-            raise FileNotFoundError(f"image file not found: {path}")
-        return Image.open(path).convert("RGB")
-    if isinstance(image, np.ndarray):
-        return Image.fromarray(image.astype(np.uint8)).convert("RGB")
-    return image
-
-
-def to_output(images: torch.Tensor, output_type: str = "pil"):
-    """``[N, 3, H, W]`` in [-1, 1] → PIL list / uint8 array ``[N, H, W, 3]`` / float tensor in [0, 1]."""
-    x = ((images.float().cpu() + 1) / 2).clamp(0, 1)
-    if output_type == "pt":
-        return x
-    arr = (x.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-    return arr if output_type == "np" else [Image.fromarray(a) for a in arr]
-
-
-# bundled models --------------------------------------------------------------------------------
-DEFAULT_MODEL = "shapes"
-BUNDLED = ("shapes",)
-
-
-def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
-    """Folder of a model shipped inside the package (``unclip/models/<name>``)."""
-    path = Path(__file__).parent / "models" / name
-    if not (path / PIPELINE_FILE).is_file():
-        raise FileNotFoundError(f"the bundled model {name!r} is not installed in this package ({path}); "
-                                f"pass a pipeline folder instead (see README: training the shapes model)")
-    return path

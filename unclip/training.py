@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -37,7 +36,7 @@ from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelK
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
-from .config import StageConfig, load_config, save_config, to_yaml
+from .config import StageConfig, load_config, save_config
 from .config import to_dict as _to_dict
 
 __all__ = ["TrainingRun", "warmup_cosine", "sample_generators", "stage_argparser", "load_stage_config",

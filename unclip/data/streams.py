@@ -78,7 +78,6 @@ def make_batches(data: DataConfig, *, resolution: int, seed: int, rank: int, wor
     if data.num_workers <= 0:
         stream = make_stream(data, resolution=resolution, seed=seed, rank=rank, world_size=world_size, start=start)
         return batches(stream, data.batch_size)
-    from functools import partial
 
     from .sources import StreamDataset
 
