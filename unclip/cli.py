@@ -15,6 +15,7 @@ COMMANDS = {
     "make-shapes": ("unclip.data.shapes", "write the procedural shapes dataset (folder or webdataset shards)"),
     "train-prior": ("unclip.train_prior", "train the diffusion prior"),
     "train-decoder": ("unclip.train_decoder", "train the base decoder or an upsampler"),
+    "train-clip": ("unclip.train_clip", "train a small CLIP on the shapes world (contrastive)"),
     "embed": ("unclip.embed", "precompute CLIP embeddings into .npy shards + statistics"),
     "evaluate": ("unclip.evaluate", "FID, CLIP score, CLIP-FID and shapes faithfulness"),
     "convert": ("unclip.convert", "import Karlo/diffusers unCLIP folders, export to diffusers"),

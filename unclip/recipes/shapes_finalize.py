@@ -1,0 +1,54 @@
+"""Finish an assembled shapes pipeline for shipping: default sampling settings + fp16 weights.
+
+    python -m unclip.recipes.shapes_finalize runs/shapes/pipeline --sampling configs/shapes/sampling.yaml
+
+Sets ``unclip.json``'s ``sampling`` from the YAML (``{stage: {scheduler, steps, guidance_scale,
+best_of}}``; stages ``prior``, ``decoder``, ``sr64``, ...) and, with ``--dtype float16`` (default),
+stores every component's safetensors in fp16, halving the size. Loading upcasts: diffusers'
+``ModelMixin.from_pretrained`` builds the model in fp32 and casts the loaded tensors, and
+``FrozenCLIP.from_pretrained`` copies them into an fp32 model, so the pipeline runs in fp32 as usual.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from ..config import SamplerConfig, from_dict
+from ..pipeline import UnCLIPPipeline
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m unclip.recipes.shapes_finalize", description=__doc__.splitlines()[0])
+    p.add_argument("pipeline", help="assembled pipeline folder (rewritten in place unless --out)")
+    p.add_argument("--sampling", required=True, help="YAML with the default sampling settings per stage")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    pipe = UnCLIPPipeline.from_pretrained(args.pipeline)
+    settings = yaml.safe_load(Path(args.sampling).read_text()) or {}
+    for stage, values in settings.items():
+        if stage not in pipe.sampling:
+            raise ValueError(f"{args.sampling}: unknown stage {stage!r}; this pipeline has {pipe.stage_names}")
+        pipe.sampling[stage] = from_dict(SamplerConfig, values, source=args.sampling, prefix=stage)
+    if args.dtype == "float16":
+        for m in pipe.modules().values():
+            m.to(torch.float16)
+    out = Path(args.out or args.pipeline)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({size / 1e6:.1f} MB, {args.dtype}); sampling: "
+          + ", ".join(f"{k}={vars(v)}" for k, v in pipe.sampling.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
