@@ -23,3 +23,12 @@ def tiny_clip(tiny_pipe):
 
 def gens(*seeds):
     return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is several times faster than two on a busy machine (module-wide)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -35,13 +35,7 @@ SAMPLING = {"prior": {"steps": STEPS}, "decoder": {"steps": STEPS}, "upsamplers"
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one thread is several times faster than two on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:

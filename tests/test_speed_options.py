@@ -25,13 +25,7 @@ from unclip.tiny import tiny_pipeline
 PROMPTS = ["a red circle", "a blue square"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is several times faster than two on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed=0):
