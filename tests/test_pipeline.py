@@ -127,6 +127,7 @@ def test_slerp_endpoints_and_norm():
     ({"sampling": {"decoder": {"scheduler": "euler"}}}, ValueError, "unknown sampler 'euler'"),
     ({"sampling": {"prior": {"guidance_scale": -1}}}, ValueError, "guidance scale must be"),
     ({"sampling": {"sr32": {"steps": 0}}}, ValueError, "steps must be an integer >= 1"),
+    ({"sampling": {"decoder": {"scheduler": "unclip", "steps": 1}}}, ValueError, "needs steps >= 2"),
     ({"sampling": {"decoder": {"stepz": 3}}}, ValueError, "unknown sampling setting 'stepz'"),
     ({"num_images_per_prompt": 0}, ValueError, "num_images_per_prompt"),
     ({"output_type": "jpeg"}, ValueError, "output_type"),

@@ -37,6 +37,8 @@ def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: 
         raise ValueError(f"{stage}: unknown sampler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{stage}: steps must be an integer >= 1, got {steps!r}")
+    if scheduler == "unclip" and steps < 2:
+        raise ValueError(f"{stage}: the 'unclip' sampler needs steps >= 2 (got {steps}); use ddim for one step")
     if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
         raise ValueError(f"{stage}: guidance scale must be a number >= 0, got {guidance_scale!r}")
 
