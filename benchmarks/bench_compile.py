@@ -50,19 +50,7 @@ def main(argv=None) -> int:
 
     pipe = models.mid_pipeline()
     steps = {"prior": 25, "decoder": 6, "upsampler": 4}
-    sampling = {"prior": {"steps": steps["prior"]}, "decoder": {"steps": steps["decoder"]},
-                "upsamplers": {"steps": steps["upsampler"]}}
-    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    text = pipe.encode_text(PROMPTS)
-    embeds = pipe.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
-    small = pipe.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
-
-    def stage_fn(p, stage):
-        if stage == "prior":
-            return lambda: p.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
-        if stage == "decoder":
-            return lambda: p.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
-        return lambda: p.upsample(small, generator=g(), sampling=sampling, progress=False)
+    sampling, stage_fn, _ = common.stage_runners(pipe, PROMPTS, steps)
 
     rows = []
     try:

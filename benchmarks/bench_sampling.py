@@ -301,19 +301,8 @@ def bench_options(args, pipe: UnCLIPPipeline) -> dict:
     steps = {"prior": 25, "decoder": 6, "upsampler": 4} if not args.quick else {"prior": 10, "decoder": 2,
                                                                                   "upsampler": 2}
     repeats = args.repeats
-    sampling = {"prior": {"steps": steps["prior"]}, "decoder": {"steps": steps["decoder"]},
-                "upsamplers": {"steps": steps["upsampler"]}}
-    text = pipe.encode_text(PROMPTS * n)
-    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    embeds = pipe.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
-    small = pipe.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
-
-    def stage_fn(p, stage):
-        if stage == "prior":
-            return lambda: p.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
-        if stage == "decoder":
-            return lambda: p.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
-        return lambda: p.upsample(small, generator=g(), sampling=sampling, progress=False)
+    sampling, stage_fn, inputs = common.stage_runners(pipe, PROMPTS * n, steps)
+    text, embeds = inputs["text"], inputs["embeds"]
 
     bf16_weights = copy.deepcopy(pipe).to(dtype=torch.bfloat16)
     cl = copy.deepcopy(pipe).to(memory_format=torch.channels_last)

@@ -174,3 +174,24 @@ def table(rows: list[dict], columns: list[tuple[str, str]], title: str = "") -> 
 
 def log(*args):
     print(*args, file=sys.stderr, flush=True)
+
+
+def stage_runners(pipe, prompts: list, steps: dict):
+    """``(sampling, stage_fn, inputs)`` for timing each stage alone: the stage inputs ``inputs`` (text
+    encoding, image embeddings, base images) are computed once with seed 0, and ``stage_fn(p, stage)`` returns a
+    zero-argument callable that runs ``stage`` (``prior``/``decoder``/``upsampler``) of pipeline ``p``."""
+    sampling = {"prior": {"steps": steps["prior"]}, "decoder": {"steps": steps["decoder"]},
+                "upsamplers": {"steps": steps["upsampler"]}}
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    text = pipe.encode_text(prompts)
+    embeds = pipe.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
+    small = pipe.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
+
+    def stage_fn(p, stage):
+        if stage == "prior":
+            return lambda: p.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
+        if stage == "decoder":
+            return lambda: p.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
+        return lambda: p.upsample(small, generator=g(), sampling=sampling, progress=False)
+
+    return sampling, stage_fn, {"text": text, "embeds": embeds, "small": small}
