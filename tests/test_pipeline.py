@@ -99,6 +99,12 @@ def test_rerank_keeps_best_clip_candidate(tiny_pipe):
     assert kept.images.shape == (1, 3, 64, 64)
     assert len(set(scores.tolist())) == 3
     assert torch.equal(kept.stage_images["decoder"][0], small[int(scores.argmax())])
+    # the decoder's best_of sampling setting is the default number of rerank candidates
+    by_setting = run(tiny_pipe, prompts=prompt, seeds=(7,), sampling={"decoder": {"best_of": 3}})
+    assert torch.equal(by_setting.images, kept.images)
+    assert tiny_pipe.rerank(small, tiny_pipe.encode_text(prompt * 3).text_embed, 1).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="sr32: best_of must be 1 for an upsampler"):
+        run(tiny_pipe, sampling={"upsamplers": {"best_of": 2}})
 
 
 def test_variations_and_interpolation(tiny_pipe, tmp_path):
@@ -177,3 +183,28 @@ def test_every_sampler_runs_every_stage(tiny_pipe, sampler):
     b = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1])
     assert torch.isfinite(a.images).all() and torch.equal(a.images, b.images)
     assert a.stage_images["sr64"].shape == (1, 3, 64, 64)
+
+
+def test_coordinate_channels():
+    from unclip.decoder import coordinate_grid
+
+    grid = coordinate_grid(torch.zeros(2, 3, 4, 8))
+    assert grid.shape == (2, 2, 4, 8)
+    assert torch.allclose(grid[0, 0, 0], (torch.arange(8) + 0.5) / 8 * 2 - 1)  # x varies along the width
+    assert torch.allclose(grid[0, 1, :, 0], (torch.arange(4) + 0.5) / 4 * 2 - 1)  # y along the height
+    assert torch.equal(grid[0, 0], grid[0, 0].flip(-1).neg())  # symmetric about the centre
+
+    pipe = tiny_pipeline(decoder_kwargs=dict(coord_channels=True))
+    dec = pipe.decoder
+    assert dec.unet.conv_in.in_channels == 5
+    x = torch.randn(1, 3, 16, 16)
+    emb = torch.randn(1, pipe.clip.embed_dim)
+    text = pipe.encode_text(["a red circle"])
+    with torch.no_grad():
+        out = dec(x, torch.tensor([10]), emb, text)
+        # the coordinate channels feed the first convolution: without their weights the output changes
+        dec.unet.conv_in.weight[:, 3:] = 0
+        assert not torch.allclose(out, dec(x, torch.tensor([10]), emb, text))
+    assert out.shape == (1, 3, 16, 16)
+    images = pipe("a red circle", generator=gens(1), output_type="pt").images
+    assert images.shape == (1, 3, 64, 64)

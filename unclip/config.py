@@ -101,6 +101,7 @@ class DecoderConfig:
     num_image_tokens: int = 4
     norm_num_groups: int = 32
     use_text_tokens: bool = True
+    coord_channels: bool = False  # x/y coordinate input channels (CoordConv); not in the paper or Karlo
 
 
 @dataclass
@@ -143,8 +144,10 @@ class SamplerConfig:
     """Sampling settings of one stage: scheduler name, number of steps, guidance scale.
 
     ``scheduler`` is one of ``ddpm``, ``ddim``, ``dpm++`` (DPM-Solver++ multistep), ``unclip``.
-    ``best_of`` (prior only) samples that many candidates and keeps the one with the highest dot
-    product with the text embedding (paper: 2).
+    ``best_of``: for the prior, that many embedding candidates per image, keeping the one with the highest
+    dot product with the text embedding (paper: 2); for the decoder, that many base-resolution images per
+    prompt (each from its own prior sample), keeping the one the CLIP scores closest to the prompt before
+    upsampling (CLIP reranking, as DALL-E); upsamplers take 1.
     """
 
     scheduler: str = "ddim"

@@ -347,6 +347,9 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
     elif dc.text_width != dc.embed_dim:
         out.append(f"decoder: text tokens are {dc.text_width} wide but the CLIP embedding is {dc.embed_dim}; "
                    f"diffusers' UnCLIPTextProjModel projects text states of the embedding width")
+    if dc.coord_channels:
+        out.append("decoder: coord_channels=True (x/y coordinate input channels); diffusers' UnCLIPPipeline decoder "
+                   "takes the 3-channel image only")
     if not dc.learned_variance:
         out.append("decoder: learned_variance=False; diffusers' UnCLIPPipeline splits the decoder output into mean "
                    "and variance (out_channels=6, learned_range)")

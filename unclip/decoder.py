@@ -33,10 +33,22 @@ from .clip import TextEncoding
 __all__ = ["UnCLIPDecoder", "UnCLIPUpsampler", "degrade", "gaussian_blur", "upsample_low_res"]
 
 
+def coordinate_grid(x: torch.Tensor) -> torch.Tensor:
+    """``[B, 2, H, W]`` pixel-centre coordinates (x then y, each in (-1, 1)) in ``x``'s dtype and device."""
+    b, _, h, w = x.shape
+    ys = (torch.arange(h, device=x.device, dtype=torch.float32) + 0.5) / h * 2 - 1
+    xs = (torch.arange(w, device=x.device, dtype=torch.float32) + 0.5) / w * 2 - 1
+    grid = torch.stack([xs.view(1, w).expand(h, w), ys.view(h, 1).expand(h, w)])
+    return grid.to(x.dtype).unsqueeze(0).expand(b, -1, -1, -1)
+
+
 class UnCLIPDecoder(ModelMixin, ConfigMixin):
     """Base decoder. ``forward(x_t [B,3,H,W], t, image_embed [B,D], text, drop_image [B]?) → [B,C,H,W]``.
 
     ``C`` is 3 (eps/x_0/v) or 6 with ``learned_variance`` (Karlo's mean + variance interpolation).
+    ``coord_channels``: two fixed input channels with each pixel's x and y coordinate (CoordConv), so the
+    convolutional UNet, which has no positional encoding, knows where in the image it is; this makes
+    "on the left" / "above" learnable far sooner. Off for the paper/Karlo layout.
     """
 
     config_name = "config.json"
@@ -50,12 +62,13 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
                                           "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
                  mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn", attention_head_dim: int = 64,
                  num_image_tokens: int = 4, norm_num_groups: int = 32, cross_attention_dim: Optional[int] = None,
-                 use_text_tokens: bool = True, learned_variance: bool = False):
+                 use_text_tokens: bool = True, learned_variance: bool = False, coord_channels: bool = False):
         super().__init__()
         cross = cross_attention_dim or block_out_channels[-1]
         time_dim = block_out_channels[0] * 4
         self.unet = UNet2DConditionModel(
-            sample_size=sample_size, in_channels=3, out_channels=6 if learned_variance else 3,
+            sample_size=sample_size, in_channels=5 if coord_channels else 3,
+            out_channels=6 if learned_variance else 3,
             down_block_types=tuple(down_block_types), up_block_types=tuple(up_block_types),
             mid_block_type=mid_block_type, block_out_channels=tuple(block_out_channels),
             layers_per_block=layers_per_block, cross_attention_dim=cross, attention_head_dim=attention_head_dim,
@@ -97,7 +110,10 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         if cond is None:
             cond = self.condition(image_embed, text, drop_image)
         tokens, mask, time_add = cond
-        return self.unet(x_t.to(self.dtype), t, encoder_hidden_states=tokens, class_labels=time_add,
+        x = x_t.to(self.dtype)
+        if self.config.coord_channels:
+            x = torch.cat([x, coordinate_grid(x)], dim=1)
+        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=time_add,
                          encoder_attention_mask=mask, return_dict=False)[0]
 
     @classmethod

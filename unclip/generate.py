@@ -56,6 +56,8 @@ def sampling_overrides(args) -> dict:
             out[key] = d
     if args.prior_best_of is not None:
         out.setdefault("prior", {})["best_of"] = args.prior_best_of
+    if getattr(args, "rerank", None) is not None:
+        out.setdefault("decoder", {})["best_of"] = args.rerank
     return out
 
 
@@ -78,7 +80,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="use a random untrained tiny pipeline (smoke test)")
     p.add_argument("--num-images", type=int, default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed S+i")
-    p.add_argument("--rerank", type=int, default=1, help="decode K candidates per image, keep the best by CLIP score")
+    p.add_argument("--rerank", type=int, default=None,
+                   help="decode K base-resolution candidates per image and keep the best by CLIP score "
+                        "(default: the model's decoder best_of setting; 1 turns reranking off)")
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
         p.error("give at least one prompt (or --prompts-file)")
     if any(not s.strip() for s in prompts):
         p.error("prompts must not be empty strings")
-    if args.num_images < 1 or args.rerank < 1:
+    if args.num_images < 1 or (args.rerank is not None and args.rerank < 1):
         p.error("--num-images and --rerank must be >= 1")
     pipe, model_name = load_pipeline(args)
     pipe.to(args.device)
@@ -105,7 +109,7 @@ def main(argv=None) -> int:
     gens = [torch.Generator(device=args.device).manual_seed(s) for s in seeds]
     t0 = time.perf_counter()
     out = pipe(prompts, num_images_per_prompt=args.num_images, generator=gens, sampling=sampling,
-               rerank_candidates=args.rerank, progress=not args.no_progress)
+               progress=not args.no_progress)
     seconds = time.perf_counter() - t0
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
 
     record = {
         "model": model_name, "prompts": prompts, "seeds": seeds, "num_images_per_prompt": args.num_images,
-        "rerank_candidates": args.rerank, "device": args.device, "resolution": pipe.resolution,
+        "rerank_candidates": pipe._settings("decoder", sampling).best_of, "device": args.device, "resolution": pipe.resolution,
         "sampling": {s: to_dict(pipe._settings(s, sampling)) for s in pipe.stage_names},
         "seconds": round(seconds, 3), "files": files, "grid": "grid.png",
         "versions": {"unclip": unclip.__version__, "torch": torch.__version__},

@@ -279,6 +279,9 @@ class UnCLIPPipeline:
         check_sampling_args(stage, s.scheduler, s.steps, s.guidance_scale)
         if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
             raise ValueError(f"{stage}: best_of must be an integer >= 1, got {s.best_of!r}")
+        if stage.startswith("sr") and s.best_of != 1:
+            raise ValueError(f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the prior's "
+                             f"and the decoder's best_of), got {s.best_of}")
         return s
 
     def _scheduler(self, stage: str, s: SamplerConfig):
@@ -417,34 +420,46 @@ class UnCLIPPipeline:
     @torch.no_grad()
     def __call__(self, prompt: Union[str, Sequence[str]], num_images_per_prompt: int = 1,
                  generator: Generator = None, sampling: Optional[dict] = None, output_type: str = "pil",
-                 rerank_candidates: int = 1, return_intermediates: bool = False,
+                 rerank_candidates: Optional[int] = None, return_intermediates: bool = False,
                  progress: bool = True) -> UnCLIPOutput:
         """Text → images through every stage.
 
         ``generator``: one ``torch.Generator``, one per prompt, or one per image. ``sampling``: per-stage
         overrides, e.g. ``{"prior": {"steps": 10}, "decoder": {"guidance_scale": 3}, "upsamplers": {...}}``.
         ``rerank_candidates = K > 1`` decodes K base-resolution candidates per image and keeps the one
-        CLIP scores closest to the prompt before upsampling (as DALL-E did). ``output_type``: ``pil``,
-        ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]`` in [0, 1]).
+        CLIP scores closest to the prompt before upsampling (as DALL-E did); ``None`` uses the decoder's
+        ``best_of`` sampling setting. ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt``
+        (float ``[N, 3, H, W]`` in [0, 1]).
         """
         prompts = check_prompts(prompt)
         check_output_type(output_type)
-        n, k = check_count(num_images_per_prompt), check_count(rerank_candidates, "rerank_candidates")
+        n = check_count(num_images_per_prompt)
         for stage in self.stage_names:
             self._settings(stage, sampling)  # validate everything before any compute
+        k = self._settings("decoder", sampling).best_of if rerank_candidates is None else rerank_candidates
+        k = check_count(k, "rerank_candidates")
         text = self.encode_text(prompts)
         gen = expand_generator(generator, len(prompts), n * k, "generator")
         text_k = text.repeat_interleave(n * k)
         embeds = self.sample_image_embeds(text_k, 1, gen, sampling, progress=progress)
         small = self.decode(embeds, text_k, gen, sampling, progress=progress)
-        if k > 1:
-            scores = self.clip_scores(small, text_k.text_embed).view(-1, k)
-            keep = torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()
-            small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
-            gen = gen[::k] if isinstance(gen, list) else gen
+        keep = self.rerank(small, text_k.text_embed, k)
+        small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
+        gen = gen[::k] if isinstance(gen, list) else gen
         final, inter = self.upsample(small, gen, sampling, return_intermediates=True, progress=progress)
         stage_images = {"decoder": small, **inter} if return_intermediates else {}
         return UnCLIPOutput(to_output(final, output_type), embeds, text_k.text_embed, stage_images)
+
+    @torch.no_grad()
+    def rerank(self, images: torch.Tensor, text_embed: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates (``images [B·k, 3, H, W]``
+        in [-1, 1], ``text_embed [B·k, D]``) by CLIP score; ``k = 1`` keeps every image."""
+        if k == 1:
+            return torch.arange(images.shape[0])
+        if images.shape[0] % k:
+            raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
+        scores = self.clip_scores(images, text_embed).view(-1, k)
+        return torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()
 
     @torch.no_grad()
     def clip_scores(self, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ def sample_grid(run: TrainingRun, clip: FrozenCLIP, batch: dict, null: TextEncod
 
 
 def main(argv=None) -> int:
-    args = stage_argparser("unclip-train-decoder", __doc__.splitlines()[1]).parse_args(argv)
+    args = stage_argparser("unclip-train-decoder", __doc__.splitlines()[1]).parse_intermixed_args(argv)
     cfg = load_stage_config(args, ("decoder", "upsampler"))
     if args.print_config:
         print(to_yaml(cfg))

@@ -75,7 +75,7 @@ def prior_loss(model, batch: dict, clip: FrozenCLIP, null: TextEncoding, gens, c
 
 
 def main(argv=None) -> int:
-    args = stage_argparser("unclip-train-prior", __doc__.splitlines()[1]).parse_args(argv)
+    args = stage_argparser("unclip-train-prior", __doc__.splitlines()[1]).parse_intermixed_args(argv)
     cfg = load_stage_config(args, ("prior",))
     if args.print_config:
         print(to_yaml(cfg))

@@ -63,21 +63,26 @@ def evaluate_pipeline(pipe: UnCLIPPipeline, num: int = 200, *, seed: int = 0, pr
     timing: dict[str, float] = {}
     cos_prior, clip_img, text_emb = [], [], []
     names = ["decoder"] + ([] if stages == "decoder" else pipe.upsampler_names)
+    k = pipe._settings("decoder", sampling).best_of  # CLIP reranking of decoder candidates, as pipe(...) does
     for start in range(0, len(samples), batch_size):
         chunk = samples[start:start + batch_size]
         caps = [s.caption for s in chunk]
         gens = [torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))]
+        gens_k = [g for g in gens for _ in range(k)]
         t0 = time.perf_counter()
         text = pipe.encode_text(caps)
+        text_k = text.repeat_interleave(k)
         true_embed = pipe.clip.encode_image(torch.stack([pil_to_tensor(s.image) for s in chunk]))
         if oracle:
-            embeds = true_embed
+            embeds = true_embed.repeat_interleave(k, dim=0)
         else:
-            embeds = pipe.sample_image_embeds(text, generator=gens, sampling=sampling, progress=progress)
-        cos_prior.append(torch.nn.functional.cosine_similarity(embeds, true_embed, dim=-1))
+            embeds = pipe.sample_image_embeds(text_k, generator=gens_k, sampling=sampling, progress=progress)
         t1 = time.perf_counter()
         timing["prior"] = timing.get("prior", 0.0) + (t1 - t1 if oracle else t1 - t0)
-        x = pipe.decode(embeds, text, gens, sampling, progress=progress)
+        x = pipe.decode(embeds, text_k, gens_k, sampling, progress=progress)
+        keep = pipe.rerank(x, text_k.text_embed, k)
+        x, embeds = x[keep], embeds[keep]
+        cos_prior.append(torch.nn.functional.cosine_similarity(embeds, true_embed, dim=-1))
         t2 = time.perf_counter()
         timing["decoder"] = timing.get("decoder", 0.0) + t2 - t1
         per_stage.setdefault("decoder", []).extend(to_output(x, "np"))
