@@ -301,12 +301,12 @@ def test_pickle_weights_are_refused(folder):
 # ------------------------------------------------------------------------------------------ export errors, CLI
 def test_export_refuses_what_diffusers_cannot_express(tmp_path):
     pipe = tiny_pipeline(clip_kwargs=dict(width=48),  # text width 48 != CLIP embedding 32, two upsamplers, ...
-                         decoder_kwargs=dict(coord_channels=True))
+                         decoder_kwargs=dict(coord_channels=True, embed_scale=8.0))
     with pytest.raises(ValueError) as err:
         export_diffusers(pipe, tmp_path / "out")
     msg = str(err.value)
     for part in ("clip: normalize_embeds=True", "prior: text_token_proj", "decoder: text tokens are 48 wide",
-                 "decoder: coord_channels=True", "decoder: learned_variance=False", "exactly one upsampling stage", "sr32: noise-level conditioning",
+                 "decoder: coord_channels=True", "decoder: embed_scale=8.0", "decoder: learned_variance=False", "exactly one upsampling stage", "sr32: noise-level conditioning",
                  "sr64: noise-level conditioning"):
         assert part in msg
     assert not (tmp_path / "out").exists()

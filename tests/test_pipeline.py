@@ -208,3 +208,19 @@ def test_coordinate_channels():
     assert out.shape == (1, 3, 16, 16)
     images = pipe("a red circle", generator=gens(1), output_type="pt").images
     assert images.shape == (1, 3, 64, 64)
+
+
+def test_embed_scale_scales_the_conditioning_embeddings():
+    from unclip.clip import TextEncoding
+
+    pipe = tiny_pipeline(decoder_kwargs=dict(embed_scale=8.0))
+    plain = tiny_pipeline(decoder_kwargs=dict(embed_scale=1.0)).decoder
+    plain.load_state_dict(pipe.decoder.state_dict())
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([10, 500])
+    emb = torch.nn.functional.normalize(torch.randn(2, pipe.clip.embed_dim), dim=-1)
+    text = pipe.encode_text(["a red circle", "a blue square"])
+    scaled_text = TextEncoding(text.text_embed * 8, text.text_tokens, text.text_mask)
+    with torch.no_grad():
+        out = pipe.decoder(x, t, emb, text)
+        assert torch.allclose(out, plain(x, t, emb * 8, scaled_text), atol=1e-5)
+        assert not torch.allclose(out, plain(x, t, emb, text), atol=1e-3)

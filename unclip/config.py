@@ -102,6 +102,7 @@ class DecoderConfig:
     norm_num_groups: int = 32
     use_text_tokens: bool = True
     coord_channels: bool = False  # x/y coordinate input channels (CoordConv); not in the paper or Karlo
+    embed_scale: float = 1.0  # multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones)
 
 
 @dataclass

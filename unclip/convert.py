@@ -350,6 +350,9 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
     if dc.coord_channels:
         out.append("decoder: coord_channels=True (x/y coordinate input channels); diffusers' UnCLIPPipeline decoder "
                    "takes the 3-channel image only")
+    if dc.embed_scale != 1.0:
+        out.append(f"decoder: embed_scale={dc.embed_scale} (embeddings scaled before projection); diffusers' "
+                   f"UnCLIPTextProjModel projects them unscaled")
     if not dc.learned_variance:
         out.append("decoder: learned_variance=False; diffusers' UnCLIPPipeline splits the decoder output into mean "
                    "and variance (out_channels=6, learned_range)")

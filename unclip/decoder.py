@@ -49,6 +49,10 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
     ``coord_channels``: two fixed input channels with each pixel's x and y coordinate (CoordConv), so the
     convolutional UNet, which has no positional encoding, knows where in the image it is; this makes
     "on the left" / "above" learnable far sooner. Off for the paper/Karlo layout.
+    ``embed_scale`` multiplies the image and text embeddings before their projections: unit-norm CLIP
+    embeddings of width D have components of about 1/sqrt(D), so their conditioning starts far weaker than
+    the timestep embedding and the layer-normalised caption tokens, and the decoder learns to ignore it;
+    sqrt(D) gives unit-scale components.
     """
 
     config_name = "config.json"
@@ -62,7 +66,8 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
                                           "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
                  mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn", attention_head_dim: int = 64,
                  num_image_tokens: int = 4, norm_num_groups: int = 32, cross_attention_dim: Optional[int] = None,
-                 use_text_tokens: bool = True, learned_variance: bool = False, coord_channels: bool = False):
+                 use_text_tokens: bool = True, learned_variance: bool = False, coord_channels: bool = False,
+                 embed_scale: float = 1.0):
         super().__init__()
         cross = cross_attention_dim or block_out_channels[-1]
         time_dim = block_out_channels[0] * 4
@@ -93,6 +98,9 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
             null = self.null_image_embed.to(image_embed).expand(b, -1)
             image_embed = torch.where(drop_image.view(b, 1).to(image_embed.device), null, image_embed)
         text_embed = text.text_embed.to(self.dtype)
+        if self.config.embed_scale != 1.0:
+            image_embed = image_embed * self.config.embed_scale
+            text_embed = text_embed * self.config.embed_scale
         time_add = self.image_to_time(image_embed) + self.text_to_time(text_embed)
         n = self.config.num_image_tokens
         tokens = self.image_to_tokens(image_embed).view(b, -1, n).transpose(1, 2)  # [B, n, X]
