@@ -13,7 +13,9 @@ single-object and ``--num`` two-object ones. Image ``i`` is sampled with its own
 :func:`unclip.data.shapes_eval.evaluate_images`; the final images also get the CLIP score (100 × cosine
 between the pipeline CLIP's image and text embeddings), a CLIP-FID (Fréchet distance between the pipeline
 CLIP's image features of the samples and of real held-out renders at the same resolution, with
-:func:`unclip.metrics.frechet_distance`) and the prior's cosine with the true renders' image embeddings.
+:func:`unclip.metrics.frechet_distance`; ``clip_fid_real_vs_real`` is the same distance between two independent
+sets of real renders, the floor for this sample size) and the prior's cosine with the true renders' image
+embeddings.
 """
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ def heldout_samples(num: int, seed: int = 1000, resolution: int = 32):
         world = ShapesWorld(resolution, seed=seed, split="heldout", two_object_prob=prob)
         out += [world[i] for i in range(num)]
     return out
+
+
+def _encode_renders(pipe: UnCLIPPipeline, samples, chunk: int = 100) -> torch.Tensor:
+    return torch.cat([pipe.clip.encode_image(torch.stack([pil_to_tensor(s.image) for s in samples[i:i + chunk]]))
+                      for i in range(0, len(samples), chunk)])
 
 
 def _summary(report: dict) -> dict:
@@ -110,13 +117,17 @@ def evaluate_pipeline(pipe: UnCLIPPipeline, num: int = 200, *, seed: int = 0, pr
     report["clip_score_100"] = round(float(100 * clip_cosines(img, txt).mean()), 2)
     res = int(per_stage[names[-1]][0].shape[0])
     real = heldout_samples(num, prompt_seed, res)
-    real_feat = torch.cat([pipe.clip.encode_image(torch.stack([pil_to_tensor(s.image) for s in real[i:i + 100]]))
-                           for i in range(0, len(real), 100)])
+    real_feat = _encode_renders(pipe, real)
     report["clip_score_100_real_renders"] = round(float(100 * clip_cosines(real_feat, txt).mean()), 2)
     a, b = GaussianStats(), GaussianStats()
     a.update(img)
     b.update(real_feat)
     report["clip_fid"] = round(frechet_distance(*a.mu_sigma(), *b.mu_sigma()), 3)
+    # the floor for this many samples: the same distance between two independent sets of real renders
+    other = heldout_samples(num, prompt_seed + 1, res)
+    c = GaussianStats()
+    c.update(_encode_renders(pipe, other))
+    report["clip_fid_real_vs_real"] = round(frechet_distance(*c.mu_sigma(), *b.mu_sigma()), 3)
     report["prior_cosine_with_true_embed"] = round(float(torch.cat(cos_prior).mean()), 4)
     report["final_stage"] = names[-1]
     report["_images"] = per_stage[names[-1]]
