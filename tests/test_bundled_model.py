@@ -1,6 +1,7 @@
 """The bundled shapes model (unclip/models/shapes): loads offline with no arguments, runs in fp32 on the
 CPU, generates at its stated resolution, and gets the color, size and background of simple prompts
-right (scored by the pixel evaluator) with the default sampling settings."""
+right — and for most simple prompts every attribute — (scored by the pixel evaluator) with the default
+sampling settings."""
 import json
 
 import pytest
@@ -40,17 +41,28 @@ def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
     assert out.images.dtype.name == "uint8" and out.images.std() > 10  # not a blank image
 
 
-@pytest.mark.parametrize("prompt", ["a small red circle on the left",
-                                    "a big purple circle in the center on a gray background"])
-def test_simple_prompt_color_size_background_right_with_default_settings(pipe, prompt):
-    # What holds robustly for the shipped model (docs/shapes_model.md): color and size (and a named
-    # background) of single-object prompts. Position and shape are not yet reliable enough to assert.
-    seeds = (0, 1, 2)
-    out = pipe([prompt] * len(seeds), generator=[torch.Generator().manual_seed(s) for s in seeds],
+PROMPTS = ["a small red circle on the left", "a big purple circle in the center on a gray background",
+           "a large green triangle on the right on a black background", "a small orange square at the top",
+           "a big blue square on the left on a white background", "a small yellow triangle at the bottom"]
+
+
+@pytest.fixture(scope="module")
+def default_images(pipe):
+    out = pipe(PROMPTS, generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))],
                output_type="np", progress=False)
-    assert out.images.shape == (len(seeds), RESOLUTION, RESOLUTION, 3)
-    expected = parse_caption(prompt)
-    for seed, image in zip(seeds, out.images):
-        result = score(image, expected)
-        assert result["color"] and result["size"], (seed, result)
-        assert result.get("background", True), (seed, result)
+    assert out.images.shape == (len(PROMPTS), RESOLUTION, RESOLUTION, 3)
+    return [score(image, parse_caption(prompt)) for image, prompt in zip(out.images, PROMPTS)]
+
+
+def test_simple_prompts_color_size_background_right_with_default_settings(default_images):
+    # held-out measurement (docs/shapes_model.md): color, size and background are right ~100 % of the time
+    for prompt, result in zip(PROMPTS, default_images):
+        assert result["color"] and result["size"], (prompt, result)
+        assert result.get("background", True), (prompt, result)
+
+
+def test_simple_prompts_fully_right_with_default_settings(default_images):
+    # every attribute (color, shape, size, position, background, one object) right for most prompts;
+    # the held-out rate is 79.0 %, so allow one miss in six
+    wrong = [(p, r) for p, r in zip(PROMPTS, default_images) if not r["all"]]
+    assert len(wrong) <= 1, wrong

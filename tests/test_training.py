@@ -109,13 +109,37 @@ def test_resume_is_exact(tmp_path, stage):
     assert any(not torch.equal(init[k], a[k]) for k in init if k in a)
 
 
+def test_finished_run_continues_to_more_steps(tmp_path):
+    """``--resume latest`` with a larger ``train.max_steps`` trains a finished run further: it goes on
+    from its last step, the schedule restarts at the cosine point of the new total, and ``final/`` is
+    replaced by the longer run's weights."""
+    out = tmp_path / "r"
+    common = ["train.checkpoint_every=4", "train.warmup_steps=0", "train.log_every=1", "train.lr=1e-3"]
+    assert train("decoder", out, "train.max_steps=4", *common) == 0
+    first = weights(out / "final" / "decoder")
+    before = [m for m in metrics(out) if "lr" in m]
+    assert [m["step"] for m in before] == [1, 2, 3, 4] and before[-1]["lr"] < 1e-4  # decayed at the end
+    assert train("decoder", out, "train.max_steps=8", *common, args=["--resume", "latest"]) == 0
+    after = [m for m in metrics(out) if "lr" in m][4:]
+    assert [m["step"] for m in after] == [5, 6, 7, 8]
+    assert after[0]["lr"] > 100 * before[-1]["lr"] and after[-1]["lr"] < after[0]["lr"]  # restart, decay again
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_00000008"
+    longer = weights(out / "final" / "decoder")
+    assert any(not torch.equal(first[k], longer[k]) for k in first)
+
+
 def test_accumulation_matches_big_batch(tmp_path):
     common = ["train.max_steps=2", "train.ema=false", "train.warmup_steps=0"]
     assert train("decoder", tmp_path / "acc", *common, "data.batch_size=1", "train.grad_accum_steps=8") == 0
     assert train("decoder", tmp_path / "big", *common, "data.batch_size=8", "train.grad_accum_steps=1") == 0
-    a, b = weights(tmp_path / "acc" / "final" / "decoder"), weights(tmp_path / "big" / "final" / "decoder")
-    diffs = [float((a[k] - b[k]).abs().max()) for k in a]
-    assert max(diffs) < 1e-5
+    assert train("decoder", tmp_path / "init", "train.max_steps=0", "train.ema=false") == 0
+    w = {n: weights(tmp_path / n / "final" / "decoder") for n in ("init", "acc", "big")}
+    # compare the whole update (final - init), not single weights: AdamW's second step divides by
+    # sqrt(v), and where two steps' gradients nearly cancel it magnifies float summation-order noise
+    # (batch 1 vs batch 8 convolutions) in a few elements to ~3 % of lr. A wrong accumulation (other
+    # data, stepping every micro-batch) changes the update by tens of percent.
+    update = {n: torch.cat([(w[n][k] - w["init"][k]).flatten() for k in w["init"]]) for n in ("acc", "big")}
+    assert float((update["acc"] - update["big"]).norm() / update["big"].norm()) < 1e-3
     init_changed = metrics(tmp_path / "acc")[-2]["loss"]
     assert init_changed == pytest.approx(metrics(tmp_path / "big")[-2]["loss"], rel=1e-4)
 
