@@ -307,3 +307,49 @@ def test_cli_errors(tmp_path, capsys, argv, message):
         shapes.main([str(tmp_path / "out")] + argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _attributes(truth: dict) -> dict:
+    """The named attributes of a scene (not its exact geometry)."""
+    out = {"background": truth["background"], "relation": truth["relation"]}
+    for i, o in enumerate(truth["objects"]):
+        out.update({f"{k}{i}": o[k] for k in ("shape", "color", "size", "position")})
+    return out
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_contrast_truth_changes_exactly_the_named_attribute_and_stays_in_split(split):
+    world = ShapesWorld(resolution=32, seed=3, split=split, two_object_prob=0.5)
+    import random
+
+    seen = set()
+    for i in range(300):
+        truth = world.truth(i)
+        new, attr = shapes.contrast_truth(truth, random.Random(i), split)
+        seen.add((truth["relation"] is not None, attr))
+        before, after = _attributes(truth), _attributes(new)
+        changed = {k.rstrip("01") for k in before if before[k] != after[k]}
+        assert changed == {attr}, (truth, new, attr)
+        assert sum(before[k] != after[k] for k in before) == 1
+        assert is_heldout(new) == (split == "heldout")
+        if new["relation"] is not None:
+            assert new["objects"][0]["color"] != new["objects"][1]["color"]
+            # the new relation is where the objects are: first minus second along the relation's axis
+            (ax, ay), (bx, by) = (o["center"] for o in new["objects"])
+            d = {"to the left of": bx - ax, "to the right of": ax - bx, "above": by - ay, "below": ay - by}
+            assert d[new["relation"]] >= shapes.MIN_SEPARATION - 1e-6
+    assert {a for p, a in seen if p} == {"relation", "shape", "color"}
+    assert {a for p, a in seen if not p} == {"shape", "position", "size", "color"}
+
+
+def test_contrast_truth_errors_and_background():
+    import random
+
+    truth = ShapesWorld(32, seed=0, split="train", two_object_prob=0.0).truth(0)
+    new, attr = shapes.contrast_truth(truth, random.Random(0), weights={"background": 1.0})
+    assert attr == "background" and new["background"] != truth["background"]
+    assert new["objects"] == truth["objects"]
+    with pytest.raises(ValueError, match="relation"):  # a single-object scene has no relation
+        shapes.contrast_truth(truth, random.Random(0), weights={"relation": 1.0})
+    with pytest.raises(ValueError, match="unknown split"):
+        shapes.contrast_truth(truth, random.Random(0), split="test")

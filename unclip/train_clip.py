@@ -50,6 +50,10 @@ class ClipDataConfig:
     noise_prob: float = 0.5
     noise_std: float = 0.08
     blur_prob: float = 0.3
+    #: Share of each batch made of hard negatives: scenes that differ from another scene of the batch in
+    #: one attribute (mostly shape, and relation for two-object scenes; see
+    #: :func:`unclip.data.shapes.contrast_truth`), so the contrastive loss must tell them apart. At most 0.5.
+    hard_negatives: float = 0.0
 
 
 @dataclass
@@ -80,15 +84,22 @@ class ClipTrainConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-def _batch(world, start: int, n: int, aug: ClipDataConfig | None, rng: random.Random):
-    """Images ``[n, 3, R, R]`` in [-1, 1] and captions for world indices ``start … start+n-1``."""
+def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Random):
+    """Images ``[n, 3, R, R]`` in [-1, 1] and captions for batch ``step``: ``n - m`` consecutive world
+    samples, then ``m = round(n * aug.hard_negatives)`` one-attribute variants of the first ``m`` of them."""
+    from .data.shapes import contrast_truth, make_caption, render
     from .data.streams import pil_to_tensor
 
-    imgs, caps = [], []
-    for i in range(start, start + n):
-        s = world[i]
-        imgs.append(pil_to_tensor(s.image))
-        caps.append(s.caption)
+    m = round(n * aug.hard_negatives) if aug is not None else 0
+    start = step * (n - m)
+    samples = [world[i] for i in range(start, start + n - m)]
+    imgs = [pil_to_tensor(s.image) for s in samples]
+    caps = [s.caption for s in samples]
+    for i, s in zip(range(start, start + m), samples):
+        twin_rng = random.Random(f"contrast:{world.seed}:{world.split}:{i}")
+        truth, _ = contrast_truth(s.truth, twin_rng, world.split)
+        imgs.append(pil_to_tensor(render(truth, world.resolution)))
+        caps.append(make_caption(truth, twin_rng, world.background_phrase_prob))
     x = torch.stack(imgs)
     if aug is not None:
         from .decoder import gaussian_blur
@@ -186,6 +197,8 @@ def main(argv=None) -> int:
         return 0
     if cfg.clip.model_cfg is None:
         raise ValueError("train-clip needs clip.model_cfg (an open_clip config dict: embed_dim, vision_cfg, text_cfg)")
+    if not 0.0 <= cfg.data.hard_negatives <= 0.5:
+        raise ValueError(f"data.hard_negatives must be in [0, 0.5] (a share of the batch), got {cfg.data.hard_negatives}")
     t, d = cfg.train, cfg.data
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +231,7 @@ def main(argv=None) -> int:
     log = open(out / "metrics.jsonl", "a")
     t0 = time.perf_counter()
     for step in range(t.steps):
-        images, captions = _batch(world, step * t.batch_size, t.batch_size, d, rng)
+        images, captions = _batch(world, step, t.batch_size, d, rng)
         pixels = clip.preprocess_tensor(images)
         tokens = clip.tokenize(captions, warn=False)
         with autocast:
@@ -235,11 +248,11 @@ def main(argv=None) -> int:
         if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
             with torch.no_grad():
                 acc = float(((img @ txt.T).argmax(1) == torch.arange(len(img))).float().mean())
-            rec = {"step": step + 1, "loss": float(loss), "batch_acc": acc, "lr": sched.get_last_lr()[0],
+            rec = {"step": step + 1, "loss": float(loss.detach()), "batch_acc": acc, "lr": sched.get_last_lr()[0],
                    "elapsed_s": round(time.perf_counter() - t0, 1)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            print(f"step {step + 1} loss {float(loss):.4f} batch-acc {acc:.3f} ({rec['elapsed_s']:.0f}s)", flush=True)
+            print(f"step {step + 1} loss {rec['loss']:.4f} batch-acc {acc:.3f} ({rec['elapsed_s']:.0f}s)", flush=True)
     log.close()
     model.eval().requires_grad_(False)
     train_s = time.perf_counter() - t0

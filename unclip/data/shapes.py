@@ -220,6 +220,56 @@ def sample_truth(rng: random.Random, split: str = "all", two_object_prob: float 
     return {"background": background, "relation": None, "objects": [_place_single(rng, objs[0])]}
 
 
+#: Which attribute :func:`contrast_truth` changes, with weights: single-object scenes, two-object scenes.
+#: (No background by default: captions name the background only half of the time, so a background twin's
+#: caption would often be the same sentence as its sibling's.)
+CONTRAST_SINGLE: dict[str, float] = {"shape": 0.6, "position": 0.2, "size": 0.1, "color": 0.1}
+CONTRAST_PAIR: dict[str, float] = {"relation": 0.6, "shape": 0.3, "color": 0.1}
+
+
+def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
+                   weights: dict[str, float] | None = None) -> tuple[dict, str]:
+    """A scene that differs from ``truth`` in exactly one attribute, for contrastive hard negatives.
+
+    Returns ``(new_truth, attribute)``. The attribute is drawn with ``weights`` (default
+    :data:`CONTRAST_SINGLE` or :data:`CONTRAST_PAIR`): ``shape``, ``color``, ``size`` and ``position``
+    change one object (the object is placed afresh, so its exact centre moves too); ``relation`` places the
+    same two objects in another relation; ``background`` changes only the background. The new scene stays
+    in ``split`` (a change that would make a ``"train"`` scene show a held-out combination is not drawn)
+    and keeps the two objects' colors different.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    pair = truth["relation"] is not None
+    weights = weights or (CONTRAST_PAIR if pair else CONTRAST_SINGLE)
+    allowed = {"relation", "shape", "color", "background"} if pair else {"shape", "position", "size", "color",
+                                                                          "background"}
+    if not weights or set(weights) - allowed:
+        raise ValueError(f"weights must name attributes among {sorted(allowed)}, got {sorted(weights)}")
+    objs = [{k: o[k] for k in ("shape", "color", "size", "position")} for o in truth["objects"]]
+    for _ in range(1000):
+        attr = rng.choices(list(weights), weights=list(weights.values()))[0]
+        if attr == "background":
+            bg = rng.choice(sorted(set(BACKGROUNDS) - {truth["background"]}))
+            return {**truth, "background": bg}, attr
+        if attr == "relation":
+            rel = rng.choice([r for r in RELATIONS if r != truth["relation"]])
+            return {"background": truth["background"], "relation": rel, "objects": _place_pair(rng, objs, rel)}, attr
+        k = rng.randrange(len(objs))
+        options = {"shape": SHAPES, "color": sorted(COLORS), "size": sorted(SIZES), "position": sorted(POSITIONS)}[attr]
+        taken = {o["color"] for o in objs} if attr == "color" else {objs[k][attr]}
+        new = [dict(o) for o in objs]
+        new[k][attr] = rng.choice([v for v in options if v not in taken])
+        if (split == "train" and is_heldout({"objects": new})) or (split == "heldout" and not is_heldout(
+                {"objects": new})):
+            continue
+        if pair:
+            return {"background": truth["background"], "relation": truth["relation"],
+                    "objects": _place_pair(rng, new, truth["relation"])}, attr
+        return {"background": truth["background"], "relation": None, "objects": [_place_single(rng, new[0])]}, attr
+    raise ValueError(f"no one-attribute change of this scene stays in split {split!r} with weights {weights}")
+
+
 def render(truth: dict, resolution: int = 64) -> Image.Image:
     """Draw ``truth`` as a ``resolution x resolution`` RGB image (flat colors, anti-aliased edges).
 

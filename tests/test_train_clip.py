@@ -1,0 +1,65 @@
+"""`unclip train-clip`: batches with hard negatives, a tiny end-to-end run, config errors."""
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.data.shapes import ShapesWorld, parse_caption
+from unclip.train_clip import ClipDataConfig, _batch, main
+
+
+def _named(caption: str) -> dict:
+    p = parse_caption(caption)
+    out = {"relation": p["relation"]}
+    for i, o in enumerate(p["objects"]):
+        out.update({f"{k}{i}": o[k] for k in ("shape", "color", "size", "position")})
+    return out
+
+
+def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling():
+    world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5)
+    data = ClipDataConfig(hard_negatives=0.25, noise_prob=0.0, blur_prob=0.0)
+    x, caps = _batch(world, 2, 16, data, random.Random(0))
+    assert x.shape == (16, 3, 32, 32) and len(caps) == 16
+    # the first 12 are world samples 24..35 (batch 2 of 12 new scenes each), the last 4 their variants
+    assert caps[:12] == [world[i].caption for i in range(24, 36)]
+    for base, twin, img_base, img_twin in zip(caps[:4], caps[12:], x[:4], x[12:]):
+        a, b = _named(base), _named(twin)
+        assert sum(a[k] != b[k] for k in a if a[k] is not None and b.get(k) is not None) == 1, (base, twin)
+        assert not torch.equal(img_base, img_twin)
+    # without hard negatives: consecutive samples, as before
+    _, plain = _batch(world, 1, 8, ClipDataConfig(hard_negatives=0.0), random.Random(0))
+    assert plain == [world[i].caption for i in range(8, 16)]
+
+
+def _config(tmp_path, **data) -> str:
+    cfg = {"clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()},
+           "data": {"resolution": 32, "two_object_prob": 0.5, **data},
+           "train": {"steps": 3, "batch_size": 8, "warmup_steps": 1, "log_every": 1, "eval_samples": 4}}
+    path = tmp_path / "clip.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_train_clip_tiny_run_writes_a_loadable_clip_and_retrieval_report(tmp_path, one_thread):
+    out = tmp_path / "run"
+    assert main([_config(tmp_path, hard_negatives=0.5), "--output-dir", str(out)]) == 0
+    clip = FrozenCLIP.from_pretrained(out / "clip")
+    emb = clip.encode_text(["a small red circle on the left"]).text_embed
+    assert emb.shape == (1, 32) and torch.isfinite(emb).all()
+    report = json.loads((out / "retrieval.json").read_text())
+    assert report["steps"] == 3
+    assert set(report["retrieval_heldout"]) == {"color", "shape", "size", "position", "background", "relation",
+                                                "pair_color", "pair_shape", "pair_background"}
+    assert all(0.0 <= v <= 1.0 for v in report["retrieval_heldout"].values())
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_train_clip_refuses_a_hard_negative_share_above_half(tmp_path):
+    with pytest.raises(ValueError, match="hard_negatives"):
+        main([_config(tmp_path, hard_negatives=0.75), "--output-dir", str(tmp_path / "run")])
