@@ -224,3 +224,24 @@ def test_embed_scale_scales_the_conditioning_embeddings():
         out = pipe.decoder(x, t, emb, text)
         assert torch.allclose(out, plain(x, t, emb * 8, scaled_text), atol=1e-5)
         assert not torch.allclose(out, plain(x, t, emb, text), atol=1e-3)
+
+
+def test_components_of_a_pipeline_folder_reassemble_with_their_settings(tmp_path):
+    """`unclip assemble` from the component folders of a saved pipeline keeps each stage's diffusion and
+    sampling settings (from the pipeline's unclip.json); a bare folder with neither warns."""
+    import dataclasses
+    import shutil
+
+    pipe = tiny_pipeline(seed=0)
+    pipe.diffusion["sr32"] = dataclasses.replace(pipe.diffusion["sr32"], prediction_type="v_prediction",
+                                                 min_snr_gamma=5.0)
+    pipe.sampling["decoder"].best_of = 3
+    pipe.sampling["prior"].guidance_scale = 1.5
+    pipe.save_pretrained(tmp_path / "p")
+    p = tmp_path / "p"
+    again = UnCLIPPipeline.from_components(p / "clip", p / "decoder", p / "prior", [p / "sr32", p / "sr64"])
+    assert again.diffusion == pipe.diffusion and again.sampling == pipe.sampling
+    shutil.copytree(p / "sr32", tmp_path / "loose" / "sr32")
+    with pytest.warns(UserWarning, match="neither unclip_stage.json nor a pipeline unclip.json"):
+        loose = UnCLIPPipeline.from_components(p / "clip", p / "decoder", p / "prior", [tmp_path / "loose" / "sr32"])
+    assert loose.diffusion["sr32"].prediction_type == "epsilon"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 
@@ -47,6 +48,26 @@ def stage_kind(name: str) -> str:
     return "upsampler" if name.startswith("sr") else name
 
 
+def _settings_from_pipeline(folder: Path, expected: str) -> dict:
+    """Diffusion and sampling settings of a component folder without ``unclip_stage.json``: those of the
+    pipeline folder it sits in (``../unclip.json``), else ``{}`` (the defaults) with a warning."""
+    index_path = folder.parent / "unclip.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        comps = index.get("components", {})
+        names = [k for k in ("prior", "decoder") if comps.get(k) == folder.name] + \
+                [n for n in comps.get("upsamplers", []) if n == folder.name]
+        if names and names[0] in index.get("diffusion", {}):
+            stage = "upsampler" if names[0] not in ("prior", "decoder") else names[0]
+            return {"stage": stage, "diffusion": index["diffusion"][names[0]],
+                    **({"sampling": index["sampling"][names[0]]} if names[0] in index.get("sampling", {}) else {})}
+    warnings.warn(f"{expected} folder {folder} has neither unclip_stage.json nor a pipeline unclip.json beside it: "
+                  f"assuming the default diffusion settings (epsilon prediction, no min-SNR). If it was trained "
+                  f"otherwise, its samples will be wrong; pass the folder a training command exported "
+                  f"(<output_dir>/final/<name>) or a component folder inside a pipeline folder.", stacklevel=3)
+    return {}
+
+
 def load_components(clip, decoder, prior, upsamplers, default_diffusion: dict, default_sampling: dict):
     """``(clip, prior, decoder, upsamplers, diffusion, sampling)`` loaded from trained component folders."""
     diffusion, sampling = {}, {}
@@ -56,7 +77,7 @@ def load_components(clip, decoder, prior, upsamplers, default_diffusion: dict, d
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{expected} component folder {folder} has no config.json")
         m = folder / "unclip_stage.json"
-        data = json.loads(m.read_text()) if m.is_file() else {}
+        data = json.loads(m.read_text()) if m.is_file() else _settings_from_pipeline(folder, expected)
         if data and data.get("stage") != expected:
             raise ValueError(f"{folder} holds a {data.get('stage')!r} component, expected {expected!r}")
         return folder, data
