@@ -212,6 +212,20 @@ def test_bf16_mixed_precision_on_cpu(tmp_path):
     assert all(map(lambda x: x == x, losses(tmp_path / "r")))
 
 
+def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
+    from unclip import training
+
+    assert training.auto_mixed_precision("no") == "no" and training.auto_mixed_precision("bf16") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    expected = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    assert training.native_cpu_bf16() == (expected == "bf16")
+    assert training.auto_mixed_precision("auto") == expected
+    monkeypatch.setattr(training, "native_cpu_bf16", lambda: not (expected == "bf16"))
+    assert training.auto_mixed_precision("auto") == ("no" if expected == "bf16" else "bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert training.auto_mixed_precision("auto") == "fp16"
+
+
 def test_warmup_cosine_schedule():
     kw = dict(warmup=10, total=110, base_lr=1e-3, min_lr=1e-6)
     assert warmup_cosine(0, **kw) == pytest.approx(0.1)

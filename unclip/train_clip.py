@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .clip import FrozenCLIP
 from .config import ClipConfig, from_dict, load_config, save_config, to_dict
-from .training import warmup_cosine
+from .training import auto_mixed_precision, native_cpu_bf16, warmup_cosine
 
 __all__ = ["ClipTrainConfig", "attribute_retrieval", "main"]
 
@@ -68,7 +68,9 @@ class ClipOptimConfig:
     weight_decay: float = 0.1
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     max_grad_norm: float = 1.0
-    mixed_precision: Literal["no", "bf16"] = "no"
+    #: ``auto``: bf16 autocast where the CPU runs bf16 natively, else fp32 (see
+    #: :func:`unclip.training.auto_mixed_precision`)
+    mixed_precision: Literal["no", "bf16", "auto"] = "no"
     log_every: int = 50
     save_dtype: Literal["float32", "float16"] = "float16"
     eval_samples: int = 300
@@ -227,7 +229,11 @@ def main(argv=None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, warmup=t.warmup_steps, total=t.steps, base_lr=t.lr, min_lr=t.min_lr))
     loss_fn = open_clip.ClipLoss()
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if t.mixed_precision == "bf16" else nullcontext())
+    precision = auto_mixed_precision(t.mixed_precision)
+    if precision == "fp16":  # auto on a GPU machine: this loop trains on the CPU
+        precision = "bf16" if native_cpu_bf16() else "no"
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext())
+    logger.info("train-clip: mixed precision %s", precision)
     log = open(out / "metrics.jsonl", "a")
     t0 = time.perf_counter()
     for step in range(t.steps):
@@ -267,7 +273,7 @@ def main(argv=None) -> int:
     clip = FrozenCLIP.from_pretrained(folder)  # evaluate exactly what was saved
     retrieval = attribute_retrieval(clip, num=t.eval_samples, seed=d.seed + 1, resolution=d.resolution)
     report = {"train_seconds": round(train_s, 1), "steps": t.steps, "batch_size": t.batch_size,
-              "retrieval_heldout": retrieval, "mixed_precision": t.mixed_precision}
+              "retrieval_heldout": retrieval, "mixed_precision": precision}
     (out / "retrieval.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     print(f"saved CLIP to {folder}")
