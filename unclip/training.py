@@ -62,7 +62,7 @@ def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr:
 
 def native_cpu_bf16() -> bool:
     """True iff oneDNN runs bf16 natively on this CPU (AVX-512 with bf16 support or AMX). Without it,
-    bf16 autocast is emulated and much slower than fp32 (a shapes CLIP step: 9.7 s against 1.0 s)."""
+    bf16 autocast is emulated and much slower than fp32 (a shapes CLIP step on an AVX2-only CPU: 9.8 s against 1.0 s)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
