@@ -63,7 +63,7 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
                     **({"sampling": index["sampling"][names[0]]} if names[0] in index.get("sampling", {}) else {})}
     warnings.warn(f"{expected} folder {folder} has neither unclip_stage.json nor a pipeline unclip.json beside it: "
                   f"assuming the default diffusion settings (epsilon prediction, no min-SNR). If it was trained "
-                  f"otherwise, its samples will be wrong; pass the folder a training command exported "
+                  f"otherwise, its samples will be wrong; pass the folder that a training command exported "
                   f"(<output_dir>/final/<name>) or a component folder inside a pipeline folder.", stacklevel=3)
     return {}
 
