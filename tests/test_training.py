@@ -224,6 +224,8 @@ def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
     assert training.auto_mixed_precision("auto") == ("no" if expected == "bf16" else "bf16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert training.auto_mixed_precision("auto") == "fp16"
+    # a loop that trains on the CPU of a GPU machine (train-clip) gets the CPU's choice
+    assert training.auto_mixed_precision("auto", gpu=False) == ("no" if expected == "bf16" else "bf16")
 
 
 def test_warmup_cosine_schedule():

@@ -55,12 +55,14 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
     if index_path.is_file():
         index = json.loads(index_path.read_text())
         comps = index.get("components", {})
-        names = [k for k in ("prior", "decoder") if comps.get(k) == folder.name] + \
-                [n for n in comps.get("upsamplers", []) if n == folder.name]
-        if names and names[0] in index.get("diffusion", {}):
-            stage = "upsampler" if names[0] not in ("prior", "decoder") else names[0]
-            return {"stage": stage, "diffusion": index["diffusion"][names[0]],
-                    **({"sampling": index["sampling"][names[0]]} if names[0] in index.get("sampling", {}) else {})}
+        stage_of = {comps.get("prior"): "prior", comps.get("decoder"): "decoder",
+                    **{n: n for n in comps.get("upsamplers", [])}}
+        name = stage_of.get(folder.name)
+        if name in index.get("diffusion", {}):
+            data = {"stage": stage_kind(name), "diffusion": index["diffusion"][name]}
+            if name in index.get("sampling", {}):
+                data["sampling"] = index["sampling"][name]
+            return data
     warnings.warn(f"{expected} folder {folder} has neither unclip_stage.json nor a pipeline unclip.json beside it: "
                   f"assuming the default diffusion settings (epsilon prediction, no min-SNR). If it was trained "
                   f"otherwise, its samples will be wrong; pass the folder that a training command exported "

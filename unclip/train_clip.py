@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .clip import FrozenCLIP
 from .config import ClipConfig, from_dict, load_config, save_config, to_dict
-from .training import auto_mixed_precision, native_cpu_bf16, warmup_cosine
+from .training import auto_mixed_precision, warmup_cosine
 
 __all__ = ["ClipTrainConfig", "attribute_retrieval", "main"]
 
@@ -229,9 +229,7 @@ def main(argv=None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, warmup=t.warmup_steps, total=t.steps, base_lr=t.lr, min_lr=t.min_lr))
     loss_fn = open_clip.ClipLoss()
-    precision = auto_mixed_precision(t.mixed_precision)
-    if precision == "fp16":  # auto on a GPU machine: this loop trains on the CPU
-        precision = "bf16" if native_cpu_bf16() else "no"
+    precision = auto_mixed_precision(t.mixed_precision, gpu=False)  # this loop trains on the CPU
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext())
     logger.info("train-clip: mixed precision %s", precision)
     log = open(out / "metrics.jsonl", "a")

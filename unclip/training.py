@@ -69,12 +69,13 @@ def native_cpu_bf16() -> bool:
         return False
 
 
-def auto_mixed_precision(requested: str) -> str:
+def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
     """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs it
-    natively (:func:`native_cpu_bf16`), else ``no`` (fp32). Other values are returned unchanged."""
+    natively (:func:`native_cpu_bf16`), else ``no`` (fp32). ``gpu``: whether the training runs on a GPU
+    (default: whether one is available). Other values are returned unchanged."""
     if requested != "auto":
         return requested
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() if gpu is None else gpu:
         return "fp16"
     return "bf16" if native_cpu_bf16() else "no"
 

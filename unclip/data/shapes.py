@@ -207,6 +207,13 @@ def _place_pair(rng: random.Random, objs: list[dict], relation: str) -> list[dic
     raise AssertionError("placement of a two-object scene did not terminate")
 
 
+def _scene(rng: random.Random, objs: list[dict], relation: str | None, background: str) -> dict:
+    """A scene's ground truth: ``objs`` (attribute dicts) placed with ``rng``, as a pair in ``relation``
+    or alone (``relation`` None)."""
+    placed = _place_pair(rng, objs, relation) if relation is not None else [_place_single(rng, objs[0])]
+    return {"background": background, "relation": relation, "objects": placed}
+
+
 def sample_truth(rng: random.Random, split: str = "all", two_object_prob: float = 0.3) -> dict:
     """Draw one scene's ground truth with ``rng`` (see module docstring for the structure)."""
     if split not in SPLITS:
@@ -214,10 +221,7 @@ def sample_truth(rng: random.Random, split: str = "all", two_object_prob: float 
     background = rng.choice(sorted(BACKGROUNDS))
     pair = rng.random() < two_object_prob
     objs = _sample_attributes(rng, split, pair)
-    if pair:
-        relation = rng.choice(RELATIONS)
-        return {"background": background, "relation": relation, "objects": _place_pair(rng, objs, relation)}
-    return {"background": background, "relation": None, "objects": [_place_single(rng, objs[0])]}
+    return _scene(rng, objs, rng.choice(RELATIONS) if pair else None, background)
 
 
 #: Which attribute :func:`contrast_truth` changes, with weights: single-object scenes, two-object scenes.
@@ -254,7 +258,7 @@ def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
             return {**truth, "background": bg}, attr
         if attr == "relation":
             rel = rng.choice([r for r in RELATIONS if r != truth["relation"]])
-            return {"background": truth["background"], "relation": rel, "objects": _place_pair(rng, objs, rel)}, attr
+            return _scene(rng, objs, rel, truth["background"]), attr
         k = rng.randrange(len(objs))
         options = {"shape": SHAPES, "color": sorted(COLORS), "size": sorted(SIZES), "position": sorted(POSITIONS)}[attr]
         taken = {o["color"] for o in objs} if attr == "color" else {objs[k][attr]}
@@ -263,10 +267,7 @@ def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
         if (split == "train" and is_heldout({"objects": new})) or (split == "heldout" and not is_heldout(
                 {"objects": new})):
             continue
-        if pair:
-            return {"background": truth["background"], "relation": truth["relation"],
-                    "objects": _place_pair(rng, new, truth["relation"])}, attr
-        return {"background": truth["background"], "relation": None, "objects": [_place_single(rng, new[0])]}, attr
+        return _scene(rng, new, truth["relation"], truth["background"]), attr
     raise ValueError(f"no one-attribute change of this scene stays in split {split!r} with weights {weights}")
 
 
