@@ -80,6 +80,33 @@ def test_exported_components_generate(trained, tmp_path):
     assert not torch.equal(raw[key], ema[key])
 
 
+def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
+    """``train.init_weights`` fine-tunes: the run starts from the given weights (a component folder, or a
+    fp16 ``.safetensors`` file as shipped), so its first loss is that of the trained model; weights that
+    do not fit the config, or a wrong path, are refused with a clear error."""
+    src = trained / "decoder" / "final" / "decoder"
+    tiny = ["train.max_steps=1", "train.lr=1e-9", "train.min_lr=1e-9", "train.warmup_steps=0", "train.ema=false",
+            "train.log_every=1"]
+    assert train("decoder", tmp_path / "scratch", *tiny) == 0
+    assert train("decoder", tmp_path / "ft", *tiny, f"train.init_weights={src}") == 0
+    init, ft, scratch = weights(src), weights(tmp_path / "ft" / "final" / "decoder"), \
+        weights(tmp_path / "scratch" / "final" / "decoder")
+    assert max(float((init[k] - ft[k]).abs().max()) for k in init) < 1e-5
+    assert max(float((init[k] - scratch[k]).abs().max()) for k in init) > 1e-2
+    assert losses(tmp_path / "ft")[0] < 0.75 * losses(tmp_path / "scratch")[0]
+    from safetensors.torch import save_file
+    half = tmp_path / "half.safetensors"
+    save_file({k: v.half() for k, v in init.items()}, str(half))
+    assert train("decoder", tmp_path / "ft16", *tiny, f"train.init_weights={half}") == 0
+    ft16 = weights(tmp_path / "ft16" / "final" / "decoder")
+    assert all(ft16[k].dtype == torch.float32 for k in ft16)
+    assert max(float((init[k] - ft16[k]).abs().max()) for k in init) < 1e-2
+    with pytest.raises(ValueError, match="do not fit this model"):
+        train("decoder", tmp_path / "bad", *tiny, f"train.init_weights={trained / 'sr32' / 'final' / 'sr32'}")
+    with pytest.raises(FileNotFoundError, match="init_weights"):
+        train("decoder", tmp_path / "bad2", *tiny, f"train.init_weights={tmp_path / 'nowhere'}")
+
+
 def test_checkpoints_keep_last_and_sample_grid(tmp_path):
     assert train("decoder", tmp_path / "r", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=2",
                  "train.sample_every=3", "train.trackers=[tensorboard]") == 0

@@ -191,10 +191,15 @@ class TrainConfig:
     ``powersgd_rank > 0`` compresses DDP gradients with PowerSGD of that rank (Accelerate's DDP comm hook)
     after ``powersgd_start_step`` steps of plain all-reduce. ``max_consecutive_nonfinite``: training stops
     after that many optimizer steps in a row were skipped for a non-finite loss or gradient.
+    ``init_weights``: start from these weights instead of a random initialisation (fine-tuning): a
+    component folder (e.g. ``final/decoder`` of an earlier run, or ``decoder/`` of a pipeline folder) or a
+    ``.safetensors`` file; the model config must match. ``--resume`` still wins: a checkpoint, when one
+    is found, replaces them.
     """
 
     output_dir: str = "runs/experiment"
     seed: int = 0
+    init_weights: Optional[str] = None
     max_steps: int = 100_000
     lr: float = 1.1e-4
     min_lr: float = 1e-6

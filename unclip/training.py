@@ -5,6 +5,7 @@
 * the ``Accelerator`` (mixed precision: ``auto`` = fp16 with loss scaling on GPU, bf16 on a CPU with native bf16, else fp32;
   gradient accumulation; DDP with an optional PowerSGD communication hook; TensorBoard tracker);
 * AdamW and a LambdaLR schedule: linear warmup to ``lr`` then cosine decay to the ``min_lr`` floor;
+* optional initial weights (``init_weights``: fine-tune an exported component);
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
   ``max_consecutive_nonfinite`` in a row training stops with a clear message (after a checkpoint);
@@ -40,10 +41,42 @@ from .config import StageConfig, load_config, save_config
 from .config import to_dict as _to_dict
 
 __all__ = ["TrainingRun", "warmup_cosine", "sample_generators", "stage_argparser", "load_stage_config",
-           "NonFiniteError", "STAGE_META_FILE"]
+           "NonFiniteError", "STAGE_META_FILE", "load_initial_weights"]
 
 logger = logging.getLogger("unclip.train")
 STAGE_META_FILE = "unclip_stage.json"
+
+
+def load_initial_weights(model: torch.nn.Module, path) -> Path:
+    """Load a component's weights (a folder holding one ``.safetensors`` file, or the file) into ``model``.
+
+    Every tensor of the model must be present with the same shape (the configs must match); dtypes are
+    converted (e.g. fp16 shipped weights into an fp32 model). Returns the file that was read."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if len(files) != 1:
+            raise FileNotFoundError(f"init_weights: expected one .safetensors file in {path}, found "
+                                    f"{[f.name for f in files] or 'none'}")
+        path = files[0]
+    elif not path.is_file():
+        raise FileNotFoundError(f"init_weights: {path} does not exist; give a component folder or a .safetensors file")
+    state = load_file(str(path))
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [f"{k}: {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+             for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        parts = [f"{len(missing)} missing (e.g. {missing[:3]})" if missing else "",
+                 f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})" if unexpected else "",
+                 f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else ""]
+        raise ValueError(f"init_weights {path} do not fit this model: " + "; ".join(p for p in parts if p)
+                         + ". The stage config must describe the same architecture (and CLIP) as the weights.")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+    return path
 
 
 class NonFiniteError(RuntimeError):
@@ -182,8 +215,12 @@ class TrainingRun:
         return self.accelerator.device
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Optimizer, schedule, EMA, checkpoint registration, then resume if asked. Returns the wrapped model."""
+        """Initial weights if given, optimizer, schedule, EMA, checkpoint registration, then resume if asked.
+        Returns the wrapped model."""
         t = self.cfg.train
+        if t.init_weights:
+            src = load_initial_weights(model, t.init_weights)
+            logger.info("initial weights from %s", src)
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
