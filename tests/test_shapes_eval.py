@@ -70,7 +70,7 @@ def test_blank_image_has_no_objects():
     assert det == {"background": "black", "relation": None, "objects": []}
     result = score(blank, parse_caption("a small red circle on the left on a black background"))
     assert result == {"color": False, "shape": False, "size": False, "position": False,
-                      "background": True, "all": False}
+                      "background": True, "objects": False, "all": False}
 
 
 @pytest.mark.parametrize("field, wrong", [("color", "blue"), ("shape", "triangle"), ("size", "small"),
@@ -80,7 +80,7 @@ def test_single_object_score_flags_each_wrong_attribute(field, wrong):
     expected = {"background": "white", "relation": None,
                 "objects": [{"shape": "circle", "color": "red", "size": "large", "position": "left"}]}
     assert score(image, expected) == {"color": True, "shape": True, "size": True, "position": True,
-                                      "background": True, "all": True}
+                                      "background": True, "objects": True, "all": True}
     bad = copy.deepcopy(expected)
     bad["objects"][0][field] = wrong
     result = score(image, bad)
@@ -97,6 +97,7 @@ def test_extra_object_fails_all_for_single_prompt():
     truth["objects"].append(_object("square", "green", "small", None, 0.75, 0.5, 0.25))
     result = score(render(truth, 64), parse_caption("a small red circle on the left"))
     assert result["color"] and result["shape"] and result["position"] and not result["all"]
+    assert result["objects"] is False
 
 
 def test_two_object_score_checks_colors_shapes_and_relation():
@@ -105,12 +106,16 @@ def test_two_object_score_checks_colors_shapes_and_relation():
         _object("square", "blue", "small", None, 0.7, 0.45, 0.25)]}
     image = render(truth, 64)
     ok = score(image, parse_caption("a red circle to the left of a blue square on a gray background"))
-    assert ok == {"colors": True, "shapes": True, "relation": True, "background": True, "all": True}
+    assert ok == {"colors": True, "shapes": True, "relation": True, "background": True, "objects": True, "all": True}
     assert score(image, parse_caption("a red circle to the right of a blue square")) == {
-        "colors": True, "shapes": True, "relation": False, "all": False}
+        "colors": True, "shapes": True, "relation": False, "objects": True, "all": False}
     assert score(image, parse_caption("a blue square to the right of a red circle"))["all"] is True
     swapped = score(image, parse_caption("a red square to the left of a blue circle"))
-    assert swapped == {"colors": True, "shapes": False, "relation": True, "all": False}
+    assert swapped == {"colors": True, "shapes": False, "relation": True, "objects": True, "all": False}
+    third = dict(truth, objects=truth["objects"] + [_object("triangle", "green", "small", None, 0.5, 0.15, 0.2)])
+    extra = score(render(third, 64), parse_caption("a red circle to the left of a blue square on a gray background"))
+    assert extra == {"colors": True, "shapes": True, "relation": True, "background": True, "objects": False,
+                     "all": False}
     missing = score(image, parse_caption("a red circle to the left of a green square"))
     assert missing["colors"] is False and missing["relation"] is False and missing["all"] is False
 

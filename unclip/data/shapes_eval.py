@@ -27,12 +27,12 @@ Scoring (:func:`score`) against an ``expected`` dict from :func:`unclip.data.sha
 -----------------------------------------------------------------------------------------------
 * Single-object prompts: the object judged is the largest detected object of the expected color, or
   the largest object if there is none; keys ``color``, ``shape``, ``size``, ``position`` (each only if
-  the caption names it), ``background`` (only if named) and ``all`` (every key above true and exactly
-  one object detected).
+  the caption names it), ``background`` (only if named), ``objects`` (exactly one object detected) and
+  ``all`` (every key above true).
 * Two-object prompts: each expected object is matched to the largest detected object of its color;
   ``colors`` = both colors found, ``shapes`` = both matched objects have their expected shapes,
   ``relation`` = the relation between the matched centres is the expected one, ``background`` if
-  named, ``all`` = all of these and exactly two objects detected.
+  named, ``objects`` = exactly two objects detected, ``all`` = all of these.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def score(image, expected: dict, **detect_kwargs) -> dict[str, bool]:
         raise ValueError(f"expected must name one or two objects, got {len(want)}")
     if expected.get("background") is not None:
         out["background"] = det["background"] == expected["background"]
-    out["all"] = bool(count_ok and all(out.values()))
+    out["objects"] = count_ok
+    out["all"] = all(out.values())
     return out
 
 
