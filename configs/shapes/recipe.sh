@@ -4,6 +4,7 @@
 # Lanes (2 CPU cores; every process single-threaded, which is far faster than 2 threads per process
 # on a shared machine):
 #   A: CLIP (train-clip) -> decoder 32 px (train-decoder, torchrun 2 processes) | prior (train-prior)
+#      -> decoder fine-tuned on mostly two-object scenes (train-decoder with train.init_weights)
 #   B: upsampler 32->64 (sr64) and upsampler 64->128 (sr128), which need no CLIP, while CLIP trains.
 # Then `unclip assemble` and the finishing step (default sampling settings, fp16 weights).
 # Per-step wall-clock seconds go to OUT/timings.tsv, logs to OUT/logs/.
@@ -31,9 +32,13 @@ CLIPW="$OUT/clip/clip/model.safetensors"
 step prior "$UNCLIP" train-prior "$CFG/prior.yaml" "clip.pretrained=$CLIPW" --output-dir "$OUT/prior" & PRIOR=$!
 step decoder "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.train_decoder "$CFG/decoder.yaml" \
   "clip.pretrained=$CLIPW" --output-dir "$OUT/decoder"
+# second decoder run: fine-tune on 70 % two-object scenes (docs/shapes_model.md, lever 8)
+step decoder_pairs "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.train_decoder "$CFG/decoder.yaml" \
+  "clip.pretrained=$CLIPW" "train.init_weights=$OUT/decoder/final/decoder" data.shapes_two_object_prob=0.7 \
+  train.max_steps=6000 train.lr=3e-4 train.warmup_steps=200 --output-dir "$OUT/decoder_pairs"
 wait $SR64 $SR128 $PRIOR
 step assemble "$UNCLIP" assemble --clip "$OUT/clip/clip" --prior "$OUT/prior/final/prior" \
-  --decoder "$OUT/decoder/final/decoder" --upsampler "$OUT/sr64/final/sr64" \
+  --decoder "$OUT/decoder_pairs/final/decoder" --upsampler "$OUT/sr64/final/sr64" \
   --upsampler "$OUT/sr128/final/sr128" --out "$OUT/pipeline"
 step finalize "${PYTHON:-python}" -m unclip.recipes.shapes_finalize "$OUT/pipeline" --sampling "$CFG/sampling.yaml"
 echo "pipeline: $OUT/pipeline   (evaluate: python -m unclip.recipes.shapes_eval --model $OUT/pipeline)"
