@@ -48,22 +48,18 @@ STAGE_META_FILE = "unclip_stage.json"
 
 
 def load_initial_weights(model: torch.nn.Module, path) -> Path:
-    """Load a component's weights (a folder holding one ``.safetensors`` file, or the file) into ``model``.
+    """Load a component's weights (a component folder, or a ``.safetensors`` file) into ``model``.
 
     Every tensor of the model must be present with the same shape (the configs must match); dtypes are
-    converted (e.g. fp16 shipped weights into an fp32 model). Returns the file that was read."""
+    converted (e.g. fp16 shipped weights into an fp32 model). Returns ``path``."""
     from safetensors.torch import load_file
 
+    from .convert_clip import load_weights
+
     path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if len(files) != 1:
-            raise FileNotFoundError(f"init_weights: expected one .safetensors file in {path}, found "
-                                    f"{[f.name for f in files] or 'none'}")
-        path = files[0]
-    elif not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"init_weights: {path} does not exist; give a component folder or a .safetensors file")
-    state = load_file(str(path))
+    state = load_weights(path, "init_weights") if path.is_dir() else load_file(str(path))
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
