@@ -24,6 +24,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
     assert record["seeds"] == [7, 8] and record["prompts"] == ["a red circle", "a blue square"]
     assert record["sampling"]["decoder"]["steps"] == 3 and record["sampling"]["decoder"]["guidance_scale"] == 2.5
     assert record["sampling"]["sr32"]["scheduler"] == "ddpm" and record["sampling"]["prior"]["best_of"] == 1
+    assert record["rerank_clip"] == "clip"
     for f in files:
         assert Image.open(out / f).size == (64, 64)
     assert Image.open(out / "grid.png").size == (128, 128)

@@ -91,3 +91,41 @@ def test_save_load_and_local_weights_file(tiny_clip, tmp_path):
     (tmp_path / "clip" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         FrozenCLIP.from_pretrained(tmp_path / "clip")
+
+
+def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exactly(tiny_clip, tmp_path):
+    from unclip.clip import KEPT_TOKENS_KEY, closed_vocabulary_ids
+    from unclip.data.shapes import ShapesWorld, caption_vocabulary
+    from safetensors.torch import load_file
+
+    ids = closed_vocabulary_ids(tiny_clip, caption_vocabulary())
+    assert {0, tiny_clip.tokenizer.sot_token_id, tiny_clip.tokenizer.eot_token_id} <= set(ids.tolist())
+    world = ShapesWorld(32, seed=4, split="all", two_object_prob=0.5)
+    captions = [world[i].caption for i in range(400)]
+    assert torch.isin(tiny_clip.tokenize(captions), ids).all()  # the vocabulary covers every caption
+
+    tiny_clip.save_pretrained(tmp_path / "full")
+    tiny_clip.save_pretrained(tmp_path / "closed", keep_tokens=ids)
+    state = load_file(str(tmp_path / "closed" / "model.safetensors"))
+    assert torch.equal(state[KEPT_TOKENS_KEY], ids)
+    assert state["token_embedding.weight"].shape == (len(ids), tiny_clip.text_width)
+    full_size = (tmp_path / "full" / "model.safetensors").stat().st_size
+    assert (tmp_path / "closed" / "model.safetensors").stat().st_size < full_size - 0.9 * 49408 * tiny_clip.text_width * 4
+
+    closed = FrozenCLIP.from_pretrained(tmp_path / "closed")
+    a, b = tiny_clip.encode_text(captions), closed.encode_text(captions)
+    assert torch.equal(a.text_embed, b.text_embed) and torch.equal(a.text_tokens, b.text_tokens)
+    images = torch.rand(3, 3, 32, 32) * 2 - 1
+    assert torch.equal(tiny_clip.encode_image(images), closed.encode_image(images))
+    with pytest.warns(UserWarning, match=r"closed vocabulary .*\['dog'\] are outside it"):
+        out = closed.encode_text(["a red dog"])
+    assert not torch.allclose(out.text_embed, tiny_clip.encode_text(["a red dog"]).text_embed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        closed.encode_text(captions[:5])  # no warning for known words
+
+    closed.save_pretrained(tmp_path / "again")  # a closed CLIP saves its rows again
+    assert (tmp_path / "again" / "model.safetensors").stat().st_size == \
+        (tmp_path / "closed" / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match="keep_tokens must be a non-empty set of token ids"):
+        tiny_clip.save_pretrained(tmp_path / "bad", keep_tokens=[5, 49408])

@@ -102,9 +102,81 @@ def test_rerank_keeps_best_clip_candidate(tiny_pipe):
     # the decoder's best_of sampling setting is the default number of rerank candidates
     by_setting = run(tiny_pipe, prompts=prompt, seeds=(7,), sampling={"decoder": {"best_of": 3}})
     assert torch.equal(by_setting.images, kept.images)
-    assert tiny_pipe.rerank(small, tiny_pipe.encode_text(prompt * 3).text_embed, 1).tolist() == [0, 1, 2]
+    assert tiny_pipe.rerank(small, prompt * 3, 1).tolist() == [0, 1, 2]
+    assert tiny_pipe.rerank(small, prompt[0], 3).tolist() == [int(scores.argmax())]
     with pytest.raises(ValueError, match="sr32: best_of must be 1 for an upsampler"):
         run(tiny_pipe, sampling={"upsamplers": {"best_of": 2}})
+
+
+def _with_reranker(pipe, seed=1):
+    from unclip import FrozenCLIP
+    from unclip.clip import tiny_clip_config
+    from unclip.config import ClipConfig
+
+    torch.manual_seed(seed)
+    other = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
+    return UnCLIPPipeline(pipe.clip, pipe.prior, pipe.decoder, pipe.upsamplers, diffusion=pipe.diffusion,
+                          sampling=pipe.sampling, reranker=other)
+
+
+def _cosines(clip, images, prompt):
+    img = torch.nn.functional.normalize(clip.encode_image(images), dim=-1)
+    return img @ clip.encode_text([prompt]).text_embed[0]
+
+
+def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
+    """A pipeline's `reranker` CLIP, not the conditioning CLIP, scores the decoder candidates; it is saved
+    in reranker/ and loaded back; a folder without one reranks with the conditioning CLIP."""
+    ranked = _with_reranker(tiny_pipe)
+    assert ranked.rerank_clip is ranked.reranker and tiny_pipe.rerank_clip is tiny_pipe.clip
+    prompt = PROMPTS[0]
+    # a seed whose 4 candidates the two CLIPs rank differently, so the test tells them apart
+    for seed in range(20):
+        cands = run(tiny_pipe, prompts=[prompt], seeds=(seed,), num_images_per_prompt=4,
+                    return_intermediates=True).stage_images["decoder"]
+        own, other = _cosines(tiny_pipe.clip, cands, prompt), _cosines(ranked.reranker, cands, prompt)
+        if int(own.argmax()) != int(other.argmax()):
+            break
+    else:
+        pytest.fail("no seed in 20 where two random CLIPs pick different candidates")
+    kept = run(ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4, return_intermediates=True)
+    assert torch.equal(kept.stage_images["decoder"][0], cands[int(other.argmax())])
+    assert ranked.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
+    assert tiny_pipe.rerank(cands, [prompt], 4).tolist() == [int(own.argmax())]
+
+    ranked.save_pretrained(tmp_path / "p")
+    index = json.loads((tmp_path / "p" / "unclip.json").read_text())
+    assert index["components"]["reranker"] == "reranker" and (tmp_path / "p" / "reranker" / "config.json").is_file()
+    loaded = UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    assert loaded.reranker is not None
+    assert torch.allclose(loaded.reranker.encode_image(cands), ranked.reranker.encode_image(cands), atol=1e-6)
+    assert torch.allclose(run(loaded, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images,
+                          run(ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images, atol=1e-4)
+    tiny_pipe.save_pretrained(tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "unclip.json").read_text())["components"]["reranker"] is None
+    assert UnCLIPPipeline.from_pretrained(tmp_path / "plain").reranker is None
+
+    # `unclip assemble --reranker` adds one to components
+    from unclip.assemble import main as assemble
+
+    p = tmp_path / "p"
+    assert assemble(["--clip", str(p / "clip"), "--prior", str(p / "prior"), "--decoder", str(p / "decoder"),
+                     "--upsampler", str(p / "sr32"), "--upsampler", str(p / "sr64"), "--reranker",
+                     str(p / "reranker"), "--out", str(tmp_path / "a")]) == 0
+    assembled = UnCLIPPipeline.from_pretrained(tmp_path / "a")
+    assert assembled.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
+
+
+def test_rerank_refuses_bad_arguments(tiny_pipe):
+    images = torch.zeros(6, 3, 16, 16)
+    with pytest.raises(TypeError, match="takes the prompts"):
+        tiny_pipe.rerank(images, tiny_pipe.encode_text(["a red circle"] * 6).text_embed, 3)
+    with pytest.raises(ValueError, match="4 prompts for 6 images in groups of 3"):
+        tiny_pipe.rerank(images, ["a red circle"] * 4, 3)
+    with pytest.raises(ValueError, match="not groups of 4"):
+        tiny_pipe.rerank(images, "a red circle", 4)
+    with pytest.raises(TypeError, match="reranker must be a FrozenCLIP"):
+        UnCLIPPipeline(tiny_pipe.clip, tiny_pipe.prior, tiny_pipe.decoder, reranker="clip/")
 
 
 def test_variations_and_interpolation(tiny_pipe, tmp_path):
@@ -266,3 +338,28 @@ def test_upsampler_noise_level_noises_the_low_res_image_at_sampling(tmp_path):
     loaded = UnCLIPPipeline.from_pretrained(tmp_path / "p")
     assert loaded.upsamplers[0].config.noise_level == 100
     assert torch.allclose(sr(loaded), noisy, atol=1e-5)
+
+
+def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocabulary(tiny_pipe, tmp_path):
+    from safetensors.torch import load_file
+
+    from unclip.recipes.shapes_finalize import main as finalize
+
+    ranked = _with_reranker(tiny_pipe)
+    ranked.save_pretrained(tmp_path / "p")
+    (tmp_path / "s.yaml").write_text("decoder: {scheduler: ddim, steps: 5, guidance_scale: 1.0, best_of: 3}\n")
+    before = (tmp_path / "p" / "reranker" / "model.safetensors").stat().st_size
+    assert finalize([str(tmp_path / "p"), "--sampling", str(tmp_path / "s.yaml"),
+                     "--closed-vocabulary", "reranker"]) == 0
+    state = load_file(str(tmp_path / "p" / "reranker" / "model.safetensors"))
+    assert "kept_token_ids" in state and state["token_embedding.weight"].dtype == torch.float16
+    assert (tmp_path / "p" / "reranker" / "model.safetensors").stat().st_size < before / 2
+    loaded = UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    assert loaded.sampling["decoder"].best_of == 3 and loaded.sampling["decoder"].steps == 5
+    assert loaded.reranker.kept_token_ids is not None and loaded.clip.kept_token_ids is None
+    caption = "a small red circle on the left on a gray background"
+    assert torch.allclose(loaded.reranker.encode_text([caption]).text_embed,
+                          ranked.reranker.encode_text([caption]).text_embed, atol=2e-3)  # fp16 weights
+    tiny_pipe.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="this pipeline has no reranker component"):
+        finalize([str(tmp_path / "plain"), "--sampling", str(tmp_path / "s.yaml"), "--closed-vocabulary", "reranker"])

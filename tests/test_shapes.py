@@ -353,3 +353,36 @@ def test_contrast_truth_errors_and_background():
         shapes.contrast_truth(truth, random.Random(0), weights={"relation": 1.0})
     with pytest.raises(ValueError, match="unknown split"):
         shapes.contrast_truth(truth, random.Random(0), split="test")
+
+
+def test_color_free_view_repaints_the_same_scene_in_unnamed_colors_and_drops_color_words():
+    import random
+
+    from unclip.data.shapes import UNNAMED_COLOR_MIN_DISTANCE, color_free_view
+
+    world = ShapesWorld(resolution=64, seed=3, split="train", two_object_prob=0.5)
+    refs = list(COLORS.values()) + list(BACKGROUNDS.values())
+    kinds = set()
+    for i in range(60):
+        s = world[i]
+        image, caption = color_free_view(s.truth, random.Random(i), 64, background_phrase_prob=0.5)
+        words = caption.split()
+        assert not set(words) & set(COLORS), caption
+        assert [w for w in words if w in SHAPES] == [o["shape"] for o in s.truth["objects"]], caption
+        if s.truth["relation"] is not None:
+            assert s.truth["relation"] in caption
+        else:
+            assert shapes.POSITION_PHRASES[s.truth["objects"][0]["position"]] in caption
+        px = np.asarray(image)
+        for obj in s.truth["objects"]:  # same geometry, an unnamed object color at every object's centre
+            cx, cy = obj["center"]
+            fill = px[int(cy * 64), int(cx * 64)].astype(float)
+            assert min(math.dist(fill, r) for r in refs) >= UNNAMED_COLOR_MIN_DISTANCE - 2, (caption, fill)
+        assert tuple(px[0, 0]) == BACKGROUNDS[s.truth["background"]] or len(s.truth["objects"]) == 2
+        kinds.add(len(s.truth["objects"]))
+        # reproducible from the rng
+        again = color_free_view(s.truth, random.Random(i), 64, background_phrase_prob=0.5)
+        assert again[1] == caption and png_bytes(again[0]) == png_bytes(image)
+    assert kinds == {1, 2}
+    with pytest.raises(ValueError, match="one RGB color per object"):
+        render(world[0].truth, 32, fills=[])

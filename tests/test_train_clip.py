@@ -36,6 +36,27 @@ def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling(
     assert plain == [world[i].caption for i in range(8, 16)]
 
 
+def test_batch_with_color_free_views_replaces_that_share_of_samples():
+    world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5)
+    plain = [world[i].caption for i in range(64, 128)]
+    x, caps = _batch(world, 1, 64, ClipDataConfig(color_free_prob=0.5, noise_prob=0.0, blur_prob=0.0),
+                     random.Random(0))
+    named = {"red", "green", "blue", "yellow", "purple", "orange"}
+    free = [i for i, c in enumerate(caps) if not set(c.split()) & named]
+    assert 16 <= len(free) <= 48  # about half, drawn per sample
+    for i in range(64):
+        if i in free:  # the same scene's shapes, named without colors
+            shapes_of = [w for w in plain[i].split() if w in ("circle", "square", "triangle")]
+            assert [w for w in caps[i].split() if w in ("circle", "square", "triangle")] == shapes_of
+            assert not torch.equal(x[i], _batch(world, 1, 64, ClipDataConfig(noise_prob=0.0, blur_prob=0.0),
+                                                random.Random(0))[0][i])
+        else:
+            assert caps[i] == plain[i]
+    again = _batch(world, 1, 64, ClipDataConfig(color_free_prob=0.5, noise_prob=0.0, blur_prob=0.0),
+                   random.Random(0))
+    assert again[1] == caps and torch.equal(again[0], x)
+
+
 def _config(tmp_path, **data) -> str:
     cfg = {"clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()},
            "data": {"resolution": 32, "two_object_prob": 0.5, **data},
@@ -63,3 +84,5 @@ def test_train_clip_tiny_run_writes_a_loadable_clip_and_retrieval_report(tmp_pat
 def test_train_clip_refuses_a_hard_negative_share_above_half(tmp_path):
     with pytest.raises(ValueError, match="hard_negatives"):
         main([_config(tmp_path, hard_negatives=0.75), "--output-dir", str(tmp_path / "run")])
+    with pytest.raises(ValueError, match="color_free_prob must be a probability"):
+        main([_config(tmp_path, color_free_prob=1.5), "--output-dir", str(tmp_path / "run")])

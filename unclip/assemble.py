@@ -17,11 +17,13 @@ def main(argv=None) -> int:
     p.add_argument("--prior", help="prior component folder")
     p.add_argument("--decoder", required=True, help="decoder component folder")
     p.add_argument("--upsampler", action="append", default=[], help="upsampler folder, in order (repeatable)")
+    p.add_argument("--reranker", help="CLIP folder that scores decoder candidates (reranking) instead of --clip")
     p.add_argument("--out", required=True, help="output pipeline folder")
     args = p.parse_args(argv)
-    pipe = UnCLIPPipeline.from_components(args.clip, args.decoder, args.prior, args.upsampler)
+    pipe = UnCLIPPipeline.from_components(args.clip, args.decoder, args.prior, args.upsampler, reranker=args.reranker)
     pipe.save_pretrained(args.out)
-    print(f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px) to {args.out}")
+    extra = "; reranker CLIP" if pipe.reranker is not None else ""
+    print(f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px{extra}) to {args.out}")
     return 0
 
 

@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-images", type=int, default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed S+i")
     p.add_argument("--rerank", type=int, default=None,
-                   help="decode K base-resolution candidates per image and keep the best by CLIP score "
-                        "(default: the model's decoder best_of setting; 1 turns reranking off)")
+                   help="decode K base-resolution candidates per image and keep the best by CLIP score (the "
+                        "pipeline's reranker CLIP if it has one) (default: the model's decoder best_of setting; 1 turns reranking off)")
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -124,7 +124,8 @@ def main(argv=None) -> int:
 
     record = {
         "model": model_name, "prompts": prompts, "seeds": seeds, "num_images_per_prompt": args.num_images,
-        "rerank_candidates": pipe._settings("decoder", sampling).best_of, "device": args.device, "resolution": pipe.resolution,
+        "rerank_candidates": pipe._settings("decoder", sampling).best_of,
+        "rerank_clip": "reranker" if pipe.reranker is not None else "clip", "device": args.device, "resolution": pipe.resolution,
         "sampling": {s: to_dict(pipe._settings(s, sampling)) for s in pipe.stage_names},
         "seconds": round(seconds, 3), "files": files, "grid": "grid.png",
         "versions": {"unclip": unclip.__version__, "torch": torch.__version__},

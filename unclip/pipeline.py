@@ -11,8 +11,10 @@ Each stage is a public method, and everything else composes from them::
     big = pipe.upsample(small)                                  # through every upsampler
     pipe.variations(pil_image, num_images=4)                    # image → CLIP embedding → decode
     pipe.interpolate("a red circle", "a blue square", num_steps=5)
+    keep = pipe.rerank(small, ["a red circle"] * 4, k=4)         # best of each group of 4 by CLIP score
 
-A pipeline folder is self-describing: ``unclip.json`` names the components and the default sampling
+A pipeline may carry a second CLIP, ``reranker``, used only to choose among decoder candidates (reranking);
+without one, the conditioning CLIP scores them. A pipeline folder is self-describing: ``unclip.json`` names the components and the default sampling
 settings; each component has its own subfolder with ``config.json`` and safetensors weights.
 """
 from __future__ import annotations
@@ -73,8 +75,13 @@ class UnCLIPPipeline:
 
     def __init__(self, clip: FrozenCLIP, prior: Optional[UnCLIPPrior], decoder: UnCLIPDecoder,
                  upsamplers: Sequence[UnCLIPUpsampler] = (), diffusion: Optional[dict] = None,
-                 sampling: Optional[dict] = None, prior_clip_range: Optional[float] = 10.0):
+                 sampling: Optional[dict] = None, prior_clip_range: Optional[float] = 10.0,
+                 reranker: Optional[FrozenCLIP] = None):
         self.clip = clip
+        if reranker is not None and not isinstance(reranker, FrozenCLIP):
+            raise TypeError(f"reranker must be a FrozenCLIP (or None), got {type(reranker).__name__}")
+        # a CLIP used only to score decoder candidates (rerank); None: the conditioning CLIP scores them
+        self.reranker = reranker
         # the prior sampler clips predicted x_0 (normalised embedding) to [-r, r]; None disables (Karlo: 5)
         self.prior_clip_range = None if prior_clip_range is None else float(prior_clip_range)
         self.prior = prior
@@ -121,7 +128,15 @@ class UnCLIPPipeline:
         if self.prior is not None:
             mods["prior"] = self.prior
         mods.update(zip(self.upsampler_names, self.upsamplers))
+        if self.reranker is not None:
+            mods["reranker"] = self.reranker
         return mods
+
+    @property
+    def rerank_clip(self) -> FrozenCLIP:
+        """The CLIP that scores candidates in :meth:`rerank`: the ``reranker`` if the pipeline has one, else
+        the conditioning CLIP."""
+        return self.reranker if self.reranker is not None else self.clip
 
     def to(self, device=None, dtype=None, memory_format=None) -> "UnCLIPPipeline":
         """Move every component; ``memory_format=torch.channels_last`` stores the image networks' conv
@@ -182,6 +197,9 @@ class UnCLIPPipeline:
                 raise ValueError(f"prior text_width {pc.text_width} != CLIP text width {w}")
             if pc.context_length != L:
                 raise ValueError(f"prior context_length {pc.context_length} != CLIP context length {L}")
+        if self.reranker is not None and not self.reranker.has_vision:
+            raise ValueError(f"reranker CLIP {self.reranker.model_name!r} has no image tower, so it cannot score "
+                             f"candidates; use a CLIP with image-tower weights")
         dc = self.decoder.config
         if dc.embed_dim != d:
             raise ValueError(f"decoder embed_dim {dc.embed_dim} != CLIP embed_dim {d} (clip: {self.clip.model_name})")
@@ -205,11 +223,14 @@ class UnCLIPPipeline:
         self.decoder.save_pretrained(path / "decoder", safe_serialization=True)
         for name, up in zip(self.upsampler_names, self.upsamplers):
             up.save_pretrained(path / name, safe_serialization=True)
+        if self.reranker is not None:
+            self.reranker.save_pretrained(path / "reranker")
         index = {
             "format": "unclip-pipeline",
             "version": FORMAT_VERSION,
             "components": {"clip": "clip", "prior": "prior" if self.prior is not None else None,
-                           "decoder": "decoder", "upsamplers": self.upsampler_names},
+                           "decoder": "decoder", "upsamplers": self.upsampler_names,
+                           "reranker": "reranker" if self.reranker is not None else None},
             "diffusion": {k: to_dict(v) for k, v in self.diffusion.items()},
             "sampling": {k: to_dict(v) for k, v in self.sampling.items()},
             "prior_clip_range": self.prior_clip_range,
@@ -248,8 +269,9 @@ class UnCLIPPipeline:
         prior = UnCLIPPrior.from_pretrained(sub(comps["prior"])) if comps.get("prior") else None
         decoder = UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder")))
         ups = [UnCLIPUpsampler.from_pretrained(sub(n)) for n in comps.get("upsamplers", [])]
+        reranker = FrozenCLIP.from_pretrained(sub(comps["reranker"])) if comps.get("reranker") else None
         pipe = cls(clip, prior, decoder, ups, diffusion=index.get("diffusion"), sampling=index.get("sampling"),
-                   prior_clip_range=index.get("prior_clip_range", 10.0))
+                   prior_clip_range=index.get("prior_clip_range", 10.0), reranker=reranker)
         for m in pipe.modules().values():
             m.eval().requires_grad_(False)
         return pipe
@@ -257,11 +279,14 @@ class UnCLIPPipeline:
     @classmethod
     def from_components(cls, clip: Union[str, os.PathLike], decoder: Union[str, os.PathLike],
                         prior: Union[str, os.PathLike, None] = None,
-                        upsamplers: Sequence[Union[str, os.PathLike]] = ()) -> "UnCLIPPipeline":
+                        upsamplers: Sequence[Union[str, os.PathLike]] = (),
+                        reranker: Union[str, os.PathLike, None] = None) -> "UnCLIPPipeline":
         """Assemble a pipeline from component folders exported by the training commands
-        (``<output_dir>/final/<name>``, each with ``config.json``, weights and ``unclip_stage.json``)."""
+        (``<output_dir>/final/<name>``, each with ``config.json``, weights and ``unclip_stage.json``);
+        ``reranker``: a CLIP folder (e.g. ``unclip train-clip``'s ``<output_dir>/clip``) that scores decoder
+        candidates instead of the conditioning CLIP."""
         parts = load_components(clip, decoder, prior, upsamplers, DEFAULT_DIFFUSION, DEFAULT_SAMPLING)
-        pipe = cls(*parts)
+        pipe = cls(*parts, reranker=FrozenCLIP.from_pretrained(reranker) if reranker is not None else None)
         for m in pipe.modules().values():
             m.eval().requires_grad_(False)
         return pipe
@@ -427,7 +452,7 @@ class UnCLIPPipeline:
         ``generator``: one ``torch.Generator``, one per prompt, or one per image. ``sampling``: per-stage
         overrides, e.g. ``{"prior": {"steps": 10}, "decoder": {"guidance_scale": 3}, "upsamplers": {...}}``.
         ``rerank_candidates = K > 1`` decodes K base-resolution candidates per image and keeps the one
-        CLIP scores closest to the prompt before upsampling (as DALL-E did); ``None`` uses the decoder's
+        CLIP (:attr:`rerank_clip`) scores closest to the prompt before upsampling (as DALL-E did); ``None`` uses the decoder's
         ``best_of`` sampling setting. ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt``
         (float ``[N, 3, H, W]`` in [0, 1]).
         """
@@ -443,7 +468,7 @@ class UnCLIPPipeline:
         text_k = text.repeat_interleave(n * k)
         embeds = self.sample_image_embeds(text_k, 1, gen, sampling, progress=progress)
         small = self.decode(embeds, text_k, gen, sampling, progress=progress)
-        keep = self.rerank(small, text_k.text_embed, k)
+        keep = self.rerank(small, [p for p in prompts for _ in range(n * k)], k)
         small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
         gen = gen[::k] if isinstance(gen, list) else gen
         final, inter = self.upsample(small, gen, sampling, return_intermediates=True, progress=progress)
@@ -451,14 +476,29 @@ class UnCLIPPipeline:
         return UnCLIPOutput(to_output(final, output_type), embeds, text_k.text_embed, stage_images)
 
     @torch.no_grad()
-    def rerank(self, images: torch.Tensor, text_embed: torch.Tensor, k: int) -> torch.Tensor:
+    def rerank(self, images: torch.Tensor, prompts: Union[str, Sequence[str]], k: int) -> torch.Tensor:
         """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates (``images [B·k, 3, H, W]``
-        in [-1, 1], ``text_embed [B·k, D]``) by CLIP score; ``k = 1`` keeps every image."""
-        if k == 1:
-            return torch.arange(images.shape[0])
+        in [-1, 1]) by the cosine between :attr:`rerank_clip`'s embeddings of the image and of its prompt.
+        ``prompts``: one per image (``B·k``), one per group (``B``), or one string for all; ``k = 1`` keeps
+        every image."""
+        k = check_count(k, "k")
         if images.shape[0] % k:
             raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
-        scores = self.clip_scores(images, text_embed).view(-1, k)
+        if k == 1:
+            return torch.arange(images.shape[0])
+        if isinstance(prompts, torch.Tensor):
+            raise TypeError("rerank takes the prompts (strings), not text embeddings: the reranking CLIP "
+                            "(pipe.rerank_clip) encodes them itself")
+        prompts = [prompts] * images.shape[0] if isinstance(prompts, str) else check_prompts(prompts)
+        if len(prompts) == images.shape[0] // k:
+            prompts = [p for p in prompts for _ in range(k)]
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"rerank: {len(prompts)} prompts for {images.shape[0]} images in groups of {k}; "
+                             f"give one prompt per image or one per group")
+        scorer = self.rerank_clip
+        text_embed = scorer.encode_text(prompts).text_embed
+        img = F.normalize(scorer.encode_image(images), dim=-1)
+        scores = (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1).view(-1, k)
         return torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()
 
     @torch.no_grad()

@@ -54,6 +54,10 @@ class ClipDataConfig:
     #: one attribute (mostly shape, and relation for two-object scenes; see
     #: :func:`unclip.data.shapes.contrast_truth`), so the contrastive loss must tell them apart. At most 0.5.
     hard_negatives: float = 0.0
+    #: Probability that a (non-hard-negative) sample is replaced by its color-free view: the same scene with
+    #: the objects in unnamed colors and a caption without color words (:func:`unclip.data.shapes.color_free_view`),
+    #: so shape features cannot lean on color (held-out color–shape pairs; docs/shapes_model.md, lever 10).
+    color_free_prob: float = 0.0
 
 
 @dataclass
@@ -88,8 +92,9 @@ class ClipTrainConfig:
 # --------------------------------------------------------------------------------------------------
 def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Random):
     """Images ``[n, 3, R, R]`` in [-1, 1] and captions for batch ``step``: ``n - m`` consecutive world
-    samples, then ``m = round(n * aug.hard_negatives)`` one-attribute variants of the first ``m`` of them."""
-    from .data.shapes import contrast_truth, make_caption, render
+    samples (each replaced by its color-free view with probability ``aug.color_free_prob``), then
+    ``m = round(n * aug.hard_negatives)`` one-attribute variants of the first ``m`` of them."""
+    from .data.shapes import color_free_view, contrast_truth, make_caption, render
     from .data.streams import pil_to_tensor
 
     m = round(n * aug.hard_negatives) if aug is not None else 0
@@ -97,6 +102,12 @@ def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Ran
     samples = [world[i] for i in range(start, start + n - m)]
     imgs = [pil_to_tensor(s.image) for s in samples]
     caps = [s.caption for s in samples]
+    if aug is not None and aug.color_free_prob > 0:
+        for j, (i, s) in enumerate(zip(range(start, start + n - m), samples)):
+            view_rng = random.Random(f"color-free:{world.seed}:{world.split}:{i}")
+            if view_rng.random() < aug.color_free_prob:
+                image, caps[j] = color_free_view(s.truth, view_rng, world.resolution, world.background_phrase_prob)
+                imgs[j] = pil_to_tensor(image)
     for i, s in zip(range(start, start + m), samples):
         twin_rng = random.Random(f"contrast:{world.seed}:{world.split}:{i}")
         truth, _ = contrast_truth(s.truth, twin_rng, world.split)
@@ -201,6 +212,8 @@ def main(argv=None) -> int:
         raise ValueError("train-clip needs clip.model_cfg (an open_clip config dict: embed_dim, vision_cfg, text_cfg)")
     if not 0.0 <= cfg.data.hard_negatives <= 0.5:
         raise ValueError(f"data.hard_negatives must be in [0, 0.5] (a share of the batch), got {cfg.data.hard_negatives}")
+    if not 0.0 <= cfg.data.color_free_prob <= 1.0:
+        raise ValueError(f"data.color_free_prob must be a probability in [0, 1], got {cfg.data.color_free_prob}")
     t, d = cfg.train, cfg.data
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -271,19 +271,22 @@ def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
     raise ValueError(f"no one-attribute change of this scene stays in split {split!r} with weights {weights}")
 
 
-def render(truth: dict, resolution: int = 64) -> Image.Image:
+def render(truth: dict, resolution: int = 64, fills=None) -> Image.Image:
     """Draw ``truth`` as a ``resolution x resolution`` RGB image (flat colors, anti-aliased edges).
 
-    Drawn at up to 4x the resolution with ``PIL.ImageDraw`` and reduced with a box filter.
+    Drawn at up to 4x the resolution with ``PIL.ImageDraw`` and reduced with a box filter. ``fills``
+    (one RGB triple per object) paints the objects in those colors instead of their named ones.
     """
     if not isinstance(resolution, int) or resolution < 8:
         raise ValueError(f"resolution must be an int >= 8, got {resolution!r}")
+    if fills is not None and len(fills) != len(truth["objects"]):
+        raise ValueError(f"fills needs one RGB color per object ({len(truth['objects'])}), got {len(fills)}")
     factor = max(1, min(4, 4096 // resolution))
     side = resolution * factor
     canvas = Image.new("RGB", (side, side), BACKGROUNDS[truth["background"]])
     draw = ImageDraw.Draw(canvas)
-    for obj in truth["objects"]:
-        fill = COLORS[obj["color"]]
+    for i, obj in enumerate(truth["objects"]):
+        fill = tuple(fills[i]) if fills is not None else COLORS[obj["color"]]
         x0, y0, x1, y1 = (v * side for v in obj["bbox"])
         if obj["shape"] == "circle":
             draw.ellipse([x0, y0, x1 - 1, y1 - 1], fill=fill)
@@ -298,21 +301,66 @@ def render(truth: dict, resolution: int = 64) -> Image.Image:
     return canvas
 
 
-def _object_phrase(obj: dict, rng: random.Random, with_size: bool) -> str:
+def _object_phrase(obj: dict, rng: random.Random, with_size: bool, with_color: bool = True) -> str:
     words = [rng.choice(SIZE_WORDS[obj["size"]])] if with_size else []
-    words += [obj["color"], obj["shape"]]
+    words += ([obj["color"]] if with_color else []) + [obj["shape"]]
     return f"{article(words[0])} {' '.join(words)}"
 
 
-def make_caption(truth: dict, rng: random.Random, background_phrase_prob: float = 0.5) -> str:
-    """A caption for ``truth`` with randomly varied phrasing (templates, size synonyms, background)."""
+def make_caption(truth: dict, rng: random.Random, background_phrase_prob: float = 0.5,
+                 name_colors: bool = True) -> str:
+    """A caption for ``truth`` with randomly varied phrasing (templates, size synonyms, background).
+    ``name_colors=False`` leaves the object colors out ("a small circle on the left"), for
+    :func:`color_free_view`; the random draws are the same either way."""
     bg = f" on a {truth['background']} background" if rng.random() < background_phrase_prob else ""
     objs = truth["objects"]
     if truth["relation"] is None:
-        obj = _object_phrase(objs[0], rng, with_size=True)
+        obj = _object_phrase(objs[0], rng, with_size=True, with_color=name_colors)
         return rng.choice(_SINGLE_TEMPLATES).format(obj=obj, pos=POSITION_PHRASES[objs[0]["position"]], bg=bg)
-    a, b = (_object_phrase(o, rng, with_size=False) for o in objs)
+    a, b = (_object_phrase(o, rng, with_size=False, with_color=name_colors) for o in objs)
     return rng.choice(_PAIR_TEMPLATES).format(a=a, rel=truth["relation"], b=b, bg=bg)
+
+
+#: An unnamed object color (:func:`unnamed_color`) is at least this far (Euclidean, sRGB 0-255) from every
+#: named color and every background, so a color-free view never shows, say, a reddish triangle.
+UNNAMED_COLOR_MIN_DISTANCE = 90.0
+
+
+def unnamed_color(rng: random.Random) -> tuple[int, int, int]:
+    """A random sRGB color that is none of the world's named colors nor a background color (at least
+    :data:`UNNAMED_COLOR_MIN_DISTANCE` from each): pinks, cyans, browns, olives, navies, ..."""
+    refs = (*COLORS.values(), *BACKGROUNDS.values())
+    for _ in range(10_000):
+        c = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+        if all(math.dist(c, r) >= UNNAMED_COLOR_MIN_DISTANCE for r in refs):
+            return c
+    raise AssertionError("drawing an unnamed color did not terminate")
+
+
+def color_free_view(truth: dict, rng: random.Random, resolution: int = 64,
+                    background_phrase_prob: float = 0.5) -> tuple[Image.Image, str]:
+    """The scene ``truth`` with its objects painted in unnamed colors (:func:`unnamed_color`, one per
+    object) and a caption that names no color: ``(image, caption)``.
+
+    A training augmentation: a model that must match "a small triangle on the left" to triangles of
+    arbitrary colors learns shape features that do not depend on color, which is what reading the
+    held-out color–shape pairs needs. It never shows a held-out combination: the colors are unnamed and
+    every other attribute is ``truth``'s (draw ``truth`` from the ``"train"`` split).
+    """
+    fills = [unnamed_color(rng) for _ in truth["objects"]]
+    caption = make_caption(truth, rng, background_phrase_prob, name_colors=False)
+    return render(truth, resolution, fills), caption
+
+
+def caption_vocabulary() -> list[str]:
+    """Every word (and punctuation mark) a caption of this world can contain: the templates' words, the
+    position phrases, relations, size words, color, shape and background names, and the articles. For a
+    closed-vocabulary CLIP file (:func:`unclip.clip.closed_vocabulary_ids`)."""
+    text = " ".join([*_SINGLE_TEMPLATES, *_PAIR_TEMPLATES, *POSITION_PHRASES.values(), *RELATIONS,
+                     *(w for words in SIZE_WORDS.values() for w in words), *COLORS, *SHAPES, *BACKGROUNDS,
+                     "a an on background"])
+    text = re.sub(r"\{\w+\}", " ", text)
+    return sorted(set(re.findall(r"[a-z]+|,", text)))
 
 
 _SIZE_OF_WORD = {w: s for s, words in SIZE_WORDS.items() for w in words}

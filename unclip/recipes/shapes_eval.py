@@ -87,7 +87,7 @@ def evaluate_pipeline(pipe: UnCLIPPipeline, num: int = 200, *, seed: int = 0, pr
         t1 = time.perf_counter()
         timing["prior"] = timing.get("prior", 0.0) + (t1 - t1 if oracle else t1 - t0)
         x = pipe.decode(embeds, text_k, gens_k, sampling, progress=progress)
-        keep = pipe.rerank(x, text_k.text_embed, k)
+        keep = pipe.rerank(x, caps, k)
         x, embeds = x[keep], embeds[keep]
         cos_prior.append(torch.nn.functional.cosine_similarity(embeds, true_embed, dim=-1))
         t2 = time.perf_counter()
@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--oracle", action="store_true", help="decode from the true renders' CLIP image embeddings")
     p.add_argument("--decoder-weights", default=None,
                    help="load these decoder weights instead (e.g. a training checkpoint's raw, non-EMA model.safetensors)")
+    p.add_argument("--reranker", default=None,
+                   help="CLIP folder to score the decoder candidates with instead of the pipeline's own reranker/CLIP")
     p.add_argument("--out", default=None, help="write the report JSON here")
     p.add_argument("--grid", default=None, help="write a small sample grid PNG here")
     args = p.parse_args(argv)
@@ -173,12 +175,17 @@ def main(argv=None) -> int:
         state = load_file(args.decoder_weights)
         state = {k.removeprefix("module."): v for k, v in state.items()}
         pipe.decoder.load_state_dict(state)
+    if args.reranker:
+        from ..clip import FrozenCLIP
+
+        pipe.reranker = FrozenCLIP.from_pretrained(args.reranker)
     sampling = json.loads(args.sampling) if args.sampling else None
     report = evaluate_pipeline(pipe, args.num, seed=args.seed, prompt_seed=args.prompt_seed,
                                batch_size=args.batch_size, sampling=sampling, stages=args.stages, oracle=args.oracle)
     images, captions = report.pop("_images"), report.pop("_captions")
     report.update({"model": args.model or "bundled:shapes", "sampling_overrides": sampling,
-                   "decoder_weights": args.decoder_weights})
+                   "decoder_weights": args.decoder_weights,
+                   "reranker": args.reranker or ("pipeline reranker" if pipe.reranker is not None else "pipeline CLIP")})
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
