@@ -13,9 +13,10 @@ Each stage is a public method, and everything else composes from them::
     pipe.interpolate("a red circle", "a blue square", num_steps=5)
     keep = pipe.rerank(small, ["a red circle"] * 4, k=4)         # best of each group of 4 by CLIP score
 
-A pipeline may carry a second CLIP, ``reranker``, used only to choose among decoder candidates (reranking);
-without one, the conditioning CLIP scores them. A pipeline folder is self-describing: ``unclip.json`` names the components and the default sampling
-settings; each component has its own subfolder with ``config.json`` and safetensors weights.
+A pipeline may carry a second CLIP, ``reranker``, used only to choose among decoder candidates
+(reranking); without one, the conditioning CLIP scores them. A pipeline folder is self-describing:
+``unclip.json`` names the components and the default sampling settings; each component has its own
+subfolder with ``config.json`` and safetensors weights.
 """
 from __future__ import annotations
 
@@ -452,9 +453,9 @@ class UnCLIPPipeline:
         ``generator``: one ``torch.Generator``, one per prompt, or one per image. ``sampling``: per-stage
         overrides, e.g. ``{"prior": {"steps": 10}, "decoder": {"guidance_scale": 3}, "upsamplers": {...}}``.
         ``rerank_candidates = K > 1`` decodes K base-resolution candidates per image and keeps the one
-        CLIP (:attr:`rerank_clip`) scores closest to the prompt before upsampling (as DALL-E did); ``None`` uses the decoder's
-        ``best_of`` sampling setting. ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt``
-        (float ``[N, 3, H, W]`` in [0, 1]).
+        CLIP (:attr:`rerank_clip`) scores closest to the prompt before upsampling (as DALL-E did); ``None``
+        uses the decoder's ``best_of`` sampling setting. ``output_type``: ``pil``, ``np`` (uint8
+        ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]`` in [0, 1]).
         """
         prompts = check_prompts(prompt)
         check_output_type(output_type)
