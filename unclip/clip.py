@@ -230,11 +230,11 @@ class FrozenCLIP(torch.nn.Module):
     def tokenize(self, prompts: Union[str, Sequence[str]], warn: bool = True) -> torch.Tensor:
         """Token ids ``[B, L]``; warns (showing the cut text) when a prompt exceeds the context length."""
         prompts = check_prompts(prompts)
+        tokens = self.tokenizer(prompts)
         if warn and self.kept_token_ids is not None:
-            ids = self.tokenizer(prompts)
-            unknown = ~torch.isin(ids, self.kept_token_ids)
+            unknown = ~torch.isin(tokens, self.kept_token_ids)
             if unknown.any():
-                words = sorted({self.tokenizer.decode([int(i)]).strip() for i in ids[unknown].tolist()})
+                words = sorted({self.tokenizer.decode([int(i)]).strip() for i in tokens[unknown].tolist()})
                 warnings.warn(f"this CLIP keeps a closed vocabulary ({self.kept_token_ids.numel()} tokens); "
                               f"{words} are outside it and read as zero embeddings, so prompts with them are "
                               f"not understood", stacklevel=3)
@@ -247,7 +247,7 @@ class FrozenCLIP(torch.nn.Module):
                     cut = self.tokenizer.decode(ids[limit:]).strip()
                     warnings.warn(f"prompt truncated to {self.context_length} tokens: kept {kept!r}, "
                                   f"cut {cut!r}", stacklevel=3)
-        return self.tokenizer(prompts)
+        return tokens
 
     @torch.no_grad()
     def encode_text(self, prompts: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
@@ -398,8 +398,7 @@ def closed_vocabulary_ids(clip: "FrozenCLIP", words: Sequence[str]) -> torch.Ten
     words = [w for w in words if w.strip()]
     if not words:
         raise ValueError("closed_vocabulary_ids needs at least one word")
-    ids = torch.cat([clip.tokenizer(words[i:i + 8]).flatten() for i in range(0, len(words), 8)])
-    return torch.unique(ids)
+    return torch.unique(clip.tokenizer(words))
 
 
 def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None:

@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed S+i")
     p.add_argument("--rerank", type=int, default=None,
                    help="decode K base-resolution candidates per image and keep the best by CLIP score (the "
-                        "pipeline's reranker CLIP if it has one) (default: the model's decoder best_of setting; 1 turns reranking off)")
+                        "pipeline's reranker CLIP if it has one) (default: the model's decoder best_of setting; "
+                        "1 turns reranking off)")
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")

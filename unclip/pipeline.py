@@ -71,6 +71,12 @@ class UnCLIPOutput:
     stage_images: dict = field(default_factory=dict)
 
 
+def _cosines(clip: FrozenCLIP, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
+    """Cosine ``[B]`` between ``clip``'s embeddings of images ``[B, 3, H, W]`` and text embeddings ``[B, D]``."""
+    img = F.normalize(clip.encode_image(images), dim=-1)
+    return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
+
+
 class UnCLIPPipeline:
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
@@ -497,16 +503,13 @@ class UnCLIPPipeline:
             raise ValueError(f"rerank: {len(prompts)} prompts for {images.shape[0]} images in groups of {k}; "
                              f"give one prompt per image or one per group")
         scorer = self.rerank_clip
-        text_embed = scorer.encode_text(prompts).text_embed
-        img = F.normalize(scorer.encode_image(images), dim=-1)
-        scores = (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1).view(-1, k)
+        scores = _cosines(scorer, images, scorer.encode_text(prompts).text_embed).view(-1, k)
         return torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()
 
     @torch.no_grad()
     def clip_scores(self, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
         """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings ``[B, D]``."""
-        img = F.normalize(self.clip.encode_image(images), dim=-1)
-        return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
+        return _cosines(self.clip, images, text_embed)
 
     @torch.no_grad()
     def variations(self, image, num_images: int = 1, generator: Generator = None, caption: Optional[str] = None,

@@ -30,8 +30,8 @@ from ..pipeline import UnCLIPPipeline
 
 def _check_same_text_embeddings(full: FrozenCLIP, closed: FrozenCLIP, name: str, num: int = 500) -> None:
     """The closed-vocabulary copy must encode shapes captions exactly as the full CLIP does."""
-    captions = [ShapesWorld(32, seed=i % 2, split=("train", "heldout")[i % 2], two_object_prob=0.5)[i].caption
-                for i in range(num)]
+    worlds = [ShapesWorld(32, seed=0, split=split, two_object_prob=0.5) for split in ("train", "heldout")]
+    captions = [worlds[i % 2][i].caption for i in range(num)]
     a, b = full.encode_text(captions), closed.to(full.dtype).encode_text(captions)
     if not (torch.equal(a.text_embed, b.text_embed) and torch.equal(a.text_tokens, b.text_tokens)):
         raise AssertionError(f"{name}: the closed-vocabulary token table changed the text embeddings")
@@ -52,7 +52,8 @@ def main(argv=None) -> int:
         clip = pipe.modules().get(name)
         if clip is None:
             raise ValueError(f"--closed-vocabulary {name}: this pipeline has no {name} component")
-        closed[name] = closed_vocabulary_ids(clip, caption_vocabulary())
+        clip.kept_token_ids = closed_vocabulary_ids(clip, caption_vocabulary())  # saved as a closed table
+        closed[name] = clip
     settings = yaml.safe_load(Path(args.sampling).read_text()) or {}
     for stage, values in settings.items():
         if stage not in pipe.sampling:
@@ -65,9 +66,7 @@ def main(argv=None) -> int:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
-    for name, ids in closed.items():
-        clip = pipe.modules()[name]
-        clip.save_pretrained(tmp / name, keep_tokens=ids)
+    for name, clip in closed.items():
         _check_same_text_embeddings(clip, FrozenCLIP.from_pretrained(tmp / name), name)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
