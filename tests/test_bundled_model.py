@@ -27,8 +27,11 @@ def test_bundled_folder_is_small_safetensors_only():
     assert sum(f.stat().st_size for f in files) < 30e6
     index = json.loads((root / PIPELINE_FILE).read_text())
     assert index["components"]["upsamplers"] == ["sr64", "sr128"]
-    assert index["components"]["reranker"] == "reranker"  # the reranking CLIP, closed vocabulary (small)
-    assert json.loads((root / "reranker" / "config.json").read_text())["kept_tokens"] > 0
+    # one CLIP conditions the prior and decoder and reranks the candidates (no separate reranker): the
+    # convolutional image tower, its token table kept for the shapes vocabulary only (small)
+    assert index["components"]["reranker"] is None
+    clip_config = json.loads((root / "clip" / "config.json").read_text())
+    assert clip_config["kept_tokens"] > 0 and isinstance(clip_config["model_cfg"]["vision_cfg"]["layers"], list)
 
 
 def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):

@@ -5,8 +5,8 @@
 # on a shared machine):
 #   A: CLIP (train-clip) -> decoder 32 px (train-decoder, torchrun 2 processes) | prior (train-prior)
 #      -> decoder fine-tuned on mostly two-object scenes (train-decoder with train.init_weights)
-#   B: upsampler 32->64 (sr64) and upsampler 64->128 (sr128), which need no CLIP, while CLIP trains;
-#      then the reranking CLIP (train-clip with reranker.yaml), which only scores decoder candidates.
+#   B: upsampler 32->64 (sr64) and upsampler 64->128 (sr128), which need no CLIP, while CLIP trains.
+# The CLIP both conditions the prior and decoder and reranks the decoder's candidates.
 # Then `unclip assemble` and the finishing step (default sampling settings, fp16 weights).
 # Per-step wall-clock seconds go to OUT/timings.tsv, logs to OUT/logs/.
 set -euo pipefail
@@ -26,12 +26,11 @@ step() {  # step NAME command...   (runs it, logs it, records its wall-clock tim
   echo "[$(date +%T)] done  $name ($((SECONDS - t0)) s)"
 }
 
-lane_b() {  # the upsamplers side by side, then the reranking CLIP
+lane_b() {  # the upsamplers side by side
   step sr64 "$UNCLIP" train-decoder "$CFG/sr64.yaml" --output-dir "$OUT/sr64" & local sr64=$!
   step sr128 "$UNCLIP" train-decoder "$CFG/sr128.yaml" --output-dir "$OUT/sr128" & local sr128=$!
   wait $sr64 || return 1
   wait $sr128 || return 1
-  step reranker "$UNCLIP" train-clip "$CFG/reranker.yaml" --output-dir "$OUT/reranker"
 }
 lane_b & LANE_B=$!
 step clip "$UNCLIP" train-clip "$CFG/clip.yaml" --output-dir "$OUT/clip"
@@ -39,15 +38,15 @@ CLIPW="$OUT/clip/clip/model.safetensors"
 step prior "$UNCLIP" train-prior "$CFG/prior.yaml" "clip.pretrained=$CLIPW" --output-dir "$OUT/prior" & PRIOR=$!
 step decoder "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.train_decoder "$CFG/decoder.yaml" \
   "clip.pretrained=$CLIPW" --output-dir "$OUT/decoder"
-# second decoder run: fine-tune on 70 % two-object scenes (docs/shapes_model.md, lever 8)
+# second decoder run: fine-tune on 60 % two-object scenes (docs/shapes_model.md, levers 8 and 11)
 step decoder_pairs "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.train_decoder "$CFG/decoder.yaml" \
-  "clip.pretrained=$CLIPW" "train.init_weights=$OUT/decoder/final/decoder" data.shapes_two_object_prob=0.7 \
-  train.max_steps=6000 train.lr=3e-4 train.warmup_steps=200 --output-dir "$OUT/decoder_pairs"
+  "clip.pretrained=$CLIPW" "train.init_weights=$OUT/decoder/final/decoder" data.shapes_two_object_prob=0.6 \
+  train.max_steps=7000 train.lr=4e-4 train.warmup_steps=200 --output-dir "$OUT/decoder_pairs"
 wait $PRIOR
 wait $LANE_B
 step assemble "$UNCLIP" assemble --clip "$OUT/clip/clip" --prior "$OUT/prior/final/prior" \
   --decoder "$OUT/decoder_pairs/final/decoder" --upsampler "$OUT/sr64/final/sr64" \
-  --upsampler "$OUT/sr128/final/sr128" --reranker "$OUT/reranker/clip" --out "$OUT/pipeline"
+  --upsampler "$OUT/sr128/final/sr128" --out "$OUT/pipeline"
 step finalize "${PYTHON:-python}" -m unclip.recipes.shapes_finalize "$OUT/pipeline" --sampling "$CFG/sampling.yaml" \
-  --closed-vocabulary reranker
+  --closed-vocabulary clip
 echo "pipeline: $OUT/pipeline   (evaluate: python -m unclip.recipes.shapes_eval --model $OUT/pipeline)"
