@@ -1,3 +1,5 @@
 import sys
-from unclip.train_decoder import main
+
+from unclip.train.decoder import main
+
 sys.exit(main())

@@ -1,3 +1,5 @@
 import sys
-from unclip.train_prior import main
+
+from unclip.train.prior import main
+
 sys.exit(main())

@@ -8,7 +8,7 @@ Sections (all in one process, so every ratio is measured side by side in the sam
 
 1. bundled model (``unclip/models/shapes``) if installed: unclip per stage at its default settings.
 2. mid-size random pipeline (benchmarks/models.py) vs diffusers' ``UnCLIPPipeline`` loaded from
-   :func:`unclip.convert.export_diffusers` of the same weights: same prompts, same seed, diffusers'
+   :func:`unclip.interop.diffusers.export_diffusers` of the same weights: same prompts, same seed, diffusers'
    default steps and guidance; stage boundaries come from forward pre-hooks (first decoder call, first
    super-res call), identically for both. Equal outputs: max abs difference per stage.
 3. speed options on the mid pipeline, stage by stage, default vs alternative: SDPA vs the classic
@@ -20,6 +20,7 @@ Timing: variants run in rounds (A B C, then C B A, ...) after one untimed warm-u
 round's variants ran back to back, so a shift in the shared machine's load cancels); the ratio of the
 medians is in the JSON too. ``torch.compile`` is measured separately (benchmarks/bench_compile.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,11 @@ import time
 import warnings
 from pathlib import Path
 
+import common
+import models
 import torch
 import torch.nn.functional as F
 
-import common
-import models
 from unclip.clip import TextEncoding
 from unclip.pipeline import UnCLIPPipeline, bundled_model_path
 
@@ -66,8 +67,10 @@ class StageClock:
     def __init__(self, first: str, boundaries: list[tuple[str, torch.nn.Module]]):
         self.first, self.names = first, [first] + [n for n, _ in boundaries]
         self.marks: dict[str, float] = {}
-        self.handles = [module.register_forward_pre_hook(lambda m, a, name=name: self._mark(name))
-                        for name, module in boundaries]
+        self.handles = [
+            module.register_forward_pre_hook(lambda m, a, name=name: self._mark(name))
+            for name, module in boundaries
+        ]
 
     def remove(self):
         for h in self.handles:
@@ -92,8 +95,9 @@ class StageClock:
 
 def unclip_clock(pipe: UnCLIPPipeline) -> StageClock:
     first = "prior" if pipe.prior is not None else "decoder"
-    bounds = ([("decoder", pipe.decoder)] if pipe.prior is not None else []) + list(zip(pipe.upsampler_names,
-                                                                                      pipe.upsamplers))
+    bounds = ([("decoder", pipe.decoder)] if pipe.prior is not None else []) + list(
+        zip(pipe.upsampler_names, pipe.upsamplers)
+    )
     return StageClock(first, bounds)
 
 
@@ -126,50 +130,78 @@ def bench_bundled(args) -> dict:
     if args.quick:
         sampling = {"prior": {"steps": 10}, "decoder": {"steps": 10}, "upsamplers": {"steps": 5}}
     n = args.batch
-    variants = {"fp32 (default)": pipe, "bf16 autocast": with_autocast(pipe),
-                "bf16 weights": copy.deepcopy(pipe).to(dtype=torch.bfloat16),
-                "channels-last": copy.deepcopy(pipe).to(memory_format=torch.channels_last)}
+    variants = {
+        "fp32 (default)": pipe,
+        "bf16 autocast": with_autocast(pipe),
+        "bf16 weights": copy.deepcopy(pipe).to(dtype=torch.bfloat16),
+        "channels-last": copy.deepcopy(pipe).to(memory_format=torch.channels_last),
+    }
     images = {}
 
     def caller(name, p):
         clock = unclip_clock(p)
 
         def call():
-            times, out = clock(lambda: p(PROMPTS * n, generator=torch.Generator().manual_seed(0), sampling=sampling,
-                                         output_type="pt", progress=False))
+            times, out = clock(
+                lambda: p(
+                    PROMPTS * n,
+                    generator=torch.Generator().manual_seed(0),
+                    sampling=sampling,
+                    output_type="pt",
+                    progress=False,
+                )
+            )
             images[name] = out.images
             return {k: v / n for k, v in times.items()}
+
         return call
 
     runs = run_rounds({k: caller(k, p) for k, p in variants.items()}, args.repeats)
-    from unclip.convert import export_problems
+    from unclip.interop.diffusers import export_problems
 
     med = {k: medians(v) for k, v in runs.items()}
     ref = images["fp32 (default)"]
     settings = {s: vars(pipe._settings(s, sampling)) for s in pipe.stage_names}
-    return {"path": str(path), "stages": pipe.stage_names, "settings": settings, "images_per_call": n,
-            "seconds_per_image": med,
-            "speedup_vs_fp32": {k: {s: common.paired_ratio([x[s] for x in runs["fp32 (default)"]], [x[s] for x in v])
-                                    for s in v[0]} for k, v in runs.items()},
-            "final_image_max_abs_diff": {k: float((v - ref).abs().max()) for k, v in images.items()},
-            "final_image_mean_abs_diff": {k: float((v - ref).abs().mean()) for k, v in images.items()},
-            "runs": runs, "diffusers_export_problems": export_problems(pipe)}
+    return {
+        "path": str(path),
+        "stages": pipe.stage_names,
+        "settings": settings,
+        "images_per_call": n,
+        "seconds_per_image": med,
+        "speedup_vs_fp32": {
+            k: {
+                s: common.paired_ratio([x[s] for x in runs["fp32 (default)"]], [x[s] for x in v])
+                for s in v[0]
+            }
+            for k, v in runs.items()
+        },
+        "final_image_max_abs_diff": {k: float((v - ref).abs().max()) for k, v in images.items()},
+        "final_image_mean_abs_diff": {k: float((v - ref).abs().mean()) for k, v in images.items()},
+        "runs": runs,
+        "diffusers_export_problems": export_problems(pipe),
+    }
 
 
 # ------------------------------------------------------------------------------------------ 2. vs diffusers
 def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     from diffusers import UnCLIPPipeline as DiffusersUnCLIP
 
-    from unclip.convert import export_diffusers
+    from unclip.interop.diffusers import export_diffusers
 
     export_diffusers(pipe, tmp / "diffusers")
     dpipe = DiffusersUnCLIP.from_pretrained(str(tmp / "diffusers"))
     dpipe.set_progress_bar_config(disable=True)
-    steps = {"prior": 25, "decoder": 25, "upsampler": 7} if not args.quick else {"prior": 10, "decoder": 5,
-                                                                                   "upsampler": 3}
+    steps = (
+        {"prior": 25, "decoder": 25, "upsampler": 7}
+        if not args.quick
+        else {"prior": 10, "decoder": 5, "upsampler": 3}
+    )
     sr = pipe.upsampler_names[0]
-    sampling = {"prior": {"steps": steps["prior"]}, "decoder": {"steps": steps["decoder"]},
-                "upsamplers": {"steps": steps["upsampler"]}}
+    sampling = {
+        "prior": {"steps": steps["prior"]},
+        "decoder": {"steps": steps["decoder"]},
+        "upsamplers": {"steps": steps["upsampler"]},
+    }
     n = args.batch
     prompts = PROMPTS * n
     u_clock = unclip_clock(pipe)
@@ -177,16 +209,30 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     captured = {}
 
     def unclip_call():
-        times, out = u_clock(lambda: pipe(prompts, generator=torch.Generator().manual_seed(0), sampling=sampling,
-                                          output_type="pt", progress=False, return_intermediates=True))
+        times, out = u_clock(
+            lambda: pipe(
+                prompts,
+                generator=torch.Generator().manual_seed(0),
+                sampling=sampling,
+                output_type="pt",
+                progress=False,
+                return_intermediates=True,
+            )
+        )
         captured["unclip"] = out
         return {k: v / n for k, v in times.items()}
 
     def diffusers_call():
-        times, out = d_clock(lambda: dpipe(prompts, generator=torch.Generator().manual_seed(0), output_type="np",
-                                           prior_num_inference_steps=steps["prior"],
-                                           decoder_num_inference_steps=steps["decoder"],
-                                           super_res_num_inference_steps=steps["upsampler"]))
+        times, out = d_clock(
+            lambda: dpipe(
+                prompts,
+                generator=torch.Generator().manual_seed(0),
+                output_type="np",
+                prior_num_inference_steps=steps["prior"],
+                decoder_num_inference_steps=steps["decoder"],
+                super_res_num_inference_steps=steps["upsampler"],
+            )
+        )
         captured["diffusers"] = torch.from_numpy(out.images).permute(0, 3, 1, 2)
         return {k: v / n for k, v in times.items()}
 
@@ -206,32 +252,53 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
         h.remove()
     ours = captured["unclip"]
     size = pipe.upsamplers[0].config.sample_size
-    ours_low_up = F.interpolate(ours.stage_images["decoder"], size=(size, size), mode="bicubic",
-                                align_corners=False, antialias=True)
+    ours_low_up = F.interpolate(
+        ours.stage_images["decoder"],
+        size=(size, size),
+        mode="bicubic",
+        align_corners=False,
+        antialias=True,
+    )
     final_diff = float((ours.images - captured["diffusers"]).abs().max())
-    equal = {"image_embeds_max_abs_diff": float((ours.image_embeds - grabs["image_embeds"]).abs().max()),
-             "image_embeds_max_abs": float(ours.image_embeds.abs().max()),
-             "decoder_image_max_abs_diff": float((ours_low_up - grabs["low_res_up"]).abs().max()),
-             "final_image_max_abs_diff": final_diff,
-             "final_image_mean_abs_diff": float((ours.images - captured["diffusers"]).abs().mean()),
-             "final_image_uint8_levels_differing": int(((ours.images * 255).round() !=
-                                                        (captured["diffusers"] * 255).round()).sum())}
+    equal = {
+        "image_embeds_max_abs_diff": float((ours.image_embeds - grabs["image_embeds"]).abs().max()),
+        "image_embeds_max_abs": float(ours.image_embeds.abs().max()),
+        "decoder_image_max_abs_diff": float((ours_low_up - grabs["low_res_up"]).abs().max()),
+        "final_image_max_abs_diff": final_diff,
+        "final_image_mean_abs_diff": float((ours.images - captured["diffusers"]).abs().mean()),
+        "final_image_uint8_levels_differing": int(
+            ((ours.images * 255).round() != (captured["diffusers"] * 255).round()).sum()
+        ),
+    }
     # context for the final difference: how much the super-res stage amplifies a 1e-5 change of its input
     small = ours.stage_images["decoder"]
     g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
     a = pipe.upsample(small, g(), sampling, progress=False)
-    b = pipe.upsample(small + 1e-5 * torch.randn(small.shape, generator=g()), g(), sampling, progress=False)
-    equal["sr_gain_for_1e-5_input_change"] = float((a - b).abs().max()) / 2 / 1e-5  # [0, 1] image units
+    b = pipe.upsample(
+        small + 1e-5 * torch.randn(small.shape, generator=g()), g(), sampling, progress=False
+    )
+    equal["sr_gain_for_1e-5_input_change"] = (
+        float((a - b).abs().max()) / 2 / 1e-5
+    )  # [0, 1] image units
     med = {k: medians(v) for k, v in runs.items()}
-    ratio = {s: common.paired_ratio([x[s] for x in runs["unclip"]], [x[s] for x in runs["diffusers"]])
-             for s in med["unclip"]}
+    ratio = {
+        s: common.paired_ratio([x[s] for x in runs["unclip"]], [x[s] for x in runs["diffusers"]])
+        for s in med["unclip"]
+    }
     ratio_of_medians = {s: med["unclip"][s] / med["diffusers"][s] for s in med["unclip"]}
-    return {"steps": steps, "guidance": {"prior": 4.0, "decoder": 8.0, "upsampler": 1.0}, "images_per_call": n,
-            "seconds_per_image": med, "ratio_unclip_over_diffusers": ratio, "ratio_of_medians": ratio_of_medians,
-            "equal_outputs": equal, "runs": runs,
-            "stage_boundaries": "prior = text encoding + prior loop (until the first decoder UNet call); decoder = "
-                                "decoder conditioning + loop (until the first super-res UNet call); "
-                                f"{sr} = super-res loop + output conversion"}
+    return {
+        "steps": steps,
+        "guidance": {"prior": 4.0, "decoder": 8.0, "upsampler": 1.0},
+        "images_per_call": n,
+        "seconds_per_image": med,
+        "ratio_unclip_over_diffusers": ratio,
+        "ratio_of_medians": ratio_of_medians,
+        "equal_outputs": equal,
+        "runs": runs,
+        "stage_boundaries": "prior = text encoding + prior loop (until the first decoder UNet call); decoder = "
+        "decoder conditioning + loop (until the first super-res UNet call); "
+        f"{sr} = super-res loop + output conversion",
+    }
 
 
 # ------------------------------------------------------------------------------------------ 3. options
@@ -298,8 +365,11 @@ def with_autocast(pipe):
 
 def bench_options(args, pipe: UnCLIPPipeline) -> dict:
     n = args.batch
-    steps = {"prior": 25, "decoder": 6, "upsampler": 4} if not args.quick else {"prior": 10, "decoder": 2,
-                                                                                  "upsampler": 2}
+    steps = (
+        {"prior": 25, "decoder": 6, "upsampler": 4}
+        if not args.quick
+        else {"prior": 10, "decoder": 2, "upsampler": 2}
+    )
     repeats = args.repeats
     sampling, stage_fn, inputs = common.stage_runners(pipe, PROMPTS * n, steps)
     text, embeds = inputs["text"], inputs["embeds"]
@@ -308,13 +378,48 @@ def bench_options(args, pipe: UnCLIPPipeline) -> dict:
     cl = copy.deepcopy(pipe).to(memory_format=torch.channels_last)
     # (name, what, default-or-alternative pipeline, stages it can affect, thread count)
     variants = [
-        ("attention: classic (non-SDPA) processors", "alternative", classic_attention(pipe), ("prior", "decoder"), None),
-        ("guidance: two forward passes per step", "alternative", two_pass_guidance(pipe), ("prior", "decoder"), None),
-        ("decoder conditioning recomputed every step", "alternative", conditioning_per_step(pipe), ("decoder",), None),
-        ("channels-last (pipe.to(memory_format=torch.channels_last))", "option", cl, ("decoder", "upsampler"), None),
-        ("bf16 autocast (pipe.autocast_dtype = torch.bfloat16)", "option", with_autocast(pipe),
-         ("prior", "decoder", "upsampler"), None),
-        ("bf16 weights (pipe.to(dtype=torch.bfloat16))", "option", bf16_weights, ("prior", "decoder", "upsampler"), None),
+        (
+            "attention: classic (non-SDPA) processors",
+            "alternative",
+            classic_attention(pipe),
+            ("prior", "decoder"),
+            None,
+        ),
+        (
+            "guidance: two forward passes per step",
+            "alternative",
+            two_pass_guidance(pipe),
+            ("prior", "decoder"),
+            None,
+        ),
+        (
+            "decoder conditioning recomputed every step",
+            "alternative",
+            conditioning_per_step(pipe),
+            ("decoder",),
+            None,
+        ),
+        (
+            "channels-last (pipe.to(memory_format=torch.channels_last))",
+            "option",
+            cl,
+            ("decoder", "upsampler"),
+            None,
+        ),
+        (
+            "bf16 autocast (pipe.autocast_dtype = torch.bfloat16)",
+            "option",
+            with_autocast(pipe),
+            ("prior", "decoder", "upsampler"),
+            None,
+        ),
+        (
+            "bf16 weights (pipe.to(dtype=torch.bfloat16))",
+            "option",
+            bf16_weights,
+            ("prior", "decoder", "upsampler"),
+            None,
+        ),
     ]
     rows, raw = [], {}
     for stage in ("prior", "decoder", "upsampler"):
@@ -322,7 +427,7 @@ def bench_options(args, pipe: UnCLIPPipeline) -> dict:
         for name, _, p, stages, nthreads in variants:
             if stage in stages:
                 fn = stage_fn(p, stage)
-                fns[name] = (lambda fn=fn, k=nthreads: _with_threads(fn, k))
+                fns[name] = lambda fn=fn, k=nthreads: _with_threads(fn, k)
         with torch.no_grad():
             outs = {k: f() for k, f in fns.items()}
         ref = outs["baseline"]
@@ -335,20 +440,36 @@ def bench_options(args, pipe: UnCLIPPipeline) -> dict:
                 continue
             t = common.median(times[name])
             delta = (outs[name].float() - ref.float()).abs()
-            rows.append({"stage": stage, "variant": name, "kind": kind, "s_per_image": t / n,
-                         "s_per_step": t / steps[stage] / n,
-                         "speedup_vs_default": common.paired_ratio(times["baseline"], times[name]),
-                         "ratio_of_medians": base / t,
-                         "max_abs_diff": float(delta.max()), "mean_abs_diff": float(delta.mean())})
-    return {"steps": steps, "images_per_call": n, "repeats": repeats, "rows": rows, "raw_seconds": raw,
-            "work_done_once": verify_work_done_once(pipe, text, embeds, repeats),
-            "threads": thread_check(pipe, text, embeds, repeats),
-            "note": "speedup_vs_default > 1: the variant is faster than the default pipeline; stage outputs "
-                    "compared with the default's from the same inputs (prior: embeddings, decoder/upsampler: images "
-                    "in [-1, 1])"}
+            rows.append(
+                {
+                    "stage": stage,
+                    "variant": name,
+                    "kind": kind,
+                    "s_per_image": t / n,
+                    "s_per_step": t / steps[stage] / n,
+                    "speedup_vs_default": common.paired_ratio(times["baseline"], times[name]),
+                    "ratio_of_medians": base / t,
+                    "max_abs_diff": float(delta.max()),
+                    "mean_abs_diff": float(delta.mean()),
+                }
+            )
+    return {
+        "steps": steps,
+        "images_per_call": n,
+        "repeats": repeats,
+        "rows": rows,
+        "raw_seconds": raw,
+        "work_done_once": verify_work_done_once(pipe, text, embeds, repeats),
+        "threads": thread_check(pipe, text, embeds, repeats),
+        "note": "speedup_vs_default > 1: the variant is faster than the default pipeline; stage outputs "
+        "compared with the default's from the same inputs (prior: embeddings, decoder/upsampler: images "
+        "in [-1, 1])",
+    }
 
 
-def verify_work_done_once(pipe: UnCLIPPipeline, text: TextEncoding, embeds: torch.Tensor, repeats: int) -> dict:
+def verify_work_done_once(
+    pipe: UnCLIPPipeline, text: TextEncoding, embeds: torch.Tensor, repeats: int
+) -> dict:
     """Count conditioning computations and network calls (with their batch sizes) in one pipeline call, and
     time the decoder conditioning against one guided decoder forward pass."""
     p = copy.deepcopy(pipe)
@@ -359,52 +480,94 @@ def verify_work_done_once(pipe: UnCLIPPipeline, text: TextEncoding, embeds: torc
         def wrapper(*a, **k):
             calls[name] += 1
             return fn(*a, **k)
+
         return wrapper
 
     p.decoder.condition = counted("decoder.condition", cond_fn)
     p.clip.encode_text = counted("clip.encode_text", enc_fn)
     batches = {name: [] for name in p.denoisers()}
     for name, net in p.denoisers().items():
-        net.register_forward_pre_hook(lambda m, a, k, name=name: batches[name].append(
-            (a[0] if a else next(iter(k.values()))).shape[0]), with_kwargs=True)
+        net.register_forward_pre_hook(
+            lambda m, a, k, name=name: batches[name].append(
+                (a[0] if a else next(iter(k.values()))).shape[0]
+            ),
+            with_kwargs=True,
+        )
     sampling = {"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsamplers": {"steps": 2}}
-    p(PROMPTS, generator=torch.Generator().manual_seed(0), sampling=sampling, output_type="pt", progress=False)
+    p(
+        PROMPTS,
+        generator=torch.Generator().manual_seed(0),
+        sampling=sampling,
+        output_type="pt",
+        progress=False,
+    )
     b = len(PROMPTS)
     null = pipe.null_text(b)
-    both = TextEncoding(*(torch.cat([x, y]) for x, y in zip((null.text_embed, null.text_tokens, null.text_mask),
-                                                              (text.text_embed, text.text_tokens, text.text_mask))))
+    both = TextEncoding(
+        *(
+            torch.cat([x, y])
+            for x, y in zip(
+                (null.text_embed, null.text_tokens, null.text_mask),
+                (text.text_embed, text.text_tokens, text.text_mask),
+            )
+        )
+    )
     e2 = torch.cat([embeds[:b], embeds[:b]])
     drop = torch.arange(2 * b) < b
     cond = pipe.decoder.condition(e2, both, drop)
     size = pipe.decoder.config.sample_size
     x = torch.randn(2 * b, 3, size, size)
     with torch.no_grad():
-        times = common.interleaved({"condition": lambda: pipe.decoder.condition(e2, both, drop),
-                                    "forward": lambda: pipe.decoder(x, torch.tensor(500), cond=cond)},
-                                   max(repeats, 5))
+        times = common.interleaved(
+            {
+                "condition": lambda: pipe.decoder.condition(e2, both, drop),
+                "forward": lambda: pipe.decoder(x, torch.tensor(500), cond=cond),
+            },
+            max(repeats, 5),
+        )
     c, f = common.median(times["condition"]), common.median(times["forward"])
-    return {"calls_per_pipeline_call": calls, "network_batch_sizes_per_step": batches,
-            "sampling": sampling, "prompts": b,
-            "decoder_condition_s": c, "decoder_guided_forward_s": f, "condition_over_forward": c / f}
+    return {
+        "calls_per_pipeline_call": calls,
+        "network_batch_sizes_per_step": batches,
+        "sampling": sampling,
+        "prompts": b,
+        "decoder_condition_s": c,
+        "decoder_guided_forward_s": f,
+        "condition_over_forward": c / f,
+    }
 
 
-def thread_check(pipe: UnCLIPPipeline, text: TextEncoding, embeds: torch.Tensor, repeats: int) -> dict:
+def thread_check(
+    pipe: UnCLIPPipeline, text: TextEncoding, embeds: torch.Tensor, repeats: int
+) -> dict:
     """One guided decoder forward pass at the configured thread count vs twice as many threads."""
     b = len(text)
     null = pipe.null_text(b)
-    both = TextEncoding(*(torch.cat([x, y]) for x, y in zip((null.text_embed, null.text_tokens, null.text_mask),
-                                                              (text.text_embed, text.text_tokens, text.text_mask))))
+    both = TextEncoding(
+        *(
+            torch.cat([x, y])
+            for x, y in zip(
+                (null.text_embed, null.text_tokens, null.text_mask),
+                (text.text_embed, text.text_tokens, text.text_mask),
+            )
+        )
+    )
     cond = pipe.decoder.condition(torch.cat([embeds, embeds]), both, torch.arange(2 * b) < b)
     size = pipe.decoder.config.sample_size
     x = torch.randn(2 * b, 3, size, size)
     n = torch.get_num_threads()
     with torch.no_grad():
         fn = lambda: pipe.decoder(x, torch.tensor(500), cond=cond)  # noqa: E731
-        times = common.interleaved({f"{n} thread(s)": fn, f"{2 * n} threads": lambda: _with_threads(fn, 2 * n)},
-                                   repeats)
-    return {"decoder_guided_forward_s": {k: common.median(v) for k, v in times.items()},
-            "speedup_of_more_threads": common.paired_ratio(times[f"{n} thread(s)"], times[f"{2 * n} threads"]),
-            "raw": times}
+        times = common.interleaved(
+            {f"{n} thread(s)": fn, f"{2 * n} threads": lambda: _with_threads(fn, 2 * n)}, repeats
+        )
+    return {
+        "decoder_guided_forward_s": {k: common.median(v) for k, v in times.items()},
+        "speedup_of_more_threads": common.paired_ratio(
+            times[f"{n} thread(s)"], times[f"{2 * n} threads"]
+        ),
+        "raw": times,
+    }
 
 
 def _with_threads(fn, k):
@@ -416,7 +579,11 @@ def _with_threads(fn, k):
 
 def bench_end_to_end_bf16(args, pipe: UnCLIPPipeline) -> dict:
     """End-to-end image difference of bf16 autocast vs fp32 (same seed), and the first-step error."""
-    sampling = {"prior": {"steps": 10}, "decoder": {"steps": 5 if args.quick else 10}, "upsamplers": {"steps": 3}}
+    sampling = {
+        "prior": {"steps": 10},
+        "decoder": {"steps": 5 if args.quick else 10},
+        "upsamplers": {"steps": 3},
+    }
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     ref = pipe(PROMPTS, generator=g(), sampling=sampling, output_type="pt", progress=False).images
     p = with_autocast(pipe)
@@ -424,31 +591,53 @@ def bench_end_to_end_bf16(args, pipe: UnCLIPPipeline) -> dict:
     text = pipe.encode_text(PROMPTS)
     x = torch.randn(2, 3, 64, 64, generator=g())
     null = pipe.null_text(1)
-    both = TextEncoding(*(torch.cat([a, b]) for a, b in zip((null.text_embed, null.text_tokens, null.text_mask),
-                                                              (text.text_embed, text.text_tokens, text.text_mask))))
+    both = TextEncoding(
+        *(
+            torch.cat([a, b])
+            for a, b in zip(
+                (null.text_embed, null.text_tokens, null.text_mask),
+                (text.text_embed, text.text_tokens, text.text_mask),
+            )
+        )
+    )
     cond = pipe.decoder.condition(torch.randn(2, pipe.clip.embed_dim, generator=g()), both)
     with torch.no_grad():
         a = pipe.decoder(x, torch.tensor(500), cond=cond)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             b = pipe.decoder(x, torch.tensor(500), cond=cond).float()
-    return {"final_image_max_abs_diff": float((out - ref).abs().max()),
-            "final_image_mean_abs_diff": float((out - ref).abs().mean()),
-            "decoder_one_forward_rel_l2": float((a - b).norm() / a.norm()),
-            "sampling": sampling}
+    return {
+        "final_image_max_abs_diff": float((out - ref).abs().max()),
+        "final_image_mean_abs_diff": float((out - ref).abs().mean()),
+        "decoder_one_forward_rel_l2": float((a - b).norm() / a.norm()),
+        "sampling": sampling,
+    }
 
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (about 2 minutes)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed rounds per variant (median; >= 3; default 5, 3 with --quick)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a shared 2-core machine 2 threads lose to contention)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds per variant (median; >= 3; default 5, 3 with --quick)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine 2 threads lose to contention)",
+    )
     parser.add_argument("--batch", type=int, default=1, help="images per pipeline call")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("bundled", "diffusers", "options"))
-    parser.add_argument("--model", default=None,
-                        help="a trained pipeline folder for section 1 (default: the bundled shapes model)")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=("bundled", "diffusers", "options")
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a trained pipeline folder for section 1 (default: the bundled shapes model)",
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.repeats < 3:
@@ -462,8 +651,10 @@ def main(argv=None) -> int:
     if "bundled" not in args.skip:
         result["bundled"] = bench_bundled(args)
     pipe = models.mid_pipeline()
-    result["mid_model"] = {"params_M": {k: models.param_count(m) / 1e6 for k, m in pipe.modules().items()},
-                           "sizes": models.SIZES["mid"]}
+    result["mid_model"] = {
+        "params_M": {k: models.param_count(m) / 1e6 for k, m in pipe.modules().items()},
+        "sizes": models.SIZES["mid"],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         if "diffusers" not in args.skip:
             common.log("[vs diffusers] exporting and timing")
@@ -486,42 +677,90 @@ def report(r: dict) -> str:
             out.append(f"\nbundled model: skipped ({b['skipped']})")
         else:
             med, sp = b["seconds_per_image"], b["speedup_vs_fp32"]
-            rows = [{"variant": k, **{s: f"{med[k][s]:.3g} ({sp[k][s]:.2f}×)" for s in med[k]},
-                     "max_diff": b["final_image_max_abs_diff"][k], "mean_diff": b["final_image_mean_abs_diff"][k]}
-                    for k in med]
-            cols = [("variant", "variant")] + [(f"{s} s/image (speedup)", s) for s in next(iter(med.values()))]
+            rows = [
+                {
+                    "variant": k,
+                    **{s: f"{med[k][s]:.3g} ({sp[k][s]:.2f}×)" for s in med[k]},
+                    "max_diff": b["final_image_max_abs_diff"][k],
+                    "mean_diff": b["final_image_mean_abs_diff"][k],
+                }
+                for k in med
+            ]
+            cols = [("variant", "variant")] + [
+                (f"{s} s/image (speedup)", s) for s in next(iter(med.values()))
+            ]
             cols += [("final max abs diff", "max_diff"), ("final mean abs diff", "mean_diff")]
-            out.append(common.table(rows, cols, f"trained model {b['path']} (stages {', '.join(b['stages'])}, "
-                                                f"median of {r['args']['repeats']})"))
+            out.append(
+                common.table(
+                    rows,
+                    cols,
+                    f"trained model {b['path']} (stages {', '.join(b['stages'])}, "
+                    f"median of {r['args']['repeats']})",
+                )
+            )
     v = r.get("vs_diffusers")
     if v is not None:
-        rows = [{"stage": s, "u": v["seconds_per_image"]["unclip"][s], "d": v["seconds_per_image"]["diffusers"][s],
-                 "ratio": v["ratio_unclip_over_diffusers"][s]} for s in v["seconds_per_image"]["unclip"]]
-        out.append(common.table(rows, [("stage", "stage"), ("unclip s/image", "u"), ("diffusers s/image", "d"),
-                                       ("unclip / diffusers (median of per-round ratios)", "ratio")],
-                                f"mid model: unclip vs diffusers UnCLIPPipeline (steps {v['steps']}, "
-                                f"median of {r['args']['repeats']})"))
+        rows = [
+            {
+                "stage": s,
+                "u": v["seconds_per_image"]["unclip"][s],
+                "d": v["seconds_per_image"]["diffusers"][s],
+                "ratio": v["ratio_unclip_over_diffusers"][s],
+            }
+            for s in v["seconds_per_image"]["unclip"]
+        ]
+        out.append(
+            common.table(
+                rows,
+                [
+                    ("stage", "stage"),
+                    ("unclip s/image", "u"),
+                    ("diffusers s/image", "d"),
+                    ("unclip / diffusers (median of per-round ratios)", "ratio"),
+                ],
+                f"mid model: unclip vs diffusers UnCLIPPipeline (steps {v['steps']}, "
+                f"median of {r['args']['repeats']})",
+            )
+        )
         e = v["equal_outputs"]
-        out.append("equal outputs (same seed): " + ", ".join(f"{k} = {val:.3g}" for k, val in e.items()))
+        out.append(
+            "equal outputs (same seed): " + ", ".join(f"{k} = {val:.3g}" for k, val in e.items())
+        )
     o = r.get("options")
     if o is not None:
-        out.append(common.table(o["rows"], [("stage", "stage"), ("variant", "variant"), ("kind", "kind"),
-                                            ("s/image", "s_per_image"), ("speedup vs default", "speedup_vs_default"),
-                                            ("max abs diff", "max_abs_diff"), ("mean abs diff", "mean_abs_diff")],
-                                f"speed options on the mid model (steps {o['steps']}, median of "
-                                f"{o['repeats']})"))
+        out.append(
+            common.table(
+                o["rows"],
+                [
+                    ("stage", "stage"),
+                    ("variant", "variant"),
+                    ("kind", "kind"),
+                    ("s/image", "s_per_image"),
+                    ("speedup vs default", "speedup_vs_default"),
+                    ("max abs diff", "max_abs_diff"),
+                    ("mean abs diff", "mean_abs_diff"),
+                ],
+                f"speed options on the mid model (steps {o['steps']}, median of {o['repeats']})",
+            )
+        )
     if o is not None:
         w = o["work_done_once"]
-        out.append(f"work done once per call: {w['calls_per_pipeline_call']}; network batch sizes per step "
-                   f"({w['prompts']} prompt(s)): {w['network_batch_sizes_per_step']}; decoder conditioning "
-                   f"{w['decoder_condition_s'] * 1e3:.2f} ms = {w['condition_over_forward']:.2%} of one guided "
-                   f"decoder forward ({w['decoder_guided_forward_s']:.3f} s)")
+        out.append(
+            f"work done once per call: {w['calls_per_pipeline_call']}; network batch sizes per step "
+            f"({w['prompts']} prompt(s)): {w['network_batch_sizes_per_step']}; decoder conditioning "
+            f"{w['decoder_condition_s'] * 1e3:.2f} ms = {w['condition_over_forward']:.2%} of one guided "
+            f"decoder forward ({w['decoder_guided_forward_s']:.3f} s)"
+        )
         t = o["threads"]
-        out.append(f"threads: one guided decoder forward {t['decoder_guided_forward_s']}; speedup of doubling the "
-                   f"threads {t['speedup_of_more_threads']:.2f}")
+        out.append(
+            f"threads: one guided decoder forward {t['decoder_guided_forward_s']}; speedup of doubling the "
+            f"threads {t['speedup_of_more_threads']:.2f}"
+        )
     e = r.get("bf16_end_to_end")
     if e is not None:
-        out.append("bf16 autocast end to end vs fp32: " + ", ".join(f"{k} = {val}" for k, val in e.items()))
+        out.append(
+            "bf16 autocast end to end vs fp32: " + ", ".join(f"{k} = {val}" for k, val in e.items())
+        )
     return "\n".join(out)
 
 

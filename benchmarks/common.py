@@ -2,6 +2,7 @@
 
 Not part of the library; imported by ``benchmarks/bench_*.py`` (run as ``python benchmarks/<name>.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -23,8 +24,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 # ------------------------------------------------------------------------------------------ machine
 def machine() -> dict:
     """CPU model, cores, ISA flags that matter for torch on CPU, library versions, load at start."""
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+    }
     try:
         import diffusers
 
@@ -36,26 +41,50 @@ def machine() -> dict:
         fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         fields = {k.strip(): v.strip() for k, v in fields.items()}
         flags = set(fields.get("Flags", "").split())
-        info.update({"cpu": fields.get("Model name"), "sockets": fields.get("Socket(s)"),
-                     "cores_per_socket": fields.get("Core(s) per socket"),
-                     "threads_per_core": fields.get("Thread(s) per core"), "l2": fields.get("L2 cache"),
-                     "l3": fields.get("L3 cache"), "hypervisor": fields.get("Hypervisor vendor"),
-                     "isa": sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
-                                                           "amx_bf16", "amx_tile", "avx_vnni"})})
+        info.update(
+            {
+                "cpu": fields.get("Model name"),
+                "sockets": fields.get("Socket(s)"),
+                "cores_per_socket": fields.get("Core(s) per socket"),
+                "threads_per_core": fields.get("Thread(s) per core"),
+                "l2": fields.get("L2 cache"),
+                "l3": fields.get("L3 cache"),
+                "hypervisor": fields.get("Hypervisor vendor"),
+                "isa": sorted(
+                    f
+                    for f in flags
+                    if f
+                    in {
+                        "avx2",
+                        "fma",
+                        "avx512f",
+                        "avx512_bf16",
+                        "avx512_vnni",
+                        "amx_bf16",
+                        "amx_tile",
+                        "avx_vnni",
+                    }
+                ),
+            }
+        )
     except (OSError, subprocess.CalledProcessError):
         info["cpu"] = platform.processor()
     try:
         info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
-    info["mkldnn_bf16"] = bool(torch.backends.mkldnn.is_available()) and "avx512_bf16" in info.get("isa", [])
+    info["mkldnn_bf16"] = bool(torch.backends.mkldnn.is_available()) and "avx512_bf16" in info.get(
+        "isa", []
+    )
     return info
 
 
 def machine_line(m: dict) -> str:
-    return (f"{m.get('cpu')} ({m.get('cpus')} vCPU, {m.get('threads')} torch threads; "
-            f"{', '.join(m.get('isa', []))}), torch {m.get('torch')}, diffusers {m.get('diffusers', '-')}, "
-            f"load average at start {m.get('loadavg_at_start')}")
+    return (
+        f"{m.get('cpu')} ({m.get('cpus')} vCPU, {m.get('threads')} torch threads; "
+        f"{', '.join(m.get('isa', []))}), torch {m.get('torch')}, diffusers {m.get('diffusers', '-')}, "
+        f"load average at start {m.get('loadavg_at_start')}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -74,7 +103,9 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
     return median([x / y for x, y in zip(a, b)])
 
 
-def interleaved(variants: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(
+    variants: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
     """Time each variant ``repeats`` times in rounds (A B C, then C B A, ...) after ``warmup`` untimed rounds.
 
     Interleaving makes slow drifts of a shared machine's load hit every variant alike, and alternating
@@ -108,8 +139,14 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> dict:
         ts.append(time.perf_counter() - t0)
     share = (time.process_time() - cpu0) / sum(ts) / torch.get_num_threads()
     med = median(ts)
-    return {"dtype": str(dtype).replace("torch.", ""), "n": n, "median_s": med, "tflops": 2 * n ** 3 / med / 1e12,
-            "best_tflops": 2 * n ** 3 / min(ts) / 1e12, "cpu_share": share}
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "n": n,
+        "median_s": med,
+        "tflops": 2 * n**3 / med / 1e12,
+        "best_tflops": 2 * n**3 / min(ts) / 1e12,
+        "cpu_share": share,
+    }
 
 
 def flop_counter():
@@ -125,9 +162,13 @@ def flop_counter():
     def bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs):
         return sdpa_backward_flop_count(grad_out, q, k, v)
 
-    return FlopCounterMode(display=False, custom_mapping={
-        aten._scaled_dot_product_flash_attention_for_cpu: fwd,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd})
+    return FlopCounterMode(
+        display=False,
+        custom_mapping={
+            aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd,
+        },
+    )
 
 
 def conv_peak(dtype: torch.dtype = torch.float32, repeats: int = 7) -> dict:
@@ -143,8 +184,12 @@ def conv_peak(dtype: torch.dtype = torch.float32, repeats: int = 7) -> dict:
         torch.nn.functional.conv2d(x, w, padding=1)
         ts.append(time.perf_counter() - t0)
     med = median(ts)
-    return {"dtype": str(dtype).replace("torch.", ""), "median_s": med, "tflops": flops / med / 1e12,
-            "best_tflops": flops / min(ts) / 1e12}
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "median_s": med,
+        "tflops": flops / med / 1e12,
+        "best_tflops": flops / min(ts) / 1e12,
+    }
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -180,8 +225,11 @@ def stage_runners(pipe, prompts: list, steps: dict):
     """``(sampling, stage_fn, inputs)`` for timing each stage alone: the stage inputs ``inputs`` (text
     encoding, image embeddings, base images) are computed once with seed 0, and ``stage_fn(p, stage)`` returns a
     zero-argument callable that runs ``stage`` (``prior``/``decoder``/``upsampler``) of pipeline ``p``."""
-    sampling = {"prior": {"steps": steps["prior"]}, "decoder": {"steps": steps["decoder"]},
-                "upsamplers": {"steps": steps["upsampler"]}}
+    sampling = {
+        "prior": {"steps": steps["prior"]},
+        "decoder": {"steps": steps["decoder"]},
+        "upsamplers": {"steps": steps["upsampler"]},
+    }
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     text = pipe.encode_text(prompts)
     embeds = pipe.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
@@ -189,7 +237,9 @@ def stage_runners(pipe, prompts: list, steps: dict):
 
     def stage_fn(p, stage):
         if stage == "prior":
-            return lambda: p.sample_image_embeds(text, generator=g(), sampling=sampling, progress=False)
+            return lambda: p.sample_image_embeds(
+                text, generator=g(), sampling=sampling, progress=False
+            )
         if stage == "decoder":
             return lambda: p.decode(embeds, text, generator=g(), sampling=sampling, progress=False)
         return lambda: p.upsample(small, generator=g(), sampling=sampling, progress=False)

@@ -1,11 +1,12 @@
 """Random model configurations for the benchmarks (tiny / small / mid), all built offline.
 
 ``mid_pipeline()`` is the sampling benchmark's side-by-side model: shaped so diffusers' (deprecated)
-``UnCLIPPipeline`` can load it through :func:`unclip.convert.export_diffusers` — text width equals the
+``UnCLIPPipeline`` can load it through :func:`unclip.interop.diffusers.export_diffusers` — text width equals the
 CLIP embedding size, raw (un-normalised) CLIP embeddings, a learned-variance decoder, exactly one
 upsampler without noise-level conditioning — and sampled with the ``unclip`` sampler at diffusers'
 default steps and guidance (prior 25 steps × guidance 4, decoder 25 × 8, super-res 7 × 1).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,40 +22,96 @@ SIZES = {
     "tiny": dict(
         clip=dict(embed_dim=32, width=32, layers=2, context_length=32),
         prior=dict(num_layers=2, num_attention_heads=2, attention_head_dim=16),
-        decoder=dict(sample_size=16, block_out_channels=(16, 32), layers_per_block=1,
-                     down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
-                     up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-                     attention_head_dim=8, norm_num_groups=8, cross_attention_dim=32),
-        upsampler=dict(low_res_size=16, sample_size=32, block_out_channels=(8, 16), layers_per_block=1,
-                       down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2, norm_num_groups=4)),
+        decoder=dict(
+            sample_size=16,
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+            up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+            attention_head_dim=8,
+            norm_num_groups=8,
+            cross_attention_dim=32,
+        ),
+        upsampler=dict(
+            low_res_size=16,
+            sample_size=32,
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            down_block_types=("DownBlock2D",) * 2,
+            up_block_types=("UpBlock2D",) * 2,
+            norm_num_groups=4,
+        ),
+    ),
     # the bundled shapes model's sizes (configs/shapes/*.yaml)
     "small": dict(
         clip=dict(embed_dim=64, width=64, layers=3, context_length=24),
         prior=dict(num_layers=4, num_attention_heads=4, attention_head_dim=32),
-        decoder=dict(sample_size=32, block_out_channels=(32, 64, 128), layers_per_block=2,
-                     down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D",
-                                       "SimpleCrossAttnDownBlock2D"),
-                     up_block_types=("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-                     attention_head_dim=32, norm_num_groups=16),
-        upsampler=dict(low_res_size=32, sample_size=64, block_out_channels=(32, 64, 128), layers_per_block=1,
-                       down_block_types=("DownBlock2D",) * 3, up_block_types=("UpBlock2D",) * 3, norm_num_groups=16)),
+        decoder=dict(
+            sample_size=32,
+            block_out_channels=(32, 64, 128),
+            layers_per_block=2,
+            down_block_types=(
+                "ResnetDownsampleBlock2D",
+                "SimpleCrossAttnDownBlock2D",
+                "SimpleCrossAttnDownBlock2D",
+            ),
+            up_block_types=(
+                "SimpleCrossAttnUpBlock2D",
+                "SimpleCrossAttnUpBlock2D",
+                "ResnetUpsampleBlock2D",
+            ),
+            attention_head_dim=32,
+            norm_num_groups=16,
+        ),
+        upsampler=dict(
+            low_res_size=32,
+            sample_size=64,
+            block_out_channels=(32, 64, 128),
+            layers_per_block=1,
+            down_block_types=("DownBlock2D",) * 3,
+            up_block_types=("UpBlock2D",) * 3,
+            norm_num_groups=16,
+        ),
+    ),
     "mid": dict(
         clip=dict(embed_dim=256, width=256, layers=4, context_length=77),
         prior=dict(num_layers=6, num_attention_heads=4, attention_head_dim=64),
-        decoder=dict(sample_size=64, block_out_channels=(64, 128, 256), layers_per_block=1,
-                     down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D",
-                                       "SimpleCrossAttnDownBlock2D"),
-                     up_block_types=("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-                     mid_block_type="UNetMidBlock2DSimpleCrossAttn", attention_head_dim=64, norm_num_groups=32),
-        upsampler=dict(low_res_size=64, sample_size=128, block_out_channels=(32, 64, 128), layers_per_block=1,
-                       down_block_types=("ResnetDownsampleBlock2D",) * 3, up_block_types=("ResnetUpsampleBlock2D",) * 3,
-                       norm_num_groups=32)),
+        decoder=dict(
+            sample_size=64,
+            block_out_channels=(64, 128, 256),
+            layers_per_block=1,
+            down_block_types=(
+                "ResnetDownsampleBlock2D",
+                "SimpleCrossAttnDownBlock2D",
+                "SimpleCrossAttnDownBlock2D",
+            ),
+            up_block_types=(
+                "SimpleCrossAttnUpBlock2D",
+                "SimpleCrossAttnUpBlock2D",
+                "ResnetUpsampleBlock2D",
+            ),
+            mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+            attention_head_dim=64,
+            norm_num_groups=32,
+        ),
+        upsampler=dict(
+            low_res_size=64,
+            sample_size=128,
+            block_out_channels=(32, 64, 128),
+            layers_per_block=1,
+            down_block_types=("ResnetDownsampleBlock2D",) * 3,
+            up_block_types=("ResnetUpsampleBlock2D",) * 3,
+            norm_num_groups=32,
+        ),
+    ),
 }
 
 # diffusers' UnCLIPPipeline defaults (steps, guidance), on unclip's "unclip" sampler
-DIFFUSERS_SAMPLING = {"prior": {"scheduler": "unclip", "steps": 25, "guidance_scale": 4.0, "best_of": 1},
-                      "decoder": {"scheduler": "unclip", "steps": 25, "guidance_scale": 8.0},
-                      "upsampler": {"scheduler": "unclip", "steps": 7, "guidance_scale": 1.0}}
+DIFFUSERS_SAMPLING = {
+    "prior": {"scheduler": "unclip", "steps": 25, "guidance_scale": 4.0, "best_of": 1},
+    "decoder": {"scheduler": "unclip", "steps": 25, "guidance_scale": 8.0},
+    "upsampler": {"scheduler": "unclip", "steps": 7, "guidance_scale": 1.0},
+}
 
 
 def clip_model(size: str) -> FrozenCLIP:
@@ -101,11 +158,19 @@ def mid_pipeline(seed: int = 0) -> UnCLIPPipeline:
     """The exportable mid-size pipeline (see module doc)."""
     clip, prior, decoder, up = stage_models("mid", exportable=True, seed=seed)
     sr = f"sr{up.config.sample_size}"
-    sampling = {"prior": DIFFUSERS_SAMPLING["prior"], "decoder": DIFFUSERS_SAMPLING["decoder"],
-                sr: DIFFUSERS_SAMPLING["upsampler"]}
-    diffusion = {"prior": {"prediction_type": "sample"}, "decoder": {"prediction_type": "epsilon"},
-                 sr: {"prediction_type": "epsilon"}}
-    pipe = UnCLIPPipeline(clip, prior, decoder, [up], diffusion=diffusion, sampling=sampling, prior_clip_range=5.0)
+    sampling = {
+        "prior": DIFFUSERS_SAMPLING["prior"],
+        "decoder": DIFFUSERS_SAMPLING["decoder"],
+        sr: DIFFUSERS_SAMPLING["upsampler"],
+    }
+    diffusion = {
+        "prior": {"prediction_type": "sample"},
+        "decoder": {"prediction_type": "epsilon"},
+        sr: {"prediction_type": "epsilon"},
+    }
+    pipe = UnCLIPPipeline(
+        clip, prior, decoder, [up], diffusion=diffusion, sampling=sampling, prior_clip_range=5.0
+    )
     for m in pipe.modules().values():
         m.eval().requires_grad_(False)
     return pipe

@@ -2,15 +2,16 @@
 CPU, generates at its stated resolution, and gets the color, size and background of simple prompts
 right — and for most simple prompts every attribute — (scored by the pixel evaluator) with the default
 sampling settings."""
+
 import json
 
 import pytest
 import torch
 
 from unclip import UnCLIPPipeline
-from unclip.data.shapes import parse_caption
-from unclip.data.shapes_eval import score
 from unclip.pipeline import PIPELINE_FILE, bundled_model_path
+from unclip.shapes.detector import score
+from unclip.shapes.world import parse_caption
 
 RESOLUTION = 128
 
@@ -31,7 +32,9 @@ def test_bundled_folder_is_small_safetensors_only():
     # convolutional image tower, its token table kept for the shapes vocabulary only (small)
     assert index["components"]["reranker"] is None
     clip_config = json.loads((root / "clip" / "config.json").read_text())
-    assert clip_config["kept_tokens"] > 0 and isinstance(clip_config["model_cfg"]["vision_cfg"]["layers"], list)
+    assert clip_config["kept_tokens"] > 0 and isinstance(
+        clip_config["model_cfg"]["vision_cfg"]["layers"], list
+    )
 
 
 def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
@@ -40,21 +43,35 @@ def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
     for name, module in pipe.modules().items():  # weights are stored in fp16 and upcast on load
         assert {p.dtype for p in module.parameters()} == {torch.float32}, name
     few = {"prior": {"steps": 5}, "decoder": {"steps": 8}, "upsamplers": {"steps": 3}}
-    out = pipe(["a small red circle on the left", "a blue square above a green triangle"], sampling=few,
-               generator=[torch.Generator().manual_seed(s) for s in (0, 1)], output_type="np", progress=False)
+    out = pipe(
+        ["a small red circle on the left", "a blue square above a green triangle"],
+        sampling=few,
+        generator=[torch.Generator().manual_seed(s) for s in (0, 1)],
+        output_type="np",
+        progress=False,
+    )
     assert out.images.shape == (2, RESOLUTION, RESOLUTION, 3)
     assert out.images.dtype.name == "uint8" and out.images.std() > 10  # not a blank image
 
 
-PROMPTS = ["a small red circle on the left", "a big purple circle in the center on a gray background",
-           "a large green triangle on the right on a black background", "a small orange square at the top",
-           "a big blue square on the left on a white background", "a small yellow triangle at the bottom"]
+PROMPTS = [
+    "a small red circle on the left",
+    "a big purple circle in the center on a gray background",
+    "a large green triangle on the right on a black background",
+    "a small orange square at the top",
+    "a big blue square on the left on a white background",
+    "a small yellow triangle at the bottom",
+]
 
 
 @pytest.fixture(scope="module")
 def default_images(pipe):
-    out = pipe(PROMPTS, generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))],
-               output_type="np", progress=False)
+    out = pipe(
+        PROMPTS,
+        generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))],
+        output_type="np",
+        progress=False,
+    )
     assert out.images.shape == (len(PROMPTS), RESOLUTION, RESOLUTION, 3)
     return [score(image, parse_caption(prompt)) for image, prompt in zip(out.images, PROMPTS)]
 

@@ -1,4 +1,5 @@
 """The `unclip` command and `unclip generate`."""
+
 import json
 import subprocess
 import sys
@@ -7,23 +8,47 @@ import pytest
 from PIL import Image
 
 from unclip import cli
-from unclip.generate import main as generate
+from unclip.cli.generate import main as generate
 
 
 def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
     tiny_pipe.save_pretrained(tmp_path / "model")
     out = tmp_path / "out"
-    args = ["a red circle", "a blue square", "--model", str(tmp_path / "model"), "--num-images", "2",
-            "--seed", "7", "--out", str(out), "--decoder-steps", "3", "--decoder-guidance", "2.5",
-            "--sr-sampler", "ddpm", "--prior-best-of", "1", "--no-progress"]
+    args = [
+        "a red circle",
+        "a blue square",
+        "--model",
+        str(tmp_path / "model"),
+        "--num-images",
+        "2",
+        "--seed",
+        "7",
+        "--out",
+        str(out),
+        "--decoder-steps",
+        "3",
+        "--decoder-guidance",
+        "2.5",
+        "--sr-sampler",
+        "ddpm",
+        "--prior-best-of",
+        "1",
+        "--no-progress",
+    ]
     assert generate(args) == 0
     record = json.loads((out / "generate.json").read_text())
     files = sorted(p.name for p in out.glob("0*.png"))
     assert files == ["000_00.png", "000_01.png", "001_00.png", "001_01.png"]
     assert [f["file"] for f in record["files"]] == files
     assert record["seeds"] == [7, 8] and record["prompts"] == ["a red circle", "a blue square"]
-    assert record["sampling"]["decoder"]["steps"] == 3 and record["sampling"]["decoder"]["guidance_scale"] == 2.5
-    assert record["sampling"]["sr32"]["scheduler"] == "ddpm" and record["sampling"]["prior"]["best_of"] == 1
+    assert (
+        record["sampling"]["decoder"]["steps"] == 3
+        and record["sampling"]["decoder"]["guidance_scale"] == 2.5
+    )
+    assert (
+        record["sampling"]["sr32"]["scheduler"] == "ddpm"
+        and record["sampling"]["prior"]["best_of"] == 1
+    )
     assert record["rerank_clip"] == "clip"
     for f in files:
         assert Image.open(out / f).size == (64, 64)
@@ -35,12 +60,15 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         assert (out / f).read_bytes() == (again / f).read_bytes()
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--tiny", "--num-images", "0"], "--num-images"),
-    (["--tiny"], "at least one prompt"),
-    (["", "--tiny"], "empty"),
-    (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--tiny", "--num-images", "0"], "--num-images"),
+        (["--tiny"], "at least one prompt"),
+        (["", "--tiny"], "empty"),
+        (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
+    ],
+)
 def test_generate_bad_input(args, match, capsys, tmp_path):
     with pytest.raises((SystemExit, ValueError)) as e:
         generate(args + ["--out", str(tmp_path)])
@@ -65,5 +93,7 @@ def test_cli_dispatch(capsys):
 
 
 def test_console_script_installed():
-    proc = subprocess.run([sys.executable, "-m", "unclip.cli", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "unclip.cli", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "train-decoder" in proc.stdout

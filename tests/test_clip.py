@@ -72,7 +72,9 @@ def test_bad_inputs(tiny_clip):
 def test_missing_local_weights_names_file(tmp_path):
     missing = tmp_path / "weights" / "clip.safetensors"
     with pytest.raises(FileNotFoundError, match=str(missing)):
-        FrozenCLIP.from_config(ClipConfig("tiny", pretrained=str(missing), model_cfg=tiny_clip_config()))
+        FrozenCLIP.from_config(
+            ClipConfig("tiny", pretrained=str(missing), model_cfg=tiny_clip_config())
+        )
     with pytest.raises(ValueError, match="unknown open_clip model name"):
         FrozenCLIP.from_config(ClipConfig("not-a-model"))
 
@@ -84,8 +86,13 @@ def test_save_load_and_local_weights_file(tiny_clip, tmp_path):
     b = again.encode_text(["a purple square"])
     assert torch.equal(a.text_embed, b.text_embed) and torch.equal(a.text_tokens, b.text_tokens)
     # the same weights as `clip.pretrained` (a local file) in a config
-    c = FrozenCLIP.from_config(ClipConfig("tiny", pretrained=str(tmp_path / "clip" / "model.safetensors"),
-                                          model_cfg=tiny_clip.model_cfg))
+    c = FrozenCLIP.from_config(
+        ClipConfig(
+            "tiny",
+            pretrained=str(tmp_path / "clip" / "model.safetensors"),
+            model_cfg=tiny_clip.model_cfg,
+        )
+    )
     assert torch.equal(c.encode_text(["a purple square"]).text_embed, a.text_embed)
     assert not any(p.requires_grad for p in again.parameters())
     (tmp_path / "clip" / "model.safetensors").unlink()
@@ -93,16 +100,23 @@ def test_save_load_and_local_weights_file(tiny_clip, tmp_path):
         FrozenCLIP.from_pretrained(tmp_path / "clip")
 
 
-def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exactly(tiny_clip, tmp_path):
-    from unclip.clip import KEPT_TOKENS_KEY, closed_vocabulary_ids
-    from unclip.data.shapes import ShapesWorld, caption_vocabulary
+def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exactly(
+    tiny_clip, tmp_path
+):
     from safetensors.torch import load_file
 
+    from unclip.clip import KEPT_TOKENS_KEY, closed_vocabulary_ids
+    from unclip.shapes.world import ShapesWorld, caption_vocabulary
+
     ids = closed_vocabulary_ids(tiny_clip, caption_vocabulary())
-    assert {0, tiny_clip.tokenizer.sot_token_id, tiny_clip.tokenizer.eot_token_id} <= set(ids.tolist())
+    assert {0, tiny_clip.tokenizer.sot_token_id, tiny_clip.tokenizer.eot_token_id} <= set(
+        ids.tolist()
+    )
     world = ShapesWorld(32, seed=4, split="all", two_object_prob=0.5)
     captions = [world[i].caption for i in range(400)]
-    assert torch.isin(tiny_clip.tokenize(captions), ids).all()  # the vocabulary covers every caption
+    assert torch.isin(
+        tiny_clip.tokenize(captions), ids
+    ).all()  # the vocabulary covers every caption
 
     tiny_clip.save_pretrained(tmp_path / "full")
     tiny_clip.save_pretrained(tmp_path / "closed", keep_tokens=ids)
@@ -111,7 +125,9 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
     assert state["token_embedding.weight"].shape == (len(ids), tiny_clip.text_width)
     full_size = (tmp_path / "full" / "model.safetensors").stat().st_size
     table_bytes = tiny_clip.model.token_embedding.weight.numel() * 4  # fp32
-    assert (tmp_path / "closed" / "model.safetensors").stat().st_size < full_size - 0.9 * table_bytes
+    assert (
+        tmp_path / "closed" / "model.safetensors"
+    ).stat().st_size < full_size - 0.9 * table_bytes
 
     closed = FrozenCLIP.from_pretrained(tmp_path / "closed")
     a, b = tiny_clip.encode_text(captions), closed.encode_text(captions)
@@ -126,7 +142,8 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
         closed.encode_text(captions[:5])  # no warning for known words
 
     closed.save_pretrained(tmp_path / "again")  # a closed CLIP saves its rows again
-    assert (tmp_path / "again" / "model.safetensors").stat().st_size == \
-        (tmp_path / "closed" / "model.safetensors").stat().st_size
+    assert (tmp_path / "again" / "model.safetensors").stat().st_size == (
+        tmp_path / "closed" / "model.safetensors"
+    ).stat().st_size
     with pytest.raises(ValueError, match="keep_tokens must be a non-empty set of token ids"):
         tiny_clip.save_pretrained(tmp_path / "bad", keep_tokens=[5, 49408])

@@ -1,10 +1,18 @@
 import pytest
 import yaml
-
-from unclip.config import (ConfigError, StageConfig, TrainConfig, apply_overrides, from_dict, load_config,
-                           save_config, to_dict, to_yaml)
-
 from conftest import CONFIGS
+
+from unclip.config import (
+    ConfigError,
+    StageConfig,
+    TrainConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    save_config,
+    to_dict,
+    to_yaml,
+)
 
 
 def write(tmp_path, data, name="c.yaml"):
@@ -29,13 +37,21 @@ def test_misspelt_section(tmp_path):
 
 def test_wrong_types_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="train.max_steps.*integer"):
-        load_config(write(tmp_path, {"stage": "prior", "prior": {}, "train": {"max_steps": "many"}}))
+        load_config(
+            write(tmp_path, {"stage": "prior", "prior": {}, "train": {"max_steps": "many"}})
+        )
     with pytest.raises(ConfigError, match="train.ema.*true or false"):
         load_config(write(tmp_path, {"stage": "prior", "prior": {}, "train": {"ema": "yes"}}))
     with pytest.raises(ConfigError, match="diffusion.prediction_type.*one of"):
-        load_config(write(tmp_path, {"stage": "prior", "prior": {}, "diffusion": {"prediction_type": "eps"}}))
+        load_config(
+            write(
+                tmp_path, {"stage": "prior", "prior": {}, "diffusion": {"prediction_type": "eps"}}
+            )
+        )
     with pytest.raises(ConfigError, match="block_out_channels\\[1\\].*integer"):
-        load_config(write(tmp_path, {"stage": "decoder", "decoder": {"block_out_channels": [8, "x"]}}))
+        load_config(
+            write(tmp_path, {"stage": "decoder", "decoder": {"block_out_channels": [8, "x"]}})
+        )
 
 
 def test_ints_accepted_for_floats_and_kept_as_float():
@@ -50,8 +66,16 @@ def test_stage_needs_its_section(tmp_path):
 
 def test_dotted_overrides(tmp_path):
     p = write(tmp_path, {"stage": "prior", "prior": {"num_layers": 2}})
-    cfg = load_config(p, ["train.lr=3e-4", "prior.num_layers=4", "data.source=folder", "train.ema=false",
-                          "train.adam_betas=[0.9, 0.99]"])
+    cfg = load_config(
+        p,
+        [
+            "train.lr=3e-4",
+            "prior.num_layers=4",
+            "data.source=folder",
+            "train.ema=false",
+            "train.adam_betas=[0.9, 0.99]",
+        ],
+    )
     assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
     assert cfg.prior.num_layers == 4 and cfg.data.source == "folder" and cfg.train.ema is False
     assert cfg.train.adam_betas == [0.9, 0.99]

@@ -3,6 +3,7 @@
 The reference is diffusers' own (deprecated) ``UnCLIPPipeline``: same seed → same images (max abs
 difference <= 1e-4), loading directly, through ``unclip convert`` and back through an export.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,22 +16,39 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from diffusers import (PriorTransformer, UNet2DConditionModel, UNet2DModel, UnCLIPImageVariationPipeline,  # noqa: E402
-                       UnCLIPPipeline as DiffusersUnCLIP, UnCLIPScheduler)
+from diffusers import (
+    PriorTransformer,
+    UnCLIPImageVariationPipeline,  # noqa: E402
+    UnCLIPScheduler,
+    UNet2DConditionModel,
+    UNet2DModel,
+)
+from diffusers import (
+    UnCLIPPipeline as DiffusersUnCLIP,
+)
 from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer,  # noqa: E402
-                          CLIPVisionConfig, CLIPVisionModelWithProjection)
+from transformers import (
+    CLIPImageProcessor,
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,  # noqa: E402
+    CLIPVisionConfig,
+    CLIPVisionModelWithProjection,
+)
 
-from unclip.convert import export_diffusers, load_diffusers_unclip, main  # noqa: E402
-from unclip.convert_clip import bpe_vocab  # noqa: E402
+from unclip.interop.clip import bpe_vocab  # noqa: E402
+from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip, main  # noqa: E402
 from unclip.pipeline import UnCLIPPipeline  # noqa: E402
 from unclip.tiny import tiny_pipeline  # noqa: E402
 
 L, W, D = 16, 32, 32  # context length, text width, CLIP embedding size
 STEPS = 3
 PROMPTS = ["a red circle!", "Café 東京, wow!! (x) 🐱"]
-PROBES = PROMPTS + ["", "it’s &amp; a   long\tprompt that will be truncated at sixteen tokens for sure ok"]
+PROBES = PROMPTS + [
+    "",
+    "it’s &amp; a   long\tprompt that will be truncated at sixteen tokens for sure ok",
+]
 SAMPLING = {"prior": {"steps": STEPS}, "decoder": {"steps": STEPS}, "upsamplers": {"steps": STEPS}}
 
 
@@ -51,49 +69,131 @@ def _tokenizer(pad: str) -> CLIPTokenizer:
     with tempfile.TemporaryDirectory() as tmp:
         vocab, merges = bpe_vocab()
         (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+        (Path(tmp) / "merges.txt").write_text(
+            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+        )
         return CLIPTokenizer.from_pretrained(tmp, pad_token=pad, model_max_length=L)
 
 
 def _super_res(seed: int) -> UNet2DModel:
-    return _perturb(UNet2DModel(sample_size=32, in_channels=6, out_channels=3,
-                                down_block_types=("ResnetDownsampleBlock2D",) * 2,
-                                up_block_types=("ResnetUpsampleBlock2D",) * 2, block_out_channels=(8, 16),
-                                layers_per_block=1, norm_num_groups=4, add_attention=False), seed)
+    return _perturb(
+        UNet2DModel(
+            sample_size=32,
+            in_channels=6,
+            out_channels=3,
+            down_block_types=("ResnetDownsampleBlock2D",) * 2,
+            up_block_types=("ResnetUpsampleBlock2D",) * 2,
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            norm_num_groups=4,
+            add_attention=False,
+        ),
+        seed,
+    )
 
 
 def build_diffusers(root: Path, variations: bool = False):
     """A Karlo-shaped diffusers unCLIP pipeline with tiny random weights, saved to ``root`` (Karlo's layout)."""
     torch.manual_seed(0)
-    text_encoder = _perturb(CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=49408, hidden_size=W, intermediate_size=64, projection_dim=D, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=L, hidden_act="quick_gelu", pad_token_id=0)), 1)
-    text_proj = _perturb(UnCLIPTextProjModel(clip_extra_context_tokens=4, clip_embeddings_dim=D, time_embed_dim=64,
-                                             cross_attention_dim=32), 2)
-    decoder = _perturb(UNet2DConditionModel(
-        sample_size=16, in_channels=3, out_channels=6, layers_per_block=1, block_out_channels=(16, 32),
-        down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
-        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-        mid_block_type="UNetMidBlock2DSimpleCrossAttn", cross_attention_dim=32, attention_head_dim=8,
-        norm_num_groups=8, class_embed_type="identity", resnet_time_scale_shift="scale_shift"), 3)
-    common = dict(decoder=decoder, text_encoder=text_encoder, tokenizer=_tokenizer("!"), text_proj=text_proj,
-                  super_res_first=_super_res(4), super_res_last=_super_res(5),
-                  decoder_scheduler=UnCLIPScheduler(variance_type="learned_range", prediction_type="epsilon"),
-                  super_res_scheduler=UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="epsilon"))
+    text_encoder = _perturb(
+        CLIPTextModelWithProjection(
+            CLIPTextConfig(
+                vocab_size=49408,
+                hidden_size=W,
+                intermediate_size=64,
+                projection_dim=D,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=L,
+                hidden_act="quick_gelu",
+                pad_token_id=0,
+            )
+        ),
+        1,
+    )
+    text_proj = _perturb(
+        UnCLIPTextProjModel(
+            clip_extra_context_tokens=4,
+            clip_embeddings_dim=D,
+            time_embed_dim=64,
+            cross_attention_dim=32,
+        ),
+        2,
+    )
+    decoder = _perturb(
+        UNet2DConditionModel(
+            sample_size=16,
+            in_channels=3,
+            out_channels=6,
+            layers_per_block=1,
+            block_out_channels=(16, 32),
+            down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+            up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+            mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=8,
+            class_embed_type="identity",
+            resnet_time_scale_shift="scale_shift",
+        ),
+        3,
+    )
+    common = dict(
+        decoder=decoder,
+        text_encoder=text_encoder,
+        tokenizer=_tokenizer("!"),
+        text_proj=text_proj,
+        super_res_first=_super_res(4),
+        super_res_last=_super_res(5),
+        decoder_scheduler=UnCLIPScheduler(variance_type="learned_range", prediction_type="epsilon"),
+        super_res_scheduler=UnCLIPScheduler(
+            variance_type="fixed_small_log", prediction_type="epsilon"
+        ),
+    )
     if variations:
-        image_encoder = _perturb(CLIPVisionModelWithProjection(CLIPVisionConfig(
-            hidden_size=W, intermediate_size=64, projection_dim=D, num_hidden_layers=2, num_attention_heads=2,
-            image_size=32, patch_size=8, hidden_act="quick_gelu")), 6)
-        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-        pipe = UnCLIPImageVariationPipeline(image_encoder=image_encoder, feature_extractor=processor, **common)
+        image_encoder = _perturb(
+            CLIPVisionModelWithProjection(
+                CLIPVisionConfig(
+                    hidden_size=W,
+                    intermediate_size=64,
+                    projection_dim=D,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=32,
+                    patch_size=8,
+                    hidden_act="quick_gelu",
+                )
+            ),
+            6,
+        )
+        processor = CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        pipe = UnCLIPImageVariationPipeline(
+            image_encoder=image_encoder, feature_extractor=processor, **common
+        )
     else:
-        prior = _perturb(PriorTransformer(num_attention_heads=2, attention_head_dim=16, num_layers=2, embedding_dim=D,
-                                          num_embeddings=L, additional_embeddings=4), 7)
+        prior = _perturb(
+            PriorTransformer(
+                num_attention_heads=2,
+                attention_head_dim=16,
+                num_layers=2,
+                embedding_dim=D,
+                num_embeddings=L,
+                additional_embeddings=4,
+            ),
+            7,
+        )
         with torch.no_grad():
             prior.clip_std.copy_(torch.rand(1, D) + 0.5)
             prior.clip_mean.copy_(torch.randn(1, D) * 0.1)
-        pipe = DiffusersUnCLIP(prior=prior, prior_scheduler=UnCLIPScheduler(
-            variance_type="fixed_small_log", prediction_type="sample", clip_sample_range=5.0), **common)
+        pipe = DiffusersUnCLIP(
+            prior=prior,
+            prior_scheduler=UnCLIPScheduler(
+                variance_type="fixed_small_log", prediction_type="sample", clip_sample_range=5.0
+            ),
+            **common,
+        )
     pipe.set_progress_bar_config(disable=True)
     pipe.save_pretrained(str(root), safe_serialization=True)
     index = json.loads((root / "model_index.json").read_text())
@@ -127,15 +227,27 @@ def folder(karlo, tmp_path):
 
 
 def _diffusers_images(dpipe, seed: int = 0) -> torch.Tensor:
-    out = dpipe(PROMPTS, num_images_per_prompt=2, generator=torch.Generator().manual_seed(seed), output_type="np",
-                prior_num_inference_steps=STEPS, decoder_num_inference_steps=STEPS,
-                super_res_num_inference_steps=STEPS).images
+    out = dpipe(
+        PROMPTS,
+        num_images_per_prompt=2,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+        prior_num_inference_steps=STEPS,
+        decoder_num_inference_steps=STEPS,
+        super_res_num_inference_steps=STEPS,
+    ).images
     return torch.from_numpy(out).permute(0, 3, 1, 2)
 
 
 def _unclip_images(pipe: UnCLIPPipeline, seed: int = 0) -> torch.Tensor:
-    return pipe(PROMPTS, num_images_per_prompt=2, generator=torch.Generator().manual_seed(seed), output_type="pt",
-                sampling=SAMPLING, progress=False).images
+    return pipe(
+        PROMPTS,
+        num_images_per_prompt=2,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="pt",
+        sampling=SAMPLING,
+        progress=False,
+    ).images
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -148,14 +260,18 @@ def test_tokenizer_and_text_encoder_match_transformers(karlo, loaded):
     root, dpipe = karlo
     pipe = loaded
     tok = CLIPTokenizer.from_pretrained(str(root / "tokenizer"))
-    for probe in PROBES:  # Karlo pads with "!" (id 0), which transformers also splits out of prompts
+    for (
+        probe
+    ) in PROBES:  # Karlo pads with "!" (id 0), which transformers also splits out of prompts
         enc = tok(probe, padding="max_length", max_length=L, truncation=True, return_tensors="pt")
         assert pipe.clip.tokenize([probe], warn=False).tolist() == enc.input_ids.tolist(), probe
         text = pipe.encode_text(probe)
         assert text.text_mask.tolist() == enc.attention_mask.bool().tolist(), probe
         with torch.no_grad():
             ref = dpipe.text_encoder(enc.input_ids)
-        torch.testing.assert_close(text.text_embed, ref.text_embeds, atol=1e-5, rtol=1e-5)  # raw, not normalised
+        torch.testing.assert_close(
+            text.text_embed, ref.text_embeds, atol=1e-5, rtol=1e-5
+        )  # raw, not normalised
         torch.testing.assert_close(text.text_tokens, ref.last_hidden_state, atol=1e-5, rtol=1e-5)
 
 
@@ -164,8 +280,13 @@ def test_load_samples_like_diffusers(karlo, loaded, reference, tmp_path, capsys)
     direct = loaded
     assert direct.stage_names == ["prior", "decoder", "sr32"]
     assert direct.prior_clip_range == 5.0
-    assert {k: (s.scheduler, s.steps, s.guidance_scale, s.best_of) for k, s in direct.sampling.items()} == {
-        "prior": ("unclip", 25, 4.0, 1), "decoder": ("unclip", 25, 8.0, 1), "sr32": ("unclip", 7, 1.0, 1)}
+    assert {
+        k: (s.scheduler, s.steps, s.guidance_scale, s.best_of) for k, s in direct.sampling.items()
+    } == {
+        "prior": ("unclip", 25, 4.0, 1),
+        "decoder": ("unclip", 25, 8.0, 1),
+        "sr32": ("unclip", 7, 1.0, 1),
+    }
     assert _max_diff(_unclip_images(direct), reference) <= 1e-4
 
     assert main([str(root), str(tmp_path / "native")]) == 0
@@ -179,7 +300,9 @@ def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):
     root, _ = karlo  # diffusers folder → unclip → diffusers folder
     assert main([str(root), str(tmp_path / "exported"), "--to", "diffusers"]) == 0
     assert "wrote diffusers UnCLIPPipeline" in capsys.readouterr().out
-    exported = DiffusersUnCLIP.from_pretrained(str(tmp_path / "exported"))  # diffusers' own loader, no help
+    exported = DiffusersUnCLIP.from_pretrained(
+        str(tmp_path / "exported")
+    )  # diffusers' own loader, no help
     exported.set_progress_bar_config(disable=True)
     assert exported.prior_scheduler.config.clip_sample_range == 5.0
     assert exported.decoder_scheduler.config.variance_type == "learned_range"
@@ -198,8 +321,13 @@ def test_image_variations_layout(tmp_path):
         ours = pipe.clip.model.encode_image(pixels)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     embeds = ref
-    expected = dpipe(image_embeddings=embeds, decoder_num_inference_steps=STEPS, super_res_num_inference_steps=STEPS,
-                     generator=torch.Generator().manual_seed(0), output_type="np").images
+    expected = dpipe(
+        image_embeddings=embeds,
+        decoder_num_inference_steps=STEPS,
+        super_res_num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images
     gen = torch.Generator().manual_seed(0)
     small = pipe.decode(embeds, None, gen, SAMPLING, progress=False)
     big = pipe.upsample(small, gen, SAMPLING, progress=False)
@@ -221,7 +349,9 @@ def test_missing_component_folder(folder):
 
 def test_missing_and_extra_components_in_index(folder):
     index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "safety_checker": ["diffusers", "X"]}))
+    (folder / "model_index.json").write_text(
+        json.dumps({**index, "safety_checker": ["diffusers", "X"]})
+    )
     with pytest.raises(ValueError, match="unexpected component 'safety_checker'"):
         load_diffusers_unclip(folder)
     del index["prior_scheduler"]
@@ -232,8 +362,12 @@ def test_missing_and_extra_components_in_index(folder):
 
 def test_not_an_unclip_folder(folder, tmp_path, capsys):
     index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionPipeline"}))
-    with pytest.raises(ValueError, match="not a diffusers unCLIP pipeline.*StableDiffusionPipeline"):
+    (folder / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "StableDiffusionPipeline"})
+    )
+    with pytest.raises(
+        ValueError, match="not a diffusers unCLIP pipeline.*StableDiffusionPipeline"
+    ):
         UnCLIPPipeline.from_pretrained(folder)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not an unclip pipeline folder"):
@@ -249,7 +383,9 @@ def test_shape_mismatch_names_component_and_key(folder):
     state = load_file(str(file))
     state["conv_in.weight"] = torch.zeros(16, 3, 5, 5)
     save_file(state, str(file))
-    with pytest.raises(ValueError, match=r"decoder: weight 'conv_in.weight' has shape \(16, 3, 5, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"decoder: weight 'conv_in.weight' has shape \(16, 3, 5, 5\)"
+    ):
         load_diffusers_unclip(folder)
 
 
@@ -262,7 +398,9 @@ def test_weight_missing_or_unexpected_names_component_and_key(folder):
         load_diffusers_unclip(folder)
     file = folder / "text_encoder" / "model.safetensors"
     save_file({**load_file(str(file)), "text_model.extra.weight": torch.zeros(2)}, str(file))
-    with pytest.raises(ValueError, match="text_encoder: unexpected weight 'text_model.extra.weight'"):
+    with pytest.raises(
+        ValueError, match="text_encoder: unexpected weight 'text_model.extra.weight'"
+    ):
         load_diffusers_unclip(folder)
 
 
@@ -274,8 +412,12 @@ def test_unsupported_config_names_component_and_key(folder):
         load_diffusers_unclip(folder)
     cfg_file.write_text(json.dumps(cfg))
     sched = folder / "decoder_scheduler" / "scheduler_config.json"
-    sched.write_text(json.dumps({**json.loads(sched.read_text()), "variance_type": "fixed_small_log"}))
-    with pytest.raises(ValueError, match="decoder_scheduler: config variance_type = 'fixed_small_log'"):
+    sched.write_text(
+        json.dumps({**json.loads(sched.read_text()), "variance_type": "fixed_small_log"})
+    )
+    with pytest.raises(
+        ValueError, match="decoder_scheduler: config variance_type = 'fixed_small_log'"
+    ):
         load_diffusers_unclip(folder)
 
 
@@ -300,14 +442,24 @@ def test_pickle_weights_are_refused(folder):
 
 # ------------------------------------------------------------------------------------------ export errors, CLI
 def test_export_refuses_what_diffusers_cannot_express(tmp_path):
-    pipe = tiny_pipeline(clip_kwargs=dict(width=48),  # text width 48 != CLIP embedding 32, two upsamplers, ...
-                         decoder_kwargs=dict(coord_channels=True, embed_scale=8.0))
+    pipe = tiny_pipeline(
+        clip_kwargs=dict(width=48),  # text width 48 != CLIP embedding 32, two upsamplers, ...
+        decoder_kwargs=dict(coord_channels=True, embed_scale=8.0),
+    )
     with pytest.raises(ValueError) as err:
         export_diffusers(pipe, tmp_path / "out")
     msg = str(err.value)
-    for part in ("clip: normalize_embeds=True", "prior: text_token_proj", "decoder: text tokens are 48 wide",
-                 "decoder: coord_channels=True", "decoder: embed_scale=8.0", "decoder: learned_variance=False", "exactly one upsampling stage", "sr32: noise-level conditioning",
-                 "sr64: noise-level conditioning"):
+    for part in (
+        "clip: normalize_embeds=True",
+        "prior: text_token_proj",
+        "decoder: text tokens are 48 wide",
+        "decoder: coord_channels=True",
+        "decoder: embed_scale=8.0",
+        "decoder: learned_variance=False",
+        "exactly one upsampling stage",
+        "sr32: noise-level conditioning",
+        "sr64: noise-level conditioning",
+    ):
         assert part in msg
     assert not (tmp_path / "out").exists()
 
@@ -315,7 +467,9 @@ def test_export_refuses_what_diffusers_cannot_express(tmp_path):
 def test_export_names_the_single_problem(loaded, tmp_path):
     loaded.clip.normalize_embeds = True
     try:
-        with pytest.raises(ValueError, match=r"diffusers UnCLIPPipeline:\n  - clip: normalize_embeds=True[^\n]*$"):
+        with pytest.raises(
+            ValueError, match=r"diffusers UnCLIPPipeline:\n  - clip: normalize_embeds=True[^\n]*$"
+        ):
             export_diffusers(loaded, tmp_path / "out")
     finally:
         loaded.clip.normalize_embeds = False
@@ -331,7 +485,9 @@ def test_cli_errors(karlo, tmp_path, capsys):
         main([str(karlo[0]), str(tmp_path / "busy")])
     assert "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "busy" / "file").read_text() == "keep"
-    with pytest.raises(SystemExit):  # a native unclip folder cannot be exported: this one normalises embeddings
+    with pytest.raises(
+        SystemExit
+    ):  # a native unclip folder cannot be exported: this one normalises embeddings
         tiny_pipeline().save_pretrained(tmp_path / "native")
         main([str(tmp_path / "native"), str(tmp_path / "out"), "--to", "diffusers"])
     assert "cannot export" in capsys.readouterr().err

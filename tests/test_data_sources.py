@@ -6,18 +6,22 @@ import io
 import itertools
 import json
 import logging
-import subprocess
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from unclip.data.shapes import write_shapes
-from unclip.data.sources import (EmbeddingStream, FolderStream, StreamDataset, WebDatasetStream, collate,
-                                 image_to_tensor)
+from unclip.shapes.world import write_shapes
+from unclip.train.data.sources import (
+    EmbeddingStream,
+    FolderStream,
+    StreamDataset,
+    WebDatasetStream,
+    collate,
+    image_to_tensor,
+)
 
 R = 16
 
@@ -29,7 +33,11 @@ def take(stream, n):
 def sig(sample):
     """A hashable identity of a sample (caption + pixel/embedding checksum)."""
     t = sample.get("image", sample.get("image_embed"))
-    return sample["caption"], round(float(t.double().sum()), 4), round(float(t.double().abs().sum()), 4)
+    return (
+        sample["caption"],
+        round(float(t.double().sum()), 4),
+        round(float(t.double().abs().sum()), 4),
+    )
 
 
 def assert_same(a, b):
@@ -92,7 +100,11 @@ def test_folder_samples_have_contract_format_and_are_deterministic(clean_folder)
     s = a[0]
     assert set(s) == {"image", "caption", "skipped"}
     assert s["image"].shape == (3, R, R) and s["image"].dtype == torch.float32
-    assert -1 <= float(s["image"].min()) and float(s["image"].max()) <= 1 and float(s["image"].min()) < -0.5
+    assert (
+        -1 <= float(s["image"].min())
+        and float(s["image"].max()) <= 1
+        and float(s["image"].min()) < -0.5
+    )
     assert isinstance(s["caption"], str) and s["skipped"] == 0
     # epoch 0 visits every image once, epoch 1 in a different order; another seed gives another order
     assert len({x["caption"] for x in a[:10]}) == 10
@@ -106,7 +118,9 @@ def test_folder_samples_have_contract_format_and_are_deterministic(clean_folder)
 @pytest.mark.parametrize("start", [1, 7, 13])
 def test_folder_resume_is_exact_tail(dirty_folder, start):
     full = take(FolderStream(dirty_folder, R, seed=1, rank=1, world_size=2), 20)
-    tail = take(FolderStream(dirty_folder, R, seed=1, rank=1, world_size=2, start=start), 20 - start)
+    tail = take(
+        FolderStream(dirty_folder, R, seed=1, rank=1, world_size=2, start=start), 20 - start
+    )
     assert_same(full[start:], tail)
     assert sum(x["skipped"] for x in full) > 0  # the resumed part really crossed bad files
 
@@ -115,12 +129,15 @@ def test_folder_rank_split_is_disjoint_and_covers(clean_folder):
     seen = []
     for rank in range(3):
         per_epoch = len(range(rank, 10, 3))
-        seen += [x["caption"] for x in take(FolderStream(clean_folder, R, seed=5, rank=rank, world_size=3), per_epoch)]
+        seen += [
+            x["caption"]
+            for x in take(FolderStream(clean_folder, R, seed=5, rank=rank, world_size=3), per_epoch)
+        ]
     assert len(seen) == len(set(seen)) == 10
 
 
 def test_folder_bad_files_are_skipped_counted_and_logged(dirty_folder, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.data.sources")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
     got = take(FolderStream(dirty_folder, R, seed=0, rank=0, world_size=1, shuffle=False), 12)
     assert [x["caption"][:8] for x in got[:10]] == [f"{i:08d}" for i in range(10)]
     assert got[10]["caption"] == "a wide image in a subfolder"  # recursive, upper-case extension
@@ -135,7 +152,11 @@ def test_folder_wide_image_is_resized_on_shorter_side_and_centre_cropped(dirty_f
     x = image_to_tensor(img, R)
     assert x.shape == (3, R, R)
     centre = (x[:, :, 4:12] + 1) / 2 * 255  # green stripe only; red/blue stripes were cropped away
-    assert float(centre[1].mean()) > 170 and float(centre[0].max()) < 60 and float(centre[2].max()) < 60
+    assert (
+        float(centre[1].mean()) > 170
+        and float(centre[0].max()) < 60
+        and float(centre[2].max()) < 60
+    )
 
 
 def test_folder_without_images_is_a_clear_error(tmp_path):
@@ -157,8 +178,15 @@ def test_folder_all_bad_raises_instead_of_looping(tmp_path):
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("wds")
-    paths = write_shapes(root, 24, resolution=24, format="webdataset", shard_size=6, image_format="jpg",
-                         progress=False)
+    paths = write_shapes(
+        root,
+        24,
+        resolution=24,
+        format="webdataset",
+        shard_size=6,
+        image_format="jpg",
+        progress=False,
+    )
     assert len(paths) == 4
     return root
 
@@ -183,12 +211,27 @@ def test_webdataset_rank_and_worker_split_is_disjoint_and_covers(shards):
     url = str(shards / "{00000..00003}.tar")
     everything = {sig(x) for x in take(wds(url, shuffle_buffer=0), 24)}
     assert len(everything) == 24
-    by_rank = [[sig(x) for x in take(wds(url, rank=r, world_size=2, shuffle_buffer=0), 12)] for r in range(2)]
-    assert set(by_rank[0]).isdisjoint(by_rank[1]) and set(by_rank[0]) | set(by_rank[1]) == everything
-    parts = [[sig(x) for x in take(wds(url, rank=r, world_size=2, worker=w, num_workers=2, shuffle_buffer=0), 6)]
-             for r in range(2) for w in range(2)]
+    by_rank = [
+        [sig(x) for x in take(wds(url, rank=r, world_size=2, shuffle_buffer=0), 12)]
+        for r in range(2)
+    ]
+    assert (
+        set(by_rank[0]).isdisjoint(by_rank[1]) and set(by_rank[0]) | set(by_rank[1]) == everything
+    )
+    parts = [
+        [
+            sig(x)
+            for x in take(
+                wds(url, rank=r, world_size=2, worker=w, num_workers=2, shuffle_buffer=0), 6
+            )
+        ]
+        for r in range(2)
+        for w in range(2)
+    ]
     assert set().union(*parts) == everything and sum(map(len, parts)) == 24
-    assert set(parts[0]) | set(parts[1]) == set(by_rank[0])  # rank 0's workers together hold rank 0's shards
+    assert set(parts[0]) | set(parts[1]) == set(
+        by_rank[0]
+    )  # rank 0's workers together hold rank 0's shards
 
 
 def test_webdataset_url_forms_agree(shards):
@@ -203,7 +246,10 @@ def test_webdataset_fewer_shards_than_ranks_is_a_clear_error(shards):
     with pytest.raises(ValueError, match=r"4 shard.*world_size is 5.*[Rr]e-shard"):
         wds(str(shards / "{00000..00003}.tar"), rank=0, world_size=5)
     with pytest.raises(ValueError, match="fewer DataLoader workers"):
-        take(wds(str(shards / "{00000..00003}.tar"), rank=1, world_size=2, worker=2, num_workers=3), 1)
+        take(
+            wds(str(shards / "{00000..00003}.tar"), rank=1, world_size=2, worker=2, num_workers=3),
+            1,
+        )
 
 
 def _add(tar, name, data):
@@ -223,13 +269,16 @@ def corrupt_shard(tmp_path_factory):
         _add(tar, "k3.jpg", good), _add(tar, "k3.json", b"{}")  # no caption
         _add(tar, "k4.jpg", good), _add(tar, "k4.txt", b"good four")
         _add(tar, "k5.png", good), _add(tar, "k5.txt", b"  ")  # empty caption
-        _add(tar, "k6.webp", good), _add(tar, "k6.txt", b"good six")  # wrong extension, still decodable
+        (
+            _add(tar, "k6.webp", good),
+            _add(tar, "k6.txt", b"good six"),
+        )  # wrong extension, still decodable
         _add(tar, "k7.txt", b"caption without an image")
     return path
 
 
 def test_webdataset_corrupt_members_are_skipped_and_counted(corrupt_shard, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.data.sources")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
     got = take(wds(str(corrupt_shard), shuffle_buffer=0), 4)
     assert [x["caption"] for x in got] == ["good zero", "good four", "good six", "good zero"]
     assert [x["skipped"] for x in got] == [0, 3, 1, 1]
@@ -242,7 +291,9 @@ def test_webdataset_truncated_shard_does_not_kill_the_stream(shards, tmp_path):
     data = (shards / "00000.tar").read_bytes()
     (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2 + 100])
     got = take(wds([str(tmp_path / "cut.tar"), str(shards / "00001.tar")], shuffle_buffer=0), 12)
-    assert len({sig(x) for x in got}) >= 7  # all of the good shard plus what was readable of the cut one
+    assert (
+        len({sig(x) for x in got}) >= 7
+    )  # all of the good shard plus what was readable of the cut one
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +316,9 @@ def emb_dir(tmp_path_factory):
             meta[1]["caption"] = ""
         np.save(root / "img_emb" / f"img_emb_{i}.npy", img)
         np.save(root / "text_emb" / f"text_emb_{i}.npy", txt)
-        (root / "metadata" / f"metadata_{i}.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meta))
+        (root / "metadata" / f"metadata_{i}.jsonl").write_text(
+            "".join(json.dumps(m) + "\n" for m in meta)
+        )
     return root
 
 
@@ -285,7 +338,9 @@ def test_embeddings_one_epoch_reads_every_good_row_and_counts_bad_ones(emb_dir):
         assert np.array_equal(x["image_embed"].numpy(), img)
         txt = np.load(emb_dir / "text_emb" / f"text_emb_{i}.npy")[j]
         assert np.array_equal(x["text_embed"].numpy(), txt)
-    assert {"shard 1 row 2", "shard 1 row 4", "shard 2 row 1"}.isdisjoint({x["caption"] for x in epoch})
+    assert {"shard 1 row 2", "shard 1 row 4", "shard 2 row 1"}.isdisjoint(
+        {x["caption"] for x in epoch}
+    )
 
 
 def test_embeddings_deterministic_resume_and_rank_split(emb_dir):
@@ -293,7 +348,10 @@ def test_embeddings_deterministic_resume_and_rank_split(emb_dir):
     assert_same(a, take(EmbeddingStream(emb_dir, seed=2, rank=0, world_size=1), 40))
     assert sum(x["skipped"] for x in a) >= 6
     for start in (3, 15, 22):
-        assert_same(a[start:], take(EmbeddingStream(emb_dir, seed=2, rank=0, world_size=1, start=start), 40 - start))
+        assert_same(
+            a[start:],
+            take(EmbeddingStream(emb_dir, seed=2, rank=0, world_size=1, start=start), 40 - start),
+        )
     # ranks: one epoch is 18 rows in 3 shards, 3 of them bad; split positions r, r+3, ... of the epoch order
     caps = []
     for r in range(3):
@@ -311,10 +369,16 @@ def test_embeddings_rank_union_is_one_epoch(tmp_path):
         np.save(tmp_path / "img_emb" / f"img_emb_{i}.npy", x)
         np.save(tmp_path / "text_emb" / f"text_emb_{i}.npy", -x)
         (tmp_path / "metadata" / f"metadata_{i}.jsonl").write_text(
-            "".join(json.dumps({"key": f"{i}{j}", "caption": f"{i}{j}"}) + "\n" for j in range(n)))
+            "".join(json.dumps({"key": f"{i}{j}", "caption": f"{i}{j}"}) + "\n" for j in range(n))
+        )
     seen = []
     for r in range(2):
-        seen += [x["caption"] for x in take(EmbeddingStream(tmp_path, seed=9, rank=r, world_size=2), len(range(r, 9, 2)))]
+        seen += [
+            x["caption"]
+            for x in take(
+                EmbeddingStream(tmp_path, seed=9, rank=r, world_size=2), len(range(r, 9, 2))
+            )
+        ]
     assert sorted(seen) == sorted(f"{i}{j}" for i, n in enumerate((5, 4)) for j in range(n))
 
 
@@ -327,20 +391,29 @@ def test_embeddings_missing_folder_is_a_clear_error(tmp_path):
 # DataLoader
 # --------------------------------------------------------------------------------------------------
 def test_collate_stacks_lists_and_sums():
-    samples = [{"image": torch.full((3, 2, 2), float(i)), "caption": f"c{i}", "skipped": i} for i in range(3)]
+    samples = [
+        {"image": torch.full((3, 2, 2), float(i)), "caption": f"c{i}", "skipped": i}
+        for i in range(3)
+    ]
     batch = collate(samples)
-    assert batch["image"].shape == (3, 3, 2, 2) and torch.equal(batch["image"][2], samples[2]["image"])
+    assert batch["image"].shape == (3, 3, 2, 2) and torch.equal(
+        batch["image"][2], samples[2]["image"]
+    )
     assert batch["caption"] == ["c0", "c1", "c2"] and batch["skipped"] == 3
 
 
 def loader(path, start, workers, batch_size):
     factory = functools.partial(FolderStream, path, R, seed=0, rank=0, world_size=1)
     ds = StreamDataset(factory, start=start, batch_size=batch_size)
-    return torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=collate)
+    return torch.utils.data.DataLoader(
+        ds, batch_size=batch_size, num_workers=workers, collate_fn=collate
+    )
 
 
 def test_stream_dataset_worker_plan():
-    ds = StreamDataset(lambda **kw: [], start=10, batch_size=2)  # 5 batches from logical workers 0,1,0,1,0
+    ds = StreamDataset(
+        lambda **kw: [], start=10, batch_size=2
+    )  # 5 batches from logical workers 0,1,0,1,0
     # the next batch is due from logical worker 1, and a fresh DataLoader asks its worker 0 first
     assert [ds.worker_plan(w, 2) for w in range(2)] == [(1, 4), (0, 6)]
     assert ds.worker_plan(0, 1) == (0, 10)
@@ -353,7 +426,11 @@ def test_dataloader_resume_is_exact_and_workers_are_disjoint(dirty_folder, clean
     full = take(loader(dirty_folder, 0, workers, 2), 7)
     resumed = take(loader(dirty_folder, 6, workers, 2), 4)  # after 3 batches
     for x, y in zip(full[3:], resumed):
-        assert x["caption"] == y["caption"] and x["skipped"] == y["skipped"] and torch.equal(x["image"], y["image"])
+        assert (
+            x["caption"] == y["caption"]
+            and x["skipped"] == y["skipped"]
+            and torch.equal(x["image"], y["image"])
+        )
     one_epoch = [c for b in take(loader(clean_folder, 0, workers, 1), 10) for c in b["caption"]]
     assert len(set(one_epoch)) == 10  # each of the 10 images exactly once across the workers
     assert sum(b["skipped"] for b in full) > 0

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
-from unclip import embed
 from unclip.clip import FrozenCLIP, tiny_clip_config
 from unclip.config import ClipConfig
-from unclip.data.shapes import write_shapes
-from unclip.data.sources import EmbeddingStream, open_rgb
+from unclip.shapes.world import write_shapes
+from unclip.train import embed
+from unclip.train.data.sources import EmbeddingStream, open_rgb
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -51,7 +50,15 @@ def clip(clip_dir):
 def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("images")
     write_shapes(root, 11, resolution=32, format="folder", progress=False)
-    write_shapes(root / "jpg", 2, resolution=32, format="folder", image_format="jpg", start_index=100, progress=False)
+    write_shapes(
+        root / "jpg",
+        2,
+        resolution=32,
+        format="folder",
+        image_format="jpg",
+        start_index=100,
+        progress=False,
+    )
     (root / "00000004.png").write_bytes(b"broken")  # replaces a real image: unreadable
     (root / "00000007.txt").unlink()  # no caption
     return root
@@ -65,16 +72,37 @@ def read_layout(out):
     shards = sorted(int(p.stem.split("_")[-1]) for p in (out / "img_emb").glob("img_emb_*.npy"))
     img = [np.load(out / "img_emb" / f"img_emb_{i}.npy") for i in shards]
     txt = [np.load(out / "text_emb" / f"text_emb_{i}.npy") for i in shards]
-    meta = [[json.loads(line) for line in (out / "metadata" / f"metadata_{i}.jsonl").read_text().splitlines()]
-            for i in shards]
+    meta = [
+        [
+            json.loads(line)
+            for line in (out / "metadata" / f"metadata_{i}.jsonl").read_text().splitlines()
+        ]
+        for i in shards
+    ]
     return shards, img, txt, meta
 
 
 @pytest.fixture(scope="module")
 def folder_out(tmp_path_factory, folder, clip_dir):
     out = tmp_path_factory.mktemp("emb") / "out"
-    run(["--source", "folder", "--data", folder, "--clip-config", clip_dir, "--out", out, "--shard-size", 5,
-         "--batch-size", 3, "--dtype", "float32"])
+    run(
+        [
+            "--source",
+            "folder",
+            "--data",
+            folder,
+            "--clip-config",
+            clip_dir,
+            "--out",
+            out,
+            "--shard-size",
+            5,
+            "--batch-size",
+            3,
+            "--dtype",
+            "float32",
+        ]
+    )
     yield out
     from accelerate.state import AcceleratorState
 
@@ -84,9 +112,16 @@ def folder_out(tmp_path_factory, folder, clip_dir):
 def test_folder_embed_writes_layout_with_right_rows(folder_out, folder, clip):
     shards, img, txt, meta = read_layout(folder_out)
     assert shards == [0, 1, 2]  # 13 files in chunks of 5
-    assert [len(m) for m in meta] == [4, 4, 3]  # 00000004 (unreadable) and 00000007 (no caption) skipped
+    assert [len(m) for m in meta] == [
+        4,
+        4,
+        3,
+    ]  # 00000004 (unreadable) and 00000007 (no caption) skipped
     keys = [m["key"] for ms in meta for m in ms]
-    assert keys == [f"{i:08d}" for i in range(11) if i not in (4, 7)] + ["jpg/00000100", "jpg/00000101"]
+    assert keys == [f"{i:08d}" for i in range(11) if i not in (4, 7)] + [
+        "jpg/00000100",
+        "jpg/00000101",
+    ]
     for a, b, m in zip(img, txt, meta):
         assert a.dtype == np.float32 and a.shape == (len(m), clip.embed_dim) and b.shape == a.shape
     # rows are the CLIP embeddings of exactly the named file and caption
@@ -117,34 +152,71 @@ def test_stats_match_numpy_over_written_embeddings(folder_out):
 
 def test_embedding_stream_reads_the_written_rows_back(folder_out):
     _, img, txt, meta = read_layout(folder_out)
-    by_caption = {m["caption"]: (a, b) for ms, ia, ta in zip(meta, img, txt) for m, a, b in zip(ms, ia, ta)}
+    by_caption = {
+        m["caption"]: (a, b) for ms, ia, ta in zip(meta, img, txt) for m, a, b in zip(ms, ia, ta)
+    }
     epoch = list(itertools.islice(EmbeddingStream(folder_out, seed=0, rank=0, world_size=1), 11))
     assert sorted(s["caption"] for s in epoch) == sorted(by_caption)
     for s in epoch:
         a, b = by_caption[s["caption"]]
-        assert torch.equal(s["image_embed"], torch.from_numpy(a)) and torch.equal(s["text_embed"], torch.from_numpy(b))
+        assert torch.equal(s["image_embed"], torch.from_numpy(a)) and torch.equal(
+            s["text_embed"], torch.from_numpy(b)
+        )
         assert s["skipped"] == 0
 
 
 def test_webdataset_and_shapes_sources_and_fp16_default(tmp_path, clip_dir):
-    write_shapes(tmp_path / "wds", 7, resolution=32, format="webdataset", shard_size=3, progress=False)
+    write_shapes(
+        tmp_path / "wds", 7, resolution=32, format="webdataset", shard_size=3, progress=False
+    )
     out = tmp_path / "wout"
-    run(["--source", "webdataset", "--data", tmp_path / "wds" / "{00000..00002}.tar", "--clip-config", clip_dir,
-         "--out", out, "--batch-size", 2])
+    run(
+        [
+            "--source",
+            "webdataset",
+            "--data",
+            tmp_path / "wds" / "{00000..00002}.tar",
+            "--clip-config",
+            clip_dir,
+            "--out",
+            out,
+            "--batch-size",
+            2,
+        ]
+    )
     shards, img, _, meta = read_layout(out)
-    assert shards == [0, 1, 2] and [len(m) for m in meta] == [3, 3, 1]  # one output shard per tar shard
+    assert shards == [0, 1, 2] and [len(m) for m in meta] == [
+        3,
+        3,
+        1,
+    ]  # one output shard per tar shard
     assert [m["key"] for ms in meta for m in ms] == [f"{i:08d}" for i in range(7)]
     assert img[0].dtype == np.float16
     np.testing.assert_allclose(np.linalg.norm(img[0].astype(np.float32), axis=1), 1, atol=2e-3)
     out2 = tmp_path / "sout"
-    run(["--source", "shapes", "--num", 7, "--clip-config", clip_dir, "--out", out2, "--shard-size", 4,
-         "--resolution", 32])
+    run(
+        [
+            "--source",
+            "shapes",
+            "--num",
+            7,
+            "--clip-config",
+            clip_dir,
+            "--out",
+            out2,
+            "--shard-size",
+            4,
+            "--resolution",
+            32,
+        ]
+    )
     _, img2, _, meta2 = read_layout(out2)
     assert [len(m) for m in meta2] == [4, 3]
     assert [m["caption"] for ms in meta2 for m in ms] == [m["caption"] for ms in meta for m in ms]
     # same images, same embeddings (up to fp16 rounding of results from differently sized batches)
-    np.testing.assert_allclose(np.concatenate(img2).astype(np.float32), np.concatenate(img).astype(np.float32),
-                               atol=1e-3)
+    np.testing.assert_allclose(
+        np.concatenate(img2).astype(np.float32), np.concatenate(img).astype(np.float32), atol=1e-3
+    )
 
 
 def test_existing_output_needs_overwrite(folder_out, tmp_path, clip_dir):
@@ -154,20 +226,27 @@ def test_existing_output_needs_overwrite(folder_out, tmp_path, clip_dir):
 
 def test_clip_from_yaml_is_the_same_on_every_load(tmp_path):
     cfg = tmp_path / "clip.yaml"
-    cfg.write_text(yaml.safe_dump({"clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()}}))
+    cfg.write_text(
+        yaml.safe_dump({"clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()}})
+    )
     with pytest.warns(UserWarning, match="randomly initialised"):
         a, b = embed.load_clip(str(cfg)), embed.load_clip(str(cfg))
-    assert torch.equal(a.encode_text(["a red circle"]).text_embed, b.encode_text(["a red circle"]).text_embed)
+    assert torch.equal(
+        a.encode_text(["a red circle"]).text_embed, b.encode_text(["a red circle"]).text_embed
+    )
     with pytest.raises(ValueError, match="clip/config.json"):
         embed.load_clip(str(tmp_path))
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("drop_text_row", r"shard 1 does not line up.*img_emb_1 has 4 rows, text_emb_1 3"),
-    ("drop_meta_row", r"shard 2 does not line up.*metadata_2 2"),
-    ("delete_img_shard", r"shard 0 is missing from img_emb"),
-    ("delete_whole_shard", r"stats.json records 3 shards"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("drop_text_row", r"shard 1 does not line up.*img_emb_1 has 4 rows, text_emb_1 3"),
+        ("drop_meta_row", r"shard 2 does not line up.*metadata_2 2"),
+        ("delete_img_shard", r"shard 0 is missing from img_emb"),
+        ("delete_whole_shard", r"stats.json records 3 shards"),
+    ],
+)
 def test_mismatched_shards_fail_loudly(folder_out, tmp_path, damage, message):
     out = tmp_path / "copy"
     shutil.copytree(folder_out, out)
@@ -188,10 +267,34 @@ def test_mismatched_shards_fail_loudly(folder_out, tmp_path, damage, message):
 
 def test_two_process_torchrun_matches_one_process(folder_out, folder, clip_dir, tmp_path):
     out = tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "unclip.embed", "--source", "folder",
-           "--data", str(folder), "--clip-config", str(clip_dir), "--out", str(out), "--shard-size", "5",
-           "--batch-size", "3", "--dtype", "float32", "--no-progress"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "unclip.train.embed",
+        "--source",
+        "folder",
+        "--data",
+        str(folder),
+        "--clip-config",
+        str(clip_dir),
+        "--out",
+        str(out),
+        "--shard-size",
+        "5",
+        "--batch-size",
+        "3",
+        "--dtype",
+        "float32",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = read_layout(folder_out), read_layout(out)

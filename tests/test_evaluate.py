@@ -1,4 +1,5 @@
 """Evaluation: Fréchet distance, FID Inception loading, CLIP score, shapes faithfulness, `unclip evaluate`."""
+
 import hashlib
 import json
 import math
@@ -10,13 +11,18 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from unclip import metrics as M
 from unclip.clip import FrozenCLIP
-from unclip.data.shapes import ShapesWorld, write_shapes
-from unclip.evaluate import main, read_coco_captions, read_prompts, sample_seed
+from unclip.eval import metrics as M
+from unclip.eval.evaluate import main, read_coco_captions, read_prompts, sample_seed
+from unclip.shapes.world import ShapesWorld, write_shapes
 from unclip.tiny import tiny_pipeline
 
-FAST_FID = ["--inception", "random", "--inception-feature", "64"]  # test-only Inception, 64-d features
+FAST_FID = [
+    "--inception",
+    "random",
+    "--inception-feature",
+    "64",
+]  # test-only Inception, 64-d features
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +72,9 @@ def test_frechet_distance_matches_closed_form_for_diagonal_gaussians():
     mu1, mu2 = rng.normal(size=6), rng.normal(size=6)
     v1, v2 = rng.uniform(0.1, 3, 6), rng.uniform(0.1, 3, 6)
     expected = ((mu1 - mu2) ** 2).sum() + (v1 + v2 - 2 * np.sqrt(v1 * v2)).sum()
-    assert M.frechet_distance(mu1, np.diag(v1), mu2, np.diag(v2)) == pytest.approx(expected, rel=1e-9)
+    assert M.frechet_distance(mu1, np.diag(v1), mu2, np.diag(v2)) == pytest.approx(
+        expected, rel=1e-9
+    )
     # a rotation of both Gaussians leaves the distance unchanged (exercises non-diagonal covariances)
     q, _ = np.linalg.qr(rng.normal(size=(6, 6)))
     got = M.frechet_distance(q @ mu1, q @ np.diag(v1) @ q.T, q @ mu2, q @ np.diag(v2) @ q.T)
@@ -98,7 +106,9 @@ def test_fid_of_a_set_against_itself_is_zero_and_grows_with_noise():
     images = np.stack([np.asarray(world[i].image) for i in range(6)]).astype(np.float64)
     noise = np.random.default_rng(0).normal(size=images.shape)
     levels = [0, 15, 40, 100]
-    batch = [a for s in levels for a in np.clip(images + s * noise, 0, 255).round().astype(np.uint8)]
+    batch = [
+        a for s in levels for a in np.clip(images + s * noise, 0, 255).round().astype(np.uint8)
+    ]
     feats = M.inception_features(inception, batch).numpy().reshape(len(levels), 6, -1)
 
     def stats(f):
@@ -121,7 +131,9 @@ def test_inception_loads_from_a_local_file_and_fails_clearly_without_it(tmp_path
     x = torch.randint(0, 256, (2, 3, 40, 40), dtype=torch.uint8)
     torch.testing.assert_close(loaded(x), random_net(x))
     assert ident["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert M.load_inception(str(tmp_path), 64)[1]["sha256"] == ident["sha256"]  # a folder holding the file
+    assert (
+        M.load_inception(str(tmp_path), 64)[1]["sha256"] == ident["sha256"]
+    )  # a folder holding the file
     torch.save({"fc.weight": torch.zeros(3, 3)}, tmp_path / "other.pth")
     with pytest.raises(ValueError, match="not the FID Inception"):
         M.load_inception(str(tmp_path / "other.pth"), 64)
@@ -131,23 +143,45 @@ def test_inception_loads_from_a_local_file_and_fails_clearly_without_it(tmp_path
     assert M.INCEPTION_FILE in str(e.value) and M.INCEPTION_URL in str(e.value)
 
 
-def test_evaluate_without_inception_weights_names_the_file(gt_dir, ref_dir, tmp_path, monkeypatch, capsys):
+def test_evaluate_without_inception_weights_names_the_file(
+    gt_dir, ref_dir, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
-    err = _fails(["--samples", str(gt_dir), "--reference", str(ref_dir), "--out", str(tmp_path / "o"),
-                  "--allow-small-reference", "--resolution", "64"], capsys)
-    assert M.INCEPTION_FILE in err and "--inception" in err and "github.com/toshas/torch-fidelity" in err
+    err = _fails(
+        [
+            "--samples",
+            str(gt_dir),
+            "--reference",
+            str(ref_dir),
+            "--out",
+            str(tmp_path / "o"),
+            "--allow-small-reference",
+            "--resolution",
+            "64",
+        ],
+        capsys,
+    )
+    assert (
+        M.INCEPTION_FILE in err
+        and "--inception" in err
+        and "github.com/toshas/torch-fidelity" in err
+    )
 
 
 # ------------------------------------------------------------------------------------- CLIP score
 def test_clip_score_ranks_matching_pairs_above_mismatched():
     g = torch.Generator().manual_seed(0)
     text = torch.randn(16, 32, generator=g)
-    image = 3.0 * (text + 0.7 * torch.randn(16, 32, generator=g))  # unnormalised, correlated with its text
+    image = 3.0 * (
+        text + 0.7 * torch.randn(16, 32, generator=g)
+    )  # unnormalised, correlated with its text
     matched = M.clip_cosines(image, text)
     for shift in range(1, 16):
         mismatched = M.clip_cosines(image, text.roll(shift, dims=0))
         assert (matched > mismatched).all()
-    torch.testing.assert_close(matched, (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1))
+    torch.testing.assert_close(
+        matched, (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1)
+    )
     s = M.clip_score_summary(torch.tensor([0.5, -0.2, 0.3]))
     assert s["clip_score_100"] == pytest.approx((50 + 0 + 30) / 3)
     assert s["clipscore_2.5"] == pytest.approx((1.25 + 0 + 0.75) / 3)
@@ -168,30 +202,74 @@ def test_clip_score_with_a_separate_evaluation_clip(gt_dir, tmp_path):
     other = tiny_pipeline(seed=5).clip
     other.save_pretrained(tmp_path / "eval_clip")
     samples = _subset(gt_dir, tmp_path / "s", 6)
-    _run(["--samples", str(samples), "--clip-model", str(tmp_path / "eval_clip"), "--out", str(tmp_path / "o"),
-          "--resolution", "64"])
+    _run(
+        [
+            "--samples",
+            str(samples),
+            "--clip-model",
+            str(tmp_path / "eval_clip"),
+            "--out",
+            str(tmp_path / "o"),
+            "--resolution",
+            "64",
+        ]
+    )
     r = json.loads((tmp_path / "o" / "report.json").read_text())
     assert str(tmp_path / "eval_clip") in r["clip_score"]["model"]
     files = sorted(samples.glob("*.png"))
-    cos = _manual_cosines(other, [Image.open(p).convert("RGB") for p in files],
-                          [p.with_suffix(".txt").read_text().strip() for p in files])
+    cos = _manual_cosines(
+        other,
+        [Image.open(p).convert("RGB") for p in files],
+        [p.with_suffix(".txt").read_text().strip() for p in files],
+    )
     assert r["clip_score"]["cosine_mean"] == pytest.approx(float(cos.mean()), abs=1e-5)
-    assert r["clip_score"]["clip_score_100"] == pytest.approx(float((100 * cos).clamp(min=0).mean()), abs=1e-3)
+    assert r["clip_score"]["clip_score_100"] == pytest.approx(
+        float((100 * cos).clamp(min=0).mean()), abs=1e-3
+    )
 
 
 # ----------------------------------------------------------------------------------- end to end
 def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    _run(["--model", str(model_dir), "--shapes", "--num-samples", "4", "--batch-size", "2", "--reference",
-          str(ref_dir), *FAST_FID, "--clip-fid", "--resolution", "64", "--save-samples", "--out", str(out)])
+    _run(
+        [
+            "--model",
+            str(model_dir),
+            "--shapes",
+            "--num-samples",
+            "4",
+            "--batch-size",
+            "2",
+            "--reference",
+            str(ref_dir),
+            *FAST_FID,
+            "--clip-fid",
+            "--resolution",
+            "64",
+            "--save-samples",
+            "--out",
+            str(out),
+        ]
+    )
     assert "NOT comparable" in capsys.readouterr().err  # loud warning for the random Inception
     r = json.loads((out / "report.json").read_text())
-    assert r["num_samples"] == 4 and r["fid"]["reference_count"] == 6 and r["fid"]["comparable"] is False
+    assert (
+        r["num_samples"] == 4
+        and r["fid"]["reference_count"] == 6
+        and r["fid"]["comparable"] is False
+    )
     assert math.isfinite(r["fid"]["value"]) and r["fid"]["value"] > 0
-    assert math.isfinite(r["clip_fid"]["value"]) and "pipeline's own CLIP" in r["clip_score"]["model"]
+    assert (
+        math.isfinite(r["clip_fid"]["value"]) and "pipeline's own CLIP" in r["clip_score"]["model"]
+    )
     assert r["shapes"]["count"] == 4 and 0 <= r["shapes"]["all"] <= 1
     md = (out / "report.md").read_text()
-    assert "| metric | value | details |" in md and "| FID |" in md and "CLIPScore" in md and "NOT COMPARABLE" in md
+    assert (
+        "| metric | value | details |" in md
+        and "| FID |" in md
+        and "CLIPScore" in md
+        and "NOT COMPARABLE" in md
+    )
     assert Image.open(out / "grid.png").size == (128, 128)  # 2 x 2 tiles of 64 px
     prompts = (out / "prompts.txt").read_text().splitlines()
     assert len(prompts) == 4
@@ -200,12 +278,31 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
     samples = [Image.open(out / "samples" / f"{i:06d}.png").convert("RGB") for i in range(4)]
     cos = _manual_cosines(clip, samples, prompts)
     assert r["clip_score"]["cosine_mean"] == pytest.approx(float(cos.mean()), abs=1e-5)
-    assert r["clip_score"]["clipscore_2.5"] == pytest.approx(float((2.5 * cos).clamp(min=0).mean()), abs=1e-5)
+    assert r["clip_score"]["clipscore_2.5"] == pytest.approx(
+        float((2.5 * cos).clamp(min=0).mean()), abs=1e-5
+    )
 
     # same seed, other batch size, cached reference .npz: the same samples (per-sample seeds)
     out2 = tmp_path / "out2"
-    _run(["--model", str(model_dir), "--shapes", "--num-samples", "2", "--batch-size", "1", "--reference",
-          str(out / "reference_stats.npz"), *FAST_FID, "--resolution", "64", "--save-samples", "--out", str(out2)])
+    _run(
+        [
+            "--model",
+            str(model_dir),
+            "--shapes",
+            "--num-samples",
+            "2",
+            "--batch-size",
+            "1",
+            "--reference",
+            str(out / "reference_stats.npz"),
+            *FAST_FID,
+            "--resolution",
+            "64",
+            "--save-samples",
+            "--out",
+            str(out2),
+        ]
+    )
     r2 = json.loads((out2 / "report.json").read_text())
     assert (out2 / "prompts.txt").read_text().splitlines() == prompts[:2]
     for i in range(2):
@@ -216,8 +313,9 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
     assert sample_seed(0, 1) != sample_seed(1, 0)
 
 
-def test_cached_reference_stats_reproduce_fid_and_are_refused_for_another_protocol(ref_dir, gt_dir, model_dir,
-                                                                                   tmp_path, capsys):
+def test_cached_reference_stats_reproduce_fid_and_are_refused_for_another_protocol(
+    ref_dir, gt_dir, model_dir, tmp_path, capsys
+):
     samples = _subset(gt_dir, tmp_path / "s", 4)
     ref = tmp_path / "ref"
     shutil.copytree(ref_dir, ref)
@@ -230,27 +328,58 @@ def test_cached_reference_stats_reproduce_fid_and_are_refused_for_another_protoc
     cached = ["--reference", str(ref), "--reference-cache", str(npz), "--resolution", "64"]
     _run([*argv, *cached, "--out", str(tmp_path / "a2")])
     assert "reusing reference statistics" in capsys.readouterr().err
-    shutil.copy(sorted(gt_dir.glob("*.png"))[-1], ref / "extra.png")  # the folder changed: the cache is stale
+    shutil.copy(
+        sorted(gt_dir.glob("*.png"))[-1], ref / "extra.png"
+    )  # the folder changed: the cache is stale
     _run([*argv, *cached, "--out", str(tmp_path / "a3")])
     assert "reusing" not in capsys.readouterr().err and M.load_stats(npz)[0]["count"] == 7
     M.save_stats(npz, meta, **arrays)  # restore the 6-image stats
     _run([*argv, "--reference", str(npz), "--resolution", "64", "--out", str(tmp_path / "b")])
-    fid_a, fid_b = (json.loads((tmp_path / d / "report.json").read_text())["fid"]["value"] for d in "ab")
+    fid_a, fid_b = (
+        json.loads((tmp_path / d / "report.json").read_text())["fid"]["value"] for d in "ab"
+    )
     assert fid_b == pytest.approx(fid_a, rel=1e-9)
-    err = _fails([*argv, "--reference", str(npz), "--resolution", "32", "--out", str(tmp_path / "c")], capsys)
+    err = _fails(
+        [*argv, "--reference", str(npz), "--resolution", "32", "--out", str(tmp_path / "c")], capsys
+    )
     assert "resolution" in err and "recompute" in err
-    err = _fails(["--model", str(model_dir), "--shapes", "--num-samples", "8", *FAST_FID, "--reference", str(npz),
-                  "--resolution", "64", "--out", str(tmp_path / "d")], capsys)  # fails before sampling
+    err = _fails(
+        [
+            "--model",
+            str(model_dir),
+            "--shapes",
+            "--num-samples",
+            "8",
+            *FAST_FID,
+            "--reference",
+            str(npz),
+            "--resolution",
+            "64",
+            "--out",
+            str(tmp_path / "d"),
+        ],
+        capsys,
+    )  # fails before sampling
     assert "6 images" in err and "8 samples" in err and "--allow-small-reference" in err
 
 
 # ------------------------------------------------------------------------------------------ shapes
-CHANCE = {"color": 1 / 6, "shape": 1 / 3, "size": 1 / 2, "position": 1 / 5, "background": 1 / 3,
-          "colors": 1 / 6, "shapes": 1 / 3, "relation": 1 / 4}
+CHANCE = {
+    "color": 1 / 6,
+    "shape": 1 / 3,
+    "size": 1 / 2,
+    "position": 1 / 5,
+    "background": 1 / 3,
+    "colors": 1 / 6,
+    "shapes": 1 / 3,
+    "relation": 1 / 4,
+}
 
 
 def test_shapes_faithfulness_on_ground_truth_and_noise(gt_dir, tmp_path):
-    _run(["--samples", str(gt_dir), "--shapes", "--resolution", "64", "--out", str(tmp_path / "gt")])
+    _run(
+        ["--samples", str(gt_dir), "--shapes", "--resolution", "64", "--out", str(tmp_path / "gt")]
+    )
     r = json.loads((tmp_path / "gt" / "report.json").read_text())["shapes"]
     assert r["count"] == 120 and r["single"]["count"] > 0 and r["pair"]["count"] > 0
     for kind in ("single", "pair"):
@@ -263,7 +392,9 @@ def test_shapes_faithfulness_on_ground_truth_and_noise(gt_dir, tmp_path):
     noise.mkdir()
     rng = np.random.default_rng(0)
     for p in sorted(gt_dir.glob("*.txt")):
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(noise / f"{p.stem}.png")
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+            noise / f"{p.stem}.png"
+        )
         shutil.copy(p, noise / p.name)
     _run(["--samples", str(noise), "--shapes", "--resolution", "64", "--out", str(tmp_path / "n")])
     r = json.loads((tmp_path / "n" / "report.json").read_text())["shapes"]
@@ -276,8 +407,18 @@ def test_shapes_faithfulness_on_ground_truth_and_noise(gt_dir, tmp_path):
 
 def test_shapes_prompts_must_be_shapes_captions(model_dir, tmp_path, capsys):
     (tmp_path / "p.txt").write_text("a red circle on the left\na photo of a dog\n")
-    err = _fails(["--model", str(model_dir), "--prompts", str(tmp_path / "p.txt"), "--shapes",
-                  "--out", str(tmp_path / "o")], capsys)
+    err = _fails(
+        [
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(tmp_path / "p.txt"),
+            "--shapes",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert "prompt 2" in err and "not a shapes caption" in err
 
 
@@ -286,7 +427,18 @@ def test_blank_prompt_lines_are_skipped_and_counted(model_dir, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("a red circle on the left\n\n   \nan orange square at the top\n")
     assert read_prompts(f) == (["a red circle on the left", "an orange square at the top"], 2)
-    _run(["--model", str(model_dir), "--prompts", str(f), "--out", str(tmp_path / "o"), "--resolution", "64"])
+    _run(
+        [
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(f),
+            "--out",
+            str(tmp_path / "o"),
+            "--resolution",
+            "64",
+        ]
+    )
     r = json.loads((tmp_path / "o" / "report.json").read_text())
     assert r["skipped"]["blank_prompt_lines"] == 2 and r["num_samples"] == 2
     assert any("blank" in w for w in r["warnings"])
@@ -297,14 +449,26 @@ def test_blank_prompt_lines_are_skipped_and_counted(model_dir, tmp_path):
 def test_non_utf8_prompt_file_is_a_clear_error(model_dir, tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_bytes(b"a red circle on the left\nan orange \xff square\n")
-    err = _fails(["--model", str(model_dir), "--prompts", str(f), "--out", str(tmp_path / "o")], capsys)
+    err = _fails(
+        ["--model", str(model_dir), "--prompts", str(f), "--out", str(tmp_path / "o")], capsys
+    )
     assert str(f) in err and "line 2" in err and "UTF-8" in err
 
 
 def test_empty_reference_folder_is_an_error(gt_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    err = _fails(["--samples", str(gt_dir), "--reference", str(tmp_path / "empty"), *FAST_FID,
-                  "--out", str(tmp_path / "o")], capsys)
+    err = _fails(
+        [
+            "--samples",
+            str(gt_dir),
+            "--reference",
+            str(tmp_path / "empty"),
+            *FAST_FID,
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert "contains no images" in err
 
 
@@ -315,8 +479,19 @@ def test_unreadable_images_are_skipped_and_counted(gt_dir, ref_dir, tmp_path):
     samples = _subset(gt_dir, tmp_path / "s", 5)
     (samples / "zz_broken.png").write_bytes(b"\x89PNG truncated")
     (samples / "zz_broken.txt").write_text("a red circle on the left\n")
-    _run(["--samples", str(samples), "--reference", str(ref), *FAST_FID, "--resolution", "64",
-          "--out", str(tmp_path / "o")])
+    _run(
+        [
+            "--samples",
+            str(samples),
+            "--reference",
+            str(ref),
+            *FAST_FID,
+            "--resolution",
+            "64",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     r = json.loads((tmp_path / "o" / "report.json").read_text())
     assert r["skipped"]["unreadable_reference_images"] == 1 and r["fid"]["reference_count"] == 6
     assert r["skipped"]["unreadable_samples"] == 1 and r["num_samples"] == 5
@@ -334,21 +509,37 @@ def test_reference_smaller_than_samples_needs_explicit_flag(gt_dir, ref_dir, tmp
 
 def test_bad_sampling_override_fails_before_work(model_dir, tmp_path, capsys):
     (tmp_path / "p.txt").write_text("a red circle on the left\n")
-    err = _fails(["--model", str(model_dir), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o"),
-                  "--sampling", '{"decoder": {"stepz": 3}}'], capsys)
+    err = _fails(
+        [
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(tmp_path / "p.txt"),
+            "--out",
+            str(tmp_path / "o"),
+            "--sampling",
+            '{"decoder": {"stepz": 3}}',
+        ],
+        capsys,
+    )
     assert "stepz" in err and not (tmp_path / "o" / "report.json").exists()
 
 
 # ------------------------------------------------------------------------------------------- COCO
 def test_coco_captions_are_sampled_reproducibly(tmp_path):
-    anns = [{"id": i, "image_id": 100 + i // 2, "caption": f"  caption\n number {i} "} for i in range(10)]
+    anns = [
+        {"id": i, "image_id": 100 + i // 2, "caption": f"  caption\n number {i} "}
+        for i in range(10)
+    ]
     f = tmp_path / "captions.json"
     f.write_text(json.dumps({"images": [], "annotations": anns[::-1]}))
     a = read_coco_captions(f, 4, seed=0)
     assert a == read_coco_captions(f, 4, seed=0) and len(set(a)) == 4
     assert all(c.startswith("caption number ") for c in a)
     assert read_coco_captions(f, 4, seed=1) != a
-    assert sorted(read_coco_captions(f, 10, seed=0)) == sorted(f"caption number {i}" for i in range(10))
+    assert sorted(read_coco_captions(f, 10, seed=0)) == sorted(
+        f"caption number {i}" for i in range(10)
+    )
     with pytest.raises(ValueError, match="only 10"):
         read_coco_captions(f, 11, seed=0)
     (tmp_path / "bad.json").write_text('{"images": []}')

@@ -4,15 +4,17 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from conftest import gens
 from PIL import Image
 
 import unclip.diffusion as diffusion
 from unclip import UnCLIPPipeline, slerp
 from unclip.tiny import tiny_pipeline
 
-from conftest import gens
-
-PROMPTS = ["a small red circle on the left", "a big blue square in the center on a black background"]
+PROMPTS = [
+    "a small red circle on the left",
+    "a big blue square in the center on a black background",
+]
 
 
 def run(pipe, prompts=PROMPTS, seeds=(0, 1), **kw):
@@ -24,7 +26,10 @@ def test_output_sizes_at_every_stage(tiny_pipe):
     out = run(tiny_pipe, num_images_per_prompt=2, return_intermediates=True)
     assert out.images.shape == (4, 3, 64, 64)
     assert {k: tuple(v.shape) for k, v in out.stage_images.items()} == {
-        "decoder": (4, 3, 16, 16), "sr32": (4, 3, 32, 32), "sr64": (4, 3, 64, 64)}
+        "decoder": (4, 3, 16, 16),
+        "sr32": (4, 3, 32, 32),
+        "sr64": (4, 3, 64, 64),
+    }
     assert out.image_embeds.shape == (4, tiny_pipe.clip.embed_dim)
     assert out.images.min() >= 0 and out.images.max() <= 1
     pil = run(tiny_pipe, output_type="pil").images
@@ -44,7 +49,13 @@ def test_save_load_identical(tiny_pipe, tmp_path):
     tiny_pipe.save_pretrained(tmp_path / "p")
     index = json.loads((tmp_path / "p" / "unclip.json").read_text())
     assert index["components"]["upsamplers"] == ["sr32", "sr64"]
-    assert {p.name for p in (tmp_path / "p").iterdir()} >= {"clip", "prior", "decoder", "sr32", "sr64"}
+    assert {p.name for p in (tmp_path / "p").iterdir()} >= {
+        "clip",
+        "prior",
+        "decoder",
+        "sr32",
+        "sr64",
+    }
     again = UnCLIPPipeline.from_pretrained(tmp_path / "p")
     assert again.sampling == tiny_pipe.sampling
     assert torch.equal(run(tiny_pipe).images, run(again).images)
@@ -59,8 +70,14 @@ def pipe64():
 
 def test_batch_equals_one_by_one(pipe64):
     batched = run(pipe64, num_images_per_prompt=2, seeds=(3, 4)).images
-    single = torch.cat([pipe64([p], num_images_per_prompt=2, generator=gens(s), output_type="pt",
-                               progress=False).images for p, s in zip(PROMPTS, (3, 4))])
+    single = torch.cat(
+        [
+            pipe64(
+                [p], num_images_per_prompt=2, generator=gens(s), output_type="pt", progress=False
+            ).images
+            for p, s in zip(PROMPTS, (3, 4))
+        ]
+    )
     assert torch.allclose(batched, single, atol=1e-7)
     assert not torch.allclose(batched[0], batched[1])  # two images per prompt differ
 
@@ -70,8 +87,10 @@ def test_guidance_one_is_the_unguided_path(pipe64):
     s = {"prior": {"guidance_scale": 1.0}, "decoder": {"guidance_scale": 1.0}}
     plain = run(tiny_pipe, sampling=s).images
     # force the batched [uncond; cond] path at scale 1: eps_u + 1·(eps_c − eps_u) must equal eps_c
-    with mock.patch.object(diffusion, "is_guided", lambda scale: True), \
-            mock.patch("unclip.pipeline.is_guided", lambda scale: True):
+    with (
+        mock.patch.object(diffusion, "is_guided", lambda scale: True),
+        mock.patch("unclip.pipeline.is_guided", lambda scale: True),
+    ):
         forced = run(tiny_pipe, sampling=s).images
     assert torch.allclose(plain, forced, atol=1e-7)
     guided = run(tiny_pipe, sampling={"decoder": {"guidance_scale": 5.0}}).images
@@ -80,8 +99,9 @@ def test_guidance_one_is_the_unguided_path(pipe64):
 
 def test_best_of_n_keeps_highest_similarity(tiny_pipe):
     text = tiny_pipe.encode_text(PROMPTS)
-    best, cands = tiny_pipe.sample_image_embeds(text, 2, gens(0, 1), {"prior": {"best_of": 4}},
-                                                return_candidates=True, progress=False)
+    best, cands = tiny_pipe.sample_image_embeds(
+        text, 2, gens(0, 1), {"prior": {"best_of": 4}}, return_candidates=True, progress=False
+    )
     assert cands.shape == (4, 4, tiny_pipe.clip.embed_dim)
     te = text.text_embed.repeat_interleave(2, 0)
     sims = torch.einsum("bnd,bd->bn", torch.nn.functional.normalize(cands, dim=-1), te)
@@ -92,8 +112,12 @@ def test_best_of_n_keeps_highest_similarity(tiny_pipe):
 
 def test_rerank_keeps_best_clip_candidate(tiny_pipe):
     prompt = PROMPTS[:1]
-    kept = run(tiny_pipe, prompts=prompt, seeds=(7,), rerank_candidates=3, return_intermediates=True)
-    cands = run(tiny_pipe, prompts=prompt, seeds=(7,), num_images_per_prompt=3, return_intermediates=True)
+    kept = run(
+        tiny_pipe, prompts=prompt, seeds=(7,), rerank_candidates=3, return_intermediates=True
+    )
+    cands = run(
+        tiny_pipe, prompts=prompt, seeds=(7,), num_images_per_prompt=3, return_intermediates=True
+    )
     small = cands.stage_images["decoder"]
     scores = tiny_pipe.clip_scores(small, tiny_pipe.encode_text(prompt).text_embed.repeat(3, 1))
     assert kept.images.shape == (1, 3, 64, 64)
@@ -115,8 +139,15 @@ def _with_reranker(pipe, seed=1):
 
     torch.manual_seed(seed)
     other = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
-    return UnCLIPPipeline(pipe.clip, pipe.prior, pipe.decoder, pipe.upsamplers, diffusion=pipe.diffusion,
-                          sampling=pipe.sampling, reranker=other)
+    return UnCLIPPipeline(
+        pipe.clip,
+        pipe.prior,
+        pipe.decoder,
+        pipe.upsamplers,
+        diffusion=pipe.diffusion,
+        sampling=pipe.sampling,
+        reranker=other,
+    )
 
 
 def _cosines(clip, images, prompt):
@@ -132,37 +163,76 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
     prompt = PROMPTS[0]
     # a seed whose 4 candidates the two CLIPs rank differently, so the test tells them apart
     for seed in range(20):
-        cands = run(tiny_pipe, prompts=[prompt], seeds=(seed,), num_images_per_prompt=4,
-                    return_intermediates=True).stage_images["decoder"]
-        own, other = _cosines(tiny_pipe.clip, cands, prompt), _cosines(ranked.reranker, cands, prompt)
+        cands = run(
+            tiny_pipe,
+            prompts=[prompt],
+            seeds=(seed,),
+            num_images_per_prompt=4,
+            return_intermediates=True,
+        ).stage_images["decoder"]
+        own, other = (
+            _cosines(tiny_pipe.clip, cands, prompt),
+            _cosines(ranked.reranker, cands, prompt),
+        )
         if int(own.argmax()) != int(other.argmax()):
             break
     else:
         pytest.fail("no seed in 20 where two random CLIPs pick different candidates")
-    kept = run(ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4, return_intermediates=True)
+    kept = run(
+        ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4, return_intermediates=True
+    )
     assert torch.equal(kept.stage_images["decoder"][0], cands[int(other.argmax())])
     assert ranked.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
     assert tiny_pipe.rerank(cands, [prompt], 4).tolist() == [int(own.argmax())]
 
     ranked.save_pretrained(tmp_path / "p")
     index = json.loads((tmp_path / "p" / "unclip.json").read_text())
-    assert index["components"]["reranker"] == "reranker" and (tmp_path / "p" / "reranker" / "config.json").is_file()
+    assert (
+        index["components"]["reranker"] == "reranker"
+        and (tmp_path / "p" / "reranker" / "config.json").is_file()
+    )
     loaded = UnCLIPPipeline.from_pretrained(tmp_path / "p")
     assert loaded.reranker is not None
-    assert torch.allclose(loaded.reranker.encode_image(cands), ranked.reranker.encode_image(cands), atol=1e-6)
-    assert torch.allclose(run(loaded, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images,
-                          run(ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images, atol=1e-4)
+    assert torch.allclose(
+        loaded.reranker.encode_image(cands), ranked.reranker.encode_image(cands), atol=1e-6
+    )
+    assert torch.allclose(
+        run(loaded, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images,
+        run(ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images,
+        atol=1e-4,
+    )
     tiny_pipe.save_pretrained(tmp_path / "plain")
-    assert json.loads((tmp_path / "plain" / "unclip.json").read_text())["components"]["reranker"] is None
+    assert (
+        json.loads((tmp_path / "plain" / "unclip.json").read_text())["components"]["reranker"]
+        is None
+    )
     assert UnCLIPPipeline.from_pretrained(tmp_path / "plain").reranker is None
 
     # `unclip assemble --reranker` adds one to components
-    from unclip.assemble import main as assemble
+    from unclip.cli.assemble import main as assemble
 
     p = tmp_path / "p"
-    assert assemble(["--clip", str(p / "clip"), "--prior", str(p / "prior"), "--decoder", str(p / "decoder"),
-                     "--upsampler", str(p / "sr32"), "--upsampler", str(p / "sr64"), "--reranker",
-                     str(p / "reranker"), "--out", str(tmp_path / "a")]) == 0
+    assert (
+        assemble(
+            [
+                "--clip",
+                str(p / "clip"),
+                "--prior",
+                str(p / "prior"),
+                "--decoder",
+                str(p / "decoder"),
+                "--upsampler",
+                str(p / "sr32"),
+                "--upsampler",
+                str(p / "sr64"),
+                "--reranker",
+                str(p / "reranker"),
+                "--out",
+                str(tmp_path / "a"),
+            ]
+        )
+        == 0
+    )
     assembled = UnCLIPPipeline.from_pretrained(tmp_path / "a")
     assert assembled.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
 
@@ -182,8 +252,9 @@ def test_rerank_refuses_bad_arguments(tiny_pipe):
 def test_variations_and_interpolation(tiny_pipe, tmp_path):
     img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
     img.save(tmp_path / "in.png")
-    v = tiny_pipe.variations(tmp_path / "in.png", num_images=3, generator=gens(0, 1, 2), output_type="pt",
-                             progress=False)
+    v = tiny_pipe.variations(
+        tmp_path / "in.png", num_images=3, generator=gens(0, 1, 2), output_type="pt", progress=False
+    )
     assert v.images.shape == (3, 3, 64, 64)
     assert torch.allclose(v.image_embeds[0], tiny_pipe.clip.encode_image(img)[0])
     it = tiny_pipe.interpolate("a red circle", img, num_steps=4, output_type="pt", progress=False)
@@ -194,22 +265,31 @@ def test_variations_and_interpolation(tiny_pipe, tmp_path):
 
 def test_slerp_endpoints_and_norm():
     a, b = torch.nn.functional.normalize(torch.randn(2, 8), dim=-1)
-    assert torch.allclose(slerp(a, b, 0.0), a, atol=1e-6) and torch.allclose(slerp(a, b, 1.0), b, atol=1e-6)
+    assert torch.allclose(slerp(a, b, 0.0), a, atol=1e-6) and torch.allclose(
+        slerp(a, b, 1.0), b, atol=1e-6
+    )
     assert torch.allclose(slerp(a, b, 0.3).norm(), torch.tensor(1.0), atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    ({"prompt": []}, ValueError, "empty"),
-    ({"prompt": 5}, TypeError, "string"),
-    ({"prompt": ["ok", 3]}, TypeError, r"prompt\[1\]"),
-    ({"sampling": {"decoder": {"scheduler": "euler"}}}, ValueError, "unknown sampler 'euler'"),
-    ({"sampling": {"prior": {"guidance_scale": -1}}}, ValueError, "guidance scale must be"),
-    ({"sampling": {"sr32": {"steps": 0}}}, ValueError, "steps must be an integer >= 1"),
-    ({"sampling": {"decoder": {"scheduler": "unclip", "steps": 1}}}, ValueError, "needs steps >= 2"),
-    ({"sampling": {"decoder": {"stepz": 3}}}, ValueError, "unknown sampling setting 'stepz'"),
-    ({"num_images_per_prompt": 0}, ValueError, "num_images_per_prompt"),
-    ({"output_type": "jpeg"}, ValueError, "output_type"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"prompt": []}, ValueError, "empty"),
+        ({"prompt": 5}, TypeError, "string"),
+        ({"prompt": ["ok", 3]}, TypeError, r"prompt\[1\]"),
+        ({"sampling": {"decoder": {"scheduler": "euler"}}}, ValueError, "unknown sampler 'euler'"),
+        ({"sampling": {"prior": {"guidance_scale": -1}}}, ValueError, "guidance scale must be"),
+        ({"sampling": {"sr32": {"steps": 0}}}, ValueError, "steps must be an integer >= 1"),
+        (
+            {"sampling": {"decoder": {"scheduler": "unclip", "steps": 1}}},
+            ValueError,
+            "needs steps >= 2",
+        ),
+        ({"sampling": {"decoder": {"stepz": 3}}}, ValueError, "unknown sampling setting 'stepz'"),
+        ({"num_images_per_prompt": 0}, ValueError, "num_images_per_prompt"),
+        ({"output_type": "jpeg"}, ValueError, "output_type"),
+    ],
+)
 def test_bad_input_fails_before_compute(tiny_pipe, kwargs, exc, match):
     kwargs = {"prompt": "a red circle", **kwargs}
     with mock.patch.object(tiny_pipe.prior, "forward", side_effect=AssertionError("computed")):
@@ -249,8 +329,11 @@ def test_decode_checks_embeddings(tiny_pipe):
 
 @pytest.mark.parametrize("sampler", ["ddpm", "ddim", "dpm++", "unclip"])
 def test_every_sampler_runs_every_stage(tiny_pipe, sampler):
-    s = {"prior": {"scheduler": sampler, "steps": 3}, "decoder": {"scheduler": sampler, "steps": 3},
-         "upsamplers": {"scheduler": sampler, "steps": 2}}
+    s = {
+        "prior": {"scheduler": sampler, "steps": 3},
+        "decoder": {"scheduler": sampler, "steps": 3},
+        "upsamplers": {"scheduler": sampler, "steps": 2},
+    }
     a = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1], return_intermediates=True)
     b = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1])
     assert torch.isfinite(a.images).all() and torch.equal(a.images, b.images)
@@ -262,8 +345,12 @@ def test_coordinate_channels():
 
     grid = coordinate_grid(torch.zeros(2, 3, 4, 8))
     assert grid.shape == (2, 2, 4, 8)
-    assert torch.allclose(grid[0, 0, 0], (torch.arange(8) + 0.5) / 8 * 2 - 1)  # x varies along the width
-    assert torch.allclose(grid[0, 1, :, 0], (torch.arange(4) + 0.5) / 4 * 2 - 1)  # y along the height
+    assert torch.allclose(
+        grid[0, 0, 0], (torch.arange(8) + 0.5) / 8 * 2 - 1
+    )  # x varies along the width
+    assert torch.allclose(
+        grid[0, 1, :, 0], (torch.arange(4) + 0.5) / 4 * 2 - 1
+    )  # y along the height
     assert torch.equal(grid[0, 0], grid[0, 0].flip(-1).neg())  # symmetric about the centre
 
     pipe = tiny_pipeline(decoder_kwargs=dict(coord_channels=True))
@@ -305,17 +392,22 @@ def test_components_of_a_pipeline_folder_reassemble_with_their_settings(tmp_path
     import shutil
 
     pipe = tiny_pipeline(seed=0)
-    pipe.diffusion["sr32"] = dataclasses.replace(pipe.diffusion["sr32"], prediction_type="v_prediction",
-                                                 min_snr_gamma=5.0)
+    pipe.diffusion["sr32"] = dataclasses.replace(
+        pipe.diffusion["sr32"], prediction_type="v_prediction", min_snr_gamma=5.0
+    )
     pipe.sampling["decoder"].best_of = 3
     pipe.sampling["prior"].guidance_scale = 1.5
     pipe.save_pretrained(tmp_path / "p")
     p = tmp_path / "p"
-    again = UnCLIPPipeline.from_components(p / "clip", p / "decoder", p / "prior", [p / "sr32", p / "sr64"])
+    again = UnCLIPPipeline.from_components(
+        p / "clip", p / "decoder", p / "prior", [p / "sr32", p / "sr64"]
+    )
     assert again.diffusion == pipe.diffusion and again.sampling == pipe.sampling
     shutil.copytree(p / "sr32", tmp_path / "loose" / "sr32")
     with pytest.warns(UserWarning, match="neither unclip_stage.json nor a pipeline unclip.json"):
-        loose = UnCLIPPipeline.from_components(p / "clip", p / "decoder", p / "prior", [tmp_path / "loose" / "sr32"])
+        loose = UnCLIPPipeline.from_components(
+            p / "clip", p / "decoder", p / "prior", [tmp_path / "loose" / "sr32"]
+        )
     assert loose.diffusion["sr32"].prediction_type == "epsilon"
 
 
@@ -340,17 +432,31 @@ def test_upsampler_noise_level_noises_the_low_res_image_at_sampling(tmp_path):
     assert torch.allclose(sr(loaded), noisy, atol=1e-5)
 
 
-def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocabulary(tiny_pipe, tmp_path):
+def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocabulary(
+    tiny_pipe, tmp_path
+):
     from safetensors.torch import load_file
 
-    from unclip.recipes.shapes_finalize import main as finalize
+    from unclip.shapes.finalize import main as finalize
 
     ranked = _with_reranker(tiny_pipe)
     ranked.save_pretrained(tmp_path / "p")
-    (tmp_path / "s.yaml").write_text("decoder: {scheduler: ddim, steps: 5, guidance_scale: 1.0, best_of: 3}\n")
+    (tmp_path / "s.yaml").write_text(
+        "decoder: {scheduler: ddim, steps: 5, guidance_scale: 1.0, best_of: 3}\n"
+    )
     before = (tmp_path / "p" / "reranker" / "model.safetensors").stat().st_size
-    assert finalize([str(tmp_path / "p"), "--sampling", str(tmp_path / "s.yaml"),
-                     "--closed-vocabulary", "reranker"]) == 0
+    assert (
+        finalize(
+            [
+                str(tmp_path / "p"),
+                "--sampling",
+                str(tmp_path / "s.yaml"),
+                "--closed-vocabulary",
+                "reranker",
+            ]
+        )
+        == 0
+    )
     state = load_file(str(tmp_path / "p" / "reranker" / "model.safetensors"))
     assert "kept_token_ids" in state and state["token_embedding.weight"].dtype == torch.float16
     assert (tmp_path / "p" / "reranker" / "model.safetensors").stat().st_size < before / 2
@@ -358,8 +464,19 @@ def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocab
     assert loaded.sampling["decoder"].best_of == 3 and loaded.sampling["decoder"].steps == 5
     assert loaded.reranker.kept_token_ids is not None and loaded.clip.kept_token_ids is None
     caption = "a small red circle on the left on a gray background"
-    assert torch.allclose(loaded.reranker.encode_text([caption]).text_embed,
-                          ranked.reranker.encode_text([caption]).text_embed, atol=2e-3)  # fp16 weights
+    assert torch.allclose(
+        loaded.reranker.encode_text([caption]).text_embed,
+        ranked.reranker.encode_text([caption]).text_embed,
+        atol=2e-3,
+    )  # fp16 weights
     tiny_pipe.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="this pipeline has no reranker component"):
-        finalize([str(tmp_path / "plain"), "--sampling", str(tmp_path / "s.yaml"), "--closed-vocabulary", "reranker"])
+        finalize(
+            [
+                str(tmp_path / "plain"),
+                "--sampling",
+                str(tmp_path / "s.yaml"),
+                "--closed-vocabulary",
+                "reranker",
+            ]
+        )

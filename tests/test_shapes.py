@@ -10,10 +10,22 @@ import pytest
 import webdataset
 from PIL import Image
 
-from unclip.data import shapes
-from unclip.data.shapes import (BACKGROUNDS, COLORS, HELDOUT_COMBINATIONS, POSITIONS, RELATIONS, SHAPES,
-                                SIZES, ShapesWorld, is_heldout, make_caption, parse_caption, render,
-                                write_shapes)
+from unclip.shapes import world as shapes
+from unclip.shapes.world import (
+    BACKGROUNDS,
+    COLORS,
+    HELDOUT_COMBINATIONS,
+    POSITIONS,
+    RELATIONS,
+    SHAPES,
+    SIZES,
+    ShapesWorld,
+    is_heldout,
+    make_caption,
+    parse_caption,
+    render,
+    write_shapes,
+)
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -76,9 +88,15 @@ def test_ground_truth_agrees_with_pixels(mixed_samples):
                 assert nearest == obj["position"]
         # corners outside every (dilated) bbox show the background color
         corners = [(0, 0), (0, 63), (63, 0), (63, 63)]
-        free = [(r, c) for r, c in corners
-                if not any(o["bbox"][0] * 64 - 2 <= c <= o["bbox"][2] * 64 + 2
-                           and o["bbox"][1] * 64 - 2 <= r <= o["bbox"][3] * 64 + 2 for o in truth["objects"])]
+        free = [
+            (r, c)
+            for r, c in corners
+            if not any(
+                o["bbox"][0] * 64 - 2 <= c <= o["bbox"][2] * 64 + 2
+                and o["bbox"][1] * 64 - 2 <= r <= o["bbox"][3] * 64 + 2
+                for o in truth["objects"]
+            )
+        ]
         assert free, truth
         for r, c in free:
             assert tuple(px[r, c]) == BACKGROUNDS[truth["background"]]
@@ -86,10 +104,17 @@ def test_ground_truth_agrees_with_pixels(mixed_samples):
 
 def test_rendered_area_matches_shape():
     """Pixels of the object's color cover the area of a circle / square / equilateral triangle."""
-    expected_fill = {"circle": math.pi / 4, "square": 1.0, "triangle": math.sqrt(3) / 4}  # area / extent^2
+    expected_fill = {
+        "circle": math.pi / 4,
+        "square": 1.0,
+        "triangle": math.sqrt(3) / 4,
+    }  # area / extent^2
     for shape in SHAPES:
-        truth = {"background": "white", "relation": None, "objects": [shapes._object(
-            shape, "blue", "large", "center", 0.5, 0.5, 0.5)]}
+        truth = {
+            "background": "white",
+            "relation": None,
+            "objects": [shapes._object(shape, "blue", "large", "center", 0.5, 0.5, 0.5)],
+        }
         img = np.asarray(render(truth, 128)).astype(int)
         blue = np.abs(img - np.array(COLORS["blue"])).max(-1) < 60
         assert blue.sum() / (0.5 * 128) ** 2 == pytest.approx(expected_fill[shape], rel=0.06), shape
@@ -100,7 +125,10 @@ def test_rendered_area_matches_shape():
         elif shape == "square":
             assert widths.min() >= 0.95 * widths.max()
         else:  # circle: narrow at top and bottom, widest in the middle
-            assert widths[0] < widths[len(widths) // 2] / 2 and widths[-1] < widths[len(widths) // 2] / 2
+            assert (
+                widths[0] < widths[len(widths) // 2] / 2
+                and widths[-1] < widths[len(widths) // 2] / 2
+            )
 
 
 @pytest.mark.parametrize("resolution", [16, 33, 256])
@@ -124,7 +152,9 @@ def test_train_split_never_contains_heldout_and_heldout_always_does():
     assert {len(t["objects"]) for t in held_truths} == {1, 2}
     # every combination is used for evaluation, and "all" mixes both kinds
     for combo in HELDOUT_COMBINATIONS:
-        assert any(shapes.matches_combination(o, combo) for t in held_truths for o in t["objects"]), combo
+        assert any(
+            shapes.matches_combination(o, combo) for t in held_truths for o in t["objects"]
+        ), combo
     everything = [ShapesWorld(split="all").truth(i) for i in range(300)]
     assert 0 < sum(map(is_heldout, everything)) < 300
     # each attribute value still appears in training, only the combinations are missing
@@ -151,13 +181,31 @@ def test_caption_phrasing_varies_and_round_trips():
         assert parsed["background"] == (s.truth["background"] if named_bg else None)
         assert len(parsed["objects"]) == len(s.truth["objects"])
         for p, t in zip(parsed["objects"], s.truth["objects"]):
-            assert (p["shape"], p["color"], p["position"]) == (t["shape"], t["color"], t["position"])
-            assert p["size"] == (t["size"] if s.truth["relation"] is None else None)  # pairs name no size
+            assert (p["shape"], p["color"], p["position"]) == (
+                t["shape"],
+                t["color"],
+                t["position"],
+            )
+            assert p["size"] == (
+                t["size"] if s.truth["relation"] is None else None
+            )  # pairs name no size
     words = set(" ".join(captions).replace(",", "").split())
     assert {"small", "tiny", "little", "large", "big"} <= words
     assert sum("background" in c for c in captions) not in (0, len(captions))
-    assert len({re.sub(r"(red|green|blue|yellow|purple|orange|circle|square|triangle|small|tiny|little|"
-                       r"large|big|an?\b)", "", c) for c in captions}) >= 20
+    assert (
+        len(
+            {
+                re.sub(
+                    r"(red|green|blue|yellow|purple|orange|circle|square|triangle|small|tiny|little|"
+                    r"large|big|an?\b)",
+                    "",
+                    c,
+                )
+                for c in captions
+            }
+        )
+        >= 20
+    )
     for rel in RELATIONS:
         assert any(f" {rel} " in c for c in captions), rel
     assert len(set(captions)) > 250
@@ -170,28 +218,47 @@ def test_english_articles():
         for art, word in re.findall(r"\b(an?) (\w+)", c):
             assert art == ("an" if word[0] in "aeiou" else "a"), c
     assert any("an orange" in c for c in captions)
-    truth = {"background": "gray", "relation": None,
-             "objects": [shapes._object("square", "orange", "large", "left", 0.3, 0.5, 0.5)]}
+    truth = {
+        "background": "gray",
+        "relation": None,
+        "objects": [shapes._object("square", "orange", "large", "left", 0.3, 0.5, 0.5)],
+    }
     rng = shapes.random.Random(0)
     caption = make_caption(truth, rng, background_phrase_prob=0.0)
     assert re.search(r"\ba (large|big) orange square\b", caption), caption
-    pair = {"background": "gray", "relation": "above",
-            "objects": [shapes._object("square", "orange", "small", None, 0.5, 0.2, 0.25),
-                        shapes._object("circle", "red", "small", None, 0.5, 0.7, 0.25)]}
+    pair = {
+        "background": "gray",
+        "relation": "above",
+        "objects": [
+            shapes._object("square", "orange", "small", None, 0.5, 0.2, 0.25),
+            shapes._object("circle", "red", "small", None, 0.5, 0.7, 0.25),
+        ],
+    }
     caption = make_caption(pair, rng, background_phrase_prob=0.0)
     assert re.search(r"\ban orange square above a red circle$", caption), caption
 
 
 def test_parse_caption_examples_and_errors():
     assert parse_caption("A big blue square in the center on a black background.") == {
-        "background": "black", "relation": None,
-        "objects": [{"shape": "square", "color": "blue", "size": "large", "position": "center"}]}
+        "background": "black",
+        "relation": None,
+        "objects": [{"shape": "square", "color": "blue", "size": "large", "position": "center"}],
+    }
     assert parse_caption("a red circle to the left of a green triangle on a gray background") == {
-        "background": "gray", "relation": "to the left of",
-        "objects": [{"shape": "circle", "color": "red", "size": None, "position": None},
-                    {"shape": "triangle", "color": "green", "size": None, "position": None}]}
-    for bad in ["a cat sitting on a mat", "", "a red circle on the left at the top",
-                "a red hexagon on the left", "a red circle next to a blue square"]:
+        "background": "gray",
+        "relation": "to the left of",
+        "objects": [
+            {"shape": "circle", "color": "red", "size": None, "position": None},
+            {"shape": "triangle", "color": "green", "size": None, "position": None},
+        ],
+    }
+    for bad in [
+        "a cat sitting on a mat",
+        "",
+        "a red circle on the left at the top",
+        "a red hexagon on the left",
+        "a red circle next to a blue square",
+    ]:
         with pytest.raises(ValueError, match="not a shapes caption"):
             parse_caption(bad)
     with pytest.raises(TypeError):
@@ -207,8 +274,12 @@ def test_two_object_geometry():
         assert a["position"] is None and b["position"] is None
         dx = a["center"][0] - b["center"][0]
         dy = a["center"][1] - b["center"][1]
-        along, across = {"to the left of": (-dx, dy), "to the right of": (dx, dy),
-                         "above": (-dy, dx), "below": (dy, dx)}[t["relation"]]
+        along, across = {
+            "to the left of": (-dx, dy),
+            "to the right of": (dx, dy),
+            "above": (-dy, dx),
+            "below": (dy, dx),
+        }[t["relation"]]
         assert along >= 0.25 - 1e-6 and abs(across) <= 0.1 + 1e-6, t
         ax0, ay0, ax1, ay1 = a["bbox"]
         bx0, by0, bx1, by1 = b["bbox"]
@@ -241,8 +312,16 @@ def test_folder_output(tmp_path):
 
 
 def test_webdataset_shards_read_back_with_webdataset(tmp_path):
-    paths = write_shapes(tmp_path, 7, resolution=32, seed=4, split="heldout", format="webdataset",
-                         shard_size=3, progress=False)
+    paths = write_shapes(
+        tmp_path,
+        7,
+        resolution=32,
+        seed=4,
+        split="heldout",
+        format="webdataset",
+        shard_size=3,
+        progress=False,
+    )
     assert [p.name for p in paths] == ["00000.tar", "00001.tar", "00002.tar"]
     stats = json.loads((tmp_path / "00002_stats.json").read_text())
     assert stats["count"] == stats["successes"] == 1
@@ -260,48 +339,87 @@ def test_webdataset_shards_read_back_with_webdataset(tmp_path):
 
 
 def test_webdataset_jpg_and_start_index(tmp_path):
-    paths = write_shapes(tmp_path, 2, resolution=32, format="webdataset", shard_size=2, start_index=4,
-                         image_format="jpg", progress=False)
+    paths = write_shapes(
+        tmp_path,
+        2,
+        resolution=32,
+        format="webdataset",
+        shard_size=2,
+        start_index=4,
+        image_format="jpg",
+        progress=False,
+    )
     assert [p.name for p in paths] == ["00002.tar"]
     raw = next(iter(webdataset.WebDataset([str(paths[0])], shardshuffle=False)))
     assert raw["jpg"][:3] == b"\xff\xd8\xff", "the .jpg entry must hold JPEG data"
     (sample,) = list(webdataset.WebDataset([str(paths[0])], shardshuffle=False).decode("pil"))[:1]
     ref = ShapesWorld(resolution=32)[4]
-    diff = np.abs(np.asarray(sample["jpg"].convert("RGB")).astype(int) - np.asarray(ref.image).astype(int))
+    diff = np.abs(
+        np.asarray(sample["jpg"].convert("RGB")).astype(int) - np.asarray(ref.image).astype(int)
+    )
     assert diff.mean() < 6
     with pytest.raises(ValueError, match="multiple of shard_size"):
         write_shapes(tmp_path, 2, format="webdataset", shard_size=3, start_index=4, progress=False)
 
 
 def test_write_shapes_argument_errors(tmp_path):
-    for kwargs, msg in [(dict(num_samples=0), "num_samples"), (dict(num_samples=1, format="zip"), "format"),
-                        (dict(num_samples=1, image_format="gif"), "image_format"),
-                        (dict(num_samples=1, split="dev"), "split")]:
+    for kwargs, msg in [
+        (dict(num_samples=0), "num_samples"),
+        (dict(num_samples=1, format="zip"), "format"),
+        (dict(num_samples=1, image_format="gif"), "image_format"),
+        (dict(num_samples=1, split="dev"), "split"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             write_shapes(tmp_path, progress=False, **kwargs)
 
 
 def test_cli_writes_dataset(tmp_path, capsys):
     out = tmp_path / "wds"
-    assert shapes.main([str(out), "--num", "3", "--resolution", "16", "--seed", "2", "--split", "all",
-                        "--format", "webdataset", "--shard-size", "2", "--image-format", "png",
-                        "--no-progress"]) == 0
+    assert (
+        shapes.main(
+            [
+                str(out),
+                "--num",
+                "3",
+                "--resolution",
+                "16",
+                "--seed",
+                "2",
+                "--split",
+                "all",
+                "--format",
+                "webdataset",
+                "--shard-size",
+                "2",
+                "--image-format",
+                "png",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in out.glob("*.tar")) == ["00000.tar", "00001.tar"]
     assert "wrote 3 samples" in capsys.readouterr().out
     shapes.main([str(tmp_path / "f"), "--num", "2", "--resolution", "16", "--no-progress"])
     assert len(list((tmp_path / "f").glob("*.png"))) == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num", "0"], "--num: must be >= 1"),
-    (["--num", "x"], "expected an integer"),
-    (["--num", "2", "--split", "test"], "invalid choice: 'test'"),
-    (["--num", "2", "--format", "zip"], "invalid choice: 'zip'"),
-    (["--num", "2", "--resolution", "5000"], "--resolution must be in"),
-    (["--num", "2", "--two-object-prob", "2"], "--two-object-prob must be in"),
-    (["--num", "2", "--format", "webdataset", "--shard-size", "3", "--start-index", "1"], "multiple of"),
-    ([], "--num"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num", "0"], "--num: must be >= 1"),
+        (["--num", "x"], "expected an integer"),
+        (["--num", "2", "--split", "test"], "invalid choice: 'test'"),
+        (["--num", "2", "--format", "zip"], "invalid choice: 'zip'"),
+        (["--num", "2", "--resolution", "5000"], "--resolution must be in"),
+        (["--num", "2", "--two-object-prob", "2"], "--two-object-prob must be in"),
+        (
+            ["--num", "2", "--format", "webdataset", "--shard-size", "3", "--start-index", "1"],
+            "multiple of",
+        ),
+        ([], "--num"),
+    ],
+)
 def test_cli_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         shapes.main([str(tmp_path / "out")] + argv)
@@ -336,7 +454,12 @@ def test_contrast_truth_changes_exactly_the_named_attribute_and_stays_in_split(s
             assert new["objects"][0]["color"] != new["objects"][1]["color"]
             # the new relation is where the objects are: first minus second along the relation's axis
             (ax, ay), (bx, by) = (o["center"] for o in new["objects"])
-            d = {"to the left of": bx - ax, "to the right of": ax - bx, "above": by - ay, "below": ay - by}
+            d = {
+                "to the left of": bx - ax,
+                "to the right of": ax - bx,
+                "above": by - ay,
+                "below": ay - by,
+            }
             assert d[new["relation"]] >= shapes.MIN_SEPARATION - 1e-6
     assert {a for p, a in seen if p} == {"relation", "shape", "color"}
     assert {a for p, a in seen if not p} == {"shape", "position", "size", "color"}
@@ -358,7 +481,7 @@ def test_contrast_truth_errors_and_background():
 def test_color_free_view_repaints_the_same_scene_in_unnamed_colors_and_drops_color_words():
     import random
 
-    from unclip.data.shapes import UNNAMED_COLOR_MIN_DISTANCE, color_free_view
+    from unclip.shapes.world import UNNAMED_COLOR_MIN_DISTANCE, color_free_view
 
     world = ShapesWorld(resolution=64, seed=3, split="train", two_object_prob=0.5)
     refs = list(COLORS.values()) + list(BACKGROUNDS.values())
@@ -368,16 +491,23 @@ def test_color_free_view_repaints_the_same_scene_in_unnamed_colors_and_drops_col
         image, caption = color_free_view(s.truth, random.Random(i), 64, background_phrase_prob=0.5)
         words = caption.split()
         assert not set(words) & set(COLORS), caption
-        assert [w for w in words if w in SHAPES] == [o["shape"] for o in s.truth["objects"]], caption
+        assert [w for w in words if w in SHAPES] == [o["shape"] for o in s.truth["objects"]], (
+            caption
+        )
         if s.truth["relation"] is not None:
             assert s.truth["relation"] in caption
         else:
             assert shapes.POSITION_PHRASES[s.truth["objects"][0]["position"]] in caption
         px = np.asarray(image)
-        for obj in s.truth["objects"]:  # same geometry, an unnamed object color at every object's centre
+        for obj in s.truth[
+            "objects"
+        ]:  # same geometry, an unnamed object color at every object's centre
             cx, cy = obj["center"]
             fill = px[int(cy * 64), int(cx * 64)].astype(float)
-            assert min(math.dist(fill, r) for r in refs) >= UNNAMED_COLOR_MIN_DISTANCE - 2, (caption, fill)
+            assert min(math.dist(fill, r) for r in refs) >= UNNAMED_COLOR_MIN_DISTANCE - 2, (
+                caption,
+                fill,
+            )
         assert tuple(px[0, 0]) == BACKGROUNDS[s.truth["background"]] or len(s.truth["objects"]) == 2
         kinds.add(len(s.truth["objects"]))
         # reproducible from the rng

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from unclip.data.shapes import COLORS, ShapesWorld, _object, parse_caption, render
-from unclip.data.shapes_eval import classify_shape, detect, evaluate_images, relation_between, score
+from unclip.shapes.detector import classify_shape, detect, evaluate_images, relation_between, score
+from unclip.shapes.world import COLORS, ShapesWorld, _object, parse_caption, render
 
 
 @pytest.fixture(scope="module")
@@ -16,10 +16,21 @@ def renders():
     return [world[i] for i in range(200)]
 
 
-def single(shape="circle", color="red", size="large", position="left", background="white", cx=0.3, cy=0.5,
-           extent=0.5):
-    return {"background": background, "relation": None,
-            "objects": [_object(shape, color, size, position, cx, cy, extent)]}
+def single(
+    shape="circle",
+    color="red",
+    size="large",
+    position="left",
+    background="white",
+    cx=0.3,
+    cy=0.5,
+    extent=0.5,
+):
+    return {
+        "background": background,
+        "relation": None,
+        "objects": [_object(shape, color, size, position, cx, cy, extent)],
+    }
 
 
 def test_evaluator_scores_ground_truth_renders_at_64px(renders):
@@ -45,7 +56,10 @@ def test_detect_recovers_ground_truth(renders):
         for t in s.truth["objects"]:
             (d,) = [o for o in det["objects"] if o["color"] == t["color"]]
             assert d["shape"] == t["shape"] and d["size"] == t["size"]
-            assert abs(d["center"][0] - t["center"][0]) < 2 / 64 and abs(d["center"][1] - t["center"][1]) < 2 / 64
+            assert (
+                abs(d["center"][0] - t["center"][0]) < 2 / 64
+                and abs(d["center"][1] - t["center"][1]) < 2 / 64
+            )
             assert abs(d["extent"] - t["extent"]) < 3 / 64
             if t["position"] is not None:
                 assert d["position"] == t["position"]
@@ -69,18 +83,37 @@ def test_blank_image_has_no_objects():
     det = detect(blank)
     assert det == {"background": "black", "relation": None, "objects": []}
     result = score(blank, parse_caption("a small red circle on the left on a black background"))
-    assert result == {"color": False, "shape": False, "size": False, "position": False,
-                      "background": True, "objects": False, "all": False}
+    assert result == {
+        "color": False,
+        "shape": False,
+        "size": False,
+        "position": False,
+        "background": True,
+        "objects": False,
+        "all": False,
+    }
 
 
-@pytest.mark.parametrize("field, wrong", [("color", "blue"), ("shape", "triangle"), ("size", "small"),
-                                          ("position", "right")])
+@pytest.mark.parametrize(
+    "field, wrong",
+    [("color", "blue"), ("shape", "triangle"), ("size", "small"), ("position", "right")],
+)
 def test_single_object_score_flags_each_wrong_attribute(field, wrong):
     image = render(single(), 64)  # large red circle on the left, white background
-    expected = {"background": "white", "relation": None,
-                "objects": [{"shape": "circle", "color": "red", "size": "large", "position": "left"}]}
-    assert score(image, expected) == {"color": True, "shape": True, "size": True, "position": True,
-                                      "background": True, "objects": True, "all": True}
+    expected = {
+        "background": "white",
+        "relation": None,
+        "objects": [{"shape": "circle", "color": "red", "size": "large", "position": "left"}],
+    }
+    assert score(image, expected) == {
+        "color": True,
+        "shape": True,
+        "size": True,
+        "position": True,
+        "background": True,
+        "objects": True,
+        "all": True,
+    }
     bad = copy.deepcopy(expected)
     bad["objects"][0][field] = wrong
     result = score(image, bad)
@@ -101,21 +134,58 @@ def test_extra_object_fails_all_for_single_prompt():
 
 
 def test_two_object_score_checks_colors_shapes_and_relation():
-    truth = {"background": "gray", "relation": "to the left of", "objects": [
-        _object("circle", "red", "small", None, 0.25, 0.5, 0.25),
-        _object("square", "blue", "small", None, 0.7, 0.45, 0.25)]}
+    truth = {
+        "background": "gray",
+        "relation": "to the left of",
+        "objects": [
+            _object("circle", "red", "small", None, 0.25, 0.5, 0.25),
+            _object("square", "blue", "small", None, 0.7, 0.45, 0.25),
+        ],
+    }
     image = render(truth, 64)
-    ok = score(image, parse_caption("a red circle to the left of a blue square on a gray background"))
-    assert ok == {"colors": True, "shapes": True, "relation": True, "background": True, "objects": True, "all": True}
+    ok = score(
+        image, parse_caption("a red circle to the left of a blue square on a gray background")
+    )
+    assert ok == {
+        "colors": True,
+        "shapes": True,
+        "relation": True,
+        "background": True,
+        "objects": True,
+        "all": True,
+    }
     assert score(image, parse_caption("a red circle to the right of a blue square")) == {
-        "colors": True, "shapes": True, "relation": False, "objects": True, "all": False}
+        "colors": True,
+        "shapes": True,
+        "relation": False,
+        "objects": True,
+        "all": False,
+    }
     assert score(image, parse_caption("a blue square to the right of a red circle"))["all"] is True
     swapped = score(image, parse_caption("a red square to the left of a blue circle"))
-    assert swapped == {"colors": True, "shapes": False, "relation": True, "objects": True, "all": False}
-    third = dict(truth, objects=truth["objects"] + [_object("triangle", "green", "small", None, 0.5, 0.15, 0.2)])
-    extra = score(render(third, 64), parse_caption("a red circle to the left of a blue square on a gray background"))
-    assert extra == {"colors": True, "shapes": True, "relation": True, "background": True, "objects": False,
-                     "all": False}
+    assert swapped == {
+        "colors": True,
+        "shapes": False,
+        "relation": True,
+        "objects": True,
+        "all": False,
+    }
+    third = dict(
+        truth,
+        objects=truth["objects"] + [_object("triangle", "green", "small", None, 0.5, 0.15, 0.2)],
+    )
+    extra = score(
+        render(third, 64),
+        parse_caption("a red circle to the left of a blue square on a gray background"),
+    )
+    assert extra == {
+        "colors": True,
+        "shapes": True,
+        "relation": True,
+        "background": True,
+        "objects": False,
+        "all": False,
+    }
     missing = score(image, parse_caption("a red circle to the left of a green square"))
     assert missing["colors"] is False and missing["relation"] is False and missing["all"] is False
 
@@ -144,8 +214,12 @@ def test_array_input_other_resolutions_and_input_errors(renders):
 
 def test_robust_to_moderate_pixel_noise(renders):
     rng = np.random.default_rng(1)
-    noisy = [np.clip(np.asarray(s.image).astype(float) + rng.normal(0, 20, (64, 64, 3)), 0, 255).astype(np.uint8)
-             for s in renders[:80]]
+    noisy = [
+        np.clip(np.asarray(s.image).astype(float) + rng.normal(0, 20, (64, 64, 3)), 0, 255).astype(
+            np.uint8
+        )
+        for s in renders[:80]
+    ]
     report = evaluate_images(noisy, [s.caption for s in renders[:80]])
     assert report["all"] >= 0.95, report
 
@@ -165,35 +239,78 @@ def test_palette_colors_are_distinguishable():
         assert obj["color"] == color and obj["shape"] == "circle"
 
 
-def test_shapes_eval_recipe_reports_every_stage_and_writes_report_and_grid(tiny_pipe, tmp_path, one_thread):
-    """``python -m unclip.recipes.shapes_eval`` (the command behind the README figures) on a saved tiny
+def test_shapes_eval_recipe_reports_every_stage_and_writes_report_and_grid(
+    tiny_pipe, tmp_path, one_thread
+):
+    """``python -m unclip.shapes.evaluate`` (the command behind the README figures) on a saved tiny
     pipeline: every stage scored at its resolution, timings, CLIP score/FID with the real-vs-real floor,
     report JSON and grid written; with ``--oracle`` the decoder gets the true renders' embeddings."""
     import json
 
-    from unclip.recipes.shapes_eval import main
+    from unclip.shapes.evaluate import main
 
     tiny_pipe.save_pretrained(tmp_path / "pipe")
-    few = json.dumps({"prior": {"steps": 2}, "decoder": {"steps": 2, "best_of": 2}, "upsamplers": {"steps": 2}})
+    few = json.dumps(
+        {"prior": {"steps": 2}, "decoder": {"steps": 2, "best_of": 2}, "upsamplers": {"steps": 2}}
+    )
     out, grid = tmp_path / "report.json", tmp_path / "grid.png"
-    assert main(["--model", str(tmp_path / "pipe"), "--num", "3", "--sampling", few, "--out", str(out),
-                 "--grid", str(grid)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path / "pipe"),
+                "--num",
+                "3",
+                "--sampling",
+                few,
+                "--out",
+                str(out),
+                "--grid",
+                str(grid),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
-    assert report["num_prompts"] == {"single": 3, "pair": 3} and report["sampling"]["decoder"]["best_of"] == 2
+    assert (
+        report["num_prompts"] == {"single": 3, "pair": 3}
+        and report["sampling"]["decoder"]["best_of"] == 2
+    )
     assert list(report["stages"]) == ["decoder", *tiny_pipe.upsampler_names]
     assert list(report["seconds_per_image"]) == ["prior", *report["stages"]]
-    assert [s["resolution"] for s in report["stages"].values()] == [16, 32, 64] and report["final_stage"] == "sr64"
+    assert [s["resolution"] for s in report["stages"].values()] == [16, 32, 64] and report[
+        "final_stage"
+    ] == "sr64"
     for stage in report["stages"].values():
         assert stage["single"]["count"] == 3 and stage["pair"]["count"] == 3
         assert all(0.0 <= v <= 1.0 for k, v in stage["single"].items() if k != "count")
     assert report["clip_fid"] > 0 and report["clip_fid_real_vs_real"] > 0
-    assert -100 <= report["clip_score_100"] <= 100 and -1 <= report["prior_cosine_with_true_embed"] < 0.999
+    assert (
+        -100 <= report["clip_score_100"] <= 100
+        and -1 <= report["prior_cosine_with_true_embed"] < 0.999
+    )
     assert Image.open(grid).size == (8 * 96, 96)  # 3 single + 3 two-object tiles in one row of 8
     assert len(grid.with_suffix(".txt").read_text().splitlines()) == 6
 
     oracle = tmp_path / "oracle.json"
-    assert main(["--model", str(tmp_path / "pipe"), "--num", "2", "--stages", "decoder", "--oracle",
-                 "--sampling", few, "--out", str(oracle)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path / "pipe"),
+                "--num",
+                "2",
+                "--stages",
+                "decoder",
+                "--oracle",
+                "--sampling",
+                few,
+                "--out",
+                str(oracle),
+            ]
+        )
+        == 0
+    )
     report = json.loads(oracle.read_text())
     assert list(report["stages"]) == ["decoder"] and report["seconds_per_image"]["prior"] == 0.0
     assert report["prior_cosine_with_true_embed"] > 0.999  # the true embeddings were used

@@ -12,6 +12,7 @@ Tolerances:
   compared: an epsilon-predicting step at t = T divides the error by sqrt(alpha_bar_T), so any rounding
   change flips clipped pixels of an untrained decoder.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -33,18 +34,25 @@ def _gen(seed=0):
 
 
 def _images(pipe, **kw):
-    return pipe(PROMPTS, generator=_gen(), output_type="pt", progress=False, return_intermediates=True, **kw)
+    return pipe(
+        PROMPTS, generator=_gen(), output_type="pt", progress=False, return_intermediates=True, **kw
+    )
 
 
 def _record_first_outputs(pipe):
     """Forward hooks on every denoising network: first output and whether autocast was on inside."""
     seen, handles = {}, []
     for name, net in pipe.denoisers().items():
+
         def hook(module, args, out, name=name):
             if name not in seen:
                 out = out[0]  # the pipeline calls every network with return_dict=False
-                seen[name] = (out.detach().float().clone(), torch.is_autocast_enabled("cpu"),
-                              torch.get_autocast_dtype("cpu"))
+                seen[name] = (
+                    out.detach().float().clone(),
+                    torch.is_autocast_enabled("cpu"),
+                    torch.get_autocast_dtype("cpu"),
+                )
+
         handles.append(net.register_forward_hook(hook))
     return seen, handles
 
@@ -65,10 +73,20 @@ def _stage_first_outputs(pipe):
     """Each stage run alone from the same inputs: first output of every network, and the prior's embeddings."""
     seen, handles = _record_first_outputs(pipe)
     embeds = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)
-    pipe.decode(torch.randn(len(PROMPTS), pipe.clip.embed_dim, generator=_gen(1)), PROMPTS, generator=_gen(),
-                progress=False)
+    pipe.decode(
+        torch.randn(len(PROMPTS), pipe.clip.embed_dim, generator=_gen(1)),
+        PROMPTS,
+        generator=_gen(),
+        progress=False,
+    )
     for name, up in zip(pipe.upsampler_names, pipe.upsamplers):
-        low = torch.rand(len(PROMPTS), 3, up.config.low_res_size, up.config.low_res_size, generator=_gen(2)) * 2 - 1
+        low = (
+            torch.rand(
+                len(PROMPTS), 3, up.config.low_res_size, up.config.low_res_size, generator=_gen(2)
+            )
+            * 2
+            - 1
+        )
         pipe.upsample(low, generator=_gen(), stages=[name], progress=False)
     for h in handles:
         h.remove()
@@ -85,7 +103,9 @@ def test_bf16_autocast_within_tolerance():
     out = _images(pipe)
     assert set(seen) == set(ref_seen) == set(pipe.denoisers())
     for name, (o, enabled, dtype) in seen.items():
-        assert enabled and dtype == torch.bfloat16, name  # the option is in effect inside every network
+        assert enabled and dtype == torch.bfloat16, (
+            name
+        )  # the option is in effect inside every network
         r = ref_seen[name][0]
         rel = float((o - r).norm() / r.norm())
         assert 0 < rel <= 0.03, (name, rel)  # changed (bf16 really used) but only by bf16 rounding
@@ -131,8 +151,12 @@ def test_compile_keeps_weights_and_results():
     ref = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)
     assert pipe.compile() is pipe
     assert all(net._compiled_call_impl is not None for net in pipe.denoisers().values())
-    assert {n: list(m.state_dict()) for n, m in pipe.modules().items()} == keys  # no "_orig_mod." prefixes
-    out = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)  # compiles the prior (inductor)
+    assert {
+        n: list(m.state_dict()) for n, m in pipe.modules().items()
+    } == keys  # no "_orig_mod." prefixes
+    out = pipe.sample_image_embeds(
+        PROMPTS, generator=_gen(), progress=False
+    )  # compiles the prior (inductor)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
@@ -140,9 +164,11 @@ def test_compile_keeps_weights_and_results():
 def test_conditioning_once_and_guidance_batched(monkeypatch):
     pipe = tiny_pipeline(seed=0)
     steps = {"prior": 4, "decoder": 5}
-    sampling = {"prior": {"steps": steps["prior"], "guidance_scale": 2.0, "best_of": 2},
-                "decoder": {"steps": steps["decoder"], "guidance_scale": 2.0},
-                "upsamplers": {"steps": 3, "guidance_scale": 1.0}}
+    sampling = {
+        "prior": {"steps": steps["prior"], "guidance_scale": 2.0, "best_of": 2},
+        "decoder": {"steps": steps["decoder"], "guidance_scale": 2.0},
+        "upsamplers": {"steps": 3, "guidance_scale": 1.0},
+    }
     calls = {"condition": 0, "encode_text": 0}
     condition, encode_text = pipe.decoder.condition, pipe.clip.encode_text
 
@@ -157,15 +183,25 @@ def test_conditioning_once_and_guidance_batched(monkeypatch):
     monkeypatch.setattr(pipe.decoder, "condition", counted_condition)
     monkeypatch.setattr(pipe.clip, "encode_text", counted_encode_text)
     batches = {name: [] for name in pipe.denoisers()}
-    handles = [net.register_forward_pre_hook(lambda m, a, k, name=name: batches[name].append(
-        (a[0] if a else next(iter(k.values()))).shape[0]), with_kwargs=True)
-        for name, net in pipe.denoisers().items()]
+    handles = [
+        net.register_forward_pre_hook(
+            lambda m, a, k, name=name: batches[name].append(
+                (a[0] if a else next(iter(k.values()))).shape[0]
+            ),
+            with_kwargs=True,
+        )
+        for name, net in pipe.denoisers().items()
+    ]
     pipe(PROMPTS, generator=_gen(), sampling=sampling, output_type="pt", progress=False)
     for h in handles:
         h.remove()
     b = len(PROMPTS)
     assert calls["condition"] == 1  # decoder conditioning: once per call, not per step
     assert calls["encode_text"] == 2  # the prompts, and the empty caption once (cached afterwards)
-    assert batches["prior"] == [2 * b * 2] * steps["prior"]  # [uncond; cond] × best_of in ONE pass per step
+    assert (
+        batches["prior"] == [2 * b * 2] * steps["prior"]
+    )  # [uncond; cond] × best_of in ONE pass per step
     assert batches["decoder"] == [2 * b] * steps["decoder"]
-    assert batches["sr32"] == [b] * 3 and batches["sr64"] == [b] * 3  # guidance 1: no unconditional pass
+    assert (
+        batches["sr32"] == [b] * 3 and batches["sr64"] == [b] * 3
+    )  # guidance 1: no unconditional pass

@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from unclip.clip import FrozenCLIP, tiny_clip_config
-from unclip.data.shapes import ShapesWorld, parse_caption
-from unclip.train_clip import ClipDataConfig, _batch, main
+from unclip.shapes.train_clip import ClipDataConfig, _batch, main
+from unclip.shapes.world import ShapesWorld, parse_caption
 
 
 def _named(caption: str) -> dict:
@@ -29,7 +29,10 @@ def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling(
     assert caps[:12] == [world[i].caption for i in range(24, 36)]
     for base, twin, img_base, img_twin in zip(caps[:4], caps[12:], x[:4], x[12:]):
         a, b = _named(base), _named(twin)
-        assert sum(a[k] != b[k] for k in a if a[k] is not None and b.get(k) is not None) == 1, (base, twin)
+        assert sum(a[k] != b[k] for k in a if a[k] is not None and b.get(k) is not None) == 1, (
+            base,
+            twin,
+        )
         assert not torch.equal(img_base, img_twin)
     # without hard negatives: consecutive samples, as before
     _, plain = _batch(world, 1, 8, ClipDataConfig(hard_negatives=0.0), random.Random(0))
@@ -39,28 +42,52 @@ def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling(
 def test_batch_with_color_free_views_replaces_that_share_of_samples():
     world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5)
     plain = [world[i].caption for i in range(64, 128)]
-    x, caps = _batch(world, 1, 64, ClipDataConfig(color_free_prob=0.5, noise_prob=0.0, blur_prob=0.0),
-                     random.Random(0))
+    x, caps = _batch(
+        world,
+        1,
+        64,
+        ClipDataConfig(color_free_prob=0.5, noise_prob=0.0, blur_prob=0.0),
+        random.Random(0),
+    )
     named = {"red", "green", "blue", "yellow", "purple", "orange"}
     free = [i for i, c in enumerate(caps) if not set(c.split()) & named]
     assert 16 <= len(free) <= 48  # about half, drawn per sample
     for i in range(64):
         if i in free:  # the same scene's shapes, named without colors
             shapes_of = [w for w in plain[i].split() if w in ("circle", "square", "triangle")]
-            assert [w for w in caps[i].split() if w in ("circle", "square", "triangle")] == shapes_of
-            assert not torch.equal(x[i], _batch(world, 1, 64, ClipDataConfig(noise_prob=0.0, blur_prob=0.0),
-                                                random.Random(0))[0][i])
+            assert [
+                w for w in caps[i].split() if w in ("circle", "square", "triangle")
+            ] == shapes_of
+            assert not torch.equal(
+                x[i],
+                _batch(
+                    world, 1, 64, ClipDataConfig(noise_prob=0.0, blur_prob=0.0), random.Random(0)
+                )[0][i],
+            )
         else:
             assert caps[i] == plain[i]
-    again = _batch(world, 1, 64, ClipDataConfig(color_free_prob=0.5, noise_prob=0.0, blur_prob=0.0),
-                   random.Random(0))
+    again = _batch(
+        world,
+        1,
+        64,
+        ClipDataConfig(color_free_prob=0.5, noise_prob=0.0, blur_prob=0.0),
+        random.Random(0),
+    )
     assert again[1] == caps and torch.equal(again[0], x)
 
 
 def _config(tmp_path, **data) -> str:
-    cfg = {"clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()},
-           "data": {"resolution": 32, "two_object_prob": 0.5, **data},
-           "train": {"steps": 3, "batch_size": 8, "warmup_steps": 1, "log_every": 1, "eval_samples": 4}}
+    cfg = {
+        "clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()},
+        "data": {"resolution": 32, "two_object_prob": 0.5, **data},
+        "train": {
+            "steps": 3,
+            "batch_size": 8,
+            "warmup_steps": 1,
+            "log_every": 1,
+            "eval_samples": 4,
+        },
+    }
     path = tmp_path / "clip.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -74,8 +101,17 @@ def test_train_clip_tiny_run_writes_a_loadable_clip_and_retrieval_report(tmp_pat
     assert emb.shape == (1, 32) and torch.isfinite(emb).all()
     report = json.loads((out / "retrieval.json").read_text())
     assert report["steps"] == 3
-    assert set(report["retrieval_heldout"]) == {"color", "shape", "size", "position", "background", "relation",
-                                                "pair_color", "pair_shape", "pair_background"}
+    assert set(report["retrieval_heldout"]) == {
+        "color",
+        "shape",
+        "size",
+        "position",
+        "background",
+        "relation",
+        "pair_color",
+        "pair_shape",
+        "pair_background",
+    }
     assert all(0.0 <= v <= 1.0 for v in report["retrieval_heldout"].values())
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]

@@ -1,4 +1,5 @@
 """Training: loss falls per stage, exact resume, accumulation equivalence, DDP on gloo, bad data, export."""
+
 import json
 import os
 import subprocess
@@ -8,17 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIGS, ROOT
 from safetensors.torch import load_file
 
 from unclip import UnCLIPPipeline
 from unclip.decoder import degrade, gaussian_blur
-from unclip.training import NonFiniteError, warmup_cosine
-from unclip import train_decoder, train_prior
+from unclip.train import decoder as train_decoder
+from unclip.train import prior as train_prior
+from unclip.train.loop import NonFiniteError, warmup_cosine
 
-from conftest import CONFIGS, ROOT
-
-CFG = {"prior": CONFIGS / "tiny" / "prior.yaml", "decoder": CONFIGS / "tiny" / "decoder.yaml",
-       "sr32": CONFIGS / "tiny" / "sr32.yaml", "sr64": CONFIGS / "tiny" / "sr64.yaml"}
+CFG = {
+    "prior": CONFIGS / "tiny" / "prior.yaml",
+    "decoder": CONFIGS / "tiny" / "decoder.yaml",
+    "sr32": CONFIGS / "tiny" / "sr32.yaml",
+    "sr64": CONFIGS / "tiny" / "sr64.yaml",
+}
 QUIET = ["train.progress=false"]
 
 
@@ -46,8 +51,18 @@ def trained(tmp_path_factory):
     """Each tiny stage trained for 40 steps on the shapes world (shared by the tests below)."""
     root = tmp_path_factory.mktemp("runs")
     for stage in CFG:
-        assert train(stage, root / stage, "train.max_steps=40", "train.log_every=1", "train.lr=2e-3",
-                     "train.warmup_steps=2", "train.checkpoint_every=20") == 0
+        assert (
+            train(
+                stage,
+                root / stage,
+                "train.max_steps=40",
+                "train.log_every=1",
+                "train.lr=2e-3",
+                "train.warmup_steps=2",
+                "train.checkpoint_every=20",
+            )
+            == 0
+        )
     return root
 
 
@@ -60,17 +75,38 @@ def test_loss_falls_on_shapes(trained, stage):
 
 
 def test_exported_components_generate(trained, tmp_path):
-    from unclip.assemble import main as assemble
+    from unclip.cli.assemble import main as assemble
 
     final = {s: trained / s / "final" for s in CFG}
     assert (final["decoder"] / "decoder" / "unclip_stage.json").is_file()
-    assert assemble(["--clip", str(final["prior"] / "clip"), "--prior", str(final["prior"] / "prior"),
-                     "--decoder", str(final["decoder"] / "decoder"), "--upsampler", str(final["sr32"] / "sr32"),
-                     "--upsampler", str(final["sr64"] / "sr64"), "--out", str(tmp_path / "pipe")]) == 0
+    assert (
+        assemble(
+            [
+                "--clip",
+                str(final["prior"] / "clip"),
+                "--prior",
+                str(final["prior"] / "prior"),
+                "--decoder",
+                str(final["decoder"] / "decoder"),
+                "--upsampler",
+                str(final["sr32"] / "sr32"),
+                "--upsampler",
+                str(final["sr64"] / "sr64"),
+                "--out",
+                str(tmp_path / "pipe"),
+            ]
+        )
+        == 0
+    )
     pipe = UnCLIPPipeline.from_pretrained(tmp_path / "pipe")
     assert pipe.stage_names == ["prior", "decoder", "sr32", "sr64"]
-    out = pipe("a small red circle on the left", generator=torch.Generator().manual_seed(0), output_type="pt",
-               progress=False, sampling={"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsamplers": {"steps": 2}})
+    out = pipe(
+        "a small red circle on the left",
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+        progress=False,
+        sampling={"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsamplers": {"steps": 2}},
+    )
     assert out.images.shape == (1, 3, 64, 64) and torch.isfinite(out.images).all()
     # the exported decoder holds the EMA weights, not the raw ones
     ckpt = sorted((trained / "decoder" / "checkpoints").glob("step_*"))[-1]
@@ -85,16 +121,26 @@ def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
     fp16 ``.safetensors`` file as shipped), so its first loss is that of the trained model; weights that
     do not fit the config, or a wrong path, are refused with a clear error."""
     src = trained / "decoder" / "final" / "decoder"
-    tiny = ["train.max_steps=1", "train.lr=1e-9", "train.min_lr=1e-9", "train.warmup_steps=0", "train.ema=false",
-            "train.log_every=1"]
+    tiny = [
+        "train.max_steps=1",
+        "train.lr=1e-9",
+        "train.min_lr=1e-9",
+        "train.warmup_steps=0",
+        "train.ema=false",
+        "train.log_every=1",
+    ]
     assert train("decoder", tmp_path / "scratch", *tiny) == 0
     assert train("decoder", tmp_path / "ft", *tiny, f"train.init_weights={src}") == 0
-    init, ft, scratch = weights(src), weights(tmp_path / "ft" / "final" / "decoder"), \
-        weights(tmp_path / "scratch" / "final" / "decoder")
+    init, ft, scratch = (
+        weights(src),
+        weights(tmp_path / "ft" / "final" / "decoder"),
+        weights(tmp_path / "scratch" / "final" / "decoder"),
+    )
     assert max(float((init[k] - ft[k]).abs().max()) for k in init) < 1e-5
     assert max(float((init[k] - scratch[k]).abs().max()) for k in init) > 1e-2
     assert losses(tmp_path / "ft")[0] < 0.75 * losses(tmp_path / "scratch")[0]
     from safetensors.torch import save_file
+
     half = tmp_path / "half.safetensors"
     save_file({k: v.half() for k, v in init.items()}, str(half))
     assert train("decoder", tmp_path / "ft16", *tiny, f"train.init_weights={half}") == 0
@@ -102,19 +148,41 @@ def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
     assert all(ft16[k].dtype == torch.float32 for k in ft16)
     assert max(float((init[k] - ft16[k]).abs().max()) for k in init) < 1e-2
     with pytest.raises(ValueError, match="do not fit this model"):
-        train("decoder", tmp_path / "bad", *tiny, f"train.init_weights={trained / 'sr32' / 'final' / 'sr32'}")
+        train(
+            "decoder",
+            tmp_path / "bad",
+            *tiny,
+            f"train.init_weights={trained / 'sr32' / 'final' / 'sr32'}",
+        )
     with pytest.raises(FileNotFoundError, match="init_weights"):
         train("decoder", tmp_path / "bad2", *tiny, f"train.init_weights={tmp_path / 'nowhere'}")
 
 
 def test_checkpoints_keep_last_and_sample_grid(tmp_path):
-    assert train("decoder", tmp_path / "r", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=2",
-                 "train.sample_every=3", "train.trackers=[tensorboard]") == 0
-    assert list((tmp_path / "r" / "logs").rglob("events.out.tfevents*"))  # TensorBoard tracker wrote events
+    assert (
+        train(
+            "decoder",
+            tmp_path / "r",
+            "train.max_steps=6",
+            "train.checkpoint_every=2",
+            "train.keep_last=2",
+            "train.sample_every=3",
+            "train.trackers=[tensorboard]",
+        )
+        == 0
+    )
+    assert list(
+        (tmp_path / "r" / "logs").rglob("events.out.tfevents*")
+    )  # TensorBoard tracker wrote events
     names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert names == ["step_00000004", "step_00000006"]
-    assert sorted(p.name for p in (tmp_path / "r" / "samples").iterdir()) == ["step_00000003.png", "step_00000006.png"]
-    assert (tmp_path / "r" / "config.yaml").is_file() and (tmp_path / "r" / "checkpoints" / "step_00000006" / "config.yaml").is_file()
+    assert sorted(p.name for p in (tmp_path / "r" / "samples").iterdir()) == [
+        "step_00000003.png",
+        "step_00000006.png",
+    ]
+    assert (tmp_path / "r" / "config.yaml").is_file() and (
+        tmp_path / "r" / "checkpoints" / "step_00000006" / "config.yaml"
+    ).is_file()
 
 
 @pytest.mark.parametrize("stage", ["decoder", "prior"])
@@ -141,15 +209,24 @@ def test_finished_run_continues_to_more_steps(tmp_path):
     from its last step, the schedule restarts at the cosine point of the new total, and ``final/`` is
     replaced by the longer run's weights."""
     out = tmp_path / "r"
-    common = ["train.checkpoint_every=4", "train.warmup_steps=0", "train.log_every=1", "train.lr=1e-3"]
+    common = [
+        "train.checkpoint_every=4",
+        "train.warmup_steps=0",
+        "train.log_every=1",
+        "train.lr=1e-3",
+    ]
     assert train("decoder", out, "train.max_steps=4", *common) == 0
     first = weights(out / "final" / "decoder")
     before = [m for m in metrics(out) if "lr" in m]
-    assert [m["step"] for m in before] == [1, 2, 3, 4] and before[-1]["lr"] < 1e-4  # decayed at the end
+    assert [m["step"] for m in before] == [1, 2, 3, 4] and before[-1][
+        "lr"
+    ] < 1e-4  # decayed at the end
     assert train("decoder", out, "train.max_steps=8", *common, args=["--resume", "latest"]) == 0
     after = [m for m in metrics(out) if "lr" in m][4:]
     assert [m["step"] for m in after] == [5, 6, 7, 8]
-    assert after[0]["lr"] > 100 * before[-1]["lr"] and after[-1]["lr"] < after[0]["lr"]  # restart, decay again
+    assert (
+        after[0]["lr"] > 100 * before[-1]["lr"] and after[-1]["lr"] < after[0]["lr"]
+    )  # restart, decay again
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_00000008"
     longer = weights(out / "final" / "decoder")
     assert any(not torch.equal(first[k], longer[k]) for k in first)
@@ -157,15 +234,24 @@ def test_finished_run_continues_to_more_steps(tmp_path):
 
 def test_accumulation_matches_big_batch(tmp_path):
     common = ["train.max_steps=2", "train.ema=false", "train.warmup_steps=0"]
-    assert train("decoder", tmp_path / "acc", *common, "data.batch_size=1", "train.grad_accum_steps=8") == 0
-    assert train("decoder", tmp_path / "big", *common, "data.batch_size=8", "train.grad_accum_steps=1") == 0
+    assert (
+        train("decoder", tmp_path / "acc", *common, "data.batch_size=1", "train.grad_accum_steps=8")
+        == 0
+    )
+    assert (
+        train("decoder", tmp_path / "big", *common, "data.batch_size=8", "train.grad_accum_steps=1")
+        == 0
+    )
     assert train("decoder", tmp_path / "init", "train.max_steps=0", "train.ema=false") == 0
     w = {n: weights(tmp_path / n / "final" / "decoder") for n in ("init", "acc", "big")}
     # compare the whole update (final - init), not single weights: AdamW's second step divides by
     # sqrt(v), and where two steps' gradients nearly cancel it magnifies float summation-order noise
     # (batch 1 vs batch 8 convolutions) in a few elements to ~3 % of lr. A wrong accumulation (other
     # data, stepping every micro-batch) changes the update by tens of percent.
-    update = {n: torch.cat([(w[n][k] - w["init"][k]).flatten() for k in w["init"]]) for n in ("acc", "big")}
+    update = {
+        n: torch.cat([(w[n][k] - w["init"][k]).flatten() for k in w["init"]])
+        for n in ("acc", "big")
+    }
     assert float((update["acc"] - update["big"]).norm() / update["big"].norm()) < 1e-3
     init_changed = metrics(tmp_path / "acc")[-2]["loss"]
     assert init_changed == pytest.approx(metrics(tmp_path / "big")[-2]["loss"], rel=1e-4)
@@ -175,9 +261,19 @@ def test_accumulation_matches_big_batch(tmp_path):
 def test_two_process_torchrun_gloo(tmp_path, powersgd):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "train_decoder.py"), str(CFG["decoder"]), f"train.output_dir={out}", "train.max_steps=3",
-           "train.progress=false", f"train.powersgd_rank={powersgd}", "train.powersgd_start_step=2"]
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "train_decoder.py"),
+        str(CFG["decoder"]),
+        f"train.output_dir={out}",
+        "train.max_steps=3",
+        "train.progress=false",
+        f"train.powersgd_rank={powersgd}",
+        "train.powersgd_start_step=2",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sums = json.loads((out / "rank_checksums.json").read_text())
@@ -194,10 +290,12 @@ def _corrupt_shard(path: Path, good_dir: Path):
     import io
 
     with tarfile.open(path, "w") as tar:
+
         def add(name, data):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
         add("bad0.jpg", b"\xff\xd8\xff garbage")
         add("bad0.txt", b"a red circle")
         add("bad1.png", (good_dir / sorted(p.name for p in good_dir.glob("*.png"))[0]).read_bytes())
@@ -207,13 +305,23 @@ def _corrupt_shard(path: Path, good_dir: Path):
 
 
 def test_corrupt_samples_are_skipped_and_counted(tmp_path):
-    from unclip.data.shapes import write_shapes
+    from unclip.shapes.world import write_shapes
 
     write_shapes(tmp_path / "imgs", 8, resolution=16, format="folder", progress=False)
     shard = tmp_path / "shard-00000.tar"
     _corrupt_shard(shard, tmp_path / "imgs")
-    assert train("decoder", tmp_path / "r", "data.source=webdataset", f"data.path={shard}", "data.batch_size=4",
-                 "data.shuffle_buffer=1", "train.max_steps=2") == 0
+    assert (
+        train(
+            "decoder",
+            tmp_path / "r",
+            "data.source=webdataset",
+            f"data.path={shard}",
+            "data.batch_size=4",
+            "data.shuffle_buffer=1",
+            "train.max_steps=2",
+        )
+        == 0
+    )
     last = metrics(tmp_path / "r")[-1]
     assert last["skipped_data_total"] == 2
 
@@ -222,27 +330,49 @@ def test_gradient_checkpointing_gives_the_same_training(tmp_path):
     common = ["train.max_steps=2", "train.ema=false", "train.warmup_steps=0"]
     assert train("decoder", tmp_path / "a", *common) == 0
     assert train("decoder", tmp_path / "b", *common, "train.gradient_checkpointing=true") == 0
-    a, b = weights(tmp_path / "a" / "final" / "decoder"), weights(tmp_path / "b" / "final" / "decoder")
+    a, b = (
+        weights(tmp_path / "a" / "final" / "decoder"),
+        weights(tmp_path / "b" / "final" / "decoder"),
+    )
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
 def test_nonfinite_steps_are_skipped_then_stop(tmp_path):
     with pytest.raises(NonFiniteError, match="3 consecutive optimizer steps had a non-finite"):
-        train("decoder", tmp_path / "r", "train.lr=1e30", "train.warmup_steps=0", "train.max_steps=50",
-              "train.max_consecutive_nonfinite=3", "train.checkpoint_every=100")
+        train(
+            "decoder",
+            tmp_path / "r",
+            "train.lr=1e30",
+            "train.warmup_steps=0",
+            "train.max_steps=50",
+            "train.max_consecutive_nonfinite=3",
+            "train.checkpoint_every=100",
+        )
     ckpts = list((tmp_path / "r" / "checkpoints").glob("step_*"))
     assert len(ckpts) == 1  # the state at the stop is kept
 
 
 def test_bf16_mixed_precision_on_cpu(tmp_path):
-    assert train("decoder", tmp_path / "r", "train.mixed_precision=bf16", "train.max_steps=2", "train.log_every=1") == 0
+    assert (
+        train(
+            "decoder",
+            tmp_path / "r",
+            "train.mixed_precision=bf16",
+            "train.max_steps=2",
+            "train.log_every=1",
+        )
+        == 0
+    )
     assert all(map(lambda x: x == x, losses(tmp_path / "r")))
 
 
 def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
-    from unclip import training
+    from unclip.train import loop as training
 
-    assert training.auto_mixed_precision("no") == "no" and training.auto_mixed_precision("bf16") == "bf16"
+    assert (
+        training.auto_mixed_precision("no") == "no"
+        and training.auto_mixed_precision("bf16") == "bf16"
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     expected = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
     assert training.native_cpu_bf16() == (expected == "bf16")
@@ -252,7 +382,9 @@ def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert training.auto_mixed_precision("auto") == "fp16"
     # a loop that trains on the CPU of a GPU machine (train-clip) gets the CPU's choice
-    assert training.auto_mixed_precision("auto", gpu=False) == ("no" if expected == "bf16" else "bf16")
+    assert training.auto_mixed_precision("auto", gpu=False) == (
+        "no" if expected == "bf16" else "bf16"
+    )
 
 
 def test_warmup_cosine_schedule():
@@ -274,7 +406,9 @@ def test_low_res_corruptions():
     assert hf(blur) < hf(sharp)
     bsr = degrade(x, 16, "bsr", [torch.Generator().manual_seed(i) for i in range(2)])
     assert bsr.shape == (2, 3, 16, 16) and bsr.abs().max() <= 1
-    assert not torch.allclose(bsr[0], degrade(x, 16, "bsr", [torch.Generator().manual_seed(5)] * 2)[0])
+    assert not torch.allclose(
+        bsr[0], degrade(x, 16, "bsr", [torch.Generator().manual_seed(5)] * 2)[0]
+    )
     assert torch.allclose(gaussian_blur(x, torch.zeros(2)), x, atol=1e-6)
     with pytest.raises(ValueError, match="unknown low-res corruption"):
         degrade(x, 16, "jpeg", g)

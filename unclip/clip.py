@@ -14,11 +14,12 @@ Loading never downloads unless ``pretrained`` is an open_clip hub tag (e.g. ``"o
     clip = FrozenCLIP.from_config(ClipConfig("ViT-L-14", pretrained="/models/vit-l-14.safetensors"))
     clip = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=TINY_CFG))   # custom, random init
 
-Weights converted from diffusers/Karlo (:mod:`unclip.convert`) set ``normalize_embeds=False`` (Karlo feeds
+Weights converted from diffusers/Karlo (:mod:`unclip.interop.diffusers`) set ``normalize_embeds=False`` (Karlo feeds
 the raw projected CLIP embeddings to its prior and decoder), use :class:`CompatTokenizer` (the text
 handling of transformers' ``CLIPTokenizer``) and, without an image tower in the source folder,
 ``has_vision=False`` (``encode_image`` then raises).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,21 +28,27 @@ import os
 import re
 import unicodedata
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
-
-import torch
-import torch.nn.functional as F
-from PIL import Image
+from typing import Union
 
 import open_clip
+import torch
+import torch.nn.functional as F
 from open_clip.model import CLIP, CustomTextCLIP
 from open_clip.tokenizer import SimpleTokenizer
+from PIL import Image
 
-from .config import ClipConfig
+from unclip.config import ClipConfig
 
-__all__ = ["FrozenCLIP", "TextEncoding", "CompatTokenizer", "check_prompts", "closed_vocabulary_ids"]
+__all__ = [
+    "FrozenCLIP",
+    "TextEncoding",
+    "CompatTokenizer",
+    "check_prompts",
+    "closed_vocabulary_ids",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -58,17 +65,32 @@ class TextEncoding:
     def __len__(self) -> int:
         return self.text_embed.shape[0]
 
-    def repeat_interleave(self, n: int) -> "TextEncoding":
+    def repeat_interleave(self, n: int) -> TextEncoding:
         """Each row repeated ``n`` times in place (for ``num_images_per_prompt``)."""
         if n == 1:
             return self
-        return TextEncoding(*(t.repeat_interleave(n, dim=0) for t in (self.text_embed, self.text_tokens, self.text_mask)))
+        return TextEncoding(
+            *(
+                t.repeat_interleave(n, dim=0)
+                for t in (self.text_embed, self.text_tokens, self.text_mask)
+            )
+        )
 
-    def to(self, *args, **kwargs) -> "TextEncoding":
-        return TextEncoding(self.text_embed.to(*args, **kwargs), self.text_tokens.to(*args, **kwargs),
-                            self.text_mask.to(kwargs.get("device", args[0] if args and not isinstance(args[0], torch.dtype) else self.text_mask.device)))
+    def to(self, *args, **kwargs) -> TextEncoding:
+        return TextEncoding(
+            self.text_embed.to(*args, **kwargs),
+            self.text_tokens.to(*args, **kwargs),
+            self.text_mask.to(
+                kwargs.get(
+                    "device",
+                    args[0]
+                    if args and not isinstance(args[0], torch.dtype)
+                    else self.text_mask.device,
+                )
+            ),
+        )
 
-    def __getitem__(self, idx) -> "TextEncoding":
+    def __getitem__(self, idx) -> TextEncoding:
         return TextEncoding(self.text_embed[idx], self.text_tokens[idx], self.text_mask[idx])
 
 
@@ -79,7 +101,9 @@ def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> li
     elif isinstance(prompt, (list, tuple)):
         prompts = list(prompt)
     else:
-        raise TypeError(f"{what} must be a string or a list of strings, got {type(prompt).__name__}")
+        raise TypeError(
+            f"{what} must be a string or a list of strings, got {type(prompt).__name__}"
+        )
     if not prompts:
         raise ValueError(f"{what} list is empty: pass at least one string")
     for i, p in enumerate(prompts):
@@ -99,18 +123,33 @@ def _build_model(model_cfg: dict) -> torch.nn.Module:
 class FrozenCLIP(torch.nn.Module):
     """A frozen open_clip model with the tokenizer and preprocessing unCLIP needs (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, model_name: str, model_cfg: dict,
-                 pretrained: str | None = None, *, normalize_embeds: bool = True, has_vision: bool = True,
-                 tokenizer_cfg: dict | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        model_name: str,
+        model_cfg: dict,
+        pretrained: str | None = None,
+        *,
+        normalize_embeds: bool = True,
+        has_vision: bool = True,
+        tokenizer_cfg: dict | None = None,
+    ):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_cfg = model_cfg
         self.pretrained = pretrained
-        self.normalize_embeds = bool(normalize_embeds)  # L2-normalise text/image embeddings (Karlo: False)
-        self.has_vision = bool(has_vision)  # False: the image tower is a placeholder without weights
-        self.tokenizer_cfg = tokenizer_cfg  # None: open_clip's SimpleTokenizer; else CompatTokenizer kwargs
+        self.normalize_embeds = bool(
+            normalize_embeds
+        )  # L2-normalise text/image embeddings (Karlo: False)
+        self.has_vision = bool(
+            has_vision
+        )  # False: the image tower is a placeholder without weights
+        self.tokenizer_cfg = (
+            tokenizer_cfg  # None: open_clip's SimpleTokenizer; else CompatTokenizer kwargs
+        )
         # closed vocabulary: the token ids whose embedding rows the weights file holds (None: all of them);
         # see save_pretrained(keep_tokens=...)
         self.kept_token_ids: torch.Tensor | None = None
@@ -120,12 +159,13 @@ class FrozenCLIP(torch.nn.Module):
         pp = getattr(visual, "preprocess_cfg", None) or {}
         self.image_mean = tuple(pp.get("mean", open_clip.OPENAI_DATASET_MEAN))
         self.image_std = tuple(pp.get("std", open_clip.OPENAI_DATASET_STD))
-        self.preprocess = open_clip.image_transform(self.image_size, is_train=False,
-                                                     mean=self.image_mean, std=self.image_std)
+        self.preprocess = open_clip.image_transform(
+            self.image_size, is_train=False, mean=self.image_mean, std=self.image_std
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, cfg: ClipConfig) -> "FrozenCLIP":
+    def from_config(cls, cfg: ClipConfig) -> FrozenCLIP:
         """Build from a :class:`ClipConfig` (model name + tag/local path, or a custom ``model_cfg``)."""
         if cfg.model_cfg is not None:
             model_cfg = copy.deepcopy(cfg.model_cfg)
@@ -134,7 +174,8 @@ class FrozenCLIP(torch.nn.Module):
             if model_cfg is None:
                 raise ValueError(
                     f"unknown open_clip model name {cfg.model_name!r}; use one of open_clip.list_models() "
-                    f"(e.g. 'ViT-L-14') or give clip.model_cfg for a custom architecture")
+                    f"(e.g. 'ViT-L-14') or give clip.model_cfg for a custom architecture"
+                )
         model = _build_model(model_cfg)
         if cfg.pretrained:
             _load_pretrained(model, cfg.model_name, cfg.pretrained)
@@ -142,13 +183,15 @@ class FrozenCLIP(torch.nn.Module):
         return cls(model, tokenizer, cfg.model_name, model_cfg, cfg.pretrained)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "FrozenCLIP":
+    def from_pretrained(cls, path: str | os.PathLike) -> FrozenCLIP:
         """Load a folder written by :meth:`save_pretrained` (``config.json`` + ``model.safetensors``)."""
         path = Path(path)
         cfg_file = path / CONFIG_NAME
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"CLIP folder {path} has no {CONFIG_NAME}; expected a folder written by "
-                                    f"FrozenCLIP.save_pretrained")
+            raise FileNotFoundError(
+                f"CLIP folder {path} has no {CONFIG_NAME}; expected a folder written by "
+                f"FrozenCLIP.save_pretrained"
+            )
         meta = json.loads(cfg_file.read_text())
         model = _build_model(meta["model_cfg"])
         weights = path / WEIGHTS_NAME
@@ -158,16 +201,29 @@ class FrozenCLIP(torch.nn.Module):
         elif meta.get("pretrained"):
             _load_pretrained(model, meta["model_name"], meta["pretrained"])
         else:
-            raise FileNotFoundError(f"CLIP weights missing: provide {weights} (or set 'pretrained' in {cfg_file})")
+            raise FileNotFoundError(
+                f"CLIP weights missing: provide {weights} (or set 'pretrained' in {cfg_file})"
+            )
         tok_cfg = meta.get("tokenizer")
-        clip = cls(model, _make_tokenizer(meta["model_name"], meta["model_cfg"], tok_cfg), meta["model_name"],
-                   meta["model_cfg"], meta.get("pretrained"), normalize_embeds=meta.get("normalize_embeds", True),
-                   has_vision=meta.get("has_vision", True), tokenizer_cfg=tok_cfg)
+        clip = cls(
+            model,
+            _make_tokenizer(meta["model_name"], meta["model_cfg"], tok_cfg),
+            meta["model_name"],
+            meta["model_cfg"],
+            meta.get("pretrained"),
+            normalize_embeds=meta.get("normalize_embeds", True),
+            has_vision=meta.get("has_vision", True),
+            tokenizer_cfg=tok_cfg,
+        )
         clip.kept_token_ids = kept
         return clip
 
-    def save_pretrained(self, path: str | os.PathLike, save_weights: bool = True,
-                        keep_tokens: Sequence[int] | torch.Tensor | None = None) -> None:
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        save_weights: bool = True,
+        keep_tokens: Sequence[int] | torch.Tensor | None = None,
+    ) -> None:
         """Write ``config.json`` and (by default) ``model.safetensors`` to ``path``.
 
         ``keep_tokens``: store only these rows of the token-embedding table (a closed vocabulary, e.g. the
@@ -181,18 +237,29 @@ class FrozenCLIP(torch.nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        ids = self.kept_token_ids if keep_tokens is None else torch.as_tensor(keep_tokens, dtype=torch.int64)
+        ids = (
+            self.kept_token_ids
+            if keep_tokens is None
+            else torch.as_tensor(keep_tokens, dtype=torch.int64)
+        )
         if ids is not None:
             ids = torch.unique(ids.to(torch.int64).flatten())  # sorted
             vocab = self.model.state_dict()[_token_table_key(self.model.state_dict())].shape[0]
             if ids.numel() == 0 or ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(f"keep_tokens must be a non-empty set of token ids in [0, {vocab}), got "
-                                 f"{ids.numel()} ids in [{ids.min() if ids.numel() else '-'}, "
-                                 f"{ids.max() if ids.numel() else '-'}]")
-        meta = {"model_name": self.model_name, "model_cfg": self.model_cfg,
-                "pretrained": None if save_weights else self.pretrained,
-                "normalize_embeds": self.normalize_embeds, "has_vision": self.has_vision,
-                "tokenizer": self.tokenizer_cfg, "kept_tokens": None if ids is None else int(ids.numel())}
+                raise ValueError(
+                    f"keep_tokens must be a non-empty set of token ids in [0, {vocab}), got "
+                    f"{ids.numel()} ids in [{ids.min() if ids.numel() else '-'}, "
+                    f"{ids.max() if ids.numel() else '-'}]"
+                )
+        meta = {
+            "model_name": self.model_name,
+            "model_cfg": self.model_cfg,
+            "pretrained": None if save_weights else self.pretrained,
+            "normalize_embeds": self.normalize_embeds,
+            "has_vision": self.has_vision,
+            "tokenizer": self.tokenizer_cfg,
+            "kept_tokens": None if ids is None else int(ids.numel()),
+        }
         (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
         if save_weights:
             state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
@@ -234,10 +301,15 @@ class FrozenCLIP(torch.nn.Module):
         if warn and self.kept_token_ids is not None:
             unknown = ~torch.isin(tokens, self.kept_token_ids)
             if unknown.any():
-                words = sorted({self.tokenizer.decode([int(i)]).strip() for i in tokens[unknown].tolist()})
-                warnings.warn(f"this CLIP keeps a closed vocabulary ({self.kept_token_ids.numel()} tokens); "
-                              f"{words} are outside it and read as zero embeddings, so prompts with them are "
-                              f"not understood", stacklevel=3)
+                words = sorted(
+                    {self.tokenizer.decode([int(i)]).strip() for i in tokens[unknown].tolist()}
+                )
+                warnings.warn(
+                    f"this CLIP keeps a closed vocabulary ({self.kept_token_ids.numel()} tokens); "
+                    f"{words} are outside it and read as zero embeddings, so prompts with them are "
+                    f"not understood",
+                    stacklevel=3,
+                )
         if warn and isinstance(self.tokenizer, SimpleTokenizer):
             limit = self.context_length - 2  # start and end tokens
             for p in prompts:
@@ -245,8 +317,11 @@ class FrozenCLIP(torch.nn.Module):
                 if len(ids) > limit:
                     kept = self.tokenizer.decode(ids[:limit]).strip()
                     cut = self.tokenizer.decode(ids[limit:]).strip()
-                    warnings.warn(f"prompt truncated to {self.context_length} tokens: kept {kept!r}, "
-                                  f"cut {cut!r}", stacklevel=3)
+                    warnings.warn(
+                        f"prompt truncated to {self.context_length} tokens: kept {kept!r}, "
+                        f"cut {cut!r}",
+                        stacklevel=3,
+                    )
         return tokens
 
     @torch.no_grad()
@@ -260,11 +335,15 @@ class FrozenCLIP(torch.nn.Module):
             x = m.token_embedding(ids).to(cast) + m.positional_embedding.to(cast)
             x = m.transformer(x, attn_mask=m.attn_mask)
             tokens = m.ln_final(x)
-            pooled = open_clip.transformer.text_global_pool(tokens, ids, m.text_pool_type,
-                                                            eos_token_id=getattr(m, "text_eos_id", None))
+            pooled = open_clip.transformer.text_global_pool(
+                tokens, ids, m.text_pool_type, eos_token_id=getattr(m, "text_eos_id", None)
+            )
             if m.text_projection is not None:
-                pooled = m.text_projection(pooled) if isinstance(m.text_projection, torch.nn.Linear) \
+                pooled = (
+                    m.text_projection(pooled)
+                    if isinstance(m.text_projection, torch.nn.Linear)
                     else pooled @ m.text_projection
+                )
         else:  # CustomTextCLIP with an open_clip TextTransformer
             text = m.text
             old = getattr(text, "output_tokens", False)
@@ -273,7 +352,9 @@ class FrozenCLIP(torch.nn.Module):
                 pooled, tokens = text(ids)
             finally:
                 text.output_tokens = old
-        if isinstance(self.tokenizer, SimpleTokenizer):  # real tokens: everything up to the first end token
+        if isinstance(
+            self.tokenizer, SimpleTokenizer
+        ):  # real tokens: everything up to the first end token
             is_eot = ids == self.tokenizer.eot_token_id
             last = torch.where(is_eot.any(1), is_eot.int().argmax(1), ids.shape[1] - 1)
             mask = torch.arange(ids.shape[1], device=ids.device)[None] <= last[:, None]
@@ -295,7 +376,7 @@ class FrozenCLIP(torch.nn.Module):
         if (nh, nw) != (h, w):
             x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
         top, left = (nh - self.image_size) // 2, (nw - self.image_size) // 2
-        x = x[..., top:top + self.image_size, left:left + self.image_size].clamp(0, 1)
+        x = x[..., top : top + self.image_size, left : left + self.image_size].clamp(0, 1)
         mean = torch.tensor(self.image_mean, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(self.image_std, device=x.device).view(1, 3, 1, 1)
         return (x - mean) / std
@@ -304,19 +385,29 @@ class FrozenCLIP(torch.nn.Module):
     def encode_image(self, images) -> torch.Tensor:
         """PIL image(s) or a ``[B, 3, H, W]`` tensor in [-1, 1] → ``image_embed [B, D]`` (unit norm)."""
         if not self.has_vision:
-            raise ValueError(f"CLIP {self.model_name!r} has no image-tower weights (it was converted from a "
-                             f"text-to-image diffusers/Karlo folder without image_encoder/), so it cannot embed "
-                             f"images (variations, reranking, CLIP scores); convert a folder that has "
-                             f"image_encoder/ (the image-variations layout) or pass image embeddings directly")
+            raise ValueError(
+                f"CLIP {self.model_name!r} has no image-tower weights (it was converted from a "
+                f"text-to-image diffusers/Karlo folder without image_encoder/), so it cannot embed "
+                f"images (variations, reranking, CLIP scores); convert a folder that has "
+                f"image_encoder/ (the image-variations layout) or pass image embeddings directly"
+            )
         if isinstance(images, Image.Image):
             images = [images]
         if isinstance(images, torch.Tensor):
             pixels = self.preprocess_tensor(images.to(self.device))
-        elif isinstance(images, (list, tuple)) and images and all(isinstance(i, Image.Image) for i in images):
-            pixels = torch.stack([self.preprocess(i.convert("RGB")) for i in images]).to(self.device)
+        elif (
+            isinstance(images, (list, tuple))
+            and images
+            and all(isinstance(i, Image.Image) for i in images)
+        ):
+            pixels = torch.stack([self.preprocess(i.convert("RGB")) for i in images]).to(
+                self.device
+            )
         else:
-            raise TypeError("images must be a PIL image, a non-empty list of PIL images, or a float tensor "
-                            "[B, 3, H, W] in [-1, 1]")
+            raise TypeError(
+                "images must be a PIL image, a non-empty list of PIL images, or a float tensor "
+                "[B, 3, H, W] in [-1, 1]"
+            )
         feats = self.model.encode_image(pixels.to(self.dtype))
         return F.normalize(feats.float(), dim=-1) if self.normalize_embeds else feats.float()
 
@@ -361,8 +452,8 @@ class CompatTokenizer(SimpleTokenizer):
         length = int(context_length or self.context_length)
         out = torch.full((len(texts), length), self.pad_token_id, dtype=torch.long)
         for i, text in enumerate(texts):
-            ids = [self.sot_token_id] + self.encode(text)[:length - 2] + [self.eot_token_id]
-            out[i, :len(ids)] = torch.tensor(ids)
+            ids = [self.sot_token_id] + self.encode(text)[: length - 2] + [self.eot_token_id]
+            out[i, : len(ids)] = torch.tensor(ids)
         return out
 
 
@@ -373,7 +464,9 @@ def _clean_nfc(text: str) -> str:
 def _make_tokenizer(model_name: str, model_cfg: dict, tokenizer_cfg: dict | None = None):
     text_cfg = model_cfg.get("text_cfg", {})
     if tokenizer_cfg is not None:
-        return CompatTokenizer(context_length=int(text_cfg.get("context_length", 77)), **tokenizer_cfg)
+        return CompatTokenizer(
+            context_length=int(text_cfg.get("context_length", 77)), **tokenizer_cfg
+        )
     if "hf_tokenizer_name" in text_cfg or "hf_model_name" in text_cfg:
         return open_clip.get_tokenizer(model_name)
     return SimpleTokenizer(context_length=int(text_cfg.get("context_length", 77)))
@@ -390,7 +483,7 @@ def _token_table_key(state: dict) -> str:
     return keys[0]
 
 
-def closed_vocabulary_ids(clip: "FrozenCLIP", words: Sequence[str]) -> torch.Tensor:
+def closed_vocabulary_ids(clip: FrozenCLIP, words: Sequence[str]) -> torch.Tensor:
     """The token ids a closed vocabulary of ``words`` can produce with ``clip``'s tokenizer (every word's
     tokens, the start/end tokens and the padding), for ``FrozenCLIP.save_pretrained(keep_tokens=...)``. The
     CLIP tokenizer splits text into words before BPE, so any sentence of these words (and ``,``) tokenizes
@@ -411,17 +504,25 @@ def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None
         key = _token_table_key(state)
         full = model.state_dict()[key]
         rows = state[key]
-        if kept.ndim != 1 or rows.shape != (kept.numel(), full.shape[1]) or kept.max() >= full.shape[0]:
-            raise ValueError(f"CLIP weights {file}: the closed-vocabulary token table {tuple(rows.shape)} with "
-                             f"{kept.numel()} ids does not fit the model's table {tuple(full.shape)}")
+        if (
+            kept.ndim != 1
+            or rows.shape != (kept.numel(), full.shape[1])
+            or kept.max() >= full.shape[0]
+        ):
+            raise ValueError(
+                f"CLIP weights {file}: the closed-vocabulary token table {tuple(rows.shape)} with "
+                f"{kept.numel()} ids does not fit the model's table {tuple(full.shape)}"
+            )
         table = torch.zeros(full.shape, dtype=rows.dtype)
         table[kept] = rows
         state[key] = table
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("attn_mask")]
     if missing or unexpected:
-        raise ValueError(f"CLIP weights {file} do not match the model config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"CLIP weights {file} do not match the model config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     return kept
 
 
@@ -434,8 +535,10 @@ def _load_pretrained(model: torch.nn.Module, model_name: str, pretrained: str) -
                 p = p / name
                 break
         else:
-            raise FileNotFoundError(f"no CLIP weights in folder {pretrained}: provide {p / WEIGHTS_NAME} "
-                                    f"or open_clip_model.safetensors")
+            raise FileNotFoundError(
+                f"no CLIP weights in folder {pretrained}: provide {p / WEIGHTS_NAME} "
+                f"or open_clip_model.safetensors"
+            )
     if p.is_file():
         if p.suffix == ".safetensors":
             _load_safetensors(model, p)
@@ -446,26 +549,45 @@ def _load_pretrained(model: torch.nn.Module, model_name: str, pretrained: str) -
         raise FileNotFoundError(f"CLIP weights file not found: {pretrained}")
     tags = open_clip.list_pretrained_tags_by_model(model_name)
     if pretrained not in tags:
-        raise ValueError(f"{pretrained!r} is neither a local weights path nor a pretrained tag of {model_name} "
-                         f"(tags: {tags})")
+        raise ValueError(
+            f"{pretrained!r} is neither a local weights path nor a pretrained tag of {model_name} "
+            f"(tags: {tags})"
+        )
     try:
         ckpt = open_clip.download_pretrained(open_clip.get_pretrained_cfg(model_name, pretrained))
     except Exception as exc:  # offline
         raise FileNotFoundError(
             f"could not download open_clip weights {model_name}/{pretrained} ({exc}); offline, download them "
-            f"elsewhere and pass the local file as clip.pretrained=/path/to/open_clip_model.safetensors") from exc
+            f"elsewhere and pass the local file as clip.pretrained=/path/to/open_clip_model.safetensors"
+        ) from exc
     if not ckpt:
         raise FileNotFoundError(f"could not fetch open_clip weights {model_name}/{pretrained}")
     open_clip.load_checkpoint(model, ckpt, weights_only=True)
 
 
-def tiny_clip_config(embed_dim: int = 32, width: int = 32, layers: int = 2, image_size: int = 32,
-                     context_length: int = 32, vocab_size: int = 49408) -> dict:
+def tiny_clip_config(
+    embed_dim: int = 32,
+    width: int = 32,
+    layers: int = 2,
+    image_size: int = 32,
+    context_length: int = 32,
+    vocab_size: int = 49408,
+) -> dict:
     """An open_clip model config for tests and small demos (a few hundred thousand parameters)."""
     return {
         "embed_dim": embed_dim,
-        "vision_cfg": {"image_size": image_size, "layers": layers, "width": width, "patch_size": 8,
-                       "head_width": 16},
-        "text_cfg": {"context_length": context_length, "vocab_size": vocab_size, "width": width,
-                     "heads": max(1, width // 16), "layers": layers},
+        "vision_cfg": {
+            "image_size": image_size,
+            "layers": layers,
+            "width": width,
+            "patch_size": 8,
+            "head_width": 16,
+        },
+        "text_cfg": {
+            "context_length": context_length,
+            "vocab_size": vocab_size,
+            "width": width,
+            "heads": max(1, width // 16),
+            "layers": layers,
+        },
     }

@@ -11,6 +11,7 @@ Example::
     cfg = load_config("configs/tiny/prior.yaml", overrides=["train.lr=3e-4", "data.batch_size=4"])
     print(to_yaml(cfg))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ __all__ = [
     "DecoderConfig",
     "UpsamplerConfig",
     "DiffusionConfig",
-    "SamplerConfig",
+    "SamplingConfig",
     "DataConfig",
     "TrainConfig",
     "StageConfig",
@@ -91,18 +92,32 @@ class DecoderConfig:
     block_out_channels: list[int] = field(default_factory=lambda: [512, 1024, 1536, 2048])
     layers_per_block: int = 3
     down_block_types: list[str] = field(
-        default_factory=lambda: ["ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D",
-                                 "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D"])
+        default_factory=lambda: [
+            "ResnetDownsampleBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+        ]
+    )
     up_block_types: list[str] = field(
-        default_factory=lambda: ["SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D",
-                                 "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"])
+        default_factory=lambda: [
+            "SimpleCrossAttnUpBlock2D",
+            "SimpleCrossAttnUpBlock2D",
+            "SimpleCrossAttnUpBlock2D",
+            "ResnetUpsampleBlock2D",
+        ]
+    )
     mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn"
     attention_head_dim: int = 64
     num_image_tokens: int = 4
     norm_num_groups: int = 32
     use_text_tokens: bool = True
-    coord_channels: bool = False  # x/y coordinate input channels (CoordConv); not in the paper or Karlo
-    embed_scale: float = 1.0  # multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones)
+    coord_channels: bool = (
+        False  # x/y coordinate input channels (CoordConv); not in the paper or Karlo
+    )
+    embed_scale: float = (
+        1.0  # multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones)
+    )
 
 
 @dataclass
@@ -119,9 +134,11 @@ class UpsamplerConfig:
     block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 960, 1280])
     layers_per_block: int = 3
     down_block_types: list[str] = field(
-        default_factory=lambda: ["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D"])
+        default_factory=lambda: ["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D"]
+    )
     up_block_types: list[str] = field(
-        default_factory=lambda: ["UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"])
+        default_factory=lambda: ["UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"]
+    )
     norm_num_groups: int = 32
     corruption: Literal["blur", "bsr", "none"] = "blur"
     blur_sigma: list[float] = field(default_factory=lambda: [0.4, 0.6])
@@ -141,7 +158,7 @@ class DiffusionConfig:
 
 
 @dataclass
-class SamplerConfig:
+class SamplingConfig:
     """Sampling settings of one stage: scheduler name, number of steps, guidance scale.
 
     ``scheduler`` is one of ``ddpm``, ``ddim``, ``dpm++`` (DPM-Solver++ multistep), ``unclip``.
@@ -167,7 +184,7 @@ class DataConfig:
     ``embeddings_path``: with ``source`` ``webdataset`` or ``folder``, the ``unclip embed`` output for exactly
     those images; each sample then carries its precomputed ``image_embed``/``text_embed`` (matched by key,
     tar shard ``i`` ↔ embedding shard ``i``) instead of running CLIP on it, and the shards are checked to
-    line up (``ValueError`` naming the shard and key otherwise); see :mod:`unclip.data.paired`.
+    line up (``ValueError`` naming the shard and key otherwise); see :mod:`unclip.train.data.paired`.
     """
 
     source: Literal["shapes", "folder", "webdataset", "embeddings"] = "shapes"
@@ -239,14 +256,17 @@ class StageConfig:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    sample: SamplerConfig = field(default_factory=SamplerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        section = {"prior": self.prior, "decoder": self.decoder, "upsampler": self.upsampler}[self.stage]
+        section = {"prior": self.prior, "decoder": self.decoder, "upsampler": self.upsampler}[
+            self.stage
+        ]
         if section is None:
             raise ConfigError(
                 f"stage is {self.stage!r} but the config has no '{self.stage}:' section; "
-                f"add one (see configs/tiny/{self.stage}.yaml for an example)")
+                f"add one (see configs/tiny/{self.stage}.yaml for an example)"
+            )
 
     @property
     def model(self):
@@ -263,8 +283,12 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-_SCALARS = {bool: ("true or false", (bool,)), int: ("an integer", (int,)), float: ("a number", (int, float)),
-            str: ("a string", (str,))}
+_SCALARS = {
+    bool: ("true or false", (bool,)),
+    int: ("an integer", (int,)),
+    float: ("a number", (int, float)),
+    str: ("a string", (str,)),
+}
 
 
 def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
@@ -292,13 +316,17 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{source}: '{where}' must be one of {list(args)}, got {value!r}{hint}")
+            raise ConfigError(
+                f"{source}: '{where}' must be one of {list(args)}, got {value!r}{hint}"
+            )
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{where}' must be a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(
+                f"{source}: '{where}' must be a mapping of {tp.__name__} fields, got {value!r}"
+            )
         return from_dict(tp, value, source=source, prefix=where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -328,8 +356,12 @@ def from_dict(cls: type, data: dict, *, source: str = "<dict>", prefix: str = ""
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else ""
-            raise ConfigError(f"{source}: unknown key '{where}'{hint} (valid keys here: {', '.join(names)})")
+            hint = (
+                f"; did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else ""
+            )
+            raise ConfigError(
+                f"{source}: unknown key '{where}'{hint} (valid keys here: {', '.join(names)})"
+            )
         kwargs[key] = _convert(value, hints[key], where, source)
     try:
         return cls(**kwargs)
@@ -364,12 +396,16 @@ def save_config(obj: Any, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], source: str = "command line") -> dict:
+def apply_overrides(
+    data: dict, overrides: list[str] | tuple[str, ...], source: str = "command line"
+) -> dict:
     """Apply dotted ``key.sub=value`` overrides to a plain dict; values are parsed as YAML scalars."""
     data = dict(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"{source}: override {item!r} must look like 'section.key=value' (e.g. train.lr=3e-4)")
+            raise ConfigError(
+                f"{source}: override {item!r} must look like 'section.key=value' (e.g. train.lr=3e-4)"
+            )
         dotted, raw = item.split("=", 1)
         keys = dotted.strip().split(".")
         if not all(keys):
@@ -393,8 +429,11 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], source: 
     return data
 
 
-def load_config(path: str | os.PathLike | dict | None = None, overrides: list[str] | tuple[str, ...] = (),
-                schema: type = StageConfig):
+def load_config(
+    path: str | os.PathLike | dict | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    schema: type = StageConfig,
+):
     """Load a YAML file (or a dict) into ``schema`` with dotted overrides applied, strictly.
 
     Raises :class:`ConfigError` naming the key, the file and the closest valid key on a misspelling.
@@ -406,13 +445,17 @@ def load_config(path: str | os.PathLike | dict | None = None, overrides: list[st
     else:
         source = str(path)
         if not Path(path).is_file():
-            raise ConfigError(f"config file not found: {source}; pass the path of a YAML file (see configs/)")
+            raise ConfigError(
+                f"config file not found: {source}; pass the path of a YAML file (see configs/)"
+            )
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
+            raise ConfigError(
+                f"{source}: top level must be a mapping of sections, got {type(data).__name__}"
+            )
     if overrides:
         data = apply_overrides(data, list(overrides))
         source = f"{source} (with overrides)"

@@ -17,6 +17,7 @@ no mid-block attention (``add_attention=False``) and does not clamp the bicubic-
 :func:`degrade` implements the training-time low-res corruption: Gaussian blur (first upsampler) or a
 BSR-style random degradation (second upsampler; Zhang et al. 2021).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,7 @@ from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
-from .clip import TextEncoding
+from unclip.clip import TextEncoding
 
 __all__ = ["UnCLIPDecoder", "UnCLIPUpsampler", "degrade", "gaussian_blur", "upsample_low_res"]
 
@@ -58,26 +59,53 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
     config_name = "config.json"
 
     @register_to_config
-    def __init__(self, embed_dim: int = 768, text_width: int = 768, sample_size: int = 64,
-                 block_out_channels: tuple = (320, 640, 960, 1280), layers_per_block: int = 3,
-                 down_block_types: tuple = ("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D",
-                                            "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D"),
-                 up_block_types: tuple = ("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D",
-                                          "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-                 mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn", attention_head_dim: int = 64,
-                 num_image_tokens: int = 4, norm_num_groups: int = 32, cross_attention_dim: Optional[int] = None,
-                 use_text_tokens: bool = True, learned_variance: bool = False, coord_channels: bool = False,
-                 embed_scale: float = 1.0):
+    def __init__(
+        self,
+        embed_dim: int = 768,
+        text_width: int = 768,
+        sample_size: int = 64,
+        block_out_channels: tuple = (320, 640, 960, 1280),
+        layers_per_block: int = 3,
+        down_block_types: tuple = (
+            "ResnetDownsampleBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+        ),
+        up_block_types: tuple = (
+            "SimpleCrossAttnUpBlock2D",
+            "SimpleCrossAttnUpBlock2D",
+            "SimpleCrossAttnUpBlock2D",
+            "ResnetUpsampleBlock2D",
+        ),
+        mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn",
+        attention_head_dim: int = 64,
+        num_image_tokens: int = 4,
+        norm_num_groups: int = 32,
+        cross_attention_dim: Optional[int] = None,
+        use_text_tokens: bool = True,
+        learned_variance: bool = False,
+        coord_channels: bool = False,
+        embed_scale: float = 1.0,
+    ):
         super().__init__()
         cross = cross_attention_dim or block_out_channels[-1]
         time_dim = block_out_channels[0] * 4
         self.unet = UNet2DConditionModel(
-            sample_size=sample_size, in_channels=5 if coord_channels else 3,
+            sample_size=sample_size,
+            in_channels=5 if coord_channels else 3,
             out_channels=6 if learned_variance else 3,
-            down_block_types=tuple(down_block_types), up_block_types=tuple(up_block_types),
-            mid_block_type=mid_block_type, block_out_channels=tuple(block_out_channels),
-            layers_per_block=layers_per_block, cross_attention_dim=cross, attention_head_dim=attention_head_dim,
-            norm_num_groups=norm_num_groups, class_embed_type="identity", resnet_time_scale_shift="scale_shift")
+            down_block_types=tuple(down_block_types),
+            up_block_types=tuple(up_block_types),
+            mid_block_type=mid_block_type,
+            block_out_channels=tuple(block_out_channels),
+            layers_per_block=layers_per_block,
+            cross_attention_dim=cross,
+            attention_head_dim=attention_head_dim,
+            norm_num_groups=norm_num_groups,
+            class_embed_type="identity",
+            resnet_time_scale_shift="scale_shift",
+        )
         self.null_image_embed = torch.nn.Parameter(torch.zeros(embed_dim))
         self.image_to_time = torch.nn.Linear(embed_dim, time_dim)
         self.text_to_time = torch.nn.Linear(embed_dim, time_dim)
@@ -89,14 +117,20 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
     def out_image_channels(self) -> int:
         return 3
 
-    def condition(self, image_embed: torch.Tensor, text: TextEncoding,
-                  drop_image: Optional[torch.Tensor] = None):
+    def condition(
+        self,
+        image_embed: torch.Tensor,
+        text: TextEncoding,
+        drop_image: Optional[torch.Tensor] = None,
+    ):
         """Context tokens ``[B, n+L, X]``, their mask ``[B, n+L]`` and the additive time embedding."""
         b = image_embed.shape[0]
         image_embed = image_embed.to(self.dtype)
         if drop_image is not None:
             null = self.null_image_embed.to(image_embed).expand(b, -1)
-            image_embed = torch.where(drop_image.view(b, 1).to(image_embed.device), null, image_embed)
+            image_embed = torch.where(
+                drop_image.view(b, 1).to(image_embed.device), null, image_embed
+            )
         text_embed = text.text_embed.to(self.dtype)
         if self.config.embed_scale != 1.0:
             image_embed = image_embed * self.config.embed_scale
@@ -111,9 +145,15 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
             mask = torch.cat([mask, text.text_mask.to(mask.device).bool()], dim=1)
         return tokens, mask, time_add
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, image_embed: Optional[torch.Tensor] = None,
-                text: Optional[TextEncoding] = None, drop_image: Optional[torch.Tensor] = None,
-                cond: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        image_embed: Optional[torch.Tensor] = None,
+        text: Optional[TextEncoding] = None,
+        drop_image: Optional[torch.Tensor] = None,
+        cond: Optional[tuple] = None,
+    ) -> torch.Tensor:
         """Predict the target for ``x_t``; pass ``cond`` (from :meth:`condition`) to reuse conditioning."""
         if cond is None:
             cond = self.condition(image_embed, text, drop_image)
@@ -121,11 +161,17 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         x = x_t.to(self.dtype)
         if self.config.coord_channels:
             x = torch.cat([x, coordinate_grid(x)], dim=1)
-        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=time_add,
-                         encoder_attention_mask=mask, return_dict=False)[0]
+        return self.unet(
+            x,
+            t,
+            encoder_hidden_states=tokens,
+            class_labels=time_add,
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
 
     @classmethod
-    def from_clip(cls, clip, **kwargs) -> "UnCLIPDecoder":
+    def from_clip(cls, clip, **kwargs) -> UnCLIPDecoder:
         """A decoder sized for ``clip`` (a :class:`~unclip.clip.FrozenCLIP`)."""
         return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, **kwargs)
 
@@ -140,32 +186,63 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
     config_name = "config.json"
 
     @register_to_config
-    def __init__(self, sample_size: int = 256, low_res_size: int = 64,
-                 block_out_channels: tuple = (320, 640, 960, 1280), layers_per_block: int = 3,
-                 down_block_types: tuple = ("DownBlock2D",) * 4, up_block_types: tuple = ("UpBlock2D",) * 4,
-                 norm_num_groups: int = 32, noise_level_conditioning: bool = True, noise_level: int = 0,
-                 final_step_model: bool = False, resnet_time_scale_shift: str = "scale_shift",
-                 add_attention: bool = True, clamp_low_res: bool = True):
+    def __init__(
+        self,
+        sample_size: int = 256,
+        low_res_size: int = 64,
+        block_out_channels: tuple = (320, 640, 960, 1280),
+        layers_per_block: int = 3,
+        down_block_types: tuple = ("DownBlock2D",) * 4,
+        up_block_types: tuple = ("UpBlock2D",) * 4,
+        norm_num_groups: int = 32,
+        noise_level_conditioning: bool = True,
+        noise_level: int = 0,
+        final_step_model: bool = False,
+        resnet_time_scale_shift: str = "scale_shift",
+        add_attention: bool = True,
+        clamp_low_res: bool = True,
+    ):
         super().__init__()
         if sample_size <= low_res_size:
-            raise ValueError(f"upsampler sample_size ({sample_size}) must exceed low_res_size ({low_res_size})")
+            raise ValueError(
+                f"upsampler sample_size ({sample_size}) must exceed low_res_size ({low_res_size})"
+            )
 
         def make():
             return UNet2DModel(
-                sample_size=sample_size, in_channels=6, out_channels=3, down_block_types=tuple(down_block_types),
-                up_block_types=tuple(up_block_types), block_out_channels=tuple(block_out_channels),
-                layers_per_block=layers_per_block, norm_num_groups=norm_num_groups,
+                sample_size=sample_size,
+                in_channels=6,
+                out_channels=3,
+                down_block_types=tuple(down_block_types),
+                up_block_types=tuple(up_block_types),
+                block_out_channels=tuple(block_out_channels),
+                layers_per_block=layers_per_block,
+                norm_num_groups=norm_num_groups,
                 class_embed_type="identity" if noise_level_conditioning else None,
-                resnet_time_scale_shift=resnet_time_scale_shift, add_attention=add_attention)
+                resnet_time_scale_shift=resnet_time_scale_shift,
+                add_attention=add_attention,
+            )
 
         self.unet = make()
         self.final_unet = make() if final_step_model else None
-        if noise_level_conditioning:  # sinusoidal features of the noise level → MLP, added to the time embedding
-            self.noise_level_proj = Timesteps(block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0)
-            self.noise_level_embedding = TimestepEmbedding(block_out_channels[0], block_out_channels[0] * 4)
+        if (
+            noise_level_conditioning
+        ):  # sinusoidal features of the noise level → MLP, added to the time embedding
+            self.noise_level_proj = Timesteps(
+                block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0
+            )
+            self.noise_level_embedding = TimestepEmbedding(
+                block_out_channels[0], block_out_channels[0] * 4
+            )
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, low_res_up: torch.Tensor,
-                noise_level: Optional[torch.Tensor] = None, final_step: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        low_res_up: torch.Tensor,
+        noise_level: Optional[torch.Tensor] = None,
+        final_step: bool = False,
+    ) -> torch.Tensor:
         unet = self.final_unet if (final_step and self.final_unet is not None) else self.unet
         x = torch.cat([x_t, low_res_up.to(x_t)], dim=1).to(self.dtype)
         labels = None
@@ -183,7 +260,9 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
 def upsample_low_res(low: torch.Tensor, size: int, clamp: bool = True) -> torch.Tensor:
     """Bicubic (antialiased) resize of ``[B, 3, h, w]`` to ``size × size``, clamped to [-1, 1] unless
     ``clamp=False`` (Karlo/diffusers keep the bicubic overshoot)."""
-    up = F.interpolate(low.float(), size=(size, size), mode="bicubic", align_corners=False, antialias=True)
+    up = F.interpolate(
+        low.float(), size=(size, size), mode="bicubic", align_corners=False, antialias=True
+    )
     return up.clamp(-1, 1) if clamp else up
 
 
@@ -203,7 +282,9 @@ def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return y.view(b, c, h, w).to(x.dtype)
 
 
-def degrade(high: torch.Tensor, low_res_size: int, mode: str, generators, blur_sigma=(0.4, 0.6)) -> torch.Tensor:
+def degrade(
+    high: torch.Tensor, low_res_size: int, mode: str, generators, blur_sigma=(0.4, 0.6)
+) -> torch.Tensor:
     """Training-time low-res conditioning from a high-res crop ``[B, 3, H, W]`` in [-1, 1].
 
     ``mode="blur"``: antialiased downsample then a Gaussian blur with σ ~ U(blur_sigma) (first upsampler).
@@ -213,8 +294,13 @@ def degrade(high: torch.Tensor, low_res_size: int, mode: str, generators, blur_s
     Random draws come from ``generators`` (one per sample). Returns ``[B, 3, low_res_size, low_res_size]``.
     """
     b = high.shape[0]
-    low = F.interpolate(high.float(), size=(low_res_size, low_res_size), mode="bicubic", antialias=True,
-                        align_corners=False)
+    low = F.interpolate(
+        high.float(),
+        size=(low_res_size, low_res_size),
+        mode="bicubic",
+        antialias=True,
+        align_corners=False,
+    )
     if mode == "none":
         return low.clamp(-1, 1)
     u = torch.stack([torch.rand(6, generator=g) for g in generators])  # [B, 6]
@@ -225,13 +311,19 @@ def degrade(high: torch.Tensor, low_res_size: int, mode: str, generators, blur_s
         raise ValueError(f"unknown low-res corruption {mode!r}; use blur, bsr or none")
     out = []
     for i in range(b):
-        x = high[i:i + 1].float()
+        x = high[i : i + 1].float()
         x = gaussian_blur(x, (0.2 + 2.8 * u[i, 0]).view(1) * (x.shape[-1] / low_res_size) ** 0.5)
         mid = int(low_res_size * (1.0 + 1.0 * float(u[i, 1])))
         mode_i = ("bilinear", "bicubic", "area")[int(u[i, 2] * 3) % 3]
         kw = {"align_corners": False} if mode_i != "area" else {}
         x = F.interpolate(x, size=(mid, mid), mode=mode_i, **kw)
-        x = F.interpolate(x, size=(low_res_size, low_res_size), mode="bicubic", antialias=True, align_corners=False)
+        x = F.interpolate(
+            x,
+            size=(low_res_size, low_res_size),
+            mode="bicubic",
+            antialias=True,
+            align_corners=False,
+        )
         g = generators[i]
         x = x + (float(u[i, 3]) * 0.1) * torch.randn(x.shape, generator=g)
         levels = 16 + int(u[i, 4] * 240)  # coarse colour quantisation, a cheap stand-in for JPEG

@@ -10,21 +10,30 @@ with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
 Guided and unguided passes run as one batch ``[uncond; cond]``; with ``s == 1`` the unconditional
 pass is skipped (it cancels exactly), so guidance 1 *is* the unguided path.
 """
+
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, UnCLIPScheduler)
+from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, UnCLIPScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
-from .config import DiffusionConfig
+from unclip.config import DiffusionConfig
 
-__all__ = ["SCHEDULERS", "make_scheduler", "training_scheduler", "diffusion_loss", "sample_loop",
-           "check_sampling_args", "Generator"]
+__all__ = [
+    "SCHEDULERS",
+    "make_scheduler",
+    "training_scheduler",
+    "diffusion_loss",
+    "sample_loop",
+    "check_sampling_args",
+    "Generator",
+]
 
 Generator = Optional[Union[torch.Generator, Sequence[torch.Generator]]]
 
@@ -34,64 +43,108 @@ SCHEDULERS = ("ddpm", "ddim", "dpm++", "unclip")
 def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: float) -> None:
     """Raise a clear error for an unknown sampler, ``steps < 1`` or ``guidance_scale < 0``."""
     if scheduler not in SCHEDULERS:
-        raise ValueError(f"{stage}: unknown sampler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        raise ValueError(
+            f"{stage}: unknown sampler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}"
+        )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{stage}: steps must be an integer >= 1, got {steps!r}")
     if scheduler == "unclip" and steps < 2:
-        raise ValueError(f"{stage}: the 'unclip' sampler needs steps >= 2 (got {steps}); use ddim for one step")
+        raise ValueError(
+            f"{stage}: the 'unclip' sampler needs steps >= 2 (got {steps}); use ddim for one step"
+        )
     if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
         raise ValueError(f"{stage}: guidance scale must be a number >= 0, got {guidance_scale!r}")
 
 
-def make_scheduler(name: str, diffusion: DiffusionConfig, *, clip_sample_range: Optional[float] = 1.0,
-                   learned_variance: bool = False):
+def make_scheduler(
+    name: str,
+    diffusion: DiffusionConfig,
+    *,
+    clip_sample_range: Optional[float] = 1.0,
+    learned_variance: bool = False,
+):
     """A diffusers scheduler for sampling, by name: ``ddpm``, ``ddim``, ``dpm++`` or ``unclip``.
 
     ``clip_sample_range`` clips predicted x_0 to ``[-r, r]`` (1 for images; None disables, e.g. for prior
     embeddings under DPM-Solver++). ``learned_variance``: the model outputs ``2C`` channels (mean,
     variance interpolation) as in Karlo's decoder; only ``ddpm``/``unclip`` use the variance half.
     """
-    common = dict(num_train_timesteps=diffusion.num_train_timesteps, beta_schedule=diffusion.beta_schedule)
+    common = dict(
+        num_train_timesteps=diffusion.num_train_timesteps, beta_schedule=diffusion.beta_schedule
+    )
     clip = clip_sample_range is not None
     rng = float(clip_sample_range or 1.0)
     pred = diffusion.prediction_type
     if name == "unclip":
         if diffusion.beta_schedule != "squaredcos_cap_v2" or pred == "v_prediction":
-            raise ValueError("the 'unclip' sampler needs beta_schedule squaredcos_cap_v2 and an epsilon or "
-                             "sample (x_0) model; use ddpm, ddim or dpm++")
-        return UnCLIPScheduler(variance_type="learned_range" if learned_variance else "fixed_small_log",
-                               clip_sample=clip, clip_sample_range=rng, prediction_type=pred,
-                               num_train_timesteps=diffusion.num_train_timesteps)
+            raise ValueError(
+                "the 'unclip' sampler needs beta_schedule squaredcos_cap_v2 and an epsilon or "
+                "sample (x_0) model; use ddpm, ddim or dpm++"
+            )
+        return UnCLIPScheduler(
+            variance_type="learned_range" if learned_variance else "fixed_small_log",
+            clip_sample=clip,
+            clip_sample_range=rng,
+            prediction_type=pred,
+            num_train_timesteps=diffusion.num_train_timesteps,
+        )
     if name == "ddpm":
-        return DDPMScheduler(**common, prediction_type=pred, clip_sample=clip, clip_sample_range=rng,
-                             variance_type="learned_range" if learned_variance else "fixed_small",
-                             timestep_spacing="trailing")
+        return DDPMScheduler(
+            **common,
+            prediction_type=pred,
+            clip_sample=clip,
+            clip_sample_range=rng,
+            variance_type="learned_range" if learned_variance else "fixed_small",
+            timestep_spacing="trailing",
+        )
     if name == "ddim":
-        return DDIMScheduler(**common, prediction_type=pred, clip_sample=clip, clip_sample_range=rng,
-                             timestep_spacing="trailing", set_alpha_to_one=False)
+        return DDIMScheduler(
+            **common,
+            prediction_type=pred,
+            clip_sample=clip,
+            clip_sample_range=rng,
+            timestep_spacing="trailing",
+            set_alpha_to_one=False,
+        )
     if name == "dpm++":
-        return DPMSolverMultistepScheduler(**common, prediction_type=pred, algorithm_type="dpmsolver++",
-                                           solver_order=2, timestep_spacing="trailing",
-                                           final_sigmas_type="zero")
+        return DPMSolverMultistepScheduler(
+            **common,
+            prediction_type=pred,
+            algorithm_type="dpmsolver++",
+            solver_order=2,
+            timestep_spacing="trailing",
+            final_sigmas_type="zero",
+        )
     raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SCHEDULERS)}")
 
 
 def training_scheduler(diffusion: DiffusionConfig) -> DDPMScheduler:
     """The forward (noising) process used in training: ``add_noise`` and ``get_velocity``."""
-    return DDPMScheduler(num_train_timesteps=diffusion.num_train_timesteps,
-                         beta_schedule=diffusion.beta_schedule, prediction_type=diffusion.prediction_type)
+    return DDPMScheduler(
+        num_train_timesteps=diffusion.num_train_timesteps,
+        beta_schedule=diffusion.beta_schedule,
+        prediction_type=diffusion.prediction_type,
+    )
 
 
-def _per_sample(fn: Callable[[torch.Generator], torch.Tensor], generators: Sequence[torch.Generator]):
+def _per_sample(
+    fn: Callable[[torch.Generator], torch.Tensor], generators: Sequence[torch.Generator]
+):
     return torch.stack([fn(g) for g in generators])
 
 
-def diffusion_loss(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_0: torch.Tensor,
-                   scheduler: DDPMScheduler, *, prediction_type: str = "epsilon",
-                   min_snr_gamma: Optional[float] = None,
-                   generators: Optional[Sequence[torch.Generator]] = None,
-                   t: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
-                   reduction: str = "mean") -> torch.Tensor:
+def diffusion_loss(
+    model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x_0: torch.Tensor,
+    scheduler: DDPMScheduler,
+    *,
+    prediction_type: str = "epsilon",
+    min_snr_gamma: Optional[float] = None,
+    generators: Optional[Sequence[torch.Generator]] = None,
+    t: Optional[torch.Tensor] = None,
+    noise: Optional[torch.Tensor] = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """Denoising loss ``|| target − model_fn(x_t, t) ||²`` on ``x_0 [B, ...]``.
 
     ``t ~ U{0, T-1}`` and ``eps ~ N(0, I)`` are drawn per sample from ``generators`` (one
@@ -111,7 +164,9 @@ def diffusion_loss(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
             t = torch.randint(0, T, (b,), device=cpu)
     if noise is None:
         if generators is not None:
-            noise = _per_sample(lambda g: torch.randn(x_0.shape[1:], generator=g, device=cpu), generators)
+            noise = _per_sample(
+                lambda g: torch.randn(x_0.shape[1:], generator=g, device=cpu), generators
+            )
         else:
             noise = torch.randn(x_0.shape, device=cpu)
     t = t.to(x_0.device)
@@ -125,15 +180,21 @@ def diffusion_loss(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     elif prediction_type == "v_prediction":
         target = scheduler.get_velocity(x_0, noise, t)
     else:
-        raise ValueError(f"unknown prediction_type {prediction_type!r}; use epsilon, sample or v_prediction")
+        raise ValueError(
+            f"unknown prediction_type {prediction_type!r}; use epsilon, sample or v_prediction"
+        )
     if pred.shape != target.shape:
-        raise ValueError(f"model output {tuple(pred.shape)} does not match the target {tuple(target.shape)}")
+        raise ValueError(
+            f"model output {tuple(pred.shape)} does not match the target {tuple(target.shape)}"
+        )
     loss = F.mse_loss(pred, target.float(), reduction="none").flatten(1).mean(1)
     if min_snr_gamma is not None:
         ac = scheduler.alphas_cumprod.to(x_0.device)[t].float()
         snr = ac / (1 - ac)
         clipped = torch.clamp(snr, max=float(min_snr_gamma))
-        weight = {"epsilon": clipped / snr, "sample": clipped, "v_prediction": clipped / (snr + 1)}[prediction_type]
+        weight = {"epsilon": clipped / snr, "sample": clipped, "v_prediction": clipped / (snr + 1)}[
+            prediction_type
+        ]
         loss = loss * weight
     return loss.mean() if reduction == "mean" else loss
 
@@ -148,12 +209,22 @@ def _step_kwargs(scheduler, generator, prev_timestep):
     return kwargs
 
 
-def sample_loop(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape: tuple, scheduler, *,
-                num_steps: int, guidance_scale: float, generator: Generator = None,
-                device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
-                latents: Optional[torch.Tensor] = None, learned_variance: bool = False,
-                progress: bool = True, desc: str = "sampling",
-                autocast_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def sample_loop(
+    denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shape: tuple,
+    scheduler,
+    *,
+    num_steps: int,
+    guidance_scale: float,
+    generator: Generator = None,
+    device: Union[str, torch.device] = "cpu",
+    dtype: torch.dtype = torch.float32,
+    latents: Optional[torch.Tensor] = None,
+    learned_variance: bool = False,
+    progress: bool = True,
+    desc: str = "sampling",
+    autocast_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """Run the reverse process from noise ``x_T`` of ``shape`` and return ``x_0``.
 
     ``denoise(x_in, t)`` returns the model output for ``x_in``; when ``guidance_scale != 1`` ``x_in`` is

@@ -11,13 +11,14 @@
 The unconditional input for classifier-free guidance is the CLIP encoding of the empty caption (as in
 Karlo and diffusers), so exported weights sample identically elsewhere.
 """
+
 from __future__ import annotations
 
 import torch
 from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 
-from .clip import TextEncoding
+from unclip.clip import TextEncoding
 
 __all__ = ["UnCLIPPrior"]
 
@@ -28,16 +29,31 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
     config_name = "config.json"
 
     @register_to_config
-    def __init__(self, embed_dim: int = 768, text_width: int = 768, context_length: int = 77,
-                 num_layers: int = 24, num_attention_heads: int = 32, attention_head_dim: int = 64,
-                 dropout: float = 0.0):
+    def __init__(
+        self,
+        embed_dim: int = 768,
+        text_width: int = 768,
+        context_length: int = 77,
+        num_layers: int = 24,
+        num_attention_heads: int = 32,
+        attention_head_dim: int = 64,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.transformer = PriorTransformer(
-            num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
-            num_layers=num_layers, embedding_dim=embed_dim, num_embeddings=context_length,
-            additional_embeddings=4, dropout=dropout)
-        self.text_token_proj = (torch.nn.Linear(text_width, embed_dim) if text_width != embed_dim
-                                else torch.nn.Identity())
+            num_attention_heads=num_attention_heads,
+            attention_head_dim=attention_head_dim,
+            num_layers=num_layers,
+            embedding_dim=embed_dim,
+            num_embeddings=context_length,
+            additional_embeddings=4,
+            dropout=dropout,
+        )
+        self.text_token_proj = (
+            torch.nn.Linear(text_width, embed_dim)
+            if text_width != embed_dim
+            else torch.nn.Identity()
+        )
         with torch.no_grad():  # identity statistics until set from data
             self.transformer.clip_std.fill_(1.0)
 
@@ -46,7 +62,9 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
         """Store the per-dimension mean/std ``[D]`` of the training image embeddings."""
         d = self.config.embed_dim
         if mean.shape[-1] != d or std.shape[-1] != d:
-            raise ValueError(f"embedding statistics must have {d} dims, got {tuple(mean.shape)} and {tuple(std.shape)}")
+            raise ValueError(
+                f"embedding statistics must have {d} dims, got {tuple(mean.shape)} and {tuple(std.shape)}"
+            )
         if not torch.isfinite(mean).all() or not torch.isfinite(std).all() or (std <= 0).any():
             raise ValueError("embedding statistics must be finite with std > 0")
         with torch.no_grad():
@@ -67,13 +85,22 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: TextEncoding) -> torch.Tensor:
         """``x_t [B, D]``, ``t [B]`` or scalar, ``text`` with ``B`` rows → predicted ``x_0 [B, D]``."""
         tokens = self.text_token_proj(text.text_tokens.to(self.dtype))
-        out = self.transformer(x_t.to(self.dtype), timestep=t, proj_embedding=text.text_embed.to(self.dtype),
-                               encoder_hidden_states=tokens, attention_mask=text.text_mask,
-                               return_dict=False)[0]
+        out = self.transformer(
+            x_t.to(self.dtype),
+            timestep=t,
+            proj_embedding=text.text_embed.to(self.dtype),
+            encoder_hidden_states=tokens,
+            attention_mask=text.text_mask,
+            return_dict=False,
+        )[0]
         return out
 
     @classmethod
-    def from_clip(cls, clip, **kwargs) -> "UnCLIPPrior":
+    def from_clip(cls, clip, **kwargs) -> UnCLIPPrior:
         """A prior sized for ``clip`` (a :class:`~unclip.clip.FrozenCLIP`)."""
-        return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, context_length=clip.context_length,
-                   **kwargs)
+        return cls(
+            embed_dim=clip.embed_dim,
+            text_width=clip.text_width,
+            context_length=clip.context_length,
+            **kwargs,
+        )

@@ -36,7 +36,7 @@ Metrics
   ``max(100·cos, 0)`` (torchmetrics) and mean ``2.5·max(cos, 0)`` (CLIP-S, Hessel et al. 2021). The
   evaluation CLIP defaults to the pipeline's own (conditioning) CLIP, which flatters the model; pass
   ``--clip-model`` to use another. ``--clip-fid``: Fréchet distance of (unit-norm) CLIP image features.
-* Shapes faithfulness (``--shapes``): :func:`unclip.data.shapes_eval.evaluate_images`; without
+* Shapes faithfulness (``--shapes``): :func:`unclip.shapes.detector.evaluate_images`; without
   ``--prompts``, prompts are drawn from the held-out split with ``--seed``.
 
 Zero-shot MS-COCO (unCLIP / Karlo protocol): ``--coco-captions captions_val2014.json`` samples
@@ -48,6 +48,7 @@ Bad input never yields a silent number: blank prompt lines and unreadable images
 counted in the report; non-UTF-8 prompt files, empty folders and reference sets smaller than the
 sample set (unless ``--allow-small-reference``) are errors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,10 +63,19 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from . import metrics as M
+from unclip.eval import metrics as M
 
-__all__ = ["main", "build_parser", "run", "read_prompts", "read_coco_captions", "shapes_prompts", "sample_seed",
-           "SampleScorer", "report_markdown"]
+__all__ = [
+    "main",
+    "build_parser",
+    "run",
+    "read_prompts",
+    "read_coco_captions",
+    "shapes_prompts",
+    "sample_seed",
+    "SampleScorer",
+    "report_markdown",
+]
 
 GRID_MAX = 64
 
@@ -85,8 +95,10 @@ def read_prompts(path) -> tuple[list[str], int]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}, line {lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
-                             f"{e.start + 1}); save the prompt file as UTF-8") from None
+            raise ValueError(
+                f"{path}, line {lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                f"{e.start + 1}); save the prompt file as UTF-8"
+            ) from None
         line = (line.lstrip("\ufeff") if lineno == 1 else line).strip()
         if line:
             prompts.append(line)
@@ -108,8 +120,10 @@ def read_coco_captions(path, num: int, seed: int) -> list[str]:
         raise ValueError(f"{path} is not a COCO captions JSON file: {e}") from None
     anns = data.get("annotations") if isinstance(data, dict) else None
     if not isinstance(anns, list) or not all(isinstance(a, dict) and "caption" in a for a in anns):
-        raise ValueError(f"{path} has no 'annotations' list of {{'caption': ...}} entries (expected e.g. "
-                         f"captions_val2014.json)")
+        raise ValueError(
+            f"{path} has no 'annotations' list of {{'caption': ...}} entries (expected e.g. "
+            f"captions_val2014.json)"
+        )
     anns = sorted(anns, key=lambda a: (a.get("id", 0), a.get("image_id", 0), a["caption"]))
     caps = [" ".join(str(a["caption"]).split()) for a in anns]
     caps = [c for c in caps if c]
@@ -120,7 +134,7 @@ def read_coco_captions(path, num: int, seed: int) -> list[str]:
 
 def shapes_prompts(num: int, seed: int) -> list[str]:
     """``num`` captions of the held-out shapes split (a pure function of ``seed``)."""
-    from .data.shapes import ShapesWorld
+    from unclip.shapes.world import ShapesWorld
 
     world = ShapesWorld(resolution=8, seed=seed, split="heldout")
     return [world[i].caption for i in range(num)]
@@ -135,8 +149,14 @@ def sample_seed(seed: int, index: int) -> int:
 class SampleScorer:
     """Accumulates everything the metrics need from batches of (uint8 ``[R, R, 3]`` images, captions)."""
 
-    def __init__(self, inception=None, clip=None, clip_fid: bool = False, shapes: bool = False,
-                 save_dir: Optional[Path] = None):
+    def __init__(
+        self,
+        inception=None,
+        clip=None,
+        clip_fid: bool = False,
+        shapes: bool = False,
+        save_dir: Optional[Path] = None,
+    ):
         self.inception, self.clip, self.clip_fid, self.shapes = inception, clip, clip_fid, shapes
         self.inc_stats, self.clip_stats = M.GaussianStats(), M.GaussianStats()
         self.cosines, self.shape_images, self.captions, self.grid = [], [], [], []
@@ -150,7 +170,7 @@ class SampleScorer:
                 Image.fromarray(a).save(self.save_dir / f"{i:06d}.png")
                 (self.save_dir / f"{i:06d}.txt").write_text(c + "\n", encoding="utf-8")
         self.captions += captions
-        self.grid += images[:max(0, GRID_MAX - len(self.grid))]
+        self.grid += images[: max(0, GRID_MAX - len(self.grid))]
         if self.inception is not None:
             self.inc_stats.update(M.inception_features(self.inception, images))
         if self.clip is not None:
@@ -162,13 +182,21 @@ class SampleScorer:
             self.shape_images += images
 
     def shapes_report(self) -> dict:
-        from .data.shapes_eval import evaluate_images
+        from unclip.shapes.detector import evaluate_images
 
         return evaluate_images(self.shape_images, self.captions)
 
 
-def _iter_generated(pipe, prompts: list[str], num: int, seed: int, batch_size: int, resolution: int,
-                    sampling: Optional[dict], progress: bool):
+def _iter_generated(
+    pipe,
+    prompts: list[str],
+    num: int,
+    seed: int,
+    batch_size: int,
+    resolution: int,
+    sampling: Optional[dict],
+    progress: bool,
+):
     bar = tqdm(total=num, desc="sampling", disable=not progress)
     for start in range(0, num, batch_size):
         idx = range(start, min(num, start + batch_size))
@@ -180,19 +208,27 @@ def _iter_generated(pipe, prompts: list[str], num: int, seed: int, batch_size: i
     bar.close()
 
 
-def _iter_folder(folder: Path, num: Optional[int], resolution: int, batch_size: int, skipped: list,
-                 progress: bool):
+def _iter_folder(
+    folder: Path,
+    num: Optional[int],
+    resolution: int,
+    batch_size: int,
+    skipped: list,
+    progress: bool,
+):
     files = M.list_images(folder)
     if not files:
         raise ValueError(f"samples folder {folder} contains no images")
     missing = [p for p in files if not p.with_suffix(".txt").is_file()]
     if missing:
-        raise ValueError(f"{len(missing)} samples in {folder} have no caption file, e.g. "
-                         f"{missing[0].with_suffix('.txt')}")
+        raise ValueError(
+            f"{len(missing)} samples in {folder} have no caption file, e.g. "
+            f"{missing[0].with_suffix('.txt')}"
+        )
     files = files[:num] if num else files
     for start in tqdm(range(0, len(files), batch_size), desc="samples", disable=not progress):
         imgs, caps = [], []
-        for p in files[start:start + batch_size]:
+        for p in files[start : start + batch_size]:
             arr = M.read_image(p, resolution)
             if arr is None:
                 skipped.append(str(p.relative_to(folder)))
@@ -222,14 +258,30 @@ def report_markdown(r: dict) -> str:
     rows = []
     if "fid" in r:
         f = r["fid"]
-        note = "" if f["comparable"] else " **NOT COMPARABLE (test Inception or non-standard features)**"
-        rows.append(("FID", f.get("value", f.get("not_computed")), f"{f['inception']}, {f['feature']}-d, "
-                     f"reference {f['reference_count']} images{note}"))
+        note = (
+            ""
+            if f["comparable"]
+            else " **NOT COMPARABLE (test Inception or non-standard features)**"
+        )
+        rows.append(
+            (
+                "FID",
+                f.get("value", f.get("not_computed")),
+                f"{f['inception']}, {f['feature']}-d, "
+                f"reference {f['reference_count']} images{note}",
+            )
+        )
     c = r.get("clip_score", {})
     if "clip_score_100" in c:
-        rows += [("CLIP score (100·cos)", c["clip_score_100"], c["model"]),
-                 ("CLIPScore (2.5·cos, Hessel)", c["clipscore_2.5"], c["model"]),
-                 ("CLIP cosine (mean)", c["cosine_mean"], f"{c['negative_count']} negative of {c['count']}")]
+        rows += [
+            ("CLIP score (100·cos)", c["clip_score_100"], c["model"]),
+            ("CLIPScore (2.5·cos, Hessel)", c["clipscore_2.5"], c["model"]),
+            (
+                "CLIP cosine (mean)",
+                c["cosine_mean"],
+                f"{c['negative_count']} negative of {c['count']}",
+            ),
+        ]
     elif c:
         rows.append(("CLIP score", c.get("not_computed"), ""))
     if "clip_fid" in r:
@@ -243,9 +295,14 @@ def report_markdown(r: dict) -> str:
         rows.append(("shapes: all correct", r["shapes"]["all"], f"{r['shapes']['count']} prompts"))
     for k, v in r["skipped"].items():
         rows.append((f"skipped: {k}", v, ""))
-    lines = [f"# Evaluation of `{r['model']}`", "",
-             f"{r['num_samples']} samples at {r['resolution']}px, seed {r['seed']}, prompts: {r['prompts']['source']}",
-             "", "| metric | value | details |", "| --- | --- | --- |"]
+    lines = [
+        f"# Evaluation of `{r['model']}`",
+        "",
+        f"{r['num_samples']} samples at {r['resolution']}px, seed {r['seed']}, prompts: {r['prompts']['source']}",
+        "",
+        "| metric | value | details |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {a} | {_fmt(b)} | {c} |" for a, b, c in rows]
     return "\n".join(lines + [""] + [f"- {w}" for w in r["warnings"]]) + "\n"
 
@@ -262,40 +319,73 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="unclip evaluate", description="FID, CLIP score, CLIP-FID and shapes "
-                                "faithfulness of a pipeline's samples (see the unclip.evaluate docs).")
+    p = argparse.ArgumentParser(
+        prog="unclip evaluate",
+        description="FID, CLIP score, CLIP-FID and shapes "
+        "faithfulness of a pipeline's samples (see the unclip.eval.evaluate docs).",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="pipeline folder")
-    src.add_argument("--samples", help="score existing images instead: folder of images with .txt captions")
+    src.add_argument(
+        "--samples", help="score existing images instead: folder of images with .txt captions"
+    )
     pr = p.add_mutually_exclusive_group()
     pr.add_argument("--prompts", help="UTF-8 text file, one prompt per line")
     pr.add_argument("--coco-captions", help="COCO captions JSON (e.g. captions_val2014.json)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--reference", help="reference image folder or stats .npz (enables FID)")
-    p.add_argument("--reference-cache", help="where to cache a folder's stats (default OUT/reference_stats.npz)")
+    p.add_argument(
+        "--reference-cache",
+        help="where to cache a folder's stats (default OUT/reference_stats.npz)",
+    )
     p.add_argument("--allow-small-reference", action="store_true")
-    p.add_argument("--num-samples", type=_positive, help="default: one per prompt; COCO 30000; shapes 500")
+    p.add_argument(
+        "--num-samples", type=_positive, help="default: one per prompt; COCO 30000; shapes 500"
+    )
     p.add_argument("--batch-size", type=_positive, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--inception", help=f"local {M.INCEPTION_FILE} (or .safetensors); 'random' = TEST ONLY")
-    p.add_argument("--inception-feature", type=int, default=2048, choices=(64, 192, 768, 2048),
-                   help="Inception layer; FID is defined on 2048 (smaller ones only for quick tests)")
-    p.add_argument("--clip-model", help="evaluation CLIP: open_clip model name, or a FrozenCLIP folder "
-                   "(default: the pipeline's own CLIP)")
-    p.add_argument("--clip-pretrained", help="local weights of --clip-model (or an open_clip tag: downloads)")
-    p.add_argument("--clip-fid", action="store_true", help="also Fréchet distance on CLIP image features")
-    p.add_argument("--shapes", action="store_true", help="shapes faithfulness (held-out prompts by default)")
-    p.add_argument("--resolution", type=int, default=256, help="evaluation side R (images resized + cropped)")
-    p.add_argument("--sampling", help='JSON (or a JSON file) of per-stage overrides, e.g. {"prior": {"steps": 10}}')
-    p.add_argument("--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt")
+    p.add_argument(
+        "--inception", help=f"local {M.INCEPTION_FILE} (or .safetensors); 'random' = TEST ONLY"
+    )
+    p.add_argument(
+        "--inception-feature",
+        type=int,
+        default=2048,
+        choices=(64, 192, 768, 2048),
+        help="Inception layer; FID is defined on 2048 (smaller ones only for quick tests)",
+    )
+    p.add_argument(
+        "--clip-model",
+        help="evaluation CLIP: open_clip model name, or a FrozenCLIP folder "
+        "(default: the pipeline's own CLIP)",
+    )
+    p.add_argument(
+        "--clip-pretrained", help="local weights of --clip-model (or an open_clip tag: downloads)"
+    )
+    p.add_argument(
+        "--clip-fid", action="store_true", help="also Fréchet distance on CLIP image features"
+    )
+    p.add_argument(
+        "--shapes", action="store_true", help="shapes faithfulness (held-out prompts by default)"
+    )
+    p.add_argument(
+        "--resolution", type=int, default=256, help="evaluation side R (images resized + cropped)"
+    )
+    p.add_argument(
+        "--sampling",
+        help='JSON (or a JSON file) of per-stage overrides, e.g. {"prior": {"steps": 10}}',
+    )
+    p.add_argument(
+        "--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def _load_clip(args, pipe):
-    from .clip import FrozenCLIP
-    from .config import ClipConfig
+    from unclip.clip import FrozenCLIP
+    from unclip.config import ClipConfig
 
     if args.clip_model:
         folder = Path(args.clip_model)
@@ -303,7 +393,9 @@ def _load_clip(args, pipe):
             clip = FrozenCLIP.from_pretrained(folder)
             return clip, f"{clip.model_name} from {folder}"
         if not args.clip_pretrained:
-            raise ValueError("--clip-model NAME needs --clip-pretrained PATH (a random CLIP scores nothing)")
+            raise ValueError(
+                "--clip-model NAME needs --clip-pretrained PATH (a random CLIP scores nothing)"
+            )
         clip = FrozenCLIP.from_config(ClipConfig(args.clip_model, pretrained=args.clip_pretrained))
         return clip, f"{args.clip_model} ({args.clip_pretrained})"
     if pipe is not None:
@@ -316,11 +408,15 @@ def _parse_sampling(text):
         return None
     path = Path(text)
     try:
-        value = json.loads(path.read_text() if not text.lstrip().startswith("{") and path.is_file() else text)
+        value = json.loads(
+            path.read_text() if not text.lstrip().startswith("{") and path.is_file() else text
+        )
     except json.JSONDecodeError as e:
         raise ValueError(f"--sampling is not valid JSON: {e}") from None
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError('--sampling must be a JSON object of per-stage objects, e.g. {"decoder": {"steps": 10}}')
+        raise ValueError(
+            '--sampling must be a JSON object of per-stage objects, e.g. {"decoder": {"steps": 10}}'
+        )
     return value
 
 
@@ -330,8 +426,16 @@ def run(args) -> dict:
     if args.resolution < 16:
         raise ValueError(f"--resolution must be >= 16, got {args.resolution}")
     out = Path(args.out)
-    warn, skipped, report = [], {}, {"model": args.model or args.samples, "seed": args.seed,
-                                     "resolution": args.resolution, "preprocessing": M.PREPROCESSING}
+    warn, skipped, report = (
+        [],
+        {},
+        {
+            "model": args.model or args.samples,
+            "seed": args.seed,
+            "resolution": args.resolution,
+            "preprocessing": M.PREPROCESSING,
+        },
+    )
     prompts, n = None, args.num_samples
     if args.model:
         if args.prompts:
@@ -340,7 +444,9 @@ def run(args) -> dict:
         elif args.coco_captions:
             n = n or 30000
             prompts = read_coco_captions(args.coco_captions, n, args.seed)
-            report["prompts"] = {"source": f"COCO {args.coco_captions} (sampled with seed {args.seed})"}
+            report["prompts"] = {
+                "source": f"COCO {args.coco_captions} (sampled with seed {args.seed})"
+            }
         elif args.shapes:
             n = n or 500
             prompts = shapes_prompts(n, args.seed)
@@ -349,15 +455,19 @@ def run(args) -> dict:
             raise ValueError("pass --prompts FILE, --coco-captions JSON or --shapes")
         n = n or len(prompts)
         if args.shapes:
-            from .data.shapes import parse_caption
+            from unclip.shapes.world import parse_caption
 
             for i, prompt in enumerate(prompts):
                 try:
                     parse_caption(prompt)
                 except ValueError as e:
-                    raise ValueError(f"--shapes: prompt {i + 1} is not a shapes caption: {e}") from None
+                    raise ValueError(
+                        f"--shapes: prompt {i + 1} is not a shapes caption: {e}"
+                    ) from None
     elif args.prompts or args.coco_captions:
-        raise ValueError("--samples takes the captions from DIR/*.txt; drop --prompts/--coco-captions")
+        raise ValueError(
+            "--samples takes the captions from DIR/*.txt; drop --prompts/--coco-captions"
+        )
     else:
         report["prompts"] = {"source": f"captions in {args.samples}"}
     if n is not None and n < 2 and args.reference:
@@ -365,14 +475,16 @@ def run(args) -> dict:
     sampling = _parse_sampling(args.sampling)
     pipe = None
     if args.model:
-        from .pipeline import UnCLIPPipeline
+        from unclip.pipeline import UnCLIPPipeline
 
         pipe = UnCLIPPipeline.from_pretrained(args.model).to(args.device)
         for stage in pipe.stage_names:
             pipe._settings(stage, sampling)  # unknown keys fail before any work
         report["sampling"] = {k: vars(pipe._settings(k, sampling)) for k in pipe.stage_names}
         if pipe.resolution < args.resolution:
-            warn.append(f"samples are {pipe.resolution}px, upsampled to {args.resolution}px for evaluation")
+            warn.append(
+                f"samples are {pipe.resolution}px, upsampled to {args.resolution}px for evaluation"
+            )
     clip, clip_name = _load_clip(args, pipe)
     if clip is not None:
         clip.to(args.device)
@@ -387,33 +499,59 @@ def run(args) -> dict:
         inception, inc_id = M.load_inception(args.inception, args.inception_feature)
         inception.to(args.device)
         if not inc_id["comparable"]:
-            warn.append(f"FID uses {inc_id['name']}, {inc_id['feature']}-d: NOT comparable with published FID")
+            warn.append(
+                f"FID uses {inc_id['name']}, {inc_id['feature']}-d: NOT comparable with published FID"
+            )
         cache = args.reference_cache or out / "reference_stats.npz"
         min_count = 0 if args.allow_small_reference else (n or 0)
-        ref_meta, ref = M.reference_stats(args.reference, cache, args.resolution, inception, inc_id,
-                                        clip if args.clip_fid else None, clip_id if args.clip_fid else None,
-                                        args.batch_size, min_count, not args.no_progress)
+        ref_meta, ref = M.reference_stats(
+            args.reference,
+            cache,
+            args.resolution,
+            inception,
+            inc_id,
+            clip if args.clip_fid else None,
+            clip_id if args.clip_fid else None,
+            args.batch_size,
+            min_count,
+            not args.no_progress,
+        )
         skipped["unreadable_reference_images"] = ref_meta.get("skipped", 0)
-    scorer = SampleScorer(inception, clip, args.clip_fid, args.shapes,
-                          out / "samples" if args.save_samples else None)
+    scorer = SampleScorer(
+        inception, clip, args.clip_fid, args.shapes, out / "samples" if args.save_samples else None
+    )
     if pipe is not None:
-        batches = _iter_generated(pipe, prompts, n, args.seed, args.batch_size, args.resolution, sampling,
-                                  not args.no_progress)
+        batches = _iter_generated(
+            pipe,
+            prompts,
+            n,
+            args.seed,
+            args.batch_size,
+            args.resolution,
+            sampling,
+            not args.no_progress,
+        )
     else:
         bad: list = []
-        batches = _iter_folder(Path(args.samples), n, args.resolution, args.batch_size, bad, not args.no_progress)
+        batches = _iter_folder(
+            Path(args.samples), n, args.resolution, args.batch_size, bad, not args.no_progress
+        )
     for images, caps in batches:
         scorer.add(images, caps)
     if pipe is None:
         skipped["unreadable_samples"] = len(bad)
         if not scorer.captions:
-            raise ValueError(f"no readable images in samples folder {args.samples} ({len(bad)} unreadable)")
+            raise ValueError(
+                f"no readable images in samples folder {args.samples} ({len(bad)} unreadable)"
+            )
         if args.reference and ref_meta.get("count") is not None and not args.allow_small_reference:
             M.check_reference_count(ref_meta["count"], len(scorer.captions), args.reference)
     n = len(scorer.captions)
     report.update(num_samples=n, batch_size=args.batch_size, skipped=skipped)
     if pipe is not None:
-        report["sample_seeds"] = "sample i: torch.Generator seeded with SeedSequence([seed, i]), prompt i mod P"
+        report["sample_seeds"] = (
+            "sample i: torch.Generator seeded with SeedSequence([seed, i]), prompt i mod P"
+        )
     if skipped.get("blank_prompt_lines"):
         warn.append(f"{skipped['blank_prompt_lines']} blank lines in the prompt file were skipped")
     if skipped.get("unreadable_samples") or skipped.get("unreadable_reference_images"):
@@ -421,24 +559,36 @@ def run(args) -> dict:
 
     if inception is not None:
         mu, sigma = scorer.inc_stats.mu_sigma()
-        report["fid"] = {"value": M.frechet_distance(mu, sigma, ref["mu"], ref["sigma"]), "inception": inc_id["name"],
-                         "inception_sha256": inc_id["sha256"], "feature": inc_id["feature"],
-                         "comparable": inc_id["comparable"], "reference": str(args.reference),
-                         "reference_count": ref_meta.get("count")}
+        report["fid"] = {
+            "value": M.frechet_distance(mu, sigma, ref["mu"], ref["sigma"]),
+            "inception": inc_id["name"],
+            "inception_sha256": inc_id["sha256"],
+            "feature": inc_id["feature"],
+            "comparable": inc_id["comparable"],
+            "reference": str(args.reference),
+            "reference_count": ref_meta.get("count"),
+        }
     else:
         warn.append("FID not computed: no --reference")
     if clip is not None:
-        report["clip_score"] = {"model": clip_name, **M.clip_score_summary(torch.cat(scorer.cosines))}
+        report["clip_score"] = {
+            "model": clip_name,
+            **M.clip_score_summary(torch.cat(scorer.cosines)),
+        }
         if args.clip_fid:
             mu, sigma = scorer.clip_stats.mu_sigma()
-            report["clip_fid"] = {"value": M.frechet_distance(mu, sigma, ref["clip_mu"], ref["clip_sigma"]),
-                                  "model": clip_name}
+            report["clip_fid"] = {
+                "value": M.frechet_distance(mu, sigma, ref["clip_mu"], ref["clip_sigma"]),
+                "model": clip_name,
+            }
     else:
         report["clip_score"] = {"not_computed": "no CLIP: pass --model or --clip-model"}
     if args.shapes:
         report["shapes"] = scorer.shapes_report()
         if args.resolution < 64:
-            warn.append(f"shapes detection is only reliable from 64px; evaluated at {args.resolution}px")
+            warn.append(
+                f"shapes detection is only reliable from 64px; evaluated at {args.resolution}px"
+            )
     report["warnings"] = warn
 
     out.mkdir(parents=True, exist_ok=True)

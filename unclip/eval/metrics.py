@@ -1,7 +1,7 @@
 """Evaluation metrics: Fréchet distance, the FID Inception, CLIP score, reference statistics.
 
 Everything here works on images already put through :func:`to_eval_image` (the fixed preprocessing
-that decides comparability; see :mod:`unclip.evaluate`): uint8 arrays ``[R, R, 3]``.
+that decides comparability; see :mod:`unclip.eval.evaluate`): uint8 arrays ``[R, R, 3]``.
 
 * :func:`frechet_distance` — ``||mu1 - mu2||² + Tr(S1 + S2 - 2 (S1 S2)^½)`` in float64 with
   ``scipy.linalg.sqrtm`` (Heusel et al. 2017; the offset for singular products as in pytorch-fid).
@@ -15,6 +15,7 @@ that decides comparability; see :mod:`unclip.evaluate`): uint8 arrays ``[R, R, 3
   ``mu``, ``sigma``, optional ``clip_mu``, ``clip_sigma`` and a ``meta`` JSON recording the
   preprocessing, Inception, CLIP and image listing; a cache is reused only if all of them match).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,20 +34,42 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
-__all__ = ["frechet_distance", "GaussianStats", "InceptionFeatures", "load_inception", "INCEPTION_FILE",
-           "INCEPTION_URL", "clip_cosines", "clip_score_summary", "clip_fingerprint", "to_eval_image",
-           "list_images", "read_image", "save_stats", "load_stats", "STATS_FORMAT", "PREPROCESSING",
-           "reference_stats", "inception_features", "check_reference_count"]
+__all__ = [
+    "frechet_distance",
+    "GaussianStats",
+    "InceptionFeatures",
+    "load_inception",
+    "INCEPTION_FILE",
+    "INCEPTION_URL",
+    "clip_cosines",
+    "clip_score_summary",
+    "clip_fingerprint",
+    "to_eval_image",
+    "list_images",
+    "read_image",
+    "save_stats",
+    "load_stats",
+    "STATS_FORMAT",
+    "PREPROCESSING",
+    "reference_stats",
+    "inception_features",
+    "check_reference_count",
+]
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
-INCEPTION_URL = f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{INCEPTION_FILE}"
+INCEPTION_URL = (
+    f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{INCEPTION_FILE}"
+)
 STATS_FORMAT = "unclip-reference-stats"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 #: The fixed preprocessing (recorded in every report and stats file; stats are only reused if equal).
-PREPROCESSING = {"mode": "RGB (PIL convert; alpha dropped)",
-                 "resize": "shorter side to R, PIL bicubic (antialiased), only if the image is not R x R",
-                 "crop": "centre R x R", "quantize": "uint8 (generated images: round(255 * x))",
-                 "inception_resize": "R -> 299 TF1-compatible bilinear, no antialias (torch-fidelity)"}
+PREPROCESSING = {
+    "mode": "RGB (PIL convert; alpha dropped)",
+    "resize": "shorter side to R, PIL bicubic (antialiased), only if the image is not R x R",
+    "crop": "centre R x R",
+    "quantize": "uint8 (generated images: round(255 * x))",
+    "inception_resize": "R -> 299 TF1-compatible bilinear, no antialias (torch-fidelity)",
+}
 
 
 # ------------------------------------------------------------------------------------------- FID
@@ -57,12 +80,20 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
     significant imaginary part (singular covariances, e.g. fewer samples than dimensions), ``eps`` is
     added to both diagonals and it is recomputed; tiny imaginary residues are dropped.
     """
-    mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
-    s1, s2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
+    mu1, mu2 = (
+        np.atleast_1d(np.asarray(mu1, np.float64)),
+        np.atleast_1d(np.asarray(mu2, np.float64)),
+    )
+    s1, s2 = (
+        np.atleast_2d(np.asarray(sigma1, np.float64)),
+        np.atleast_2d(np.asarray(sigma2, np.float64)),
+    )
     d = mu1.shape[0]
     if mu1.shape != (d,) or mu2.shape != (d,) or s1.shape != (d, d) or s2.shape != (d, d):
-        raise ValueError(f"frechet_distance: shapes do not match: mu1 {mu1.shape}, sigma1 {s1.shape}, "
-                         f"mu2 {mu2.shape}, sigma2 {s2.shape}")
+        raise ValueError(
+            f"frechet_distance: shapes do not match: mu1 {mu1.shape}, sigma1 {s1.shape}, "
+            f"mu2 {mu2.shape}, sigma2 {s2.shape}"
+        )
     for name, a in (("mu1", mu1), ("sigma1", s1), ("mu2", mu2), ("sigma2", s2)):
         if not np.isfinite(a).all():
             raise ValueError(f"frechet_distance: {name} contains NaN or inf")
@@ -73,15 +104,19 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
             return scipy.linalg.sqrtm(a)
 
     def ok(c):
-        return np.isfinite(c).all() and (not np.iscomplexobj(c) or np.allclose(np.diagonal(c).imag, 0, atol=1e-3))
+        return np.isfinite(c).all() and (
+            not np.iscomplexobj(c) or np.allclose(np.diagonal(c).imag, 0, atol=1e-3)
+        )
 
     covmean = sqrtm(s1 @ s2)
     if not ok(covmean):
         offset = np.eye(d) * eps
         covmean = sqrtm((s1 + offset) @ (s2 + offset))
         if not ok(covmean):
-            raise ValueError("frechet_distance: the matrix square root has a large imaginary component even "
-                             "with the eps offset; the covariances are degenerate (use more samples)")
+            raise ValueError(
+                "frechet_distance: the matrix square root has a large imaginary component even "
+                "with the eps offset; the covariances are degenerate (use more samples)"
+            )
     diff = mu1 - mu2
     return float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * np.trace(covmean.real))
 
@@ -97,7 +132,9 @@ class GaussianStats:
         self.n, self._shift, self._s1, self._s2 = 0, None, None, None
 
     def update(self, features) -> None:
-        f = np.asarray(features.detach().cpu() if isinstance(features, torch.Tensor) else features, np.float64)
+        f = np.asarray(
+            features.detach().cpu() if isinstance(features, torch.Tensor) else features, np.float64
+        )
         if f.ndim != 2:
             raise ValueError(f"features must be [N, D], got {f.shape}")
         if not np.isfinite(f).all():
@@ -131,9 +168,13 @@ class InceptionFeatures(torch.nn.Module):
         from torchmetrics.image.fid import NoTrainInceptionV3
 
         if feature not in (64, 192, 768, 2048):
-            raise ValueError(f"inception feature must be one of 64, 192, 768, 2048 (FID: 2048), got {feature}")
+            raise ValueError(
+                f"inception feature must be one of 64, 192, 768, 2048 (FID: 2048), got {feature}"
+            )
 
-        class _Net(NoTrainInceptionV3):  # torch-fidelity always loads weights in __init__: defer that
+        class _Net(
+            NoTrainInceptionV3
+        ):  # torch-fidelity always loads weights in __init__: defer that
             _defer_load = False
 
             def load_state_dict(self, sd, strict=True, assign=False):
@@ -142,13 +183,19 @@ class InceptionFeatures(torch.nn.Module):
                 return super().load_state_dict(sd, strict=strict, assign=assign)
 
         empty = io.BytesIO()
-        torch.save({}, empty)  # our own bytes: the (deferred) load in torch-fidelity's __init__ reads this
+        torch.save(
+            {}, empty
+        )  # our own bytes: the (deferred) load in torch-fidelity's __init__ reads this
         empty.seek(0)
         _Net._defer_load = True
         try:
             with torch.device("meta"):  # no default init: every tensor is set below
-                net = _Net(name="inception-v3-compat", features_list=[str(feature)],
-                           feature_extractor_weights_path=empty, antialias=False)
+                net = _Net(
+                    name="inception-v3-compat",
+                    features_list=[str(feature)],
+                    feature_extractor_weights_path=empty,
+                    antialias=False,
+                )
         finally:
             _Net._defer_load = False
         if state_dict is None:
@@ -156,15 +203,19 @@ class InceptionFeatures(torch.nn.Module):
         try:  # assign: the meta tensors are replaced by these (no copy, no default init)
             net.load_state_dict(state_dict, strict=True, assign=True)
         except RuntimeError as e:
-            raise ValueError(f"the weights are not the FID Inception v3 ({INCEPTION_FILE}): "
-                             f"{str(e).splitlines()[0]}") from None
+            raise ValueError(
+                f"the weights are not the FID Inception v3 ({INCEPTION_FILE}): "
+                f"{str(e).splitlines()[0]}"
+            ) from None
         self.net = net.eval().requires_grad_(False)
         self.num_features = feature
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"Inception input must be uint8 [N, 3, H, W], got {images.dtype} {tuple(images.shape)}")
+            raise ValueError(
+                f"Inception input must be uint8 [N, 3, H, W], got {images.dtype} {tuple(images.shape)}"
+            )
         return self.net(images).float()
 
 
@@ -178,10 +229,19 @@ def _random_inception_state(net: torch.nn.Module, seed: int) -> dict:
             state[p + "weight"] = torch.randn(m.weight.shape, generator=gen) * (2.0 / fan_in) ** 0.5
         elif isinstance(m, torch.nn.BatchNorm2d):
             n = m.num_features
-            state.update({p + "weight": torch.ones(n), p + "bias": torch.zeros(n), p + "running_mean": torch.zeros(n),
-                          p + "running_var": torch.ones(n), p + "num_batches_tracked": torch.tensor(0)})
+            state.update(
+                {
+                    p + "weight": torch.ones(n),
+                    p + "bias": torch.zeros(n),
+                    p + "running_mean": torch.zeros(n),
+                    p + "running_var": torch.ones(n),
+                    p + "num_batches_tracked": torch.tensor(0),
+                }
+            )
         elif isinstance(m, torch.nn.Linear):
-            state.update({p + "weight": torch.zeros(m.weight.shape), p + "bias": torch.zeros(m.bias.shape)})
+            state.update(
+                {p + "weight": torch.zeros(m.weight.shape), p + "bias": torch.zeros(m.bias.shape)}
+            )
     return state
 
 
@@ -193,7 +253,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_inception(weights: Optional[str] = None, feature: int = 2048) -> tuple[InceptionFeatures, dict]:
+def load_inception(
+    weights: Optional[str] = None, feature: int = 2048
+) -> tuple[InceptionFeatures, dict]:
     """FID Inception from a local file (``.pth`` state dict or ``.safetensors``), or ``"random"`` (tests).
 
     ``weights=None`` looks for ``INCEPTION_FILE`` in torch hub's checkpoint folder; nothing is ever
@@ -201,12 +263,18 @@ def load_inception(weights: Optional[str] = None, feature: int = 2048) -> tuple[
     """
     if weights == "random":
         banner = "!" * 78
-        msg = ("--inception random: randomly initialised Inception (TEST ONLY). FID numbers from it are NOT "
-               "comparable with any published FID or with runs using the real weights.")
+        msg = (
+            "--inception random: randomly initialised Inception (TEST ONLY). FID numbers from it are NOT "
+            "comparable with any published FID or with runs using the real weights."
+        )
         print(f"{banner}\nWARNING: {msg}\n{banner}", file=sys.stderr)
         warnings.warn(msg, stacklevel=2)
-        return InceptionFeatures(feature, None), {"name": "random-init InceptionV3 (seed 0), TEST ONLY",
-                                                  "sha256": None, "feature": feature, "comparable": False}
+        return InceptionFeatures(feature, None), {
+            "name": "random-init InceptionV3 (seed 0), TEST ONLY",
+            "sha256": None,
+            "feature": feature,
+            "comparable": False,
+        }
     hub = Path(torch.hub.get_dir()) / "checkpoints" / INCEPTION_FILE
     path = Path(weights) if weights else hub
     if path.is_dir():
@@ -217,7 +285,8 @@ def load_inception(weights: Optional[str] = None, feature: int = 2048) -> tuple[
             f"FID Inception weights not found: {looked}. FID needs the TF-compatible FID Inception v3 weights "
             f"file {INCEPTION_FILE} (torch-fidelity's conversion of the 2015-12-05 TensorFlow Inception used by "
             f"the original FID code). Nothing is downloaded at run time: get it from {INCEPTION_URL} and pass "
-            f"--inception /path/to/{INCEPTION_FILE} (or place it at {hub}).")
+            f"--inception /path/to/{INCEPTION_FILE} (or place it at {hub})."
+        )
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -226,22 +295,33 @@ def load_inception(weights: Optional[str] = None, feature: int = 2048) -> tuple[
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read Inception weights {path} as a plain state dict ({e}); provide "
-                         f"{INCEPTION_FILE} from {INCEPTION_URL} or a .safetensors conversion of it") from None
+        raise ValueError(
+            f"cannot read Inception weights {path} as a plain state dict ({e}); provide "
+            f"{INCEPTION_FILE} from {INCEPTION_URL} or a .safetensors conversion of it"
+        ) from None
     if not isinstance(state, dict):
         raise ValueError(f"Inception weights {path} are not a state dict")
     digest = _sha256(path)
-    return InceptionFeatures(feature, state), {"name": f"FID InceptionV3 ({path.name})", "sha256": digest,
-                                               "feature": feature, "comparable": feature == 2048}
+    return InceptionFeatures(feature, state), {
+        "name": f"FID InceptionV3 ({path.name})",
+        "sha256": digest,
+        "feature": feature,
+        "comparable": feature == 2048,
+    }
 
 
 # ------------------------------------------------------------------------------------------ CLIP
 def clip_cosines(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
     """Cosine similarity ``[N]`` of row i of ``image_embeds [N, D]`` with row i of ``text_embeds [N, D]``."""
-    image_embeds, text_embeds = torch.as_tensor(image_embeds).float(), torch.as_tensor(text_embeds).float()
+    image_embeds, text_embeds = (
+        torch.as_tensor(image_embeds).float(),
+        torch.as_tensor(text_embeds).float(),
+    )
     if image_embeds.ndim != 2 or image_embeds.shape != text_embeds.shape:
-        raise ValueError(f"clip_cosines: need matching [N, D] embeddings, got {tuple(image_embeds.shape)} "
-                         f"and {tuple(text_embeds.shape)}")
+        raise ValueError(
+            f"clip_cosines: need matching [N, D] embeddings, got {tuple(image_embeds.shape)} "
+            f"and {tuple(text_embeds.shape)}"
+        )
     return (F.normalize(image_embeds, dim=-1) * F.normalize(text_embeds, dim=-1)).sum(-1)
 
 
@@ -255,10 +335,14 @@ def clip_score_summary(cosines: torch.Tensor) -> dict:
     c = torch.as_tensor(cosines).double()
     if c.ndim != 1 or c.numel() == 0:
         raise ValueError("clip_score_summary: need a non-empty [N] tensor of cosines")
-    return {"clip_score_100": float((100 * c).clamp(min=0).mean()),
-            "clipscore_2.5": float((2.5 * c).clamp(min=0).mean()),
-            "cosine_mean": float(c.mean()), "cosine_std": float(c.std()) if c.numel() > 1 else 0.0,
-            "negative_count": int((c < 0).sum()), "count": int(c.numel())}
+    return {
+        "clip_score_100": float((100 * c).clamp(min=0).mean()),
+        "clipscore_2.5": float((2.5 * c).clamp(min=0).mean()),
+        "cosine_mean": float(c.mean()),
+        "cosine_std": float(c.std()) if c.numel() > 1 else 0.0,
+        "negative_count": int((c < 0).sum()),
+        "count": int(c.numel()),
+    }
 
 
 def clip_fingerprint(clip) -> str:
@@ -289,7 +373,9 @@ def list_images(folder) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder not found: {folder}")
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+    )
 
 
 def read_image(path: Path, resolution: int) -> Optional[np.ndarray]:
@@ -317,8 +403,11 @@ def save_stats(path, meta: dict, **arrays) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, meta=np.array(json.dumps({"format": STATS_FORMAT, **meta})),
-             **{k: np.asarray(v, np.float64) for k, v in arrays.items() if v is not None})
+    np.savez(
+        tmp,
+        meta=np.array(json.dumps({"format": STATS_FORMAT, **meta})),
+        **{k: np.asarray(v, np.float64) for k, v in arrays.items() if v is not None},
+    )
     os.replace(tmp, path)
 
 
@@ -337,8 +426,10 @@ def load_stats(path) -> tuple[dict, dict]:
         raise ValueError(f"cannot read reference statistics {path}: {e}") from None
     meta = json.loads(str(arrays.pop("meta"))) if "meta" in arrays else {}
     if "mu" not in arrays or "sigma" not in arrays:
-        raise ValueError(f"{path} has no 'mu' and 'sigma' arrays (keys: {sorted(arrays)}); it is not a file of "
-                         f"FID reference statistics")
+        raise ValueError(
+            f"{path} has no 'mu' and 'sigma' arrays (keys: {sorted(arrays)}); it is not a file of "
+            f"FID reference statistics"
+        )
     return meta, arrays
 
 
@@ -346,13 +437,24 @@ def load_stats(path) -> tuple[dict, dict]:
 def _check_meta(meta: dict, key: dict, source) -> None:
     for k in ("resolution", "preprocessing", "inception"):
         if meta.get(k) != key[k]:
-            raise ValueError(f"reference statistics {source} were computed with {k} = {meta.get(k)!r}, but this "
-                             f"run uses {key[k]!r}; recompute them from the image folder")
+            raise ValueError(
+                f"reference statistics {source} were computed with {k} = {meta.get(k)!r}, but this "
+                f"run uses {key[k]!r}; recompute them from the image folder"
+            )
 
 
-def reference_stats(reference, cache, resolution: int, inception, inception_id: dict, clip=None,
-                    clip_id: Optional[dict] = None, batch_size: int = 32, min_count: int = 0,
-                    progress: bool = True) -> tuple[dict, dict]:
+def reference_stats(
+    reference,
+    cache,
+    resolution: int,
+    inception,
+    inception_id: dict,
+    clip=None,
+    clip_id: Optional[dict] = None,
+    batch_size: int = 32,
+    min_count: int = 0,
+    progress: bool = True,
+) -> tuple[dict, dict]:
     """Reference statistics ``(meta, arrays)`` from an ``.npz`` or an image folder (cached to ``cache``).
 
     ``arrays``: ``mu``, ``sigma`` (Inception) and, if ``clip`` is given, ``clip_mu``, ``clip_sigma``.
@@ -364,36 +466,46 @@ def reference_stats(reference, cache, resolution: int, inception, inception_id: 
     if ref.is_file():
         meta, arrays = load_stats(ref)
         if not meta:
-            print(f"WARNING: {ref} has no metadata; assuming it was made with the same Inception and "
-                  f"preprocessing, from enough images (none of this can be checked)", file=sys.stderr)
+            print(
+                f"WARNING: {ref} has no metadata; assuming it was made with the same Inception and "
+                f"preprocessing, from enough images (none of this can be checked)",
+                file=sys.stderr,
+            )
             meta = {"foreign": True}
         else:
             _check_meta(meta, key, ref)
         if clip is not None and (meta.get("clip") != clip_id or "clip_mu" not in arrays):
-            raise ValueError(f"{ref} has no CLIP statistics for {clip_id['name']} (it has {meta.get('clip')}); "
-                             f"pass the reference image folder to compute them")
+            raise ValueError(
+                f"{ref} has no CLIP statistics for {clip_id['name']} (it has {meta.get('clip')}); "
+                f"pass the reference image folder to compute them"
+            )
         if arrays["mu"].shape[0] != inc_key["feature"]:
-            raise ValueError(f"{ref} holds {arrays['mu'].shape[0]}-d features, this Inception gives "
-                             f"{inc_key['feature']}-d")
+            raise ValueError(
+                f"{ref} holds {arrays['mu'].shape[0]}-d features, this Inception gives "
+                f"{inc_key['feature']}-d"
+            )
         check_reference_count(meta.get("count"), min_count, ref)
         return meta, arrays
     files = list_images(ref)
     if not files:
-        raise ValueError(f"reference folder {ref} contains no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise ValueError(
+            f"reference folder {ref} contains no images ({', '.join(IMAGE_EXTENSIONS)})"
+        )
     check_reference_count(len(files), min_count, ref)
     key.update(source=str(ref.resolve()), listing=listing_digest(files, ref))
     cache = Path(cache)
     if cache.is_file():
         meta, arrays = load_stats(cache)
         if all(meta.get(k) == v for k, v in key.items()) and (
-                clip is None or (meta.get("clip") == clip_id and "clip_mu" in arrays)):
+            clip is None or (meta.get("clip") == clip_id and "clip_mu" in arrays)
+        ):
             print(f"reusing reference statistics {cache}", file=sys.stderr)
             check_reference_count(meta.get("count"), min_count, ref)
             return meta, arrays
     inc_stats, clip_stats, skipped = GaussianStats(), GaussianStats(), []
     for start in tqdm(range(0, len(files), batch_size), desc="reference", disable=not progress):
         batch = []
-        for p in files[start:start + batch_size]:
+        for p in files[start : start + batch_size]:
             arr = read_image(p, resolution)
             (batch.append(arr) if arr is not None else skipped.append(str(p.relative_to(ref))))
         if batch:
@@ -401,23 +513,36 @@ def reference_stats(reference, cache, resolution: int, inception, inception_id: 
             if clip is not None:
                 clip_stats.update(clip.encode_image([Image.fromarray(a) for a in batch]))
     if inc_stats.n == 0:
-        raise ValueError(f"no readable images in reference folder {ref} ({len(skipped)} unreadable)")
+        raise ValueError(
+            f"no readable images in reference folder {ref} ({len(skipped)} unreadable)"
+        )
     check_reference_count(inc_stats.n, min_count, ref, f" ({len(skipped)} unreadable skipped)")
     mu, sigma = inc_stats.mu_sigma()
     arrays = {"mu": mu, "sigma": sigma}
     if clip is not None:
         arrays["clip_mu"], arrays["clip_sigma"] = clip_stats.mu_sigma()
-    meta = {**key, "clip": clip_id, "count": inc_stats.n, "skipped": len(skipped), "skipped_files": skipped[:20]}
+    meta = {
+        **key,
+        "clip": clip_id,
+        "count": inc_stats.n,
+        "skipped": len(skipped),
+        "skipped_files": skipped[:20],
+    }
     save_stats(cache, meta, **arrays)
-    print(f"reference statistics cached to {cache} (pass it as --reference next time)", file=sys.stderr)
+    print(
+        f"reference statistics cached to {cache} (pass it as --reference next time)",
+        file=sys.stderr,
+    )
     return meta, arrays
 
 
 def check_reference_count(count, min_count: int, source, extra: str = "") -> None:
     if count is not None and count < min_count:
-        raise ValueError(f"the reference set {source} has {count} images{extra}, fewer than the {min_count} "
-                         f"samples: FID against a smaller reference is biased; add images or pass "
-                         f"--allow-small-reference")
+        raise ValueError(
+            f"the reference set {source} has {count} images{extra}, fewer than the {min_count} "
+            f"samples: FID against a smaller reference is biased; add images or pass "
+            f"--allow-small-reference"
+        )
 
 
 def inception_features(inception, arrays: list[np.ndarray]) -> torch.Tensor:

@@ -5,15 +5,15 @@ expanded ``--data`` pattern ↔ ``img_emb_{i}.npy`` / ``text_emb_{i}.npy`` / ``m
 per readable sample, in the tar's order, keyed by the sample's ``__key__``. ``--source folder`` writes
 the images (sorted by path) in consecutive shards keyed by their path relative to the folder without the
 suffix. Training the decoder (or an upsampler) from the same images with ``data.embeddings_path`` set
-streams the images exactly as :class:`~unclip.data.sources.WebDatasetStream` /
-:class:`~unclip.data.sources.FolderStream` do (same order, worker/rank split and exact resume) and adds
+streams the images exactly as :class:`~unclip.train.data.sources.WebDatasetStream` /
+:class:`~unclip.train.data.sources.FolderStream` do (same order, worker/rank split and exact resume) and adds
 each sample's ``image_embed`` and ``text_embed`` (float32 ``[D]``) and ``key`` from its embedding row,
 so the frozen CLIP does not run on the images during training.
 
 The pairing is checked, and a mismatch raises ``ValueError`` naming the shard and the first mismatched key:
 
 * when the stream is built (before training starts): the embedding shards line up with each other
-  (:class:`~unclip.data.sources.EmbeddingStream`'s checks), there is exactly one embedding shard per tar
+  (:class:`~unclip.train.data.sources.EmbeddingStream`'s checks), there is exactly one embedding shard per tar
   shard, and — for every local tar (its member headers are read, not its data) — the shard has no more
   rows than the tar has samples and its row keys are the tar's keys in the tar's order, apart from tar
   samples that ``unclip embed`` skipped as bad; for a folder, the row keys of all shards, in shard order,
@@ -28,6 +28,7 @@ row is non-finite. Tars behind ``pipe:`` or remote URLs cannot be listed cheaply
 count is checked up front and the keys as samples stream. The up-front check is cached per process
 (keyed by the files' sizes and modification times), so DataLoader workers forked after it do not repeat it.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,22 @@ import re
 import tarfile
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 
-from .sources import BadSample, EmbeddingStream, FolderStream, WebDatasetStream
+from unclip.train.data.sources import BadSample, EmbeddingStream, FolderStream, WebDatasetStream
 
-__all__ = ["EmbeddingTable", "PairedWebDatasetStream", "PairedFolderStream", "tar_keys", "local_tar"]
+__all__ = [
+    "EmbeddingTable",
+    "PairedWebDatasetStream",
+    "PairedFolderStream",
+    "tar_keys",
+    "local_tar",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +65,7 @@ _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_e
 def local_tar(url: str) -> Optional[Path]:
     """The local file behind a shard URL (plain path or ``file:``), or ``None`` for pipe:/remote URLs."""
     if url.startswith("file:"):
-        url = url[len("file:"):]
+        url = url[len("file:") :]
     if url.startswith("pipe:") or "://" in url:
         return None
     path = Path(url)
@@ -95,7 +103,12 @@ class EmbeddingTable:
         self.path = Path(path)
         # EmbeddingStream checks that img_emb / text_emb / metadata (and stats.json) line up
         emb = EmbeddingStream(self.path, seed=0, rank=0, world_size=1)
-        self.shards, self.rows, self.files, self.embed_dim = emb.shards, emb.rows, emb.files, emb.embed_dim
+        self.shards, self.rows, self.files, self.embed_dim = (
+            emb.shards,
+            emb.rows,
+            emb.files,
+            emb.embed_dim,
+        )
         self._loaded: OrderedDict = OrderedDict()
 
     def signature(self) -> tuple:
@@ -107,7 +120,10 @@ class EmbeddingTable:
         return tuple(out)
 
     def metadata(self, shard: int) -> list[dict]:
-        return [json.loads(line) for line in self.files["metadata"][shard].read_text("utf-8").splitlines()]
+        return [
+            json.loads(line)
+            for line in self.files["metadata"][shard].read_text("utf-8").splitlines()
+        ]
 
     def keys(self, shard: int) -> list[str]:
         """Row keys of ``shard``; ``ValueError`` if a key is missing or repeated."""
@@ -115,10 +131,14 @@ class EmbeddingTable:
         for r, meta in enumerate(self.metadata(shard)):
             key = meta.get("key")
             if not isinstance(key, str):
-                raise ValueError(f"{self.path}: shard {shard}: metadata_{shard}.jsonl row {r} has no string 'key' "
-                                 f"(got {key!r}); pairing images with embeddings needs the sample keys")
+                raise ValueError(
+                    f"{self.path}: shard {shard}: metadata_{shard}.jsonl row {r} has no string 'key' "
+                    f"(got {key!r}); pairing images with embeddings needs the sample keys"
+                )
             if key in seen:
-                raise ValueError(f"{self.path}: shard {shard}: key {key!r} appears twice in metadata_{shard}.jsonl")
+                raise ValueError(
+                    f"{self.path}: shard {shard}: key {key!r} appears twice in metadata_{shard}.jsonl"
+                )
             seen.add(key)
             keys.append(key)
         return keys
@@ -129,8 +149,12 @@ class EmbeddingTable:
             self._loaded.move_to_end(i)
             return self._loaded[i]
         meta = self.metadata(i)
-        entry = ({m.get("key"): r for r, m in enumerate(meta)}, [m.get("caption") for m in meta],
-                 np.load(self.files["img_emb"][i], mmap_mode="r"), np.load(self.files["text_emb"][i], mmap_mode="r"))
+        entry = (
+            {m.get("key"): r for r, m in enumerate(meta)},
+            [m.get("caption") for m in meta],
+            np.load(self.files["img_emb"][i], mmap_mode="r"),
+            np.load(self.files["text_emb"][i], mmap_mode="r"),
+        )
         self._loaded[i] = entry
         while len(self._loaded) > _CACHED_SHARDS:
             self._loaded.popitem(last=False)
@@ -146,17 +170,25 @@ class EmbeddingTable:
                 f"{where}: the image and embedding shards do not line up: sample key {key!r} has no row in "
                 f"embedding shard {shard} ({self.files['metadata'][shard]}); first mismatched key {key!r}. "
                 f"Re-run `unclip embed` on exactly these images (same shard list/order, no --num) or fix "
-                f"data.path / data.embeddings_path")
+                f"data.path / data.embeddings_path"
+            )
         if captions[r] != caption:
             raise ValueError(
                 f"{where}: the image and embedding shards do not line up: embedding shard {shard} row {r} (key "
                 f"{key!r}) was computed for the caption {captions[r]!r} but the sample's caption is {caption!r}; "
-                f"first mismatched key {key!r}. The embeddings belong to other data; re-run `unclip embed`")
-        image_embed, text_embed = np.asarray(img[r], dtype=np.float32), np.asarray(txt[r], dtype=np.float32)
+                f"first mismatched key {key!r}. The embeddings belong to other data; re-run `unclip embed`"
+            )
+        image_embed, text_embed = (
+            np.asarray(img[r], dtype=np.float32),
+            np.asarray(txt[r], dtype=np.float32),
+        )
         if not (np.isfinite(image_embed).all() and np.isfinite(text_embed).all()):
             raise BadSample(f"{where}: non-finite embedding (shard {shard} row {r})")
-        return {"image_embed": torch.from_numpy(image_embed.copy()), "text_embed": torch.from_numpy(text_embed.copy()),
-                "key": key}
+        return {
+            "image_embed": torch.from_numpy(image_embed.copy()),
+            "text_embed": torch.from_numpy(text_embed.copy()),
+            "key": key,
+        }
 
 
 def _once(signature: tuple, check) -> None:
@@ -175,8 +207,16 @@ class PairedWebDatasetStream(WebDatasetStream):
         self.url_index = {}
         for i, u in enumerate(self.urls):
             self.url_index.setdefault(u, i)
-        sig = ("webdataset", tuple(self.urls), self.table.signature(),
-               tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in map(local_tar, self.urls) if p))
+        sig = (
+            "webdataset",
+            tuple(self.urls),
+            self.table.signature(),
+            tuple(
+                (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                for p in map(local_tar, self.urls)
+                if p
+            ),
+        )
         _once(sig, self._check_pairing)
 
     def describe(self) -> str:
@@ -187,12 +227,16 @@ class PairedWebDatasetStream(WebDatasetStream):
         if t.shards != list(range(n)):
             missing = [i for i in range(n) if i not in t.shards]
             extra = [i for i in t.shards if i >= n]
-            first = (f"tar shard {missing[0]} ({self.urls[missing[0]]}) has no embedding shard img_emb_{missing[0]}.npy"
-                     if missing else f"embedding shard {extra[0]} has no tar shard")
+            first = (
+                f"tar shard {missing[0]} ({self.urls[missing[0]]}) has no embedding shard img_emb_{missing[0]}.npy"
+                if missing
+                else f"embedding shard {extra[0]} has no tar shard"
+            )
             raise ValueError(
                 f"data.embeddings_path {t.path} holds {len(t.shards)} embedding shard(s) but data.path expands to "
                 f"{n} tar shard(s) ({self.urls[0]} …): the image and embedding shards do not line up; {first}. "
-                f"Embed exactly the shards you train on (`unclip embed --source webdataset --data <data.path>`)")
+                f"Embed exactly the shards you train on (`unclip embed --source webdataset --data <data.path>`)"
+            )
         for i, url in enumerate(self.urls):
             keys = t.keys(i)
             path = local_tar(url)
@@ -201,15 +245,21 @@ class PairedWebDatasetStream(WebDatasetStream):
             try:
                 tar = tar_keys(path)
             except (tarfile.TarError, OSError, EOFError) as exc:
-                logger.warning("cannot list %s (%s: %s); its keys are checked as samples stream", url,
-                               type(exc).__name__, exc)
+                logger.warning(
+                    "cannot list %s (%s: %s); its keys are checked as samples stream",
+                    url,
+                    type(exc).__name__,
+                    exc,
+                )
                 continue
             where = f"{t.path}: shard {i} ({url})"
             if len(keys) > len(tar):
                 in_tar = set(tar)
                 extra = next((k for k in keys if k not in in_tar), keys[len(tar)])
-                raise ValueError(f"{where}: the image and embedding shards do not line up: embedding shard {i} has "
-                                 f"{len(keys)} rows but the tar holds {len(tar)} samples; first mismatched key {extra!r}")
+                raise ValueError(
+                    f"{where}: the image and embedding shards do not line up: embedding shard {i} has "
+                    f"{len(keys)} rows but the tar holds {len(tar)} samples; first mismatched key {extra!r}"
+                )
             pos = {k: j for j, k in enumerate(tar)}
             at = -1
             for r, key in enumerate(keys):
@@ -218,7 +268,8 @@ class PairedWebDatasetStream(WebDatasetStream):
                     why = "is not in the tar" if j is None else "is out of the tar's order"
                     raise ValueError(
                         f"{where}: the image and embedding shards do not line up: row {r} of metadata_{i}.jsonl has "
-                        f"key {key!r}, which {why}; first mismatched key {_first_divergence(keys, tar, key)}")
+                        f"key {key!r}, which {why}; first mismatched key {_first_divergence(keys, tar, key)}"
+                    )
                 at = j
 
     def _check(self, raw: dict):
@@ -226,8 +277,14 @@ class PairedWebDatasetStream(WebDatasetStream):
         url, key = raw.get("__url__"), raw.get("__key__")
         shard = self.url_index.get(url)
         if shard is None:
-            raise ValueError(f"{self.describe()}: sample {key!r} comes from {url!r}, which is not one of the shards")
-        return image, caption, self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({url})")
+            raise ValueError(
+                f"{self.describe()}: sample {key!r} comes from {url!r}, which is not one of the shards"
+            )
+        return (
+            image,
+            caption,
+            self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({url})"),
+        )
 
     def _sample(self, value) -> dict:
         image, caption, embeds = value
@@ -264,13 +321,21 @@ class PairedFolderStream(FolderStream):
             for r, key in enumerate(self._keys[i]):
                 where = f"{self.table.path}: shard {i}"
                 if key in seen:
-                    raise ValueError(f"{where}: key {key!r} also appears in shard {seen[key]}; first mismatched key {key!r}")
+                    raise ValueError(
+                        f"{where}: key {key!r} also appears in shard {seen[key]}; first mismatched key {key!r}"
+                    )
                 seen[key] = i
                 j = pos.get(key)
                 if j is None or j <= at:
-                    why = f"is not an image in {self.path}" if j is None else "is out of the folder's sorted order"
-                    raise ValueError(f"{where}: the image folder and the embedding shards do not line up: row {r} of "
-                                     f"metadata_{i}.jsonl has key {key!r}, which {why}; first mismatched key {key!r}")
+                    why = (
+                        f"is not an image in {self.path}"
+                        if j is None
+                        else "is out of the folder's sorted order"
+                    )
+                    raise ValueError(
+                        f"{where}: the image folder and the embedding shards do not line up: row {r} of "
+                        f"metadata_{i}.jsonl has key {key!r}, which {why}; first mismatched key {key!r}"
+                    )
                 at = j
 
     def _check(self, file: Path):
@@ -280,7 +345,11 @@ class PairedFolderStream(FolderStream):
         if shard is None:  # name the shard whose key range should have held it
             k = bisect_right(self._first_keys, key) - 1
             shard = self._first_shards[max(k, 0)] if self._first_shards else self.table.shards[0]
-        return image, caption, self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({file})")
+        return (
+            image,
+            caption,
+            self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({file})"),
+        )
 
     def _sample(self, value) -> dict:
         image, caption, embeds = value
@@ -290,12 +359,17 @@ class PairedFolderStream(FolderStream):
 def paired_stream(data, resolution: int, **kw):
     """The paired stream for ``data`` (a :class:`~unclip.config.DataConfig` with ``embeddings_path``)."""
     if data.source in ("webdataset", "folder") and not data.path:
-        raise ValueError(f"data.source={data.source!r} needs data.path (the images data.embeddings_path was computed from)")
+        raise ValueError(
+            f"data.source={data.source!r} needs data.path (the images data.embeddings_path was computed from)"
+        )
     if data.source == "webdataset":
-        return PairedWebDatasetStream(data.path, resolution, data.embeddings_path, shuffle_buffer=data.shuffle_buffer,
-                                      **kw)
+        return PairedWebDatasetStream(
+            data.path, resolution, data.embeddings_path, shuffle_buffer=data.shuffle_buffer, **kw
+        )
     if data.source == "folder":
         return PairedFolderStream(data.path, resolution, data.embeddings_path, **kw)
-    raise ValueError(f"data.embeddings_path pairs image sources with their embeddings; it needs data.source "
-                     f"webdataset or folder, not {data.source!r} (use data.source=embeddings with "
-                     f"data.path=<embeddings folder> to train the prior on embeddings alone)")
+    raise ValueError(
+        f"data.embeddings_path pairs image sources with their embeddings; it needs data.source "
+        f"webdataset or folder, not {data.source!r} (use data.source=embeddings with "
+        f"data.path=<embeddings folder> to train the prior on embeddings alone)"
+    )

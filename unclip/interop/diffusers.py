@@ -9,7 +9,7 @@
 Component mapping (diffusers → unclip):
 
 =========================================  ===================================================
-``text_encoder`` (CLIPTextModelWithProjection)  open_clip text tower (:mod:`unclip.convert_clip`)
+``text_encoder`` (CLIPTextModelWithProjection)  open_clip text tower (:mod:`unclip.interop.clip`)
 ``tokenizer`` (CLIPTokenizer)               :class:`~unclip.clip.CompatTokenizer` (checked: same BPE)
 ``image_encoder`` (variations layout only)  open_clip vision tower; otherwise a placeholder and
                                             ``FrozenCLIP.has_vision=False``
@@ -34,6 +34,7 @@ defaults (steps, guidance, ``best_of``) are not part of a diffusers folder. The 
 text like transformers' ``CLIPTokenizer`` (NFC, no ftfy), which differs from open_clip's only for rare
 inputs (curly quotes, HTML entities, mojibake) of natively trained pipelines.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,39 +45,63 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from diffusers import PriorTransformer, UNet2DConditionModel, UNet2DModel, UnCLIPScheduler
+from diffusers import PriorTransformer, UnCLIPScheduler, UNet2DConditionModel, UNet2DModel
 
-from .clip import CompatTokenizer
-from .config import DiffusionConfig, SamplerConfig
-from .convert_clip import (bpe_vocab, check_state, clip_from_transformers, load_weights, read_json,
-                           text_config_to_transformers, text_state_to_transformers)
-from .decoder import UnCLIPDecoder, UnCLIPUpsampler
-from .diffusion import make_scheduler
-from .pipeline import UnCLIPPipeline
-from .prior import UnCLIPPrior
+from unclip.clip import CompatTokenizer
+from unclip.config import DiffusionConfig, SamplingConfig
+from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
+from unclip.diffusion import make_scheduler
+from unclip.interop.clip import (
+    bpe_vocab,
+    check_state,
+    clip_from_transformers,
+    load_weights,
+    read_json,
+    text_config_to_transformers,
+    text_state_to_transformers,
+)
+from unclip.pipeline import UnCLIPPipeline
+from unclip.prior import UnCLIPPrior
 
 __all__ = ["load_diffusers_unclip", "export_diffusers", "export_problems", "main", "TEXT_PROJ"]
 
 # UnCLIPDecoder glue ↔ diffusers UnCLIPTextProjModel parameter prefixes
-TEXT_PROJ = (("null_image_embed", "learned_classifier_free_guidance_embeddings"),
-             ("text_to_time.", "embedding_proj."),
-             ("image_to_time.", "clip_image_embeddings_project_to_time_embeddings."),
-             ("image_to_tokens.", "clip_extra_context_tokens_proj."),
-             ("text_tokens_proj.", "encoder_hidden_states_proj."),
-             ("text_tokens_norm.", "text_encoder_hidden_states_norm."))
+TEXT_PROJ = (
+    ("null_image_embed", "learned_classifier_free_guidance_embeddings"),
+    ("text_to_time.", "embedding_proj."),
+    ("image_to_time.", "clip_image_embeddings_project_to_time_embeddings."),
+    ("image_to_tokens.", "clip_extra_context_tokens_proj."),
+    ("text_tokens_proj.", "encoder_hidden_states_proj."),
+    ("text_tokens_norm.", "text_encoder_hidden_states_norm."),
+)
 
 _TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
-_COMMON = {"decoder": ("UNet2DConditionModel",), "text_proj": ("UnCLIPTextProjModel",),
-           "text_encoder": ("CLIPTextModelWithProjection",), "tokenizer": _TOKENIZERS,
-           "super_res_first": ("UNet2DModel",), "super_res_last": ("UNet2DModel",),
-           "decoder_scheduler": ("UnCLIPScheduler",), "super_res_scheduler": ("UnCLIPScheduler",)}
-_VISION = {"image_encoder": ("CLIPVisionModelWithProjection",),
-           "feature_extractor": ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPFeatureExtractor")}
+_COMMON = {
+    "decoder": ("UNet2DConditionModel",),
+    "text_proj": ("UnCLIPTextProjModel",),
+    "text_encoder": ("CLIPTextModelWithProjection",),
+    "tokenizer": _TOKENIZERS,
+    "super_res_first": ("UNet2DModel",),
+    "super_res_last": ("UNet2DModel",),
+    "decoder_scheduler": ("UnCLIPScheduler",),
+    "super_res_scheduler": ("UnCLIPScheduler",),
+}
+_VISION = {
+    "image_encoder": ("CLIPVisionModelWithProjection",),
+    "feature_extractor": ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPFeatureExtractor"),
+}
 LAYOUTS = {  # class name → (required components, optional components)
-    "UnCLIPPipeline": ({**_COMMON, "prior": ("PriorTransformer",), "prior_scheduler": ("UnCLIPScheduler",)}, _VISION),
+    "UnCLIPPipeline": (
+        {**_COMMON, "prior": ("PriorTransformer",), "prior_scheduler": ("UnCLIPScheduler",)},
+        _VISION,
+    ),
     "UnCLIPImageVariationPipeline": ({**_COMMON, **_VISION}, {}),
 }
-DIFFUSERS_SAMPLING = {"prior": (25, 4.0), "decoder": (25, 8.0), "upsampler": (7, 1.0)}  # diffusers' defaults
+DIFFUSERS_SAMPLING = {
+    "prior": (25, 4.0),
+    "decoder": (25, 8.0),
+    "upsampler": (7, 1.0),
+}  # diffusers' defaults
 
 
 # ============================================================================================ helpers
@@ -100,8 +125,10 @@ def _check_config(component: str, src: dict, built, what: str) -> None:
         if key.startswith("_") or key not in src:
             continue
         if _norm(src[key]) != _norm(value):
-            raise ValueError(f"{component}: config {key} = {src[key]!r} cannot be expressed by {what} "
-                             f"(it needs {value!r})")
+            raise ValueError(
+                f"{component}: config {key} = {src[key]!r} cannot be expressed by {what} "
+                f"(it needs {value!r})"
+            )
 
 
 def _square(component: str, size) -> int:
@@ -121,7 +148,7 @@ def decoder_to_diffusers(state: dict) -> dict[str, dict]:
             continue
         for ours, theirs in TEXT_PROJ:
             if key.startswith(ours):
-                out["text_proj"][theirs + key[len(ours):]] = value
+                out["text_proj"][theirs + key[len(ours) :]] = value
                 break
         else:
             raise AssertionError(f"unmapped decoder weight {key}")
@@ -132,7 +159,7 @@ def decoder_from_diffusers(parts: dict[str, dict]) -> dict:
     state = {"unet." + k: v for k, v in parts["decoder"].items()}
     for key, value in parts["text_proj"].items():
         ours, theirs = next((o, t) for o, t in TEXT_PROJ if key.startswith(t))
-        state[ours + key[len(theirs):]] = value
+        state[ours + key[len(theirs) :]] = value
     return state
 
 
@@ -150,26 +177,34 @@ def _read_index(root: Path) -> tuple[str, set]:
     index = read_json(root / "model_index.json", "model_index.json")
     kind = index.get("_class_name")
     if kind not in LAYOUTS:
-        raise ValueError(f"{root} is not a diffusers unCLIP pipeline: model_index.json names {kind!r}; expected "
-                         f"UnCLIPPipeline (Karlo) or UnCLIPImageVariationPipeline")
+        raise ValueError(
+            f"{root} is not a diffusers unCLIP pipeline: model_index.json names {kind!r}; expected "
+            f"UnCLIPPipeline (Karlo) or UnCLIPImageVariationPipeline"
+        )
     required, optional = LAYOUTS[kind]
     present = set()
     for name, entry in index.items():
         if name.startswith("_"):
             continue
         if name not in required and name not in optional:
-            raise ValueError(f"model_index.json: unexpected component {name!r} for {kind} (expected "
-                             f"{', '.join(sorted(required))})")
+            raise ValueError(
+                f"model_index.json: unexpected component {name!r} for {kind} (expected "
+                f"{', '.join(sorted(required))})"
+            )
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2) or entry[1] is None:
             continue
         allowed = {**required, **optional}[name]
         if entry[1] not in allowed:
-            raise ValueError(f"{name}: model_index.json gives class {entry[1]!r}; expected {' or '.join(allowed)}")
+            raise ValueError(
+                f"{name}: model_index.json gives class {entry[1]!r}; expected {' or '.join(allowed)}"
+            )
         present.add(name)
     for name in required:
         if name not in present:
-            raise ValueError(f"{name}: component is missing from model_index.json of {root} (a {kind} needs "
-                             f"{', '.join(sorted(required))})")
+            raise ValueError(
+                f"{name}: component is missing from model_index.json of {root} (a {kind} needs "
+                f"{', '.join(sorted(required))})"
+            )
     for name in present:
         if not (root / name).is_dir():
             raise ValueError(f"{name}: component folder {root / name} is missing")
@@ -182,15 +217,27 @@ def _load_prior(root: Path, clip) -> UnCLIPPrior:
     cfg = _with_defaults(PriorTransformer, read_json(root / "prior" / "config.json", "prior"))
     dim, ctx = int(cfg["embedding_dim"]), int(cfg["num_embeddings"])
     if dim != clip.embed_dim:
-        raise ValueError(f"prior: config embedding_dim = {dim} but the text_encoder projection_dim is {clip.embed_dim}")
+        raise ValueError(
+            f"prior: config embedding_dim = {dim} but the text_encoder projection_dim is {clip.embed_dim}"
+        )
     if clip.text_width != dim:
-        raise ValueError(f"prior: config embedding_dim = {dim} but the text_encoder hidden_size is {clip.text_width}; "
-                         f"diffusers' prior consumes the text states at the embedding width")
+        raise ValueError(
+            f"prior: config embedding_dim = {dim} but the text_encoder hidden_size is {clip.text_width}; "
+            f"diffusers' prior consumes the text states at the embedding width"
+        )
     if ctx != clip.context_length:
-        raise ValueError(f"prior: config num_embeddings = {ctx} but the text context length is {clip.context_length}")
-    prior = UnCLIPPrior(embed_dim=dim, text_width=clip.text_width, context_length=ctx, num_layers=cfg["num_layers"],
-                        num_attention_heads=cfg["num_attention_heads"], attention_head_dim=cfg["attention_head_dim"],
-                        dropout=cfg["dropout"])
+        raise ValueError(
+            f"prior: config num_embeddings = {ctx} but the text context length is {clip.context_length}"
+        )
+    prior = UnCLIPPrior(
+        embed_dim=dim,
+        text_width=clip.text_width,
+        context_length=ctx,
+        num_layers=cfg["num_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        attention_head_dim=cfg["attention_head_dim"],
+        dropout=cfg["dropout"],
+    )
     _check_config("prior", cfg, prior.transformer.config, "UnCLIPPrior")
     parts = _load_parts(root, {"prior": prior.transformer.state_dict()})
     prior.transformer.load_state_dict(parts["prior"], strict=True)
@@ -198,59 +245,107 @@ def _load_prior(root: Path, clip) -> UnCLIPPrior:
 
 
 def _load_decoder(root: Path, clip) -> UnCLIPDecoder:
-    cfg = _with_defaults(UNet2DConditionModel, read_json(root / "decoder" / "config.json", "decoder"))
+    cfg = _with_defaults(
+        UNet2DConditionModel, read_json(root / "decoder" / "config.json", "decoder")
+    )
     from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
 
-    tp = _with_defaults(UnCLIPTextProjModel, read_json(root / "text_proj" / "config.json", "text_proj"))
+    tp = _with_defaults(
+        UnCLIPTextProjModel, read_json(root / "text_proj" / "config.json", "text_proj")
+    )
     dim = int(tp["clip_embeddings_dim"])
     if dim != clip.embed_dim:
-        raise ValueError(f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder projection_dim is "
-                         f"{clip.embed_dim}")
+        raise ValueError(
+            f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder projection_dim is "
+            f"{clip.embed_dim}"
+        )
     if clip.text_width != dim:
-        raise ValueError(f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder hidden_size is "
-                         f"{clip.text_width} (diffusers projects the text states with a {dim}-wide layer)")
+        raise ValueError(
+            f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder hidden_size is "
+            f"{clip.text_width} (diffusers projects the text states with a {dim}-wide layer)"
+        )
     if cfg["out_channels"] not in (3, 6) or cfg["in_channels"] != 3:
-        raise ValueError(f"decoder: config in_channels/out_channels = {cfg['in_channels']}/{cfg['out_channels']}; "
-                         f"expected 3/6 (learned variance) or 3/3")
-    kwargs = dict(embed_dim=dim, text_width=clip.text_width, sample_size=_square("decoder", cfg["sample_size"]),
-                  block_out_channels=tuple(cfg["block_out_channels"]), layers_per_block=cfg["layers_per_block"],
-                  down_block_types=tuple(cfg["down_block_types"]), up_block_types=tuple(cfg["up_block_types"]),
-                  mid_block_type=cfg["mid_block_type"], attention_head_dim=cfg["attention_head_dim"],
-                  num_image_tokens=int(tp["clip_extra_context_tokens"]), norm_num_groups=cfg["norm_num_groups"],
-                  cross_attention_dim=cfg["cross_attention_dim"], use_text_tokens=True,
-                  learned_variance=cfg["out_channels"] == 6)
+        raise ValueError(
+            f"decoder: config in_channels/out_channels = {cfg['in_channels']}/{cfg['out_channels']}; "
+            f"expected 3/6 (learned variance) or 3/3"
+        )
+    kwargs = dict(
+        embed_dim=dim,
+        text_width=clip.text_width,
+        sample_size=_square("decoder", cfg["sample_size"]),
+        block_out_channels=tuple(cfg["block_out_channels"]),
+        layers_per_block=cfg["layers_per_block"],
+        down_block_types=tuple(cfg["down_block_types"]),
+        up_block_types=tuple(cfg["up_block_types"]),
+        mid_block_type=cfg["mid_block_type"],
+        attention_head_dim=cfg["attention_head_dim"],
+        num_image_tokens=int(tp["clip_extra_context_tokens"]),
+        norm_num_groups=cfg["norm_num_groups"],
+        cross_attention_dim=cfg["cross_attention_dim"],
+        use_text_tokens=True,
+        learned_variance=cfg["out_channels"] == 6,
+    )
     try:
         decoder = UnCLIPDecoder(**kwargs)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"decoder: config cannot be built as an UnCLIPDecoder: {exc}") from exc
     _check_config("decoder", cfg, decoder.unet.config, "UnCLIPDecoder")
     unet = decoder.unet.config
-    _check_config("text_proj", tp, {"clip_extra_context_tokens": kwargs["num_image_tokens"], "clip_embeddings_dim": dim,
-                                    "time_embed_dim": unet.block_out_channels[0] * 4,
-                                    "cross_attention_dim": unet.cross_attention_dim}, "the decoder's glue")
+    _check_config(
+        "text_proj",
+        tp,
+        {
+            "clip_extra_context_tokens": kwargs["num_image_tokens"],
+            "clip_embeddings_dim": dim,
+            "time_embed_dim": unet.block_out_channels[0] * 4,
+            "cross_attention_dim": unet.cross_attention_dim,
+        },
+        "the decoder's glue",
+    )
     parts = _load_parts(root, decoder_to_diffusers(decoder.state_dict()))
     decoder.load_state_dict(decoder_from_diffusers(parts), strict=True)
     return decoder
 
 
 def _load_upsampler(root: Path, decoder: UnCLIPDecoder) -> UnCLIPUpsampler:
-    first = _with_defaults(UNet2DModel, read_json(root / "super_res_first" / "config.json", "super_res_first"))
-    last = _with_defaults(UNet2DModel, read_json(root / "super_res_last" / "config.json", "super_res_last"))
-    kwargs = dict(sample_size=_square("super_res_first", first["sample_size"]),
-                  low_res_size=decoder.config.sample_size, block_out_channels=tuple(first["block_out_channels"]),
-                  layers_per_block=first["layers_per_block"], down_block_types=tuple(first["down_block_types"]),
-                  up_block_types=tuple(first["up_block_types"]), norm_num_groups=first["norm_num_groups"],
-                  noise_level_conditioning=False, noise_level=0, final_step_model=True,
-                  resnet_time_scale_shift=first["resnet_time_scale_shift"], add_attention=first["add_attention"],
-                  clamp_low_res=False)
+    first = _with_defaults(
+        UNet2DModel, read_json(root / "super_res_first" / "config.json", "super_res_first")
+    )
+    last = _with_defaults(
+        UNet2DModel, read_json(root / "super_res_last" / "config.json", "super_res_last")
+    )
+    kwargs = dict(
+        sample_size=_square("super_res_first", first["sample_size"]),
+        low_res_size=decoder.config.sample_size,
+        block_out_channels=tuple(first["block_out_channels"]),
+        layers_per_block=first["layers_per_block"],
+        down_block_types=tuple(first["down_block_types"]),
+        up_block_types=tuple(first["up_block_types"]),
+        norm_num_groups=first["norm_num_groups"],
+        noise_level_conditioning=False,
+        noise_level=0,
+        final_step_model=True,
+        resnet_time_scale_shift=first["resnet_time_scale_shift"],
+        add_attention=first["add_attention"],
+        clamp_low_res=False,
+    )
     try:
         up = UnCLIPUpsampler(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"super_res_first: config cannot be built as an UnCLIPUpsampler: {exc}") from exc
+        raise ValueError(
+            f"super_res_first: config cannot be built as an UnCLIPUpsampler: {exc}"
+        ) from exc
     _check_config("super_res_first", first, up.unet.config, "UnCLIPUpsampler")
-    _check_config("super_res_last", last, up.final_unet.config,
-                  "UnCLIPUpsampler (same architecture as super_res_first)")
-    parts = _load_parts(root, {"super_res_first": up.unet.state_dict(), "super_res_last": up.final_unet.state_dict()})
+    _check_config(
+        "super_res_last",
+        last,
+        up.final_unet.config,
+        "UnCLIPUpsampler (same architecture as super_res_first)",
+    )
+    parts = _load_parts(
+        root,
+        {"super_res_first": up.unet.state_dict(), "super_res_last": up.final_unet.state_dict()},
+    )
     up.unet.load_state_dict(parts["super_res_first"], strict=True)
     up.final_unet.load_state_dict(parts["super_res_last"], strict=True)
     return up
@@ -261,13 +356,27 @@ def _load_scheduler(root: Path, component: str, stage: str, learned: bool):
     folder = root / component
     file = folder / "scheduler_config.json"
     cfg = _with_defaults(UnCLIPScheduler, read_json(file, component))
-    if cfg["prediction_type"] not in ("epsilon", "sample") or cfg["beta_schedule"] != "squaredcos_cap_v2":
-        raise ValueError(f"{component}: prediction_type {cfg['prediction_type']!r} / beta_schedule "
-                         f"{cfg['beta_schedule']!r} are not supported by UnCLIPScheduler")
-    diffusion = DiffusionConfig(num_train_timesteps=int(cfg["num_train_timesteps"]), beta_schedule="squaredcos_cap_v2",
-                                prediction_type=cfg["prediction_type"])
-    clip_range = (float(cfg["clip_sample_range"]) if cfg["clip_sample"] else None) if stage == "prior" else 1.0
-    built = make_scheduler("unclip", diffusion, clip_sample_range=clip_range, learned_variance=learned)
+    if (
+        cfg["prediction_type"] not in ("epsilon", "sample")
+        or cfg["beta_schedule"] != "squaredcos_cap_v2"
+    ):
+        raise ValueError(
+            f"{component}: prediction_type {cfg['prediction_type']!r} / beta_schedule "
+            f"{cfg['beta_schedule']!r} are not supported by UnCLIPScheduler"
+        )
+    diffusion = DiffusionConfig(
+        num_train_timesteps=int(cfg["num_train_timesteps"]),
+        beta_schedule="squaredcos_cap_v2",
+        prediction_type=cfg["prediction_type"],
+    )
+    clip_range = (
+        (float(cfg["clip_sample_range"]) if cfg["clip_sample"] else None)
+        if stage == "prior"
+        else 1.0
+    )
+    built = make_scheduler(
+        "unclip", diffusion, clip_sample_range=clip_range, learned_variance=learned
+    )
     _check_config(component, cfg, built.config, f"unclip's {stage} sampler")
     return diffusion, clip_range
 
@@ -302,21 +411,47 @@ def load_diffusers_unclip(path: Union[str, Path]) -> UnCLIPPipeline:
         if kind_ == "prior":
             prior_range = clip_range
         steps, scale = DIFFUSERS_SAMPLING[kind_]
-        sampling[stage] = SamplerConfig(scheduler="unclip", steps=steps, guidance_scale=scale, best_of=1)
-    pipe = UnCLIPPipeline(clip, prior, decoder, [up], diffusion=diffusion, sampling=sampling,
-                          prior_clip_range=prior_range if prior is not None else 10.0)
+        sampling[stage] = SamplingConfig(
+            scheduler="unclip", steps=steps, guidance_scale=scale, best_of=1
+        )
+    pipe = UnCLIPPipeline(
+        clip,
+        prior,
+        decoder,
+        [up],
+        diffusion=diffusion,
+        sampling=sampling,
+        prior_clip_range=prior_range if prior is not None else 10.0,
+    )
     for m in pipe.modules().values():
         m.eval().requires_grad_(False)
     return pipe
 
 
 # ============================================================================================ export
-_TEXT_CFG_DEFAULTS = {"ls_init_value": None, "embed_cls": False, "no_causal_mask": False, "final_ln_after_pool": False,
-                      "pool_type": "argmax", "proj_bias": False, "proj_type": "linear", "act_kwargs": None,
-                      "norm_kwargs": None, "block_type": None, "qk_norm": False, "scaled_cosine_attn": False,
-                      "scale_heads": False, "scale_attn_inner": False, "scale_attn": False, "scale_fc": False,
-                      "hf_model_name": None, "hf_tokenizer_name": None, "tokenizer_mode": None,
-                      "tokenizer_kwargs": None, "vocab_size": 49408}
+_TEXT_CFG_DEFAULTS = {
+    "ls_init_value": None,
+    "embed_cls": False,
+    "no_causal_mask": False,
+    "final_ln_after_pool": False,
+    "pool_type": "argmax",
+    "proj_bias": False,
+    "proj_type": "linear",
+    "act_kwargs": None,
+    "norm_kwargs": None,
+    "block_type": None,
+    "qk_norm": False,
+    "scaled_cosine_attn": False,
+    "scale_heads": False,
+    "scale_attn_inner": False,
+    "scale_attn": False,
+    "scale_fc": False,
+    "hf_model_name": None,
+    "hf_tokenizer_name": None,
+    "tokenizer_mode": None,
+    "tokenizer_kwargs": None,
+    "vocab_size": 49408,
+}
 
 
 def export_problems(pipe: UnCLIPPipeline) -> list[str]:
@@ -327,49 +462,75 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
     out = []
     clip = pipe.clip
     if not isinstance(clip.model, CLIP) or not isinstance(clip.tokenizer, SimpleTokenizer):
-        out.append("clip: only open_clip CLIP text towers with the CLIP BPE tokenizer map onto transformers' "
-                   "CLIPTextModelWithProjection")
+        out.append(
+            "clip: only open_clip CLIP text towers with the CLIP BPE tokenizer map onto transformers' "
+            "CLIPTextModelWithProjection"
+        )
     for key, default in _TEXT_CFG_DEFAULTS.items():
         value = clip.model_cfg.get("text_cfg", {}).get(key, default)
         if value != default:
-            out.append(f"clip: text_cfg.{key} = {value!r} has no transformers CLIP equivalent (needs {default!r})")
+            out.append(
+                f"clip: text_cfg.{key} = {value!r} has no transformers CLIP equivalent (needs {default!r})"
+            )
     if clip.normalize_embeds:
-        out.append("clip: normalize_embeds=True (L2-normalised CLIP embeddings); diffusers' UnCLIPPipeline feeds the "
-                   "raw projected text embeddings to the prior and decoder, as Karlo does")
+        out.append(
+            "clip: normalize_embeds=True (L2-normalised CLIP embeddings); diffusers' UnCLIPPipeline feeds the "
+            "raw projected text embeddings to the prior and decoder, as Karlo does"
+        )
     if pipe.prior is None:
         out.append("prior: the pipeline has no prior (diffusers' UnCLIPPipeline needs one)")
     elif not isinstance(pipe.prior.text_token_proj, torch.nn.Identity):
-        out.append(f"prior: text_token_proj projects the CLIP text width {clip.text_width} to the embedding size "
-                   f"{clip.embed_dim}; diffusers' PriorTransformer takes text states at the embedding size")
+        out.append(
+            f"prior: text_token_proj projects the CLIP text width {clip.text_width} to the embedding size "
+            f"{clip.embed_dim}; diffusers' PriorTransformer takes text states at the embedding size"
+        )
     dc = pipe.decoder.config
     if not dc.use_text_tokens:
-        out.append("decoder: use_text_tokens=False; diffusers' text_proj always adds the caption token states")
+        out.append(
+            "decoder: use_text_tokens=False; diffusers' text_proj always adds the caption token states"
+        )
     elif dc.text_width != dc.embed_dim:
-        out.append(f"decoder: text tokens are {dc.text_width} wide but the CLIP embedding is {dc.embed_dim}; "
-                   f"diffusers' UnCLIPTextProjModel projects text states of the embedding width")
+        out.append(
+            f"decoder: text tokens are {dc.text_width} wide but the CLIP embedding is {dc.embed_dim}; "
+            f"diffusers' UnCLIPTextProjModel projects text states of the embedding width"
+        )
     if dc.coord_channels:
-        out.append("decoder: coord_channels=True (x/y coordinate input channels); diffusers' UnCLIPPipeline decoder "
-                   "takes the 3-channel image only")
+        out.append(
+            "decoder: coord_channels=True (x/y coordinate input channels); diffusers' UnCLIPPipeline decoder "
+            "takes the 3-channel image only"
+        )
     if dc.embed_scale != 1.0:
-        out.append(f"decoder: embed_scale={dc.embed_scale} (embeddings scaled before projection); diffusers' "
-                   f"UnCLIPTextProjModel projects them unscaled")
+        out.append(
+            f"decoder: embed_scale={dc.embed_scale} (embeddings scaled before projection); diffusers' "
+            f"UnCLIPTextProjModel projects them unscaled"
+        )
     if not dc.learned_variance:
-        out.append("decoder: learned_variance=False; diffusers' UnCLIPPipeline splits the decoder output into mean "
-                   "and variance (out_channels=6, learned_range)")
+        out.append(
+            "decoder: learned_variance=False; diffusers' UnCLIPPipeline splits the decoder output into mean "
+            "and variance (out_channels=6, learned_range)"
+        )
     if len(pipe.upsamplers) != 1:
         names = ", ".join(pipe.upsampler_names) or "none"
-        out.append(f"upsamplers: diffusers' UnCLIPPipeline has exactly one upsampling stage (super_res_first/"
-                   f"super_res_last); this pipeline has {len(pipe.upsamplers)} ({names})")
+        out.append(
+            f"upsamplers: diffusers' UnCLIPPipeline has exactly one upsampling stage (super_res_first/"
+            f"super_res_last); this pipeline has {len(pipe.upsamplers)} ({names})"
+        )
     for name, up in zip(pipe.upsampler_names, pipe.upsamplers):
         if up.config.noise_level_conditioning or up.config.noise_level:
-            out.append(f"{name}: noise-level conditioning (noise_level_conditioning / noise_level) does not exist in "
-                       f"diffusers' super-res UNets")
+            out.append(
+                f"{name}: noise-level conditioning (noise_level_conditioning / noise_level) does not exist in "
+                f"diffusers' super-res UNets"
+            )
         if up.config.clamp_low_res:
-            out.append(f"{name}: clamp_low_res=True; diffusers does not clamp the bicubic-upsampled low-res image")
+            out.append(
+                f"{name}: clamp_low_res=True; diffusers does not clamp the bicubic-upsampled low-res image"
+            )
     for stage, d in pipe.diffusion.items():
         if d.beta_schedule != "squaredcos_cap_v2" or d.prediction_type not in ("epsilon", "sample"):
-            out.append(f"{stage}: {d.beta_schedule} / {d.prediction_type} cannot be sampled by UnCLIPScheduler "
-                       f"(squaredcos_cap_v2 with epsilon or sample prediction only)")
+            out.append(
+                f"{stage}: {d.beta_schedule} / {d.prediction_type} cannot be sampled by UnCLIPScheduler "
+                f"(squaredcos_cap_v2 with epsilon or sample prediction only)"
+            )
     return out
 
 
@@ -380,43 +541,65 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
     """
     problems = export_problems(pipe)
     if problems:
-        raise ValueError("cannot export to a diffusers UnCLIPPipeline:\n  - " + "\n  - ".join(problems))
+        raise ValueError(
+            "cannot export to a diffusers UnCLIPPipeline:\n  - " + "\n  - ".join(problems)
+        )
     try:
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
     except ImportError as exc:
-        raise ImportError("exporting to diffusers needs transformers: pip install transformers") from exc
+        raise ImportError(
+            "exporting to diffusers needs transformers: pip install transformers"
+        ) from exc
     from diffusers import UnCLIPPipeline as DiffusersUnCLIPPipeline
     from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
 
     clip, dec, up = pipe.clip, pipe.decoder, pipe.upsamplers[0]
     text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**text_config_to_transformers(clip)))
-    text_state = text_state_to_transformers(clip.model.state_dict(), int(clip.model_cfg["text_cfg"].get("layers", 12)))
+    text_state = text_state_to_transformers(
+        clip.model.state_dict(), int(clip.model_cfg["text_cfg"].get("layers", 12))
+    )
     missing, unexpected = text_encoder.load_state_dict(text_state, strict=False)
     if unexpected or [k for k in missing if not k.endswith("position_ids")]:
         raise AssertionError(f"text encoder export: missing {missing}, unexpected {unexpected}")
-    pad = clip.tokenizer.pad_token if isinstance(clip.tokenizer, CompatTokenizer) else "<|endoftext|>"
+    pad = (
+        clip.tokenizer.pad_token if isinstance(clip.tokenizer, CompatTokenizer) else "<|endoftext|>"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         vocab, merges = bpe_vocab()
         (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-        tokenizer = CLIPTokenizer.from_pretrained(tmp, pad_token=pad, model_max_length=clip.context_length)
+        (Path(tmp) / "merges.txt").write_text(
+            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+        )
+        tokenizer = CLIPTokenizer.from_pretrained(
+            tmp, pad_token=pad, model_max_length=clip.context_length
+        )
     unet = dec.unet.config
-    text_proj = UnCLIPTextProjModel(clip_extra_context_tokens=dec.config.num_image_tokens,
-                                    clip_embeddings_dim=dec.config.embed_dim,
-                                    time_embed_dim=unet.block_out_channels[0] * 4,
-                                    cross_attention_dim=unet.cross_attention_dim)
+    text_proj = UnCLIPTextProjModel(
+        clip_extra_context_tokens=dec.config.num_image_tokens,
+        clip_embeddings_dim=dec.config.embed_dim,
+        time_embed_dim=unet.block_out_channels[0] * 4,
+        cross_attention_dim=unet.cross_attention_dim,
+    )
     text_proj.load_state_dict(decoder_to_diffusers(dec.state_dict())["text_proj"], strict=True)
     sr = pipe.upsampler_names[0]
 
     def scheduler(stage, clip_range=1.0, learned=False):
-        return make_scheduler("unclip", pipe.diffusion[stage], clip_sample_range=clip_range, learned_variance=learned)
+        return make_scheduler(
+            "unclip", pipe.diffusion[stage], clip_sample_range=clip_range, learned_variance=learned
+        )
 
     out = DiffusersUnCLIPPipeline(
-        prior=pipe.prior.transformer, decoder=dec.unet, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
-        text_proj=text_proj.eval(), super_res_first=up.unet,
+        prior=pipe.prior.transformer,
+        decoder=dec.unet,
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
+        text_proj=text_proj.eval(),
+        super_res_first=up.unet,
         super_res_last=up.final_unet if up.final_unet is not None else up.unet,
-        prior_scheduler=scheduler("prior", pipe.prior_clip_range), decoder_scheduler=scheduler("decoder", learned=True),
-        super_res_scheduler=scheduler(sr))
+        prior_scheduler=scheduler("prior", pipe.prior_clip_range),
+        decoder_scheduler=scheduler("decoder", learned=True),
+        super_res_scheduler=scheduler(sr),
+    )
     out_dir = Path(out_dir)
     out.save_pretrained(str(out_dir), safe_serialization=True)
     # diffusers >= 0.2x records text_proj as ("diffusers", ...) which its loader cannot resolve (the class is
@@ -432,26 +615,40 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="unclip convert",
-        description="Convert between diffusers/Karlo unCLIP folders and native unclip pipeline folders.")
-    parser.add_argument("src", help="source folder (diffusers/Karlo for --to unclip; unclip or diffusers for "
-                                    "--to diffusers)")
+        description="Convert between diffusers/Karlo unCLIP folders and native unclip pipeline folders.",
+    )
+    parser.add_argument(
+        "src",
+        help="source folder (diffusers/Karlo for --to unclip; unclip or diffusers for "
+        "--to diffusers)",
+    )
     parser.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
-    parser.add_argument("--to", choices=("unclip", "diffusers"), default="unclip",
-                        help="target format (default: unclip)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty output folder")
+    parser.add_argument(
+        "--to",
+        choices=("unclip", "diffusers"),
+        default="unclip",
+        help="target format (default: unclip)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="write into a non-empty output folder"
+    )
     args = parser.parse_args(argv)
     src, dst = Path(args.src), Path(args.dst)
     if not src.is_dir():
         parser.error(f"source folder not found: {src}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.overwrite:
-        parser.error(f"output {dst} exists and is not an empty folder; pass --overwrite to write into it")
+        parser.error(
+            f"output {dst} exists and is not an empty folder; pass --overwrite to write into it"
+        )
     if src.resolve() == dst.resolve():
         parser.error("source and output folders must differ")
     try:
         if args.to == "unclip":
             if not (src / "model_index.json").is_file():
-                parser.error(f"{src} has no model_index.json, so it is not a diffusers/Karlo folder; to export a "
-                             f"native unclip folder use --to diffusers")
+                parser.error(
+                    f"{src} has no model_index.json, so it is not a diffusers/Karlo folder; to export a "
+                    f"native unclip folder use --to diffusers"
+                )
             pipe = load_diffusers_unclip(src)
             pipe.save_pretrained(dst)
             print(f"wrote unclip pipeline {dst} (stages: {', '.join(pipe.stage_names)})")

@@ -91,15 +91,27 @@ POSITION_PHRASES: dict[str, str] = {
     "top": "at the top",
     "bottom": "at the bottom",
 }
-SIZE_WORDS: dict[str, tuple[str, ...]] = {"small": ("small", "tiny", "little"), "large": ("large", "big")}
+SIZE_WORDS: dict[str, tuple[str, ...]] = {
+    "small": ("small", "tiny", "little"),
+    "large": ("large", "big"),
+}
 JITTER = 0.04
 MARGIN = 0.01
 MIN_SEPARATION = 0.25
 PAIR_GAP = 0.02
 PAIR_MAX_OFF_AXIS = 0.1
 TRIANGLE_HEIGHT = math.sqrt(3.0) / 2.0
-_SINGLE_TEMPLATES = ("{obj} {pos}{bg}", "{pos}, {obj}{bg}", "there is {obj} {pos}{bg}", "an image of {obj} {pos}{bg}")
-_PAIR_TEMPLATES = ("{a} {rel} {b}{bg}", "there is {a} {rel} {b}{bg}", "an image of {a} {rel} {b}{bg}")
+_SINGLE_TEMPLATES = (
+    "{obj} {pos}{bg}",
+    "{pos}, {obj}{bg}",
+    "there is {obj} {pos}{bg}",
+    "an image of {obj} {pos}{bg}",
+)
+_PAIR_TEMPLATES = (
+    "{a} {rel} {b}{bg}",
+    "there is {a} {rel} {b}{bg}",
+    "an image of {a} {rel} {b}{bg}",
+)
 
 
 @dataclass
@@ -136,7 +148,10 @@ def is_heldout(scene: dict) -> bool:
 def _object(shape, color, size, position, cx, cy, extent) -> dict:
     hx, hy = half_size(shape, extent)
     return {
-        "shape": shape, "color": color, "size": size, "position": position,
+        "shape": shape,
+        "color": color,
+        "size": size,
+        "position": position,
         "center": [round(cx, 6), round(cy, 6)],
         "bbox": [round(cx - hx, 6), round(cy - hy, 6), round(cx + hx, 6), round(cy + hy, 6)],
         "extent": round(extent, 6),
@@ -153,9 +168,18 @@ def _sample_attributes(rng: random.Random, split: str, pair: bool) -> list[dict]
     def draw() -> list[dict]:
         if pair:
             c1, c2 = rng.sample(sorted(COLORS), 2)
-            return [{"shape": rng.choice(SHAPES), "color": c, "size": "small", "position": None} for c in (c1, c2)]
-        return [{"shape": rng.choice(SHAPES), "color": rng.choice(sorted(COLORS)),
-                 "size": rng.choice(sorted(SIZES)), "position": rng.choice(sorted(POSITIONS))}]
+            return [
+                {"shape": rng.choice(SHAPES), "color": c, "size": "small", "position": None}
+                for c in (c1, c2)
+            ]
+        return [
+            {
+                "shape": rng.choice(SHAPES),
+                "color": rng.choice(sorted(COLORS)),
+                "size": rng.choice(sorted(SIZES)),
+                "position": rng.choice(sorted(POSITIONS)),
+            }
+        ]
 
     if split == "all":
         return draw()
@@ -189,7 +213,9 @@ def _place_single(rng: random.Random, obj: dict) -> dict:
 
 def _place_pair(rng: random.Random, objs: list[dict], relation: str) -> list[dict]:
     axis = 0 if relation in ("to the left of", "to the right of") else 1
-    sign = -1.0 if relation in ("to the left of", "above") else 1.0  # sign of (first - second) on axis
+    sign = (
+        -1.0 if relation in ("to the left of", "above") else 1.0
+    )  # sign of (first - second) on axis
     for _ in range(10_000):
         extents = [rng.uniform(*SIZES["small"]) for _ in objs]
         halves = [half_size(o["shape"], e) for o, e in zip(objs, extents)]
@@ -201,16 +227,24 @@ def _place_pair(rng: random.Random, objs: list[dict], relation: str) -> list[dic
         first[axis] += sign * sep
         first[1 - axis] += off
         centers = (first, second)
-        if all(h[i] + MARGIN <= c[i] <= 1 - h[i] - MARGIN for c, h in zip(centers, halves) for i in (0, 1)):
-            return [_object(o["shape"], o["color"], "small", None, c[0], c[1], e)
-                    for o, c, e in zip(objs, centers, extents)]
+        if all(
+            h[i] + MARGIN <= c[i] <= 1 - h[i] - MARGIN
+            for c, h in zip(centers, halves)
+            for i in (0, 1)
+        ):
+            return [
+                _object(o["shape"], o["color"], "small", None, c[0], c[1], e)
+                for o, c, e in zip(objs, centers, extents)
+            ]
     raise AssertionError("placement of a two-object scene did not terminate")
 
 
 def _scene(rng: random.Random, objs: list[dict], relation: str | None, background: str) -> dict:
     """A scene's ground truth: ``objs`` (attribute dicts) placed with ``rng``, as a pair in ``relation``
     or alone (``relation`` None)."""
-    placed = _place_pair(rng, objs, relation) if relation is not None else [_place_single(rng, objs[0])]
+    placed = (
+        _place_pair(rng, objs, relation) if relation is not None else [_place_single(rng, objs[0])]
+    )
     return {"background": background, "relation": relation, "objects": placed}
 
 
@@ -231,8 +265,9 @@ CONTRAST_SINGLE: dict[str, float] = {"shape": 0.6, "position": 0.2, "size": 0.1,
 CONTRAST_PAIR: dict[str, float] = {"relation": 0.6, "shape": 0.3, "color": 0.1}
 
 
-def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
-                   weights: dict[str, float] | None = None) -> tuple[dict, str]:
+def contrast_truth(
+    truth: dict, rng: random.Random, split: str = "train", weights: dict[str, float] | None = None
+) -> tuple[dict, str]:
     """A scene that differs from ``truth`` in exactly one attribute, for contrastive hard negatives.
 
     Returns ``(new_truth, attribute)``. The attribute is drawn with ``weights`` (default
@@ -246,10 +281,15 @@ def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
     pair = truth["relation"] is not None
     weights = weights or (CONTRAST_PAIR if pair else CONTRAST_SINGLE)
-    allowed = {"relation", "shape", "color", "background"} if pair else {"shape", "position", "size", "color",
-                                                                          "background"}
+    allowed = (
+        {"relation", "shape", "color", "background"}
+        if pair
+        else {"shape", "position", "size", "color", "background"}
+    )
     if not weights or set(weights) - allowed:
-        raise ValueError(f"weights must name attributes among {sorted(allowed)}, got {sorted(weights)}")
+        raise ValueError(
+            f"weights must name attributes among {sorted(allowed)}, got {sorted(weights)}"
+        )
     objs = [{k: o[k] for k in ("shape", "color", "size", "position")} for o in truth["objects"]]
     for _ in range(1000):
         attr = rng.choices(list(weights), weights=list(weights.values()))[0]
@@ -260,15 +300,23 @@ def contrast_truth(truth: dict, rng: random.Random, split: str = "train",
             rel = rng.choice([r for r in RELATIONS if r != truth["relation"]])
             return _scene(rng, objs, rel, truth["background"]), attr
         k = rng.randrange(len(objs))
-        options = {"shape": SHAPES, "color": sorted(COLORS), "size": sorted(SIZES), "position": sorted(POSITIONS)}[attr]
+        options = {
+            "shape": SHAPES,
+            "color": sorted(COLORS),
+            "size": sorted(SIZES),
+            "position": sorted(POSITIONS),
+        }[attr]
         taken = {o["color"] for o in objs} if attr == "color" else {objs[k][attr]}
         new = [dict(o) for o in objs]
         new[k][attr] = rng.choice([v for v in options if v not in taken])
-        if (split == "train" and is_heldout({"objects": new})) or (split == "heldout" and not is_heldout(
-                {"objects": new})):
+        if (split == "train" and is_heldout({"objects": new})) or (
+            split == "heldout" and not is_heldout({"objects": new})
+        ):
             continue
         return _scene(rng, new, truth["relation"], truth["background"]), attr
-    raise ValueError(f"no one-attribute change of this scene stays in split {split!r} with weights {weights}")
+    raise ValueError(
+        f"no one-attribute change of this scene stays in split {split!r} with weights {weights}"
+    )
 
 
 def render(truth: dict, resolution: int = 64, fills=None) -> Image.Image:
@@ -280,7 +328,9 @@ def render(truth: dict, resolution: int = 64, fills=None) -> Image.Image:
     if not isinstance(resolution, int) or resolution < 8:
         raise ValueError(f"resolution must be an int >= 8, got {resolution!r}")
     if fills is not None and len(fills) != len(truth["objects"]):
-        raise ValueError(f"fills needs one RGB color per object ({len(truth['objects'])}), got {len(fills)}")
+        raise ValueError(
+            f"fills needs one RGB color per object ({len(truth['objects'])}), got {len(fills)}"
+        )
     factor = max(1, min(4, 4096 // resolution))
     side = resolution * factor
     canvas = Image.new("RGB", (side, side), BACKGROUNDS[truth["background"]])
@@ -307,8 +357,9 @@ def _object_phrase(obj: dict, rng: random.Random, with_size: bool, with_color: b
     return f"{article(words[0])} {' '.join(words)}"
 
 
-def make_caption(truth: dict, rng: random.Random, background_phrase_prob: float = 0.5,
-                 name_colors: bool = True) -> str:
+def make_caption(
+    truth: dict, rng: random.Random, background_phrase_prob: float = 0.5, name_colors: bool = True
+) -> str:
     """A caption for ``truth`` with randomly varied phrasing (templates, size synonyms, background).
     ``name_colors=False`` leaves the object colors out ("a small circle on the left"), for
     :func:`color_free_view`; the random draws are the same either way."""
@@ -316,7 +367,9 @@ def make_caption(truth: dict, rng: random.Random, background_phrase_prob: float 
     objs = truth["objects"]
     if truth["relation"] is None:
         obj = _object_phrase(objs[0], rng, with_size=True, with_color=name_colors)
-        return rng.choice(_SINGLE_TEMPLATES).format(obj=obj, pos=POSITION_PHRASES[objs[0]["position"]], bg=bg)
+        return rng.choice(_SINGLE_TEMPLATES).format(
+            obj=obj, pos=POSITION_PHRASES[objs[0]["position"]], bg=bg
+        )
     a, b = (_object_phrase(o, rng, with_size=False, with_color=name_colors) for o in objs)
     return rng.choice(_PAIR_TEMPLATES).format(a=a, rel=truth["relation"], b=b, bg=bg)
 
@@ -337,8 +390,9 @@ def unnamed_color(rng: random.Random) -> tuple[int, int, int]:
     raise AssertionError("drawing an unnamed color did not terminate")
 
 
-def color_free_view(truth: dict, rng: random.Random, resolution: int = 64,
-                    background_phrase_prob: float = 0.5) -> tuple[Image.Image, str]:
+def color_free_view(
+    truth: dict, rng: random.Random, resolution: int = 64, background_phrase_prob: float = 0.5
+) -> tuple[Image.Image, str]:
     """The scene ``truth`` with its objects painted in unnamed colors (:func:`unnamed_color`, one per
     object) and a caption that names no color: ``(image, caption)``.
 
@@ -356,9 +410,19 @@ def caption_vocabulary() -> list[str]:
     """Every word (and punctuation mark) a caption of this world can contain: the templates' words, the
     position phrases, relations, size words, color, shape and background names, and the articles. For a
     closed-vocabulary CLIP file (:func:`unclip.clip.closed_vocabulary_ids`)."""
-    text = " ".join([*_SINGLE_TEMPLATES, *_PAIR_TEMPLATES, *POSITION_PHRASES.values(), *RELATIONS,
-                     *(w for words in SIZE_WORDS.values() for w in words), *COLORS, *SHAPES, *BACKGROUNDS,
-                     "a an on background"])
+    text = " ".join(
+        [
+            *_SINGLE_TEMPLATES,
+            *_PAIR_TEMPLATES,
+            *POSITION_PHRASES.values(),
+            *RELATIONS,
+            *(w for words in SIZE_WORDS.values() for w in words),
+            *COLORS,
+            *SHAPES,
+            *BACKGROUNDS,
+            "a an on background",
+        ]
+    )
     text = re.sub(r"\{\w+\}", " ", text)
     return sorted(set(re.findall(r"[a-z]+|,", text)))
 
@@ -371,15 +435,42 @@ def _alt(words) -> str:
     return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
 
 
-_OBJ = (r"an?\s+(?:(?P<size{i}>" + _alt(_SIZE_OF_WORD) + r")\s+)?(?P<color{i}>" + _alt(COLORS)
-        + r")\s+(?P<shape{i}>" + _alt(SHAPES) + ")")
+_OBJ = (
+    r"an?\s+(?:(?P<size{i}>"
+    + _alt(_SIZE_OF_WORD)
+    + r")\s+)?(?P<color{i}>"
+    + _alt(COLORS)
+    + r")\s+(?P<shape{i}>"
+    + _alt(SHAPES)
+    + ")"
+)
 _PREFIX = r"(?:(?:there\s+is|an\s+image\s+of)\s+)?"
 _BG = r"(?:\s+on\s+an?\s+(?P<bg>" + _alt(BACKGROUNDS) + r")\s+background)?"
 _POS = "(?P<pos{i}>" + _alt(_POSITION_OF_PHRASE) + ")"
-_SINGLE_RE = re.compile("^" + _PREFIX + "(?:" + _POS.format(i=1) + r",?\s+)?" + _OBJ.format(i=0)
-                        + r"(?:\s+" + _POS.format(i=2) + ")?" + _BG + "$")
-_PAIR_RE = re.compile("^" + _PREFIX + _OBJ.format(i=0) + r"\s+(?P<rel>" + _alt(RELATIONS) + r")\s+"
-                      + _OBJ.format(i=1) + _BG + "$")
+_SINGLE_RE = re.compile(
+    "^"
+    + _PREFIX
+    + "(?:"
+    + _POS.format(i=1)
+    + r",?\s+)?"
+    + _OBJ.format(i=0)
+    + r"(?:\s+"
+    + _POS.format(i=2)
+    + ")?"
+    + _BG
+    + "$"
+)
+_PAIR_RE = re.compile(
+    "^"
+    + _PREFIX
+    + _OBJ.format(i=0)
+    + r"\s+(?P<rel>"
+    + _alt(RELATIONS)
+    + r")\s+"
+    + _OBJ.format(i=1)
+    + _BG
+    + "$"
+)
 
 
 def parse_caption(text: str) -> dict:
@@ -394,21 +485,31 @@ def parse_caption(text: str) -> dict:
     norm = re.sub(r"\s+", " ", text.strip().lower()).rstrip(".").strip()
     m = _PAIR_RE.match(norm)
     if m:
-        objs = [{"shape": m[f"shape{i}"], "color": m[f"color{i}"],
-                 "size": _SIZE_OF_WORD.get(m[f"size{i}"]) if m[f"size{i}"] else None, "position": None}
-                for i in (0, 1)]
+        objs = [
+            {
+                "shape": m[f"shape{i}"],
+                "color": m[f"color{i}"],
+                "size": _SIZE_OF_WORD.get(m[f"size{i}"]) if m[f"size{i}"] else None,
+                "position": None,
+            }
+            for i in (0, 1)
+        ]
         return {"background": m["bg"], "relation": m["rel"], "objects": objs}
     m = _SINGLE_RE.match(norm)
     if m and not (m["pos1"] and m["pos2"]):
         pos = m["pos1"] or m["pos2"]
-        obj = {"shape": m["shape0"], "color": m["color0"],
-               "size": _SIZE_OF_WORD[m["size0"]] if m["size0"] else None,
-               "position": _POSITION_OF_PHRASE[pos] if pos else None}
+        obj = {
+            "shape": m["shape0"],
+            "color": m["color0"],
+            "size": _SIZE_OF_WORD[m["size0"]] if m["size0"] else None,
+            "position": _POSITION_OF_PHRASE[pos] if pos else None,
+        }
         return {"background": m["bg"], "relation": None, "objects": [obj]}
     raise ValueError(
         f"not a shapes caption: {text!r}. Expected e.g. 'a small red circle on the left "
         f"[on a black background]' or 'a red circle to the left of a blue square'; colors "
-        f"{sorted(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)}")
+        f"{sorted(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)}"
+    )
 
 
 class ShapesWorld:
@@ -418,13 +519,22 @@ class ShapesWorld:
     (the per-index RNG is ``random.Random(f"{seed}:{split}:{index}")``; no global state).
     """
 
-    def __init__(self, resolution: int = 64, seed: int = 0, split: str = "train",
-                 two_object_prob: float = 0.3, background_phrase_prob: float = 0.5):
+    def __init__(
+        self,
+        resolution: int = 64,
+        seed: int = 0,
+        split: str = "train",
+        two_object_prob: float = 0.3,
+        background_phrase_prob: float = 0.5,
+    ):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
         if not isinstance(resolution, int) or not 8 <= resolution <= 4096:
             raise ValueError(f"resolution must be an int in [8, 4096], got {resolution!r}")
-        for name, p in (("two_object_prob", two_object_prob), ("background_phrase_prob", background_phrase_prob)):
+        for name, p in (
+            ("two_object_prob", two_object_prob),
+            ("background_phrase_prob", background_phrase_prob),
+        ):
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {p}")
         self.resolution, self.seed, self.split = resolution, int(seed), split
@@ -453,8 +563,10 @@ class ShapesWorld:
         return ShapesSample(render(truth, self.resolution), caption, truth)
 
     def __repr__(self) -> str:
-        return (f"ShapesWorld(resolution={self.resolution}, seed={self.seed}, split={self.split!r}, "
-                f"two_object_prob={self.two_object_prob}, background_phrase_prob={self.background_phrase_prob})")
+        return (
+            f"ShapesWorld(resolution={self.resolution}, seed={self.seed}, split={self.split!r}, "
+            f"two_object_prob={self.two_object_prob}, background_phrase_prob={self.background_phrase_prob})"
+        )
 
 
 def _encode(image: Image.Image, image_format: str) -> bytes:
@@ -478,10 +590,21 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shapes(out_dir, num_samples: int, *, resolution: int = 64, seed: int = 0, split: str = "train",
-                 format: str = "folder", shard_size: int = 1000, start_index: int = 0,
-                 image_format: str = "png", two_object_prob: float = 0.3,
-                 background_phrase_prob: float = 0.5, progress: bool = True) -> list[Path]:
+def write_shapes(
+    out_dir,
+    num_samples: int,
+    *,
+    resolution: int = 64,
+    seed: int = 0,
+    split: str = "train",
+    format: str = "folder",
+    shard_size: int = 1000,
+    start_index: int = 0,
+    image_format: str = "png",
+    two_object_prob: float = 0.3,
+    background_phrase_prob: float = 0.5,
+    progress: bool = True,
+) -> list[Path]:
     """Write samples ``start_index .. start_index + num_samples - 1`` of a :class:`ShapesWorld`.
 
     ``format="folder"``: ``{index:08d}.{png|jpg,txt,json}`` in ``out_dir``. ``format="webdataset"``:
@@ -503,8 +626,10 @@ def write_shapes(out_dir, num_samples: int, *, resolution: int = 64, seed: int =
     if not isinstance(start_index, int) or start_index < 0:
         raise ValueError(f"start_index must be an int >= 0, got {start_index!r}")
     if format == "webdataset" and start_index % shard_size:
-        raise ValueError(f"start_index ({start_index}) must be a multiple of shard_size ({shard_size}) "
-                         "so that shard numbers do not collide")
+        raise ValueError(
+            f"start_index ({start_index}) must be a multiple of shard_size ({shard_size}) "
+            "so that shard numbers do not collide"
+        )
     world = ShapesWorld(resolution, seed, split, two_object_prob, background_phrase_prob)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -533,9 +658,18 @@ def write_shapes(out_dir, num_samples: int, *, resolution: int = 64, seed: int =
             for index in range(shard_start, min(shard_start + shard_size, end)):
                 s = world[index]
                 key = f"{index:08d}"
-                meta = {"key": key, "caption": s.caption, "truth": s.truth, "index": index, "seed": seed,
-                        "split": split, "status": "success", "error_message": None,
-                        "width": resolution, "height": resolution}
+                meta = {
+                    "key": key,
+                    "caption": s.caption,
+                    "truth": s.truth,
+                    "index": index,
+                    "seed": seed,
+                    "split": split,
+                    "status": "success",
+                    "error_message": None,
+                    "width": resolution,
+                    "height": resolution,
+                }
                 _tar_add(tar, f"{key}.{image_format}", _encode(s.image, image_format))
                 _tar_add(tar, f"{key}.txt", s.caption.encode())
                 _tar_add(tar, f"{key}.json", json.dumps(meta).encode())
@@ -543,9 +677,22 @@ def write_shapes(out_dir, num_samples: int, *, resolution: int = 64, seed: int =
                 bar.update(1)
         os.replace(tmp, path)
         t1 = time.time()
-        stats = {"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0,
-                 "duration": t1 - t0, "start_time": t0, "end_time": t1, "status_dict": {"success": count},
-                 "shapes": {"seed": seed, "split": split, "resolution": resolution, "start_index": shard_start}}
+        stats = {
+            "count": count,
+            "successes": count,
+            "failed_to_download": 0,
+            "failed_to_resize": 0,
+            "duration": t1 - t0,
+            "start_time": t0,
+            "end_time": t1,
+            "status_dict": {"success": count},
+            "shapes": {
+                "seed": seed,
+                "split": split,
+                "resolution": resolution,
+                "start_index": shard_start,
+            },
+        }
         _atomic_write(out / f"{shard:05d}_stats.json", json.dumps(stats, indent=2).encode())
         written.append(path)
     bar.close()
@@ -561,15 +708,19 @@ def _int_at_least(minimum: int):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
+
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="unclip make-shapes",
-                                description="Write the procedural shapes text-image dataset.")
+    p = argparse.ArgumentParser(
+        prog="unclip make-shapes", description="Write the procedural shapes text-image dataset."
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--num", type=_int_at_least(1), required=True, help="number of samples")
-    p.add_argument("--resolution", type=_int_at_least(1), default=64, help="image side in pixels (8..4096)")
+    p.add_argument(
+        "--resolution", type=_int_at_least(1), default=64, help="image side in pixels (8..4096)"
+    )
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--split", choices=SPLITS, default="train")
     p.add_argument("--format", choices=("folder", "webdataset"), default="folder")
@@ -588,14 +739,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 8 <= args.resolution <= 4096:
         parser.error(f"--resolution must be in [8, 4096], got {args.resolution}")
-    for flag, p in (("--two-object-prob", args.two_object_prob), ("--background-phrase-prob", args.background_phrase_prob)):
+    for flag, p in (
+        ("--two-object-prob", args.two_object_prob),
+        ("--background-phrase-prob", args.background_phrase_prob),
+    ):
         if not 0.0 <= p <= 1.0:
             parser.error(f"{flag} must be in [0, 1], got {p}")
     try:
-        paths = write_shapes(args.out, args.num, resolution=args.resolution, seed=args.seed, split=args.split,
-                             format=args.format, shard_size=args.shard_size, start_index=args.start_index,
-                             image_format=args.image_format, two_object_prob=args.two_object_prob,
-                             background_phrase_prob=args.background_phrase_prob, progress=not args.no_progress)
+        paths = write_shapes(
+            args.out,
+            args.num,
+            resolution=args.resolution,
+            seed=args.seed,
+            split=args.split,
+            format=args.format,
+            shard_size=args.shard_size,
+            start_index=args.start_index,
+            image_format=args.image_format,
+            two_object_prob=args.two_object_prob,
+            background_phrase_prob=args.background_phrase_prob,
+            progress=not args.no_progress,
+        )
     except ValueError as e:
         parser.error(str(e))
     kind = "shards" if args.format == "webdataset" else "images"

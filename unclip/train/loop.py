@@ -17,6 +17,7 @@
   are grouped into micro-batches and resume is exact;
 * logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,24 +28,37 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs,
-                              GradientAccumulationPlugin, ProjectConfiguration)
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
-from .config import StageConfig, load_config, save_config
-from .config import to_dict as _to_dict
+from unclip.config import StageConfig, load_config, save_config
+from unclip.config import to_dict as _to_dict
+from unclip.io import STAGE_META_FILE
 
-__all__ = ["TrainingRun", "warmup_cosine", "sample_generators", "stage_argparser", "load_stage_config",
-           "NonFiniteError", "STAGE_META_FILE", "load_initial_weights"]
+__all__ = [
+    "TrainingRun",
+    "warmup_cosine",
+    "sample_generators",
+    "stage_argparser",
+    "load_stage_config",
+    "NonFiniteError",
+    "STAGE_META_FILE",
+    "load_initial_weights",
+]
 
 logger = logging.getLogger("unclip.train")
-STAGE_META_FILE = "unclip_stage.json"
 
 
 def load_initial_weights(model: torch.nn.Module, path) -> Path:
@@ -54,23 +68,33 @@ def load_initial_weights(model: torch.nn.Module, path) -> Path:
     converted (e.g. fp16 shipped weights into an fp32 model). Returns ``path``."""
     from safetensors.torch import load_file
 
-    from .convert_clip import load_weights
+    from unclip.io import load_weights
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"init_weights: {path} does not exist; give a component folder or a .safetensors file")
+        raise FileNotFoundError(
+            f"init_weights: {path} does not exist; give a component folder or a .safetensors file"
+        )
     state = load_weights(path, "init_weights") if path.is_dir() else load_file(str(path))
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    wrong = [f"{k}: {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
-             for k in own if k in state and state[k].shape != own[k].shape]
+    wrong = [
+        f"{k}: {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
     if missing or unexpected or wrong:
-        parts = [f"{len(missing)} missing (e.g. {missing[:3]})" if missing else "",
-                 f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})" if unexpected else "",
-                 f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else ""]
-        raise ValueError(f"init_weights {path} do not fit this model: " + "; ".join(p for p in parts if p)
-                         + ". The stage config must describe the same architecture (and CLIP) as the weights.")
+        parts = [
+            f"{len(missing)} missing (e.g. {missing[:3]})" if missing else "",
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})" if unexpected else "",
+            f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else "",
+        ]
+        raise ValueError(
+            f"init_weights {path} do not fit this model: "
+            + "; ".join(p for p in parts if p)
+            + ". The stage config must describe the same architecture (and CLIP) as the weights."
+        )
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
     return path
 
@@ -117,19 +141,28 @@ def sample_seed(seed: int, rank: int, index: int) -> int:
 
 def sample_generators(seed: int, rank: int, start: int, count: int) -> list[torch.Generator]:
     """One CPU generator per sample ``start … start+count-1`` of this rank."""
-    return [torch.Generator().manual_seed(sample_seed(seed, rank, i)) for i in range(start, start + count)]
+    return [
+        torch.Generator().manual_seed(sample_seed(seed, rank, i))
+        for i in range(start, start + count)
+    ]
 
 
 def stage_argparser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("config", help="stage config YAML (see configs/)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=16")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=16"
+    )
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder to resume from")
     p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--max-steps-this-run", type=int, default=None,
-                   help="stop (with a checkpoint, without exporting) after this many optimizer steps in this "
-                        "invocation, e.g. to fit a scheduler's time slot; resume later with --resume latest")
+    p.add_argument(
+        "--max-steps-this-run",
+        type=int,
+        default=None,
+        help="stop (with a checkpoint, without exporting) after this many optimizer steps in this "
+        "invocation, e.g. to fit a scheduler's time slot; resume later with --resume latest",
+    )
     return p
 
 
@@ -139,7 +172,9 @@ def load_stage_config(args, stage: tuple[str, ...]) -> StageConfig:
         overrides.append(f"train.output_dir={args.output_dir}")
     cfg = load_config(args.config, overrides)
     if cfg.stage not in stage:
-        raise ValueError(f"{args.config}: stage is {cfg.stage!r} but this command trains {' or '.join(stage)}")
+        raise ValueError(
+            f"{args.config}: stage is {cfg.stage!r} but this command trains {' or '.join(stage)}"
+        )
     return cfg
 
 
@@ -147,10 +182,10 @@ class _RunState:
     """Counters saved in every checkpoint (the data position among them)."""
 
     def __init__(self):
-        self.step = 0            # optimizer steps attempted
-        self.samples = 0         # samples consumed by this rank
-        self.skipped_data = 0    # bad samples skipped (this rank)
-        self.nonfinite = 0       # optimizer steps skipped for non-finite loss/grad
+        self.step = 0  # optimizer steps attempted
+        self.samples = 0  # samples consumed by this rank
+        self.skipped_data = 0  # bad samples skipped (this rank)
+        self.nonfinite = 0  # optimizer steps skipped for non-finite loss/grad
         self.consecutive_nonfinite = 0
 
     def state_dict(self):
@@ -163,7 +198,12 @@ class _RunState:
 class TrainingRun:
     """Accelerator, optimizer, schedule, EMA, checkpoints and logging for one stage (see module doc)."""
 
-    def __init__(self, cfg: StageConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: StageConfig,
+        resume: Optional[str] = None,
+        max_steps_this_run: Optional[int] = None,
+    ):
         self.cfg = cfg
         if max_steps_this_run is not None and max_steps_this_run < 1:
             raise ValueError("--max-steps-this-run must be >= 1")
@@ -174,10 +214,15 @@ class TrainingRun:
         mp = auto_mixed_precision(t.mixed_precision)
         handlers = []
         if t.powersgd_rank > 0:
-            handlers.append(DistributedDataParallelKwargs(
-                comm_hook=DDPCommunicationHookType.POWER_SGD,
-                comm_state_option={"matrix_approximation_rank": t.powersgd_rank,
-                                   "start_powerSGD_iter": max(2, t.powersgd_start_step)}))
+            handlers.append(
+                DistributedDataParallelKwargs(
+                    comm_hook=DDPCommunicationHookType.POWER_SGD,
+                    comm_state_option={
+                        "matrix_approximation_rank": t.powersgd_rank,
+                        "start_powerSGD_iter": max(2, t.powersgd_start_step),
+                    },
+                )
+            )
         trackers = [x for x in t.trackers if x]
         # a second run in the same process (tests, notebooks) may use another precision: Accelerate keeps
         # its settings in a process-wide singleton, so start it afresh (the process group is kept)
@@ -188,10 +233,17 @@ class TrainingRun:
         # a multi-process launch without GPUs (torchrun/accelerate on CPU) trains with DDP over gloo
         multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         self.accelerator = Accelerator(
-            cpu=multi_cpu, mixed_precision=mp, kwargs_handlers=handlers, log_with=trackers or None,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=t.grad_accum_steps,
-                                                                    sync_with_dataloader=False),
-            project_config=ProjectConfiguration(project_dir=str(self.out), logging_dir=str(self.out / "logs")))
+            cpu=multi_cpu,
+            mixed_precision=mp,
+            kwargs_handlers=handlers,
+            log_with=trackers or None,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=t.grad_accum_steps, sync_with_dataloader=False
+            ),
+            project_config=ProjectConfiguration(
+                project_dir=str(self.out), logging_dir=str(self.out / "logs")
+            ),
+        )
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.state = _RunState()
@@ -221,11 +273,20 @@ class TrainingRun:
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps)
+            [
+                {"params": decay, "weight_decay": t.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=t.lr,
+            betas=tuple(t.adam_betas),
+            eps=t.adam_eps,
+        )
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: warmup_cosine(s, warmup=t.warmup_steps, total=t.max_steps,
-                                                    base_lr=t.lr, min_lr=t.min_lr))
+            self.optimizer,
+            lambda s: warmup_cosine(
+                s, warmup=t.warmup_steps, total=t.max_steps, base_lr=t.lr, min_lr=t.min_lr
+            ),
+        )
         if t.ema:
             self.ema = EMAModel(params, decay=t.ema_decay, use_ema_warmup=t.ema_warmup, power=3 / 4)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
@@ -260,11 +321,19 @@ class TrainingRun:
         """
         t = self.cfg.train
         it = iter(batches)
-        bar = tqdm(total=t.max_steps, initial=self.state.step, desc=f"train {self.cfg.stage}",
-                   disable=not (t.progress and self.accelerator.is_local_main_process), dynamic_ncols=True)
+        bar = tqdm(
+            total=t.max_steps,
+            initial=self.state.step,
+            desc=f"train {self.cfg.stage}",
+            disable=not (t.progress and self.accelerator.is_local_main_process),
+            dynamic_ncols=True,
+        )
         last_t, last_samples = time.perf_counter(), self.state.samples
-        stop_at = t.max_steps if self.max_steps_this_run is None else min(
-            t.max_steps, self.state.step + self.max_steps_this_run)
+        stop_at = (
+            t.max_steps
+            if self.max_steps_this_run is None
+            else min(t.max_steps, self.state.step + self.max_steps_this_run)
+        )
         try:
             while self.state.step < stop_at:
                 micro = []
@@ -279,11 +348,19 @@ class TrainingRun:
                 bar.update(1)
                 if self.state.step % t.log_every == 0 or self.state.step == t.max_steps:
                     now = time.perf_counter()
-                    rate = (self.state.samples - last_samples) * self.world / max(now - last_t, 1e-9)
+                    rate = (
+                        (self.state.samples - last_samples) * self.world / max(now - last_t, 1e-9)
+                    )
                     last_t, last_samples = now, self.state.samples
-                    self.log({"loss": self.last_loss, "lr": self.lr_schedule.get_last_lr()[0],
-                              "samples_per_s": rate, "skipped_data": self.state.skipped_data,
-                              "nonfinite_steps": self.state.nonfinite})
+                    self.log(
+                        {
+                            "loss": self.last_loss,
+                            "lr": self.lr_schedule.get_last_lr()[0],
+                            "samples_per_s": rate,
+                            "skipped_data": self.state.skipped_data,
+                            "nonfinite_steps": self.state.nonfinite,
+                        }
+                    )
                     bar.set_postfix(loss=f"{self.last_loss:.4f}", sps=f"{rate:.1f}")
                 if t.checkpoint_every and self.state.step % t.checkpoint_every == 0:
                     self.save_checkpoint()
@@ -292,14 +369,19 @@ class TrainingRun:
                     raise NonFiniteError(
                         f"{self.state.consecutive_nonfinite} consecutive optimizer steps had a non-finite loss or "
                         f"gradient (step {self.state.step}); lower train.lr, use mixed_precision=bf16/no, or check "
-                        f"the data. The state at the stop (skipped steps left the weights untouched) is in {self.latest_checkpoint()}")
+                        f"the data. The state at the stop (skipped steps left the weights untouched) is in {self.latest_checkpoint()}"
+                    )
         finally:
             bar.close()
         if not (t.checkpoint_every and self.state.step % t.checkpoint_every == 0):
             self.save_checkpoint()
         self.finished = self.state.step >= t.max_steps
         if not self.finished:
-            logger.info("stopped at step %d of %d; resume with --resume latest", self.state.step, t.max_steps)
+            logger.info(
+                "stopped at step %d of %d; resume with --resume latest",
+                self.state.step,
+                t.max_steps,
+            )
 
     def accumulate(self):
         return self.accelerator.accumulate(self.model)
@@ -316,8 +398,12 @@ class TrainingRun:
         norm = self.accelerator.clip_grad_norm_(self.trainable, t.max_grad_norm)
         flag = torch.tensor([1.0 if self._nonfinite_local else 0.0], device=self.device)
         flag = self.accelerator.reduce(flag, reduction="sum") if self.world > 1 else flag
-        bad = bool(flag.item() > 0) or (norm is not None and not torch.isfinite(torch.as_tensor(norm)))
-        if self.accelerator.scaler is not None:  # fp16: the scaler skips inf steps and adapts its scale
+        bad = bool(flag.item() > 0) or (
+            norm is not None and not torch.isfinite(torch.as_tensor(norm))
+        )
+        if (
+            self.accelerator.scaler is not None
+        ):  # fp16: the scaler skips inf steps and adapts its scale
             self.optimizer.step()
             bad = bad or self.optimizer.step_was_skipped
         elif not bad:
@@ -352,7 +438,9 @@ class TrainingRun:
     def latest_checkpoint(self) -> Optional[Path]:
         if not self.ckpt_dir.is_dir():
             return None
-        done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        done = sorted(
+            p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+        )
         return done[-1] if done else None
 
     def save_checkpoint(self) -> Path:
@@ -370,8 +458,12 @@ class TrainingRun:
             save_config(self.cfg, tmp / "config.yaml")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-            for old in done[:-max(1, self.cfg.train.keep_last)]:
+            done = sorted(
+                p
+                for p in self.ckpt_dir.glob("step_*")
+                if p.is_dir() and not p.name.endswith(".tmp")
+            )
+            for old in done[: -max(1, self.cfg.train.keep_last)]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         return final
@@ -382,9 +474,16 @@ class TrainingRun:
             logger.info("no checkpoint in %s: starting from scratch", self.ckpt_dir)
             return
         if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint not found: {path}; use --resume latest or a checkpoints/step_* folder")
+            raise FileNotFoundError(
+                f"checkpoint not found: {path}; use --resume latest or a checkpoints/step_* folder"
+            )
         self.accelerator.load_state(str(path))
-        logger.info("resumed from %s at step %d (%d samples on this rank)", path, self.state.step, self.state.samples)
+        logger.info(
+            "resumed from %s at step %d (%d samples on this rank)",
+            path,
+            self.state.step,
+            self.state.samples,
+        )
 
     # ------------------------------------------------------------------ export
     def export(self, name: str, save_fn, meta: dict) -> Path:
@@ -415,9 +514,15 @@ class TrainingRun:
         diffusion and sampling settings) and ``final/clip``; then close trackers. Returns the exit code."""
         if self.finished:
             cfg = self.cfg
-            meta = {"stage": cfg.stage, "name": name, "diffusion": _to_dict(cfg.diffusion),
-                    "sampling": _to_dict(cfg.sample)}
-            out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
+            meta = {
+                "stage": cfg.stage,
+                "name": name,
+                "diffusion": _to_dict(cfg.diffusion),
+                "sampling": _to_dict(cfg.sampling),
+            }
+            out = self.export(
+                name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta
+            )
             if self.accelerator.is_main_process:
                 clip.save_pretrained(out.parent / "clip")
                 print(f"exported {name} to {out}")
@@ -426,7 +531,9 @@ class TrainingRun:
 
     def parameter_checksums(self) -> list[float]:
         """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
-        local = torch.stack([p.detach().double().sum() + p.detach().double().abs().sum() for p in self.trainable]).sum()
+        local = torch.stack(
+            [p.detach().double().sum() + p.detach().double().abs().sum() for p in self.trainable]
+        ).sum()
         return [float(x) for x in self.accelerator.gather(local.float().reshape(1).to(self.device))]
 
     def finish(self) -> None:
@@ -434,15 +541,19 @@ class TrainingRun:
         if self.accelerator.is_main_process:
             (self.out / "rank_checksums.json").write_text(json.dumps(sums))
         if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
-            raise RuntimeError(f"ranks hold different weights at the end of training: checksums {sums}")
-        self.log({"skipped_data_total": self.state.skipped_data, "nonfinite_total": self.state.nonfinite})
+            raise RuntimeError(
+                f"ranks hold different weights at the end of training: checksums {sums}"
+            )
+        self.log(
+            {"skipped_data_total": self.state.skipped_data, "nonfinite_total": self.state.nonfinite}
+        )
         if self.state.skipped_data:
             logger.warning("skipped %d bad samples on rank %d", self.state.skipped_data, self.rank)
         self.accelerator.end_training()
 
 
 def _flat(cfg: StageConfig) -> dict:
-    from .config import to_dict
+    from unclip.config import to_dict
 
     out = {}
 

@@ -3,7 +3,7 @@
     unclip train-clip configs/shapes/clip.yaml --output-dir runs/shapes/clip train.steps=2000
 
 A plain loop: open_clip's model built from the config dict (``clip.model_cfg``), ``open_clip.ClipLoss``,
-AdamW with a linear warmup then cosine decay (:func:`unclip.training.warmup_cosine`), optional bf16
+AdamW with a linear warmup then cosine decay (:func:`unclip.train.loop.warmup_cosine`), optional bf16
 autocast on CPU. Images are shapes renders at the CLIP's input size with a mild noise/blur augmentation
 (so embeddings of slightly grainy generated samples stay meaningful); captions are the world's own.
 
@@ -12,6 +12,7 @@ Writes ``<output_dir>/clip`` (a :class:`~unclip.clip.FrozenCLIP` folder, loadabl
 optionally stored in fp16, upcast to the fp32 model on load) and ``<output_dir>/retrieval.json``
 (:func:`attribute_retrieval` on held-out renders).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .clip import FrozenCLIP
-from .config import ClipConfig, from_dict, load_config, save_config, to_dict
-from .training import auto_mixed_precision, warmup_cosine
+from unclip.clip import FrozenCLIP
+from unclip.config import ClipConfig, load_config, save_config
+from unclip.train.loop import auto_mixed_precision, warmup_cosine
 
 __all__ = ["ClipTrainConfig", "attribute_retrieval", "main"]
 
@@ -52,10 +52,10 @@ class ClipDataConfig:
     blur_prob: float = 0.3
     #: Share of each batch made of hard negatives: scenes that differ from another scene of the batch in
     #: one attribute (mostly shape, and relation for two-object scenes; see
-    #: :func:`unclip.data.shapes.contrast_truth`), so the contrastive loss must tell them apart. At most 0.5.
+    #: :func:`unclip.shapes.world.contrast_truth`), so the contrastive loss must tell them apart. At most 0.5.
     hard_negatives: float = 0.0
     #: Probability that a (non-hard-negative) sample is replaced by its color-free view: the same scene with
-    #: the objects in unnamed colors and a caption without color words (:func:`unclip.data.shapes.color_free_view`),
+    #: the objects in unnamed colors and a caption without color words (:func:`unclip.shapes.world.color_free_view`),
     #: so shape features cannot lean on color (held-out color–shape pairs; docs/shapes_model.md, lever 10).
     color_free_prob: float = 0.0
 
@@ -73,7 +73,7 @@ class ClipOptimConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     max_grad_norm: float = 1.0
     #: ``auto``: bf16 autocast where the CPU runs bf16 natively, else fp32 (see
-    #: :func:`unclip.training.auto_mixed_precision`)
+    #: :func:`unclip.train.loop.auto_mixed_precision`)
     mixed_precision: Literal["no", "bf16", "auto"] = "no"
     log_every: int = 50
     save_dtype: Literal["float32", "float16"] = "float16"
@@ -94,8 +94,8 @@ def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Ran
     """Images ``[n, 3, R, R]`` in [-1, 1] and captions for batch ``step``: ``n - m`` consecutive world
     samples (each replaced by its color-free view with probability ``aug.color_free_prob``), then
     ``m = round(n * aug.hard_negatives)`` one-attribute variants of the first ``m`` of them."""
-    from .data.shapes import color_free_view, contrast_truth, make_caption, render
-    from .data.streams import pil_to_tensor
+    from unclip.shapes.world import color_free_view, contrast_truth, make_caption, render
+    from unclip.train.data.loader import pil_to_tensor
 
     m = round(n * aug.hard_negatives) if aug is not None else 0
     start = step * (n - m)
@@ -106,7 +106,9 @@ def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Ran
         for j, (i, s) in enumerate(zip(range(start, start + n - m), samples)):
             view_rng = random.Random(f"color-free:{world.seed}:{world.split}:{i}")
             if view_rng.random() < aug.color_free_prob:
-                image, caps[j] = color_free_view(s.truth, view_rng, world.resolution, world.background_phrase_prob)
+                image, caps[j] = color_free_view(
+                    s.truth, view_rng, world.resolution, world.background_phrase_prob
+                )
                 imgs[j] = pil_to_tensor(image)
     for i, s in zip(range(start, start + m), samples):
         twin_rng = random.Random(f"contrast:{world.seed}:{world.split}:{i}")
@@ -115,7 +117,7 @@ def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Ran
         caps.append(make_caption(truth, twin_rng, world.background_phrase_prob))
     x = torch.stack(imgs)
     if aug is not None:
-        from .decoder import gaussian_blur
+        from unclip.decoder import gaussian_blur
 
         blur = torch.tensor([rng.random() < aug.blur_prob for _ in range(n)])
         if blur.any():
@@ -123,14 +125,14 @@ def _batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random.Ran
             x = torch.where(blur.view(-1, 1, 1, 1), gaussian_blur(x, sig), x)
         noisy = torch.tensor([rng.random() < aug.noise_prob for _ in range(n)], dtype=torch.float32)
         std = torch.tensor([rng.uniform(0, aug.noise_std) for _ in range(n)]) * noisy
-        gen = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
         x = (x + std.view(-1, 1, 1, 1) * torch.randn(x.shape, generator=gen)).clamp(-1, 1)
     return x, caps
 
 
 def _canonical(truth: dict, **change) -> str:
     """A full caption of ``truth`` (every attribute named), with attributes replaced by ``change``."""
-    from .data.shapes import POSITION_PHRASES, article
+    from unclip.shapes.world import POSITION_PHRASES, article
 
     bg = change.get("background", truth["background"])
     objs = [dict(o) for o in truth["objects"]]
@@ -147,32 +149,59 @@ def _canonical(truth: dict, **change) -> str:
 
 
 @torch.no_grad()
-def attribute_retrieval(clip: FrozenCLIP, num: int = 300, seed: int = 1, split: str = "heldout",
-                        resolution: int | None = None) -> dict:
+def attribute_retrieval(
+    clip: FrozenCLIP,
+    num: int = 300,
+    seed: int = 1,
+    split: str = "heldout",
+    resolution: int | None = None,
+) -> dict:
     """Does the CLIP separate every attribute? For each held-out render and attribute, the caption
     naming every attribute correctly must score higher (image–text cosine) than every caption that
     changes only that attribute. Returns ``{attribute: accuracy}`` over ``num`` single-object renders
     (color, shape, size, position, background) and ``num`` two-object renders (relation, and the
     first object's color and shape as ``pair_color``/``pair_shape``); chance is 1/#classes."""
-    from .data.shapes import BACKGROUNDS, COLORS, POSITIONS, RELATIONS, SHAPES, SIZES, ShapesWorld
+    from unclip.shapes.world import (
+        BACKGROUNDS,
+        COLORS,
+        POSITIONS,
+        RELATIONS,
+        SHAPES,
+        SIZES,
+        ShapesWorld,
+    )
 
     res = resolution or clip.image_size
-    options = {"color": list(COLORS), "shape": list(SHAPES), "size": list(SIZES), "position": list(POSITIONS),
-               "background": list(BACKGROUNDS), "relation": list(RELATIONS)}
+    options = {
+        "color": list(COLORS),
+        "shape": list(SHAPES),
+        "size": list(SIZES),
+        "position": list(POSITIONS),
+        "background": list(BACKGROUNDS),
+        "relation": list(RELATIONS),
+    }
     out: dict = {}
     for kind, prob in (("single", 0.0), ("pair", 1.0)):
         world = ShapesWorld(res, seed=seed, split=split, two_object_prob=prob)
         samples = [world[i] for i in range(num)]
-        from .data.streams import pil_to_tensor
+        from unclip.train.data.loader import pil_to_tensor
 
         img = clip.encode_image(torch.stack([pil_to_tensor(s.image) for s in samples]))
-        attrs = (["color", "shape", "size", "position", "background"] if kind == "single"
-                 else ["relation", "color", "shape", "background"])
+        attrs = (
+            ["color", "shape", "size", "position", "background"]
+            if kind == "single"
+            else ["relation", "color", "shape", "background"]
+        )
         for attr in attrs:
             correct = 0
             for i, s in enumerate(samples):
-                truth_val = (s.truth["relation"] if attr == "relation" else
-                             s.truth["background"] if attr == "background" else s.truth["objects"][0][attr])
+                truth_val = (
+                    s.truth["relation"]
+                    if attr == "relation"
+                    else s.truth["background"]
+                    if attr == "background"
+                    else s.truth["objects"][0][attr]
+                )
                 caps = [_canonical(s.truth, **{attr: v}) for v in options[attr]]
                 if kind == "pair" and attr == "color":  # both objects have different colors
                     other = s.truth["objects"][1]["color"]
@@ -197,23 +226,31 @@ def _cfg_from_args(args) -> ClipTrainConfig:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="unclip train-clip", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="YAML with clip:, data:, train: sections (see configs/shapes/clip.yaml)")
+    p.add_argument(
+        "config", help="YAML with clip:, data:, train: sections (see configs/shapes/clip.yaml)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500")
     p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
     p.add_argument("--print-config", action="store_true")
     args = p.parse_intermixed_args(argv)
     cfg = _cfg_from_args(args)
     if args.print_config:
-        from .config import to_yaml
+        from unclip.config import to_yaml
 
         print(to_yaml(cfg))
         return 0
     if cfg.clip.model_cfg is None:
-        raise ValueError("train-clip needs clip.model_cfg (an open_clip config dict: embed_dim, vision_cfg, text_cfg)")
+        raise ValueError(
+            "train-clip needs clip.model_cfg (an open_clip config dict: embed_dim, vision_cfg, text_cfg)"
+        )
     if not 0.0 <= cfg.data.hard_negatives <= 0.5:
-        raise ValueError(f"data.hard_negatives must be in [0, 0.5] (a share of the batch), got {cfg.data.hard_negatives}")
+        raise ValueError(
+            f"data.hard_negatives must be in [0, 0.5] (a share of the batch), got {cfg.data.hard_negatives}"
+        )
     if not 0.0 <= cfg.data.color_free_prob <= 1.0:
-        raise ValueError(f"data.color_free_prob must be a probability in [0, 1], got {cfg.data.color_free_prob}")
+        raise ValueError(
+            f"data.color_free_prob must be a probability in [0, 1], got {cfg.data.color_free_prob}"
+        )
     t, d = cfg.train, cfg.data
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,11 +260,12 @@ def main(argv=None) -> int:
     rng = random.Random(t.seed)
 
     import open_clip
-    from .data.shapes import ShapesWorld
+
+    from unclip.shapes.world import ShapesWorld
 
     clip = FrozenCLIP.from_config(ClipConfig(cfg.clip.model_name, None, cfg.clip.model_cfg))
     if cfg.clip.pretrained:
-        from .clip import _load_pretrained
+        from unclip.clip import _load_pretrained
 
         _load_pretrained(clip.model, cfg.clip.model_name, cfg.clip.pretrained)
     model = clip.model
@@ -236,14 +274,23 @@ def main(argv=None) -> int:
     params = [q for q in model.parameters() if q.requires_grad]
     decay = [q for n, q in model.named_parameters() if q.ndim >= 2 and "embedding" not in n]
     ids = {id(q) for q in decay}
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": [q for q in params if id(q) not in ids], "weight_decay": 0.0}],
-                            lr=t.lr, betas=tuple(t.adam_betas))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": [q for q in params if id(q) not in ids], "weight_decay": 0.0},
+        ],
+        lr=t.lr,
+        betas=tuple(t.adam_betas),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, warmup=t.warmup_steps, total=t.steps, base_lr=t.lr, min_lr=t.min_lr))
+        opt,
+        lambda s: warmup_cosine(
+            s, warmup=t.warmup_steps, total=t.steps, base_lr=t.lr, min_lr=t.min_lr
+        ),
+    )
     loss_fn = open_clip.ClipLoss()
     precision = auto_mixed_precision(t.mixed_precision, gpu=False)  # this loop trains on the CPU
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     logger.info("train-clip: mixed precision %s", precision)
     log = open(out / "metrics.jsonl", "a")
     t0 = time.perf_counter()
@@ -265,11 +312,19 @@ def main(argv=None) -> int:
         if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
             with torch.no_grad():
                 acc = float(((img @ txt.T).argmax(1) == torch.arange(len(img))).float().mean())
-            rec = {"step": step + 1, "loss": float(loss.detach()), "batch_acc": acc, "lr": sched.get_last_lr()[0],
-                   "elapsed_s": round(time.perf_counter() - t0, 1)}
+            rec = {
+                "step": step + 1,
+                "loss": float(loss.detach()),
+                "batch_acc": acc,
+                "lr": sched.get_last_lr()[0],
+                "elapsed_s": round(time.perf_counter() - t0, 1),
+            }
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            print(f"step {step + 1} loss {rec['loss']:.4f} batch-acc {acc:.3f} ({rec['elapsed_s']:.0f}s)", flush=True)
+            print(
+                f"step {step + 1} loss {rec['loss']:.4f} batch-acc {acc:.3f} ({rec['elapsed_s']:.0f}s)",
+                flush=True,
+            )
     log.close()
     model.eval().requires_grad_(False)
     train_s = time.perf_counter() - t0
@@ -282,9 +337,16 @@ def main(argv=None) -> int:
     else:
         clip.save_pretrained(folder)
     clip = FrozenCLIP.from_pretrained(folder)  # evaluate exactly what was saved
-    retrieval = attribute_retrieval(clip, num=t.eval_samples, seed=d.seed + 1, resolution=d.resolution)
-    report = {"train_seconds": round(train_s, 1), "steps": t.steps, "batch_size": t.batch_size,
-              "retrieval_heldout": retrieval, "mixed_precision": precision}
+    retrieval = attribute_retrieval(
+        clip, num=t.eval_samples, seed=d.seed + 1, resolution=d.resolution
+    )
+    report = {
+        "train_seconds": round(train_s, 1),
+        "steps": t.steps,
+        "batch_size": t.batch_size,
+        "retrieval_heldout": retrieval,
+        "mixed_precision": precision,
+    }
     (out / "retrieval.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     print(f"saved CLIP to {folder}")

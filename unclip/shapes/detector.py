@@ -23,7 +23,7 @@ Algorithm (:func:`detect`)
 6. With exactly two objects, ``relation`` is the relation of the first to the second along the
    dominant axis of the displacement between their centres. Objects are sorted by area, largest first.
 
-Scoring (:func:`score`) against an ``expected`` dict from :func:`unclip.data.shapes.parse_caption`
+Scoring (:func:`score`) against an ``expected`` dict from :func:`unclip.shapes.world.parse_caption`
 -----------------------------------------------------------------------------------------------
 * Single-object prompts: the object judged is the largest detected object of the expected color, or
   the largest object if there is none; keys ``color``, ``shape``, ``size``, ``position`` (each only if
@@ -42,14 +42,19 @@ import math
 import numpy as np
 from PIL import Image, ImageFilter
 
-from .shapes import BACKGROUNDS, COLORS, POSITIONS, SIZES, parse_caption
+from unclip.shapes.world import BACKGROUNDS, COLORS, POSITIONS, SIZES, parse_caption
 
 _COLOR_NAMES = list(COLORS)
 _BG_NAMES = list(BACKGROUNDS)
-_REFS = np.array([COLORS[c] for c in _COLOR_NAMES] + [BACKGROUNDS[b] for b in _BG_NAMES], dtype=np.float32)
+_REFS = np.array(
+    [COLORS[c] for c in _COLOR_NAMES] + [BACKGROUNDS[b] for b in _BG_NAMES], dtype=np.float32
+)
 #: (fill ratio of bbox, fraction of mass in the bottom half of bbox) per shape.
-SHAPE_PROTOTYPES: dict[str, tuple[float, float]] = {"square": (1.0, 0.5), "circle": (math.pi / 4, 0.5),
-                                                    "triangle": (0.5, 0.75)}
+SHAPE_PROTOTYPES: dict[str, tuple[float, float]] = {
+    "square": (1.0, 0.5),
+    "circle": (math.pi / 4, 0.5),
+    "triangle": (0.5, 0.75),
+}
 #: Median distance (sRGB) of border pixels to the nearest reference color above which ``detect``
 #: median-filters the image first (``median=None``).
 NOISY_BORDER = 12.0
@@ -63,7 +68,9 @@ def _to_array(image) -> np.ndarray:
     if arr.ndim != 3 or arr.shape[2] != 3:
         raise ValueError(f"image array must have shape [H, W, 3], got {arr.shape}")
     if arr.dtype != np.uint8:
-        raise TypeError(f"image array must be uint8 (0..255), got {arr.dtype}; convert tensors in [-1, 1] first")
+        raise TypeError(
+            f"image array must be uint8 (0..255), got {arr.dtype}; convert tensors in [-1, 1] first"
+        )
     return arr
 
 
@@ -90,11 +97,13 @@ def _components(mask: np.ndarray) -> tuple[np.ndarray, int]:
 
 def nearest(value: float, classes: dict) -> str:
     """Name of the class whose value (a scalar range ``(lo, hi)`` or a point ``(x, y)``) is nearest."""
+
     def dist(ref):
         if isinstance(value, (int, float)):
             lo, hi = ref
             return max(lo - value, 0.0, value - hi)
         return math.dist(value, ref)
+
     return min(classes, key=lambda k: dist(classes[k]))
 
 
@@ -112,8 +121,15 @@ def classify_shape(fill: float, bottom: float) -> str:
     return min(SHAPE_PROTOTYPES, key=lambda s: math.dist((fill, bottom), SHAPE_PROTOTYPES[s]))
 
 
-def detect(image, *, max_side: int = 128, color_threshold: float = 70.0, min_area: float = 0.004,
-           min_thickness: float = 2.0, median: bool | None = None) -> dict:
+def detect(
+    image,
+    *,
+    max_side: int = 128,
+    color_threshold: float = 70.0,
+    min_area: float = 0.004,
+    min_thickness: float = 2.0,
+    median: bool | None = None,
+) -> dict:
     """Detect background and objects of a shapes image (PIL or uint8 ``[H, W, 3]``, any resolution).
 
     Returns ``{"background", "relation", "objects": [{"shape", "color", "size", "position", "center",
@@ -128,7 +144,9 @@ def detect(image, *, max_side: int = 128, color_threshold: float = 70.0, min_are
     if median is None:  # auto: denoise only if the border (mostly background) is visibly noisy
         border = np.concatenate([arr[0], arr[-1], arr[1:-1, 0], arr[1:-1, -1]]).astype(np.float32)
         noise = np.sqrt(((border[:, None] - _REFS[None]) ** 2).sum(-1).min(-1))
-        median = bool(np.median(noise) > NOISY_BORDER) and min(arr.shape[:2]) >= 48  # hurts tiny images
+        median = (
+            bool(np.median(noise) > NOISY_BORDER) and min(arr.shape[:2]) >= 48
+        )  # hurts tiny images
     if median:
         arr = np.asarray(Image.fromarray(arr).filter(ImageFilter.MedianFilter(3)))
     h, w = arr.shape[:2]
@@ -136,11 +154,11 @@ def detect(image, *, max_side: int = 128, color_threshold: float = 70.0, min_are
     near = d2.argmin(-1)
     ring = np.concatenate([near[0], near[-1], near[1:-1, 0], near[1:-1, -1]])
     ring_d2 = np.concatenate([d2[0], d2[-1], d2[1:-1, 0], d2[1:-1, -1]])
-    bg_votes = ring_d2[:, len(_COLOR_NAMES):].argmin(-1)
+    bg_votes = ring_d2[:, len(_COLOR_NAMES) :].argmin(-1)
     votes = bg_votes[ring >= len(_COLOR_NAMES)] if (ring >= len(_COLOR_NAMES)).any() else bg_votes
     background = _BG_NAMES[int(np.bincount(votes, minlength=len(_BG_NAMES)).argmax())]
 
-    close = d2.min(-1) < color_threshold ** 2
+    close = d2.min(-1) < color_threshold**2
     min_pixels = max(4, int(min_area * h * w))
     objects = []
     for ci, cname in enumerate(_COLOR_NAMES):
@@ -158,14 +176,22 @@ def detect(image, *, max_side: int = 128, color_threshold: float = 70.0, min_are
             bottom = float((ys + 0.5 >= (y0 + y1) / 2).mean())
             center = [float((x0 + x1) / 2 / w), float((y0 + y1) / 2 / h)]
             extent = bw / w
-            objects.append({
-                "shape": classify_shape(fill, bottom), "color": cname, "size": nearest(extent, SIZES),
-                "position": nearest(center, POSITIONS), "center": center,
-                "bbox": [float(x0 / w), float(y0 / h), float(x1 / w), float(y1 / h)], "extent": float(extent),
-                "area": len(ys) / (h * w),
-            })
+            objects.append(
+                {
+                    "shape": classify_shape(fill, bottom),
+                    "color": cname,
+                    "size": nearest(extent, SIZES),
+                    "position": nearest(center, POSITIONS),
+                    "center": center,
+                    "bbox": [float(x0 / w), float(y0 / h), float(x1 / w), float(y1 / h)],
+                    "extent": float(extent),
+                    "area": len(ys) / (h * w),
+                }
+            )
     objects.sort(key=lambda o: -o["area"])
-    relation = relation_between(objects[0]["center"], objects[1]["center"]) if len(objects) == 2 else None
+    relation = (
+        relation_between(objects[0]["center"], objects[1]["center"]) if len(objects) == 2 else None
+    )
     return {"background": background, "relation": relation, "objects": objects}
 
 
@@ -177,7 +203,9 @@ def _largest_of_color(objects: list[dict], color: str):
 def score(image, expected: dict, **detect_kwargs) -> dict[str, bool]:
     """Score one image against ``expected`` (a :func:`parse_caption` result); see module docstring."""
     if not isinstance(expected, dict) or "objects" not in expected:
-        raise TypeError("expected must be a parse_caption() dict with 'objects', 'relation', 'background'")
+        raise TypeError(
+            "expected must be a parse_caption() dict with 'objects', 'relation', 'background'"
+        )
     det = detect(image, **detect_kwargs)
     objs = det["objects"]
     out: dict[str, bool] = {}
@@ -192,9 +220,14 @@ def score(image, expected: dict, **detect_kwargs) -> dict[str, bool]:
     elif len(want) == 2:
         matched = [_largest_of_color(objs, e["color"]) for e in want]
         out["colors"] = all(m is not None for m in matched)
-        out["shapes"] = all(m is not None and m["shape"] == e["shape"] for m, e in zip(matched, want))
-        out["relation"] = (out["colors"] and matched[0] is not matched[1]
-                           and relation_between(matched[0]["center"], matched[1]["center"]) == expected["relation"])
+        out["shapes"] = all(
+            m is not None and m["shape"] == e["shape"] for m, e in zip(matched, want)
+        )
+        out["relation"] = (
+            out["colors"]
+            and matched[0] is not matched[1]
+            and relation_between(matched[0]["center"], matched[1]["center"]) == expected["relation"]
+        )
         count_ok = len(objs) == 2
     else:
         raise ValueError(f"expected must name one or two objects, got {len(want)}")
@@ -238,5 +271,7 @@ def evaluate_images(images, captions, **detect_kwargs) -> dict:
         report[kind] = row
     n = counts["single"] + counts["pair"]
     report["count"] = n
-    report["all"] = (sums["single"].get("all", 0) + sums["pair"].get("all", 0)) / n if n else float("nan")
+    report["all"] = (
+        (sums["single"].get("all", 0) + sums["pair"].get("all", 0)) / n if n else float("nan")
+    )
     return report

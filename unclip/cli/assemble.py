@@ -3,12 +3,13 @@
     unclip assemble --clip runs/prior/final/clip --prior runs/prior/final/prior \\
         --decoder runs/decoder/final/decoder --upsampler runs/sr256/final/sr256 --out my-pipeline
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .pipeline import UnCLIPPipeline
+from unclip.pipeline import UnCLIPPipeline
 
 
 def main(argv=None) -> int:
@@ -16,14 +17,23 @@ def main(argv=None) -> int:
     p.add_argument("--clip", required=True, help="CLIP folder (final/clip of any training run)")
     p.add_argument("--prior", help="prior component folder")
     p.add_argument("--decoder", required=True, help="decoder component folder")
-    p.add_argument("--upsampler", action="append", default=[], help="upsampler folder, in order (repeatable)")
-    p.add_argument("--reranker", help="CLIP folder that scores decoder candidates (reranking) instead of --clip")
+    p.add_argument(
+        "--upsampler", action="append", default=[], help="upsampler folder, in order (repeatable)"
+    )
+    p.add_argument(
+        "--reranker",
+        help="CLIP folder that scores decoder candidates (reranking) instead of --clip",
+    )
     p.add_argument("--out", required=True, help="output pipeline folder")
     args = p.parse_args(argv)
-    pipe = UnCLIPPipeline.from_components(args.clip, args.decoder, args.prior, args.upsampler, reranker=args.reranker)
+    pipe = UnCLIPPipeline.from_components(
+        args.clip, args.decoder, args.prior, args.upsampler, reranker=args.reranker
+    )
     pipe.save_pretrained(args.out)
     extra = "; reranker CLIP" if pipe.reranker is not None else ""
-    print(f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px{extra}) to {args.out}")
+    print(
+        f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px{extra}) to {args.out}"
+    )
     return 0
 
 

@@ -26,23 +26,36 @@ rank's workers is therefore exactly "every ``world_size``-th item" for that rank
 ``start`` always counts the samples *this consumer* yielded. :class:`StreamDataset` converts a rank's
 consumed-sample count into per-worker starts for ``DataLoader(num_workers=k)``.
 """
+
 from __future__ import annotations
 
 import io
 import json
 import logging
 import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-__all__ = ["FolderStream", "WebDatasetStream", "EmbeddingStream", "StreamDataset", "collate",
-           "image_to_tensor", "open_rgb", "list_images", "expand_urls", "iter_tar_samples",
-           "embedding_shards", "IMAGE_EXTENSIONS"]
+__all__ = [
+    "FolderStream",
+    "WebDatasetStream",
+    "EmbeddingStream",
+    "StreamDataset",
+    "collate",
+    "image_to_tensor",
+    "open_rgb",
+    "list_images",
+    "expand_urls",
+    "iter_tar_samples",
+    "embedding_shards",
+    "IMAGE_EXTENSIONS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +81,9 @@ def open_rgb(src: Union[str, Path, bytes]) -> Image.Image:
         with Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src) as im:
             im.load()
             return im.convert("RGB")
-    except Exception as exc:  # PIL raises many types for broken data (OSError, SyntaxError, ValueError, ...)
+    except (
+        Exception
+    ) as exc:  # PIL raises many types for broken data (OSError, SyntaxError, ValueError, ...)
         raise BadSample(f"unreadable image ({type(exc).__name__}: {exc})") from None
 
 
@@ -97,7 +112,7 @@ def image_to_tensor(image: Image.Image, resolution: int) -> torch.Tensor:
     if (nh, nw) != (h, w):
         x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
     top, left = (nh - resolution) // 2, (nw - resolution) // 2
-    x = x[0, :, top:top + resolution, left:left + resolution].clamp_(0.0, 1.0)
+    x = x[0, :, top : top + resolution, left : left + resolution].clamp_(0.0, 1.0)
     return (x * 2.0 - 1.0).contiguous()
 
 
@@ -106,11 +121,15 @@ def list_images(path: Union[str, Path]) -> list[Path]:
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"image folder {root} does not exist or is not a directory")
-    files = sorted((p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
-                   key=lambda p: p.relative_to(root).as_posix())
+    files = sorted(
+        (p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
     if not files:
-        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}; expected image files "
-                         f"with same-stem .txt captions")
+        raise ValueError(
+            f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}; expected image files "
+            f"with same-stem .txt captions"
+        )
     return files
 
 
@@ -149,7 +168,12 @@ def _rng(*key: int) -> np.random.Generator:
 
 
 def _check_split(seed, rank, world_size, start) -> None:
-    for name, value, low in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("start", start, 0)):
+    for name, value, low in (
+        ("seed", seed, 0),
+        ("rank", rank, 0),
+        ("world_size", world_size, 1),
+        ("start", start, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if rank >= world_size:
@@ -164,10 +188,23 @@ class _Stream:
 
     what = "sample"
 
-    def __init__(self, *, seed: int, rank: int, world_size: int, start: int = 0,
-                 worker: Optional[int] = None, num_workers: Optional[int] = None):
+    def __init__(
+        self,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        start: int = 0,
+        worker: Optional[int] = None,
+        num_workers: Optional[int] = None,
+    ):
         _check_split(seed, rank, world_size, start)
-        self.seed, self.rank, self.world_size, self.start = int(seed), int(rank), int(world_size), int(start)
+        self.seed, self.rank, self.world_size, self.start = (
+            int(seed),
+            int(rank),
+            int(world_size),
+            int(start),
+        )
         self.worker, self.num_workers = worker, num_workers
         self._logged = 0
 
@@ -185,8 +222,10 @@ class _Stream:
         if self._logged < _MAX_LOGGED:
             logger.warning("%s: skipping bad %s: %s", type(self).__name__, self.what, reason)
         elif self._logged == _MAX_LOGGED:
-            logger.warning("%s: further bad samples are skipped without logging (see 'skipped' counts)",
-                           type(self).__name__)
+            logger.warning(
+                "%s: further bad samples are skipped without logging (see 'skipped' counts)",
+                type(self).__name__,
+            )
         self._logged += 1
 
     def __iter__(self) -> Iterator[dict]:
@@ -196,8 +235,10 @@ class _Stream:
         for item in self._raw(c, n):
             if isinstance(item, _EpochEnd):
                 if item == 0:
-                    raise ValueError(f"{self.describe()}: consumer {c} of {n} (rank {self.rank}) got no "
-                                     f"samples in a whole epoch")
+                    raise ValueError(
+                        f"{self.describe()}: consumer {c} of {n} (rank {self.rank}) got no "
+                        f"samples in a whole epoch"
+                    )
                 epoch_len = int(item)
                 continue
             try:
@@ -207,8 +248,10 @@ class _Stream:
                 run_of_bad += 1
                 self._bad(str(exc))
                 if epoch_len is not None and run_of_bad >= epoch_len:
-                    raise ValueError(f"{self.describe()}: {run_of_bad} bad samples in a row (a whole epoch); "
-                                     f"last reason: {exc}") from None
+                    raise ValueError(
+                        f"{self.describe()}: {run_of_bad} bad samples in a row (a whole epoch); "
+                        f"last reason: {exc}"
+                    ) from None
                 continue
             run_of_bad = 0
             if consumed >= self.start:
@@ -239,10 +282,27 @@ class FolderStream(_Stream):
 
     what = "image"
 
-    def __init__(self, path, resolution: int, *, seed: int, rank: int, world_size: int, start: int = 0,
-                 shuffle: bool = True, worker: Optional[int] = None, num_workers: Optional[int] = None):
-        super().__init__(seed=seed, rank=rank, world_size=world_size, start=start, worker=worker,
-                         num_workers=num_workers)
+    def __init__(
+        self,
+        path,
+        resolution: int,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        start: int = 0,
+        shuffle: bool = True,
+        worker: Optional[int] = None,
+        num_workers: Optional[int] = None,
+    ):
+        super().__init__(
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            worker=worker,
+            num_workers=num_workers,
+        )
         self.path, self.resolution, self.shuffle = Path(path), int(resolution), bool(shuffle)
         self.files = list_images(self.path)
 
@@ -251,11 +311,17 @@ class FolderStream(_Stream):
 
     def _raw(self, c: int, n: int) -> Iterator:
         if len(self.files) <= c:
-            raise ValueError(f"{self.describe()} has fewer images than consumers (world_size * num_workers = {n}); "
-                             f"add images or use fewer processes/workers")
+            raise ValueError(
+                f"{self.describe()} has fewer images than consumers (world_size * num_workers = {n}); "
+                f"add images or use fewer processes/workers"
+            )
         epoch = 0
         while True:
-            order = _rng(self.seed, epoch).permutation(len(self.files)) if self.shuffle else np.arange(len(self.files))
+            order = (
+                _rng(self.seed, epoch).permutation(len(self.files))
+                if self.shuffle
+                else np.arange(len(self.files))
+            )
             mine = order[c::n]
             for i in mine:
                 yield self.files[i]
@@ -294,17 +360,35 @@ class WebDatasetStream(_Stream):
 
     what = "webdataset sample"
 
-    def __init__(self, urls, resolution: int, *, seed: int, rank: int, world_size: int, start: int = 0,
-                 shuffle_buffer: int = 1000, worker: Optional[int] = None, num_workers: Optional[int] = None):
-        super().__init__(seed=seed, rank=rank, world_size=world_size, start=start, worker=worker,
-                         num_workers=num_workers)
+    def __init__(
+        self,
+        urls,
+        resolution: int,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        start: int = 0,
+        shuffle_buffer: int = 1000,
+        worker: Optional[int] = None,
+        num_workers: Optional[int] = None,
+    ):
+        super().__init__(
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            worker=worker,
+            num_workers=num_workers,
+        )
         self.urls = expand_urls(urls)
         self.resolution, self.shuffle_buffer = int(resolution), int(shuffle_buffer)
         if len(self.urls) < self.world_size:
             raise ValueError(
                 f"webdataset has {len(self.urls)} shard(s) but world_size is {self.world_size}: every process needs "
                 f"at least one whole shard. Re-shard the data into at least {self.world_size} (ideally many more) "
-                f"shards, e.g. img2dataset with a smaller --number_sample_per_shard, or run fewer processes")
+                f"shards, e.g. img2dataset with a smaller --number_sample_per_shard, or run fewer processes"
+            )
 
     def describe(self) -> str:
         return f"webdataset {self.urls[0]}{' …' if len(self.urls) > 1 else ''} ({len(self.urls)} shards)"
@@ -316,7 +400,8 @@ class WebDatasetStream(_Stream):
         if len(self.urls) <= c:
             raise ValueError(
                 f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader workers) but only "
-                f"{len(self.urls)} shards; every worker needs a shard: use fewer DataLoader workers or more shards")
+                f"{len(self.urls)} shards; every worker needs a shard: use fewer DataLoader workers or more shards"
+            )
         epoch = 0
         while True:
             order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
@@ -357,8 +442,11 @@ class WebDatasetStream(_Stream):
 # --------------------------------------------------------------------------------------------------
 # Precomputed embeddings (clip-retrieval layout)
 # --------------------------------------------------------------------------------------------------
-_SHARD_RE = {"img_emb": re.compile(r"^img_emb_(\d+)\.npy$"), "text_emb": re.compile(r"^text_emb_(\d+)\.npy$"),
-             "metadata": re.compile(r"^metadata_(\d+)\.jsonl$")}
+_SHARD_RE = {
+    "img_emb": re.compile(r"^img_emb_(\d+)\.npy$"),
+    "text_emb": re.compile(r"^text_emb_(\d+)\.npy$"),
+    "metadata": re.compile(r"^metadata_(\d+)\.jsonl$"),
+}
 
 
 def embedding_shards(path) -> dict[str, dict[int, Path]]:
@@ -398,21 +486,40 @@ class EmbeddingStream(_Stream):
 
     what = "embedding row"
 
-    def __init__(self, path, *, seed: int, rank: int, world_size: int, start: int = 0,
-                 worker: Optional[int] = None, num_workers: Optional[int] = None):
-        super().__init__(seed=seed, rank=rank, world_size=world_size, start=start, worker=worker,
-                         num_workers=num_workers)
+    def __init__(
+        self,
+        path,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        start: int = 0,
+        worker: Optional[int] = None,
+        num_workers: Optional[int] = None,
+    ):
+        super().__init__(
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            worker=worker,
+            num_workers=num_workers,
+        )
         self.path = Path(path)
         found = embedding_shards(self.path)
         if not any(found.values()):
-            raise ValueError(f"no embedding shards under {self.path}: expected img_emb/img_emb_0.npy, "
-                             f"text_emb/text_emb_0.npy and metadata/metadata_0.jsonl (write them with `unclip embed`)")
+            raise ValueError(
+                f"no embedding shards under {self.path}: expected img_emb/img_emb_0.npy, "
+                f"text_emb/text_emb_0.npy and metadata/metadata_0.jsonl (write them with `unclip embed`)"
+            )
         indices = sorted(set().union(*(set(v) for v in found.values())))
         for i in indices:
             missing = [sub for sub in found if i not in found[sub]]
             if missing:
-                raise ValueError(f"{self.path}: shard {i} is missing from {', '.join(missing)} "
-                                 f"(present in the others); the shards do not line up")
+                raise ValueError(
+                    f"{self.path}: shard {i} is missing from {', '.join(missing)} "
+                    f"(present in the others); the shards do not line up"
+                )
         self.shards = indices
         self.rows, self.embed_dim = [], None
         for i in indices:
@@ -420,24 +527,34 @@ class EmbeddingStream(_Stream):
             txt = np.load(found["text_emb"][i], mmap_mode="r")
             n_meta = _count_lines(found["metadata"][i])
             if img.ndim != 2 or txt.ndim != 2:
-                raise ValueError(f"{self.path}: shard {i}: embeddings must be 2-D [N, D], got {img.shape} and {txt.shape}")
+                raise ValueError(
+                    f"{self.path}: shard {i}: embeddings must be 2-D [N, D], got {img.shape} and {txt.shape}"
+                )
             if not img.shape[0] == txt.shape[0] == n_meta:
-                raise ValueError(f"{self.path}: shard {i} does not line up: img_emb_{i} has {img.shape[0]} rows, "
-                                 f"text_emb_{i} {txt.shape[0]}, metadata_{i} {n_meta}")
+                raise ValueError(
+                    f"{self.path}: shard {i} does not line up: img_emb_{i} has {img.shape[0]} rows, "
+                    f"text_emb_{i} {txt.shape[0]}, metadata_{i} {n_meta}"
+                )
             dims = {img.shape[1], txt.shape[1]} | ({self.embed_dim} if self.embed_dim else set())
             if len(dims) != 1:
-                raise ValueError(f"{self.path}: shard {i}: embedding size mismatch (img {img.shape[1]}, "
-                                 f"text {txt.shape[1]}, earlier shards {self.embed_dim})")
+                raise ValueError(
+                    f"{self.path}: shard {i}: embedding size mismatch (img {img.shape[1]}, "
+                    f"text {txt.shape[1]}, earlier shards {self.embed_dim})"
+                )
             self.embed_dim = img.shape[1]
             self.rows.append(img.shape[0])
         self.files = found
         stats = self.path / "stats.json"
         if stats.is_file():
             meta = json.loads(stats.read_text())
-            if meta.get("num_shards", len(indices)) != len(indices) or meta.get("count", sum(self.rows)) != sum(self.rows):
-                raise ValueError(f"{self.path}: stats.json records {meta.get('num_shards')} shards / "
-                                 f"{meta.get('count')} rows but {len(indices)} shards / {sum(self.rows)} rows were "
-                                 f"found (shards {indices}); a shard was deleted or added")
+            if meta.get("num_shards", len(indices)) != len(indices) or meta.get(
+                "count", sum(self.rows)
+            ) != sum(self.rows):
+                raise ValueError(
+                    f"{self.path}: stats.json records {meta.get('num_shards')} shards / "
+                    f"{meta.get('count')} rows but {len(indices)} shards / {sum(self.rows)} rows were "
+                    f"found (shards {indices}); a shard was deleted or added"
+                )
 
     def __len__(self) -> int:
         return sum(self.rows)
@@ -453,13 +570,16 @@ class EmbeddingStream(_Stream):
             count = offset = 0
             for s in _rng(self.seed, 3, epoch).permutation(len(self.shards)):
                 i, nrows = self.shards[s], self.rows[s]
-                rows = _rng(self.seed, 4, epoch, i).permutation(nrows)[(c - offset) % n::n]
+                rows = _rng(self.seed, 4, epoch, i).permutation(nrows)[(c - offset) % n :: n]
                 offset += nrows
                 if len(rows) == 0:
                     continue
                 img = np.load(self.files["img_emb"][i], mmap_mode="r")
                 txt = np.load(self.files["text_emb"][i], mmap_mode="r")
-                meta = [json.loads(line) for line in self.files["metadata"][i].read_text("utf-8").splitlines()]
+                meta = [
+                    json.loads(line)
+                    for line in self.files["metadata"][i].read_text("utf-8").splitlines()
+                ]
                 finite = np.isfinite(img[rows]).all(1) & np.isfinite(txt[rows]).all(1)
                 for r, ok in zip(rows.tolist(), finite.tolist()):
                     yield i, r, ok, img, txt, meta[r]
@@ -479,8 +599,11 @@ class EmbeddingStream(_Stream):
 
     def _sample(self, value) -> dict:
         img, txt, r, caption = value
-        return {"image_embed": torch.from_numpy(np.array(img[r], dtype=np.float32)),
-                "text_embed": torch.from_numpy(np.array(txt[r], dtype=np.float32)), "caption": caption}
+        return {
+            "image_embed": torch.from_numpy(np.array(img[r], dtype=np.float32)),
+            "text_embed": torch.from_numpy(np.array(txt[r], dtype=np.float32)),
+            "caption": caption,
+        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -517,8 +640,10 @@ class StreamDataset(torch.utils.data.IterableDataset):
         if num_workers <= 1:
             return 0, self.start
         if self.start % self.batch_size:
-            raise ValueError(f"resuming with DataLoader workers needs start ({self.start}) to be a multiple of "
-                             f"batch_size ({self.batch_size}); resume at a batch boundary or use num_workers=0")
+            raise ValueError(
+                f"resuming with DataLoader workers needs start ({self.start}) to be a multiple of "
+                f"batch_size ({self.batch_size}); resume at a batch boundary or use num_workers=0"
+            )
         done = self.start // self.batch_size
         logical = (worker + done) % num_workers
         return logical, len(range(logical, done, num_workers)) * self.batch_size

@@ -6,6 +6,7 @@
 Writes one PNG per image, ``grid.png`` and ``generate.json`` with every setting needed to reproduce the
 result (prompts, per-prompt seeds, model, per-stage sampler/steps/guidance, versions).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from .config import to_dict
+from unclip.config import to_dict
 
 __all__ = ["main", "make_grid", "add_sampling_args", "sampling_overrides"]
 
@@ -38,17 +39,29 @@ def make_grid(images: list, cols: int | None = None) -> Image.Image:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     for stage, label in (("prior", "prior"), ("decoder", "decoder"), ("sr", "every upsampler")):
-        p.add_argument(f"--{stage}-sampler", choices=["ddpm", "ddim", "dpm++", "unclip"], help=f"{label} sampler")
+        p.add_argument(
+            f"--{stage}-sampler",
+            choices=["ddpm", "ddim", "dpm++", "unclip"],
+            help=f"{label} sampler",
+        )
         p.add_argument(f"--{stage}-steps", type=int, help=f"{label} sampling steps")
-        p.add_argument(f"--{stage}-guidance", type=float, help=f"{label} classifier-free guidance scale")
-    p.add_argument("--prior-best-of", type=int, help="prior candidates per image, best by text similarity")
+        p.add_argument(
+            f"--{stage}-guidance", type=float, help=f"{label} classifier-free guidance scale"
+        )
+    p.add_argument(
+        "--prior-best-of", type=int, help="prior candidates per image, best by text similarity"
+    )
 
 
 def sampling_overrides(args) -> dict:
     out = {}
     for stage, key in (("prior", "prior"), ("decoder", "decoder"), ("sr", "upsamplers")):
         d = {}
-        for opt, field in (("sampler", "scheduler"), ("steps", "steps"), ("guidance", "guidance_scale")):
+        for opt, field in (
+            ("sampler", "scheduler"),
+            ("steps", "steps"),
+            ("guidance", "guidance_scale"),
+        ):
             v = getattr(args, f"{stage}_{opt}")
             if v is not None:
                 d[field] = v
@@ -62,12 +75,15 @@ def sampling_overrides(args) -> dict:
 
 
 def load_pipeline(args):
-    from .pipeline import UnCLIPPipeline
+    from unclip.pipeline import UnCLIPPipeline
 
     if args.tiny:
-        from .tiny import tiny_pipeline
+        from unclip.tiny import tiny_pipeline
 
-        print("note: --tiny builds a small *untrained* random pipeline on the fly; its images are noise", file=sys.stderr)
+        print(
+            "note: --tiny builds a small *untrained* random pipeline on the fly; its images are noise",
+            file=sys.stderr,
+        )
         return tiny_pipeline(), "tiny (random, untrained)"
     return UnCLIPPipeline.from_pretrained(args.model), str(args.model or "shapes")
 
@@ -76,14 +92,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="unclip generate", description=__doc__.splitlines()[0])
     p.add_argument("prompts", nargs="*", help="one or more prompts")
     p.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line")
-    p.add_argument("--model", default=None, help="pipeline folder, diffusers/Karlo unCLIP folder, or 'shapes' (bundled, default)")
-    p.add_argument("--tiny", action="store_true", help="use a random untrained tiny pipeline (smoke test)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="pipeline folder, diffusers/Karlo unCLIP folder, or 'shapes' (bundled, default)",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="use a random untrained tiny pipeline (smoke test)"
+    )
     p.add_argument("--num-images", type=int, default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed S+i")
-    p.add_argument("--rerank", type=int, default=None,
-                   help="decode K base-resolution candidates per image and keep the best by CLIP score (the "
-                        "pipeline's reranker CLIP if it has one) (default: the model's decoder best_of setting; "
-                        "1 turns reranking off)")
+    p.add_argument(
+        "--rerank",
+        type=int,
+        default=None,
+        help="decode K base-resolution candidates per image and keep the best by CLIP score (the "
+        "pipeline's reranker CLIP if it has one) (default: the model's decoder best_of setting; "
+        "1 turns reranking off)",
+    )
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -92,7 +118,11 @@ def main(argv=None) -> int:
     prompts = list(args.prompts)
     if args.prompts_file:
         try:
-            prompts += [l.strip() for l in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if l.strip()]
+            prompts += [
+                l.strip()
+                for l in Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+                if l.strip()
+            ]
         except UnicodeDecodeError as exc:
             p.error(f"{args.prompts_file} is not UTF-8 text ({exc})")
     if not prompts:
@@ -109,8 +139,13 @@ def main(argv=None) -> int:
     seeds = [args.seed + i for i in range(len(prompts))]
     gens = [torch.Generator(device=args.device).manual_seed(s) for s in seeds]
     t0 = time.perf_counter()
-    out = pipe(prompts, num_images_per_prompt=args.num_images, generator=gens, sampling=sampling,
-               progress=not args.no_progress)
+    out = pipe(
+        prompts,
+        num_images_per_prompt=args.num_images,
+        generator=gens,
+        sampling=sampling,
+        progress=not args.no_progress,
+    )
     seconds = time.perf_counter() - t0
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -120,20 +155,31 @@ def main(argv=None) -> int:
             f = out_dir / f"{i:03d}_{j:02d}.png"
             out.images[i * args.num_images + j].save(f)
             files.append({"file": f.name, "prompt": prompt, "seed": seeds[i], "index": j})
-    make_grid(out.images, cols=args.num_images if len(prompts) > 1 else None).save(out_dir / "grid.png")
+    make_grid(out.images, cols=args.num_images if len(prompts) > 1 else None).save(
+        out_dir / "grid.png"
+    )
     import unclip
 
     record = {
-        "model": model_name, "prompts": prompts, "seeds": seeds, "num_images_per_prompt": args.num_images,
+        "model": model_name,
+        "prompts": prompts,
+        "seeds": seeds,
+        "num_images_per_prompt": args.num_images,
         "rerank_candidates": pipe._settings("decoder", sampling).best_of,
-        "rerank_clip": "reranker" if pipe.reranker is not None else "clip", "device": args.device, "resolution": pipe.resolution,
+        "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
+        "device": args.device,
+        "resolution": pipe.resolution,
         "sampling": {s: to_dict(pipe._settings(s, sampling)) for s in pipe.stage_names},
-        "seconds": round(seconds, 3), "files": files, "grid": "grid.png",
+        "seconds": round(seconds, 3),
+        "files": files,
+        "grid": "grid.png",
         "versions": {"unclip": unclip.__version__, "torch": torch.__version__},
         "command": ["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     }
     (out_dir / "generate.json").write_text(json.dumps(record, indent=2))
-    print(f"wrote {len(files)} images ({pipe.resolution}px) + grid.png + generate.json to {out_dir} in {seconds:.1f}s")
+    print(
+        f"wrote {len(files)} images ({pipe.resolution}px) + grid.png + generate.json to {out_dir} in {seconds:.1f}s"
+    )
     return 0
 
 

@@ -21,8 +21,9 @@ Every file is written under a temporary name and renamed.
 Example::
 
     unclip embed --source webdataset --data "shards/{00000..00099}.tar" --clip-config pipe/ --out emb/
-    torchrun --nproc_per_node 8 -m unclip.embed --source folder --data images/ --clip-config prior.yaml --out emb/
+    torchrun --nproc_per_node 8 -m unclip.train.embed --source folder --data images/ --clip-config prior.yaml --out emb/
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,17 +32,26 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import yaml
 
-from .clip import FrozenCLIP
-from .config import ClipConfig, from_dict, load_config
-from .data.sources import (BadSample, _TAR_IMAGE_KEYS, check_caption, embedding_shards, expand_urls,
-                           iter_tar_samples, list_images, open_rgb)
+from unclip.clip import FrozenCLIP
+from unclip.config import ClipConfig, from_dict, load_config
+from unclip.train.data.sources import (
+    _TAR_IMAGE_KEYS,
+    BadSample,
+    check_caption,
+    embedding_shards,
+    expand_urls,
+    iter_tar_samples,
+    list_images,
+    open_rgb,
+)
 
 __all__ = ["main", "load_clip", "load_stats", "build_parser"]
 
@@ -60,19 +70,26 @@ def load_clip(spec: str) -> FrozenCLIP:
         for folder in (path / "clip", path):
             if (folder / "config.json").is_file():
                 return FrozenCLIP.from_pretrained(folder)
-        raise ValueError(f"--clip-config {spec}: folder has neither clip/config.json (a pipeline) nor config.json "
-                         f"(a CLIP folder written by FrozenCLIP.save_pretrained)")
+        raise ValueError(
+            f"--clip-config {spec}: folder has neither clip/config.json (a pipeline) nor config.json "
+            f"(a CLIP folder written by FrozenCLIP.save_pretrained)"
+        )
     if not path.is_file():
-        raise ValueError(f"--clip-config {spec}: no such file or folder; pass a pipeline folder, a CLIP folder or "
-                         f"a YAML config with a 'clip:' section")
+        raise ValueError(
+            f"--clip-config {spec}: no such file or folder; pass a pipeline folder, a CLIP folder or "
+            f"a YAML config with a 'clip:' section"
+        )
     data = yaml.safe_load(path.read_text()) or {}
     if isinstance(data, dict) and set(data) == {"clip"}:
         cfg = from_dict(ClipConfig, data["clip"], source=str(path), prefix="clip")
     else:
         cfg = load_config(path).clip
     if not cfg.pretrained:
-        warnings.warn(f"{spec}: clip.pretrained is not set; using randomly initialised CLIP weights (seed 0), "
-                      f"which is only useful for tests", stacklevel=2)
+        warnings.warn(
+            f"{spec}: clip.pretrained is not set; using randomly initialised CLIP weights (seed 0), "
+            f"which is only useful for tests",
+            stacklevel=2,
+        )
         torch.manual_seed(0)
     return FrozenCLIP.from_config(cfg)
 
@@ -93,16 +110,19 @@ def _chunks(args) -> tuple[int, callable, Optional[int]]:
     """``(num_chunks, items(chunk) -> iterator, total items or None)``."""
     size = args.shard_size
     if args.source == "shapes":
-        from .data.shapes import ShapesWorld
+        from unclip.shapes.world import ShapesWorld
 
         if args.num is None:
-            raise ValueError("--source shapes needs --num N (how many samples of the shapes world to embed)")
+            raise ValueError(
+                "--source shapes needs --num N (how many samples of the shapes world to embed)"
+            )
         world = ShapesWorld(args.resolution, seed=args.shapes_seed, split=args.shapes_split)
 
         def items(chunk):
             for index in range(chunk * size, min((chunk + 1) * size, args.num)):
                 s = world[index]
                 yield f"{index:08d}", s.image, s.caption, None
+
         return math.ceil(args.num / size), items, args.num
     if not args.data:
         raise ValueError(f"--source {args.source} needs --data")
@@ -111,7 +131,7 @@ def _chunks(args) -> tuple[int, callable, Optional[int]]:
         files = list_images(root)[: args.num]
 
         def items(chunk):
-            for f in files[chunk * size:(chunk + 1) * size]:
+            for f in files[chunk * size : (chunk + 1) * size]:
                 key = f.relative_to(root).with_suffix("").as_posix()
                 txt = f.with_suffix(".txt")
                 try:
@@ -119,11 +139,14 @@ def _chunks(args) -> tuple[int, callable, Optional[int]]:
                     yield key, open_rgb(f), caption, None
                 except BadSample as exc:
                     yield key, None, None, f"{f}: {exc}"
+
         return math.ceil(len(files) / size), items, len(files)
     if args.source == "webdataset":
         if args.num is not None:
-            raise ValueError("--num is not supported with --source webdataset (shard sizes are unknown until read); "
-                             "select shards with a brace pattern instead, e.g. 'data/{00000..00009}.tar'")
+            raise ValueError(
+                "--num is not supported with --source webdataset (shard sizes are unknown until read); "
+                "select shards with a brace pattern instead, e.g. 'data/{00000..00009}.tar'"
+            )
         urls = expand_urls(args.data)
 
         def items(chunk):
@@ -140,6 +163,7 @@ def _chunks(args) -> tuple[int, callable, Optional[int]]:
                     yield key, None, None, f"{urls[chunk]}:{key}: {exc}"
             for exc in errors:
                 logger.warning("unclip embed: broken shard or member in %s: %s", urls[chunk], exc)
+
         return len(urls), items, None
     raise ValueError(f"unknown --source {args.source!r}; choose folder, webdataset or shapes")
 
@@ -172,8 +196,9 @@ class _Sums:
         self.count += len(img)
 
 
-def _embed_chunk(clip, items: Iterator, out: Path, chunk: int, dtype, batch_size: int, sums: _Sums, bar,
-                 log_bad) -> tuple[int, int]:
+def _embed_chunk(
+    clip, items: Iterator, out: Path, chunk: int, dtype, batch_size: int, sums: _Sums, bar, log_bad
+) -> tuple[int, int]:
     """Embed one chunk into shard ``chunk``; returns ``(rows written, bad samples skipped)``."""
     img_parts, txt_parts, meta, batch, skipped = [], [], [], [], 0
 
@@ -201,25 +226,46 @@ def _embed_chunk(clip, items: Iterator, out: Path, chunk: int, dtype, batch_size
     img = np.concatenate(img_parts) if img_parts else np.zeros((0, d), dtype)
     txt = np.concatenate(txt_parts) if txt_parts else np.zeros((0, d), dtype)
     sums.add(img, txt)
-    _save_text(out / "metadata" / f"metadata_{chunk}.jsonl", "".join(json.dumps(m) + "\n" for m in meta))
+    _save_text(
+        out / "metadata" / f"metadata_{chunk}.jsonl", "".join(json.dumps(m) + "\n" for m in meta)
+    )
     _save_npy(out / "text_emb" / f"text_emb_{chunk}.npy", txt)
     _save_npy(out / "img_emb" / f"img_emb_{chunk}.npy", img)
     return len(img), skipped
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="unclip embed", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help="image folder, or tar shards (path, brace pattern, '::' list, pipe: URL)")
+    p = argparse.ArgumentParser(
+        prog="unclip embed",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--data", help="image folder, or tar shards (path, brace pattern, '::' list, pipe: URL)"
+    )
     p.add_argument("--source", required=True, choices=["folder", "webdataset", "shapes"])
-    p.add_argument("--clip-config", required=True,
-                   help="pipeline folder (with clip/), CLIP folder, or YAML with a 'clip:' section")
+    p.add_argument(
+        "--clip-config",
+        required=True,
+        help="pipeline folder (with clip/), CLIP folder, or YAML with a 'clip:' section",
+    )
     p.add_argument("--out", required=True, help="output folder (clip-retrieval layout)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--shard-size", type=int, default=10000,
-                   help="rows per output shard for folder/shapes (webdataset: one output shard per tar shard)")
-    p.add_argument("--num", type=int, default=None, help="embed only the first N items (folder/shapes)")
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float16", help="dtype of the .npy shards")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=10000,
+        help="rows per output shard for folder/shapes (webdataset: one output shard per tar shard)",
+    )
+    p.add_argument(
+        "--num", type=int, default=None, help="embed only the first N items (folder/shapes)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "float32"],
+        default="float16",
+        help="dtype of the .npy shards",
+    )
     p.add_argument("--resolution", type=int, default=64, help="shapes: render resolution")
     p.add_argument("--shapes-seed", type=int, default=0)
     p.add_argument("--shapes-split", default="train", choices=["train", "heldout", "all"])
@@ -244,8 +290,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     existing = [f for files in embedding_shards(out).values() for f in files.values()]
     if existing and not args.overwrite:
-        raise ValueError(f"{out} already holds {len(existing)} embedding shard files; pass --overwrite to replace "
-                         f"them or choose another --out")
+        raise ValueError(
+            f"{out} already holds {len(existing)} embedding shard files; pass --overwrite to replace "
+            f"them or choose another --out"
+        )
     num_chunks, items, total = _chunks(args)
     clip = load_clip(args.clip_config).to(acc.device)
     acc.wait_for_everyone()
@@ -266,39 +314,66 @@ def main(argv: Optional[list[str]] = None) -> int:
             logger.warning("unclip embed: skipping bad sample: %s", reason)
         logged[0] += 1
 
-    my_total = None if total is None else sum(
-        min(args.shard_size, total - c * args.shard_size) for c in mine)
-    bar = tqdm(total=my_total, desc=f"embed [{acc.process_index}]", unit="img",
-               disable=args.no_progress or not acc.is_local_main_process)
+    my_total = (
+        None
+        if total is None
+        else sum(min(args.shard_size, total - c * args.shard_size) for c in mine)
+    )
+    bar = tqdm(
+        total=my_total,
+        desc=f"embed [{acc.process_index}]",
+        unit="img",
+        disable=args.no_progress or not acc.is_local_main_process,
+    )
     skipped = 0
     for chunk in mine:
-        _, bad = _embed_chunk(clip, items(chunk), out, chunk, dtype, args.batch_size, sums, bar, log_bad)
+        _, bad = _embed_chunk(
+            clip, items(chunk), out, chunk, dtype, args.batch_size, sums, bar, log_bad
+        )
         skipped += bad
     bar.close()
 
     acc.wait_for_everyone()
     totals = acc.reduce(sums.t.to(acc.device), reduction="sum").cpu()
-    counts = acc.reduce(torch.tensor([sums.count, skipped], dtype=torch.float64, device=acc.device),
-                        reduction="sum").cpu()
+    counts = acc.reduce(
+        torch.tensor([sums.count, skipped], dtype=torch.float64, device=acc.device), reduction="sum"
+    ).cpu()
     count, skipped_all = int(counts[0]), int(counts[1])
     if acc.is_main_process:
         if count == 0:
-            raise ValueError(f"no usable samples in {args.data or 'shapes'} ({skipped_all} skipped); nothing to embed")
+            raise ValueError(
+                f"no usable samples in {args.data or 'shapes'} ({skipped_all} skipped); nothing to embed"
+            )
         mean = totals[0::2] / count
         std = (totals[1::2] / count - mean * mean).clamp_min(0).sqrt()
-        stats = {"image_mean": mean[0].numpy(), "image_std": std[0].numpy(),
-                 "text_mean": mean[1].numpy(), "text_std": std[1].numpy(), "count": np.int64(count)}
+        stats = {
+            "image_mean": mean[0].numpy(),
+            "image_std": std[0].numpy(),
+            "text_mean": mean[1].numpy(),
+            "text_std": std[1].numpy(),
+            "count": np.int64(count),
+        }
         tmp = out / "stats.npz.tmp"
         with open(tmp, "wb") as f:
             np.savez(f, **stats)
         os.replace(tmp, out / "stats.npz")
-        meta = {"count": count, "skipped": skipped_all, "num_shards": num_chunks, "embed_dim": clip.embed_dim,
-                "dtype": args.dtype, "source": args.source, "data": args.data, "clip_model": clip.model_name,
-                "num_processes": acc.num_processes,
-                **{k: v.tolist() for k, v in stats.items() if k != "count"}}
+        meta = {
+            "count": count,
+            "skipped": skipped_all,
+            "num_shards": num_chunks,
+            "embed_dim": clip.embed_dim,
+            "dtype": args.dtype,
+            "source": args.source,
+            "data": args.data,
+            "clip_model": clip.model_name,
+            "num_processes": acc.num_processes,
+            **{k: v.tolist() for k, v in stats.items() if k != "count"},
+        }
         _save_text(out / "stats.json", json.dumps(meta, indent=1))
-        print(f"unclip embed: wrote {count} embeddings in {num_chunks} shards to {out} "
-              f"(skipped {skipped_all} bad samples)")
+        print(
+            f"unclip embed: wrote {count} embeddings in {num_chunks} shards to {out} "
+            f"(skipped {skipped_all} bad samples)"
+        )
     acc.wait_for_everyone()
     return 0
 

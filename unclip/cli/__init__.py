@@ -1,0 +1,69 @@
+"""The ``unclip`` command: one subcommand per job, each a module with ``main(argv=None)``.
+
+unclip generate "a small red circle on the left" --out samples/
+unclip make-shapes data/shapes --num 10000 --format webdataset
+unclip embed ... | unclip evaluate ... | unclip convert SRC DST
+unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": (
+        "unclip.cli.generate",
+        "text → images with a pipeline (default: the bundled shapes model)",
+    ),
+    "make-shapes": (
+        "unclip.shapes.world",
+        "write the procedural shapes dataset (folder or webdataset shards)",
+    ),
+    "train-prior": ("unclip.train.prior", "train the diffusion prior"),
+    "train-decoder": ("unclip.train.decoder", "train the base decoder or an upsampler"),
+    "train-clip": (
+        "unclip.shapes.train_clip",
+        "train a small CLIP on the shapes world (contrastive)",
+    ),
+    "embed": ("unclip.train.embed", "precompute CLIP embeddings into .npy shards + statistics"),
+    "evaluate": ("unclip.eval.evaluate", "FID, CLIP score, CLIP-FID and shapes faithfulness"),
+    "convert": (
+        "unclip.interop.diffusers",
+        "import Karlo/diffusers unCLIP folders, export to diffusers",
+    ),
+    "assemble": ("unclip.cli.assemble", "build a pipeline folder from trained component folders"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: unclip COMMAND [args...]", "", "commands:"]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "run 'unclip COMMAND --help' for the options of a command"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        import unclip
+
+        print(unclip.__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"unclip: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

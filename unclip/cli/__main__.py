@@ -1,0 +1,5 @@
+import sys
+
+from unclip.cli import main
+
+sys.exit(main())

@@ -1,1 +1,0 @@
-"""Data for unclip: the built-in procedural "shapes" world, image–caption pairs and embedding shards."""

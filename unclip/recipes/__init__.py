@@ -1,1 +1,0 @@
-"""Training recipes that ship with the package (``configs/shapes/recipe.sh`` uses these helpers)."""

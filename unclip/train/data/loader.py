@@ -1,0 +1,165 @@
+"""Sample streams for training: the shapes world on the fly, plus dispatch to the file-based sources.
+
+A stream is an iterable of sample dicts, deterministic for ``(seed, rank, world_size)`` and resumable:
+built with ``start`` = samples this rank already consumed, it yields exactly what would have followed.
+Image samples: ``{"image": float [3, R, R] in [-1, 1], "caption": str, "skipped": int}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from unclip.config import DataConfig
+from unclip.images import pil_to_tensor
+from unclip.train.data.sources import collate
+
+__all__ = ["ShapesStream", "make_stream", "make_batches", "batches", "collate"]
+
+
+class ShapesStream:
+    """The shapes world rendered on the fly; rank ``r`` of ``w`` takes indices ``r, r+w, r+2w, …``."""
+
+    def __init__(
+        self,
+        resolution: int,
+        *,
+        seed: int = 0,
+        split: str = "train",
+        two_object_prob: float = 0.3,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        worker: int = 0,
+        num_workers: int = 1,
+    ):
+        from unclip.shapes.world import ShapesWorld
+
+        self.world = ShapesWorld(
+            resolution=resolution, seed=seed, split=split, two_object_prob=two_object_prob
+        )
+        # DataLoader worker w of rank r is consumer r + w·world_size of world_size·num_workers
+        self.consumer = rank + worker * world_size
+        self.consumers = world_size * max(1, num_workers)
+        self.start = start
+
+    def __iter__(self) -> Iterator[dict]:
+        i = self.start
+        while True:
+            sample = self.world[self.consumer + i * self.consumers]
+            yield {"image": pil_to_tensor(sample.image), "caption": sample.caption, "skipped": 0}
+            i += 1
+
+
+def make_stream(
+    data: DataConfig,
+    *,
+    resolution: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start: int = 0,
+    **worker,
+) -> Iterable[dict]:
+    """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if given),
+    starting after ``start`` consumed samples."""
+    if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
+        from unclip.train.data.paired import paired_stream
+
+        return paired_stream(
+            data, resolution, seed=seed, rank=rank, world_size=world_size, start=start, **worker
+        )
+    if data.source == "shapes":
+        return ShapesStream(
+            data.shapes_resolution or resolution,
+            seed=data.shapes_seed,
+            split=data.shapes_split,
+            two_object_prob=data.shapes_two_object_prob,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            **worker,
+        )
+    if not data.path:
+        raise ValueError(
+            f"data.source={data.source!r} needs data.path (a folder, shard pattern or embeddings dir)"
+        )
+    from unclip.train.data import sources
+
+    if data.source == "folder":
+        return sources.FolderStream(
+            data.path,
+            resolution,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            **worker,
+        )
+    if data.source == "webdataset":
+        return sources.WebDatasetStream(
+            data.path,
+            resolution,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            shuffle_buffer=data.shuffle_buffer,
+            **worker,
+        )
+    if data.source == "embeddings":
+        return sources.EmbeddingStream(
+            data.path, seed=seed, rank=rank, world_size=world_size, start=start, **worker
+        )
+    raise ValueError(f"unknown data.source {data.source!r}")
+
+
+def make_batches(
+    data: DataConfig, *, resolution: int, seed: int, rank: int, world_size: int, start: int = 0
+) -> Iterable[dict]:
+    """Batches of ``data.batch_size`` for this rank, resumable at ``start`` samples; uses a DataLoader with
+    ``data.num_workers`` worker processes when > 0 (exact resume either way, see ``StreamDataset``)."""
+    if data.num_workers <= 0:
+        stream = make_stream(
+            data, resolution=resolution, seed=seed, rank=rank, world_size=world_size, start=start
+        )
+        return batches(stream, data.batch_size)
+
+    from unclip.train.data.sources import StreamDataset
+
+    if (
+        data.embeddings_path
+    ):  # check the pairing now, before the workers start (they reuse the cached check)
+        make_stream(data, resolution=resolution, seed=seed, rank=rank, world_size=world_size)
+
+    def factory(start: int, worker: int, num_workers: int):
+        return make_stream(
+            data,
+            resolution=resolution,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            worker=worker,
+            num_workers=num_workers,
+        )
+
+    ds = StreamDataset(factory, start=start, batch_size=data.batch_size)
+    return torch.utils.data.DataLoader(
+        ds,
+        batch_size=data.batch_size,
+        num_workers=data.num_workers,
+        collate_fn=collate,
+        persistent_workers=False,
+    )
+
+
+def batches(stream: Iterable[dict], batch_size: int) -> Iterator[dict]:
+    """Group samples into batches: tensors stacked, captions listed, ``skipped`` summed."""
+    buf: list[dict] = []
+    for sample in stream:
+        buf.append(sample)
+        if len(buf) == batch_size:
+            yield collate(buf)
+            buf = []
