@@ -1,14 +1,15 @@
-"""``pipe.compile()`` (torch.compile, inductor): compile time vs per-step gain, per stage of the mid pipeline.
+"""``pipe.compile()`` (torch.compile, inductor): compile time vs per-step gain, per stage of the mid
+pipeline.
 
     python benchmarks/bench_compile.py            # prior, decoder and upsampler (~8 minutes here)
     python benchmarks/bench_compile.py --quick    # prior only (~2 minutes)
 
-For each stage: the first call of the compiled pipeline (compilation + one run) with an empty inductor
-cache ("cold", a fresh temporary TORCHINDUCTOR_CACHE_DIR) and again after ``torch._dynamo.reset()`` with
-the cache filled ("warm", what a second process would pay); then eager vs compiled stage calls in
-alternating rounds, medians over ``--repeats`` (speedup: median of per-round ratios); break-even =
-compile overhead ÷ per-step saving, in steps; and the max abs difference of the compiled stage's output
-from eager's.
+For each stage: the first call of the compiled pipeline (compilation + one run) with an empty
+inductor cache ("cold", a fresh temporary TORCHINDUCTOR_CACHE_DIR) and again after
+``torch._dynamo.reset()`` with the cache filled ("warm", what a second process would pay); then
+eager vs compiled stage calls in alternating rounds, medians over ``--repeats`` (speedup: median of
+per-round ratios); break-even = compile overhead ÷ per-step saving, in steps; and the max abs
+difference of the compiled stage's output from eager's.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """Random model configurations for the benchmarks (tiny / small / mid), all built offline.
 
 ``mid_pipeline()`` is the sampling benchmark's side-by-side model: shaped so diffusers' (deprecated)
-``UnCLIPPipeline`` can load it through :func:`unclip.interop.diffusers.export_diffusers` — text width equals the
-CLIP embedding size, raw (un-normalised) CLIP embeddings, a learned-variance decoder, exactly one
-upsampler without noise-level conditioning — and sampled with the ``unclip`` sampler at diffusers'
-default steps and guidance (prior 25 steps × guidance 4, decoder 25 × 8, super-res 7 × 1).
+``UnCLIPPipeline`` can load it through :func:`unclip.interop.diffusers.export_diffusers` — text
+width equals the CLIP embedding size, raw (un-normalised) CLIP embeddings, a learned-variance
+decoder, exactly one upsampler without noise-level conditioning — and sampled with the ``unclip``
+sampler at diffusers' default steps and guidance (prior 25 steps × guidance 4, decoder 25 × 8,
+super-res 7 × 1).
 """
 
 from __future__ import annotations
 
 import torch
 
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPPipeline
@@ -114,12 +115,12 @@ DIFFUSERS_SAMPLING = {
 }
 
 
-def clip_model(size: str) -> FrozenCLIP:
+def clip_model(size: str) -> CLIP:
     c = SIZES[size]["clip"]
     heads = max(1, c["width"] // 64)
     cfg = tiny_clip_config(**c)
     cfg["text_cfg"]["heads"] = heads
-    return FrozenCLIP.from_config(ClipConfig(f"bench-{size}", model_cfg=cfg))
+    return CLIP.from_config(ClipConfig(f"bench-{size}", model_cfg=cfg))
 
 
 def _perturb(*modules, seed: int = 0) -> None:

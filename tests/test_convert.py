@@ -1,9 +1,12 @@
-"""Karlo/diffusers interop: tiny random diffusers unCLIP folders built offline, loaded, converted, exported.
+"""Karlo/diffusers interop: tiny random diffusers unCLIP folders built offline, loaded, converted,
+exported.
 
 The reference is diffusers' own (deprecated) ``UnCLIPPipeline``: same seed → same images (max abs
 difference <= 1e-4), loading directly, through ``unclip convert`` and back through an export.
 """
 
+# most imports follow the transformers skip below
+# ruff: noqa: E402
 from __future__ import annotations
 
 import json
@@ -14,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# the imports below need transformers: skip the module without it
 transformers = pytest.importorskip("transformers")
 
 from diffusers import (
     PriorTransformer,
-    UnCLIPImageVariationPipeline,  # noqa: E402
+    UnCLIPImageVariationPipeline,
     UnCLIPScheduler,
     UNet2DConditionModel,
     UNet2DModel,
@@ -26,21 +30,22 @@ from diffusers import (
 from diffusers import (
     UnCLIPPipeline as DiffusersUnCLIP,
 )
-from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
+from safetensors.torch import load_file, save_file
 from transformers import (
     CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModelWithProjection,
-    CLIPTokenizer,  # noqa: E402
+    CLIPTokenizer,
     CLIPVisionConfig,
     CLIPVisionModelWithProjection,
 )
 
-from unclip.interop.clip import bpe_vocab  # noqa: E402
-from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip, main  # noqa: E402
-from unclip.pipeline import UnCLIPPipeline  # noqa: E402
-from unclip.tiny import tiny_pipeline  # noqa: E402
+from unclip.cli.convert import main
+from unclip.interop.clip import bpe_vocab
+from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip
+from unclip.pipeline import UnCLIPPipeline
+from unclip.tiny import tiny_pipeline
 
 L, W, D = 16, 32, 32  # context length, text width, CLIP embedding size
 STEPS = 3
@@ -52,12 +57,13 @@ PROBES = PROMPTS + [
 SAMPLING = {"prior": {"steps": STEPS}, "decoder": {"steps": STEPS}, "upsamplers": {"steps": STEPS}}
 
 
-# ------------------------------------------------------------------------------------------ fixtures
+# ----------------------------------------------------------------------------------------- fixtures
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random offsets on every parameter, so swapped/transposed/zero-initialised weights are visible."""
+    """Random offsets on every parameter, so swapped/transposed/zero-initialised weights are
+    visible."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -93,7 +99,8 @@ def _super_res(seed: int) -> UNet2DModel:
 
 
 def build_diffusers(root: Path, variations: bool = False):
-    """A Karlo-shaped diffusers unCLIP pipeline with tiny random weights, saved to ``root`` (Karlo's layout)."""
+    """A Karlo-shaped diffusers unCLIP pipeline with tiny random weights, saved to ``root`` (Karlo's
+    layout)."""
     torch.manual_seed(0)
     text_encoder = _perturb(
         CLIPTextModelWithProjection(
@@ -340,7 +347,7 @@ def test_text_to_image_clip_refuses_to_embed_images(loaded):
         pipe.clip.encode_image(torch.zeros(1, 3, 32, 32))
 
 
-# ------------------------------------------------------------------------------------------ bad input
+# ---------------------------------------------------------------------------------------- bad input
 def test_missing_component_folder(folder):
     shutil.rmtree(folder / "super_res_last")
     with pytest.raises(ValueError, match="super_res_last: component folder .* is missing"):
@@ -440,7 +447,7 @@ def test_pickle_weights_are_refused(folder):
         load_diffusers_unclip(folder)
 
 
-# ------------------------------------------------------------------------------------------ export errors, CLI
+# ------------------------------------------------------------------------------- export errors, CLI
 def test_export_refuses_what_diffusers_cannot_express(tmp_path):
     pipe = tiny_pipeline(
         clip_kwargs=dict(width=48),  # text width 48 != CLIP embedding 32, two upsamplers, ...

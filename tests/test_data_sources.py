@@ -1,5 +1,5 @@
-"""Training data sources: folder, webdataset and embedding streams — determinism, exact resume, rank and
-worker splits, bad-sample skipping and counting, DataLoader integration."""
+"""Training data sources: folder, webdataset and embedding streams — determinism, exact resume, rank
+and worker splits, bad-sample skipping and counting, DataLoader integration."""
 
 import functools
 import io
@@ -106,7 +106,8 @@ def test_folder_samples_have_contract_format_and_are_deterministic(clean_folder)
         and float(s["image"].min()) < -0.5
     )
     assert isinstance(s["caption"], str) and s["skipped"] == 0
-    # epoch 0 visits every image once, epoch 1 in a different order; another seed gives another order
+    # epoch 0 visits every image once, epoch 1 in a different order; another seed gives another
+    # order
     assert len({x["caption"] for x in a[:10]}) == 10
     assert [x["caption"] for x in a[:10]] != [x["caption"] for x in a[10:20]]
     c = take(FolderStream(clean_folder, R, seed=4, rank=0, world_size=1), 10)
@@ -329,8 +330,8 @@ def test_embeddings_one_epoch_reads_every_good_row_and_counts_bad_ones(emb_dir):
     assert s["image_embed"].dtype == torch.float32 and s["image_embed"].shape == (8,)
     epoch = got[:15]
     assert len({x["caption"] for x in epoch}) == 15
-    # the 3 bad rows of epoch 0 are counted on the sample after them (the 16th if they close the epoch);
-    # the 16th may also count bad rows that open epoch 1
+    # the 3 bad rows of epoch 0 are counted on the sample after them (the 16th if they close the
+    # epoch); the 16th may also count bad rows that open epoch 1
     assert sum(x["skipped"] for x in epoch) <= 3 <= sum(x["skipped"] for x in got) <= 6
     for x in epoch:  # values are the stored rows
         i, j = (int(v) for v in x["caption"].split()[1::2])
@@ -352,7 +353,8 @@ def test_embeddings_deterministic_resume_and_rank_split(emb_dir):
             a[start:],
             take(EmbeddingStream(emb_dir, seed=2, rank=0, world_size=1, start=start), 40 - start),
         )
-    # ranks: one epoch is 18 rows in 3 shards, 3 of them bad; split positions r, r+3, ... of the epoch order
+    # ranks: one epoch is 18 rows in 3 shards, 3 of them bad; split positions r, r+3, ... of the
+    # epoch order
     caps = []
     for r in range(3):
         stream = EmbeddingStream(emb_dir, seed=2, rank=r, world_size=3)
