@@ -108,29 +108,26 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(_CACHE, ignore_errors=True)
     result["rows"] = rows
-    result["wall_seconds"] = time.perf_counter() - started
-    path = common.write_json("bench_compile", result)
-    print(f"machine: {common.machine_line(result['machine'])}")
-    print(
-        common.table(
-            rows,
-            [
-                ("stage", "stage"),
-                ("steps", "steps"),
-                ("eager s", "eager_s"),
-                ("compiled s", "compiled_s"),
-                ("speedup", "speedup"),
-                ("first call, cold cache s", "first_call_cold_s"),
-                ("first call, warm cache s", "first_call_warm_cache_s"),
-                ("break-even steps (cold)", "break_even_steps_cold"),
-                ("break-even steps (warm)", "break_even_steps_warm"),
-                ("max abs diff", "max_abs_diff"),
-            ],
-            f"torch.compile on the mid model (median of {args.repeats}, 1 image)",
-        )
+    return common.finish("bench_compile", result, started, report)
+
+
+def report(r: dict) -> str:
+    columns = [
+        ("stage", "stage"),
+        ("steps", "steps"),
+        ("eager s", "eager_s"),
+        ("compiled s", "compiled_s"),
+        ("speedup", "speedup"),
+        ("first call, cold cache s", "first_call_cold_s"),
+        ("first call, warm cache s", "first_call_warm_cache_s"),
+        ("break-even steps (cold)", "break_even_steps_cold"),
+        ("break-even steps (warm)", "break_even_steps_warm"),
+        ("max abs diff", "max_abs_diff"),
+    ]
+    title = f"torch.compile on the mid model (median of {r['args']['repeats']}, 1 image)"
+    return f"machine: {common.machine_line(r['machine'])}\n" + common.table(
+        r["rows"], columns, title
     )
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
-    return 0
 
 
 if __name__ == "__main__":

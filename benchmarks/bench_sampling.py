@@ -287,9 +287,8 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     b = pipe.upsample(
         small + 1e-5 * torch.randn(small.shape, generator=g()), g(), sampling, progress=False
     )
-    equal["sr_gain_for_1e-5_input_change"] = (
-        float((a - b).abs().max()) / 2 / 1e-5
-    )  # [0, 1] image units
+    # in [0, 1] image units
+    equal["sr_gain_for_1e-5_input_change"] = float((a - b).abs().max()) / 2 / 1e-5
     med = {k: medians(v) for k, v in runs.items()}
     ratio = {
         s: common.paired_ratio([x[s] for x in runs["unclip"]], [x[s] for x in runs["diffusers"]])
@@ -518,16 +517,7 @@ def verify_work_done_once(
         progress=False,
     )
     b = len(PROMPTS)
-    null = pipe.null_text(b)
-    both = TextEncoding(
-        *(
-            torch.cat([x, y])
-            for x, y in zip(
-                (null.text_embed, null.text_tokens, null.text_mask),
-                (text.text_embed, text.text_tokens, text.text_mask),
-            )
-        )
-    )
+    both = TextEncoding.cat([pipe.null_text(b), text])
     e2 = torch.cat([embeds[:b], embeds[:b]])
     drop = torch.arange(2 * b) < b
     cond = pipe.decoder.condition(e2, both, drop)
@@ -558,16 +548,7 @@ def thread_check(
 ) -> dict:
     """One guided decoder forward pass at the configured thread count vs twice as many threads."""
     b = len(text)
-    null = pipe.null_text(b)
-    both = TextEncoding(
-        *(
-            torch.cat([x, y])
-            for x, y in zip(
-                (null.text_embed, null.text_tokens, null.text_mask),
-                (text.text_embed, text.text_tokens, text.text_mask),
-            )
-        )
-    )
+    both = TextEncoding.cat([pipe.null_text(b), text])
     cond = pipe.decoder.condition(torch.cat([embeds, embeds]), both, torch.arange(2 * b) < b)
     size = pipe.decoder.config.sample_size
     x = torch.randn(2 * b, 3, size, size)
@@ -607,16 +588,7 @@ def bench_end_to_end_bf16(args, pipe: UnCLIPPipeline) -> dict:
     out = p(PROMPTS, generator=g(), sampling=sampling, output_type="pt", progress=False).images
     text = pipe.encode_text(PROMPTS)
     x = torch.randn(2, 3, 64, 64, generator=g())
-    null = pipe.null_text(1)
-    both = TextEncoding(
-        *(
-            torch.cat([a, b])
-            for a, b in zip(
-                (null.text_embed, null.text_tokens, null.text_mask),
-                (text.text_embed, text.text_tokens, text.text_mask),
-            )
-        )
-    )
+    both = TextEncoding.cat([pipe.null_text(len(text)), text])
     cond = pipe.decoder.condition(torch.randn(2, pipe.clip.embed_dim, generator=g()), both)
     with torch.no_grad():
         a = pipe.decoder(x, torch.tensor(500), cond=cond)
@@ -679,11 +651,7 @@ def main(argv=None) -> int:
     if "options" not in args.skip:
         result["options"] = bench_options(args, pipe)
         result["bf16_end_to_end"] = bench_end_to_end_bf16(args, pipe)
-    result["wall_seconds"] = time.perf_counter() - started
-    path = common.write_json("bench_sampling", result)
-    print(report(result))
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
-    return 0
+    return common.finish("bench_sampling", result, started, report)
 
 
 def report(r: dict) -> str:

@@ -329,11 +329,7 @@ def main(argv=None) -> int:
         ],
         key=lambda r: r["resolution"],
     )
-    result["wall_seconds"] = time.perf_counter() - started
-    path = common.write_json("bench_training", result)
-    print(report(result))
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
-    return 0
+    return common.finish("bench_training", result, started, report)
 
 
 def report(r: dict) -> str:

@@ -204,6 +204,16 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def finish(name: str, result: dict, started: float, report) -> int:
+    """Record the wall time since ``started``, write ``result`` as ``results/<name>.json`` and print
+    ``report(result)`` and where the JSON went; returns the exit status 0."""
+    result["wall_seconds"] = time.perf_counter() - started
+    path = write_json(name, result)
+    print(report(result))
+    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
+    return 0
+
+
 def table(rows: list[dict], columns: list[tuple[str, str]], title: str = "") -> str:
     """A GitHub-markdown table (printed to the console and pasted into the README)."""
     head = "| " + " | ".join(h for h, _ in columns) + " |"

@@ -18,6 +18,10 @@ from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPPipeline
 from unclip.prior import UnCLIPPrior
 
+# the three-level decoder UNet: attention below the full resolution
+DOWN_3 = ("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D")
+UP_3 = ("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D")
+
 # name → (clip kwargs, prior kwargs, decoder kwargs, upsampler kwargs)
 SIZES = {
     "tiny": dict(
@@ -51,16 +55,8 @@ SIZES = {
             sample_size=32,
             block_out_channels=(32, 64, 128),
             layers_per_block=2,
-            down_block_types=(
-                "ResnetDownsampleBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-            ),
-            up_block_types=(
-                "SimpleCrossAttnUpBlock2D",
-                "SimpleCrossAttnUpBlock2D",
-                "ResnetUpsampleBlock2D",
-            ),
+            down_block_types=DOWN_3,
+            up_block_types=UP_3,
             attention_head_dim=32,
             norm_num_groups=16,
         ),
@@ -81,16 +77,8 @@ SIZES = {
             sample_size=64,
             block_out_channels=(64, 128, 256),
             layers_per_block=1,
-            down_block_types=(
-                "ResnetDownsampleBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-            ),
-            up_block_types=(
-                "SimpleCrossAttnUpBlock2D",
-                "SimpleCrossAttnUpBlock2D",
-                "ResnetUpsampleBlock2D",
-            ),
+            down_block_types=DOWN_3,
+            up_block_types=UP_3,
             mid_block_type="UNetMidBlock2DSimpleCrossAttn",
             attention_head_dim=64,
             norm_num_groups=32,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unclip.clip import CLIP, tiny_clip_config
+from unclip.clip import CLIP, TextEncoding, tiny_clip_config
 from unclip.config import ClipConfig
 
 
@@ -155,3 +155,17 @@ def test_frozen_clip_and_the_private_loaders_are_other_names_of_the_public_ones(
     assert clip_module._load_pretrained is clip_module.load_pretrained_weights
     model = clip_module.build_open_clip_model(tiny_clip_config())
     assert isinstance(model, torch.nn.Module) and model.token_embedding.weight.requires_grad
+
+
+def test_text_encodings_concatenate_row_wise(tiny_clip):
+    a = tiny_clip.encode_text(["a red circle"])
+    b = tiny_clip.encode_text(["a blue square", "a green triangle"])
+    both = TextEncoding.cat([a, b])
+    assert len(both) == 3
+    for got, parts in (
+        (both.text_embed, (a.text_embed, b.text_embed)),
+        (both.text_tokens, (a.text_tokens, b.text_tokens)),
+        (both.text_mask, (a.text_mask, b.text_mask)),
+    ):
+        assert torch.equal(got[:1], parts[0]) and torch.equal(got[1:], parts[1])
+    assert torch.equal(both[2].text_embed, b[1].text_embed)

@@ -5,7 +5,6 @@ The reference is diffusers' own (deprecated) ``UnCLIPPipeline``: same seed → s
 difference <= 1e-4), loading directly, through ``unclip convert`` and back through an export.
 """
 
-# most imports follow the transformers skip below
 # ruff: noqa: E402
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ from transformers import (
 
 from unclip.cli.convert import main
 from unclip.interop.clip import bpe_vocab
-from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip
+from unclip.interop.diffusers import convert, export_diffusers, load_diffusers_unclip
 from unclip.pipeline import UnCLIPPipeline
 from unclip.tiny import tiny_pipeline
 
@@ -276,9 +275,8 @@ def test_tokenizer_and_text_encoder_match_transformers(karlo, loaded):
         assert text.text_mask.tolist() == enc.attention_mask.bool().tolist(), probe
         with torch.no_grad():
             ref = dpipe.text_encoder(enc.input_ids)
-        torch.testing.assert_close(
-            text.text_embed, ref.text_embeds, atol=1e-5, rtol=1e-5
-        )  # raw, not normalised
+        # raw, not normalised
+        torch.testing.assert_close(text.text_embed, ref.text_embeds, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(text.text_tokens, ref.last_hidden_state, atol=1e-5, rtol=1e-5)
 
 
@@ -307,9 +305,7 @@ def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):
     root, _ = karlo  # diffusers folder → unclip → diffusers folder
     assert main([str(root), str(tmp_path / "exported"), "--to", "diffusers"]) == 0
     assert "wrote diffusers UnCLIPPipeline" in capsys.readouterr().out
-    exported = DiffusersUnCLIP.from_pretrained(
-        str(tmp_path / "exported")
-    )  # diffusers' own loader, no help
+    exported = DiffusersUnCLIP.from_pretrained(str(tmp_path / "exported"))  # diffusers' own loader
     exported.set_progress_bar_config(disable=True)
     assert exported.prior_scheduler.config.clip_sample_range == 5.0
     assert exported.decoder_scheduler.config.variance_type == "learned_range"
@@ -492,9 +488,25 @@ def test_cli_errors(karlo, tmp_path, capsys):
         main([str(karlo[0]), str(tmp_path / "busy")])
     assert "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "busy" / "file").read_text() == "keep"
-    with pytest.raises(
-        SystemExit
-    ):  # a native unclip folder cannot be exported: this one normalises embeddings
+    # a native unclip folder cannot be exported: this one normalises embeddings
+    with pytest.raises(SystemExit):
         tiny_pipeline().save_pretrained(tmp_path / "native")
         main([str(tmp_path / "native"), str(tmp_path / "out"), "--to", "diffusers"])
     assert "cannot export" in capsys.readouterr().err
+
+
+def test_convert_library_call_checks_its_arguments(karlo, tmp_path):
+    with pytest.raises(ValueError, match="to must be 'unclip' or 'diffusers'"):
+        convert(karlo[0], tmp_path / "x", to="karlo")
+    with pytest.raises(FileNotFoundError, match="source folder not found"):
+        convert(tmp_path / "missing", tmp_path / "x")
+    with pytest.raises(ValueError, match="must differ"):
+        convert(karlo[0], karlo[0], overwrite=True)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("keep")
+    with pytest.raises(ValueError, match="--overwrite"):
+        convert(karlo[0], tmp_path / "busy")
+    pipe = convert(karlo[0], tmp_path / "busy", overwrite=True)
+    assert (tmp_path / "busy" / "file").read_text() == "keep"
+    again = UnCLIPPipeline.from_pretrained(tmp_path / "busy")
+    assert again.stage_names == pipe.stage_names

@@ -103,6 +103,12 @@ class TextEncoding:
     def __getitem__(self, idx) -> TextEncoding:
         return TextEncoding(self.text_embed[idx], self.text_tokens[idx], self.text_mask[idx])
 
+    @staticmethod
+    def cat(encodings: Sequence[TextEncoding]) -> TextEncoding:
+        """The rows of ``encodings`` one after another (e.g. ``[uncond; cond]`` for guidance)."""
+        fields = ("text_embed", "text_tokens", "text_mask")
+        return TextEncoding(*(torch.cat([getattr(e, f) for e in encodings]) for f in fields))
+
 
 def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> list[str]:
     """Normalise ``prompt`` to a non-empty list of strings or raise a clear error."""

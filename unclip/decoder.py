@@ -60,8 +60,6 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
     learns to ignore it; sqrt(D) gives unit-scale components.
     """
 
-    config_name = "config.json"
-
     @register_to_config
     def __init__(
         self,
@@ -189,8 +187,6 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
     ``low_res_up`` is the (corrupted, noised) low-res image already upsampled to ``H×W``.
     """
 
-    config_name = "config.json"
-
     @register_to_config
     def __init__(
         self,
@@ -231,9 +227,8 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
 
         self.unet = make()
         self.final_unet = make() if final_step_model else None
-        if (
-            noise_level_conditioning
-        ):  # sinusoidal features of the noise level → MLP, added to the time embedding
+        if noise_level_conditioning:
+            # sinusoidal features of the noise level → MLP, added to the time embedding
             self.noise_level_proj = Timesteps(
                 block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0
             )

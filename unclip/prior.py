@@ -27,8 +27,6 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
     space)."""
 
-    config_name = "config.json"
-
     @register_to_config
     def __init__(
         self,

@@ -211,94 +211,74 @@ def check_tokenizer(folder: Path, context_length: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- weights
-def _layers_from_transformers(sd: dict, src: str, dst: str, n: int, out: dict) -> None:
-    for i in range(n):
-        s, d = f"{src}.encoder.layers.{i}.", f"{dst}.resblocks.{i}."
-        for kind in ("weight", "bias"):
-            out[f"{d}attn.in_proj_{kind}"] = torch.cat(
-                [sd[f"{s}self_attn.{p}_proj.{kind}"] for p in "qkv"]
-            )
-            for a, b in (
-                ("self_attn.out_proj", "attn.out_proj"),
-                ("layer_norm1", "ln_1"),
-                ("layer_norm2", "ln_2"),
-                ("mlp.fc1", "mlp.c_fc"),
-                ("mlp.fc2", "mlp.c_proj"),
-            ):
-                out[f"{d}{b}.{kind}"] = sd[f"{s}{a}.{kind}"]
+# (transformers name, open_clip name, stored transposed) of the weights outside the layers
+_TEXT_NAMES = [
+    ("text_model.embeddings.token_embedding.weight", "token_embedding.weight", False),
+    ("text_model.embeddings.position_embedding.weight", "positional_embedding", False),
+    ("text_model.final_layer_norm.weight", "ln_final.weight", False),
+    ("text_model.final_layer_norm.bias", "ln_final.bias", False),
+    ("text_projection.weight", "text_projection", True),
+]
+_VISION_NAMES = [
+    ("vision_model.embeddings.class_embedding", "visual.class_embedding", False),
+    ("vision_model.embeddings.patch_embedding.weight", "visual.conv1.weight", False),
+    ("vision_model.embeddings.position_embedding.weight", "visual.positional_embedding", False),
+    ("visual_projection.weight", "visual.proj", True),
+] + [
+    (f"vision_model.{a}.{kind}", f"visual.{b}.{kind}", False)
+    for a, b in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post"))
+    for kind in ("weight", "bias")
+]
+# per-layer parts other than the attention input projection (q, k, v apart vs fused)
+_LAYER_PARTS = (
+    ("self_attn.out_proj", "attn.out_proj"),
+    ("layer_norm1", "ln_1"),
+    ("layer_norm2", "ln_2"),
+    ("mlp.fc1", "mlp.c_fc"),
+    ("mlp.fc2", "mlp.c_proj"),
+)
 
 
-def _layers_to_transformers(sd: dict, src: str, dst: str, n: int, out: dict) -> None:
-    for i in range(n):
-        s, d = f"{src}.resblocks.{i}.", f"{dst}.encoder.layers.{i}."
+def _map_state(sd: dict, names: list, hf: str, oc: str, layers: int, to_transformers: bool) -> dict:
+    """Rename a tower's weights between transformers (``hf`` prefix) and open_clip (``oc``)."""
+    out = {}
+    for h, o, transposed in names:
+        src, dst = (o, h) if to_transformers else (h, o)
+        out[dst] = sd[src].t().contiguous() if transposed else sd[src]
+    for i in range(layers):
+        h, o = f"{hf}.encoder.layers.{i}.", f"{oc}.resblocks.{i}."
         for kind in ("weight", "bias"):
-            for p, chunk in zip("qkv", sd[f"{s}attn.in_proj_{kind}"].chunk(3)):
-                out[f"{d}self_attn.{p}_proj.{kind}"] = chunk.clone()
-            for a, b in (
-                ("self_attn.out_proj", "attn.out_proj"),
-                ("layer_norm1", "ln_1"),
-                ("layer_norm2", "ln_2"),
-                ("mlp.fc1", "mlp.c_fc"),
-                ("mlp.fc2", "mlp.c_proj"),
-            ):
-                out[f"{d}{a}.{kind}"] = sd[f"{s}{b}.{kind}"]
+            fused = f"{o}attn.in_proj_{kind}"
+            split = [f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"]
+            if to_transformers:
+                for name, chunk in zip(split, sd[fused].chunk(3)):
+                    out[name] = chunk.clone()
+            else:
+                out[fused] = torch.cat([sd[name] for name in split])
+            for a, b in _LAYER_PARTS:
+                src, dst = (o + b, h + a) if to_transformers else (h + a, o + b)
+                out[f"{dst}.{kind}"] = sd[f"{src}.{kind}"]
+    return out
 
 
 def text_state_from_transformers(sd: dict, layers: int) -> dict:
-    t = "text_model."
-    out = {
-        "token_embedding.weight": sd[t + "embeddings.token_embedding.weight"],
-        "positional_embedding": sd[t + "embeddings.position_embedding.weight"],
-        "ln_final.weight": sd[t + "final_layer_norm.weight"],
-        "ln_final.bias": sd[t + "final_layer_norm.bias"],
-        "text_projection": sd["text_projection.weight"].t().contiguous(),
-    }
-    _layers_from_transformers(sd, "text_model", "transformer", layers, out)
-    return out
+    """``CLIPTextModelWithProjection`` weights → open_clip text-tower weights (``CLIP`` naming)."""
+    return _map_state(sd, _TEXT_NAMES, "text_model", "transformer", layers, False)
 
 
 def text_state_to_transformers(sd: dict, layers: int) -> dict:
     """open_clip text-tower weights (``CLIP`` naming) → ``CLIPTextModelWithProjection`` weights."""
-    t = "text_model."
-    out = {
-        t + "embeddings.token_embedding.weight": sd["token_embedding.weight"],
-        t + "embeddings.position_embedding.weight": sd["positional_embedding"],
-        t + "final_layer_norm.weight": sd["ln_final.weight"],
-        t + "final_layer_norm.bias": sd["ln_final.bias"],
-        "text_projection.weight": sd["text_projection"].t().contiguous(),
-    }
-    _layers_to_transformers(sd, "transformer", "text_model", layers, out)
-    return out
+    return _map_state(sd, _TEXT_NAMES, "text_model", "transformer", layers, True)
 
 
 def vision_state_from_transformers(sd: dict, layers: int) -> dict:
-    v = "vision_model."
-    out = {
-        "visual.class_embedding": sd[v + "embeddings.class_embedding"],
-        "visual.conv1.weight": sd[v + "embeddings.patch_embedding.weight"],
-        "visual.positional_embedding": sd[v + "embeddings.position_embedding.weight"],
-        "visual.proj": sd["visual_projection.weight"].t().contiguous(),
-    }
-    for a, b in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post")):
-        for kind in ("weight", "bias"):
-            out[f"visual.{b}.{kind}"] = sd[f"{v}{a}.{kind}"]
-    _layers_from_transformers(sd, "vision_model", "visual.transformer", layers, out)
-    return out
+    """``CLIPVisionModelWithProjection`` weights → open_clip vision-tower weights."""
+    return _map_state(sd, _VISION_NAMES, "vision_model", "visual.transformer", layers, False)
 
 
 def vision_state_to_transformers(sd: dict, layers: int) -> dict:
-    v = "vision_model."
-    out = {
-        v + "embeddings.class_embedding": sd["visual.class_embedding"],
-        v + "embeddings.patch_embedding.weight": sd["visual.conv1.weight"],
-        v + "embeddings.position_embedding.weight": sd["visual.positional_embedding"],
-        "visual_projection.weight": sd["visual.proj"].t().contiguous(),
-    }
-    for a, b in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post")):
-        for kind in ("weight", "bias"):
-            out[f"{v}{a}.{kind}"] = sd[f"visual.{b}.{kind}"]
-    _layers_to_transformers(sd, "visual.transformer", "vision_model", layers, out)
-    return out
+    """open_clip vision-tower weights → ``CLIPVisionModelWithProjection`` weights."""
+    return _map_state(sd, _VISION_NAMES, "vision_model", "visual.transformer", layers, True)
 
 
 # ---------------------------------------------------------------------------------------- configs

@@ -216,19 +216,26 @@ def _read_index(root: Path) -> tuple[str, set]:
     return kind, present
 
 
-def _load_prior(root: Path, clip) -> UnCLIPPrior:
-    cfg = _with_defaults(PriorTransformer, read_json(root / "prior" / "config.json", "prior"))
-    dim, ctx = int(cfg["embedding_dim"]), int(cfg["num_embeddings"])
+def _check_clip_widths(component: str, key: str, dim: int, clip, why: str) -> None:
+    """``dim`` (the component's config ``key``) must be both the CLIP embedding size and the text
+    width; ``why`` ends the message when the text width differs."""
     if dim != clip.embed_dim:
         raise ValueError(
-            f"prior: config embedding_dim = {dim} but the text_encoder projection_dim is "
+            f"{component}: config {key} = {dim} but the text_encoder projection_dim is "
             f"{clip.embed_dim}"
         )
     if clip.text_width != dim:
         raise ValueError(
-            f"prior: config embedding_dim = {dim} but the text_encoder hidden_size is "
-            f"{clip.text_width}; diffusers' prior consumes the text states at the embedding width"
+            f"{component}: config {key} = {dim} but the text_encoder hidden_size is "
+            f"{clip.text_width}{why}"
         )
+
+
+def _load_prior(root: Path, clip) -> UnCLIPPrior:
+    cfg = _with_defaults(PriorTransformer, read_json(root / "prior" / "config.json", "prior"))
+    dim, ctx = int(cfg["embedding_dim"]), int(cfg["num_embeddings"])
+    why = "; diffusers' prior consumes the text states at the embedding width"
+    _check_clip_widths("prior", "embedding_dim", dim, clip, why)
     if ctx != clip.context_length:
         raise ValueError(
             f"prior: config num_embeddings = {ctx} but the text context length is "
@@ -259,16 +266,8 @@ def _load_decoder(root: Path, clip) -> UnCLIPDecoder:
         UnCLIPTextProjModel, read_json(root / "text_proj" / "config.json", "text_proj")
     )
     dim = int(tp["clip_embeddings_dim"])
-    if dim != clip.embed_dim:
-        raise ValueError(
-            f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder projection_dim is "
-            f"{clip.embed_dim}"
-        )
-    if clip.text_width != dim:
-        raise ValueError(
-            f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder hidden_size is "
-            f"{clip.text_width} (diffusers projects the text states with a {dim}-wide layer)"
-        )
+    why = f" (diffusers projects the text states with a {dim}-wide layer)"
+    _check_clip_widths("text_proj", "clip_embeddings_dim", dim, clip, why)
     if cfg["out_channels"] not in (3, 6) or cfg["in_channels"] != 3:
         raise ValueError(
             f"decoder: config in_channels/out_channels = "

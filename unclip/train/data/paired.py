@@ -205,7 +205,25 @@ def _once(signature: tuple, check) -> None:
         _CHECKED.add(signature)
 
 
-class PairedWebDatasetStream(WebDatasetStream):
+class _Paired:
+    """What both paired streams add to their image stream: the embedding table's row of each
+    sample."""
+
+    table: EmbeddingTable
+
+    def describe(self) -> str:
+        return f"{super().describe()} paired with embeddings {self.table.path}"
+
+    def _with_row(self, image, caption: str, shard: int, key: str, source) -> tuple:
+        where = f"{self.table.path}: shard {shard} ({source})"
+        return image, caption, self.table.row(shard, key, caption, where)
+
+    def _sample(self, value) -> dict:
+        image, caption, embeds = value
+        return {**super()._sample((image, caption)), **embeds}
+
+
+class PairedWebDatasetStream(_Paired, WebDatasetStream):
     """:class:`WebDatasetStream` samples plus ``image_embed``/``text_embed``/``key`` from the
     embedding shard of each sample's tar (module doc). Same arguments plus ``embeddings``: the
     ``unclip embed`` folder."""
@@ -227,9 +245,6 @@ class PairedWebDatasetStream(WebDatasetStream):
             ),
         )
         _once(sig, self._check_pairing)
-
-    def describe(self) -> str:
-        return f"{super().describe()} paired with embeddings {self.table.path}"
 
     def _check_pairing(self) -> None:
         t, n = self.table, len(self.urls)
@@ -294,18 +309,10 @@ class PairedWebDatasetStream(WebDatasetStream):
                 f"{self.describe()}: sample {key!r} comes from {url!r}, which is not one of the "
                 "shards"
             )
-        return (
-            image,
-            caption,
-            self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({url})"),
-        )
-
-    def _sample(self, value) -> dict:
-        image, caption, embeds = value
-        return {**super()._sample((image, caption)), **embeds}
+        return self._with_row(image, caption, shard, key, url)
 
 
-class PairedFolderStream(FolderStream):
+class PairedFolderStream(_Paired, FolderStream):
     """:class:`FolderStream` samples plus ``image_embed``/``text_embed``/``key`` from the embedding
     row whose key is the image's path relative to the folder without its suffix (module doc)."""
 
@@ -318,9 +325,6 @@ class PairedFolderStream(FolderStream):
         self._first_keys, self._first_shards = [k for k, _ in firsts], [i for _, i in firsts]
         sig = ("folder", str(self.path), tuple(str(f) for f in self.files), self.table.signature())
         _once(sig, self._check_pairing)
-
-    def describe(self) -> str:
-        return f"{super().describe()} paired with embeddings {self.table.path}"
 
     def key_of(self, file: Path) -> str:
         return file.relative_to(self.path).with_suffix("").as_posix()
@@ -361,15 +365,7 @@ class PairedFolderStream(FolderStream):
         if shard is None:  # name the shard whose key range should have held it
             k = bisect_right(self._first_keys, key) - 1
             shard = self._first_shards[max(k, 0)] if self._first_shards else self.table.shards[0]
-        return (
-            image,
-            caption,
-            self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({file})"),
-        )
-
-    def _sample(self, value) -> dict:
-        image, caption, embeds = value
-        return {**super()._sample((image, caption)), **embeds}
+        return self._with_row(image, caption, shard, key, file)
 
 
 def paired_stream(data, resolution: int, **kw):
