@@ -87,17 +87,14 @@ class TextEncoding:
         )
 
     def to(self, *args, **kwargs) -> TextEncoding:
+        """Embeddings and token states as ``Tensor.to(*args, **kwargs)``; the boolean mask only
+        follows a device move."""
+        positional = args[0] if args and not isinstance(args[0], torch.dtype) else None
+        device = kwargs.get("device", self.text_mask.device if positional is None else positional)
         return TextEncoding(
             self.text_embed.to(*args, **kwargs),
             self.text_tokens.to(*args, **kwargs),
-            self.text_mask.to(
-                kwargs.get(
-                    "device",
-                    args[0]
-                    if args and not isinstance(args[0], torch.dtype)
-                    else self.text_mask.device,
-                )
-            ),
+            self.text_mask.to(device),
         )
 
     def __getitem__(self, idx) -> TextEncoding:
@@ -129,7 +126,8 @@ def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> li
 
 
 def build_open_clip_model(model_cfg: dict) -> torch.nn.Module:
-    """A randomly initialised open_clip model (``CLIP`` or ``CustomTextCLIP``) for ``model_cfg``."""
+    """A randomly initialised open_clip model (its ``CLIP`` or ``CustomTextCLIP``) for
+    ``model_cfg``."""
     cfg = copy.deepcopy(model_cfg)
     custom_text = cfg.pop("custom_text", False) or "hf_model_name" in cfg.get("text_cfg", {})
     cfg.pop("preprocess_cfg", None)
