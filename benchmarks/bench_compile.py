@@ -1,14 +1,15 @@
-"""``pipe.compile()`` (torch.compile, inductor): compile time vs per-step gain, per stage of the mid pipeline.
+"""``pipe.compile()`` (torch.compile, inductor): compile time vs per-step gain, per stage of the mid
+pipeline.
 
     python benchmarks/bench_compile.py            # prior, decoder and upsampler (~8 minutes here)
     python benchmarks/bench_compile.py --quick    # prior only (~2 minutes)
 
-For each stage: the first call of the compiled pipeline (compilation + one run) with an empty inductor
-cache ("cold", a fresh temporary TORCHINDUCTOR_CACHE_DIR) and again after ``torch._dynamo.reset()`` with
-the cache filled ("warm", what a second process would pay); then eager vs compiled stage calls in
-alternating rounds, medians over ``--repeats`` (speedup: median of per-round ratios); break-even =
-compile overhead ÷ per-step saving, in steps; and the max abs difference of the compiled stage's output
-from eager's.
+For each stage: the first call of the compiled pipeline (compilation + one run) with an empty
+inductor cache ("cold", a fresh temporary TORCHINDUCTOR_CACHE_DIR) and again after
+``torch._dynamo.reset()`` with the cache filled ("warm", what a second process would pay); then
+eager vs compiled stage calls in alternating rounds, medians over ``--repeats`` (speedup: median of
+per-round ratios); break-even = compile overhead ÷ per-step saving, in steps; and the max abs
+difference of the compiled stage's output from eager's.
 """
 
 from __future__ import annotations
@@ -107,29 +108,26 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(_CACHE, ignore_errors=True)
     result["rows"] = rows
-    result["wall_seconds"] = time.perf_counter() - started
-    path = common.write_json("bench_compile", result)
-    print(f"machine: {common.machine_line(result['machine'])}")
-    print(
-        common.table(
-            rows,
-            [
-                ("stage", "stage"),
-                ("steps", "steps"),
-                ("eager s", "eager_s"),
-                ("compiled s", "compiled_s"),
-                ("speedup", "speedup"),
-                ("first call, cold cache s", "first_call_cold_s"),
-                ("first call, warm cache s", "first_call_warm_cache_s"),
-                ("break-even steps (cold)", "break_even_steps_cold"),
-                ("break-even steps (warm)", "break_even_steps_warm"),
-                ("max abs diff", "max_abs_diff"),
-            ],
-            f"torch.compile on the mid model (median of {args.repeats}, 1 image)",
-        )
+    return common.finish("bench_compile", result, started, report)
+
+
+def report(r: dict) -> str:
+    columns = [
+        ("stage", "stage"),
+        ("steps", "steps"),
+        ("eager s", "eager_s"),
+        ("compiled s", "compiled_s"),
+        ("speedup", "speedup"),
+        ("first call, cold cache s", "first_call_cold_s"),
+        ("first call, warm cache s", "first_call_warm_cache_s"),
+        ("break-even steps (cold)", "break_even_steps_cold"),
+        ("break-even steps (warm)", "break_even_steps_warm"),
+        ("max abs diff", "max_abs_diff"),
+    ]
+    title = f"torch.compile on the mid model (median of {r['args']['repeats']}, 1 image)"
+    return f"machine: {common.machine_line(r['machine'])}\n" + common.table(
+        r["rows"], columns, title
     )
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
-    return 0
 
 
 if __name__ == "__main__":

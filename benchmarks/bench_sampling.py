@@ -1,5 +1,5 @@
-"""Sampling speed: seconds per image per stage and end to end, unclip vs diffusers on the same weights,
-and the measured effect of each speed option.
+"""Sampling speed: seconds per image per stage and end to end, unclip vs diffusers on the same
+weights, and the measured effect of each speed option.
 
     python benchmarks/bench_sampling.py            # full run (a few minutes)
     python benchmarks/bench_sampling.py --quick    # ~2 minutes: fewer steps
@@ -8,17 +8,19 @@ Sections (all in one process, so every ratio is measured side by side in the sam
 
 1. bundled model (``unclip/models/shapes``) if installed: unclip per stage at its default settings.
 2. mid-size random pipeline (benchmarks/models.py) vs diffusers' ``UnCLIPPipeline`` loaded from
-   :func:`unclip.interop.diffusers.export_diffusers` of the same weights: same prompts, same seed, diffusers'
-   default steps and guidance; stage boundaries come from forward pre-hooks (first decoder call, first
-   super-res call), identically for both. Equal outputs: max abs difference per stage.
+   :func:`unclip.interop.diffusers.export_diffusers` of the same weights: same prompts, same seed,
+   diffusers' default steps and guidance; stage boundaries come from forward pre-hooks (first
+   decoder call, first super-res call), identically for both. Equal outputs: max abs difference per
+   stage.
 3. speed options on the mid pipeline, stage by stage, default vs alternative: SDPA vs the classic
    attention processors, guided/unguided passes batched vs two passes, conditioning once vs per
    step, channels-last, bf16 autocast, bf16 weights, 2 threads vs 1.
 
-Timing: variants run in rounds (A B C, then C B A, ...) after one untimed warm-up round; medians over
-``--repeats`` rounds (default 5, 3 with ``--quick``). Ratios are medians of the per-round ratios (each
-round's variants ran back to back, so a shift in the shared machine's load cancels); the ratio of the
-medians is in the JSON too. ``torch.compile`` is measured separately (benchmarks/bench_compile.py).
+Timing: variants run in rounds (A B C, then C B A, ...) after one untimed warm-up round; medians
+over ``--repeats`` rounds (default 5, 3 with ``--quick``). Ratios are medians of the per-round
+ratios (each round's variants ran back to back, so a shift in the shared machine's load cancels);
+the ratio of the medians is in the JSON too. ``torch.compile`` is measured separately
+(benchmarks/bench_compile.py).
 """
 
 from __future__ import annotations
@@ -56,12 +58,15 @@ def quiet():
         pass
 
 
-# ------------------------------------------------------------------------------------------ stage timing
+# ------------------------------------------------------------------------------------------ stage
+# timing
 class StageClock:
-    """Per-stage wall time of one pipeline call from forward pre-hooks on the first network of each stage.
+    """Per-stage wall time of one pipeline call from forward pre-hooks on the first network of each
+    stage.
 
-    ``boundaries``: ``[(stage_name, module)]`` for every stage after the first; a stage ends when the
-    next stage's network is called for the first time. The first stage (``first``) starts at the call.
+    ``boundaries``: ``[(stage_name, module)]`` for every stage after the first; a stage ends when
+    the next stage's network is called for the first time. The first stage (``first``) starts at the
+    call.
     """
 
     def __init__(self, first: str, boundaries: list[tuple[str, torch.nn.Module]]):
@@ -102,7 +107,8 @@ def unclip_clock(pipe: UnCLIPPipeline) -> StageClock:
 
 
 def run_rounds(fns: dict, repeats: int) -> dict[str, list]:
-    """``fns[name]() -> {stage: seconds}``; one warm-up round, then ``repeats`` rounds in alternating order."""
+    """``fns[name]() -> {stage: seconds}``; one warm-up round, then ``repeats`` rounds in
+    alternating order."""
     for fn in fns.values():
         fn()
     out = {k: [] for k in fns}
@@ -116,9 +122,11 @@ def medians(runs: list[dict]) -> dict[str, float]:
     return {k: common.median([r[k] for r in runs]) for k in runs[0]}
 
 
-# ------------------------------------------------------------------------------------------ 1. bundled
+# ------------------------------------------------------------------------------------------ 1.
+# bundled
 def bench_bundled(args) -> dict:
-    """The bundled (or ``--model``) trained pipeline: fp32 vs bf16 autocast / bf16 weights / channels-last."""
+    """The bundled (or ``--model``) trained pipeline: fp32 vs bf16 autocast / bf16 weights /
+    channels-last."""
     try:
         path = Path(args.model) if args.model else bundled_model_path("shapes")
     except FileNotFoundError as exc:
@@ -182,7 +190,8 @@ def bench_bundled(args) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------------ 2. vs diffusers
+# ------------------------------------------------------------------------------------------ 2. vs
+# diffusers
 def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     from diffusers import UnCLIPPipeline as DiffusersUnCLIP
 
@@ -270,16 +279,16 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
             ((ours.images * 255).round() != (captured["diffusers"] * 255).round()).sum()
         ),
     }
-    # context for the final difference: how much the super-res stage amplifies a 1e-5 change of its input
+    # context for the final difference: how much the super-res stage amplifies a 1e-5 change of its
+    # input
     small = ours.stage_images["decoder"]
     g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
     a = pipe.upsample(small, g(), sampling, progress=False)
     b = pipe.upsample(
         small + 1e-5 * torch.randn(small.shape, generator=g()), g(), sampling, progress=False
     )
-    equal["sr_gain_for_1e-5_input_change"] = (
-        float((a - b).abs().max()) / 2 / 1e-5
-    )  # [0, 1] image units
+    # in [0, 1] image units
+    equal["sr_gain_for_1e-5_input_change"] = float((a - b).abs().max()) / 2 / 1e-5
     med = {k: medians(v) for k, v in runs.items()}
     ratio = {
         s: common.paired_ratio([x[s] for x in runs["unclip"]], [x[s] for x in runs["diffusers"]])
@@ -295,13 +304,16 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
         "ratio_of_medians": ratio_of_medians,
         "equal_outputs": equal,
         "runs": runs,
-        "stage_boundaries": "prior = text encoding + prior loop (until the first decoder UNet call); decoder = "
-        "decoder conditioning + loop (until the first super-res UNet call); "
-        f"{sr} = super-res loop + output conversion",
+        "stage_boundaries": (
+            "prior = text encoding + prior loop (until the first decoder UNet call); decoder = "
+            "decoder conditioning + loop (until the first super-res UNet call); "
+            f"{sr} = super-res loop + output conversion"
+        ),
     }
 
 
-# ------------------------------------------------------------------------------------------ 3. options
+# ------------------------------------------------------------------------------------------ 3.
+# options
 @contextlib.contextmanager
 def threads(n):
     before = torch.get_num_threads()
@@ -323,7 +335,8 @@ def classic_attention(pipe: UnCLIPPipeline) -> UnCLIPPipeline:
 
 
 def two_pass_guidance(pipe: UnCLIPPipeline) -> UnCLIPPipeline:
-    """A copy whose prior and decoder run the [uncond; cond] batch as two separate forward passes."""
+    """A copy whose prior and decoder run the [uncond; cond] batch as two separate forward
+    passes."""
     p = copy.deepcopy(pipe)
     prior_fwd, dec_fwd = p.prior.forward, p.decoder.forward
 
@@ -341,8 +354,8 @@ def two_pass_guidance(pipe: UnCLIPPipeline) -> UnCLIPPipeline:
 
 
 def conditioning_per_step(pipe: UnCLIPPipeline) -> UnCLIPPipeline:
-    """A copy that recomputes the decoder conditioning (projections of image embedding and text tokens) at
-    every step, as a naive implementation would."""
+    """A copy that recomputes the decoder conditioning (projections of image embedding and text
+    tokens) at every step, as a naive implementation would."""
     p = copy.deepcopy(pipe)
     condition, dec_fwd, saved = p.decoder.condition, p.decoder.forward, {}
 
@@ -435,7 +448,7 @@ def bench_options(args, pipe: UnCLIPPipeline) -> dict:
         times = common.interleaved(fns, repeats, warmup=1)
         raw[stage] = times
         base = common.median(times["baseline"])
-        for name, kind, _, stages, _ in [("baseline", "default", None, (), None)] + variants:
+        for name, kind, _, _, _ in [("baseline", "default", None, (), None)] + variants:
             if name not in times:
                 continue
             t = common.median(times[name])
@@ -461,17 +474,19 @@ def bench_options(args, pipe: UnCLIPPipeline) -> dict:
         "raw_seconds": raw,
         "work_done_once": verify_work_done_once(pipe, text, embeds, repeats),
         "threads": thread_check(pipe, text, embeds, repeats),
-        "note": "speedup_vs_default > 1: the variant is faster than the default pipeline; stage outputs "
-        "compared with the default's from the same inputs (prior: embeddings, decoder/upsampler: images "
-        "in [-1, 1])",
+        "note": (
+            "speedup_vs_default > 1: the variant is faster than the default pipeline; stage "
+            "outputs compared with the default's from the same inputs (prior: embeddings, "
+            "decoder/upsampler: images in [-1, 1])"
+        ),
     }
 
 
 def verify_work_done_once(
     pipe: UnCLIPPipeline, text: TextEncoding, embeds: torch.Tensor, repeats: int
 ) -> dict:
-    """Count conditioning computations and network calls (with their batch sizes) in one pipeline call, and
-    time the decoder conditioning against one guided decoder forward pass."""
+    """Count conditioning computations and network calls (with their batch sizes) in one pipeline
+    call, and time the decoder conditioning against one guided decoder forward pass."""
     p = copy.deepcopy(pipe)
     calls = {"decoder.condition": 0, "clip.encode_text": 0}
     cond_fn, enc_fn = p.decoder.condition, p.clip.encode_text
@@ -502,16 +517,7 @@ def verify_work_done_once(
         progress=False,
     )
     b = len(PROMPTS)
-    null = pipe.null_text(b)
-    both = TextEncoding(
-        *(
-            torch.cat([x, y])
-            for x, y in zip(
-                (null.text_embed, null.text_tokens, null.text_mask),
-                (text.text_embed, text.text_tokens, text.text_mask),
-            )
-        )
-    )
+    both = TextEncoding.cat([pipe.null_text(b), text])
     e2 = torch.cat([embeds[:b], embeds[:b]])
     drop = torch.arange(2 * b) < b
     cond = pipe.decoder.condition(e2, both, drop)
@@ -542,16 +548,7 @@ def thread_check(
 ) -> dict:
     """One guided decoder forward pass at the configured thread count vs twice as many threads."""
     b = len(text)
-    null = pipe.null_text(b)
-    both = TextEncoding(
-        *(
-            torch.cat([x, y])
-            for x, y in zip(
-                (null.text_embed, null.text_tokens, null.text_mask),
-                (text.text_embed, text.text_tokens, text.text_mask),
-            )
-        )
-    )
+    both = TextEncoding.cat([pipe.null_text(b), text])
     cond = pipe.decoder.condition(torch.cat([embeds, embeds]), both, torch.arange(2 * b) < b)
     size = pipe.decoder.config.sample_size
     x = torch.randn(2 * b, 3, size, size)
@@ -578,7 +575,8 @@ def _with_threads(fn, k):
 
 
 def bench_end_to_end_bf16(args, pipe: UnCLIPPipeline) -> dict:
-    """End-to-end image difference of bf16 autocast vs fp32 (same seed), and the first-step error."""
+    """End-to-end image difference of bf16 autocast vs fp32 (same seed), and the first-step
+    error."""
     sampling = {
         "prior": {"steps": 10},
         "decoder": {"steps": 5 if args.quick else 10},
@@ -590,16 +588,7 @@ def bench_end_to_end_bf16(args, pipe: UnCLIPPipeline) -> dict:
     out = p(PROMPTS, generator=g(), sampling=sampling, output_type="pt", progress=False).images
     text = pipe.encode_text(PROMPTS)
     x = torch.randn(2, 3, 64, 64, generator=g())
-    null = pipe.null_text(1)
-    both = TextEncoding(
-        *(
-            torch.cat([a, b])
-            for a, b in zip(
-                (null.text_embed, null.text_tokens, null.text_mask),
-                (text.text_embed, text.text_tokens, text.text_mask),
-            )
-        )
-    )
+    both = TextEncoding.cat([pipe.null_text(len(text)), text])
     cond = pipe.decoder.condition(torch.randn(2, pipe.clip.embed_dim, generator=g()), both)
     with torch.no_grad():
         a = pipe.decoder(x, torch.tensor(500), cond=cond)
@@ -662,11 +651,7 @@ def main(argv=None) -> int:
     if "options" not in args.skip:
         result["options"] = bench_options(args, pipe)
         result["bf16_end_to_end"] = bench_end_to_end_bf16(args, pipe)
-    result["wall_seconds"] = time.perf_counter() - started
-    path = common.write_json("bench_sampling", result)
-    print(report(result))
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
-    return 0
+    return common.finish("bench_sampling", result, started, report)
 
 
 def report(r: dict) -> str:
@@ -746,15 +731,16 @@ def report(r: dict) -> str:
     if o is not None:
         w = o["work_done_once"]
         out.append(
-            f"work done once per call: {w['calls_per_pipeline_call']}; network batch sizes per step "
-            f"({w['prompts']} prompt(s)): {w['network_batch_sizes_per_step']}; decoder conditioning "
-            f"{w['decoder_condition_s'] * 1e3:.2f} ms = {w['condition_over_forward']:.2%} of one guided "
-            f"decoder forward ({w['decoder_guided_forward_s']:.3f} s)"
+            f"work done once per call: {w['calls_per_pipeline_call']}; network batch sizes per "
+            f"step ({w['prompts']} prompt(s)): {w['network_batch_sizes_per_step']}; decoder "
+            f"conditioning {w['decoder_condition_s'] * 1e3:.2f} ms = "
+            f"{w['condition_over_forward']:.2%} of one guided decoder forward "
+            f"({w['decoder_guided_forward_s']:.3f} s)"
         )
         t = o["threads"]
         out.append(
-            f"threads: one guided decoder forward {t['decoder_guided_forward_s']}; speedup of doubling the "
-            f"threads {t['speedup_of_more_threads']:.2f}"
+            f"threads: one guided decoder forward {t['decoder_guided_forward_s']}; speedup of "
+            f"doubling the threads {t['speedup_of_more_threads']:.2f}"
         )
     e = r.get("bf16_end_to_end")
     if e is not None:

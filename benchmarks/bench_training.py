@@ -1,22 +1,24 @@
-"""Training speed: samples/s per stage at tiny / small / mid sizes, FLOPs per sample, FLOP utilisation
-against this machine's measured matmul peak, peak memory, and how step time grows with batch and resolution.
+"""Training speed: samples/s per stage at tiny / small / mid sizes, FLOPs per sample, FLOP
+utilisation against this machine's measured matmul peak, peak memory, and how step time grows with
+batch and resolution.
 
     python benchmarks/bench_training.py            # full run (a few minutes)
-    python benchmarks/bench_training.py --quick    # ~2 minutes: fewer sizes in the sweep, fewer steps
+    python benchmarks/bench_training.py --quick    # ~2 minutes: fewer sizes in the sweep, fewer
+    steps
 
 One training step = the stage's real loss function (``unclip.train.prior.prior_loss``,
-``unclip.train.decoder.decoder_loss`` / ``upsampler_loss``: condition dropout, noising, frozen-CLIP text
-encoding, low-res corruption) + backward + gradient clipping + AdamW (decay / no-decay groups as in
-``TrainingRun``) + EMA update, fp32. Decoder batches carry precomputed CLIP image embeddings (as with
-``unclip embed`` shards); prior batches carry image embeddings; captions are encoded by the frozen CLIP
-inside the loss, as in training.
+``unclip.train.decoder.decoder_loss`` / ``upsampler_loss``: condition dropout, noising, frozen-CLIP
+text encoding, low-res corruption) + backward + gradient clipping + AdamW (decay / no-decay groups
+as in ``TrainingRun``) + EMA update, fp32. Decoder batches carry precomputed CLIP image embeddings
+(as with ``unclip embed`` shards); prior batches carry image embeddings; captions are encoded by the
+frozen CLIP inside the loss, as in training.
 
 Each configuration runs in its own forked process (imports shared, no compute before the fork):
-peak memory is ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of that process — reported as the peak and
-as the increase over the process's high-water mark after the model, optimizer and batch were built
-(activations, gradients, AdamW/EMA state and allocator caching). FLOPs come from
-``torch.utils.flop_counter.FlopCounterMode`` over one extra step (forward + backward; CPU SDPA kernels
-added, which the stock counter misses); utilisation = achieved FLOP/s ÷ the fp32 matmul peak
+peak memory is ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of that process — reported as the peak
+and as the increase over the process's high-water mark after the model, optimizer and batch were
+built (activations, gradients, AdamW/EMA state and allocator caching). FLOPs come from
+``torch.utils.flop_counter.FlopCounterMode`` over one extra step (forward + backward; CPU SDPA
+kernels added, which the stock counter misses); utilisation = achieved FLOP/s ÷ the fp32 matmul peak
 (median TFLOP/s of 2048×2048 matmuls) measured in the same run at the same thread count.
 """
 
@@ -296,7 +298,8 @@ def main(argv=None) -> int:
     rows = []
     for s in specs:
         common.log(
-            f"[training] {s['stage']} {s['size']} batch {s['batch']} res {s['resolution'] or 'native'}"
+            f"[training] {s['stage']} {s['size']} batch {s['batch']} res "
+            f"{s['resolution'] or 'native'}"
         )
         rows.append(run_child(s))
     peaks.append(run_child({"stage": "peak", "threads": args.threads}))
@@ -326,23 +329,22 @@ def main(argv=None) -> int:
         ],
         key=lambda r: r["resolution"],
     )
-    result["wall_seconds"] = time.perf_counter() - started
-    path = common.write_json("bench_training", result)
-    print(report(result))
-    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
-    return 0
+    return common.finish("bench_training", result, started, report)
 
 
 def report(r: dict) -> str:
     p = r["matmul_peak_tflops"]
     out = [
         f"machine: {common.machine_line(r['machine'])}",
-        f"matmul peak (2048², median, {r['machine']['threads']} thread(s)): fp32 {p['fp32'] * 1e3:.1f} GFLOP/s, "
-        f"bf16 {p['bf16'] * 1e3:.1f} GFLOP/s (bf16/fp32 = {p['bf16'] / p['fp32']:.2f}); fp32 measured next to "
-        f"each configuration: median {p['fp32_adjacent_median'] * 1e3:.1f} GFLOP/s",
-        f"conv peak (3×3, 256 ch, oneDNN): fp32 {p['conv_fp32'] * 1e3:.1f} GFLOP/s, bf16 {p['conv_bf16'] * 1e3:.1f} "
-        f"GFLOP/s; fp32 next to each configuration: median {p['conv_fp32_adjacent_median'] * 1e3:.1f} GFLOP/s",
-        "utilisation columns use the fp32 peaks measured in the same process just before the configuration",
+        f"matmul peak (2048², median, {r['machine']['threads']} thread(s)): fp32 "
+        f"{p['fp32'] * 1e3:.1f} GFLOP/s, bf16 {p['bf16'] * 1e3:.1f} GFLOP/s (bf16/fp32 = "
+        f"{p['bf16'] / p['fp32']:.2f}); fp32 measured next to each configuration: median "
+        f"{p['fp32_adjacent_median'] * 1e3:.1f} GFLOP/s",
+        f"conv peak (3×3, 256 ch, oneDNN): fp32 {p['conv_fp32'] * 1e3:.1f} GFLOP/s, bf16 "
+        f"{p['conv_bf16'] * 1e3:.1f} GFLOP/s; fp32 next to each configuration: median "
+        f"{p['conv_fp32_adjacent_median'] * 1e3:.1f} GFLOP/s",
+        "utilisation columns use the fp32 peaks measured in the same process just before the "
+        "configuration",
     ]
     cols = [
         ("stage", "stage"),

@@ -1,6 +1,7 @@
 """Shared helpers for the benchmark scripts: machine description, timing, configs, JSON output.
 
-Not part of the library; imported by ``benchmarks/bench_*.py`` (run as ``python benchmarks/<name>.py``).
+Not part of the library; imported by ``benchmarks/bench_*.py`` (run as ``python
+benchmarks/<name>.py``).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def machine() -> dict:
 def machine_line(m: dict) -> str:
     return (
         f"{m.get('cpu')} ({m.get('cpus')} vCPU, {m.get('threads')} torch threads; "
-        f"{', '.join(m.get('isa', []))}), torch {m.get('torch')}, diffusers {m.get('diffusers', '-')}, "
-        f"load average at start {m.get('loadavg_at_start')}"
+        f"{', '.join(m.get('isa', []))}), torch {m.get('torch')}, diffusers "
+        f"{m.get('diffusers', '-')}, load average at start {m.get('loadavg_at_start')}"
     )
 
 
@@ -106,10 +107,11 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 def interleaved(
     variants: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
 ) -> dict[str, list[float]]:
-    """Time each variant ``repeats`` times in rounds (A B C, then C B A, ...) after ``warmup`` untimed rounds.
+    """Time each variant ``repeats`` times in rounds (A B C, then C B A, ...) after ``warmup``
+    untimed rounds.
 
-    Interleaving makes slow drifts of a shared machine's load hit every variant alike, and alternating
-    the order within rounds cancels any advantage of running first or last in a round.
+    Interleaving makes slow drifts of a shared machine's load hit every variant alike, and
+    alternating the order within rounds cancels any advantage of running first or last in a round.
     """
     for _ in range(warmup):
         for fn in variants.values():
@@ -127,8 +129,9 @@ def rounds_order(names: list, i: int) -> list:
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> dict:
-    """Median achieved TFLOP/s of ``n×n @ n×n`` matmuls in ``dtype`` (2·n³ FLOPs each), and the share of
-    one CPU per thread the process got meanwhile (below 1: other processes took the rest)."""
+    """Median achieved TFLOP/s of ``n×n @ n×n`` matmuls in ``dtype`` (2·n³ FLOPs each), and the
+    share of one CPU per thread the process got meanwhile (below 1: other processes took the
+    rest)."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     a @ b
@@ -150,8 +153,8 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> dict:
 
 
 def flop_counter():
-    """``FlopCounterMode`` that also counts PyTorch's CPU SDPA kernels (the stock table only knows the
-    CUDA flash/efficient/cuDNN ones, so attention on CPU would count as zero)."""
+    """``FlopCounterMode`` that also counts PyTorch's CPU SDPA kernels (the stock table only knows
+    the CUDA flash/efficient/cuDNN ones, so attention on CPU would count as zero)."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
     aten = torch.ops.aten
@@ -172,8 +175,9 @@ def flop_counter():
 
 
 def conv_peak(dtype: torch.dtype = torch.float32, repeats: int = 7) -> dict:
-    """Median achieved TFLOP/s of a 3×3 convolution 256→256 channels on ``[8, 256, 32, 32]`` (oneDNN),
-    a second reference: on AMD CPUs MKL's fp32 GEMM runs well below oneDNN's AVX-512 convolutions."""
+    """Median achieved TFLOP/s of a 3×3 convolution 256→256 channels on ``[8, 256, 32, 32]``
+    (oneDNN), a second reference: on AMD CPUs MKL's fp32 GEMM runs well below oneDNN's AVX-512
+    convolutions."""
     x = torch.randn(8, 256, 32, 32).to(dtype)
     w = torch.randn(256, 256, 3, 3).to(dtype)
     flops = 2 * 8 * 256 * 256 * 9 * 32 * 32
@@ -200,6 +204,16 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def finish(name: str, result: dict, started: float, report) -> int:
+    """Record the wall time since ``started``, write ``result`` as ``results/<name>.json`` and print
+    ``report(result)`` and where the JSON went; returns the exit status 0."""
+    result["wall_seconds"] = time.perf_counter() - started
+    path = write_json(name, result)
+    print(report(result))
+    print(f"\nwrote {path} ({result['wall_seconds']:.0f} s)")
+    return 0
+
+
 def table(rows: list[dict], columns: list[tuple[str, str]], title: str = "") -> str:
     """A GitHub-markdown table (printed to the console and pasted into the README)."""
     head = "| " + " | ".join(h for h, _ in columns) + " |"
@@ -222,9 +236,10 @@ def log(*args):
 
 
 def stage_runners(pipe, prompts: list, steps: dict):
-    """``(sampling, stage_fn, inputs)`` for timing each stage alone: the stage inputs ``inputs`` (text
-    encoding, image embeddings, base images) are computed once with seed 0, and ``stage_fn(p, stage)`` returns a
-    zero-argument callable that runs ``stage`` (``prior``/``decoder``/``upsampler``) of pipeline ``p``."""
+    """``(sampling, stage_fn, inputs)`` for timing each stage alone: the stage inputs ``inputs``
+    (text encoding, image embeddings, base images) are computed once with seed 0, and ``stage_fn(p,
+    stage)`` returns a zero-argument callable that runs ``stage``
+    (``prior``/``decoder``/``upsampler``) of pipeline ``p``."""
     sampling = {
         "prior": {"steps": steps["prior"]},
         "decoder": {"steps": steps["decoder"]},

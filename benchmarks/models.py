@@ -1,21 +1,26 @@
 """Random model configurations for the benchmarks (tiny / small / mid), all built offline.
 
 ``mid_pipeline()`` is the sampling benchmark's side-by-side model: shaped so diffusers' (deprecated)
-``UnCLIPPipeline`` can load it through :func:`unclip.interop.diffusers.export_diffusers` — text width equals the
-CLIP embedding size, raw (un-normalised) CLIP embeddings, a learned-variance decoder, exactly one
-upsampler without noise-level conditioning — and sampled with the ``unclip`` sampler at diffusers'
-default steps and guidance (prior 25 steps × guidance 4, decoder 25 × 8, super-res 7 × 1).
+``UnCLIPPipeline`` can load it through :func:`unclip.interop.diffusers.export_diffusers` — text
+width equals the CLIP embedding size, raw (un-normalised) CLIP embeddings, a learned-variance
+decoder, exactly one upsampler without noise-level conditioning — and sampled with the ``unclip``
+sampler at diffusers' default steps and guidance (prior 25 steps × guidance 4, decoder 25 × 8,
+super-res 7 × 1).
 """
 
 from __future__ import annotations
 
 import torch
 
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPPipeline
 from unclip.prior import UnCLIPPrior
+
+# the three-level decoder UNet: attention below the full resolution
+DOWN_3 = ("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D")
+UP_3 = ("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D")
 
 # name → (clip kwargs, prior kwargs, decoder kwargs, upsampler kwargs)
 SIZES = {
@@ -50,16 +55,8 @@ SIZES = {
             sample_size=32,
             block_out_channels=(32, 64, 128),
             layers_per_block=2,
-            down_block_types=(
-                "ResnetDownsampleBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-            ),
-            up_block_types=(
-                "SimpleCrossAttnUpBlock2D",
-                "SimpleCrossAttnUpBlock2D",
-                "ResnetUpsampleBlock2D",
-            ),
+            down_block_types=DOWN_3,
+            up_block_types=UP_3,
             attention_head_dim=32,
             norm_num_groups=16,
         ),
@@ -80,16 +77,8 @@ SIZES = {
             sample_size=64,
             block_out_channels=(64, 128, 256),
             layers_per_block=1,
-            down_block_types=(
-                "ResnetDownsampleBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-                "SimpleCrossAttnDownBlock2D",
-            ),
-            up_block_types=(
-                "SimpleCrossAttnUpBlock2D",
-                "SimpleCrossAttnUpBlock2D",
-                "ResnetUpsampleBlock2D",
-            ),
+            down_block_types=DOWN_3,
+            up_block_types=UP_3,
             mid_block_type="UNetMidBlock2DSimpleCrossAttn",
             attention_head_dim=64,
             norm_num_groups=32,
@@ -114,12 +103,12 @@ DIFFUSERS_SAMPLING = {
 }
 
 
-def clip_model(size: str) -> FrozenCLIP:
+def clip_model(size: str) -> CLIP:
     c = SIZES[size]["clip"]
     heads = max(1, c["width"] // 64)
     cfg = tiny_clip_config(**c)
     cfg["text_cfg"]["heads"] = heads
-    return FrozenCLIP.from_config(ClipConfig(f"bench-{size}", model_cfg=cfg))
+    return CLIP.from_config(ClipConfig(f"bench-{size}", model_cfg=cfg))
 
 
 def _perturb(*modules, seed: int = 0) -> None:

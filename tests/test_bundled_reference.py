@@ -1,8 +1,8 @@
 """The bundled model's images for fixed seeds and settings are the ones recorded in
-``tests/data/bundled_reference.png`` (two prompts side by side, 128 px, through prior, reranked decoder
-candidates and both upsamplers). Restructuring the package or the sampling code must not change what
-users get; a deliberate change of the model or the sampler re-records the file with the script in this
-module's ``record()``."""
+``tests/data/bundled_reference.png`` (two prompts side by side, 128 px, through prior, reranked
+decoder candidates and both upsamplers). Restructuring the package or the sampling code must not
+change what users get; a deliberate change of the model or the sampler re-records the file with the
+script in this module's ``record()``."""
 
 from pathlib import Path
 

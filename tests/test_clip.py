@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, TextEncoding, tiny_clip_config
 from unclip.config import ClipConfig
 
 
@@ -72,21 +72,19 @@ def test_bad_inputs(tiny_clip):
 def test_missing_local_weights_names_file(tmp_path):
     missing = tmp_path / "weights" / "clip.safetensors"
     with pytest.raises(FileNotFoundError, match=str(missing)):
-        FrozenCLIP.from_config(
-            ClipConfig("tiny", pretrained=str(missing), model_cfg=tiny_clip_config())
-        )
+        CLIP.from_config(ClipConfig("tiny", pretrained=str(missing), model_cfg=tiny_clip_config()))
     with pytest.raises(ValueError, match="unknown open_clip model name"):
-        FrozenCLIP.from_config(ClipConfig("not-a-model"))
+        CLIP.from_config(ClipConfig("not-a-model"))
 
 
 def test_save_load_and_local_weights_file(tiny_clip, tmp_path):
     tiny_clip.save_pretrained(tmp_path / "clip")
-    again = FrozenCLIP.from_pretrained(tmp_path / "clip")
+    again = CLIP.from_pretrained(tmp_path / "clip")
     a = tiny_clip.encode_text(["a purple square"])
     b = again.encode_text(["a purple square"])
     assert torch.equal(a.text_embed, b.text_embed) and torch.equal(a.text_tokens, b.text_tokens)
     # the same weights as `clip.pretrained` (a local file) in a config
-    c = FrozenCLIP.from_config(
+    c = CLIP.from_config(
         ClipConfig(
             "tiny",
             pretrained=str(tmp_path / "clip" / "model.safetensors"),
@@ -97,7 +95,7 @@ def test_save_load_and_local_weights_file(tiny_clip, tmp_path):
     assert not any(p.requires_grad for p in again.parameters())
     (tmp_path / "clip" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        FrozenCLIP.from_pretrained(tmp_path / "clip")
+        CLIP.from_pretrained(tmp_path / "clip")
 
 
 def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exactly(
@@ -129,7 +127,7 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
         tmp_path / "closed" / "model.safetensors"
     ).stat().st_size < full_size - 0.9 * table_bytes
 
-    closed = FrozenCLIP.from_pretrained(tmp_path / "closed")
+    closed = CLIP.from_pretrained(tmp_path / "closed")
     a, b = tiny_clip.encode_text(captions), closed.encode_text(captions)
     assert torch.equal(a.text_embed, b.text_embed) and torch.equal(a.text_tokens, b.text_tokens)
     images = torch.rand(3, 3, 32, 32) * 2 - 1
@@ -147,3 +145,27 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
     ).stat().st_size
     with pytest.raises(ValueError, match="keep_tokens must be a non-empty set of token ids"):
         tiny_clip.save_pretrained(tmp_path / "bad", keep_tokens=[5, 49408])
+
+
+def test_frozen_clip_and_the_private_loaders_are_other_names_of_the_public_ones():
+    import unclip.clip as clip_module
+
+    assert clip_module.FrozenCLIP is CLIP
+    assert clip_module._build_model is clip_module.build_open_clip_model
+    assert clip_module._load_pretrained is clip_module.load_pretrained_weights
+    model = clip_module.build_open_clip_model(tiny_clip_config())
+    assert isinstance(model, torch.nn.Module) and model.token_embedding.weight.requires_grad
+
+
+def test_text_encodings_concatenate_row_wise(tiny_clip):
+    a = tiny_clip.encode_text(["a red circle"])
+    b = tiny_clip.encode_text(["a blue square", "a green triangle"])
+    both = TextEncoding.cat([a, b])
+    assert len(both) == 3
+    for got, parts in (
+        (both.text_embed, (a.text_embed, b.text_embed)),
+        (both.text_tokens, (a.text_tokens, b.text_tokens)),
+        (both.text_mask, (a.text_mask, b.text_mask)),
+    ):
+        assert torch.equal(got[:1], parts[0]) and torch.equal(got[1:], parts[1])
+    assert torch.equal(both[2].text_embed, b[1].text_embed)

@@ -1,9 +1,11 @@
-"""Karlo/diffusers interop: tiny random diffusers unCLIP folders built offline, loaded, converted, exported.
+"""Karlo/diffusers interop: tiny random diffusers unCLIP folders built offline, loaded, converted,
+exported.
 
 The reference is diffusers' own (deprecated) ``UnCLIPPipeline``: same seed → same images (max abs
 difference <= 1e-4), loading directly, through ``unclip convert`` and back through an export.
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
 
 import json
@@ -14,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# the imports below need transformers: skip the module without it
 transformers = pytest.importorskip("transformers")
 
 from diffusers import (
     PriorTransformer,
-    UnCLIPImageVariationPipeline,  # noqa: E402
+    UnCLIPImageVariationPipeline,
     UnCLIPScheduler,
     UNet2DConditionModel,
     UNet2DModel,
@@ -26,21 +29,22 @@ from diffusers import (
 from diffusers import (
     UnCLIPPipeline as DiffusersUnCLIP,
 )
-from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
+from safetensors.torch import load_file, save_file
 from transformers import (
     CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModelWithProjection,
-    CLIPTokenizer,  # noqa: E402
+    CLIPTokenizer,
     CLIPVisionConfig,
     CLIPVisionModelWithProjection,
 )
 
-from unclip.interop.clip import bpe_vocab  # noqa: E402
-from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip, main  # noqa: E402
-from unclip.pipeline import UnCLIPPipeline  # noqa: E402
-from unclip.tiny import tiny_pipeline  # noqa: E402
+from unclip.cli.convert import main
+from unclip.interop.clip import bpe_vocab
+from unclip.interop.diffusers import convert, export_diffusers, load_diffusers_unclip
+from unclip.pipeline import UnCLIPPipeline
+from unclip.tiny import tiny_pipeline
 
 L, W, D = 16, 32, 32  # context length, text width, CLIP embedding size
 STEPS = 3
@@ -52,12 +56,13 @@ PROBES = PROMPTS + [
 SAMPLING = {"prior": {"steps": STEPS}, "decoder": {"steps": STEPS}, "upsamplers": {"steps": STEPS}}
 
 
-# ------------------------------------------------------------------------------------------ fixtures
+# ----------------------------------------------------------------------------------------- fixtures
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random offsets on every parameter, so swapped/transposed/zero-initialised weights are visible."""
+    """Random offsets on every parameter, so swapped/transposed/zero-initialised weights are
+    visible."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -93,7 +98,8 @@ def _super_res(seed: int) -> UNet2DModel:
 
 
 def build_diffusers(root: Path, variations: bool = False):
-    """A Karlo-shaped diffusers unCLIP pipeline with tiny random weights, saved to ``root`` (Karlo's layout)."""
+    """A Karlo-shaped diffusers unCLIP pipeline with tiny random weights, saved to ``root`` (Karlo's
+    layout)."""
     torch.manual_seed(0)
     text_encoder = _perturb(
         CLIPTextModelWithProjection(
@@ -269,9 +275,8 @@ def test_tokenizer_and_text_encoder_match_transformers(karlo, loaded):
         assert text.text_mask.tolist() == enc.attention_mask.bool().tolist(), probe
         with torch.no_grad():
             ref = dpipe.text_encoder(enc.input_ids)
-        torch.testing.assert_close(
-            text.text_embed, ref.text_embeds, atol=1e-5, rtol=1e-5
-        )  # raw, not normalised
+        # raw, not normalised
+        torch.testing.assert_close(text.text_embed, ref.text_embeds, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(text.text_tokens, ref.last_hidden_state, atol=1e-5, rtol=1e-5)
 
 
@@ -300,9 +305,7 @@ def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):
     root, _ = karlo  # diffusers folder → unclip → diffusers folder
     assert main([str(root), str(tmp_path / "exported"), "--to", "diffusers"]) == 0
     assert "wrote diffusers UnCLIPPipeline" in capsys.readouterr().out
-    exported = DiffusersUnCLIP.from_pretrained(
-        str(tmp_path / "exported")
-    )  # diffusers' own loader, no help
+    exported = DiffusersUnCLIP.from_pretrained(str(tmp_path / "exported"))  # diffusers' own loader
     exported.set_progress_bar_config(disable=True)
     assert exported.prior_scheduler.config.clip_sample_range == 5.0
     assert exported.decoder_scheduler.config.variance_type == "learned_range"
@@ -340,7 +343,7 @@ def test_text_to_image_clip_refuses_to_embed_images(loaded):
         pipe.clip.encode_image(torch.zeros(1, 3, 32, 32))
 
 
-# ------------------------------------------------------------------------------------------ bad input
+# ---------------------------------------------------------------------------------------- bad input
 def test_missing_component_folder(folder):
     shutil.rmtree(folder / "super_res_last")
     with pytest.raises(ValueError, match="super_res_last: component folder .* is missing"):
@@ -440,7 +443,7 @@ def test_pickle_weights_are_refused(folder):
         load_diffusers_unclip(folder)
 
 
-# ------------------------------------------------------------------------------------------ export errors, CLI
+# ------------------------------------------------------------------------------- export errors, CLI
 def test_export_refuses_what_diffusers_cannot_express(tmp_path):
     pipe = tiny_pipeline(
         clip_kwargs=dict(width=48),  # text width 48 != CLIP embedding 32, two upsamplers, ...
@@ -485,9 +488,25 @@ def test_cli_errors(karlo, tmp_path, capsys):
         main([str(karlo[0]), str(tmp_path / "busy")])
     assert "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "busy" / "file").read_text() == "keep"
-    with pytest.raises(
-        SystemExit
-    ):  # a native unclip folder cannot be exported: this one normalises embeddings
+    # a native unclip folder cannot be exported: this one normalises embeddings
+    with pytest.raises(SystemExit):
         tiny_pipeline().save_pretrained(tmp_path / "native")
         main([str(tmp_path / "native"), str(tmp_path / "out"), "--to", "diffusers"])
     assert "cannot export" in capsys.readouterr().err
+
+
+def test_convert_library_call_checks_its_arguments(karlo, tmp_path):
+    with pytest.raises(ValueError, match="to must be 'unclip' or 'diffusers'"):
+        convert(karlo[0], tmp_path / "x", to="karlo")
+    with pytest.raises(FileNotFoundError, match="source folder not found"):
+        convert(tmp_path / "missing", tmp_path / "x")
+    with pytest.raises(ValueError, match="must differ"):
+        convert(karlo[0], karlo[0], overwrite=True)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("keep")
+    with pytest.raises(ValueError, match="--overwrite"):
+        convert(karlo[0], tmp_path / "busy")
+    pipe = convert(karlo[0], tmp_path / "busy", overwrite=True)
+    assert (tmp_path / "busy" / "file").read_text() == "keep"
+    again = UnCLIPPipeline.from_pretrained(tmp_path / "busy")
+    assert again.stage_names == pipe.stage_names

@@ -1,5 +1,5 @@
-"""Training data sources: folder, webdataset and embedding streams — determinism, exact resume, rank and
-worker splits, bad-sample skipping and counting, DataLoader integration."""
+"""Training data sources: folder, webdataset and embedding streams — determinism, exact resume, rank
+and worker splits, bad-sample skipping and counting, DataLoader integration."""
 
 import functools
 import io
@@ -106,7 +106,8 @@ def test_folder_samples_have_contract_format_and_are_deterministic(clean_folder)
         and float(s["image"].min()) < -0.5
     )
     assert isinstance(s["caption"], str) and s["skipped"] == 0
-    # epoch 0 visits every image once, epoch 1 in a different order; another seed gives another order
+    # epoch 0 visits every image once, epoch 1 in a different order; another seed gives another
+    # order
     assert len({x["caption"] for x in a[:10]}) == 10
     assert [x["caption"] for x in a[:10]] != [x["caption"] for x in a[10:20]]
     c = take(FolderStream(clean_folder, R, seed=4, rank=0, world_size=1), 10)
@@ -161,8 +162,18 @@ def test_folder_wide_image_is_resized_on_shorter_side_and_centre_cropped(dirty_f
 
 def test_folder_without_images_is_a_clear_error(tmp_path):
     (tmp_path / "a.txt").write_text("caption without image")
-    with pytest.raises(ValueError, match=str(tmp_path)):
+    with pytest.raises(ValueError, match=str(tmp_path)) as err:
         FolderStream(tmp_path, R, seed=0, rank=0, world_size=1)
+    assert "holds no images" in str(err.value) and "same-stem .txt captions" in str(err.value)
+    with pytest.raises(ValueError, match="does not exist or is not a directory"):
+        FolderStream(tmp_path / "missing", R, seed=0, rank=0, world_size=1)
+
+
+def test_folder_reads_every_image_type_the_library_lists(tmp_path):
+    Image.new("RGB", (R, R), (0, 0, 255)).save(tmp_path / "a.bmp")
+    (tmp_path / "a.txt").write_text("a blue bitmap")
+    (sample,) = take(FolderStream(tmp_path, R, seed=0, rank=0, world_size=1), 1)
+    assert sample["caption"] == "a blue bitmap" and float(sample["image"][2].min()) == 1.0
 
 
 def test_folder_all_bad_raises_instead_of_looping(tmp_path):
@@ -229,9 +240,8 @@ def test_webdataset_rank_and_worker_split_is_disjoint_and_covers(shards):
         for w in range(2)
     ]
     assert set().union(*parts) == everything and sum(map(len, parts)) == 24
-    assert set(parts[0]) | set(parts[1]) == set(
-        by_rank[0]
-    )  # rank 0's workers together hold rank 0's shards
+    # rank 0's workers together hold rank 0's shards
+    assert set(parts[0]) | set(parts[1]) == set(by_rank[0])
 
 
 def test_webdataset_url_forms_agree(shards):
@@ -269,10 +279,8 @@ def corrupt_shard(tmp_path_factory):
         _add(tar, "k3.jpg", good), _add(tar, "k3.json", b"{}")  # no caption
         _add(tar, "k4.jpg", good), _add(tar, "k4.txt", b"good four")
         _add(tar, "k5.png", good), _add(tar, "k5.txt", b"  ")  # empty caption
-        (
-            _add(tar, "k6.webp", good),
-            _add(tar, "k6.txt", b"good six"),
-        )  # wrong extension, still decodable
+        # wrong extension, still decodable
+        _add(tar, "k6.webp", good), _add(tar, "k6.txt", b"good six")
         _add(tar, "k7.txt", b"caption without an image")
     return path
 
@@ -291,9 +299,8 @@ def test_webdataset_truncated_shard_does_not_kill_the_stream(shards, tmp_path):
     data = (shards / "00000.tar").read_bytes()
     (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2 + 100])
     got = take(wds([str(tmp_path / "cut.tar"), str(shards / "00001.tar")], shuffle_buffer=0), 12)
-    assert (
-        len({sig(x) for x in got}) >= 7
-    )  # all of the good shard plus what was readable of the cut one
+    # all of the good shard plus what was readable of the cut one
+    assert len({sig(x) for x in got}) >= 7
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,8 +336,8 @@ def test_embeddings_one_epoch_reads_every_good_row_and_counts_bad_ones(emb_dir):
     assert s["image_embed"].dtype == torch.float32 and s["image_embed"].shape == (8,)
     epoch = got[:15]
     assert len({x["caption"] for x in epoch}) == 15
-    # the 3 bad rows of epoch 0 are counted on the sample after them (the 16th if they close the epoch);
-    # the 16th may also count bad rows that open epoch 1
+    # the 3 bad rows of epoch 0 are counted on the sample after them (the 16th if they close the
+    # epoch); the 16th may also count bad rows that open epoch 1
     assert sum(x["skipped"] for x in epoch) <= 3 <= sum(x["skipped"] for x in got) <= 6
     for x in epoch:  # values are the stored rows
         i, j = (int(v) for v in x["caption"].split()[1::2])
@@ -352,7 +359,8 @@ def test_embeddings_deterministic_resume_and_rank_split(emb_dir):
             a[start:],
             take(EmbeddingStream(emb_dir, seed=2, rank=0, world_size=1, start=start), 40 - start),
         )
-    # ranks: one epoch is 18 rows in 3 shards, 3 of them bad; split positions r, r+3, ... of the epoch order
+    # ranks: one epoch is 18 rows in 3 shards, 3 of them bad; split positions r, r+3, ... of the
+    # epoch order
     caps = []
     for r in range(3):
         stream = EmbeddingStream(emb_dir, seed=2, rank=r, world_size=3)
@@ -411,9 +419,8 @@ def loader(path, start, workers, batch_size):
 
 
 def test_stream_dataset_worker_plan():
-    ds = StreamDataset(
-        lambda **kw: [], start=10, batch_size=2
-    )  # 5 batches from logical workers 0,1,0,1,0
+    # 5 batches from logical workers 0,1,0,1,0
+    ds = StreamDataset(lambda **kw: [], start=10, batch_size=2)
     # the next batch is due from logical worker 1, and a fresh DataLoader asks its worker 0 first
     assert [ds.worker_plan(w, 2) for w in range(2)] == [(1, 4), (0, 6)]
     assert ds.worker_plan(0, 1) == (0, 10)

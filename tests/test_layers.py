@@ -8,8 +8,8 @@
     3 tools     unclip/shapes/ (the rest): the shapes CLIP trainer, held-out evaluation, finalize
     4 cli       unclip/cli/           argument parsing only
 
-Imports inside functions count. The package facade ``unclip/__init__.py`` imports the core and registers
-the interop readers, so it sits between interop and train.
+Imports inside functions count. The package facade ``unclip/__init__.py`` imports the core and
+registers the interop readers, so it sits between interop and train.
 """
 
 import ast

@@ -1,23 +1,26 @@
-"""Frozen CLIP over open_clip: tokenizer, text encoder (pooled + token states) and image encoder.
+"""unCLIP's CLIP: an open_clip model with its tokenizer, text encoder (pooled + token states) and
+image encoder. The pipeline uses it frozen; the shapes CLIP trainer trains the same class.
 
 Shapes (``D`` = CLIP embedding size, ``L`` = context length, ``W`` = text transformer width):
 
 * ``encode_text(prompts)`` → :class:`TextEncoding` with ``text_embed [B, D]`` (unit norm),
   ``text_tokens [B, L, W]`` (final-layer token states after the final LayerNorm) and
   ``text_mask [B, L]`` (True on real tokens up to the end token, start/end tokens included).
-* ``encode_image(images)`` → ``image_embed [B, D]`` (unit norm). ``images`` is a PIL image, a list of
-  them (open_clip's own preprocessing) or a float tensor ``[B, 3, H, W]`` in ``[-1, 1]`` (resized on the
-  shorter side with bicubic antialiasing, centre-cropped and normalised the same way).
+* ``encode_image(images)`` → ``image_embed [B, D]`` (unit norm). ``images`` is a PIL image, a list
+  of them (open_clip's own preprocessing) or a float tensor ``[B, 3, H, W]`` in ``[-1, 1]`` (resized
+  on the shorter side with bicubic antialiasing, centre-cropped and normalised the same way).
 
 Loading never downloads unless ``pretrained`` is an open_clip hub tag (e.g. ``"openai"``)::
 
-    clip = FrozenCLIP.from_config(ClipConfig("ViT-L-14", pretrained="/models/vit-l-14.safetensors"))
-    clip = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=TINY_CFG))   # custom, random init
+    clip = CLIP.from_config(ClipConfig("ViT-L-14", pretrained="/models/vit-l-14.safetensors"))
+    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=TINY_CFG))   # custom, random init
 
-Weights converted from diffusers/Karlo (:mod:`unclip.interop.diffusers`) set ``normalize_embeds=False`` (Karlo feeds
-the raw projected CLIP embeddings to its prior and decoder), use :class:`CompatTokenizer` (the text
-handling of transformers' ``CLIPTokenizer``) and, without an image tower in the source folder,
-``has_vision=False`` (``encode_image`` then raises).
+Weights converted from diffusers/Karlo (:mod:`unclip.interop.diffusers`) set
+``normalize_embeds=False`` (Karlo feeds the raw projected CLIP embeddings to its prior and decoder),
+use :class:`CompatTokenizer` (the text handling of transformers' ``CLIPTokenizer``) and, without an
+image tower in the source folder, ``has_vision=False`` (``encode_image`` then raises).
+
+``FrozenCLIP`` is another name for :class:`CLIP`, kept so existing code keeps working.
 """
 
 from __future__ import annotations
@@ -36,18 +39,24 @@ from typing import Union
 import open_clip
 import torch
 import torch.nn.functional as F
-from open_clip.model import CLIP, CustomTextCLIP
+from open_clip.model import CLIP as OpenCLIPModel
+from open_clip.model import CustomTextCLIP
 from open_clip.tokenizer import SimpleTokenizer
 from PIL import Image
 
 from unclip.config import ClipConfig
+from unclip.images import resize_crop_tensor
 
 __all__ = [
+    "CLIP",
     "FrozenCLIP",
     "TextEncoding",
     "CompatTokenizer",
     "check_prompts",
     "closed_vocabulary_ids",
+    "build_open_clip_model",
+    "load_pretrained_weights",
+    "tiny_clip_config",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -56,7 +65,8 @@ CONFIG_NAME = "config.json"
 
 @dataclass
 class TextEncoding:
-    """CLIP text conditioning. ``text_embed [B, D]``, ``text_tokens [B, L, W]``, ``text_mask [B, L]``."""
+    """CLIP text conditioning: ``text_embed [B, D]``, ``text_tokens [B, L, W]``,
+    ``text_mask [B, L]``."""
 
     text_embed: torch.Tensor
     text_tokens: torch.Tensor
@@ -77,21 +87,24 @@ class TextEncoding:
         )
 
     def to(self, *args, **kwargs) -> TextEncoding:
+        """Embeddings and token states as ``Tensor.to(*args, **kwargs)``; the boolean mask only
+        follows a device move."""
+        positional = args[0] if args and not isinstance(args[0], torch.dtype) else None
+        device = kwargs.get("device", self.text_mask.device if positional is None else positional)
         return TextEncoding(
             self.text_embed.to(*args, **kwargs),
             self.text_tokens.to(*args, **kwargs),
-            self.text_mask.to(
-                kwargs.get(
-                    "device",
-                    args[0]
-                    if args and not isinstance(args[0], torch.dtype)
-                    else self.text_mask.device,
-                )
-            ),
+            self.text_mask.to(device),
         )
 
     def __getitem__(self, idx) -> TextEncoding:
         return TextEncoding(self.text_embed[idx], self.text_tokens[idx], self.text_mask[idx])
+
+    @staticmethod
+    def cat(encodings: Sequence[TextEncoding]) -> TextEncoding:
+        """The rows of ``encodings`` one after another (e.g. ``[uncond; cond]`` for guidance)."""
+        fields = ("text_embed", "text_tokens", "text_mask")
+        return TextEncoding(*(torch.cat([getattr(e, f) for e in encodings]) for f in fields))
 
 
 def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> list[str]:
@@ -112,16 +125,21 @@ def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> li
     return prompts
 
 
-def _build_model(model_cfg: dict) -> torch.nn.Module:
+def build_open_clip_model(model_cfg: dict) -> torch.nn.Module:
+    """A randomly initialised open_clip model (its ``CLIP`` or ``CustomTextCLIP``) for
+    ``model_cfg``."""
     cfg = copy.deepcopy(model_cfg)
     custom_text = cfg.pop("custom_text", False) or "hf_model_name" in cfg.get("text_cfg", {})
     cfg.pop("preprocess_cfg", None)
-    cls = CustomTextCLIP if custom_text else CLIP
+    cls = CustomTextCLIP if custom_text else OpenCLIPModel
     return cls(**cfg)
 
 
-class FrozenCLIP(torch.nn.Module):
-    """A frozen open_clip model with the tokenizer and preprocessing unCLIP needs (see module doc)."""
+class CLIP(torch.nn.Module):
+    """An open_clip model with the tokenizer and preprocessing unCLIP needs (see module doc).
+
+    The wrapped model starts in eval mode with gradients off, as the pipeline uses it; a trainer
+    turns them back on."""
 
     def __init__(
         self,
@@ -141,17 +159,14 @@ class FrozenCLIP(torch.nn.Module):
         self.model_name = model_name
         self.model_cfg = model_cfg
         self.pretrained = pretrained
-        self.normalize_embeds = bool(
-            normalize_embeds
-        )  # L2-normalise text/image embeddings (Karlo: False)
-        self.has_vision = bool(
-            has_vision
-        )  # False: the image tower is a placeholder without weights
-        self.tokenizer_cfg = (
-            tokenizer_cfg  # None: open_clip's SimpleTokenizer; else CompatTokenizer kwargs
-        )
-        # closed vocabulary: the token ids whose embedding rows the weights file holds (None: all of them);
-        # see save_pretrained(keep_tokens=...)
+        # L2-normalise text/image embeddings (Karlo: False)
+        self.normalize_embeds = bool(normalize_embeds)
+        # False: the image tower is a placeholder without weights
+        self.has_vision = bool(has_vision)
+        # None: open_clip's SimpleTokenizer; else CompatTokenizer kwargs
+        self.tokenizer_cfg = tokenizer_cfg
+        # closed vocabulary: the token ids whose embedding rows the weights file holds (None: all
+        # of them); see save_pretrained(keep_tokens=...)
         self.kept_token_ids: torch.Tensor | None = None
         visual = model.visual
         size = getattr(visual, "image_size", model_cfg.get("vision_cfg", {}).get("image_size", 224))
@@ -165,41 +180,44 @@ class FrozenCLIP(torch.nn.Module):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, cfg: ClipConfig) -> FrozenCLIP:
-        """Build from a :class:`ClipConfig` (model name + tag/local path, or a custom ``model_cfg``)."""
+    def from_config(cls, cfg: ClipConfig) -> CLIP:
+        """Build from a :class:`ClipConfig` (model name + tag/local path, or a custom
+        ``model_cfg``)."""
         if cfg.model_cfg is not None:
             model_cfg = copy.deepcopy(cfg.model_cfg)
         else:
             model_cfg = open_clip.get_model_config(cfg.model_name)
             if model_cfg is None:
                 raise ValueError(
-                    f"unknown open_clip model name {cfg.model_name!r}; use one of open_clip.list_models() "
-                    f"(e.g. 'ViT-L-14') or give clip.model_cfg for a custom architecture"
+                    f"unknown open_clip model name {cfg.model_name!r}; use one of "
+                    f"open_clip.list_models() (e.g. 'ViT-L-14') or give clip.model_cfg for a "
+                    f"custom architecture"
                 )
-        model = _build_model(model_cfg)
+        model = build_open_clip_model(model_cfg)
         if cfg.pretrained:
-            _load_pretrained(model, cfg.model_name, cfg.pretrained)
+            load_pretrained_weights(model, cfg.model_name, cfg.pretrained)
         tokenizer = _make_tokenizer(cfg.model_name, model_cfg)
         return cls(model, tokenizer, cfg.model_name, model_cfg, cfg.pretrained)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> FrozenCLIP:
-        """Load a folder written by :meth:`save_pretrained` (``config.json`` + ``model.safetensors``)."""
+    def from_pretrained(cls, path: str | os.PathLike) -> CLIP:
+        """Load a folder written by :meth:`save_pretrained` (``config.json`` +
+        ``model.safetensors``)."""
         path = Path(path)
         cfg_file = path / CONFIG_NAME
         if not cfg_file.is_file():
             raise FileNotFoundError(
                 f"CLIP folder {path} has no {CONFIG_NAME}; expected a folder written by "
-                f"FrozenCLIP.save_pretrained"
+                f"CLIP.save_pretrained"
             )
         meta = json.loads(cfg_file.read_text())
-        model = _build_model(meta["model_cfg"])
+        model = build_open_clip_model(meta["model_cfg"])
         weights = path / WEIGHTS_NAME
         kept = None
         if weights.is_file():
             kept = _load_safetensors(model, weights)
         elif meta.get("pretrained"):
-            _load_pretrained(model, meta["model_name"], meta["pretrained"])
+            load_pretrained_weights(model, meta["model_name"], meta["pretrained"])
         else:
             raise FileNotFoundError(
                 f"CLIP weights missing: provide {weights} (or set 'pretrained' in {cfg_file})"
@@ -226,12 +244,12 @@ class FrozenCLIP(torch.nn.Module):
     ) -> None:
         """Write ``config.json`` and (by default) ``model.safetensors`` to ``path``.
 
-        ``keep_tokens``: store only these rows of the token-embedding table (a closed vocabulary, e.g. the
-        words of a procedural caption world; :func:`closed_vocabulary_ids`), with their ids. For a small
-        CLIP the 49408-row table is most of the file (6.3 of 7.4 MB for the shapes CLIP). Loading puts the
-        rows back in place and zeros elsewhere, so prompts made of kept tokens encode exactly as before and
-        :meth:`tokenize` warns about any other token. A CLIP loaded from such a file saves the same rows
-        again unless ``keep_tokens`` says otherwise.
+        ``keep_tokens``: store only these rows of the token-embedding table (a closed vocabulary,
+        e.g. the words of a procedural caption world; :func:`closed_vocabulary_ids`), with their
+        ids. For a small CLIP the 49408-row table is most of the file (6.3 of 7.4 MB for the shapes
+        CLIP). Loading puts the rows back in place and zeros elsewhere, so prompts made of kept
+        tokens encode exactly as before and :meth:`tokenize` warns about any other token. A CLIP
+        loaded from such a file saves the same rows again unless ``keep_tokens`` says otherwise.
         """
         from safetensors.torch import save_file
 
@@ -295,7 +313,8 @@ class FrozenCLIP(torch.nn.Module):
 
     # ------------------------------------------------------------------ text
     def tokenize(self, prompts: Union[str, Sequence[str]], warn: bool = True) -> torch.Tensor:
-        """Token ids ``[B, L]``; warns (showing the cut text) when a prompt exceeds the context length."""
+        """Token ids ``[B, L]``; warns (showing the cut text) when a prompt exceeds the context
+        length."""
         prompts = check_prompts(prompts)
         tokens = self.tokenizer(prompts)
         if warn and self.kept_token_ids is not None:
@@ -326,11 +345,12 @@ class FrozenCLIP(torch.nn.Module):
 
     @torch.no_grad()
     def encode_text(self, prompts: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
-        """Encode prompts (or token ids ``[B, L]``) → :class:`TextEncoding` (see module doc for shapes)."""
+        """Encode prompts (or token ids ``[B, L]``) → :class:`TextEncoding` (see module doc for
+        shapes)."""
         ids = prompts if isinstance(prompts, torch.Tensor) else self.tokenize(prompts)
         ids = ids.to(self.device)
         m = self.model
-        if isinstance(m, CLIP):
+        if isinstance(m, OpenCLIPModel):
             cast = m.transformer.get_cast_dtype()
             x = m.token_embedding(ids).to(cast) + m.positional_embedding.to(cast)
             x = m.transformer(x, attn_mask=m.attn_mask)
@@ -352,9 +372,8 @@ class FrozenCLIP(torch.nn.Module):
                 pooled, tokens = text(ids)
             finally:
                 text.output_tokens = old
-        if isinstance(
-            self.tokenizer, SimpleTokenizer
-        ):  # real tokens: everything up to the first end token
+        if isinstance(self.tokenizer, SimpleTokenizer):
+            # real tokens: everything up to the first end token
             is_eot = ids == self.tokenizer.eot_token_id
             last = torch.where(is_eot.any(1), is_eot.int().argmax(1), ids.shape[1] - 1)
             mask = torch.arange(ids.shape[1], device=ids.device)[None] <= last[:, None]
@@ -366,24 +385,19 @@ class FrozenCLIP(torch.nn.Module):
 
     # ------------------------------------------------------------------ images
     def preprocess_tensor(self, images: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, H, W]`` in [-1, 1] → CLIP input (shorter side resize, centre crop, normalise)."""
+        """``[B, 3, H, W]`` in [-1, 1] → CLIP input (shorter side resize, centre crop,
+        normalise)."""
         if images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(f"image tensor must be [B, 3, H, W], got {tuple(images.shape)}")
-        x = (images.float() + 1) / 2
-        h, w = x.shape[-2:]
-        s = self.image_size / min(h, w)
-        nh, nw = max(self.image_size, round(h * s)), max(self.image_size, round(w * s))
-        if (nh, nw) != (h, w):
-            x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
-        top, left = (nh - self.image_size) // 2, (nw - self.image_size) // 2
-        x = x[..., top : top + self.image_size, left : left + self.image_size].clamp(0, 1)
+        x = resize_crop_tensor((images.float() + 1) / 2, self.image_size).clamp(0, 1)
         mean = torch.tensor(self.image_mean, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(self.image_std, device=x.device).view(1, 3, 1, 1)
         return (x - mean) / std
 
     @torch.no_grad()
     def encode_image(self, images) -> torch.Tensor:
-        """PIL image(s) or a ``[B, 3, H, W]`` tensor in [-1, 1] → ``image_embed [B, D]`` (unit norm)."""
+        """PIL image(s) or a ``[B, 3, H, W]`` tensor in [-1, 1] → ``image_embed [B, D]`` (unit
+        norm)."""
         if not self.has_vision:
             raise ValueError(
                 f"CLIP {self.model_name!r} has no image-tower weights (it was converted from a "
@@ -413,13 +427,14 @@ class FrozenCLIP(torch.nn.Module):
 
 
 class CompatTokenizer(SimpleTokenizer):
-    """open_clip's CLIP BPE with the text handling of transformers' ``CLIPTokenizer`` (converted weights).
+    """open_clip's CLIP BPE with the text handling of transformers' ``CLIPTokenizer`` (for
+    converted weights).
 
-    Differences from :class:`SimpleTokenizer`: text is cleaned with NFC + whitespace collapsing + lower
-    case (no ftfy / HTML unescaping); sequences are padded with ``pad_token`` instead of id 0; and the
-    special strings ``<|startoftext|>``, ``<|endoftext|>`` and ``pad_token`` are split out of the prompt and
-    map to their ids, as transformers does for special tokens (Karlo pads with ``"!"``, so a ``!`` in a
-    prompt becomes id 0 there, not the ``!</w>`` word piece).
+    Differences from :class:`SimpleTokenizer`: text is cleaned with NFC + whitespace collapsing +
+    lower case (no ftfy / HTML unescaping); sequences are padded with ``pad_token`` instead of id 0;
+    and the special strings ``<|startoftext|>``, ``<|endoftext|>`` and ``pad_token`` are split out
+    of the prompt and map to their ids, as transformers does for special tokens (Karlo pads with
+    ``"!"``, so a ``!`` in a prompt becomes id 0 there, not the ``!</w>`` word piece).
     """
 
     NAMES = {"<|startoftext|>": "<start_of_text>", "<|endoftext|>": "<end_of_text>"}
@@ -472,7 +487,8 @@ def _make_tokenizer(model_name: str, model_cfg: dict, tokenizer_cfg: dict | None
     return SimpleTokenizer(context_length=int(text_cfg.get("context_length", 77)))
 
 
-#: Key of the token ids stored beside a closed-vocabulary token table (FrozenCLIP.save_pretrained(keep_tokens=)).
+#: Key of the token ids stored beside a closed-vocabulary token table
+#: (``CLIP.save_pretrained(keep_tokens=...)``).
 KEPT_TOKENS_KEY = "kept_token_ids"
 
 
@@ -483,11 +499,11 @@ def _token_table_key(state: dict) -> str:
     return keys[0]
 
 
-def closed_vocabulary_ids(clip: FrozenCLIP, words: Sequence[str]) -> torch.Tensor:
-    """The token ids a closed vocabulary of ``words`` can produce with ``clip``'s tokenizer (every word's
-    tokens, the start/end tokens and the padding), for ``FrozenCLIP.save_pretrained(keep_tokens=...)``. The
-    CLIP tokenizer splits text into words before BPE, so any sentence of these words (and ``,``) tokenizes
-    to these ids."""
+def closed_vocabulary_ids(clip: CLIP, words: Sequence[str]) -> torch.Tensor:
+    """The token ids a closed vocabulary of ``words`` can produce with ``clip``'s tokenizer (every
+    word's tokens, the start/end tokens and the padding), for
+    ``CLIP.save_pretrained(keep_tokens=...)``. The CLIP tokenizer splits text into words before BPE,
+    so any sentence of these words (and ``,``) tokenizes to these ids."""
     words = [w for w in words if w.strip()]
     if not words:
         raise ValueError("closed_vocabulary_ids needs at least one word")
@@ -495,7 +511,8 @@ def closed_vocabulary_ids(clip: FrozenCLIP, words: Sequence[str]) -> torch.Tenso
 
 
 def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None:
-    """Load ``file`` into ``model``; returns the kept token ids of a closed-vocabulary file, else None."""
+    """Load ``file`` into ``model``; returns the kept token ids of a closed-vocabulary file, else
+    None."""
     from safetensors.torch import load_file
 
     state = load_file(str(file))
@@ -526,8 +543,9 @@ def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None
     return kept
 
 
-def _load_pretrained(model: torch.nn.Module, model_name: str, pretrained: str) -> None:
-    """Load a local weights file/folder, or an open_clip hub tag (the only path that downloads)."""
+def load_pretrained_weights(model: torch.nn.Module, model_name: str, pretrained: str) -> None:
+    """Load a local weights file or folder, or an open_clip hub tag (the only path that downloads),
+    into the open_clip ``model`` built for ``model_name``."""
     p = Path(pretrained)
     if p.is_dir():
         for name in (WEIGHTS_NAME, "open_clip_model.safetensors", "open_clip_pytorch_model.bin"):
@@ -557,8 +575,9 @@ def _load_pretrained(model: torch.nn.Module, model_name: str, pretrained: str) -
         ckpt = open_clip.download_pretrained(open_clip.get_pretrained_cfg(model_name, pretrained))
     except Exception as exc:  # offline
         raise FileNotFoundError(
-            f"could not download open_clip weights {model_name}/{pretrained} ({exc}); offline, download them "
-            f"elsewhere and pass the local file as clip.pretrained=/path/to/open_clip_model.safetensors"
+            f"could not download open_clip weights {model_name}/{pretrained} ({exc}); offline, "
+            f"download them elsewhere and pass the local file as "
+            f"clip.pretrained=/path/to/open_clip_model.safetensors"
         ) from exc
     if not ckpt:
         raise FileNotFoundError(f"could not fetch open_clip weights {model_name}/{pretrained}")
@@ -591,3 +610,10 @@ def tiny_clip_config(
             "layers": layers,
         },
     }
+
+
+#: Another name for :class:`CLIP`, kept so existing code keeps working.
+FrozenCLIP = CLIP
+# private names still imported by modules outside this file; prefer the public ones
+_build_model = build_open_clip_model
+_load_pretrained = load_pretrained_weights

@@ -1,21 +1,23 @@
 """Image stages: the base decoder conditioned on CLIP image embeddings, and the upsamplers.
 
-:class:`UnCLIPDecoder` (Ramesh et al. 2022, §2.1) wraps diffusers' ``UNet2DConditionModel``. The CLIP
-image embedding ``image_embed [B, D]`` is projected and added to the timestep embedding and projected
-into ``num_image_tokens`` extra context tokens concatenated before the (projected, normalised) caption
-token states; the pooled text embedding is also added to the timestep embedding (as in GLIDE and Karlo).
-A learned null image embedding replaces ``image_embed`` for the unconditional pass and for dropout in
-training; the null caption is the CLIP encoding of the empty string.
+:class:`UnCLIPDecoder` (Ramesh et al. 2022, §2.1) wraps diffusers' ``UNet2DConditionModel``. The
+CLIP image embedding ``image_embed [B, D]`` is projected and added to the timestep embedding and
+projected into ``num_image_tokens`` extra context tokens concatenated before the (projected,
+normalised) caption token states; the pooled text embedding is also added to the timestep embedding
+(as in GLIDE and Karlo). A learned null image embedding replaces ``image_embed`` for the
+unconditional pass and for dropout in training; the null caption is the CLIP encoding of the empty
+string.
 
 :class:`UnCLIPUpsampler` wraps ``UNet2DModel``: the low-res image is upsampled (bicubic) and
-concatenated to ``x_t`` (6 input channels); the noise level of the low-res conditioning augmentation is
-an input (sinusoidal features → MLP, added to the time embedding). Convolution-only blocks by default. An optional second
-network can run the final step (Karlo's ``super_res_last``). Karlo's upsampler has no noise-level input,
-no mid-block attention (``add_attention=False``) and does not clamp the bicubic-upsampled conditioning
-(``clamp_low_res=False``); those flags let converted weights sample exactly as in diffusers.
+concatenated to ``x_t`` (6 input channels); the noise level of the low-res conditioning augmentation
+is an input (sinusoidal features → MLP, added to the time embedding). Convolution-only blocks by
+default. An optional second network can run the final step (Karlo's ``super_res_last``). Karlo's
+upsampler has no noise-level input, no mid-block attention (``add_attention=False``) and does not
+clamp the bicubic-upsampled conditioning (``clamp_low_res=False``); those flags let converted
+weights sample exactly as in diffusers.
 
-:func:`degrade` implements the training-time low-res corruption: Gaussian blur (first upsampler) or a
-BSR-style random degradation (second upsampler; Zhang et al. 2021).
+:func:`degrade` implements the training-time low-res corruption: Gaussian blur (first upsampler) or
+a BSR-style random degradation (second upsampler; Zhang et al. 2021).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ __all__ = ["UnCLIPDecoder", "UnCLIPUpsampler", "degrade", "gaussian_blur", "upsa
 
 
 def coordinate_grid(x: torch.Tensor) -> torch.Tensor:
-    """``[B, 2, H, W]`` pixel-centre coordinates (x then y, each in (-1, 1)) in ``x``'s dtype and device."""
+    """``[B, 2, H, W]`` pixel-centre coordinates (x then y, each in (-1, 1)) in ``x``'s dtype and
+    device."""
     b, _, h, w = x.shape
     ys = (torch.arange(h, device=x.device, dtype=torch.float32) + 0.5) / h * 2 - 1
     xs = (torch.arange(w, device=x.device, dtype=torch.float32) + 0.5) / w * 2 - 1
@@ -44,19 +47,18 @@ def coordinate_grid(x: torch.Tensor) -> torch.Tensor:
 
 
 class UnCLIPDecoder(ModelMixin, ConfigMixin):
-    """Base decoder. ``forward(x_t [B,3,H,W], t, image_embed [B,D], text, drop_image [B]?) → [B,C,H,W]``.
+    """Base decoder:
+    ``forward(x_t [B,3,H,W], t, image_embed [B,D], text, drop_image [B]?) → [B,C,H,W]``.
 
     ``C`` is 3 (eps/x_0/v) or 6 with ``learned_variance`` (Karlo's mean + variance interpolation).
-    ``coord_channels``: two fixed input channels with each pixel's x and y coordinate (CoordConv), so the
-    convolutional UNet, which has no positional encoding, knows where in the image it is; this makes
-    "on the left" / "above" learnable far sooner. Off for the paper/Karlo layout.
-    ``embed_scale`` multiplies the image and text embeddings before their projections: unit-norm CLIP
-    embeddings of width D have components of about 1/sqrt(D), so their conditioning starts far weaker than
-    the timestep embedding and the layer-normalised caption tokens, and the decoder learns to ignore it;
-    sqrt(D) gives unit-scale components.
+    ``coord_channels``: two fixed input channels with each pixel's x and y coordinate (CoordConv),
+    so the convolutional UNet, which has no positional encoding, knows where in the image it is;
+    this makes "on the left" / "above" learnable far sooner. Off for the paper/Karlo layout.
+    ``embed_scale`` multiplies the image and text embeddings before their projections: unit-norm
+    CLIP embeddings of width D have components of about 1/sqrt(D), so their conditioning starts far
+    weaker than the timestep embedding and the layer-normalised caption tokens, and the decoder
+    learns to ignore it; sqrt(D) gives unit-scale components.
     """
-
-    config_name = "config.json"
 
     @register_to_config
     def __init__(
@@ -123,7 +125,8 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         text: TextEncoding,
         drop_image: Optional[torch.Tensor] = None,
     ):
-        """Context tokens ``[B, n+L, X]``, their mask ``[B, n+L]`` and the additive time embedding."""
+        """Context tokens ``[B, n+L, X]``, their mask ``[B, n+L]`` and the additive time
+        embedding."""
         b = image_embed.shape[0]
         image_embed = image_embed.to(self.dtype)
         if drop_image is not None:
@@ -154,7 +157,8 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         drop_image: Optional[torch.Tensor] = None,
         cond: Optional[tuple] = None,
     ) -> torch.Tensor:
-        """Predict the target for ``x_t``; pass ``cond`` (from :meth:`condition`) to reuse conditioning."""
+        """Predict the target for ``x_t``; pass ``cond`` (from :meth:`condition`) to reuse
+        conditioning."""
         if cond is None:
             cond = self.condition(image_embed, text, drop_image)
         tokens, mask, time_add = cond
@@ -172,7 +176,7 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
 
     @classmethod
     def from_clip(cls, clip, **kwargs) -> UnCLIPDecoder:
-        """A decoder sized for ``clip`` (a :class:`~unclip.clip.FrozenCLIP`)."""
+        """A decoder sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
         return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, **kwargs)
 
 
@@ -182,8 +186,6 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
     ``forward(x_t [B,3,H,W], t, low_res_up [B,3,H,W], noise_level [B]) → [B,3,H,W]`` where
     ``low_res_up`` is the (corrupted, noised) low-res image already upsampled to ``H×W``.
     """
-
-    config_name = "config.json"
 
     @register_to_config
     def __init__(
@@ -225,9 +227,8 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
 
         self.unet = make()
         self.final_unet = make() if final_step_model else None
-        if (
-            noise_level_conditioning
-        ):  # sinusoidal features of the noise level → MLP, added to the time embedding
+        if noise_level_conditioning:
+            # sinusoidal features of the noise level → MLP, added to the time embedding
             self.noise_level_proj = Timesteps(
                 block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0
             )
@@ -258,8 +259,8 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
 # low-res conditioning
 # --------------------------------------------------------------------------------------------------
 def upsample_low_res(low: torch.Tensor, size: int, clamp: bool = True) -> torch.Tensor:
-    """Bicubic (antialiased) resize of ``[B, 3, h, w]`` to ``size × size``, clamped to [-1, 1] unless
-    ``clamp=False`` (Karlo/diffusers keep the bicubic overshoot)."""
+    """Bicubic (antialiased) resize of ``[B, 3, h, w]`` to ``size × size``, clamped to [-1, 1]
+    unless ``clamp=False`` (Karlo/diffusers keep the bicubic overshoot)."""
     up = F.interpolate(
         low.float(), size=(size, size), mode="bicubic", align_corners=False, antialias=True
     )
@@ -287,11 +288,12 @@ def degrade(
 ) -> torch.Tensor:
     """Training-time low-res conditioning from a high-res crop ``[B, 3, H, W]`` in [-1, 1].
 
-    ``mode="blur"``: antialiased downsample then a Gaussian blur with σ ~ U(blur_sigma) (first upsampler).
-    ``mode="bsr"``: a BSR-style chain per sample — blur with random σ, downsample through a random
-    intermediate size and interpolation mode, additive Gaussian noise of random strength and a random
-    JPEG-like quantisation (second upsampler). ``mode="none"``: downsample only.
-    Random draws come from ``generators`` (one per sample). Returns ``[B, 3, low_res_size, low_res_size]``.
+    ``mode="blur"``: antialiased downsample then a Gaussian blur with σ ~ U(blur_sigma) (first
+    upsampler). ``mode="bsr"``: a BSR-style chain per sample — blur with random σ, downsample
+    through a random intermediate size and interpolation mode, additive Gaussian noise of random
+    strength and a random JPEG-like quantisation (second upsampler). ``mode="none"``: downsample
+    only. Random draws come from ``generators`` (one per sample). Returns
+    ``[B, 3, low_res_size, low_res_size]``.
     """
     b = high.shape[0]
     low = F.interpolate(

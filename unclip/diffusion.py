@@ -1,9 +1,9 @@
 """One training loss and one classifier-free-guided sampling loop for every stage.
 
-Noise schedules and update rules come from diffusers schedulers; this module only chooses them by name
-(:func:`make_scheduler`), computes the training target (:func:`diffusion_loss`: ``epsilon``, ``sample``
-(x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023) and runs the reverse process
-with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
+Noise schedules and update rules come from diffusers schedulers; this module only chooses them by
+name (:func:`make_scheduler`), computes the training target (:func:`diffusion_loss`: ``epsilon``,
+``sample`` (x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023) and runs the
+reverse process with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
 
     eps_hat = eps(x_t | ∅) + s · (eps(x_t | c) − eps(x_t | ∅))
 
@@ -65,9 +65,10 @@ def make_scheduler(
 ):
     """A diffusers scheduler for sampling, by name: ``ddpm``, ``ddim``, ``dpm++`` or ``unclip``.
 
-    ``clip_sample_range`` clips predicted x_0 to ``[-r, r]`` (1 for images; None disables, e.g. for prior
-    embeddings under DPM-Solver++). ``learned_variance``: the model outputs ``2C`` channels (mean,
-    variance interpolation) as in Karlo's decoder; only ``ddpm``/``unclip`` use the variance half.
+    ``clip_sample_range`` clips predicted x_0 to ``[-r, r]`` (1 for images; None disables, e.g. for
+    prior embeddings under DPM-Solver++). ``learned_variance``: the model outputs ``2C`` channels
+    (mean, variance interpolation) as in Karlo's decoder; only ``ddpm``/``unclip`` use the variance
+    half.
     """
     common = dict(
         num_train_timesteps=diffusion.num_train_timesteps, beta_schedule=diffusion.beta_schedule
@@ -148,11 +149,11 @@ def diffusion_loss(
     """Denoising loss ``|| target − model_fn(x_t, t) ||²`` on ``x_0 [B, ...]``.
 
     ``t ~ U{0, T-1}`` and ``eps ~ N(0, I)`` are drawn per sample from ``generators`` (one
-    ``torch.Generator`` per sample, so results do not depend on how samples are grouped into batches),
-    or from the global RNG when ``generators`` is None. ``prediction_type``: ``epsilon`` (target eps),
-    ``sample`` (target x_0) or ``v_prediction`` (target v = α·eps − σ·x_0). ``min_snr_gamma`` weights
-    each sample by ``min(SNR, γ)`` expressed for the chosen target. Returns a scalar (``reduction="mean"``)
-    or the per-sample losses ``[B]`` (``reduction="none"``).
+    ``torch.Generator`` per sample, so results do not depend on how samples are grouped into
+    batches), or from the global RNG when ``generators`` is None. ``prediction_type``: ``epsilon``
+    (target eps), ``sample`` (target x_0) or ``v_prediction`` (target v = α·eps − σ·x_0).
+    ``min_snr_gamma`` weights each sample by ``min(SNR, γ)`` expressed for the chosen target.
+    Returns a scalar (``reduction="mean"``) or the per-sample losses ``[B]`` (``reduction="none"``).
     """
     b = x_0.shape[0]
     T = scheduler.config.num_train_timesteps
@@ -227,13 +228,14 @@ def sample_loop(
 ) -> torch.Tensor:
     """Run the reverse process from noise ``x_T`` of ``shape`` and return ``x_0``.
 
-    ``denoise(x_in, t)`` returns the model output for ``x_in``; when ``guidance_scale != 1`` ``x_in`` is
-    ``[x_t; x_t]`` (batch ``2B``) and the caller's conditioning must be ordered ``[uncond; cond]``,
-    prepared once (see :func:`is_guided`). ``generator`` (one, or a list with one per batch element)
-    draws the initial noise and any noise the scheduler adds, so a seed reproduces the result and a
-    list of per-image generators gives the same images whether they are sampled together or alone.
-    ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs only ``denoise`` under ``torch.autocast``; its output
-    is cast back to ``dtype`` so guidance and the scheduler step stay in full precision.
+    ``denoise(x_in, t)`` returns the model output for ``x_in``; when ``guidance_scale != 1``
+    ``x_in`` is ``[x_t; x_t]`` (batch ``2B``) and the caller's conditioning must be ordered
+    ``[uncond; cond]``, prepared once (see :func:`is_guided`). ``generator`` (one, or a list with
+    one per batch element) draws the initial noise and any noise the scheduler adds, so a seed
+    reproduces the result and a list of per-image generators gives the same images whether they are
+    sampled together or alone. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs only ``denoise``
+    under ``torch.autocast``; its output is cast back to ``dtype`` so guidance and the scheduler
+    step stay in full precision.
     """
     guided = is_guided(guidance_scale)
     scheduler.set_timesteps(num_steps, device=device)

@@ -8,8 +8,8 @@
 * a projection of the text token states ``[B, L, W]`` to the embedding width ``D`` when ``W != D``;
 * ``x_0`` prediction (the transformer predicts the clean normalised embedding).
 
-The unconditional input for classifier-free guidance is the CLIP encoding of the empty caption (as in
-Karlo and diffusers), so exported weights sample identically elsewhere.
+The unconditional input for classifier-free guidance is the CLIP encoding of the empty caption (as
+in Karlo and diffusers), so exported weights sample identically elsewhere.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ __all__ = ["UnCLIPPrior"]
 
 
 class UnCLIPPrior(ModelMixin, ConfigMixin):
-    """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised space)."""
-
-    config_name = "config.json"
+    """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
+    space)."""
 
     @register_to_config
     def __init__(
@@ -63,7 +62,8 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
         d = self.config.embed_dim
         if mean.shape[-1] != d or std.shape[-1] != d:
             raise ValueError(
-                f"embedding statistics must have {d} dims, got {tuple(mean.shape)} and {tuple(std.shape)}"
+                f"embedding statistics must have {d} dims, got {tuple(mean.shape)} and "
+                f"{tuple(std.shape)}"
             )
         if not torch.isfinite(mean).all() or not torch.isfinite(std).all() or (std <= 0).any():
             raise ValueError("embedding statistics must be finite with std > 0")
@@ -83,7 +83,8 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
 
     # ------------------------------------------------------------------ network
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: TextEncoding) -> torch.Tensor:
-        """``x_t [B, D]``, ``t [B]`` or scalar, ``text`` with ``B`` rows → predicted ``x_0 [B, D]``."""
+        """``x_t [B, D]``, ``t [B]`` or scalar, ``text`` with ``B`` rows → predicted
+        ``x_0 [B, D]``."""
         tokens = self.text_token_proj(text.text_tokens.to(self.dtype))
         out = self.transformer(
             x_t.to(self.dtype),
@@ -97,7 +98,7 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
 
     @classmethod
     def from_clip(cls, clip, **kwargs) -> UnCLIPPrior:
-        """A prior sized for ``clip`` (a :class:`~unclip.clip.FrozenCLIP`)."""
+        """A prior sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
         return cls(
             embed_dim=clip.embed_dim,
             text_width=clip.text_width,

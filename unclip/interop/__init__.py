@@ -1,7 +1,8 @@
-"""Weights in and out of the ecosystem: diffusers/Karlo unCLIP folders (:mod:`unclip.interop.diffusers`)
-and transformers CLIP ↔ open_clip (:mod:`unclip.interop.clip`).
+"""Weights in and out of the ecosystem: diffusers/Karlo unCLIP folders
+(:mod:`unclip.interop.diffusers`) and transformers CLIP ↔ open_clip (:mod:`unclip.interop.clip`).
 
-Importing this package registers the diffusers folder layout with ``UnCLIPPipeline.from_pretrained``.
+Importing this package registers the diffusers folder layout with
+``UnCLIPPipeline.from_pretrained``.
 """
 
 from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip

@@ -1,20 +1,23 @@
-"""CLIP helpers for :mod:`unclip.interop.diffusers`: transformers CLIP ↔ open_clip, CLIP tokenizer files.
+"""CLIP helpers for :mod:`unclip.interop.diffusers`: transformers CLIP ↔ open_clip, CLIP tokenizer
+files.
 
-* :func:`clip_from_transformers` builds a :class:`~unclip.clip.FrozenCLIP` from a diffusers pipeline's
-  ``text_encoder/`` (``CLIPTextModelWithProjection``), ``tokenizer/`` and optional ``image_encoder/``
-  (``CLIPVisionModelWithProjection``). Without an image encoder the vision tower is a tiny placeholder
-  and ``has_vision=False``.
+* :func:`clip_from_transformers` builds a :class:`~unclip.clip.CLIP` from a diffusers pipeline's
+  ``text_encoder/`` (``CLIPTextModelWithProjection``), ``tokenizer/`` and optional
+  ``image_encoder/`` (``CLIPVisionModelWithProjection``). Without an image encoder the vision tower
+  is a tiny placeholder and ``has_vision=False``.
 * :func:`text_state_to_transformers` / :func:`text_config_to_transformers` go the other way.
 * :func:`bpe_vocab` rebuilds the CLIP BPE vocabulary (``vocab.json`` / ``merges.txt`` contents) from
-  open_clip's ``bpe_simple_vocab_16e6.txt.gz``; :func:`check_tokenizer` compares a tokenizer folder with it.
+  open_clip's ``bpe_simple_vocab_16e6.txt.gz``; :func:`check_tokenizer` compares a tokenizer folder
+  with it.
 
 Weight layout (per transformer layer ``i``; ``T`` = ``text_model.`` or ``vision_model.``)::
 
-    T.encoder.layers.i.self_attn.{q,k,v}_proj  → resblocks.i.attn.in_proj_{weight,bias} (concatenated q;k;v)
+    T.encoder.layers.i.self_attn.{q,k,v}_proj  → resblocks.i.attn.in_proj_{weight,bias} (q;k;v)
     T.encoder.layers.i.self_attn.out_proj      → resblocks.i.attn.out_proj
     T.encoder.layers.i.layer_norm{1,2}         → resblocks.i.ln_{1,2}
     T.encoder.layers.i.mlp.fc{1,2}             → resblocks.i.mlp.c_{fc,proj}
-    text_projection.weight [D, W]              → text_projection [W, D]   (visual_projection → visual.proj)
+    text_projection.weight [D, W]              → text_projection [W, D]
+    visual_projection.weight [D, W]            → visual.proj [W, D]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from unclip.clip import CompatTokenizer, FrozenCLIP, _build_model
+from unclip.clip import CLIP, CompatTokenizer, build_open_clip_model
 from unclip.io import check_state, load_weights, read_json
 
 __all__ = [
@@ -84,7 +87,8 @@ PROBES = [
 # ---------------------------------------------------------------------------------------- tokenizer
 @functools.lru_cache(maxsize=1)
 def bpe_vocab() -> tuple[dict[str, int], list[str]]:
-    """``(vocab, merges)`` of the CLIP BPE in transformers' naming (``<|startoftext|>``, ``<|endoftext|>``)."""
+    """``(vocab, merges)`` of the CLIP BPE in transformers' naming (``<|startoftext|>``,
+    ``<|endoftext|>``)."""
     from open_clip.tokenizer import bytes_to_unicode, default_bpe
 
     merges = gzip.open(default_bpe()).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
@@ -99,7 +103,8 @@ def _token_str(value) -> Optional[str]:
 
 
 def read_tokenizer(folder: Path) -> tuple[dict, list[str], str, Optional[int]]:
-    """``(vocab, merges, pad_token, model_max_length)`` from vocab.json/merges.txt or tokenizer.json."""
+    """``(vocab, merges, pad_token, model_max_length)`` from vocab.json/merges.txt or
+    tokenizer.json."""
     comp = "tokenizer"
     if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         vocab = read_json(folder / "vocab.json", comp)
@@ -146,8 +151,8 @@ def check_tokenizer(folder: Path, context_length: int) -> str:
     """Check ``folder`` holds the CLIP BPE tokenizer that open_clip uses; return its pad token.
 
     The vocabulary and merges must equal open_clip's. When transformers is installed the real
-    ``CLIPTokenizer`` is also run on probe strings (punctuation, unicode, padding) and must give the same
-    ids and attention masks as :class:`~unclip.clip.CompatTokenizer`.
+    ``CLIPTokenizer`` is also run on probe strings (punctuation, unicode, padding) and must give the
+    same ids and attention masks as :class:`~unclip.clip.CompatTokenizer`.
     """
     vocab, merges, pad, max_len = read_tokenizer(folder)
     ref_vocab, ref_merges = bpe_vocab()
@@ -156,8 +161,9 @@ def check_tokenizer(folder: Path, context_length: int) -> str:
             k for k in vocab if k not in ref_vocab
         )
         raise ValueError(
-            f"tokenizer: vocabulary differs from the CLIP BPE vocabulary of open_clip (token {bad!r}: "
-            f"{vocab.get(bad)} vs {ref_vocab.get(bad)}); only the standard CLIP tokenizer is supported"
+            f"tokenizer: vocabulary differs from the CLIP BPE vocabulary of open_clip (token "
+            f"{bad!r}: {vocab.get(bad)} vs {ref_vocab.get(bad)}); only the standard CLIP tokenizer "
+            "is supported"
         )
     if merges != ref_merges:
         i = next(
@@ -205,94 +211,74 @@ def check_tokenizer(folder: Path, context_length: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- weights
-def _layers_from_transformers(sd: dict, src: str, dst: str, n: int, out: dict) -> None:
-    for i in range(n):
-        s, d = f"{src}.encoder.layers.{i}.", f"{dst}.resblocks.{i}."
-        for kind in ("weight", "bias"):
-            out[f"{d}attn.in_proj_{kind}"] = torch.cat(
-                [sd[f"{s}self_attn.{p}_proj.{kind}"] for p in "qkv"]
-            )
-            for a, b in (
-                ("self_attn.out_proj", "attn.out_proj"),
-                ("layer_norm1", "ln_1"),
-                ("layer_norm2", "ln_2"),
-                ("mlp.fc1", "mlp.c_fc"),
-                ("mlp.fc2", "mlp.c_proj"),
-            ):
-                out[f"{d}{b}.{kind}"] = sd[f"{s}{a}.{kind}"]
+# (transformers name, open_clip name, stored transposed) of the weights outside the layers
+_TEXT_NAMES = [
+    ("text_model.embeddings.token_embedding.weight", "token_embedding.weight", False),
+    ("text_model.embeddings.position_embedding.weight", "positional_embedding", False),
+    ("text_model.final_layer_norm.weight", "ln_final.weight", False),
+    ("text_model.final_layer_norm.bias", "ln_final.bias", False),
+    ("text_projection.weight", "text_projection", True),
+]
+_VISION_NAMES = [
+    ("vision_model.embeddings.class_embedding", "visual.class_embedding", False),
+    ("vision_model.embeddings.patch_embedding.weight", "visual.conv1.weight", False),
+    ("vision_model.embeddings.position_embedding.weight", "visual.positional_embedding", False),
+    ("visual_projection.weight", "visual.proj", True),
+] + [
+    (f"vision_model.{a}.{kind}", f"visual.{b}.{kind}", False)
+    for a, b in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post"))
+    for kind in ("weight", "bias")
+]
+# per-layer parts other than the attention input projection (q, k, v apart vs fused)
+_LAYER_PARTS = (
+    ("self_attn.out_proj", "attn.out_proj"),
+    ("layer_norm1", "ln_1"),
+    ("layer_norm2", "ln_2"),
+    ("mlp.fc1", "mlp.c_fc"),
+    ("mlp.fc2", "mlp.c_proj"),
+)
 
 
-def _layers_to_transformers(sd: dict, src: str, dst: str, n: int, out: dict) -> None:
-    for i in range(n):
-        s, d = f"{src}.resblocks.{i}.", f"{dst}.encoder.layers.{i}."
+def _map_state(sd: dict, names: list, hf: str, oc: str, layers: int, to_transformers: bool) -> dict:
+    """Rename a tower's weights between transformers (``hf`` prefix) and open_clip (``oc``)."""
+    out = {}
+    for h, o, transposed in names:
+        src, dst = (o, h) if to_transformers else (h, o)
+        out[dst] = sd[src].t().contiguous() if transposed else sd[src]
+    for i in range(layers):
+        h, o = f"{hf}.encoder.layers.{i}.", f"{oc}.resblocks.{i}."
         for kind in ("weight", "bias"):
-            for p, chunk in zip("qkv", sd[f"{s}attn.in_proj_{kind}"].chunk(3)):
-                out[f"{d}self_attn.{p}_proj.{kind}"] = chunk.clone()
-            for a, b in (
-                ("self_attn.out_proj", "attn.out_proj"),
-                ("layer_norm1", "ln_1"),
-                ("layer_norm2", "ln_2"),
-                ("mlp.fc1", "mlp.c_fc"),
-                ("mlp.fc2", "mlp.c_proj"),
-            ):
-                out[f"{d}{a}.{kind}"] = sd[f"{s}{b}.{kind}"]
+            fused = f"{o}attn.in_proj_{kind}"
+            split = [f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"]
+            if to_transformers:
+                for name, chunk in zip(split, sd[fused].chunk(3)):
+                    out[name] = chunk.clone()
+            else:
+                out[fused] = torch.cat([sd[name] for name in split])
+            for a, b in _LAYER_PARTS:
+                src, dst = (o + b, h + a) if to_transformers else (h + a, o + b)
+                out[f"{dst}.{kind}"] = sd[f"{src}.{kind}"]
+    return out
 
 
 def text_state_from_transformers(sd: dict, layers: int) -> dict:
-    t = "text_model."
-    out = {
-        "token_embedding.weight": sd[t + "embeddings.token_embedding.weight"],
-        "positional_embedding": sd[t + "embeddings.position_embedding.weight"],
-        "ln_final.weight": sd[t + "final_layer_norm.weight"],
-        "ln_final.bias": sd[t + "final_layer_norm.bias"],
-        "text_projection": sd["text_projection.weight"].t().contiguous(),
-    }
-    _layers_from_transformers(sd, "text_model", "transformer", layers, out)
-    return out
+    """``CLIPTextModelWithProjection`` weights → open_clip text-tower weights (``CLIP`` naming)."""
+    return _map_state(sd, _TEXT_NAMES, "text_model", "transformer", layers, False)
 
 
 def text_state_to_transformers(sd: dict, layers: int) -> dict:
     """open_clip text-tower weights (``CLIP`` naming) → ``CLIPTextModelWithProjection`` weights."""
-    t = "text_model."
-    out = {
-        t + "embeddings.token_embedding.weight": sd["token_embedding.weight"],
-        t + "embeddings.position_embedding.weight": sd["positional_embedding"],
-        t + "final_layer_norm.weight": sd["ln_final.weight"],
-        t + "final_layer_norm.bias": sd["ln_final.bias"],
-        "text_projection.weight": sd["text_projection"].t().contiguous(),
-    }
-    _layers_to_transformers(sd, "transformer", "text_model", layers, out)
-    return out
+    return _map_state(sd, _TEXT_NAMES, "text_model", "transformer", layers, True)
 
 
 def vision_state_from_transformers(sd: dict, layers: int) -> dict:
-    v = "vision_model."
-    out = {
-        "visual.class_embedding": sd[v + "embeddings.class_embedding"],
-        "visual.conv1.weight": sd[v + "embeddings.patch_embedding.weight"],
-        "visual.positional_embedding": sd[v + "embeddings.position_embedding.weight"],
-        "visual.proj": sd["visual_projection.weight"].t().contiguous(),
-    }
-    for a, b in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post")):
-        for kind in ("weight", "bias"):
-            out[f"visual.{b}.{kind}"] = sd[f"{v}{a}.{kind}"]
-    _layers_from_transformers(sd, "vision_model", "visual.transformer", layers, out)
-    return out
+    """``CLIPVisionModelWithProjection`` weights → open_clip vision-tower weights."""
+    return _map_state(sd, _VISION_NAMES, "vision_model", "visual.transformer", layers, False)
 
 
 def vision_state_to_transformers(sd: dict, layers: int) -> dict:
-    v = "vision_model."
-    out = {
-        v + "embeddings.class_embedding": sd["visual.class_embedding"],
-        v + "embeddings.patch_embedding.weight": sd["visual.conv1.weight"],
-        v + "embeddings.position_embedding.weight": sd["visual.positional_embedding"],
-        "visual_projection.weight": sd["visual.proj"].t().contiguous(),
-    }
-    for a, b in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post")):
-        for kind in ("weight", "bias"):
-            out[f"{v}{a}.{kind}"] = sd[f"visual.{b}.{kind}"]
-    _layers_to_transformers(sd, "visual.transformer", "vision_model", layers, out)
-    return out
+    """open_clip vision-tower weights → ``CLIPVisionModelWithProjection`` weights."""
+    return _map_state(sd, _VISION_NAMES, "vision_model", "visual.transformer", layers, True)
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -319,7 +305,8 @@ def _common_checks(component: str, c: dict) -> None:
         )
     if not math.isclose(float(c["layer_norm_eps"]), 1e-5, rel_tol=1e-6):
         raise ValueError(
-            f"{component}: layer_norm_eps {c['layer_norm_eps']} is not supported (open_clip uses 1e-5)"
+            f"{component}: layer_norm_eps {c['layer_norm_eps']} is not supported (open_clip uses "
+            "1e-5)"
         )
     if c["hidden_size"] % c["num_attention_heads"]:
         raise ValueError(
@@ -328,7 +315,8 @@ def _common_checks(component: str, c: dict) -> None:
 
 
 def clip_model_cfg(text: dict, vision: Optional[dict]) -> dict:
-    """open_clip model config from transformers text (and optional vision) configs (``config.json`` dicts)."""
+    """open_clip model config from transformers text (and optional vision) configs (``config.json``
+    dicts)."""
     t = _sub_config(text, "text_config", TEXT_DEFAULTS)
     _common_checks("text_encoder", t)
     if t["eos_token_id"] not in (2, t["vocab_size"] - 1):
@@ -360,8 +348,8 @@ def clip_model_cfg(text: dict, vision: Optional[dict]) -> dict:
             )
         if int(v["projection_dim"]) != embed_dim:
             raise ValueError(
-                f"image_encoder: projection_dim {v['projection_dim']} != text_encoder projection_dim "
-                f"{embed_dim}"
+                f"image_encoder: projection_dim {v['projection_dim']} != text_encoder "
+                f"projection_dim {embed_dim}"
             )
         if int(v["num_channels"]) != 3:
             raise ValueError(
@@ -381,8 +369,9 @@ def clip_model_cfg(text: dict, vision: Optional[dict]) -> dict:
 
 def clip_from_transformers(
     root: Path, has_image_encoder: bool, feature_extractor: Optional[dict] = None
-) -> FrozenCLIP:
-    """FrozenCLIP from ``root/text_encoder``, ``root/tokenizer`` and (optionally) ``root/image_encoder``."""
+) -> CLIP:
+    """A :class:`~unclip.clip.CLIP` from ``root/text_encoder``, ``root/tokenizer`` and (optionally)
+    ``root/image_encoder``."""
     text_cfg = read_json(root / "text_encoder" / "config.json", "text_encoder")
     vision_cfg = (
         read_json(root / "image_encoder" / "config.json", "image_encoder")
@@ -390,7 +379,7 @@ def clip_from_transformers(
         else None
     )
     model_cfg = clip_model_cfg(text_cfg, vision_cfg)
-    model = _build_model(model_cfg)
+    model = build_open_clip_model(model_cfg)
     expected = model.state_dict()
     text_layers = model_cfg["text_cfg"]["layers"]
     parts = [
@@ -416,7 +405,7 @@ def clip_from_transformers(
     if feature_extractor is not None:
         _check_feature_extractor(feature_extractor, model_cfg["vision_cfg"]["image_size"])
     tok_cfg = {"pad_token": pad}
-    clip = FrozenCLIP(
+    clip = CLIP(
         model,
         CompatTokenizer(model_cfg["text_cfg"]["context_length"], pad),
         "transformers-clip",
@@ -438,7 +427,8 @@ def _check_feature_extractor(cfg: dict, image_size: int) -> None:
     ):
         if key in cfg and any(abs(a - b) > 1e-4 for a, b in zip(cfg[key], ref)):
             raise ValueError(
-                f"feature_extractor: {key} {cfg[key]} differs from CLIP's {list(ref)}; not supported"
+                f"feature_extractor: {key} {cfg[key]} differs from CLIP's {list(ref)}; not "
+                "supported"
             )
     crop = cfg.get("crop_size", image_size)
     crop = crop.get("height", image_size) if isinstance(crop, dict) else crop
@@ -448,7 +438,7 @@ def _check_feature_extractor(cfg: dict, image_size: int) -> None:
         )
 
 
-def text_config_to_transformers(clip: FrozenCLIP) -> dict:
+def text_config_to_transformers(clip: CLIP) -> dict:
     """``CLIPTextConfig`` kwargs for the open_clip text tower of ``clip``."""
     tc = clip.model_cfg["text_cfg"]
     width = int(tc.get("width", 512))

@@ -1,48 +1,48 @@
 """Karlo / diffusers unCLIP interop: import a diffusers ``UnCLIPPipeline`` folder, export to one.
 
-    pipe = load_diffusers_unclip("karlo-v1-alpha")      # or UnCLIPPipeline.from_pretrained(...)
-    export_diffusers(pipe, "out/karlo-diffusers")       # diffusers.UnCLIPPipeline.from_pretrained loads it
+    pipe = load_diffusers_unclip("karlo-v1-alpha")  # or UnCLIPPipeline.from_pretrained(...)
+    export_diffusers(pipe, "out/karlo-diffusers")   # diffusers' UnCLIPPipeline loads it
+    convert("karlo-v1-alpha", "karlo-unclip")       # both in one call, as `unclip convert` does
 
-    unclip convert karlo-v1-alpha karlo-unclip                     # diffusers/Karlo → native unclip folder
-    unclip convert my-unclip my-diffusers --to diffusers           # native unclip → diffusers folder
+    unclip convert karlo-v1-alpha karlo-unclip            # diffusers/Karlo → native unclip folder
+    unclip convert my-unclip my-diffusers --to diffusers  # native unclip → diffusers folder
 
 Component mapping (diffusers → unclip):
 
-=========================================  ===================================================
-``text_encoder`` (CLIPTextModelWithProjection)  open_clip text tower (:mod:`unclip.interop.clip`)
-``tokenizer`` (CLIPTokenizer)               :class:`~unclip.clip.CompatTokenizer` (checked: same BPE)
-``image_encoder`` (variations layout only)  open_clip vision tower; otherwise a placeholder and
-                                            ``FrozenCLIP.has_vision=False``
-``prior`` (PriorTransformer, clip_mean/std) ``UnCLIPPrior.transformer`` (``text_token_proj`` = identity)
-``decoder`` (UNet2DConditionModel)          ``UnCLIPDecoder.unet``
-``text_proj`` (UnCLIPTextProjModel)         ``UnCLIPDecoder`` glue (see :data:`TEXT_PROJ`)
-``super_res_first`` / ``super_res_last``    ``UnCLIPUpsampler.unet`` / ``.final_unet`` (no noise-level input)
-``*_scheduler`` (UnCLIPScheduler)           ``diffusion``/``sampling`` settings with sampler ``unclip``
-                                            and ``prior_clip_range``
-=========================================  ===================================================
+* ``text_encoder`` (CLIPTextModelWithProjection) → open_clip text tower (:mod:`unclip.interop.clip`)
+* ``tokenizer`` (CLIPTokenizer) → :class:`~unclip.clip.CompatTokenizer` (checked: same BPE)
+* ``image_encoder`` (variations layout only) → open_clip vision tower; otherwise a placeholder and
+  ``CLIP.has_vision=False``
+* ``prior`` (PriorTransformer, clip_mean/std) → ``UnCLIPPrior.transformer``
+  (``text_token_proj`` = identity)
+* ``decoder`` (UNet2DConditionModel) → ``UnCLIPDecoder.unet``
+* ``text_proj`` (UnCLIPTextProjModel) → ``UnCLIPDecoder`` glue (see :data:`TEXT_PROJ`)
+* ``super_res_first`` / ``super_res_last`` → ``UnCLIPUpsampler.unet`` / ``.final_unet`` (no
+  noise-level input)
+* ``*_scheduler`` (UnCLIPScheduler) → ``diffusion``/``sampling`` settings with sampler ``unclip``
+  and ``prior_clip_range``
 
 Converted pipelines keep Karlo's conventions (raw, un-normalised CLIP embeddings; no clamping of the
-upsampled low-res image) and sample with the ``unclip`` sampler using diffusers' default steps and guidance,
-so ``pipe(prompts, generator=torch.Generator().manual_seed(s))`` reproduces diffusers' images for the same
-seed (one generator is drawn from in the same order: prior, decoder, super-res).
+upsampled low-res image) and sample with the ``unclip`` sampler using diffusers' default steps and
+guidance, so ``pipe(prompts, generator=torch.Generator().manual_seed(s))`` reproduces diffusers'
+images for the same seed (one generator is drawn from in the same order: prior, decoder, super-res).
 
 Export writes exactly what diffusers' ``UnCLIPPipeline`` can express: one prior, a learned-variance
 decoder whose text width equals the CLIP embedding size, and exactly ONE upsampling stage without
 noise-level conditioning (``super_res_last`` is the upsampler's ``final_unet``, or a copy of its
 ``unet``). Anything else raises ``ValueError`` listing every part that cannot be expressed. Sampling
-defaults (steps, guidance, ``best_of``) are not part of a diffusers folder. The exported tokenizer cleans
-text like transformers' ``CLIPTokenizer`` (NFC, no ftfy), which differs from open_clip's only for rare
-inputs (curly quotes, HTML entities, mojibake) of natively trained pipelines.
+defaults (steps, guidance, ``best_of``) are not part of a diffusers folder. The exported tokenizer
+cleans text like transformers' ``CLIPTokenizer`` (NFC, no ftfy), which differs from open_clip's only
+for rare inputs (curly quotes, HTML entities, mojibake) of natively trained pipelines.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from diffusers import PriorTransformer, UnCLIPScheduler, UNet2DConditionModel, UNet2DModel
@@ -63,7 +63,7 @@ from unclip.interop.clip import (
 from unclip.pipeline import UnCLIPPipeline
 from unclip.prior import UnCLIPPrior
 
-__all__ = ["load_diffusers_unclip", "export_diffusers", "export_problems", "main", "TEXT_PROJ"]
+__all__ = ["load_diffusers_unclip", "export_diffusers", "export_problems", "convert", "TEXT_PROJ"]
 
 # UnCLIPDecoder glue ↔ diffusers UnCLIPTextProjModel parameter prefixes
 TEXT_PROJ = (
@@ -104,7 +104,7 @@ DIFFUSERS_SAMPLING = {
 }  # diffusers' defaults
 
 
-# ============================================================================================ helpers
+# ========================================================================================== helpers
 def _norm(v):
     if isinstance(v, (list, tuple)):
         return tuple(_norm(x) for x in v)
@@ -120,7 +120,8 @@ def _with_defaults(cls, cfg: dict) -> dict:
 
 
 def _check_config(component: str, src: dict, built, what: str) -> None:
-    """Every setting of the module unclip built must equal the source config's (defaults filled in)."""
+    """Every setting of the module unclip built must equal the source config's (defaults filled
+    in)."""
     for key, value in built.items():
         if key.startswith("_") or key not in src:
             continue
@@ -140,7 +141,8 @@ def _square(component: str, size) -> int:
 
 
 def decoder_to_diffusers(state: dict) -> dict[str, dict]:
-    """``UnCLIPDecoder`` state → ``{"decoder": UNet2DConditionModel state, "text_proj": UnCLIPTextProjModel state}``."""
+    """``UnCLIPDecoder`` state → ``{"decoder": UNet2DConditionModel state, "text_proj":
+    UnCLIPTextProjModel state}``."""
     out = {"decoder": {}, "text_proj": {}}
     for key, value in state.items():
         if key.startswith("unet."):
@@ -172,7 +174,7 @@ def _load_parts(root: Path, expected: dict[str, dict]) -> dict[str, dict]:
     return parts
 
 
-# ============================================================================================ import
+# =========================================================================================== import
 def _read_index(root: Path) -> tuple[str, set]:
     index = read_json(root / "model_index.json", "model_index.json")
     kind = index.get("_class_name")
@@ -196,7 +198,8 @@ def _read_index(root: Path) -> tuple[str, set]:
         allowed = {**required, **optional}[name]
         if entry[1] not in allowed:
             raise ValueError(
-                f"{name}: model_index.json gives class {entry[1]!r}; expected {' or '.join(allowed)}"
+                f"{name}: model_index.json gives class {entry[1]!r}; expected "
+                f"{' or '.join(allowed)}"
             )
         present.add(name)
     for name in required:
@@ -213,21 +216,30 @@ def _read_index(root: Path) -> tuple[str, set]:
     return kind, present
 
 
-def _load_prior(root: Path, clip) -> UnCLIPPrior:
-    cfg = _with_defaults(PriorTransformer, read_json(root / "prior" / "config.json", "prior"))
-    dim, ctx = int(cfg["embedding_dim"]), int(cfg["num_embeddings"])
+def _check_clip_widths(component: str, key: str, dim: int, clip, why: str) -> None:
+    """``dim`` (the component's config ``key``) must be both the CLIP embedding size and the text
+    width; ``why`` ends the message when the text width differs."""
     if dim != clip.embed_dim:
         raise ValueError(
-            f"prior: config embedding_dim = {dim} but the text_encoder projection_dim is {clip.embed_dim}"
+            f"{component}: config {key} = {dim} but the text_encoder projection_dim is "
+            f"{clip.embed_dim}"
         )
     if clip.text_width != dim:
         raise ValueError(
-            f"prior: config embedding_dim = {dim} but the text_encoder hidden_size is {clip.text_width}; "
-            f"diffusers' prior consumes the text states at the embedding width"
+            f"{component}: config {key} = {dim} but the text_encoder hidden_size is "
+            f"{clip.text_width}{why}"
         )
+
+
+def _load_prior(root: Path, clip) -> UnCLIPPrior:
+    cfg = _with_defaults(PriorTransformer, read_json(root / "prior" / "config.json", "prior"))
+    dim, ctx = int(cfg["embedding_dim"]), int(cfg["num_embeddings"])
+    why = "; diffusers' prior consumes the text states at the embedding width"
+    _check_clip_widths("prior", "embedding_dim", dim, clip, why)
     if ctx != clip.context_length:
         raise ValueError(
-            f"prior: config num_embeddings = {ctx} but the text context length is {clip.context_length}"
+            f"prior: config num_embeddings = {ctx} but the text context length is "
+            f"{clip.context_length}"
         )
     prior = UnCLIPPrior(
         embed_dim=dim,
@@ -254,20 +266,12 @@ def _load_decoder(root: Path, clip) -> UnCLIPDecoder:
         UnCLIPTextProjModel, read_json(root / "text_proj" / "config.json", "text_proj")
     )
     dim = int(tp["clip_embeddings_dim"])
-    if dim != clip.embed_dim:
-        raise ValueError(
-            f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder projection_dim is "
-            f"{clip.embed_dim}"
-        )
-    if clip.text_width != dim:
-        raise ValueError(
-            f"text_proj: config clip_embeddings_dim = {dim} but the text_encoder hidden_size is "
-            f"{clip.text_width} (diffusers projects the text states with a {dim}-wide layer)"
-        )
+    why = f" (diffusers projects the text states with a {dim}-wide layer)"
+    _check_clip_widths("text_proj", "clip_embeddings_dim", dim, clip, why)
     if cfg["out_channels"] not in (3, 6) or cfg["in_channels"] != 3:
         raise ValueError(
-            f"decoder: config in_channels/out_channels = {cfg['in_channels']}/{cfg['out_channels']}; "
-            f"expected 3/6 (learned variance) or 3/3"
+            f"decoder: config in_channels/out_channels = "
+            f"{cfg['in_channels']}/{cfg['out_channels']}; expected 3/6 (learned variance) or 3/3"
         )
     kwargs = dict(
         embed_dim=dim,
@@ -352,7 +356,8 @@ def _load_upsampler(root: Path, decoder: UnCLIPDecoder) -> UnCLIPUpsampler:
 
 
 def _load_scheduler(root: Path, component: str, stage: str, learned: bool):
-    """(DiffusionConfig, clip range) of a scheduler folder; the settings must be what ``make_scheduler`` builds."""
+    """(DiffusionConfig, clip range) of a scheduler folder; the settings must be what
+    ``make_scheduler`` builds."""
     folder = root / component
     file = folder / "scheduler_config.json"
     cfg = _with_defaults(UnCLIPScheduler, read_json(file, component))
@@ -382,7 +387,8 @@ def _load_scheduler(root: Path, component: str, stage: str, learned: bool):
 
 
 def load_diffusers_unclip(path: Union[str, Path]) -> UnCLIPPipeline:
-    """A diffusers ``UnCLIPPipeline`` (Karlo) or ``UnCLIPImageVariationPipeline`` folder → :class:`UnCLIPPipeline`.
+    """A diffusers ``UnCLIPPipeline`` (Karlo) or ``UnCLIPImageVariationPipeline`` folder →
+    :class:`UnCLIPPipeline`.
 
     Raises ``ValueError`` naming the component (and config key or weight) when the folder is not an
     unCLIP pipeline, a component is missing or unexpected, or a config/weight cannot be expressed.
@@ -428,7 +434,7 @@ def load_diffusers_unclip(path: Union[str, Path]) -> UnCLIPPipeline:
     return pipe
 
 
-# ============================================================================================ export
+# =========================================================================================== export
 _TEXT_CFG_DEFAULTS = {
     "ls_init_value": None,
     "embed_cls": False,
@@ -455,89 +461,98 @@ _TEXT_CFG_DEFAULTS = {
 
 
 def export_problems(pipe: UnCLIPPipeline) -> list[str]:
-    """Everything in ``pipe`` that diffusers' ``UnCLIPPipeline`` cannot express (empty: exportable)."""
-    from open_clip.model import CLIP
+    """Everything in ``pipe`` that diffusers' ``UnCLIPPipeline`` cannot express (empty:
+    exportable)."""
+    from open_clip.model import CLIP as OpenCLIPModel
     from open_clip.tokenizer import SimpleTokenizer
 
     out = []
     clip = pipe.clip
-    if not isinstance(clip.model, CLIP) or not isinstance(clip.tokenizer, SimpleTokenizer):
+    if not isinstance(clip.model, OpenCLIPModel) or not isinstance(clip.tokenizer, SimpleTokenizer):
         out.append(
-            "clip: only open_clip CLIP text towers with the CLIP BPE tokenizer map onto transformers' "
-            "CLIPTextModelWithProjection"
+            "clip: only open_clip CLIP text towers with the CLIP BPE tokenizer map onto "
+            "transformers' CLIPTextModelWithProjection"
         )
     for key, default in _TEXT_CFG_DEFAULTS.items():
         value = clip.model_cfg.get("text_cfg", {}).get(key, default)
         if value != default:
             out.append(
-                f"clip: text_cfg.{key} = {value!r} has no transformers CLIP equivalent (needs {default!r})"
+                f"clip: text_cfg.{key} = {value!r} has no transformers CLIP equivalent (needs "
+                f"{default!r})"
             )
     if clip.normalize_embeds:
         out.append(
-            "clip: normalize_embeds=True (L2-normalised CLIP embeddings); diffusers' UnCLIPPipeline feeds the "
-            "raw projected text embeddings to the prior and decoder, as Karlo does"
+            "clip: normalize_embeds=True (L2-normalised CLIP embeddings); diffusers' "
+            "UnCLIPPipeline feeds the raw projected text embeddings to the prior and decoder, as "
+            "Karlo does"
         )
     if pipe.prior is None:
         out.append("prior: the pipeline has no prior (diffusers' UnCLIPPipeline needs one)")
     elif not isinstance(pipe.prior.text_token_proj, torch.nn.Identity):
         out.append(
-            f"prior: text_token_proj projects the CLIP text width {clip.text_width} to the embedding size "
-            f"{clip.embed_dim}; diffusers' PriorTransformer takes text states at the embedding size"
+            f"prior: text_token_proj projects the CLIP text width {clip.text_width} to the "
+            f"embedding size {clip.embed_dim}; diffusers' PriorTransformer takes text states at "
+            "the embedding size"
         )
     dc = pipe.decoder.config
     if not dc.use_text_tokens:
         out.append(
-            "decoder: use_text_tokens=False; diffusers' text_proj always adds the caption token states"
+            "decoder: use_text_tokens=False; diffusers' text_proj always adds the caption token "
+            "states"
         )
     elif dc.text_width != dc.embed_dim:
         out.append(
-            f"decoder: text tokens are {dc.text_width} wide but the CLIP embedding is {dc.embed_dim}; "
-            f"diffusers' UnCLIPTextProjModel projects text states of the embedding width"
+            f"decoder: text tokens are {dc.text_width} wide but the CLIP embedding is "
+            f"{dc.embed_dim}; diffusers' UnCLIPTextProjModel projects text states of the embedding "
+            "width"
         )
     if dc.coord_channels:
         out.append(
-            "decoder: coord_channels=True (x/y coordinate input channels); diffusers' UnCLIPPipeline decoder "
-            "takes the 3-channel image only"
+            "decoder: coord_channels=True (x/y coordinate input channels); diffusers' "
+            "UnCLIPPipeline decoder takes the 3-channel image only"
         )
     if dc.embed_scale != 1.0:
         out.append(
-            f"decoder: embed_scale={dc.embed_scale} (embeddings scaled before projection); diffusers' "
-            f"UnCLIPTextProjModel projects them unscaled"
+            f"decoder: embed_scale={dc.embed_scale} (embeddings scaled before projection); "
+            f"diffusers' UnCLIPTextProjModel projects them unscaled"
         )
     if not dc.learned_variance:
         out.append(
-            "decoder: learned_variance=False; diffusers' UnCLIPPipeline splits the decoder output into mean "
-            "and variance (out_channels=6, learned_range)"
+            "decoder: learned_variance=False; diffusers' UnCLIPPipeline splits the decoder output "
+            "into mean and variance (out_channels=6, learned_range)"
         )
     if len(pipe.upsamplers) != 1:
         names = ", ".join(pipe.upsampler_names) or "none"
         out.append(
-            f"upsamplers: diffusers' UnCLIPPipeline has exactly one upsampling stage (super_res_first/"
-            f"super_res_last); this pipeline has {len(pipe.upsamplers)} ({names})"
+            f"upsamplers: diffusers' UnCLIPPipeline has exactly one upsampling stage "
+            f"(super_res_first/super_res_last); this pipeline has {len(pipe.upsamplers)} ({names})"
         )
     for name, up in zip(pipe.upsampler_names, pipe.upsamplers):
         if up.config.noise_level_conditioning or up.config.noise_level:
             out.append(
-                f"{name}: noise-level conditioning (noise_level_conditioning / noise_level) does not exist in "
-                f"diffusers' super-res UNets"
+                f"{name}: noise-level conditioning (noise_level_conditioning / noise_level) does "
+                f"not exist in diffusers' super-res UNets"
             )
         if up.config.clamp_low_res:
             out.append(
-                f"{name}: clamp_low_res=True; diffusers does not clamp the bicubic-upsampled low-res image"
+                f"{name}: clamp_low_res=True; diffusers does not clamp the bicubic-upsampled "
+                "low-res image"
             )
     for stage, d in pipe.diffusion.items():
         if d.beta_schedule != "squaredcos_cap_v2" or d.prediction_type not in ("epsilon", "sample"):
             out.append(
-                f"{stage}: {d.beta_schedule} / {d.prediction_type} cannot be sampled by UnCLIPScheduler "
-                f"(squaredcos_cap_v2 with epsilon or sample prediction only)"
+                f"{stage}: {d.beta_schedule} / {d.prediction_type} cannot be sampled by "
+                f"UnCLIPScheduler (squaredcos_cap_v2 with epsilon or sample prediction only)"
             )
     return out
 
 
 def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
-    """Write ``pipe`` as a diffusers ``UnCLIPPipeline`` folder (needs ``transformers``); returns ``out_dir``.
+    """Write ``pipe`` as a diffusers ``UnCLIPPipeline`` folder (needs ``transformers``); returns
+    ``out_dir``.
 
-    Raises ``ValueError`` listing every part of ``pipe`` that diffusers cannot express (see module doc).
+    Raises ``ValueError`` listing every part of ``pipe`` that diffusers cannot express (see module
+    doc).
     """
     problems = export_problems(pipe)
     if problems:
@@ -602,8 +617,9 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
     )
     out_dir = Path(out_dir)
     out.save_pretrained(str(out_dir), safe_serialization=True)
-    # diffusers >= 0.2x records text_proj as ("diffusers", ...) which its loader cannot resolve (the class is
-    # not exported at top level); name its module, which diffusers resolves once its UnCLIPPipeline is imported
+    # diffusers >= 0.2x records text_proj as ("diffusers", ...) which its loader cannot resolve (the
+    # class is not exported at top level); name its module, which diffusers resolves once its
+    # UnCLIPPipeline is imported
     index_file = out_dir / "model_index.json"
     index = json.loads(index_file.read_text())
     index["text_proj"] = [type(text_proj).__module__, type(text_proj).__name__]
@@ -611,56 +627,37 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
     return out_dir
 
 
-# ============================================================================================ CLI
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="unclip convert",
-        description="Convert between diffusers/Karlo unCLIP folders and native unclip pipeline folders.",
-    )
-    parser.add_argument(
-        "src",
-        help="source folder (diffusers/Karlo for --to unclip; unclip or diffusers for "
-        "--to diffusers)",
-    )
-    parser.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
-    parser.add_argument(
-        "--to",
-        choices=("unclip", "diffusers"),
-        default="unclip",
-        help="target format (default: unclip)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="write into a non-empty output folder"
-    )
-    args = parser.parse_args(argv)
-    src, dst = Path(args.src), Path(args.dst)
+# ========================================================================================== convert
+def convert(
+    src: Union[str, Path], dst: Union[str, Path], to: str = "unclip", overwrite: bool = False
+) -> UnCLIPPipeline:
+    """Convert the pipeline folder ``src`` into ``dst`` and return the converted pipeline.
+
+    ``to="unclip"``: ``src`` is a diffusers/Karlo folder (with ``model_index.json``), ``dst``
+    becomes a native unclip pipeline folder. ``to="diffusers"``: ``src`` is any folder
+    ``UnCLIPPipeline.from_pretrained`` loads, ``dst`` becomes a diffusers ``UnCLIPPipeline``
+    folder. ``dst`` is created; it must be empty unless ``overwrite``.
+    """
+    if to not in ("unclip", "diffusers"):
+        raise ValueError(f"to must be 'unclip' or 'diffusers', got {to!r}")
+    src, dst = Path(src), Path(dst)
     if not src.is_dir():
-        parser.error(f"source folder not found: {src}")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.overwrite:
-        parser.error(
+        raise FileNotFoundError(f"source folder not found: {src}")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
+        raise ValueError(
             f"output {dst} exists and is not an empty folder; pass --overwrite to write into it"
         )
     if src.resolve() == dst.resolve():
-        parser.error("source and output folders must differ")
-    try:
-        if args.to == "unclip":
-            if not (src / "model_index.json").is_file():
-                parser.error(
-                    f"{src} has no model_index.json, so it is not a diffusers/Karlo folder; to export a "
-                    f"native unclip folder use --to diffusers"
-                )
-            pipe = load_diffusers_unclip(src)
-            pipe.save_pretrained(dst)
-            print(f"wrote unclip pipeline {dst} (stages: {', '.join(pipe.stage_names)})")
-        else:
-            pipe = UnCLIPPipeline.from_pretrained(src)
-            export_diffusers(pipe, dst)
-            names = sorted(p.name for p in dst.iterdir() if p.is_dir())
-            print(f"wrote diffusers UnCLIPPipeline {dst} (components: {', '.join(names)})")
-    except (ValueError, FileNotFoundError, ImportError) as exc:
-        parser.error(str(exc))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        raise ValueError("source and output folders must differ")
+    if to == "diffusers":
+        pipe = UnCLIPPipeline.from_pretrained(src)
+        export_diffusers(pipe, dst)
+        return pipe
+    if not (src / "model_index.json").is_file():
+        raise ValueError(
+            f"{src} has no model_index.json, so it is not a diffusers/Karlo folder; to export a "
+            f"native unclip folder use --to diffusers"
+        )
+    pipe = load_diffusers_unclip(src)
+    pipe.save_pretrained(dst)
+    return pipe

@@ -1,32 +1,35 @@
 """Image sources paired with their precomputed CLIP embeddings (``data.embeddings_path``).
 
-``unclip embed --source webdataset`` writes one embedding shard per tar shard (tar shard ``i`` of the
-expanded ``--data`` pattern ↔ ``img_emb_{i}.npy`` / ``text_emb_{i}.npy`` / ``metadata_{i}.jsonl``), one row
-per readable sample, in the tar's order, keyed by the sample's ``__key__``. ``--source folder`` writes
-the images (sorted by path) in consecutive shards keyed by their path relative to the folder without the
-suffix. Training the decoder (or an upsampler) from the same images with ``data.embeddings_path`` set
-streams the images exactly as :class:`~unclip.train.data.sources.WebDatasetStream` /
-:class:`~unclip.train.data.sources.FolderStream` do (same order, worker/rank split and exact resume) and adds
-each sample's ``image_embed`` and ``text_embed`` (float32 ``[D]``) and ``key`` from its embedding row,
-so the frozen CLIP does not run on the images during training.
+``unclip embed --source webdataset`` writes one embedding shard per tar shard (tar shard ``i`` of
+the expanded ``--data`` pattern ↔ ``img_emb_{i}.npy`` / ``text_emb_{i}.npy`` /
+``metadata_{i}.jsonl``), one row per readable sample, in the tar's order, keyed by the sample's
+``__key__``. ``--source folder`` writes the images (sorted by path) in consecutive shards keyed by
+their path relative to the folder without the suffix. Training the decoder (or an upsampler) from
+the same images with ``data.embeddings_path`` set streams the images exactly as
+:class:`~unclip.train.data.sources.WebDatasetStream` /
+:class:`~unclip.train.data.sources.FolderStream` do (same order, worker/rank split and exact resume)
+and adds each sample's ``image_embed`` and ``text_embed`` (float32 ``[D]``) and ``key`` from its
+embedding row, so the frozen CLIP does not run on the images during training.
 
-The pairing is checked, and a mismatch raises ``ValueError`` naming the shard and the first mismatched key:
+The pairing is checked, and a mismatch raises ``ValueError`` naming the shard and the first
+mismatched key:
 
 * when the stream is built (before training starts): the embedding shards line up with each other
-  (:class:`~unclip.train.data.sources.EmbeddingStream`'s checks), there is exactly one embedding shard per tar
-  shard, and — for every local tar (its member headers are read, not its data) — the shard has no more
-  rows than the tar has samples and its row keys are the tar's keys in the tar's order, apart from tar
-  samples that ``unclip embed`` skipped as bad; for a folder, the row keys of all shards, in shard order,
-  are image keys of the folder in sorted order. Rows are allowed to be missing only because their
-  samples are bad, which is only known when they are decoded, hence:
+  (:class:`~unclip.train.data.sources.EmbeddingStream`'s checks), there is exactly one embedding
+  shard per tar shard, and — for every local tar (its member headers are read, not its data) — the
+  shard has no more rows than the tar has samples and its row keys are the tar's keys in the tar's
+  order, apart from tar samples that ``unclip embed`` skipped as bad; for a folder, the row keys of
+  all shards, in shard order, are image keys of the folder in sorted order. Rows are allowed to be
+  missing only because their samples are bad, which is only known when they are decoded, hence:
 * as samples stream: every readable sample (image and caption) must have a row with its key in *its*
-  shard, and the row's caption must equal the sample's caption (img2dataset keys are sequence numbers,
-  so equal keys alone do not prove the embeddings belong to these images).
+  shard, and the row's caption must equal the sample's caption (img2dataset keys are sequence
+  numbers, so equal keys alone do not prove the embeddings belong to these images).
 
-A sample whose image or caption is bad is skipped and counted as usual; so is a sample whose embedding
-row is non-finite. Tars behind ``pipe:`` or remote URLs cannot be listed cheaply; for them only the shard
-count is checked up front and the keys as samples stream. The up-front check is cached per process
-(keyed by the files' sizes and modification times), so DataLoader workers forked after it do not repeat it.
+A sample whose image or caption is bad is skipped and counted as usual; so is a sample whose
+embedding row is non-finite. Tars behind ``pipe:`` or remote URLs cannot be listed cheaply; for them
+only the shard count is checked up front and the keys as samples stream. The up-front check is
+cached per process (keyed by the files' sizes and modification times), so DataLoader workers forked
+after it do not repeat it.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_e
 
 
 def local_tar(url: str) -> Optional[Path]:
-    """The local file behind a shard URL (plain path or ``file:``), or ``None`` for pipe:/remote URLs."""
+    """The local file behind a shard URL (plain path or ``file:``), or ``None`` for pipe:/remote
+    URLs."""
     if url.startswith("file:"):
         url = url[len("file:") :]
     if url.startswith("pipe:") or "://" in url:
@@ -97,7 +101,8 @@ def _first_divergence(rows: Sequence[str], tar: Sequence[str], fallback: str) ->
 
 
 class EmbeddingTable:
-    """Read side of an ``unclip embed`` folder for pairing: validated shards, per-shard key → row lookups."""
+    """Read side of an ``unclip embed`` folder for pairing: validated shards, per-shard key → row
+    lookups."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -132,19 +137,21 @@ class EmbeddingTable:
             key = meta.get("key")
             if not isinstance(key, str):
                 raise ValueError(
-                    f"{self.path}: shard {shard}: metadata_{shard}.jsonl row {r} has no string 'key' "
-                    f"(got {key!r}); pairing images with embeddings needs the sample keys"
+                    f"{self.path}: shard {shard}: metadata_{shard}.jsonl row {r} has no string "
+                    f"'key' (got {key!r}); pairing images with embeddings needs the sample keys"
                 )
             if key in seen:
                 raise ValueError(
-                    f"{self.path}: shard {shard}: key {key!r} appears twice in metadata_{shard}.jsonl"
+                    f"{self.path}: shard {shard}: key {key!r} appears twice in "
+                    f"metadata_{shard}.jsonl"
                 )
             seen.add(key)
             keys.append(key)
         return keys
 
     def shard(self, i: int) -> tuple[dict, list, np.ndarray, np.ndarray]:
-        """``(key → row, captions, img_emb, text_emb)`` of shard ``i`` (memory-mapped, a few shards cached)."""
+        """``(key → row, captions, img_emb, text_emb)`` of shard ``i`` (memory-mapped, a few shards
+        cached)."""
         if i in self._loaded:
             self._loaded.move_to_end(i)
             return self._loaded[i]
@@ -161,22 +168,23 @@ class EmbeddingTable:
         return entry
 
     def row(self, shard: int, key: str, caption: str, where: str) -> dict:
-        """The embedding entries of ``key`` in ``shard``; ``ValueError`` if missing or for another caption,
-        ``BadSample`` if non-finite."""
+        """The embedding entries of ``key`` in ``shard``; ``ValueError`` if missing or for another
+        caption, ``BadSample`` if non-finite."""
         index, captions, img, txt = self.shard(shard)
         r = index.get(key)
         if r is None:
             raise ValueError(
-                f"{where}: the image and embedding shards do not line up: sample key {key!r} has no row in "
-                f"embedding shard {shard} ({self.files['metadata'][shard]}); first mismatched key {key!r}. "
-                f"Re-run `unclip embed` on exactly these images (same shard list/order, no --num) or fix "
-                f"data.path / data.embeddings_path"
+                f"{where}: the image and embedding shards do not line up: sample key {key!r} has "
+                f"no row in embedding shard {shard} ({self.files['metadata'][shard]}); first "
+                f"mismatched key {key!r}. Re-run `unclip embed` on exactly these images (same "
+                f"shard list/order, no --num) or fix data.path / data.embeddings_path"
             )
         if captions[r] != caption:
             raise ValueError(
-                f"{where}: the image and embedding shards do not line up: embedding shard {shard} row {r} (key "
-                f"{key!r}) was computed for the caption {captions[r]!r} but the sample's caption is {caption!r}; "
-                f"first mismatched key {key!r}. The embeddings belong to other data; re-run `unclip embed`"
+                f"{where}: the image and embedding shards do not line up: embedding shard {shard} "
+                f"row {r} (key {key!r}) was computed for the caption {captions[r]!r} but the "
+                f"sample's caption is {caption!r}; first mismatched key {key!r}. The embeddings "
+                "belong to other data; re-run `unclip embed`"
             )
         image_embed, text_embed = (
             np.asarray(img[r], dtype=np.float32),
@@ -197,9 +205,28 @@ def _once(signature: tuple, check) -> None:
         _CHECKED.add(signature)
 
 
-class PairedWebDatasetStream(WebDatasetStream):
-    """:class:`WebDatasetStream` samples plus ``image_embed``/``text_embed``/``key`` from the embedding shard
-    of each sample's tar (module doc). Same arguments plus ``embeddings``: the ``unclip embed`` folder."""
+class _Paired:
+    """What both paired streams add to their image stream: the embedding table's row of each
+    sample."""
+
+    table: EmbeddingTable
+
+    def describe(self) -> str:
+        return f"{super().describe()} paired with embeddings {self.table.path}"
+
+    def _with_row(self, image, caption: str, shard: int, key: str, source) -> tuple:
+        where = f"{self.table.path}: shard {shard} ({source})"
+        return image, caption, self.table.row(shard, key, caption, where)
+
+    def _sample(self, value) -> dict:
+        image, caption, embeds = value
+        return {**super()._sample((image, caption)), **embeds}
+
+
+class PairedWebDatasetStream(_Paired, WebDatasetStream):
+    """:class:`WebDatasetStream` samples plus ``image_embed``/``text_embed``/``key`` from the
+    embedding shard of each sample's tar (module doc). Same arguments plus ``embeddings``: the
+    ``unclip embed`` folder."""
 
     def __init__(self, urls, resolution: int, embeddings, **kw):
         super().__init__(urls, resolution, **kw)
@@ -219,23 +246,22 @@ class PairedWebDatasetStream(WebDatasetStream):
         )
         _once(sig, self._check_pairing)
 
-    def describe(self) -> str:
-        return f"{super().describe()} paired with embeddings {self.table.path}"
-
     def _check_pairing(self) -> None:
         t, n = self.table, len(self.urls)
         if t.shards != list(range(n)):
             missing = [i for i in range(n) if i not in t.shards]
             extra = [i for i in t.shards if i >= n]
             first = (
-                f"tar shard {missing[0]} ({self.urls[missing[0]]}) has no embedding shard img_emb_{missing[0]}.npy"
+                f"tar shard {missing[0]} ({self.urls[missing[0]]}) has no embedding shard "
+                f"img_emb_{missing[0]}.npy"
                 if missing
                 else f"embedding shard {extra[0]} has no tar shard"
             )
             raise ValueError(
-                f"data.embeddings_path {t.path} holds {len(t.shards)} embedding shard(s) but data.path expands to "
-                f"{n} tar shard(s) ({self.urls[0]} …): the image and embedding shards do not line up; {first}. "
-                f"Embed exactly the shards you train on (`unclip embed --source webdataset --data <data.path>`)"
+                f"data.embeddings_path {t.path} holds {len(t.shards)} embedding shard(s) but "
+                f"data.path expands to {n} tar shard(s) ({self.urls[0]} …): the image and "
+                f"embedding shards do not line up; {first}. Embed exactly the shards you train on "
+                "(`unclip embed --source webdataset --data <data.path>`)"
             )
         for i, url in enumerate(self.urls):
             keys = t.keys(i)
@@ -257,8 +283,9 @@ class PairedWebDatasetStream(WebDatasetStream):
                 in_tar = set(tar)
                 extra = next((k for k in keys if k not in in_tar), keys[len(tar)])
                 raise ValueError(
-                    f"{where}: the image and embedding shards do not line up: embedding shard {i} has "
-                    f"{len(keys)} rows but the tar holds {len(tar)} samples; first mismatched key {extra!r}"
+                    f"{where}: the image and embedding shards do not line up: embedding shard {i} "
+                    f"has {len(keys)} rows but the tar holds {len(tar)} samples; first mismatched "
+                    f"key {extra!r}"
                 )
             pos = {k: j for j, k in enumerate(tar)}
             at = -1
@@ -267,8 +294,9 @@ class PairedWebDatasetStream(WebDatasetStream):
                 if j is None or j <= at:
                     why = "is not in the tar" if j is None else "is out of the tar's order"
                     raise ValueError(
-                        f"{where}: the image and embedding shards do not line up: row {r} of metadata_{i}.jsonl has "
-                        f"key {key!r}, which {why}; first mismatched key {_first_divergence(keys, tar, key)}"
+                        f"{where}: the image and embedding shards do not line up: row {r} of "
+                        f"metadata_{i}.jsonl has key {key!r}, which {why}; first mismatched key "
+                        f"{_first_divergence(keys, tar, key)}"
                     )
                 at = j
 
@@ -278,22 +306,15 @@ class PairedWebDatasetStream(WebDatasetStream):
         shard = self.url_index.get(url)
         if shard is None:
             raise ValueError(
-                f"{self.describe()}: sample {key!r} comes from {url!r}, which is not one of the shards"
+                f"{self.describe()}: sample {key!r} comes from {url!r}, which is not one of the "
+                "shards"
             )
-        return (
-            image,
-            caption,
-            self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({url})"),
-        )
-
-    def _sample(self, value) -> dict:
-        image, caption, embeds = value
-        return {**super()._sample((image, caption)), **embeds}
+        return self._with_row(image, caption, shard, key, url)
 
 
-class PairedFolderStream(FolderStream):
-    """:class:`FolderStream` samples plus ``image_embed``/``text_embed``/``key`` from the embedding row whose
-    key is the image's path relative to the folder without its suffix (module doc)."""
+class PairedFolderStream(_Paired, FolderStream):
+    """:class:`FolderStream` samples plus ``image_embed``/``text_embed``/``key`` from the embedding
+    row whose key is the image's path relative to the folder without its suffix (module doc)."""
 
     def __init__(self, path, resolution: int, embeddings, **kw):
         super().__init__(path, resolution, **kw)
@@ -304,9 +325,6 @@ class PairedFolderStream(FolderStream):
         self._first_keys, self._first_shards = [k for k, _ in firsts], [i for _, i in firsts]
         sig = ("folder", str(self.path), tuple(str(f) for f in self.files), self.table.signature())
         _once(sig, self._check_pairing)
-
-    def describe(self) -> str:
-        return f"{super().describe()} paired with embeddings {self.table.path}"
 
     def key_of(self, file: Path) -> str:
         return file.relative_to(self.path).with_suffix("").as_posix()
@@ -322,7 +340,8 @@ class PairedFolderStream(FolderStream):
                 where = f"{self.table.path}: shard {i}"
                 if key in seen:
                     raise ValueError(
-                        f"{where}: key {key!r} also appears in shard {seen[key]}; first mismatched key {key!r}"
+                        f"{where}: key {key!r} also appears in shard {seen[key]}; first mismatched "
+                        f"key {key!r}"
                     )
                 seen[key] = i
                 j = pos.get(key)
@@ -333,8 +352,9 @@ class PairedFolderStream(FolderStream):
                         else "is out of the folder's sorted order"
                     )
                     raise ValueError(
-                        f"{where}: the image folder and the embedding shards do not line up: row {r} of "
-                        f"metadata_{i}.jsonl has key {key!r}, which {why}; first mismatched key {key!r}"
+                        f"{where}: the image folder and the embedding shards do not line up: row "
+                        f"{r} of metadata_{i}.jsonl has key {key!r}, which {why}; first mismatched "
+                        f"key {key!r}"
                     )
                 at = j
 
@@ -345,22 +365,16 @@ class PairedFolderStream(FolderStream):
         if shard is None:  # name the shard whose key range should have held it
             k = bisect_right(self._first_keys, key) - 1
             shard = self._first_shards[max(k, 0)] if self._first_shards else self.table.shards[0]
-        return (
-            image,
-            caption,
-            self.table.row(shard, key, caption, f"{self.table.path}: shard {shard} ({file})"),
-        )
-
-    def _sample(self, value) -> dict:
-        image, caption, embeds = value
-        return {**super()._sample((image, caption)), **embeds}
+        return self._with_row(image, caption, shard, key, file)
 
 
 def paired_stream(data, resolution: int, **kw):
-    """The paired stream for ``data`` (a :class:`~unclip.config.DataConfig` with ``embeddings_path``)."""
+    """The paired stream for ``data`` (a :class:`~unclip.config.DataConfig` with
+    ``embeddings_path``)."""
     if data.source in ("webdataset", "folder") and not data.path:
         raise ValueError(
-            f"data.source={data.source!r} needs data.path (the images data.embeddings_path was computed from)"
+            f"data.source={data.source!r} needs data.path (the images data.embeddings_path was "
+            "computed from)"
         )
     if data.source == "webdataset":
         return PairedWebDatasetStream(

@@ -1,30 +1,37 @@
-"""Training data sources: image folders, img2dataset webdataset shards and precomputed CLIP embeddings.
+"""Training data sources: image folders, img2dataset webdataset shards and precomputed CLIP
+embeddings.
 
 Every source is a *sample stream*: an endless iterable of sample dicts, deterministic for
-``(seed, rank, world_size)`` and exactly resumable. Built with ``start=k`` (the number of samples this
-rank already consumed) a stream yields exactly the samples that a stream built with ``start=0`` yields
-after its first ``k``.
+``(seed, rank, world_size)`` and exactly resumable. Built with ``start=k`` (the number of samples
+this rank already consumed) a stream yields exactly the samples that a stream built with
+``start=0`` yields after its first ``k``.
 
 Samples
 -------
-* image sources: ``{"image": float32 [3, R, R] in [-1, 1], "caption": str, "skipped": int}``; the image
-  is converted to RGB, resized on the shorter side to ``R`` (bicubic, antialiased) and centre-cropped.
-* embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str, "skipped": int}``.
+* image sources: ``{"image": float32 [3, R, R] in [-1, 1], "caption": str, "skipped": int}``; the
+  image is converted to RGB, resized on the shorter side to ``R`` (bicubic, antialiased) and
+  centre-cropped.
+* embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str,
+  "skipped": int}``.
 
 ``skipped`` is the number of bad samples the stream dropped right before this one (unreadable image,
 missing or empty caption, non-finite embedding), so a trainer can sum it even when the stream runs
-inside DataLoader workers (:func:`collate` sums it per batch). Bad samples never raise; the first few
-are logged with the reason. A stream whose whole epoch is bad raises ``ValueError``.
+inside DataLoader workers (:func:`collate` sums it per batch). Bad samples never raise; the first
+few are logged with the reason. A stream whose whole epoch is bad raises ``ValueError``.
 
 Splitting the data
 ------------------
-The data is split across ``world_size * num_workers`` *consumers*. Worker ``w`` of rank ``r`` is consumer
-``c = r + w * world_size``; it takes positions ``p ≡ c (mod world_size * num_workers)`` of each epoch's
-order (files or rows) or, for webdataset, those shards of the epoch's shard order. The union over a
-rank's workers is therefore exactly "every ``world_size``-th item" for that rank. ``worker`` and
-``num_workers`` default to ``torch.utils.data.get_worker_info()`` (worker 0 of 1 in the main process);
-``start`` always counts the samples *this consumer* yielded. :class:`StreamDataset` converts a rank's
-consumed-sample count into per-worker starts for ``DataLoader(num_workers=k)``.
+The data is split across ``world_size * num_workers`` *consumers*. Worker ``w`` of rank ``r`` is
+consumer ``c = r + w * world_size``; it takes positions ``p ≡ c (mod world_size * num_workers)`` of
+each epoch's order (files or rows) or, for webdataset, those shards of the epoch's shard order. The
+union over a rank's workers is therefore exactly "every ``world_size``-th item" for that rank.
+``worker`` and ``num_workers`` default to ``torch.utils.data.get_worker_info()`` (worker 0 of 1 in
+the main process); ``start`` always counts the samples *this consumer* yielded.
+:class:`StreamDataset` converts a rank's consumed-sample count into per-worker starts for
+``DataLoader(num_workers=k)``.
+
+Every stream takes the keyword arguments ``seed``, ``rank``, ``world_size``, ``start`` (default 0),
+``worker`` and ``num_workers`` (default: from the DataLoader worker info) that define this split.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
+
+from unclip.images import list_images, resize_crop_tensor
 
 __all__ = [
     "FolderStream",
@@ -50,16 +58,13 @@ __all__ = [
     "collate",
     "image_to_tensor",
     "open_rgb",
-    "list_images",
     "expand_urls",
     "iter_tar_samples",
     "embedding_shards",
-    "IMAGE_EXTENSIONS",
 ]
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 _TAR_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 _MAX_LOGGED = 5
 
@@ -76,14 +81,14 @@ class _EpochEnd(int):
 # Decoding helpers (also used by ``unclip embed``)
 # --------------------------------------------------------------------------------------------------
 def open_rgb(src: Union[str, Path, bytes]) -> Image.Image:
-    """Fully decode an image file or encoded bytes to an RGB PIL image; raises ``BadSample`` if unreadable."""
+    """Fully decode an image file or encoded bytes to an RGB PIL image; raises ``BadSample`` if
+    unreadable."""
     try:
         with Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src) as im:
             im.load()
             return im.convert("RGB")
-    except (
-        Exception
-    ) as exc:  # PIL raises many types for broken data (OSError, SyntaxError, ValueError, ...)
+    # PIL raises many types for broken data (OSError, SyntaxError, ValueError, ...)
+    except Exception as exc:
         raise BadSample(f"unreadable image ({type(exc).__name__}: {exc})") from None
 
 
@@ -103,38 +108,17 @@ def check_caption(raw: Optional[Union[bytes, str]]) -> str:
 
 
 def image_to_tensor(image: Image.Image, resolution: int) -> torch.Tensor:
-    """PIL image → float32 ``[3, R, R]`` in [-1, 1]: RGB, shorter side to ``R`` (bicubic, antialias), centre crop."""
+    """PIL image → float32 ``[3, R, R]`` in [-1, 1]: RGB, shorter side to ``R`` (bicubic,
+    antialias), centre crop."""
     arr = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).unsqueeze(0).float().div_(255.0)
-    h, w = x.shape[-2:]
-    s = resolution / min(h, w)
-    nh, nw = max(resolution, round(h * s)), max(resolution, round(w * s))
-    if (nh, nw) != (h, w):
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
-    top, left = (nh - resolution) // 2, (nw - resolution) // 2
-    x = x[0, :, top : top + resolution, left : left + resolution].clamp_(0.0, 1.0)
+    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
+    x = resize_crop_tensor(x, resolution).clamp_(0.0, 1.0)
     return (x * 2.0 - 1.0).contiguous()
 
 
-def list_images(path: Union[str, Path]) -> list[Path]:
-    """Image files under ``path`` (recursively, sorted by relative path); ``ValueError`` if there are none."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ValueError(f"image folder {root} does not exist or is not a directory")
-    files = sorted(
-        (p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
-        raise ValueError(
-            f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}; expected image files "
-            f"with same-stem .txt captions"
-        )
-    return files
-
-
 def expand_urls(urls: Union[str, Sequence[str]]) -> list[str]:
-    """Shard URLs from a path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string or list."""
+    """Shard URLs from a path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string or
+    list."""
     from webdataset.shardlists import expand_urls as wds_expand
 
     if isinstance(urls, (str, Path)):
@@ -149,7 +133,8 @@ def expand_urls(urls: Union[str, Sequence[str]]) -> list[str]:
 
 
 def iter_tar_samples(urls: Sequence[str], on_error: Callable[[Exception], None]) -> Iterator[dict]:
-    """Raw img2dataset samples (``{"__key__", "__url__", "jpg"|..., "txt", ...}`` bytes) of ``urls`` in order.
+    """Raw img2dataset samples (``{"__key__", "__url__", "jpg"|..., "txt", ...}`` bytes) of ``urls``
+    in order.
 
     Uses webdataset's tar readers; a broken shard or member is reported to ``on_error`` and skipped.
     """
@@ -184,7 +169,8 @@ def _check_split(seed, rank, world_size, start) -> None:
 # The shared stream loop
 # --------------------------------------------------------------------------------------------------
 class _Stream:
-    """Base: subclasses produce raw items per consumer (``_raw``), check them (``_check``) and build samples."""
+    """Base: subclasses produce raw items per consumer (``_raw``), check them (``_check``) and build
+    samples. The keyword arguments define the split (module doc)."""
 
     what = "sample"
 
@@ -273,38 +259,24 @@ class _Stream:
 # Folder
 # --------------------------------------------------------------------------------------------------
 class FolderStream(_Stream):
-    """Images (png/jpg/jpeg/webp, recursively) with same-stem ``.txt`` captions, looping over epochs.
+    """Images (those :func:`unclip.images.list_images` lists, recursively) with same-stem ``.txt``
+    captions, looping over epochs.
 
     Epoch ``e`` visits the files in a permutation seeded by ``(seed, e)`` (sorted order if
-    ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position ``c``.
-    Resuming re-reads (decodes) the skipped files to know which were bad, so skip counts stay exact.
+    ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position
+    ``c``. Resuming re-reads (decodes) the skipped files to know which were bad, so skip counts stay
+    exact. ``split``: the keyword arguments of the data split (module doc).
     """
 
     what = "image"
 
-    def __init__(
-        self,
-        path,
-        resolution: int,
-        *,
-        seed: int,
-        rank: int,
-        world_size: int,
-        start: int = 0,
-        shuffle: bool = True,
-        worker: Optional[int] = None,
-        num_workers: Optional[int] = None,
-    ):
-        super().__init__(
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            worker=worker,
-            num_workers=num_workers,
-        )
+    def __init__(self, path, resolution: int, *, shuffle: bool = True, **split):
+        super().__init__(**split)
         self.path, self.resolution, self.shuffle = Path(path), int(resolution), bool(shuffle)
-        self.files = list_images(self.path)
+        try:
+            self.files = list_images(self.path)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; expected image files with same-stem .txt captions") from None
 
     def describe(self) -> str:
         return f"image folder {self.path} ({len(self.files)} images)"
@@ -312,8 +284,8 @@ class FolderStream(_Stream):
     def _raw(self, c: int, n: int) -> Iterator:
         if len(self.files) <= c:
             raise ValueError(
-                f"{self.describe()} has fewer images than consumers (world_size * num_workers = {n}); "
-                f"add images or use fewer processes/workers"
+                f"{self.describe()} has fewer images than consumers "
+                f"(world_size * num_workers = {n}); add images or use fewer processes/workers"
             )
         epoch = 0
         while True:
@@ -346,52 +318,38 @@ class FolderStream(_Stream):
 # WebDataset (img2dataset shards)
 # --------------------------------------------------------------------------------------------------
 class WebDatasetStream(_Stream):
-    """img2dataset tar shards (``{key}.jpg|png|webp`` + ``{key}.txt`` (+ ``.json``)), looping over epochs.
+    """img2dataset tar shards (``{key}.jpg|png|webp`` + ``{key}.txt`` (+ ``.json``)), looping over
+    epochs.
 
-    ``urls``: a local path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string, list, or
-    ``pipe:`` URLs (e.g. ``"pipe:cat data/00000.tar"``). Epoch ``e`` orders the shards by a permutation
-    seeded by ``(seed, e)``; consumer ``c`` of ``n`` (module doc) reads shards ``c, c+n, …`` of that order,
-    so shards are split across ranks *and* DataLoader workers. Samples pass through a shuffle buffer of
-    ``shuffle_buffer`` raw samples (seeded by ``(seed, c, n)``; 0 or 1 disables it) that carries over
-    epochs, then are decoded; unreadable images and missing/empty ``.txt`` captions are skipped and
-    counted; a shard that cannot be opened or is cut short is logged and the rest of it is lost (not
-    counted). Resuming re-reads and decodes the skipped samples (tar shards have no random access).
+    ``urls``: a local path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string, list,
+    or ``pipe:`` URLs (e.g. ``"pipe:cat data/00000.tar"``). Epoch ``e`` orders the shards by a
+    permutation seeded by ``(seed, e)``; consumer ``c`` of ``n`` (module doc) reads shards
+    ``c, c+n, …`` of that order, so shards are split across ranks *and* DataLoader workers. Samples
+    pass through a shuffle buffer of ``shuffle_buffer`` raw samples (seeded by ``(seed, c, n)``; 0
+    or 1 disables it) that carries over epochs, then are decoded; unreadable images and
+    missing/empty ``.txt`` captions are skipped and counted; a shard that cannot be opened or is cut
+    short is logged and the rest of it is lost (not counted). Resuming re-reads and decodes the
+    skipped samples (tar shards have no random access). ``split``: the keyword arguments of the data
+    split (module doc).
     """
 
     what = "webdataset sample"
 
-    def __init__(
-        self,
-        urls,
-        resolution: int,
-        *,
-        seed: int,
-        rank: int,
-        world_size: int,
-        start: int = 0,
-        shuffle_buffer: int = 1000,
-        worker: Optional[int] = None,
-        num_workers: Optional[int] = None,
-    ):
-        super().__init__(
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            worker=worker,
-            num_workers=num_workers,
-        )
+    def __init__(self, urls, resolution: int, *, shuffle_buffer: int = 1000, **split):
+        super().__init__(**split)
         self.urls = expand_urls(urls)
         self.resolution, self.shuffle_buffer = int(resolution), int(shuffle_buffer)
         if len(self.urls) < self.world_size:
             raise ValueError(
-                f"webdataset has {len(self.urls)} shard(s) but world_size is {self.world_size}: every process needs "
-                f"at least one whole shard. Re-shard the data into at least {self.world_size} (ideally many more) "
-                f"shards, e.g. img2dataset with a smaller --number_sample_per_shard, or run fewer processes"
+                f"webdataset has {len(self.urls)} shard(s) but world_size is {self.world_size}: "
+                f"every process needs at least one whole shard. Re-shard the data into at least "
+                f"{self.world_size} (ideally many more) shards, e.g. img2dataset with a smaller "
+                f"--number_sample_per_shard, or run fewer processes"
             )
 
     def describe(self) -> str:
-        return f"webdataset {self.urls[0]}{' …' if len(self.urls) > 1 else ''} ({len(self.urls)} shards)"
+        more = " …" if len(self.urls) > 1 else ""
+        return f"webdataset {self.urls[0]}{more} ({len(self.urls)} shards)"
 
     def _shard_error(self, exc: Exception) -> None:
         self._bad(f"broken shard or member ({type(exc).__name__}: {exc})")
@@ -399,8 +357,9 @@ class WebDatasetStream(_Stream):
     def _epochs(self, c: int, n: int) -> Iterator:
         if len(self.urls) <= c:
             raise ValueError(
-                f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader workers) but only "
-                f"{len(self.urls)} shards; every worker needs a shard: use fewer DataLoader workers or more shards"
+                f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader "
+                f"workers) but only {len(self.urls)} shards; every worker needs a shard: use fewer "
+                f"DataLoader workers or more shards"
             )
         epoch = 0
         while True:
@@ -473,44 +432,30 @@ def _count_lines(file: Path) -> int:
 class EmbeddingStream(_Stream):
     """CLIP image/text embedding pairs from the clip-retrieval layout written by ``unclip embed``.
 
-    Layout: ``path/img_emb/img_emb_{i}.npy`` and ``path/text_emb/text_emb_{i}.npy`` (``[N_i, D]``, fp16 or
-    fp32, memory-mapped) and ``path/metadata/metadata_{i}.jsonl`` — one JSON object per row with
-    ``"key"`` and ``"caption"``. (clip-retrieval writes ``metadata_{i}.parquet``; reading parquet needs
-    pyarrow, so this project writes and reads JSON lines instead.) On construction every shard is checked
-    to line up: the same shard indices in all three folders, the same number of rows, the same ``D``, and
-    ``stats.json`` (if present) agreeing on shard and row counts; a mismatch raises ``ValueError`` naming
-    the shard. Epoch ``e`` visits shards in a permutation seeded by ``(seed, e)`` and each shard's rows in a
-    permutation seeded by ``(seed, e, shard)``; consumer ``c`` of ``n`` takes every ``n``-th row of that
-    order. Rows with a non-finite value or an empty caption are skipped and counted.
+    Layout: ``path/img_emb/img_emb_{i}.npy`` and ``path/text_emb/text_emb_{i}.npy`` (``[N_i, D]``,
+    fp16 or fp32, memory-mapped) and ``path/metadata/metadata_{i}.jsonl`` — one JSON object per row
+    with ``"key"`` and ``"caption"``. (clip-retrieval writes ``metadata_{i}.parquet``; reading
+    parquet needs pyarrow, so this project writes and reads JSON lines instead.) On construction
+    every shard is checked to line up: the same shard indices in all three folders, the same number
+    of rows, the same ``D``, and ``stats.json`` (if present) agreeing on shard and row counts; a
+    mismatch raises ``ValueError`` naming the shard. Epoch ``e`` visits shards in a permutation
+    seeded by ``(seed, e)`` and each shard's rows in a permutation seeded by ``(seed, e, shard)``;
+    consumer ``c`` of ``n`` takes every ``n``-th row of that order. Rows with a non-finite value or
+    an empty caption are skipped and counted. ``split``: the keyword arguments of the data split
+    (module doc).
     """
 
     what = "embedding row"
 
-    def __init__(
-        self,
-        path,
-        *,
-        seed: int,
-        rank: int,
-        world_size: int,
-        start: int = 0,
-        worker: Optional[int] = None,
-        num_workers: Optional[int] = None,
-    ):
-        super().__init__(
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            worker=worker,
-            num_workers=num_workers,
-        )
+    def __init__(self, path, **split):
+        super().__init__(**split)
         self.path = Path(path)
         found = embedding_shards(self.path)
         if not any(found.values()):
             raise ValueError(
                 f"no embedding shards under {self.path}: expected img_emb/img_emb_0.npy, "
-                f"text_emb/text_emb_0.npy and metadata/metadata_0.jsonl (write them with `unclip embed`)"
+                f"text_emb/text_emb_0.npy and metadata/metadata_0.jsonl (write them with "
+                f"`unclip embed`)"
             )
         indices = sorted(set().union(*(set(v) for v in found.values())))
         for i in indices:
@@ -528,12 +473,13 @@ class EmbeddingStream(_Stream):
             n_meta = _count_lines(found["metadata"][i])
             if img.ndim != 2 or txt.ndim != 2:
                 raise ValueError(
-                    f"{self.path}: shard {i}: embeddings must be 2-D [N, D], got {img.shape} and {txt.shape}"
+                    f"{self.path}: shard {i}: embeddings must be 2-D [N, D], got {img.shape} and "
+                    f"{txt.shape}"
                 )
             if not img.shape[0] == txt.shape[0] == n_meta:
                 raise ValueError(
-                    f"{self.path}: shard {i} does not line up: img_emb_{i} has {img.shape[0]} rows, "
-                    f"text_emb_{i} {txt.shape[0]}, metadata_{i} {n_meta}"
+                    f"{self.path}: shard {i} does not line up: img_emb_{i} has {img.shape[0]} "
+                    f"rows, text_emb_{i} {txt.shape[0]}, metadata_{i} {n_meta}"
                 )
             dims = {img.shape[1], txt.shape[1]} | ({self.embed_dim} if self.embed_dim else set())
             if len(dims) != 1:
@@ -547,13 +493,12 @@ class EmbeddingStream(_Stream):
         stats = self.path / "stats.json"
         if stats.is_file():
             meta = json.loads(stats.read_text())
-            if meta.get("num_shards", len(indices)) != len(indices) or meta.get(
-                "count", sum(self.rows)
-            ) != sum(self.rows):
+            shards, count = meta.get("num_shards", len(indices)), meta.get("count", sum(self.rows))
+            if shards != len(indices) or count != sum(self.rows):
                 raise ValueError(
                     f"{self.path}: stats.json records {meta.get('num_shards')} shards / "
-                    f"{meta.get('count')} rows but {len(indices)} shards / {sum(self.rows)} rows were "
-                    f"found (shards {indices}); a shard was deleted or added"
+                    f"{meta.get('count')} rows but {len(indices)} shards / {sum(self.rows)} rows "
+                    f"were found (shards {indices}); a shard was deleted or added"
                 )
 
     def __len__(self) -> int:
@@ -610,21 +555,24 @@ class EmbeddingStream(_Stream):
 # DataLoader integration
 # --------------------------------------------------------------------------------------------------
 class StreamDataset(torch.utils.data.IterableDataset):
-    """A rank's stream for ``DataLoader(dataset, batch_size=batch_size, num_workers=k, collate_fn=collate)``.
+    """A rank's stream for
+    ``DataLoader(dataset, batch_size=batch_size, num_workers=k, collate_fn=collate)``.
 
     ``factory(start=..., worker=..., num_workers=...)`` builds one consumer's stream, e.g.
-    ``functools.partial(FolderStream, path, 64, seed=0, rank=rank, world_size=world_size)``; ``start`` is
-    the number of samples this *rank* already consumed (a multiple of ``batch_size`` when ``k > 0``).
+    ``functools.partial(FolderStream, path, 64, seed=0, rank=rank, world_size=world_size)``;
+    ``start`` is the number of samples this *rank* already consumed (a multiple of ``batch_size``
+    when ``k > 0``).
 
     Exact resume with workers: each worker streams its own disjoint part (module doc) and batches it
     itself, and an in-order DataLoader returns batch ``j`` from worker ``j % k``. After
     ``start = m * batch_size`` consumed samples, logical worker ``v`` has delivered
     ``len(range(v, m, k))`` batches, and the next batch is due from logical worker ``m % k``. A new
-    DataLoader starts at worker 0, so DataLoader worker ``w`` plays logical worker ``(w + m) % k`` and
-    restarts that worker's stream after the batches it delivered: the resumed loader yields exactly the
-    batches ``m, m+1, …`` of an uninterrupted one. The batching depends on ``k`` and ``batch_size``:
-    keep both fixed across a resume. With ``k = 0`` the rank's stream is the single consumer's stream and
-    ``start`` is used as is. Do not let another layer (e.g. ``accelerator.prepare``) shard this dataset again.
+    DataLoader starts at worker 0, so DataLoader worker ``w`` plays logical worker ``(w + m) % k``
+    and restarts that worker's stream after the batches it delivered: the resumed loader yields
+    exactly the batches ``m, m+1, …`` of an uninterrupted one. The batching depends on ``k`` and
+    ``batch_size``: keep both fixed across a resume. With ``k = 0`` the rank's stream is the single
+    consumer's stream and ``start`` is used as is. Do not let another layer (e.g.
+    ``accelerator.prepare``) shard this dataset again.
     """
 
     def __init__(self, factory: Callable[..., object], *, start: int = 0, batch_size: int = 1):
@@ -636,7 +584,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
         self.factory, self.start, self.batch_size = factory, start, batch_size
 
     def worker_plan(self, worker: int, num_workers: int) -> tuple[int, int]:
-        """``(logical worker, its start)`` for DataLoader worker ``worker`` of ``num_workers`` (see class doc)."""
+        """``(logical worker, its start)`` for DataLoader worker ``worker`` of ``num_workers`` (see
+        class doc)."""
         if num_workers <= 1:
             return 0, self.start
         if self.start % self.batch_size:
@@ -656,7 +605,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
 
 def collate(samples: list[dict]) -> dict:
-    """Batch sample dicts: tensors stacked on a new first axis, strings listed, ``skipped`` summed."""
+    """Batch sample dicts: tensors stacked on a new first axis, strings listed, ``skipped``
+    summed."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     out = {}
