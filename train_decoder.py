@@ -1,5 +1,5 @@
 import sys
 
-from unclip.train.decoder import main
+from unclip.cli.train_decoder import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 import sys
 
-from unclip.train.prior import main
+from unclip.cli.train_prior import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
-"""``unclip embed``: clip-retrieval layout, exact statistics, read-back through EmbeddingStream, loud
-failures on mismatched shards, and a 2-process torchrun run equal to a 1-process one."""
+"""``unclip embed``: clip-retrieval layout, exact statistics, read-back through EmbeddingStream,
+loud failures on mismatched shards, and a 2-process torchrun run equal to a 1-process one."""
 
 import itertools
 import json
@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from unclip.cli import embed as embed_cli
 from unclip.clip import FrozenCLIP, tiny_clip_config
 from unclip.config import ClipConfig
 from unclip.shapes.world import write_shapes
@@ -65,7 +66,7 @@ def folder(tmp_path_factory):
 
 
 def run(args):
-    assert embed.main([*map(str, args), "--no-progress"]) == 0
+    assert embed_cli.main([*map(str, args), "--no-progress"]) == 0
 
 
 def read_layout(out):
@@ -278,7 +279,7 @@ def test_two_process_torchrun_matches_one_process(folder_out, folder, clip_dir, 
         "--nproc_per_node",
         "2",
         "-m",
-        "unclip.train.embed",
+        "unclip.cli.embed",
         "--source",
         "folder",
         "--data",

@@ -1,4 +1,5 @@
-"""`unclip train-clip`: batches with hard negatives, a tiny end-to-end run, config errors."""
+"""`unclip train-clip`: batches with hard negatives, a tiny end-to-end run on the shared training
+loop (export, exact resume), config errors."""
 
 import json
 import random
@@ -7,8 +8,10 @@ import pytest
 import torch
 import yaml
 
+from unclip.cli.train_clip import main
 from unclip.clip import FrozenCLIP, tiny_clip_config
-from unclip.shapes.train_clip import ClipDataConfig, _batch, main
+from unclip.config import ClipConfig
+from unclip.shapes.train_clip import ClipDataConfig, make_batch
 from unclip.shapes.world import ShapesWorld, parse_caption
 
 
@@ -23,9 +26,10 @@ def _named(caption: str) -> dict:
 def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling():
     world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5)
     data = ClipDataConfig(hard_negatives=0.25, noise_prob=0.0, blur_prob=0.0)
-    x, caps = _batch(world, 2, 16, data, random.Random(0))
+    x, caps = make_batch(world, 2, 16, data, random.Random(0))
     assert x.shape == (16, 3, 32, 32) and len(caps) == 16
-    # the first 12 are world samples 24..35 (batch 2 of 12 new scenes each), the last 4 their variants
+    # the first 12 are world samples 24..35 (batch 2 of 12 new scenes each), the last 4 their
+    # variants
     assert caps[:12] == [world[i].caption for i in range(24, 36)]
     for base, twin, img_base, img_twin in zip(caps[:4], caps[12:], x[:4], x[12:]):
         a, b = _named(base), _named(twin)
@@ -35,14 +39,14 @@ def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling(
         )
         assert not torch.equal(img_base, img_twin)
     # without hard negatives: consecutive samples, as before
-    _, plain = _batch(world, 1, 8, ClipDataConfig(hard_negatives=0.0), random.Random(0))
+    _, plain = make_batch(world, 1, 8, ClipDataConfig(hard_negatives=0.0), random.Random(0))
     assert plain == [world[i].caption for i in range(8, 16)]
 
 
 def test_batch_with_color_free_views_replaces_that_share_of_samples():
     world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5)
     plain = [world[i].caption for i in range(64, 128)]
-    x, caps = _batch(
+    x, caps = make_batch(
         world,
         1,
         64,
@@ -60,13 +64,13 @@ def test_batch_with_color_free_views_replaces_that_share_of_samples():
             ] == shapes_of
             assert not torch.equal(
                 x[i],
-                _batch(
+                make_batch(
                     world, 1, 64, ClipDataConfig(noise_prob=0.0, blur_prob=0.0), random.Random(0)
                 )[0][i],
             )
         else:
             assert caps[i] == plain[i]
-    again = _batch(
+    again = make_batch(
         world,
         1,
         64,
@@ -79,14 +83,9 @@ def test_batch_with_color_free_views_replaces_that_share_of_samples():
 def _config(tmp_path, **data) -> str:
     cfg = {
         "clip": {"model_name": "tiny", "model_cfg": tiny_clip_config()},
-        "data": {"resolution": 32, "two_object_prob": 0.5, **data},
-        "train": {
-            "steps": 3,
-            "batch_size": 8,
-            "warmup_steps": 1,
-            "log_every": 1,
-            "eval_samples": 4,
-        },
+        "data": {"resolution": 32, "batch_size": 8, "two_object_prob": 0.5, **data},
+        "train": {"max_steps": 3, "warmup_steps": 1, "log_every": 1, "progress": False},
+        "output": {"eval_samples": 4},
     }
     path = tmp_path / "clip.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -96,7 +95,7 @@ def _config(tmp_path, **data) -> str:
 def test_train_clip_tiny_run_writes_a_loadable_clip_and_retrieval_report(tmp_path, one_thread):
     out = tmp_path / "run"
     assert main([_config(tmp_path, hard_negatives=0.5), "--output-dir", str(out)]) == 0
-    clip = FrozenCLIP.from_pretrained(out / "clip")
+    clip = FrozenCLIP.from_pretrained(out / "final" / "clip")
     emb = clip.encode_text(["a small red circle on the left"]).text_embed
     assert emb.shape == (1, 32) and torch.isfinite(emb).all()
     report = json.loads((out / "retrieval.json").read_text())
@@ -113,8 +112,8 @@ def test_train_clip_tiny_run_writes_a_loadable_clip_and_retrieval_report(tmp_pat
         "pair_background",
     }
     assert all(0.0 <= v <= 1.0 for v in report["retrieval_heldout"].values())
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
 
 
 def test_train_clip_refuses_a_hard_negative_share_above_half(tmp_path):
@@ -122,3 +121,27 @@ def test_train_clip_refuses_a_hard_negative_share_above_half(tmp_path):
         main([_config(tmp_path, hard_negatives=0.75), "--output-dir", str(tmp_path / "run")])
     with pytest.raises(ValueError, match="color_free_prob must be a probability"):
         main([_config(tmp_path, color_free_prob=1.5), "--output-dir", str(tmp_path / "run")])
+
+
+def test_train_clip_resumes_exactly(tmp_path, one_thread):
+    """The CLIP trainer runs on the shared loop: stopped after 2 of 4 steps and resumed, it ends
+    with the weights of an uninterrupted run."""
+    cfg = _config(tmp_path)
+    common = [
+        cfg,
+        "train.max_steps=4",
+        "train.checkpoint_every=2",
+        "output.eval_samples=2",
+        "output.save_dtype=float32",
+    ]
+    assert main([*common, "--output-dir", str(tmp_path / "full")]) == 0
+    split = ["--output-dir", str(tmp_path / "split")]
+    assert main([*common, *split, "--max-steps-this-run", "2"]) == 0
+    assert not (tmp_path / "split" / "final").exists()
+    assert main([*common, *split, "--resume", "latest"]) == 0
+    a = FrozenCLIP.from_pretrained(tmp_path / "full" / "final" / "clip").model.state_dict()
+    b = FrozenCLIP.from_pretrained(tmp_path / "split" / "final" / "clip").model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.manual_seed(0)  # train.seed: the initialisation of both runs
+    init = FrozenCLIP.from_config(ClipConfig("tiny", None, tiny_clip_config())).model.state_dict()
+    assert max(float((init[k] - a[k]).abs().max()) for k in a) > 1e-4  # it did train

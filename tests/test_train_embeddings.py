@@ -1,6 +1,7 @@
-"""Training from precomputed embeddings: the decoder on webdataset shards paired with ``unclip embed``
-output (``data.embeddings_path``), loud failures when image and embedding shards do not line up, and the
-prior from ``data.source=embeddings`` using the embedding statistics of ``stats.npz``."""
+"""Training from precomputed embeddings: the decoder on webdataset shards paired with ``unclip
+embed`` output (``data.embeddings_path``), loud failures when image and embedding shards do not line
+up, and the prior from ``data.source=embeddings`` using the embedding statistics of
+``stats.npz``."""
 
 import itertools
 import json
@@ -13,12 +14,14 @@ import torch
 from conftest import CONFIGS
 from safetensors.torch import load_file
 
+from unclip.cli import embed as embed_cli
+from unclip.cli import train_decoder as train_decoder_cli
+from unclip.cli import train_prior
 from unclip.clip import FrozenCLIP
-from unclip.config import DataConfig, load_config
 from unclip.shapes.world import write_shapes
 from unclip.train import decoder as train_decoder
 from unclip.train import embed
-from unclip.train import prior as train_prior
+from unclip.train.config import DataConfig, load_stage_config
 from unclip.train.data.loader import make_batches
 from unclip.train.data.paired import PairedFolderStream, PairedWebDatasetStream, tar_keys
 from unclip.train.data.sources import WebDatasetStream
@@ -39,7 +42,7 @@ def _reset_accelerate():
 def run_embed(*args):
     with pytest.warns(UserWarning, match="randomly initialised"):
         assert (
-            embed.main(
+            embed_cli.main(
                 [
                     *map(str, args),
                     "--clip-config",
@@ -55,8 +58,9 @@ def run_embed(*args):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """12 shapes samples at the decoder's 16px in 3 tar shards, embedded (float32) by the tiny CLIP that
-    configs/tiny/decoder.yaml builds (YAML without weights → seed 0, like training with train.seed=0)."""
+    """12 shapes samples at the decoder's 16px in 3 tar shards, embedded (float32) by the tiny CLIP
+    that configs/tiny/decoder.yaml builds (YAML without weights → seed 0, like training with
+    train.seed=0)."""
     root = tmp_path_factory.mktemp("paired")
     write_shapes(
         root / "shards", 12, resolution=16, format="webdataset", shard_size=4, progress=False
@@ -80,8 +84,8 @@ def rows(emb: Path, shard: int):
     img = np.load(emb / "img_emb" / f"img_emb_{shard}.npy")
     txt = np.load(emb / "text_emb" / f"text_emb_{shard}.npy")
     meta = [
-        json.loads(l)
-        for l in (emb / "metadata" / f"metadata_{shard}.jsonl").read_text().splitlines()
+        json.loads(line)
+        for line in (emb / "metadata" / f"metadata_{shard}.jsonl").read_text().splitlines()
     ]
     return img, txt, meta
 
@@ -161,7 +165,8 @@ def test_dataloader_workers_resume_exactly_with_each_samples_rows(data):
 
 
 def _train_decoder(out, monkeypatch, *overrides):
-    """Train the tiny decoder; returns (batches seen, the CLIP's on-the-fly embeddings of their images)."""
+    """Train the tiny decoder; returns (batches seen, the CLIP's on-the-fly embeddings of their
+    images)."""
     seen = []
 
     def recording(model, batch, clip, *rest):
@@ -170,7 +175,7 @@ def _train_decoder(out, monkeypatch, *overrides):
 
     monkeypatch.setattr(train_decoder, "decoder_loss", recording)
     assert (
-        train_decoder.main(
+        train_decoder_cli.main(
             [
                 str(DECODER),
                 f"train.output_dir={out}",
@@ -202,21 +207,22 @@ def test_decoder_trains_on_precomputed_embeddings_like_on_the_fly_clip(data, tmp
         # the paired run uses exactly each sample's stored row …
         for key, used in zip(pb["key"], pb["image_embed"]):
             assert torch.equal(used, torch.from_numpy(table[key][0]))
-        # … which is what the frozen CLIP of the training run computes on the fly (same seed, same weights;
-        # only PIL vs tensor resizing inside CLIP's preprocessing differs)
+        # … which is what the frozen CLIP of the training run computes on the fly (same seed, same
+        # weights; only PIL vs tensor resizing inside CLIP's preprocessing differs)
         assert torch.equal(f_emb, p_emb)
         assert (pb["image_embed"] - p_emb).abs().max() < 2e-3
         assert torch.equal((pb["image_embed"] @ p_emb.T).argmax(0), torch.arange(len(p_emb)))
     losses = [
         [
-            json.loads(l)["loss"]
-            for l in (tmp_path / r / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in l
+            json.loads(line)["loss"]
+            for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line
         ]
         for r in ("fly", "pre")
     ]
-    # same losses and weights up to that resizing difference (tolerances calibrated against a run whose stored
-    # rows are rolled by one within each shard: its first loss differs by 4e-4 relative, its weights by 0.14 L2)
+    # same losses and weights up to that resizing difference (tolerances calibrated against a run
+    # whose stored rows are rolled by one within each shard: its first loss differs by 4e-4
+    # relative, its weights by 0.14 L2)
     assert len(losses[0]) == STEPS and losses[0] == pytest.approx(losses[1], rel=5e-5)
     a = load_file(
         str(tmp_path / "fly" / "final" / "decoder" / "diffusion_pytorch_model.safetensors")
@@ -246,7 +252,7 @@ def test_missing_embedding_shard_fails_before_training(data, damaged, tmp_path):
         ValueError,
         match=r"2 embedding shard\(s\) but data.path expands to 3 .*tar shard 2 \(.*00002.tar\)",
     ):
-        train_decoder.main(
+        train_decoder_cli.main(
             [
                 str(DECODER),
                 f"train.output_dir={tmp_path / 'r'}",
@@ -275,7 +281,8 @@ def test_reordered_keys_fail_naming_shard_and_key(data, damaged):
     with pytest.raises(
         ValueError,
         match=r"shard 1 \(.*00001.tar\).*key '00000004'.*out of the tar's order.*"
-        r"first mismatched key '00000005': row 0 is '00000005' where the tar's sample 0 is '00000004'",
+        r"first mismatched key '00000005': row 0 is '00000005' where the tar's sample 0 is "
+        r"'00000004'",
     ):
         stream(data, damaged)
 
@@ -308,15 +315,16 @@ def test_more_rows_than_tar_samples_fail(data, damaged):
 
 
 def test_dropped_row_fails_when_its_sample_streams(data, damaged, tmp_path):
-    # one row fewer than samples could be a bad sample that `unclip embed` skipped, so the check passes up
-    # front; the sample is readable, so it must have had a row: training stops naming shard and key
+    # one row fewer than samples could be a bad sample that `unclip embed` skipped, so the check
+    # passes up front; the sample is readable, so it must have had a row: training stops naming
+    # shard and key
     img, txt, meta = rows(damaged, 1)
     keep = [0, 2, 3]
     write_rows(damaged, 1, img[keep], txt[keep], [meta[i] for i in keep])
     with pytest.raises(
         ValueError, match=r"shard 1 \(.*00001.tar\).*key '00000005' has no row in embedding shard 1"
     ):
-        train_decoder.main(
+        train_decoder_cli.main(
             [
                 str(DECODER),
                 f"train.output_dir={tmp_path / 'r'}",
@@ -431,9 +439,9 @@ def test_prior_trains_from_embeddings_with_their_stats(data, tmp_path):
         == 0
     )
     losses = [
-        json.loads(l)["loss"]
-        for l in (out / "metrics.jsonl").read_text().splitlines()
-        if '"loss"' in l
+        json.loads(line)["loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
     ]
     assert len(losses) == STEPS and all(np.isfinite(losses))
     w = load_file(str(out / "final" / "prior" / "diffusion_pytorch_model.safetensors"))
@@ -444,7 +452,7 @@ def test_prior_trains_from_embeddings_with_their_stats(data, tmp_path):
     all_img = np.concatenate([rows(data["emb"], i)[0] for i in range(3)])
     assert not np.allclose(std.numpy(), all_img.std(0, ddof=1), rtol=1e-3, atol=0)
     # the training CLIP (same YAML clip section, train.seed 0) is the one that wrote the embeddings
-    cfg = load_config(PRIOR)
+    cfg = load_stage_config(PRIOR)
     torch.manual_seed(cfg.train.seed)
     clip = FrozenCLIP.from_config(cfg.clip)
     _, txt, meta = rows(data["emb"], 0)

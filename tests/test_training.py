@@ -1,4 +1,5 @@
-"""Training: loss falls per stage, exact resume, accumulation equivalence, DDP on gloo, bad data, export."""
+"""Training: loss falls per stage, exact resume, accumulation equivalence, DDP on gloo, bad data,
+export."""
 
 import json
 import os
@@ -13,9 +14,8 @@ from conftest import CONFIGS, ROOT
 from safetensors.torch import load_file
 
 from unclip import UnCLIPPipeline
+from unclip.cli import train_decoder, train_prior
 from unclip.decoder import degrade, gaussian_blur
-from unclip.train import decoder as train_decoder
-from unclip.train import prior as train_prior
 from unclip.train.loop import NonFiniteError, warmup_cosine
 
 CFG = {
@@ -33,7 +33,7 @@ def train(stage, out, *overrides, args=()):
 
 
 def metrics(out):
-    return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(out):
@@ -117,9 +117,9 @@ def test_exported_components_generate(trained, tmp_path):
 
 
 def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
-    """``train.init_weights`` fine-tunes: the run starts from the given weights (a component folder, or a
-    fp16 ``.safetensors`` file as shipped), so its first loss is that of the trained model; weights that
-    do not fit the config, or a wrong path, are refused with a clear error."""
+    """``train.init_weights`` fine-tunes: the run starts from the given weights (a component folder,
+    or a fp16 ``.safetensors`` file as shipped), so its first loss is that of the trained model;
+    weights that do not fit the config, or a wrong path, are refused with a clear error."""
     src = trained / "decoder" / "final" / "decoder"
     tiny = [
         "train.max_steps=1",
@@ -205,9 +205,9 @@ def test_resume_is_exact(tmp_path, stage):
 
 
 def test_finished_run_continues_to_more_steps(tmp_path):
-    """``--resume latest`` with a larger ``train.max_steps`` trains a finished run further: it goes on
-    from its last step, the schedule restarts at the cosine point of the new total, and ``final/`` is
-    replaced by the longer run's weights."""
+    """``--resume latest`` with a larger ``train.max_steps`` trains a finished run further: it goes
+    on from its last step, the schedule restarts at the cosine point of the new total, and
+    ``final/`` is replaced by the longer run's weights."""
     out = tmp_path / "r"
     common = [
         "train.checkpoint_every=4",
@@ -286,7 +286,8 @@ def test_two_process_torchrun_gloo(tmp_path, powersgd):
 
 
 def _corrupt_shard(path: Path, good_dir: Path):
-    """A tar whose first members are bad (garbage jpg, missing caption), then good shapes samples."""
+    """A tar whose first members are bad (garbage jpg, missing caption), then good shapes
+    samples."""
     import io
 
     with tarfile.open(path, "w") as tar:
@@ -402,7 +403,10 @@ def test_low_res_corruptions():
     sharp = torch.nn.functional.interpolate(x, size=(16, 16), mode="bicubic", antialias=True)
     blur = degrade(x, 16, "blur", g, (0.4, 0.6))
     assert blur.shape == (2, 3, 16, 16)
-    hf = lambda t: (t[..., 1:, :] - t[..., :-1, :]).abs().mean()
+
+    def hf(t):
+        return (t[..., 1:, :] - t[..., :-1, :]).abs().mean()
+
     assert hf(blur) < hf(sharp)
     bsr = degrade(x, 16, "bsr", [torch.Generator().manual_seed(i) for i in range(2)])
     assert bsr.shape == (2, 3, 16, 16) and bsr.abs().max() <= 1
@@ -417,3 +421,87 @@ def test_low_res_corruptions():
 def test_wrong_stage_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="this command trains decoder or upsampler"):
         train_decoder.main([str(CFG["prior"]), f"train.output_dir={tmp_path}"])
+
+
+def test_upsampler_sample_grid_runs_the_pipeline_upsample_step(tmp_path):
+    """The upsampler's grid comes from ``UnCLIPPipeline.upsample``: low-res inputs (top row,
+    enlarged) and their upsampled samples (bottom row); with a sampling noise level the low-res
+    input is noised first, which changes the samples."""
+    from PIL import Image
+
+    grids = {}
+    for level in (0, 200):
+        out = tmp_path / f"level{level}"
+        assert (
+            train(
+                "sr32",
+                out,
+                "train.max_steps=2",
+                "train.sample_every=2",
+                f"upsampler.noise_level={level}",
+            )
+            == 0
+        )
+        grids[level] = Image.open(out / "samples" / "step_00000002.png").convert("RGB")
+        assert grids[level].size == (8 * 32, 2 * 32)
+    top = (0, 0, 8 * 32, 32)
+    bottom = (0, 32, 8 * 32, 64)
+    assert grids[0].crop(top).tobytes() == grids[200].crop(top).tobytes()
+    assert grids[0].crop(bottom).tobytes() != grids[200].crop(bottom).tobytes()
+
+
+def test_train_loop_trains_any_task(tmp_path):
+    """The loop is stage-agnostic: a task supplies its loss (and optional hooks); the loop feeds it
+    ``grad_accum_steps`` micro-batches per step, calls ``after_optimizer_step`` after each step, and
+    writes no sample grid for a task without one."""
+    from dataclasses import dataclass
+
+    from unclip.train.config import TrainConfig
+    from unclip.train.loop import TrainLoop
+
+    @dataclass
+    class Config:
+        train: TrainConfig
+
+    train_cfg = TrainConfig(
+        output_dir=str(tmp_path),
+        max_steps=5,
+        grad_accum_steps=2,
+        warmup_steps=0,
+        lr=0.05,
+        mixed_precision="no",
+        ema=False,
+        trackers=[],
+        progress=False,
+        log_every=1,
+        sample_every=1,
+    )
+
+    class FitLine:
+        name = "line"
+        steps_taken = 0
+
+        def loss(self, model, batch, generators):
+            assert len(generators) == len(batch["x"])
+            return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+        def after_optimizer_step(self, model):
+            self.steps_taken += 1
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            x = torch.randn(4, 1, generator=g)
+            yield {"x": x, "y": 3 * x, "caption": [""] * 4}
+
+    loop = TrainLoop(Config(train_cfg))
+    torch.manual_seed(0)
+    loop.prepare(torch.nn.Linear(1, 1))
+    task = FitLine()
+    assert loop.run(task, data()) is True
+    loop.finish()
+    assert task.steps_taken == 5 and loop.state.step == 5 and loop.state.samples == 5 * 2 * 4
+    ls = losses(tmp_path)
+    assert len(ls) == 5 and ls[-1] < ls[0]
+    assert not (tmp_path / "samples").exists()
+    assert (tmp_path / "checkpoints" / "step_00000005").is_dir()

@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # UnCLIPPipeline.from_pretrained once unclip.interop has registered its reader
 import unclip.interop  # noqa: E402,F401  (registration)
 from unclip.clip import FrozenCLIP, TextEncoding
-from unclip.config import StageConfig, load_config
+from unclip.config import load_config
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPOutput, UnCLIPPipeline, slerp
 from unclip.prior import UnCLIPPrior
@@ -19,7 +19,6 @@ __all__ = [
     "UnCLIPPrior",
     "UnCLIPDecoder",
     "UnCLIPUpsampler",
-    "StageConfig",
     "load_config",
     "slerp",
     "__version__",

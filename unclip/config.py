@@ -1,14 +1,19 @@
-"""Configuration schemas and a strict YAML loader.
+"""Architecture and sampling configuration schemas, and a strict YAML loader.
 
-Every training run is described by one :class:`StageConfig` (a YAML file plus dotted command-line
-overrides such as ``train.lr=3e-4``). Loading is strict: an unknown or misspelt key is an error that
-names the key, the file and the closest valid key; values are type-checked; the resolved config is
-printable (:func:`to_yaml`) and saved beside every checkpoint (:func:`save_config`).
+The schemas here describe what a pipeline is made of: the frozen CLIP (:class:`ClipConfig`), the
+networks (:class:`PriorConfig`, :class:`DecoderConfig`, :class:`UpsamplerConfig`, each with a
+``build`` method returning the model it describes), the noise schedule (:class:`DiffusionConfig`)
+and the sampling settings (:class:`SamplingConfig`). Training runs add their own sections on top of
+these (:mod:`unclip.train.config`).
+
+Loading is strict: an unknown or misspelt key is an error that names the key, the file and the
+closest valid key; values are type-checked; the resolved config is printable (:func:`to_yaml`) and
+saved beside every checkpoint (:func:`save_config`).
 
 Example::
 
-    from unclip.config import load_config, to_yaml
-    cfg = load_config("configs/tiny/prior.yaml", overrides=["train.lr=3e-4", "data.batch_size=4"])
+    from unclip.config import DecoderConfig, load_config, to_yaml
+    cfg = load_config({"sample_size": 32}, ["layers_per_block=2"], schema=DecoderConfig)
     print(to_yaml(cfg))
 """
 
@@ -32,9 +37,6 @@ __all__ = [
     "UpsamplerConfig",
     "DiffusionConfig",
     "SamplingConfig",
-    "DataConfig",
-    "TrainConfig",
-    "StageConfig",
     "ConfigError",
     "load_config",
     "from_dict",
@@ -54,11 +56,11 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class ClipConfig:
-    """The frozen CLIP: an open_clip model name plus a pretrained tag or a local weights file/folder.
+    """The frozen CLIP: an open_clip model name plus a pretrained tag or local weights.
 
-    ``model_cfg`` builds a custom (e.g. tiny) open_clip model from a config dict instead of a named one
-    (keys as in open_clip's model JSON files: ``embed_dim``, ``vision_cfg``, ``text_cfg``). Nothing is
-    downloaded unless ``pretrained`` is a hub tag such as ``"openai"``.
+    ``model_cfg`` builds a custom (e.g. tiny) open_clip model from a config dict instead of a named
+    one (keys as in open_clip's model JSON files: ``embed_dim``, ``vision_cfg``, ``text_cfg``).
+    Nothing is downloaded unless ``pretrained`` is a hub tag such as ``"openai"``.
     """
 
     model_name: str = "ViT-L-14"
@@ -71,7 +73,8 @@ class PriorConfig:
     """Diffusion prior over CLIP image embeddings (diffusers ``PriorTransformer``), paper §2.2.
 
     The transformer sees [text tokens (num_embeddings), text_embed, time, x_t, prediction token] and
-    predicts x_0 (the un-noised, normalised image embedding).
+    predicts x_0 (the un-noised, normalised image embedding). The CLIP supplies the widths
+    (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes the network.
     """
 
     num_layers: int = 24
@@ -79,17 +82,26 @@ class PriorConfig:
     attention_head_dim: int = 64
     dropout: float = 0.0
 
+    def build(self, clip):
+        """The :class:`~unclip.prior.UnCLIPPrior` this config describes, sized for ``clip``."""
+        from unclip.prior import UnCLIPPrior
+
+        return UnCLIPPrior.from_clip(clip, **to_dict(self))
+
 
 @dataclass
 class DecoderConfig:
-    """Base decoder (diffusers ``UNet2DConditionModel``) conditioned on the CLIP image embedding, paper §2.1.
+    """Base decoder (diffusers ``UNet2DConditionModel``) conditioned on the CLIP image embedding.
 
-    The image embedding is projected and added to the timestep embedding and projected into
-    ``num_image_tokens`` extra context tokens placed beside the caption tokens.
+    Paper §2.1: the image embedding is projected and added to the timestep embedding and projected
+    into ``num_image_tokens`` extra context tokens placed beside the caption tokens.
+    ``coord_channels`` adds x/y coordinate input channels (CoordConv; not in the paper or Karlo);
+    ``embed_scale`` multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones).
+    :meth:`build` makes the network, sized for a CLIP.
     """
 
     sample_size: int = 64
-    block_out_channels: list[int] = field(default_factory=lambda: [512, 1024, 1536, 2048])
+    block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 960, 1280])
     layers_per_block: int = 3
     down_block_types: list[str] = field(
         default_factory=lambda: [
@@ -112,21 +124,23 @@ class DecoderConfig:
     num_image_tokens: int = 4
     norm_num_groups: int = 32
     use_text_tokens: bool = True
-    coord_channels: bool = (
-        False  # x/y coordinate input channels (CoordConv); not in the paper or Karlo
-    )
-    embed_scale: float = (
-        1.0  # multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones)
-    )
+    coord_channels: bool = False
+    embed_scale: float = 1.0
+
+    def build(self, clip):
+        """The :class:`~unclip.decoder.UnCLIPDecoder` this config describes, sized for ``clip``."""
+        from unclip.decoder import UnCLIPDecoder
+
+        return UnCLIPDecoder.from_clip(clip, **to_dict(self))
 
 
 @dataclass
 class UpsamplerConfig:
     """Super-resolution stage (diffusers ``UNet2DModel``): low-res image upsampled and concatenated.
 
-    ``corruption`` is the conditioning augmentation applied to the low-res image during training
-    (``"blur"``: Gaussian blur, first upsampler; ``"bsr"``: BSR-style degradation, second upsampler);
-    ``noise_level`` is the fixed noise level (a diffusion timestep) of the low-res image at sampling.
+    ``noise_level`` is the fixed noise level (a diffusion timestep) of the low-res image at
+    sampling. How the low-res conditioning is corrupted during training is a training setting (the
+    stage config's ``upsampler_train:`` section). :meth:`build` makes the network.
     """
 
     sample_size: int = 256
@@ -140,11 +154,13 @@ class UpsamplerConfig:
         default_factory=lambda: ["UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"]
     )
     norm_num_groups: int = 32
-    corruption: Literal["blur", "bsr", "none"] = "blur"
-    blur_sigma: list[float] = field(default_factory=lambda: [0.4, 0.6])
-    max_noise_level: int = 250
     noise_level: int = 0
-    train_crop_size: Optional[int] = None
+
+    def build(self):
+        """The :class:`~unclip.decoder.UnCLIPUpsampler` this config describes."""
+        from unclip.decoder import UnCLIPUpsampler
+
+        return UnCLIPUpsampler(**to_dict(self))
 
 
 @dataclass
@@ -162,116 +178,16 @@ class SamplingConfig:
     """Sampling settings of one stage: scheduler name, number of steps, guidance scale.
 
     ``scheduler`` is one of ``ddpm``, ``ddim``, ``dpm++`` (DPM-Solver++ multistep), ``unclip``.
-    ``best_of``: for the prior, that many embedding candidates per image, keeping the one with the highest
-    dot product with the text embedding (paper: 2); for the decoder, that many base-resolution images per
-    prompt (each from its own prior sample), keeping the one the CLIP scores closest to the prompt before
-    upsampling (CLIP reranking, as DALL-E); upsamplers take 1.
+    ``best_of``: for the prior, that many embedding candidates per image, keeping the one with the
+    highest dot product with the text embedding (paper: 2); for the decoder, that many
+    base-resolution images per prompt (each from its own prior sample), keeping the one the CLIP
+    scores closest to the prompt before upsampling (CLIP reranking, as DALL-E); upsamplers take 1.
     """
 
     scheduler: str = "ddim"
     steps: int = 25
     guidance_scale: float = 4.0
     best_of: int = 1
-
-
-@dataclass
-class DataConfig:
-    """Where training pairs come from.
-
-    ``source``: ``shapes`` (generated on the fly), ``folder`` (images + same-stem ``.txt`` captions),
-    ``webdataset`` (img2dataset tar shards, local paths, brace patterns or ``pipe:`` URLs) or
-    ``embeddings`` (precomputed ``.npy`` shards written by ``unclip embed``; prior only).
-    ``embeddings_path``: with ``source`` ``webdataset`` or ``folder``, the ``unclip embed`` output for exactly
-    those images; each sample then carries its precomputed ``image_embed``/``text_embed`` (matched by key,
-    tar shard ``i`` ↔ embedding shard ``i``) instead of running CLIP on it, and the shards are checked to
-    line up (``ValueError`` naming the shard and key otherwise); see :mod:`unclip.train.data.paired`.
-    """
-
-    source: Literal["shapes", "folder", "webdataset", "embeddings"] = "shapes"
-    path: Optional[str] = None
-    embeddings_path: Optional[str] = None
-    resolution: int = 64
-    batch_size: int = 8
-    num_workers: int = 0
-    shuffle_buffer: int = 1000
-    shapes_seed: int = 0
-    shapes_split: Literal["train", "heldout", "all"] = "train"
-    shapes_two_object_prob: float = 0.3
-    shapes_resolution: Optional[int] = None
-
-
-@dataclass
-class TrainConfig:
-    """The optimisation recipe: AdamW, linear warmup then cosine decay to ``min_lr``, clipping, EMA.
-
-    ``grad_accum_steps`` micro-batches of ``data.batch_size`` per process make one optimizer step.
-    ``powersgd_rank > 0`` compresses DDP gradients with PowerSGD of that rank (Accelerate's DDP comm hook)
-    after ``powersgd_start_step`` steps of plain all-reduce. ``max_consecutive_nonfinite``: training stops
-    after that many optimizer steps in a row were skipped for a non-finite loss or gradient.
-    ``init_weights``: start from these weights instead of a random initialisation (fine-tuning): a
-    component folder (e.g. ``final/decoder`` of an earlier run, or ``decoder/`` of a pipeline folder) or a
-    ``.safetensors`` file; the model config must match. ``--resume`` still wins: a checkpoint, when one
-    is found, replaces them.
-    """
-
-    output_dir: str = "runs/experiment"
-    seed: int = 0
-    init_weights: Optional[str] = None
-    max_steps: int = 100_000
-    lr: float = 1.1e-4
-    min_lr: float = 1e-6
-    warmup_steps: int = 10_000
-    weight_decay: float = 0.06
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.96])
-    adam_eps: float = 1e-8
-    grad_accum_steps: int = 8
-    max_grad_norm: float = 1.0
-    mixed_precision: Literal["no", "fp16", "bf16", "auto"] = "auto"
-    ema: bool = True
-    ema_decay: float = 0.9999
-    ema_warmup: bool = True
-    text_drop_prob: float = 0.1
-    image_embed_drop_prob: float = 0.1
-    gradient_checkpointing: bool = False
-    powersgd_rank: int = 0
-    powersgd_start_step: int = 1000
-    checkpoint_every: int = 1000
-    keep_last: int = 3
-    log_every: int = 10
-    sample_every: int = 0
-    max_consecutive_nonfinite: int = 20
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
-    progress: bool = True
-
-
-@dataclass
-class StageConfig:
-    """One training run of one stage: ``prior``, ``decoder`` (base) or ``upsampler``."""
-
-    stage: Literal["prior", "decoder", "upsampler"] = "prior"
-    clip: ClipConfig = field(default_factory=ClipConfig)
-    prior: Optional[PriorConfig] = None
-    decoder: Optional[DecoderConfig] = None
-    upsampler: Optional[UpsamplerConfig] = None
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-    def __post_init__(self) -> None:
-        section = {"prior": self.prior, "decoder": self.decoder, "upsampler": self.upsampler}[
-            self.stage
-        ]
-        if section is None:
-            raise ConfigError(
-                f"stage is {self.stage!r} but the config has no '{self.stage}:' section; "
-                f"add one (see configs/tiny/{self.stage}.yaml for an example)"
-            )
-
-    @property
-    def model(self):
-        """The model section of this stage."""
-        return getattr(self, self.stage)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,12 +315,13 @@ def save_config(obj: Any, path: str | os.PathLike) -> None:
 def apply_overrides(
     data: dict, overrides: list[str] | tuple[str, ...], source: str = "command line"
 ) -> dict:
-    """Apply dotted ``key.sub=value`` overrides to a plain dict; values are parsed as YAML scalars."""
+    """Apply dotted ``key.sub=value`` overrides to a plain dict (values parsed as YAML scalars)."""
     data = dict(data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(
-                f"{source}: override {item!r} must look like 'section.key=value' (e.g. train.lr=3e-4)"
+                f"{source}: override {item!r} must look like 'section.key=value' "
+                "(e.g. train.lr=3e-4)"
             )
         dotted, raw = item.split("=", 1)
         keys = dotted.strip().split(".")
@@ -430,13 +347,16 @@ def apply_overrides(
 
 
 def load_config(
-    path: str | os.PathLike | dict | None = None,
+    path: str | os.PathLike | dict | None,
     overrides: list[str] | tuple[str, ...] = (),
-    schema: type = StageConfig,
+    *,
+    schema: type,
 ):
-    """Load a YAML file (or a dict) into ``schema`` with dotted overrides applied, strictly.
+    """Load a YAML file (or a dict; ``None``: the defaults) into dataclass ``schema`` with dotted
+    overrides applied, strictly.
 
     Raises :class:`ConfigError` naming the key, the file and the closest valid key on a misspelling.
+    A training run's stage config loads with :func:`unclip.train.config.load_stage_config`.
     """
     if path is None:
         data, source = {}, "<defaults>"

@@ -34,17 +34,17 @@ lane_b() {  # the upsamplers side by side
 }
 lane_b & LANE_B=$!
 step clip "$UNCLIP" train-clip "$CFG/clip.yaml" --output-dir "$OUT/clip"
-CLIPW="$OUT/clip/clip/model.safetensors"
+CLIPW="$OUT/clip/final/clip/model.safetensors"
 step prior "$UNCLIP" train-prior "$CFG/prior.yaml" "clip.pretrained=$CLIPW" --output-dir "$OUT/prior" & PRIOR=$!
-step decoder "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.train.decoder "$CFG/decoder.yaml" \
+step decoder "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.cli.train_decoder "$CFG/decoder.yaml" \
   "clip.pretrained=$CLIPW" --output-dir "$OUT/decoder"
-# second decoder run: fine-tune on 60 % two-object scenes (docs/shapes_model.md, levers 8 and 11)
-step decoder_pairs "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.train.decoder "$CFG/decoder.yaml" \
+# second decoder run: fine-tune on 60 % two-object scenes (docs/shapes_model.md)
+step decoder_pairs "$TORCHRUN" --standalone --nproc_per_node 2 -m unclip.cli.train_decoder "$CFG/decoder.yaml" \
   "clip.pretrained=$CLIPW" "train.init_weights=$OUT/decoder/final/decoder" data.shapes_two_object_prob=0.6 \
   train.max_steps=7000 train.lr=4e-4 train.warmup_steps=200 --output-dir "$OUT/decoder_pairs"
 wait $PRIOR
 wait $LANE_B
-step assemble "$UNCLIP" assemble --clip "$OUT/clip/clip" --prior "$OUT/prior/final/prior" \
+step assemble "$UNCLIP" assemble --clip "$OUT/clip/final/clip" --prior "$OUT/prior/final/prior" \
   --decoder "$OUT/decoder_pairs/final/decoder" --upsampler "$OUT/sr64/final/sr64" \
   --upsampler "$OUT/sr128/final/sr128" --out "$OUT/pipeline"
 step finalize "${PYTHON:-python}" -m unclip.shapes.finalize "$OUT/pipeline" --sampling "$CFG/sampling.yaml" \

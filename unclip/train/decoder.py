@@ -1,7 +1,7 @@
 """Train the base decoder or one upsampler (chosen by the config's ``stage``).
 
-    unclip-train-decoder configs/tiny/decoder.yaml train.max_steps=200
-    unclip-train-decoder configs/tiny/sr32.yaml
+    unclip train-decoder configs/tiny/decoder.yaml train.max_steps=200
+    unclip train-decoder configs/tiny/sr32.yaml
     accelerate launch train_decoder.py configs/decoder_64.yaml --resume latest
 
 Decoder (paper §2.1): condition on the frozen CLIP's image embedding of the training image and the
@@ -9,27 +9,42 @@ caption's token states; drop the image embedding for ``train.image_embed_drop_pr
 (learned null embedding) and the caption for ``train.text_drop_prob`` (empty caption), for
 classifier-free guidance.
 
-Upsampler: take a random ``upsampler.train_crop_size`` crop (or the whole image), make its low-res
-conditioning by downsampling and corrupting it (``blur`` or ``bsr``), add Gaussian noise of a random level
-``≤ max_noise_level`` (the level is an input of the network), upsample it back and concatenate.
+Upsampler: take a random ``upsampler_train.crop_size`` crop (or the whole image), make its low-res
+conditioning by downsampling and corrupting it (``blur`` or ``bsr``), add Gaussian noise of a random
+level ``≤ upsampler_train.max_noise_level`` (the level is an input of the network), upsample it back
+and concatenate.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+from typing import Optional
 
 import torch
 from PIL import Image
 
 from unclip.clip import FrozenCLIP, TextEncoding
-from unclip.config import to_dict, to_yaml
-from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler, degrade, upsample_low_res
-from unclip.diffusion import diffusion_loss, make_scheduler, sample_loop, training_scheduler
+from unclip.decoder import UnCLIPDecoder, degrade, upsample_low_res
+from unclip.diffusion import diffusion_loss, training_scheduler
+from unclip.images import image_grid
+from unclip.pipeline import UnCLIPPipeline
+from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
-from unclip.train.loop import TrainingRun, load_stage_config, sample_generators, stage_argparser
+from unclip.train.loop import TrainLoop, sample_generators
+
+__all__ = [
+    "DecoderTask",
+    "UpsamplerTask",
+    "decoder_loss",
+    "upsampler_inputs",
+    "upsampler_loss",
+    "train_decoder",
+]
 
 logger = logging.getLogger("unclip.train")
+
+#: how many training captions/images a sample grid shows
+GRID_SIZE = 8
 
 
 def decoder_loss(
@@ -64,10 +79,11 @@ def decoder_loss(
 def upsampler_inputs(
     images: torch.Tensor, gens, cfg, noise_sched
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """High-res targets, upsampled corrupted low-res conditioning and noise levels for one micro-batch."""
-    up = cfg.upsampler
+    """High-res targets, upsampled corrupted low-res conditioning and noise levels for one
+    micro-batch (``cfg.upsampler`` sizes, ``cfg.upsampler_train`` crop and corruption)."""
+    up, aug = cfg.upsampler, cfg.upsampler_train
     b, _, h, w = images.shape
-    crop = up.train_crop_size or up.sample_size
+    crop = aug.crop_size or up.sample_size
     if h < crop or w < crop:
         raise ValueError(
             f"training images are {h}x{w}px but the upsampler crop is {crop}px; set data.resolution"
@@ -80,15 +96,16 @@ def upsampler_inputs(
             [images[i, :, tops[i] : tops[i] + crop, lefts[i] : lefts[i] + crop] for i in range(b)]
         )
     low_size = crop * up.low_res_size // up.sample_size
-    low = degrade(images, low_size, up.corruption, gens, tuple(up.blur_sigma))
+    low = degrade(images, low_size, aug.corruption, gens, tuple(aug.blur_sigma))
     low_up = upsample_low_res(low, crop)
-    levels = torch.stack([torch.randint(0, up.max_noise_level + 1, (), generator=g) for g in gens])
+    levels = torch.stack([torch.randint(0, aug.max_noise_level + 1, (), generator=g) for g in gens])
     noise = torch.stack([torch.randn(low_up.shape[1:], generator=g) for g in gens])
     low_up = noise_sched.add_noise(low_up, noise, levels)
     return images, low_up, levels
 
 
 def upsampler_loss(model, batch, gens, cfg, noise_sched, device):
+    """Denoising loss of an upsampler on one micro-batch (inputs from :func:`upsampler_inputs`)."""
     images, low_up, levels = upsampler_inputs(batch["image"], gens, cfg, noise_sched)
     low_up, levels = low_up.to(device), levels.to(device)
     return diffusion_loss(
@@ -101,138 +118,125 @@ def upsampler_loss(model, batch, gens, cfg, noise_sched, device):
     )
 
 
-@torch.no_grad()
-def sample_grid(run: TrainingRun, clip: FrozenCLIP, batch: dict, null: TextEncoding) -> Image.Image:
-    """Samples from the EMA weights for the captions/images of ``batch`` (at most 8), as one grid image."""
-    from unclip.pipeline import UnCLIPPipeline, to_output
+def _grid_generators(cfg: StageConfig, n: int) -> list[torch.Generator]:
+    # the same draws at every sample step, apart from the training draws
+    return sample_generators(cfg.train.seed + 1, 0, 0, n)
 
-    cfg = run.cfg
-    model = run.unwrapped
-    n = min(8, len(batch["caption"]))
-    if run.ema is not None:
-        run.ema.store(run.trainable)
-        run.ema.copy_to(run.trainable)
-    model.eval()
-    try:
-        gens = sample_generators(cfg.train.seed + 1, 0, 0, n)
-        images = batch["image"][:n].to(run.device)
-        if cfg.stage == "decoder":
-            pipe = UnCLIPPipeline(
-                clip,
-                None,
-                model,
-                [],
-                diffusion={"decoder": cfg.diffusion},
-                sampling={"decoder": cfg.sampling},
-            )
-            out = pipe.decode(clip.encode_image(images), batch["caption"][:n], gens, progress=False)
-        else:
-            up = cfg.upsampler
-            low = degrade(images.cpu(), up.low_res_size, up.corruption, gens, tuple(up.blur_sigma))
-            low_up = upsample_low_res(low, up.sample_size).to(run.device)
-            sched = make_scheduler(cfg.sampling.scheduler, cfg.diffusion)
-            levels = torch.zeros(n, dtype=torch.long, device=run.device)
-            out = sample_loop(
-                lambda x, t: model(x, t, low_up, levels),
-                (n, 3, up.sample_size, up.sample_size),
-                sched,
-                num_steps=cfg.sampling.steps,
-                guidance_scale=1.0,
-                generator=gens,
-                device=run.device,
-                progress=False,
-            ).clamp(-1, 1)
-            images = low_up
-        row = torch.cat(
-            [torch.nn.functional.interpolate(images.float(), size=out.shape[-2:]), out.float()]
+
+class DecoderTask:
+    """The base decoder's training task: :func:`decoder_loss`, and a grid of training images (top
+    row) and the decoder's samples from their CLIP image embeddings and captions (bottom row)."""
+
+    name = "decoder"
+
+    def __init__(self, cfg: StageConfig, clip: FrozenCLIP, device):
+        self.cfg, self.clip, self.device = cfg, clip, device
+        self.null = clip.encode_text([""])
+        self.noise_sched = training_scheduler(cfg.diffusion)
+
+    def loss(self, model, batch: dict, generators) -> torch.Tensor:
+        return decoder_loss(
+            model, batch, self.clip, self.null, generators, self.cfg, self.noise_sched, self.device
         )
-    finally:
-        model.train()
-        if run.ema is not None:
-            run.ema.restore(run.trainable)
-    tiles = to_output(row, "np")
-    h, w = tiles.shape[1:3]
-    grid = Image.new("RGB", (w * n, h * 2))
-    for i, tile in enumerate(tiles):
-        grid.paste(Image.fromarray(tile), ((i % n) * w, (i // n) * h))
-    return grid
+
+    def sample_grid(self, model: UnCLIPDecoder, batch: dict) -> Image.Image:
+        n = min(GRID_SIZE, len(batch["caption"]))
+        images = batch["image"][:n].to(self.device)
+        pipe = UnCLIPPipeline(
+            self.clip,
+            None,
+            model,
+            diffusion={"decoder": self.cfg.diffusion},
+            sampling={"decoder": self.cfg.sampling},
+        )
+        out = pipe.decode(
+            self.clip.encode_image(images),
+            batch["caption"][:n],
+            _grid_generators(self.cfg, n),
+            progress=False,
+        )
+        return image_grid(torch.cat([images.float().cpu(), out.cpu()]), cols=n)
 
 
-def main(argv=None) -> int:
-    args = stage_argparser("unclip-train-decoder", __doc__.splitlines()[1]).parse_intermixed_args(
-        argv
-    )
-    cfg = load_stage_config(args, ("decoder", "upsampler"))
-    if args.print_config:
-        print(to_yaml(cfg))
-        return 0
-    run = TrainingRun(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+class UpsamplerTask:
+    """An upsampler's training task: :func:`upsampler_loss`, and a grid of corrupted low-res
+    training images (top row, enlarged) and the upsampler's samples from them (bottom row)."""
+
+    def __init__(self, cfg: StageConfig, clip: FrozenCLIP, device):
+        self.cfg, self.clip, self.device = cfg, clip, device
+        self.name = f"sr{cfg.upsampler.sample_size}"
+        self.noise_sched = training_scheduler(cfg.diffusion)
+
+    def loss(self, model, batch: dict, generators) -> torch.Tensor:
+        return upsampler_loss(model, batch, generators, self.cfg, self.noise_sched, self.device)
+
+    def sample_grid(self, model, batch: dict) -> Image.Image:
+        up, aug = self.cfg.upsampler, self.cfg.upsampler_train
+        n = min(GRID_SIZE, len(batch["caption"]))
+        gens = _grid_generators(self.cfg, n)
+        low = degrade(batch["image"][:n], up.low_res_size, aug.corruption, gens, aug.blur_sigma)
+        # a pipeline runs its upsamplers after a decoder of their input size; only upsample() runs
+        # here, so the decoder is a minimal placeholder that is never called
+        placeholder = UnCLIPDecoder(
+            embed_dim=self.clip.embed_dim,
+            text_width=self.clip.text_width,
+            sample_size=up.low_res_size,
+            block_out_channels=(8,),
+            layers_per_block=1,
+            down_block_types=("DownBlock2D",),
+            up_block_types=("UpBlock2D",),
+            mid_block_type=None,
+            norm_num_groups=8,
+            num_image_tokens=1,
+            use_text_tokens=False,
+        ).to(model.device)
+        pipe = UnCLIPPipeline(
+            self.clip,
+            None,
+            placeholder,
+            [model],
+            diffusion={self.name: self.cfg.diffusion},
+            sampling={self.name: self.cfg.sampling},
+        )
+        out = pipe.upsample(low.to(self.device), gens, progress=False)
+        low = torch.nn.functional.interpolate(low.float(), size=out.shape[-2:])
+        return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
+
+
+def train_decoder(
+    cfg: StageConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None
+) -> int:
+    """Train the base decoder or the upsampler described by ``cfg`` (stage ``decoder`` or
+    ``upsampler``); when ``train.max_steps`` is reached, export ``<output_dir>/final/decoder`` (or
+    ``final/sr<size>``) and ``final/clip``. ``resume``: ``"latest"`` or a checkpoint folder;
+    ``max_steps_this_run``: stop (with a checkpoint) after that many steps. Returns 0."""
+    if cfg.stage not in ("decoder", "upsampler"):
+        raise ValueError(
+            f"train_decoder needs a stage 'decoder' or 'upsampler' config, got stage {cfg.stage!r}"
+        )
+    if cfg.stage == "decoder" and cfg.data.resolution != cfg.decoder.sample_size:
+        raise ValueError(
+            f"data.resolution ({cfg.data.resolution}) must equal decoder.sample_size "
+            f"({cfg.decoder.sample_size})"
+        )
+    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
     torch.manual_seed(cfg.train.seed)
-    clip = FrozenCLIP.from_config(cfg.clip).to(run.device)
-    if cfg.stage == "decoder":
-        fields = to_dict(cfg.decoder)
-        if fields.get("learned_variance"):
-            raise ValueError(
-                "training decoders with learned variance is not supported; set decoder.learned_variance=false"
-            )
-        model = UnCLIPDecoder.from_clip(clip, **fields)
-        resolution, name = cfg.decoder.sample_size, "decoder"
-        if cfg.data.resolution != resolution:
-            raise ValueError(
-                f"data.resolution ({cfg.data.resolution}) must equal decoder.sample_size ({resolution})"
-            )
-    else:
-        fields = to_dict(cfg.upsampler)
-        model = UnCLIPUpsampler(
-            **{
-                k: fields[k]
-                for k in (
-                    "sample_size",
-                    "low_res_size",
-                    "block_out_channels",
-                    "layers_per_block",
-                    "down_block_types",
-                    "up_block_types",
-                    "norm_num_groups",
-                    "noise_level",
-                )
-            }
-        )
-        resolution, name = cfg.data.resolution, f"sr{cfg.upsampler.sample_size}"
+    clip = FrozenCLIP.from_config(cfg.clip).to(loop.device)
+    model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
     if cfg.train.gradient_checkpointing:
         model.unet.enable_gradient_checkpointing()
-    model = run.prepare(model)
+    model = loop.prepare(model)
     model.train()
-    null = clip.encode_text([""])
-    noise_sched = training_scheduler(cfg.diffusion)
+    task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, loop.device)
     data = make_batches(
         cfg.data,
-        resolution=resolution,
+        resolution=cfg.data.resolution,
         seed=cfg.train.seed,
-        rank=run.rank,
-        world_size=run.world,
-        start=run.state.samples,
+        rank=loop.rank,
+        world_size=loop.world,
+        start=loop.state.samples,
     )
-    first = None
-    for micro in run.steps(data):
-        for batch in micro:
-            first = first or batch
-            with run.accumulate():
-                gens = run.generators(len(batch["caption"]))
-                if cfg.stage == "decoder":
-                    loss = decoder_loss(
-                        model, batch, clip, null, gens, cfg, noise_sched, run.device
-                    )
-                else:
-                    loss = upsampler_loss(model, batch, gens, cfg, noise_sched, run.device)
-                run.backward(loss)
-        every = cfg.train.sample_every
-        if every and (run.state.step + 1) % every == 0 and run.accelerator.is_main_process:
-            path = run.out / "samples" / f"step_{run.state.step + 1:08d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            sample_grid(run, clip, first, null).save(path)
-    return run.complete(name, clip)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if loop.run(task, data):
+        loop.export_stage(task.name, clip)
+    loop.finish()
+    return 0

@@ -1,47 +1,55 @@
-"""``unclip embed``: precompute CLIP image and text embeddings in the clip-retrieval layout, plus statistics.
+"""``unclip embed``: precompute CLIP image and text embeddings in the clip-retrieval layout, plus
+statistics.
 
 Writes, under ``--out``::
 
-    img_emb/img_emb_{i}.npy       [N_i, D] unit-norm image embeddings (float16 by default, or float32)
+    img_emb/img_emb_{i}.npy       [N_i, D] unit-norm image embeddings (float16 by default, or
+                                  float32)
     text_emb/text_emb_{i}.npy     [N_i, D] unit-norm text embeddings
     metadata/metadata_{i}.jsonl   one {"key", "caption"} JSON object per row (clip-retrieval writes
                                   parquet, which needs pyarrow; JSON lines need nothing)
-    stats.npz / stats.json        per-dimension mean and std (population, ddof=0) of the image and text
-                                  embeddings over all written rows, as stored (after the dtype cast),
-                                  plus row, shard and skipped counts
+    stats.npz / stats.json        per-dimension mean and std (population, ddof=0) of the image and
+                                  text embeddings over all written rows, as stored (after the
+                                  dtype cast), plus row, shard and skipped counts
 
-Work is cut into *chunks*, one output shard each: ``--shard-size`` consecutive items of a folder (sorted
-by path) or of the shapes world, or one input tar shard of a webdataset. Process ``p`` of ``P`` (run with
-``torchrun``/``accelerate launch``; Accelerate sets up the process group) embeds chunks ``p, p+P, …`` and
-names each shard by its global chunk index, so the output does not depend on ``P``. The statistics are
-combined exactly: each process sums its rows and squared rows in float64 and the sums are reduced across
-processes. Bad samples (unreadable image, missing/empty caption) are skipped, counted and reported.
-Every file is written under a temporary name and renamed.
+Work is cut into *chunks*, one output shard each: ``--shard-size`` consecutive items of a folder
+(sorted by path) or of the shapes world, or one input tar shard of a webdataset. Process ``p`` of
+``P`` (run with ``torchrun``/``accelerate launch``; Accelerate sets up the process group) embeds
+chunks ``p, p+P, …`` and names each shard by its global chunk index, so the output does not depend
+on ``P``. The statistics are combined exactly: each process sums its rows and squared rows in
+float64 and the sums are reduced across processes. Bad samples (unreadable image, missing/empty
+caption) are skipped, counted and reported. Every file is written under a temporary name and
+renamed.
 
 Example::
 
-    unclip embed --source webdataset --data "shards/{00000..00099}.tar" --clip-config pipe/ --out emb/
-    torchrun --nproc_per_node 8 -m unclip.train.embed --source folder --data images/ --clip-config prior.yaml --out emb/
+    unclip embed --source webdataset --data "shards/{00000..00099}.tar" --clip-config pipe/ \
+        --out emb/
+    torchrun --nproc_per_node 8 -m unclip.cli.embed --source folder --data images/ \
+        --clip-config prior.yaml --out emb/
+
+The library call is :func:`embed` with an :class:`EmbedJob`; :func:`load_stats` reads the
+statistics.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
 import yaml
 
 from unclip.clip import FrozenCLIP
-from unclip.config import ClipConfig, from_dict, load_config
+from unclip.config import ClipConfig, from_dict
 from unclip.train.data.sources import (
     _TAR_IMAGE_KEYS,
     BadSample,
@@ -53,17 +61,22 @@ from unclip.train.data.sources import (
     open_rgb,
 )
 
-__all__ = ["main", "load_clip", "load_stats", "build_parser"]
+__all__ = ["EmbedJob", "embed", "load_clip", "load_stats", "STATS_FILE"]
+
+#: the statistics file ``unclip embed`` writes beside the shards (read with :func:`load_stats`)
+STATS_FILE = "stats.npz"
 
 logger = logging.getLogger(__name__)
 _MAX_LOGGED = 5
 
 
 def load_clip(spec: str) -> FrozenCLIP:
-    """A :class:`FrozenCLIP` from a pipeline folder (``clip/`` inside), a CLIP folder, or a YAML file.
+    """A :class:`FrozenCLIP` from a pipeline folder (``clip/`` inside), a CLIP folder, or a YAML
+    file.
 
-    The YAML is a stage config (its ``clip:`` section is used) or a file holding only a ``clip:`` section.
-    A CLIP without pretrained weights is initialised from seed 0 so that every process gets the same one.
+    The YAML is a stage config (its ``clip:`` section is used) or a file holding only a ``clip:``
+    section. A CLIP without pretrained weights is initialised from seed 0 so that every process gets
+    the same one.
     """
     path = Path(spec)
     if path.is_dir():
@@ -71,23 +84,25 @@ def load_clip(spec: str) -> FrozenCLIP:
             if (folder / "config.json").is_file():
                 return FrozenCLIP.from_pretrained(folder)
         raise ValueError(
-            f"--clip-config {spec}: folder has neither clip/config.json (a pipeline) nor config.json "
-            f"(a CLIP folder written by FrozenCLIP.save_pretrained)"
+            f"--clip-config {spec}: folder has neither clip/config.json (a pipeline) nor "
+            "config.json (a CLIP folder written by FrozenCLIP.save_pretrained)"
         )
     if not path.is_file():
         raise ValueError(
-            f"--clip-config {spec}: no such file or folder; pass a pipeline folder, a CLIP folder or "
-            f"a YAML config with a 'clip:' section"
+            f"--clip-config {spec}: no such file or folder; pass a pipeline folder, a CLIP folder "
+            "or a YAML config with a 'clip:' section"
         )
     data = yaml.safe_load(path.read_text()) or {}
     if isinstance(data, dict) and set(data) == {"clip"}:
         cfg = from_dict(ClipConfig, data["clip"], source=str(path), prefix="clip")
     else:
-        cfg = load_config(path).clip
+        from unclip.train.config import load_stage_config
+
+        cfg = load_stage_config(path).clip
     if not cfg.pretrained:
         warnings.warn(
-            f"{spec}: clip.pretrained is not set; using randomly initialised CLIP weights (seed 0), "
-            f"which is only useful for tests",
+            f"{spec}: clip.pretrained is not set; using randomly initialised CLIP weights "
+            "(seed 0), which is only useful for tests",
             stacklevel=2,
         )
         torch.manual_seed(0)
@@ -95,40 +110,69 @@ def load_clip(spec: str) -> FrozenCLIP:
 
 
 def load_stats(path) -> dict[str, np.ndarray]:
-    """The statistics written by ``unclip embed``: ``image_mean``, ``image_std``, ``text_mean``, ``text_std`` [D]."""
-    file = Path(path) / "stats.npz" if Path(path).is_dir() else Path(path)
+    """The statistics written by ``unclip embed`` (``path``: its output folder or the file itself):
+    ``image_mean``, ``image_std``, ``text_mean``, ``text_std`` ``[D]`` and ``count``."""
+    file = Path(path) / STATS_FILE if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"no embedding statistics at {file}; run `unclip embed` first")
     with np.load(file, allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 
+@dataclass
+class EmbedJob:
+    """What ``unclip embed`` embeds and where (the command-line options, one field each).
+
+    ``source``: ``folder``, ``webdataset`` or ``shapes``; ``data``: the image folder or tar shards
+    (path, brace pattern, ``::`` list, ``pipe:`` URL); ``clip_config``: a pipeline folder (with
+    ``clip/``), a CLIP folder or a YAML with a ``clip:`` section; ``out``: the output folder.
+    ``shard_size``: rows per output shard for folder/shapes (webdataset: one output shard per tar
+    shard); ``num``: embed only the first N items (folder/shapes); ``dtype``: of the ``.npy``
+    shards; ``resolution``, ``shapes_seed``, ``shapes_split``: the shapes world; ``overwrite``:
+    delete existing shards in ``out`` first.
+    """
+
+    source: Literal["folder", "webdataset", "shapes"]
+    clip_config: str
+    out: str
+    data: Optional[str] = None
+    batch_size: int = 64
+    shard_size: int = 10000
+    num: Optional[int] = None
+    dtype: Literal["float16", "float32"] = "float16"
+    resolution: int = 64
+    shapes_seed: int = 0
+    shapes_split: Literal["train", "heldout", "all"] = "train"
+    overwrite: bool = False
+    progress: bool = True
+
+
 # --------------------------------------------------------------------------------------------------
 # Chunks: (key, image | None, caption | None, reason | None) per item
 # --------------------------------------------------------------------------------------------------
-def _chunks(args) -> tuple[int, callable, Optional[int]]:
+def _chunks(job: EmbedJob) -> tuple[int, callable, Optional[int]]:
     """``(num_chunks, items(chunk) -> iterator, total items or None)``."""
-    size = args.shard_size
-    if args.source == "shapes":
+    size = job.shard_size
+    if job.source == "shapes":
         from unclip.shapes.world import ShapesWorld
 
-        if args.num is None:
+        if job.num is None:
             raise ValueError(
                 "--source shapes needs --num N (how many samples of the shapes world to embed)"
             )
-        world = ShapesWorld(args.resolution, seed=args.shapes_seed, split=args.shapes_split)
+        world = ShapesWorld(job.resolution, seed=job.shapes_seed, split=job.shapes_split)
 
         def items(chunk):
-            for index in range(chunk * size, min((chunk + 1) * size, args.num)):
+            for index in range(chunk * size, min((chunk + 1) * size, job.num)):
                 s = world[index]
                 yield f"{index:08d}", s.image, s.caption, None
 
-        return math.ceil(args.num / size), items, args.num
-    if not args.data:
-        raise ValueError(f"--source {args.source} needs --data")
-    if args.source == "folder":
-        root = Path(args.data)
-        files = list_images(root)[: args.num]
+        return math.ceil(job.num / size), items, job.num
+    if not job.data:
+        raise ValueError(f"--source {job.source} needs --data")
+    if job.source == "folder":
+        root = Path(job.data)
+        files = list_images(root)[: job.num]
 
         def items(chunk):
             for f in files[chunk * size : (chunk + 1) * size]:
@@ -141,13 +185,13 @@ def _chunks(args) -> tuple[int, callable, Optional[int]]:
                     yield key, None, None, f"{f}: {exc}"
 
         return math.ceil(len(files) / size), items, len(files)
-    if args.source == "webdataset":
-        if args.num is not None:
+    if job.source == "webdataset":
+        if job.num is not None:
             raise ValueError(
-                "--num is not supported with --source webdataset (shard sizes are unknown until read); "
-                "select shards with a brace pattern instead, e.g. 'data/{00000..00009}.tar'"
+                "--num is not supported with --source webdataset (shard sizes are unknown until "
+                "read); select shards with a brace pattern instead, e.g. 'data/{00000..00009}.tar'"
             )
-        urls = expand_urls(args.data)
+        urls = expand_urls(job.data)
 
         def items(chunk):
             errors = []
@@ -165,7 +209,7 @@ def _chunks(args) -> tuple[int, callable, Optional[int]]:
                 logger.warning("unclip embed: broken shard or member in %s: %s", urls[chunk], exc)
 
         return len(urls), items, None
-    raise ValueError(f"unknown --source {args.source!r}; choose folder, webdataset or shapes")
+    raise ValueError(f"unknown --source {job.source!r}; choose folder, webdataset or shapes")
 
 
 def _save_npy(file: Path, array: np.ndarray) -> None:
@@ -234,77 +278,38 @@ def _embed_chunk(
     return len(img), skipped
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="unclip embed",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--data", help="image folder, or tar shards (path, brace pattern, '::' list, pipe: URL)"
-    )
-    p.add_argument("--source", required=True, choices=["folder", "webdataset", "shapes"])
-    p.add_argument(
-        "--clip-config",
-        required=True,
-        help="pipeline folder (with clip/), CLIP folder, or YAML with a 'clip:' section",
-    )
-    p.add_argument("--out", required=True, help="output folder (clip-retrieval layout)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument(
-        "--shard-size",
-        type=int,
-        default=10000,
-        help="rows per output shard for folder/shapes (webdataset: one output shard per tar shard)",
-    )
-    p.add_argument(
-        "--num", type=int, default=None, help="embed only the first N items (folder/shapes)"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["float16", "float32"],
-        default="float16",
-        help="dtype of the .npy shards",
-    )
-    p.add_argument("--resolution", type=int, default=64, help="shapes: render resolution")
-    p.add_argument("--shapes-seed", type=int, default=0)
-    p.add_argument("--shapes-split", default="train", choices=["train", "heldout", "all"])
-    p.add_argument("--overwrite", action="store_true", help="delete existing shards in --out first")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Run ``unclip embed`` (see module doc); returns 0."""
+def embed(job: EmbedJob) -> int:
+    """Run ``unclip embed`` (see module doc) in this process (one of several under
+    ``torchrun``/``accelerate launch``); returns 0."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    args = build_parser().parse_args(argv)
     for name in ("batch_size", "shard_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.num is not None and args.num < 1:
-        raise ValueError(f"--num must be >= 1, got {args.num}")
+        if getattr(job, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(job, name)}")
+    if job.num is not None and job.num < 1:
+        raise ValueError(f"--num must be >= 1, got {job.num}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     acc = Accelerator(cpu=not torch.cuda.is_available())
-    out = Path(args.out)
+    out = Path(job.out)
     existing = [f for files in embedding_shards(out).values() for f in files.values()]
-    if existing and not args.overwrite:
+    if existing and not job.overwrite:
         raise ValueError(
-            f"{out} already holds {len(existing)} embedding shard files; pass --overwrite to replace "
+            f"{out} already holds {len(existing)} embedding shard files; pass --overwrite to "
+            "replace "
             f"them or choose another --out"
         )
-    num_chunks, items, total = _chunks(args)
-    clip = load_clip(args.clip_config).to(acc.device)
+    num_chunks, items, total = _chunks(job)
+    clip = load_clip(job.clip_config).to(acc.device)
     acc.wait_for_everyone()
     if acc.is_main_process:
-        for f in existing + [out / "stats.npz", out / "stats.json"]:
+        for f in existing + [out / STATS_FILE, out / "stats.json"]:
             f.unlink(missing_ok=True)
         for sub in ("img_emb", "text_emb", "metadata"):
             (out / sub).mkdir(parents=True, exist_ok=True)
     acc.wait_for_everyone()
 
-    dtype = np.float16 if args.dtype == "float16" else np.float32
+    dtype = np.float16 if job.dtype == "float16" else np.float32
     sums = _Sums(clip.embed_dim)
     mine = range(acc.process_index, num_chunks, acc.num_processes)
     logged = [0]
@@ -317,18 +322,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     my_total = (
         None
         if total is None
-        else sum(min(args.shard_size, total - c * args.shard_size) for c in mine)
+        else sum(min(job.shard_size, total - c * job.shard_size) for c in mine)
     )
     bar = tqdm(
         total=my_total,
         desc=f"embed [{acc.process_index}]",
         unit="img",
-        disable=args.no_progress or not acc.is_local_main_process,
+        disable=not job.progress or not acc.is_local_main_process,
     )
     skipped = 0
     for chunk in mine:
         _, bad = _embed_chunk(
-            clip, items(chunk), out, chunk, dtype, args.batch_size, sums, bar, log_bad
+            clip, items(chunk), out, chunk, dtype, job.batch_size, sums, bar, log_bad
         )
         skipped += bad
     bar.close()
@@ -342,7 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if acc.is_main_process:
         if count == 0:
             raise ValueError(
-                f"no usable samples in {args.data or 'shapes'} ({skipped_all} skipped); nothing to embed"
+                f"no usable samples in {job.data or 'shapes'} ({skipped_all} skipped); nothing to "
+                "embed"
             )
         mean = totals[0::2] / count
         std = (totals[1::2] / count - mean * mean).clamp_min(0).sqrt()
@@ -353,18 +359,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             "text_std": std[1].numpy(),
             "count": np.int64(count),
         }
-        tmp = out / "stats.npz.tmp"
+        tmp = out / (STATS_FILE + ".tmp")
         with open(tmp, "wb") as f:
             np.savez(f, **stats)
-        os.replace(tmp, out / "stats.npz")
+        os.replace(tmp, out / STATS_FILE)
         meta = {
             "count": count,
             "skipped": skipped_all,
             "num_shards": num_chunks,
             "embed_dim": clip.embed_dim,
-            "dtype": args.dtype,
-            "source": args.source,
-            "data": args.data,
+            "dtype": job.dtype,
+            "source": job.source,
+            "data": job.data,
             "clip_model": clip.model_name,
             "num_processes": acc.num_processes,
             **{k: v.tolist() for k, v in stats.items() if k != "count"},
@@ -376,7 +382,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     acc.wait_for_everyone()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,36 +1,42 @@
-"""Shared Accelerate plumbing for every stage's training loop.
+"""The training loop shared by every stage: one visible step, the same for all of them.
 
-:class:`TrainingRun` owns what is the same for the prior, the decoder and the upsamplers:
+A stage supplies a *task* (:class:`Task`): its loss on one micro-batch, and optionally a grid of
+samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
 
-* the ``Accelerator`` (mixed precision: ``auto`` = fp16 with loss scaling on GPU, bf16 on a CPU with native bf16, else fp32;
-  gradient accumulation; DDP with an optional PowerSGD communication hook; TensorBoard tracker);
+    run:       next micro-batches -> run_step -> step += 1 -> log_step -> samples -> checkpoint
+    run_step:  forward_backward -> optimize -> update_ema
+
+* the ``Accelerator`` (mixed precision: ``auto`` = fp16 with loss scaling on GPU, bf16 on a CPU with
+  native bf16, else fp32; gradient accumulation; DDP with an optional PowerSGD communication hook;
+  trackers);
 * AdamW and a LambdaLR schedule: linear warmup to ``lr`` then cosine decay to the ``min_lr`` floor;
 * optional initial weights (``init_weights``: fine-tune an exported component);
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
   ``max_consecutive_nonfinite`` in a row training stops with a clear message (after a checkpoint);
-* checkpoints every ``checkpoint_every`` steps and at the end, written to a temporary folder and renamed
-  (never half-written), keeping the last ``keep_last``; exact resume (model, optimizer, LR schedule,
-  EMA, grad scaler, RNG and data position) with ``--resume latest`` or a checkpoint path;
+* checkpoints every ``checkpoint_every`` steps and at the end, written to a temporary folder and
+  renamed (never half-written), keeping the last ``keep_last``; exact resume (model, optimizer, LR
+  schedule, EMA, grad scaler, RNG and data position) with ``--resume latest`` or a checkpoint path;
 * per-sample randomness: every sample's noise, timestep and condition dropout come from a
-  ``torch.Generator`` seeded by ``(seed, rank, sample number)``, so results do not depend on how samples
-  are grouped into micro-batches and resume is exact;
-* logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers.
+  ``torch.Generator`` seeded by ``(seed, rank, sample number)``
+  (:func:`unclip.pipeline_utils.sample_seed`), so results do not depend on how samples are grouped
+  into micro-batches and resume is exact;
+* logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers;
+* export: ``<output_dir>/final/<component>`` with the EMA weights.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
+import contextlib
 import json
 import logging
 import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -43,19 +49,19 @@ from accelerate.utils import (
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
-from unclip.config import StageConfig, load_config, save_config
-from unclip.config import to_dict as _to_dict
+from unclip.config import save_config, to_dict
 from unclip.io import STAGE_META_FILE
+from unclip.pipeline_utils import sample_seed
 
 __all__ = [
-    "TrainingRun",
+    "TrainLoop",
+    "Task",
     "warmup_cosine",
     "sample_generators",
-    "stage_argparser",
-    "load_stage_config",
     "NonFiniteError",
     "STAGE_META_FILE",
     "load_initial_weights",
+    "auto_mixed_precision",
 ]
 
 logger = logging.getLogger("unclip.train")
@@ -64,8 +70,8 @@ logger = logging.getLogger("unclip.train")
 def load_initial_weights(model: torch.nn.Module, path) -> Path:
     """Load a component's weights (a component folder, or a ``.safetensors`` file) into ``model``.
 
-    Every tensor of the model must be present with the same shape (the configs must match); dtypes are
-    converted (e.g. fp16 shipped weights into an fp32 model). Returns ``path``."""
+    Every tensor of the model must be present with the same shape (the configs must match); dtypes
+    are converted (e.g. fp16 shipped weights into an fp32 model). Returns ``path``."""
     from safetensors.torch import load_file
 
     from unclip.io import load_weights
@@ -104,7 +110,8 @@ class NonFiniteError(RuntimeError):
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr: float) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from ``base_lr`` to ``min_lr``."""
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from ``base_lr`` to
+    ``min_lr``."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     span = max(1, total - warmup)
@@ -114,8 +121,8 @@ def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr:
 
 
 def native_cpu_bf16() -> bool:
-    """True iff oneDNN runs bf16 natively on this CPU (AVX-512 with bf16 support or AMX). Without it,
-    bf16 autocast is emulated and much slower than fp32 (a shapes CLIP step on an AVX2-only CPU: 9.8 s against 1.0 s)."""
+    """True iff oneDNN runs bf16 natively on this CPU (AVX-512 with bf16 support or AMX). Without
+    it, bf16 autocast is emulated and much slower than fp32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -123,9 +130,9 @@ def native_cpu_bf16() -> bool:
 
 
 def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
-    """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs it
-    natively (:func:`native_cpu_bf16`), else ``no`` (fp32). ``gpu``: whether the training runs on a GPU
-    (default: whether one is available). Other values are returned unchanged."""
+    """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs
+    it natively (:func:`native_cpu_bf16`), else ``no`` (fp32). ``gpu``: whether the training runs on
+    a GPU (default: whether one is available). Other values are returned unchanged."""
     if requested != "auto":
         return requested
     if torch.cuda.is_available() if gpu is None else gpu:
@@ -133,49 +140,37 @@ def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
     return "bf16" if native_cpu_bf16() else "no"
 
 
-def sample_seed(seed: int, rank: int, index: int) -> int:
-    """A 63-bit seed for sample number ``index`` of ``rank`` in a run seeded ``seed``."""
-    h = hashlib.blake2b(f"{seed}:{rank}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
-
 def sample_generators(seed: int, rank: int, start: int, count: int) -> list[torch.Generator]:
-    """One CPU generator per sample ``start … start+count-1`` of this rank."""
+    """One CPU generator per sample ``start … start+count-1`` of ``rank`` in a run seeded
+    ``seed``."""
     return [
         torch.Generator().manual_seed(sample_seed(seed, rank, i))
         for i in range(start, start + count)
     ]
 
 
-def stage_argparser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("config", help="stage config YAML (see configs/)")
-    p.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=16"
-    )
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder to resume from")
-    p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument(
-        "--max-steps-this-run",
-        type=int,
-        default=None,
-        help="stop (with a checkpoint, without exporting) after this many optimizer steps in this "
-        "invocation, e.g. to fit a scheduler's time slot; resume later with --resume latest",
-    )
-    return p
+class Task(Protocol):
+    """What a stage supplies to :class:`TrainLoop`.
+
+    ``name``: the component this stage trains (``prior``, ``decoder``, ``sr64``, ``clip``).
+    ``loss(model, batch, generators)``: the scalar loss of one micro-batch; ``model`` is the
+    prepared (possibly DDP-wrapped) model, ``generators`` one ``torch.Generator`` per sample of
+    ``batch``.
+
+    Optional methods: ``sample_grid(model, batch) -> PIL.Image`` (called on the main process with
+    the EMA weights in place, in eval mode, every ``train.sample_every`` steps; ``batch`` is the
+    first micro-batch of the run) and ``after_optimizer_step(model)`` (after each optimizer step
+    that was taken, before the EMA update).
+    """
+
+    name: str
+
+    def loss(self, model: torch.nn.Module, batch: dict, generators: list) -> torch.Tensor: ...
 
 
-def load_stage_config(args, stage: tuple[str, ...]) -> StageConfig:
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f"train.output_dir={args.output_dir}")
-    cfg = load_config(args.config, overrides)
-    if cfg.stage not in stage:
-        raise ValueError(
-            f"{args.config}: stage is {cfg.stage!r} but this command trains {' or '.join(stage)}"
-        )
-    return cfg
+def batch_size_of(batch: dict) -> int:
+    """Number of samples in a collated batch (every batch carries its captions)."""
+    return len(batch["caption"])
 
 
 class _RunState:
@@ -195,12 +190,25 @@ class _RunState:
         vars(self).update(state)
 
 
-class TrainingRun:
-    """Accelerator, optimizer, schedule, EMA, checkpoints and logging for one stage (see module doc)."""
+class TrainLoop:
+    """Accelerator, optimizer, schedule, EMA, checkpoints and logging for one run (see module doc).
+
+    Usage::
+
+        loop = TrainLoop(cfg, resume="latest")
+        model = loop.prepare(build_model())
+        finished = loop.run(task, make_batches(..., start=loop.state.samples))
+        if finished:
+            loop.export("decoder", save_fn, meta)
+        loop.finish()
+
+    ``cfg`` is any config with a ``train`` section (:class:`~unclip.train.config.TrainConfig`); the
+    whole config is saved beside the run and every checkpoint.
+    """
 
     def __init__(
         self,
-        cfg: StageConfig,
+        cfg,
         resume: Optional[str] = None,
         max_steps_this_run: Optional[int] = None,
     ):
@@ -208,7 +216,6 @@ class TrainingRun:
         if max_steps_this_run is not None and max_steps_this_run < 1:
             raise ValueError("--max-steps-this-run must be >= 1")
         self.max_steps_this_run = max_steps_this_run
-        self.finished = False
         t = cfg.train
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
@@ -224,8 +231,9 @@ class TrainingRun:
                 )
             )
         trackers = [x for x in t.trackers if x]
-        # a second run in the same process (tests, notebooks) may use another precision: Accelerate keeps
-        # its settings in a process-wide singleton, so start it afresh (the process group is kept)
+        # a second run in the same process (tests, notebooks) may use another precision:
+        # Accelerate keeps its settings in a process-wide singleton, so start it afresh (keeping the
+        # process group)
         from accelerate.state import AcceleratorState, GradientState
 
         AcceleratorState._reset_state(reset_partial_state=False)
@@ -244,6 +252,7 @@ class TrainingRun:
                 project_dir=str(self.out), logging_dir=str(self.out / "logs")
             ),
         )
+        self.mixed_precision = mp
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.state = _RunState()
@@ -262,20 +271,28 @@ class TrainingRun:
     def device(self) -> torch.device:
         return self.accelerator.device
 
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Initial weights if given, optimizer, schedule, EMA, checkpoint registration, then resume if asked.
-        Returns the wrapped model."""
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        no_weight_decay: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    ) -> torch.nn.Module:
+        """Initial weights if given, optimizer, schedule, EMA, checkpoint registration, then resume
+        if asked. ``no_weight_decay(name, param)``: parameters exempt from weight decay (default:
+        those with fewer than 2 dimensions: biases, norms). Returns the wrapped model."""
         t = self.cfg.train
         if t.init_weights:
             src = load_initial_weights(model, t.init_weights)
             logger.info("initial weights from %s", src)
-        params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
+        exempt = no_weight_decay or (lambda name, p: p.ndim < 2)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": t.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
+                {
+                    "params": [p for n, p in named if not exempt(n, p)],
+                    "weight_decay": t.weight_decay,
+                },
+                {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
             ],
             lr=t.lr,
             betas=tuple(t.adam_betas),
@@ -303,107 +320,88 @@ class TrainingRun:
         return self.accelerator.unwrap_model(self.model)
 
     def generators(self, count: int) -> list[torch.Generator]:
-        """Per-sample generators for the next ``count`` samples of this rank (advances the data position)."""
+        """Per-sample generators for the next ``count`` samples of this rank (advances the data
+        position)."""
         gens = sample_generators(self.cfg.train.seed, self.rank, self.state.samples, count)
         self.state.samples += count
         return gens
 
     # ------------------------------------------------------------------ the loop
-    def steps(self, batches: Iterable[dict]) -> Iterator[list[dict]]:
-        """Yield the micro-batches of each optimizer step until ``max_steps``; handles logging/checkpoints.
-
-        Usage::
-
-            for micro_batches in run.steps(batches):
-                for batch in micro_batches:
-                    with run.accumulate():
-                        run.backward(loss_fn(batch))
-        """
+    def run(self, task: Task, batches: Iterable[dict]) -> bool:
+        """Train ``task`` on ``batches`` until ``train.max_steps`` (or ``max_steps_this_run`` more
+        steps); a checkpoint is written at the end. Returns whether ``max_steps`` was reached."""
         t = self.cfg.train
         it = iter(batches)
-        bar = tqdm(
-            total=t.max_steps,
-            initial=self.state.step,
-            desc=f"train {self.cfg.stage}",
-            disable=not (t.progress and self.accelerator.is_local_main_process),
-            dynamic_ncols=True,
-        )
-        last_t, last_samples = time.perf_counter(), self.state.samples
-        stop_at = (
-            t.max_steps
-            if self.max_steps_this_run is None
-            else min(t.max_steps, self.state.step + self.max_steps_this_run)
-        )
-        try:
+        stop_at = t.max_steps
+        if self.max_steps_this_run is not None:
+            stop_at = min(t.max_steps, self.state.step + self.max_steps_this_run)
+        first = None  # the run's first micro-batch: the sample grids show its captions/images
+        with self._progress_bar(task.name) as bar:
             while self.state.step < stop_at:
-                micro = []
-                for _ in range(t.grad_accum_steps):
-                    batch = next(it)
-                    self.state.skipped_data += int(batch.get("skipped", 0))
-                    micro.append(batch)
-                self._losses = []
-                self._nonfinite_local = False
-                yield micro
+                micro = self.next_micro_batches(it)
+                first = first or micro[0]
+                loss = self.run_step(task, micro)
                 self.state.step += 1
                 bar.update(1)
-                if self.state.step % t.log_every == 0 or self.state.step == t.max_steps:
-                    now = time.perf_counter()
-                    rate = (
-                        (self.state.samples - last_samples) * self.world / max(now - last_t, 1e-9)
-                    )
-                    last_t, last_samples = now, self.state.samples
-                    self.log(
-                        {
-                            "loss": self.last_loss,
-                            "lr": self.lr_schedule.get_last_lr()[0],
-                            "samples_per_s": rate,
-                            "skipped_data": self.state.skipped_data,
-                            "nonfinite_steps": self.state.nonfinite,
-                        }
-                    )
-                    bar.set_postfix(loss=f"{self.last_loss:.4f}", sps=f"{rate:.1f}")
+                self.log_step(loss, bar)
+                if t.sample_every and self.state.step % t.sample_every == 0:
+                    self.save_samples(task, first)
                 if t.checkpoint_every and self.state.step % t.checkpoint_every == 0:
                     self.save_checkpoint()
-                if self.state.consecutive_nonfinite >= t.max_consecutive_nonfinite:
-                    self.save_checkpoint()
-                    raise NonFiniteError(
-                        f"{self.state.consecutive_nonfinite} consecutive optimizer steps had a non-finite loss or "
-                        f"gradient (step {self.state.step}); lower train.lr, use mixed_precision=bf16/no, or check "
-                        f"the data. The state at the stop (skipped steps left the weights untouched) is in {self.latest_checkpoint()}"
-                    )
-        finally:
-            bar.close()
+                self.stop_if_nonfinite()
         if not (t.checkpoint_every and self.state.step % t.checkpoint_every == 0):
             self.save_checkpoint()
-        self.finished = self.state.step >= t.max_steps
-        if not self.finished:
+        finished = self.state.step >= t.max_steps
+        if not finished:
             logger.info(
                 "stopped at step %d of %d; resume with --resume latest",
                 self.state.step,
                 t.max_steps,
             )
+        return finished
 
-    def accumulate(self):
-        return self.accelerator.accumulate(self.model)
+    def next_micro_batches(self, it: Iterator[dict]) -> list[dict]:
+        """The ``grad_accum_steps`` micro-batches of the next optimizer step (bad samples the data
+        source skipped are counted)."""
+        micro = [next(it) for _ in range(self.cfg.train.grad_accum_steps)]
+        self.state.skipped_data += sum(int(b.get("skipped", 0)) for b in micro)
+        return micro
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward one micro-batch loss; at the last micro-batch clip, check finiteness and step."""
-        if not torch.isfinite(loss.detach()):
-            self._nonfinite_local = True
-        self._losses.append(float(loss.detach()))
-        self.accelerator.backward(loss)
-        if not self.accelerator.sync_gradients:
-            return
-        t = self.cfg.train
-        norm = self.accelerator.clip_grad_norm_(self.trainable, t.max_grad_norm)
-        flag = torch.tensor([1.0 if self._nonfinite_local else 0.0], device=self.device)
-        flag = self.accelerator.reduce(flag, reduction="sum") if self.world > 1 else flag
+    def run_step(self, task: Task, micro: list[dict]) -> float:
+        """One optimizer step. Returns the mean finite micro-batch loss (NaN if none was finite)."""
+        losses = self.forward_backward(task, micro)
+        if self.optimize(all(math.isfinite(v) for v in losses)):
+            if hasattr(task, "after_optimizer_step"):
+                task.after_optimizer_step(self.model)
+            self.update_ema()
+        finite = [v for v in losses if math.isfinite(v)]
+        return sum(finite) / len(finite) if finite else float("nan")
+
+    def forward_backward(self, task: Task, micro: list[dict]) -> list[float]:
+        """Loss and backward of each micro-batch; Accelerate accumulates the gradients (and syncs
+        them across processes at the last one). Returns the micro-batch losses."""
+        losses = []
+        for batch in micro:
+            with self.accelerator.accumulate(self.model):
+                loss = task.loss(self.model, batch, self.generators(batch_size_of(batch)))
+                losses.append(float(loss.detach()))
+                self.accelerator.backward(loss)
+        assert self.accelerator.sync_gradients, "the last micro-batch must sync gradients"
+        return losses
+
+    def optimize(self, finite_loss: bool) -> bool:
+        """Clip the accumulated gradients and take the optimizer step unless a loss (on any process)
+        or the gradient is non-finite; advance the LR schedule either way. Returns whether the step
+        was taken."""
+        norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.train.max_grad_norm)
+        flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
+        if self.world > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
         bad = bool(flag.item() > 0) or (
             norm is not None and not torch.isfinite(torch.as_tensor(norm))
         )
-        if (
-            self.accelerator.scaler is not None
-        ):  # fp16: the scaler skips inf steps and adapts its scale
+        if self.accelerator.scaler is not None:
+            # fp16: the scaler skips steps with inf gradients and adapts its scale
             self.optimizer.step()
             bad = bad or self.optimizer.step_was_skipped
         elif not bad:
@@ -415,13 +413,61 @@ class TrainingRun:
             self.state.consecutive_nonfinite += 1
         else:
             self.state.consecutive_nonfinite = 0
-            if self.ema is not None:
-                self.ema.step(self.trainable)
+        return not bad
 
-    @property
-    def last_loss(self) -> float:
-        vals = [v for v in getattr(self, "_losses", []) if math.isfinite(v)]
-        return sum(vals) / len(vals) if vals else float("nan")
+    def update_ema(self) -> None:
+        if self.ema is not None:
+            self.ema.step(self.trainable)
+
+    def log_step(self, loss: float, bar) -> None:
+        """Every ``log_every`` steps and at ``max_steps``: loss, LR, throughput and skip counts."""
+        t = self.cfg.train
+        if not (self.state.step % t.log_every == 0 or self.state.step == t.max_steps):
+            return
+        now = time.perf_counter()
+        rate = (
+            (self.state.samples - self._last_samples) * self.world / max(now - self._last_t, 1e-9)
+        )
+        self._last_t, self._last_samples = now, self.state.samples
+        self.log(
+            {
+                "loss": loss,
+                "lr": self.lr_schedule.get_last_lr()[0],
+                "samples_per_s": rate,
+                "skipped_data": self.state.skipped_data,
+                "nonfinite_steps": self.state.nonfinite,
+            }
+        )
+        bar.set_postfix(loss=f"{loss:.4f}", sps=f"{rate:.1f}")
+
+    def stop_if_nonfinite(self) -> None:
+        """Stop (after a checkpoint) when too many optimizer steps in a row were skipped."""
+        n = self.state.consecutive_nonfinite
+        if n < self.cfg.train.max_consecutive_nonfinite:
+            return
+        self.save_checkpoint()
+        raise NonFiniteError(
+            f"{n} consecutive optimizer steps had a non-finite loss or gradient (step "
+            f"{self.state.step}); lower train.lr, use mixed_precision=bf16/no, or check the data. "
+            f"The state at the stop (skipped steps left the weights untouched) is in "
+            f"{self.latest_checkpoint()}"
+        )
+
+    @contextlib.contextmanager
+    def _progress_bar(self, name: str):
+        t = self.cfg.train
+        bar = tqdm(
+            total=t.max_steps,
+            initial=self.state.step,
+            desc=f"train {name}",
+            disable=not (t.progress and self.accelerator.is_local_main_process),
+            dynamic_ncols=True,
+        )
+        self._last_t, self._last_samples = time.perf_counter(), self.state.samples
+        try:
+            yield bar
+        finally:
+            bar.close()
 
     def log(self, values: dict) -> None:
         values = {k: float(v) for k, v in values.items()}
@@ -429,6 +475,37 @@ class TrainingRun:
         if self.accelerator.is_main_process:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.state.step, **values}) + "\n")
+
+    # ------------------------------------------------------------------ EMA weights, samples
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """Within the block the model holds the EMA weights (if EMA is on); restored after."""
+        if self.ema is None:
+            yield
+            return
+        self.ema.store(self.trainable)
+        self.ema.copy_to(self.trainable)
+        try:
+            yield
+        finally:
+            self.ema.restore(self.trainable)
+
+    def save_samples(self, task: Task, batch: dict) -> Optional[Path]:
+        """``samples/step_XXXXXXXX.png``: the task's sample grid from the EMA weights (main process;
+        tasks without a sample grid write nothing)."""
+        if not hasattr(task, "sample_grid") or not self.accelerator.is_main_process:
+            return None
+        path = self.out / "samples" / f"step_{self.state.step:08d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model = self.unwrapped
+        with self.ema_weights(), torch.no_grad():
+            model.eval()
+            try:
+                grid = task.sample_grid(model, batch)
+            finally:
+                model.train()
+        grid.save(path)
+        return path
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -444,7 +521,8 @@ class TrainingRun:
         return done[-1] if done else None
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_XXXXXXXX`` atomically (tmp folder, then rename); keep the last K."""
+        """Write ``checkpoints/step_XXXXXXXX`` atomically (tmp folder, then rename); keep the last
+        ``keep_last``."""
         acc = self.accelerator
         final = self.ckpt_dir / f"step_{self.state.step:08d}"
         tmp = self.ckpt_dir / f"step_{self.state.step:08d}.tmp"
@@ -486,48 +564,40 @@ class TrainingRun:
         )
 
     # ------------------------------------------------------------------ export
-    def export(self, name: str, save_fn, meta: dict) -> Path:
-        """Write the final component folder ``<output_dir>/final/<name>`` with EMA weights (if any)."""
+    def export(self, name: str, save_fn, meta: Optional[dict] = None) -> Path:
+        """Write the component folder ``<output_dir>/final/<name>`` with the EMA weights (if any):
+        ``save_fn(unwrapped_model, folder)`` writes it, then ``meta`` (if given) goes to
+        ``unclip_stage.json`` beside it; written to a temporary folder and renamed."""
         acc = self.accelerator
         acc.wait_for_everyone()
         target = self.out / "final" / name
         if acc.is_main_process:
-            model = self.unwrapped
-            if self.ema is not None:
-                self.ema.store(self.trainable)
-                self.ema.copy_to(self.trainable)
-            try:
+            with self.ema_weights():
                 tmp = target.with_name(target.name + ".tmp")
                 shutil.rmtree(tmp, ignore_errors=True)
-                save_fn(model, tmp)
-                (tmp / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
+                save_fn(self.unwrapped, tmp)
+                if meta is not None:
+                    (tmp / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
                 shutil.rmtree(target, ignore_errors=True)
                 os.replace(tmp, target)
-            finally:
-                if self.ema is not None:
-                    self.ema.restore(self.trainable)
         acc.wait_for_everyone()
         return target
 
-    def complete(self, name: str, clip) -> int:
-        """End the run: if ``max_steps`` was reached, export ``final/<name>`` (EMA weights, with the stage's
-        diffusion and sampling settings) and ``final/clip``; then close trackers. Returns the exit code."""
-        if self.finished:
-            cfg = self.cfg
-            meta = {
-                "stage": cfg.stage,
-                "name": name,
-                "diffusion": _to_dict(cfg.diffusion),
-                "sampling": _to_dict(cfg.sampling),
-            }
-            out = self.export(
-                name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta
-            )
-            if self.accelerator.is_main_process:
-                clip.save_pretrained(out.parent / "clip")
-                print(f"exported {name} to {out}")
-        self.finish()
-        return 0
+    def export_stage(self, name: str, clip) -> Path:
+        """Export a diffusion stage: ``final/<name>`` (EMA weights, with the stage's diffusion and
+        sampling settings) and its conditioning CLIP as ``final/clip``."""
+        cfg = self.cfg
+        meta = {
+            "stage": cfg.stage,
+            "name": name,
+            "diffusion": to_dict(cfg.diffusion),
+            "sampling": to_dict(cfg.sampling),
+        }
+        out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
+        if self.accelerator.is_main_process:
+            clip.save_pretrained(out.parent / "clip")
+            print(f"exported {name} to {out}")
+        return out
 
     def parameter_checksums(self) -> list[float]:
         """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
@@ -537,6 +607,7 @@ class TrainingRun:
         return [float(x) for x in self.accelerator.gather(local.float().reshape(1).to(self.device))]
 
     def finish(self) -> None:
+        """Check that every rank holds the same weights, log the run's totals, close trackers."""
         sums = self.parameter_checksums()
         if self.accelerator.is_main_process:
             (self.out / "rank_checksums.json").write_text(json.dumps(sums))
@@ -552,9 +623,8 @@ class TrainingRun:
         self.accelerator.end_training()
 
 
-def _flat(cfg: StageConfig) -> dict:
-    from unclip.config import to_dict
-
+def _flat(cfg) -> dict:
+    """The config as ``{"section.key": scalar}`` for the trackers."""
     out = {}
 
     def walk(prefix, node):

@@ -1,27 +1,30 @@
 """Train the diffusion prior (CLIP text → CLIP image embedding).
 
-    unclip-train-prior configs/tiny/prior.yaml train.max_steps=200
+    unclip train-prior configs/tiny/prior.yaml train.max_steps=200
     accelerate launch train_prior.py configs/prior_vit_l14.yaml --resume latest
 
-Per step: encode captions with the frozen CLIP (text_embed, text_tokens, text_mask) and images (or read
-precomputed image embeddings), normalise the image embedding with the stored statistics, drop the
-caption for ``train.text_drop_prob`` of the samples (replaced by the empty caption's encoding, the
-unconditional input of classifier-free guidance), and regress x_0 (paper §2.2).
+Per step: encode captions with the frozen CLIP (text_embed, text_tokens, text_mask) and images (or
+read precomputed image embeddings), normalise the image embedding with the stored statistics, drop
+the caption for ``train.text_drop_prob`` of the samples (replaced by the empty caption's encoding,
+the unconditional input of classifier-free guidance), and regress x_0 (paper §2.2).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from unclip.clip import FrozenCLIP, TextEncoding
-from unclip.config import to_dict, to_yaml
 from unclip.diffusion import diffusion_loss, training_scheduler
-from unclip.prior import UnCLIPPrior
+from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
-from unclip.train.loop import TrainingRun, load_stage_config, stage_argparser
+from unclip.train.embed import STATS_FILE, load_stats
+from unclip.train.loop import TrainLoop
+
+__all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior"]
 
 logger = logging.getLogger("unclip.train")
 
@@ -38,20 +41,17 @@ def _embed_batch(clip: FrozenCLIP, batch: dict, device) -> tuple[torch.Tensor, T
 
 
 def embedding_stats(
-    cfg, clip: FrozenCLIP, device, n: int = STATS_SAMPLES
+    cfg: StageConfig, clip: FrozenCLIP, device, n: int = STATS_SAMPLES
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-dimension mean/std of image embeddings over the first ``n`` samples (identical on all ranks)."""
-    if cfg.data.source == "embeddings":
-        from pathlib import Path
-
-        import numpy as np
-
-        stats = Path(cfg.data.path) / "stats.npz"
-        if stats.is_file():
-            with np.load(stats) as z:
-                return torch.from_numpy(z["image_mean"]).float(), torch.from_numpy(
-                    z["image_std"]
-                ).float()
+    """Per-dimension mean/std ``[D]`` of the training image embeddings: those ``unclip embed``
+    stored beside precomputed embeddings, else estimated over the first ``n`` samples (identical on
+    all ranks)."""
+    if cfg.data.source == "embeddings" and (Path(cfg.data.path) / STATS_FILE).is_file():
+        stats = load_stats(cfg.data.path)
+        return (
+            torch.from_numpy(stats["image_mean"]).float(),
+            torch.from_numpy(stats["image_std"]).float(),
+        )
     stream = make_stream(
         cfg.data, resolution=clip.image_size, seed=cfg.train.seed, rank=0, world_size=1
     )
@@ -90,52 +90,58 @@ def prior_loss(
     )
 
 
-def main(argv=None) -> int:
-    args = stage_argparser("unclip-train-prior", __doc__.splitlines()[1]).parse_intermixed_args(
-        argv
-    )
-    cfg = load_stage_config(args, ("prior",))
-    if args.print_config:
-        print(to_yaml(cfg))
-        return 0
+class PriorTask:
+    """The prior's training task: :func:`prior_loss` on each micro-batch."""
+
+    name = "prior"
+
+    def __init__(self, cfg: StageConfig, clip: FrozenCLIP, device):
+        self.cfg, self.clip, self.device = cfg, clip, device
+        self.null = clip.encode_text([""])
+        self.noise_sched = training_scheduler(cfg.diffusion)
+
+    def loss(self, model, batch: dict, generators) -> torch.Tensor:
+        return prior_loss(
+            model, batch, self.clip, self.null, generators, self.cfg, self.noise_sched, self.device
+        )
+
+
+def train_prior(
+    cfg: StageConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None
+) -> int:
+    """Train the prior described by ``cfg`` (stage ``prior``); when ``train.max_steps`` is reached,
+    export ``<output_dir>/final/prior`` and ``final/clip``. ``resume``: ``"latest"`` or a checkpoint
+    folder; ``max_steps_this_run``: stop (with a checkpoint) after that many steps. Returns 0."""
+    if cfg.stage != "prior":
+        raise ValueError(f"train_prior needs a stage 'prior' config, got stage {cfg.stage!r}")
     if cfg.diffusion.prediction_type != "sample":
         logger.warning(
             "the paper's prior predicts x_0 (diffusion.prediction_type=sample); using %s",
             cfg.diffusion.prediction_type,
         )
-    run = TrainingRun(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
     torch.manual_seed(cfg.train.seed)
-    clip = FrozenCLIP.from_config(cfg.clip).to(run.device)
-    fields = {k: v for k, v in to_dict(cfg.prior).items()}
-    model = UnCLIPPrior.from_clip(clip, **fields)
+    clip = FrozenCLIP.from_config(cfg.clip).to(loop.device)
+    model = cfg.prior.build(clip)
     model.transformer.clip_mean.requires_grad_(False)
     model.transformer.clip_std.requires_grad_(False)
-    mean, std = embedding_stats(cfg, clip, run.device)
-    model.set_embedding_stats(mean, std)
+    model.set_embedding_stats(*embedding_stats(cfg, clip, loop.device))
     if cfg.train.gradient_checkpointing:
         logger.warning(
             "PriorTransformer has no gradient checkpointing in diffusers; ignoring the option"
         )
-    model = run.prepare(model)
+    model = loop.prepare(model)
     model.train()
-    null = clip.encode_text([""])
-    noise_sched = training_scheduler(cfg.diffusion)
+    task = PriorTask(cfg, clip, loop.device)
     data = make_batches(
         cfg.data,
         resolution=clip.image_size,
         seed=cfg.train.seed,
-        rank=run.rank,
-        world_size=run.world,
-        start=run.state.samples,
+        rank=loop.rank,
+        world_size=loop.world,
+        start=loop.state.samples,
     )
-    for micro in run.steps(data):
-        for batch in micro:
-            with run.accumulate():
-                gens = run.generators(len(batch["caption"]))
-                loss = prior_loss(model, batch, clip, null, gens, cfg, noise_sched, run.device)
-                run.backward(loss)
-    return run.complete("prior", clip)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if loop.run(task, data):
+        loop.export_stage("prior", clip)
+    loop.finish()
+    return 0

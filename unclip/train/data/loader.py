@@ -1,8 +1,10 @@
-"""Sample streams for training: the shapes world on the fly, plus dispatch to the file-based sources.
+"""Sample streams for training: the shapes world on the fly, plus dispatch to the file-based
+sources.
 
-A stream is an iterable of sample dicts, deterministic for ``(seed, rank, world_size)`` and resumable:
-built with ``start`` = samples this rank already consumed, it yields exactly what would have followed.
-Image samples: ``{"image": float [3, R, R] in [-1, 1], "caption": str, "skipped": int}``.
+A stream is an iterable of sample dicts, deterministic for ``(seed, rank, world_size)`` and
+resumable: built with ``start`` = samples this rank already consumed, it yields exactly what would
+have followed. Image samples:
+``{"image": float [3, R, R] in [-1, 1], "caption": str, "skipped": int}``.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from unclip.config import DataConfig
 from unclip.images import pil_to_tensor
+from unclip.train.config import DataConfig
 from unclip.train.data.sources import collate
 
 __all__ = ["ShapesStream", "make_stream", "make_batches", "batches", "collate"]
 
 
 class ShapesStream:
-    """The shapes world rendered on the fly; rank ``r`` of ``w`` takes indices ``r, r+w, r+2w, …``."""
+    """The shapes world rendered on the fly; rank ``r`` of ``w`` takes indices ``r, r+w, r+2w,
+    …``."""
 
     def __init__(
         self,
@@ -62,8 +65,8 @@ def make_stream(
     start: int = 0,
     **worker,
 ) -> Iterable[dict]:
-    """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if given),
-    starting after ``start`` consumed samples."""
+    """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if
+    given), starting after ``start`` consumed samples."""
     if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
         from unclip.train.data.paired import paired_stream
 
@@ -83,7 +86,8 @@ def make_stream(
         )
     if not data.path:
         raise ValueError(
-            f"data.source={data.source!r} needs data.path (a folder, shard pattern or embeddings dir)"
+            f"data.source={data.source!r} needs data.path (a folder, shard pattern or embeddings "
+            "dir)"
         )
     from unclip.train.data import sources
 
@@ -118,8 +122,9 @@ def make_stream(
 def make_batches(
     data: DataConfig, *, resolution: int, seed: int, rank: int, world_size: int, start: int = 0
 ) -> Iterable[dict]:
-    """Batches of ``data.batch_size`` for this rank, resumable at ``start`` samples; uses a DataLoader with
-    ``data.num_workers`` worker processes when > 0 (exact resume either way, see ``StreamDataset``)."""
+    """Batches of ``data.batch_size`` for this rank, resumable at ``start`` samples; uses a
+    DataLoader with ``data.num_workers`` worker processes when > 0 (exact resume either way, see
+    ``StreamDataset``)."""
     if data.num_workers <= 0:
         stream = make_stream(
             data, resolution=resolution, seed=seed, rank=rank, world_size=world_size, start=start

@@ -1,0 +1,30 @@
+"""``unclip train-decoder``: train the base decoder or one upsampler, chosen by the config's
+``stage`` (see :mod:`unclip.train.decoder`).
+
+    unclip train-decoder configs/tiny/decoder.yaml train.max_steps=200
+    unclip train-decoder configs/tiny/sr32.yaml
+    accelerate launch train_decoder.py configs/decoder_64.yaml --resume latest
+    torchrun --nproc_per_node 2 -m unclip.cli.train_decoder configs/shapes/decoder.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+
+from unclip.cli.train_prior import stage_config, stage_parser
+from unclip.config import to_yaml
+from unclip.train.decoder import train_decoder
+
+
+def main(argv=None) -> int:
+    parser = stage_parser("unclip train-decoder", "train the base decoder or an upsampler")
+    args = parser.parse_intermixed_args(argv)
+    cfg = stage_config(args, ("decoder", "upsampler"))
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    return train_decoder(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

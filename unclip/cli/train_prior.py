@@ -1,0 +1,56 @@
+"""``unclip train-prior``: train the diffusion prior (see :mod:`unclip.train.prior`).
+
+unclip train-prior configs/tiny/prior.yaml train.max_steps=200
+accelerate launch train_prior.py configs/prior_vit_l14.yaml --resume latest
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from unclip.config import to_yaml
+from unclip.train.config import StageConfig, load_stage_config
+from unclip.train.prior import train_prior
+
+
+def stage_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The arguments every stage trainer takes: a config, dotted overrides and run control."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("config", help="stage config YAML (see configs/)")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=16"
+    )
+    p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder to resume from")
+    p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--max-steps-this-run",
+        type=int,
+        default=None,
+        help="stop (with a checkpoint, without exporting) after this many optimizer steps in this "
+        "invocation, e.g. to fit a scheduler's time slot; resume later with --resume latest",
+    )
+    return p
+
+
+def stage_config(args: argparse.Namespace, stages: tuple[str, ...]) -> StageConfig:
+    """The stage config named by the parsed arguments, ``--output-dir`` applied."""
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    return load_stage_config(args.config, overrides, stages)
+
+
+def main(argv=None) -> int:
+    parser = stage_parser("unclip train-prior", "train the diffusion prior")
+    args = parser.parse_intermixed_args(argv)
+    cfg = stage_config(args, ("prior",))
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    return train_prior(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
