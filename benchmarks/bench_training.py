@@ -52,7 +52,7 @@ def _maxrss_mb() -> float:
 
 
 def _stage_config(stage: str, size: str, resolution: int | None):
-    from unclip.config import load_config
+    from unclip.train.config import load_stage_config
 
     s = models.SIZES[size]
     clip = models.clip_model(size)
@@ -78,18 +78,18 @@ def _stage_config(stage: str, size: str, resolution: int | None):
         up = {k: list(v) if isinstance(v, tuple) else v for k, v in s["upsampler"].items()}
         if resolution:
             up["low_res_size"], up["sample_size"] = resolution // 2, resolution
-        data["upsampler"] = {**up, "corruption": "blur", "max_noise_level": 250}
+        data["upsampler"] = up
+        data["upsampler_train"] = {"corruption": "blur", "max_noise_level": 250}
         data["diffusion"] = {"prediction_type": "epsilon"}
-    return load_config(data), clip
+    return load_stage_config(data), clip
 
 
 def build(spec: dict):
     """Model, optimizer, EMA, one batch and the step function for ``spec``."""
     from diffusers.training_utils import EMAModel
 
-    from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
+    from unclip.decoder import UnCLIPDecoder
     from unclip.diffusion import training_scheduler
-    from unclip.prior import UnCLIPPrior
     from unclip.train.decoder import decoder_loss, upsampler_loss
     from unclip.train.loop import sample_generators
     from unclip.train.prior import prior_loss
@@ -99,23 +99,11 @@ def build(spec: dict):
     cfg, clip = _stage_config(stage, size, spec.get("resolution"))
     extra = {k: v for k, v in models.SIZES[size]["decoder"].items() if k == "cross_attention_dim"}
     if stage == "prior":
-        model = UnCLIPPrior.from_clip(clip, **models.SIZES[size]["prior"])
+        model = cfg.prior.build(clip)
     elif stage == "decoder":
-        model = UnCLIPDecoder.from_clip(
-            clip, **{k: v for k, v in vars(cfg.decoder).items()}, **extra
-        )
+        model = UnCLIPDecoder.from_clip(clip, **vars(cfg.decoder), **extra)
     else:
-        u = cfg.upsampler
-        model = UnCLIPUpsampler(
-            sample_size=u.sample_size,
-            low_res_size=u.low_res_size,
-            block_out_channels=tuple(u.block_out_channels),
-            layers_per_block=u.layers_per_block,
-            down_block_types=tuple(u.down_block_types),
-            up_block_types=tuple(u.up_block_types),
-            norm_num_groups=u.norm_num_groups,
-            noise_level=u.noise_level,
-        )
+        model = cfg.upsampler.build()
     model.train()
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
