@@ -120,18 +120,21 @@ def main(argv=None) -> int:
             "noise",
             file=sys.stderr,
         )
-    record = generate_to_folder(
-        args.model,
-        prompts,
-        args.out,
-        num_images_per_prompt=args.num_images,
-        seed=args.seed,
-        sampling=sampling_overrides(args),
-        device=args.device,
-        progress=not args.no_progress,
-        tiny=args.tiny,
-        command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
-    )
+    try:
+        record = generate_to_folder(
+            args.model,
+            prompts,
+            args.out,
+            num_images_per_prompt=args.num_images,
+            seed=args.seed,
+            sampling=sampling_overrides(args),
+            device=args.device,
+            progress=not args.no_progress,
+            tiny=args.tiny,
+            command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
+        )
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
     print(
         f"wrote {len(record['files'])} images ({record['resolution']}px) + grid.png + "
         f"generate.json to {args.out} in {record['seconds']:.1f}s"
