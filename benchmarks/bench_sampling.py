@@ -136,7 +136,7 @@ def bench_bundled(args) -> dict:
     pipe = UnCLIPPipeline.from_pretrained(path)
     sampling = {}
     if args.quick:
-        sampling = {"prior": {"steps": 10}, "decoder": {"steps": 10}, "upsamplers": {"steps": 5}}
+        sampling = {"prior": {"steps": 10}, "decoder": {"steps": 10}, "upsampler": {"steps": 5}}
     n = args.batch
     variants = {
         "fp32 (default)": pipe,
@@ -169,7 +169,7 @@ def bench_bundled(args) -> dict:
 
     med = {k: medians(v) for k, v in runs.items()}
     ref = images["fp32 (default)"]
-    settings = {s: vars(pipe._settings(s, sampling)) for s in pipe.stage_names}
+    settings = {s: vars(c) for s, c in pipe.sampling_settings(sampling).items()}
     return {
         "path": str(path),
         "stages": pipe.stage_names,
@@ -209,7 +209,7 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     sampling = {
         "prior": {"steps": steps["prior"]},
         "decoder": {"steps": steps["decoder"]},
-        "upsamplers": {"steps": steps["upsampler"]},
+        "upsampler": {"steps": steps["upsampler"]},
     }
     n = args.batch
     prompts = PROMPTS * n
@@ -508,7 +508,7 @@ def verify_work_done_once(
             ),
             with_kwargs=True,
         )
-    sampling = {"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsamplers": {"steps": 2}}
+    sampling = {"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsampler": {"steps": 2}}
     p(
         PROMPTS,
         generator=torch.Generator().manual_seed(0),
@@ -580,7 +580,7 @@ def bench_end_to_end_bf16(args, pipe: UnCLIPPipeline) -> dict:
     sampling = {
         "prior": {"steps": 10},
         "decoder": {"steps": 5 if args.quick else 10},
-        "upsamplers": {"steps": 3},
+        "upsampler": {"steps": 3},
     }
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     ref = pipe(PROMPTS, generator=g(), sampling=sampling, output_type="pt", progress=False).images

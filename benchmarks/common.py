@@ -243,7 +243,7 @@ def stage_runners(pipe, prompts: list, steps: dict):
     sampling = {
         "prior": {"steps": steps["prior"]},
         "decoder": {"steps": steps["decoder"]},
-        "upsamplers": {"steps": steps["upsampler"]},
+        "upsampler": {"steps": steps["upsampler"]},
     }
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     text = pipe.encode_text(prompts)

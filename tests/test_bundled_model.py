@@ -1,7 +1,7 @@
-"""The bundled shapes model (unclip/models/shapes): loads offline with no arguments, runs in fp32 on the
-CPU, generates at its stated resolution, and gets the color, size and background of simple prompts
-right — and for most simple prompts every attribute — (scored by the pixel evaluator) with the default
-sampling settings."""
+"""The bundled shapes model (unclip/models/shapes): loads offline with no arguments, runs in fp32 on
+the CPU, generates at its stated resolution, and gets the color, size and background of simple
+prompts right — and for most simple prompts every attribute — (scored by the pixel evaluator) with
+the default sampling settings."""
 
 import json
 
@@ -28,8 +28,8 @@ def test_bundled_folder_is_small_safetensors_only():
     assert sum(f.stat().st_size for f in files) < 30e6
     index = json.loads((root / PIPELINE_FILE).read_text())
     assert index["components"]["upsamplers"] == ["sr64", "sr128"]
-    # one CLIP conditions the prior and decoder and reranks the candidates (no separate reranker): the
-    # convolutional image tower, its token table kept for the shapes vocabulary only (small)
+    # one CLIP conditions the prior and decoder and reranks the candidates (no separate reranker):
+    # the convolutional image tower, its token table kept for the shapes vocabulary only (small)
     assert index["components"]["reranker"] is None
     clip_config = json.loads((root / "clip" / "config.json").read_text())
     assert clip_config["kept_tokens"] > 0 and isinstance(
@@ -42,7 +42,7 @@ def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
     assert pipe.resolution == RESOLUTION
     for name, module in pipe.modules().items():  # weights are stored in fp16 and upcast on load
         assert {p.dtype for p in module.parameters()} == {torch.float32}, name
-    few = {"prior": {"steps": 5}, "decoder": {"steps": 8}, "upsamplers": {"steps": 3}}
+    few = {"prior": {"steps": 5}, "decoder": {"steps": 8}, "upsampler": {"steps": 3}}
     out = pipe(
         ["a small red circle on the left", "a blue square above a green triangle"],
         sampling=few,
@@ -77,7 +77,8 @@ def default_images(pipe):
 
 
 def test_simple_prompts_color_size_background_right_with_default_settings(default_images):
-    # held-out measurement (docs/shapes_model.md): color, size and background are right ~100 % of the time
+    # held-out measurement (docs/shapes_model.md): color, size and background are right ~100 % of
+    # the time
     for prompt, result in zip(PROMPTS, default_images):
         assert result["color"] and result["size"], (prompt, result)
         assert result.get("background", True), (prompt, result)
@@ -85,7 +86,8 @@ def test_simple_prompts_color_size_background_right_with_default_settings(defaul
 
 def test_simple_prompts_fully_right_with_default_settings(default_images):
     # every attribute (color, shape, size, position, background, one object) right for most prompts;
-    # the held-out rate is 100.0 % on 200 prompts (docs/shapes_model.md), but these are other prompts
-    # and seeds, and a finite sample does not make every draw right, so allow one miss in six
+    # the held-out rate is 100.0 % on 200 prompts (docs/shapes_model.md), but these are other
+    # prompts and seeds, and a finite sample does not make every draw right, so allow one miss in
+    # six
     wrong = [(p, r) for p, r in zip(PROMPTS, default_images) if not r["all"]]
     assert len(wrong) <= 1, wrong

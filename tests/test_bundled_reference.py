@@ -14,7 +14,7 @@ from unclip import UnCLIPPipeline
 
 REFERENCE = Path(__file__).parent / "data" / "bundled_reference.png"
 PROMPTS = ["a small red circle on the left", "a blue square above a green triangle"]
-FEW = {"prior": {"steps": 5}, "decoder": {"steps": 8, "best_of": 4}, "upsamplers": {"steps": 3}}
+FEW = {"prior": {"steps": 5}, "decoder": {"steps": 8, "best_of": 4}, "upsampler": {"steps": 3}}
 
 
 def generate() -> np.ndarray:

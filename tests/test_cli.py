@@ -27,12 +27,16 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         str(out),
         "--decoder-steps",
         "3",
-        "--decoder-guidance",
+        "--decoder-guidance-scale",
         "2.5",
-        "--sr-sampler",
+        "--upsampler-scheduler",
         "ddpm",
         "--prior-best-of",
         "1",
+        "--decoder-best-of",
+        "2",
+        "--upsampler-steps",
+        "2",
         "--no-progress",
     ]
     assert generate(args) == 0
@@ -49,6 +53,9 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         record["sampling"]["sr32"]["scheduler"] == "ddpm"
         and record["sampling"]["prior"]["best_of"] == 1
     )
+    assert record["sampling"]["decoder"]["best_of"] == 2
+    assert record["sampling"]["sr32"]["steps"] == record["sampling"]["sr64"]["steps"] == 2
+    assert set(record["seconds_per_stage"]) == {"prior", "decoder", "sr32", "sr64"}
     assert record["rerank_clip"] == "clip"
     for f in files:
         assert Image.open(out / f).size == (64, 64)
@@ -67,6 +74,9 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["--tiny"], "at least one prompt"),
         (["", "--tiny"], "empty"),
         (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
+        (["a cat", "--tiny", "--decoder-best-of", "0"], "best_of must be an integer >= 1"),
+        (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
+        (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),
     ],
 )
 def test_generate_bad_input(args, match, capsys, tmp_path):
@@ -88,6 +98,9 @@ def test_cli_dispatch(capsys):
     assert cli.main([]) == 0 and "generate" in capsys.readouterr().out
     assert cli.main(["generat"]) == 2 and "did you mean 'generate'" in capsys.readouterr().err
     assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip()
+    # every command is a module of unclip/cli with main(argv)
+    assert {"shapes-eval", "shapes-finalize", "make-shapes", "evaluate"} <= set(cli.COMMANDS)
+    assert all(module.startswith("unclip.cli.") for module, _ in cli.COMMANDS.values())
     for name in cli.COMMANDS:
         __import__(cli.COMMANDS[name][0])  # every subcommand module exists and imports
 

@@ -53,7 +53,7 @@ PROBES = PROMPTS + [
     "",
     "it’s &amp; a   long\tprompt that will be truncated at sixteen tokens for sure ok",
 ]
-SAMPLING = {"prior": {"steps": STEPS}, "decoder": {"steps": STEPS}, "upsamplers": {"steps": STEPS}}
+SAMPLING = {"prior": {"steps": STEPS}, "decoder": {"steps": STEPS}, "upsampler": {"steps": STEPS}}
 
 
 # ----------------------------------------------------------------------------------------- fixtures

@@ -1,4 +1,5 @@
-"""Evaluation: Fréchet distance, FID Inception loading, CLIP score, shapes faithfulness, `unclip evaluate`."""
+"""Evaluation: Fréchet distance, FID Inception loading, CLIP score, shapes faithfulness,
+`unclip evaluate`."""
 
 import hashlib
 import json
@@ -11,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from unclip.cli.evaluate import main
 from unclip.clip import FrozenCLIP
 from unclip.eval import metrics as M
-from unclip.eval.evaluate import main, read_coco_captions, read_prompts, sample_seed
+from unclip.eval.evaluate import read_coco_captions, read_prompts
+from unclip.pipeline_utils import sample_seed
 from unclip.shapes.world import ShapesWorld, write_shapes
 from unclip.tiny import tiny_pipeline
 
@@ -75,7 +78,8 @@ def test_frechet_distance_matches_closed_form_for_diagonal_gaussians():
     assert M.frechet_distance(mu1, np.diag(v1), mu2, np.diag(v2)) == pytest.approx(
         expected, rel=1e-9
     )
-    # a rotation of both Gaussians leaves the distance unchanged (exercises non-diagonal covariances)
+    # a rotation of both Gaussians leaves the distance unchanged (exercises non-diagonal
+    # covariances)
     q, _ = np.linalg.qr(rng.normal(size=(6, 6)))
     got = M.frechet_distance(q @ mu1, q @ np.diag(v1) @ q.T, q @ mu2, q @ np.diag(v2) @ q.T)
     assert got == pytest.approx(expected, rel=1e-7)

@@ -63,8 +63,8 @@ def test_save_load_identical(tiny_pipe, tmp_path):
 
 @pytest.fixture(scope="module")
 def pipe64():
-    # float64 so that the comparisons below test the sampling logic (generator streams, batching, guidance)
-    # and not float32 kernels whose rounding depends on the batch size
+    # float64 so that the comparisons below test the sampling logic (generator streams, batching,
+    # guidance) and not float32 kernels whose rounding depends on the batch size
     return tiny_pipeline(seed=0).to(dtype=torch.float64)
 
 
@@ -113,7 +113,11 @@ def test_best_of_n_keeps_highest_similarity(tiny_pipe):
 def test_rerank_keeps_best_clip_candidate(tiny_pipe):
     prompt = PROMPTS[:1]
     kept = run(
-        tiny_pipe, prompts=prompt, seeds=(7,), rerank_candidates=3, return_intermediates=True
+        tiny_pipe,
+        prompts=prompt,
+        seeds=(7,),
+        sampling={"decoder": {"best_of": 3}},
+        return_intermediates=True,
     )
     cands = run(
         tiny_pipe, prompts=prompt, seeds=(7,), num_images_per_prompt=3, return_intermediates=True
@@ -123,13 +127,23 @@ def test_rerank_keeps_best_clip_candidate(tiny_pipe):
     assert kept.images.shape == (1, 3, 64, 64)
     assert len(set(scores.tolist())) == 3
     assert torch.equal(kept.stage_images["decoder"][0], small[int(scores.argmax())])
-    # the decoder's best_of sampling setting is the default number of rerank candidates
-    by_setting = run(tiny_pipe, prompts=prompt, seeds=(7,), sampling={"decoder": {"best_of": 3}})
-    assert torch.equal(by_setting.images, kept.images)
+    # the pipeline's stored decoder best_of is the default number of candidates
+    stored = UnCLIPPipeline(
+        tiny_pipe.clip,
+        tiny_pipe.prior,
+        tiny_pipe.decoder,
+        tiny_pipe.upsamplers,
+        diffusion=tiny_pipe.diffusion,
+        sampling={
+            **tiny_pipe.sampling,
+            "decoder": {**vars(tiny_pipe.sampling["decoder"]), "best_of": 3},
+        },
+    )
+    assert torch.equal(run(stored, prompts=prompt, seeds=(7,)).images, kept.images)
     assert tiny_pipe.rerank(small, prompt * 3, 1).tolist() == [0, 1, 2]
     assert tiny_pipe.rerank(small, prompt[0], 3).tolist() == [int(scores.argmax())]
     with pytest.raises(ValueError, match="sr32: best_of must be 1 for an upsampler"):
-        run(tiny_pipe, sampling={"upsamplers": {"best_of": 2}})
+        run(tiny_pipe, sampling={"upsampler": {"best_of": 2}})
 
 
 def _with_reranker(pipe, seed=1):
@@ -156,8 +170,8 @@ def _cosines(clip, images, prompt):
 
 
 def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
-    """A pipeline's `reranker` CLIP, not the conditioning CLIP, scores the decoder candidates; it is saved
-    in reranker/ and loaded back; a folder without one reranks with the conditioning CLIP."""
+    """A pipeline's `reranker` CLIP, not the conditioning CLIP, scores the decoder candidates; it is
+    saved in reranker/ and loaded back; a folder without one reranks with the conditioning CLIP."""
     ranked = _with_reranker(tiny_pipe)
     assert ranked.rerank_clip is ranked.reranker and tiny_pipe.rerank_clip is tiny_pipe.clip
     prompt = PROMPTS[0]
@@ -178,9 +192,8 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
             break
     else:
         pytest.fail("no seed in 20 where two random CLIPs pick different candidates")
-    kept = run(
-        ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4, return_intermediates=True
-    )
+    four = {"decoder": {"best_of": 4}}
+    kept = run(ranked, prompts=[prompt], seeds=(seed,), sampling=four, return_intermediates=True)
     assert torch.equal(kept.stage_images["decoder"][0], cands[int(other.argmax())])
     assert ranked.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
     assert tiny_pipe.rerank(cands, [prompt], 4).tolist() == [int(own.argmax())]
@@ -197,8 +210,8 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
         loaded.reranker.encode_image(cands), ranked.reranker.encode_image(cands), atol=1e-6
     )
     assert torch.allclose(
-        run(loaded, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images,
-        run(ranked, prompts=[prompt], seeds=(seed,), rerank_candidates=4).images,
+        run(loaded, prompts=[prompt], seeds=(seed,), sampling=four).images,
+        run(ranked, prompts=[prompt], seeds=(seed,), sampling=four).images,
         atol=1e-4,
     )
     tiny_pipe.save_pretrained(tmp_path / "plain")
@@ -286,6 +299,13 @@ def test_slerp_endpoints_and_norm():
             "needs steps >= 2",
         ),
         ({"sampling": {"decoder": {"stepz": 3}}}, ValueError, "unknown sampling setting 'stepz'"),
+        ({"sampling": {"decodr": {"steps": 3}}}, ValueError, "unknown stage 'decodr'"),
+        ({"sampling": {"upsamplers": {"steps": 3}}}, ValueError, "use 'upsampler' for every"),
+        ({"sampling": {"decoder": 3}}, TypeError, r"sampling\['decoder'\] must be a dict"),
+        ({"sampling": [("decoder", {})]}, TypeError, "sampling must be a dict"),
+        ({"last_stage": "sr128"}, ValueError, "last_stage must be 'decoder' or one of"),
+        ({"image_embeds": torch.zeros(2, 32)}, ValueError, "2 embeddings for 1 prompts"),
+        ({"callback_on_step_end": 3}, TypeError, "callback_on_step_end must be callable"),
         ({"num_images_per_prompt": 0}, ValueError, "num_images_per_prompt"),
         ({"output_type": "jpeg"}, ValueError, "output_type"),
     ],
@@ -295,6 +315,124 @@ def test_bad_input_fails_before_compute(tiny_pipe, kwargs, exc, match):
     with mock.patch.object(tiny_pipe.prior, "forward", side_effect=AssertionError("computed")):
         with pytest.raises(exc, match=match):
             tiny_pipe(progress=False, **kwargs)
+
+
+def test_sampling_settings_resolve_and_validate_every_stage(tiny_pipe):
+    """The public settings API: defaults per stage, overrides by stage or for every upsampler (a
+    stage's own key wins), a copy each time, and errors that name the bad key and the valid ones."""
+    default = tiny_pipe.sampling_settings()
+    assert list(default) == tiny_pipe.stage_names == ["prior", "decoder", "sr32", "sr64"]
+    assert default == tiny_pipe.sampling and default["decoder"] is not tiny_pipe.sampling["decoder"]
+    s = tiny_pipe.sampling_settings(
+        {"decoder": {"steps": 7, "best_of": 3}, "upsampler": {"steps": 4}, "sr64": {"steps": 2}}
+    )
+    assert (s["decoder"].steps, s["decoder"].best_of) == (7, 3)
+    assert (s["sr32"].steps, s["sr64"].steps) == (4, 2)
+    assert s["prior"] == tiny_pipe.sampling["prior"]
+    assert s["sr32"].scheduler == tiny_pipe.sampling["sr32"].scheduler  # untouched fields kept
+    from unclip.config import SamplingConfig
+
+    given = SamplingConfig(scheduler="ddpm", steps=3, guidance_scale=2.0, best_of=1)
+    assert tiny_pipe.sampling_settings({"decoder": given})["decoder"] == given
+    s["decoder"].steps = 99  # a copy: the pipeline's defaults are unchanged
+    assert tiny_pipe.sampling["decoder"].steps != 99
+    with pytest.raises(ValueError) as e:
+        tiny_pipe.sampling_settings({"decodr": {"steps": 3}})
+    msg = str(e.value)
+    assert "'decodr'" in msg and "did you mean 'decoder'" in msg
+    assert "valid: prior, decoder, sr32, sr64, upsampler" in msg
+    with pytest.raises(ValueError) as e:
+        tiny_pipe.sampling_settings({"upsamplers": {"steps": 3}})
+    assert "unknown stage 'upsamplers'" in str(e.value) and "use 'upsampler'" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        tiny_pipe.sampling_settings({"sr32": {"guidance": 3}})
+    msg = str(e.value)
+    assert "sampling['sr32']" in msg and "'guidance'" in msg
+    assert "valid: scheduler, steps, guidance_scale, best_of" in msg
+    # one set of overrides serves a pipeline without a prior too, still checked
+    no_prior = UnCLIPPipeline(tiny_pipe.clip, None, tiny_pipe.decoder, tiny_pipe.upsamplers)
+    assert list(no_prior.sampling_settings({"prior": {"steps": 3}})) == ["decoder", "sr32", "sr64"]
+    with pytest.raises(ValueError, match="unknown sampling setting 'stepz'"):
+        no_prior.sampling_settings({"prior": {"stepz": 3}})
+    with pytest.raises(ValueError, match="unknown stage 'sr128'"):
+        no_prior.sampling_settings({"sr128": {"steps": 3}})
+
+
+def test_callback_on_step_end_sees_every_step_of_every_stage(tiny_pipe):
+    """diffusers-style ``callback_on_step_end(pipe, step, timestep, callback_kwargs)``: once per
+    denoising step of each stage in order, with the stage's current x_t; a returned ``latents``
+    replaces x_t. Per-stage timings come back on the output."""
+    sampling = {
+        "prior": {"steps": 3, "best_of": 2},
+        "decoder": {"steps": 4, "best_of": 2},
+        "upsampler": {"steps": 2},
+    }
+    seen = []
+
+    def record(pipe, step, timestep, kwargs):
+        assert pipe is tiny_pipe and isinstance(timestep, torch.Tensor)
+        seen.append((kwargs["stage"], step, tuple(kwargs["latents"].shape)))
+
+    plain = run(tiny_pipe, sampling=sampling)
+    out = run(tiny_pipe, sampling=sampling, callback_on_step_end=record)
+    assert torch.equal(out.images, plain.images)  # observing changes nothing
+    d = tiny_pipe.clip.embed_dim
+    expected = (
+        [("prior", i, (2 * 2 * 2, d)) for i in range(3)]  # 2 prompts × decoder 2 × prior 2
+        + [("decoder", i, (4, 3, 16, 16)) for i in range(4)]
+        + [("sr32", i, (2, 3, 32, 32)) for i in range(2)]
+        + [("sr64", i, (2, 3, 64, 64)) for i in range(2)]
+    )
+    assert seen == expected
+    assert list(out.timings) == tiny_pipe.stage_names
+    assert all(v > 0 for v in out.timings.values())
+
+    def zero_last_upsampler_step(pipe, step, timestep, kwargs):
+        if kwargs["stage"] == "sr64" and step == 1:
+            return {"latents": torch.zeros_like(kwargs["latents"])}
+        return None
+
+    zeroed = run(tiny_pipe, sampling=sampling, callback_on_step_end=zero_last_upsampler_step)
+    assert torch.equal(zeroed.images, torch.full_like(zeroed.images, 0.5))  # x = 0 is grey
+
+
+def test_image_embeds_and_last_stage(tiny_pipe):
+    """``image_embeds`` decodes given CLIP image embeddings instead of the prior's (the prior does
+    not run); ``last_stage`` stops the cascade early with the same images up to there."""
+    full = run(tiny_pipe, return_intermediates=True, sampling={"decoder": {"best_of": 2}})
+    embeds = full.image_embeds
+    with mock.patch.object(tiny_pipe.prior, "forward", side_effect=AssertionError("prior ran")):
+        given = run(
+            tiny_pipe,
+            image_embeds=embeds,
+            return_intermediates=True,
+            sampling={"decoder": {"best_of": 2}},
+        )
+    assert torch.equal(given.image_embeds, embeds) and "prior" not in given.timings
+    assert given.images.shape == full.images.shape
+    short = run(tiny_pipe, last_stage="sr32", return_intermediates=True)
+    assert list(short.stage_images) == ["decoder", "sr32"] and short.images.shape[-1] == 32
+    assert list(short.timings) == ["prior", "decoder", "sr32"]
+    again = run(tiny_pipe, return_intermediates=True)
+    assert torch.equal(short.stage_images["sr32"], again.stage_images["sr32"])
+    decoded = run(tiny_pipe, last_stage="decoder")
+    assert decoded.images.shape[-1] == 16
+
+
+def test_output_save_writes_images_grid_and_record(tiny_pipe, tmp_path):
+    out = run(tiny_pipe, num_images_per_prompt=2, output_type="pil")
+    record = out.save(tmp_path / "o", PROMPTS, {"model": "tiny"}, grid_cols=2, seeds=[0, 1])
+    assert sorted(p.name for p in (tmp_path / "o").glob("0*.png")) == [
+        "000_00.png",
+        "000_01.png",
+        "001_00.png",
+        "001_01.png",
+    ]
+    assert json.loads((tmp_path / "o" / "generate.json").read_text()) == record
+    assert record["files"][2] == {"file": "001_00.png", "prompt": PROMPTS[1], "seed": 1, "index": 0}
+    assert Image.open(tmp_path / "o" / "grid.png").size == (128, 128)
+    with pytest.raises(ValueError, match="do not split over 3 prompts"):
+        out.save(tmp_path / "x", PROMPTS + ["a third"])
 
 
 def test_over_long_prompt_warns(tiny_pipe):
@@ -332,7 +470,7 @@ def test_every_sampler_runs_every_stage(tiny_pipe, sampler):
     s = {
         "prior": {"scheduler": sampler, "steps": 3},
         "decoder": {"scheduler": sampler, "steps": 3},
-        "upsamplers": {"scheduler": sampler, "steps": 2},
+        "upsampler": {"scheduler": sampler, "steps": 2},
     }
     a = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1], return_intermediates=True)
     b = run(tiny_pipe, sampling=s, seeds=(0,), prompts=PROMPTS[:1])
@@ -361,7 +499,8 @@ def test_coordinate_channels():
     text = pipe.encode_text(["a red circle"])
     with torch.no_grad():
         out = dec(x, torch.tensor([10]), emb, text)
-        # the coordinate channels feed the first convolution: without their weights the output changes
+        # the coordinate channels feed the first convolution: without their weights the output
+        # changes
         dec.unet.conv_in.weight[:, 3:] = 0
         assert not torch.allclose(out, dec(x, torch.tensor([10]), emb, text))
     assert out.shape == (1, 3, 16, 16)
@@ -386,8 +525,8 @@ def test_embed_scale_scales_the_conditioning_embeddings():
 
 
 def test_components_of_a_pipeline_folder_reassemble_with_their_settings(tmp_path):
-    """`unclip assemble` from the component folders of a saved pipeline keeps each stage's diffusion and
-    sampling settings (from the pipeline's unclip.json); a bare folder with neither warns."""
+    """`unclip assemble` from the component folders of a saved pipeline keeps each stage's diffusion
+    and sampling settings (from the pipeline's unclip.json); a bare folder with neither warns."""
     import dataclasses
     import shutil
 
@@ -412,8 +551,9 @@ def test_components_of_a_pipeline_folder_reassemble_with_their_settings(tmp_path
 
 
 def test_upsampler_noise_level_noises_the_low_res_image_at_sampling(tmp_path):
-    """`noise_level` (upsampler config) is the level the low-res image is noised to before upsampling:
-    0 leaves it clean; a level changes the result, reproducibly per seed, and survives save/load."""
+    """`noise_level` (upsampler config) is the level the low-res image is noised to before
+    upsampling: 0 leaves it clean; a level changes the result, reproducibly per seed, and survives
+    save/load."""
     pipe = tiny_pipeline(seed=0)
     low = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
     up = pipe.upsamplers[0]
@@ -437,7 +577,7 @@ def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocab
 ):
     from safetensors.torch import load_file
 
-    from unclip.shapes.finalize import main as finalize
+    from unclip.cli.shapes_finalize import main as finalize
 
     ranked = _with_reranker(tiny_pipe)
     ranked.save_pretrained(tmp_path / "p")

@@ -1,4 +1,5 @@
-"""The shapes dataset: determinism, ground truth vs pixels, splits, captions, geometry, writers, CLI."""
+"""The shapes dataset: determinism, ground truth vs pixels, splits, captions, geometry, writers,
+CLI."""
 
 import io
 import json
@@ -10,6 +11,7 @@ import pytest
 import webdataset
 from PIL import Image
 
+from unclip.cli import make_shapes
 from unclip.shapes import world as shapes
 from unclip.shapes.world import (
     BACKGROUNDS,
@@ -376,7 +378,7 @@ def test_write_shapes_argument_errors(tmp_path):
 def test_cli_writes_dataset(tmp_path, capsys):
     out = tmp_path / "wds"
     assert (
-        shapes.main(
+        make_shapes.main(
             [
                 str(out),
                 "--num",
@@ -400,7 +402,7 @@ def test_cli_writes_dataset(tmp_path, capsys):
     )
     assert sorted(p.name for p in out.glob("*.tar")) == ["00000.tar", "00001.tar"]
     assert "wrote 3 samples" in capsys.readouterr().out
-    shapes.main([str(tmp_path / "f"), "--num", "2", "--resolution", "16", "--no-progress"])
+    make_shapes.main([str(tmp_path / "f"), "--num", "2", "--resolution", "16", "--no-progress"])
     assert len(list((tmp_path / "f").glob("*.png"))) == 2
 
 
@@ -422,7 +424,7 @@ def test_cli_writes_dataset(tmp_path, capsys):
 )
 def test_cli_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
-        shapes.main([str(tmp_path / "out")] + argv)
+        make_shapes.main([str(tmp_path / "out")] + argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -452,7 +454,8 @@ def test_contrast_truth_changes_exactly_the_named_attribute_and_stays_in_split(s
         assert is_heldout(new) == (split == "heldout")
         if new["relation"] is not None:
             assert new["objects"][0]["color"] != new["objects"][1]["color"]
-            # the new relation is where the objects are: first minus second along the relation's axis
+            # the new relation is where the objects are: first minus second along the relation's
+            # axis
             (ax, ay), (bx, by) = (o["center"] for o in new["objects"])
             d = {
                 "to the left of": bx - ax,

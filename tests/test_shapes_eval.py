@@ -242,16 +242,17 @@ def test_palette_colors_are_distinguishable():
 def test_shapes_eval_recipe_reports_every_stage_and_writes_report_and_grid(
     tiny_pipe, tmp_path, one_thread
 ):
-    """``python -m unclip.shapes.evaluate`` (the command behind the README figures) on a saved tiny
-    pipeline: every stage scored at its resolution, timings, CLIP score/FID with the real-vs-real floor,
-    report JSON and grid written; with ``--oracle`` the decoder gets the true renders' embeddings."""
+    """``unclip shapes-eval`` (the command behind the README figures) on a saved tiny
+    pipeline: every stage scored at its resolution, timings, CLIP score/FID with the real-vs-real
+    floor, report JSON and grid written; with ``--oracle`` the decoder gets the true renders'
+    embeddings."""
     import json
 
-    from unclip.shapes.evaluate import main
+    from unclip.cli.shapes_eval import main
 
     tiny_pipe.save_pretrained(tmp_path / "pipe")
     few = json.dumps(
-        {"prior": {"steps": 2}, "decoder": {"steps": 2, "best_of": 2}, "upsamplers": {"steps": 2}}
+        {"prior": {"steps": 2}, "decoder": {"steps": 2, "best_of": 2}, "upsampler": {"steps": 2}}
     )
     out, grid = tmp_path / "report.json", tmp_path / "grid.png"
     assert (

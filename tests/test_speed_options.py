@@ -4,13 +4,14 @@ sampling loop does the work once: conditioning once per call, guided + unguided 
 Timing is measured in ``benchmarks/`` (see benchmarks/README.md), never asserted here.
 
 Tolerances:
-* ``pipe.to(memory_format=torch.channels_last)``: images within 1e-4 (float rounding of NHWC convolutions).
-* ``pipe.compile()`` (inductor): prior embeddings within 1e-5 (only the prior is compiled here: compiling
-  the UNets takes minutes on a CPU; benchmarks/bench_compile.py measures them).
-* ``pipe.autocast_dtype = torch.bfloat16``: every network's first output (same input) within 3% relative
-  L2 error, prior embeddings within 0.05 absolute. End-to-end images of *random* networks are not
-  compared: an epsilon-predicting step at t = T divides the error by sqrt(alpha_bar_T), so any rounding
-  change flips clipped pixels of an untrained decoder.
+* ``pipe.to(memory_format=torch.channels_last)``: images within 1e-4 (float rounding of NHWC
+  convolutions).
+* ``pipe.compile()`` (inductor): prior embeddings within 1e-5 (only the prior is compiled here:
+  compiling the UNets takes minutes on a CPU; benchmarks/bench_compile.py measures them).
+* ``pipe.autocast_dtype = torch.bfloat16``: every network's first output (same input) within 3%
+  relative L2 error, prior embeddings within 0.05 absolute. End-to-end images of *random* networks
+  are not compared: an epsilon-predicting step at t = T divides the error by sqrt(alpha_bar_T), so
+  any rounding change flips clipped pixels of an untrained decoder.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _record_first_outputs(pipe):
     return seen, handles
 
 
-# ------------------------------------------------------------------------------------------ autocast
+# ----------------------------------------------------------------------------------------- autocast
 def test_full_precision_is_the_default():
     pipe = tiny_pipeline(seed=0)
     assert pipe.autocast_dtype is None
@@ -70,7 +71,8 @@ def test_full_precision_is_the_default():
 
 
 def _stage_first_outputs(pipe):
-    """Each stage run alone from the same inputs: first output of every network, and the prior's embeddings."""
+    """Each stage run alone from the same inputs: first output of every network, and the prior's
+    embeddings."""
     seen, handles = _record_first_outputs(pipe)
     embeds = pipe.sample_image_embeds(PROMPTS, generator=_gen(), progress=False)
     pipe.decode(
@@ -127,7 +129,7 @@ def test_autocast_dtype_is_validated():
     assert pipe.autocast_dtype is None
 
 
-# ------------------------------------------------------------------------------------------ channels-last
+# ------------------------------------------------------------------------------------ channels-last
 def test_channels_last_same_images():
     pipe = tiny_pipeline(seed=0)
     ref = _images(pipe)
@@ -160,14 +162,14 @@ def test_compile_keeps_weights_and_results():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
-# ------------------------------------------------------------------------------------------ work done once
+# ----------------------------------------------------------------------------------- work done once
 def test_conditioning_once_and_guidance_batched(monkeypatch):
     pipe = tiny_pipeline(seed=0)
     steps = {"prior": 4, "decoder": 5}
     sampling = {
         "prior": {"steps": steps["prior"], "guidance_scale": 2.0, "best_of": 2},
         "decoder": {"steps": steps["decoder"], "guidance_scale": 2.0},
-        "upsamplers": {"steps": 3, "guidance_scale": 1.0},
+        "upsampler": {"steps": 3, "guidance_scale": 1.0},
     }
     calls = {"condition": 0, "encode_text": 0}
     condition, encode_text = pipe.decoder.condition, pipe.clip.encode_text

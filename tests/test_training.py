@@ -105,7 +105,7 @@ def test_exported_components_generate(trained, tmp_path):
         generator=torch.Generator().manual_seed(0),
         output_type="pt",
         progress=False,
-        sampling={"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsamplers": {"steps": 2}},
+        sampling={"prior": {"steps": 3}, "decoder": {"steps": 3}, "upsampler": {"steps": 2}},
     )
     assert out.images.shape == (1, 3, 64, 64) and torch.isfinite(out.images).all()
     # the exported decoder holds the EMA weights, not the raw ones

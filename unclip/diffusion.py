@@ -225,6 +225,7 @@ def sample_loop(
     progress: bool = True,
     desc: str = "sampling",
     autocast_dtype: Optional[torch.dtype] = None,
+    callback: Optional[Callable[[int, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """Run the reverse process from noise ``x_T`` of ``shape`` and return ``x_0``.
 
@@ -236,6 +237,8 @@ def sample_loop(
     sampled together or alone. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs only ``denoise``
     under ``torch.autocast``; its output is cast back to ``dtype`` so guidance and the scheduler
     step stay in full precision.
+    ``callback(i, t, x)`` runs after step ``i`` (timestep ``t``) with the new ``x``; a tensor it
+    returns replaces ``x``.
     """
     guided = is_guided(guidance_scale)
     scheduler.set_timesteps(num_steps, device=device)
@@ -267,6 +270,9 @@ def sample_loop(
             out = torch.cat([out, var], dim=1)
         prev = timesteps[i + 1] if i + 1 < len(timesteps) else None
         x = scheduler.step(out, t, x, **_step_kwargs(scheduler, generator, prev)).prev_sample
+        if callback is not None:
+            new = callback(i, t, x)
+            x = x if new is None else new
     return x
 
 

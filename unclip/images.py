@@ -29,7 +29,8 @@ def as_image_input(image):
 
 
 def to_output(images: torch.Tensor, output_type: str = "pil"):
-    """``[N, 3, H, W]`` in [-1, 1] → PIL list / uint8 array ``[N, H, W, 3]`` / float tensor in [0, 1]."""
+    """``[N, 3, H, W]`` in [-1, 1] → PIL list / uint8 array ``[N, H, W, 3]`` / float tensor in
+    [0, 1]."""
     x = ((images.float().cpu() + 1) / 2).clamp(0, 1)
     if output_type == "pt":
         return x
@@ -52,23 +53,23 @@ def list_images(folder: str | os.PathLike, what: str = "image folder") -> list[P
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:
-        raise ValueError(f"{what} {root} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise ValueError(f"{what} {root} contains no images ({', '.join(IMAGE_EXTENSIONS)})")
     return files
 
 
 def resize_crop_box(height: int, width: int, size: int) -> tuple[int, int, int, int]:
     """Shorter side to ``size``, then a centred ``size × size`` crop: ``(new_h, new_w, top, left)``.
 
-    One geometry for every resize-and-crop (training images, CLIP inputs, evaluation images), whatever
-    library does the interpolation."""
+    One geometry for every resize-and-crop (training images, CLIP inputs, evaluation images),
+    whatever library does the interpolation."""
     s = size / min(height, width)
     nh, nw = max(size, round(height * s)), max(size, round(width * s))
     return nh, nw, (nh - size) // 2, (nw - size) // 2
 
 
 def resize_crop_tensor(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``[..., C, H, W]`` float → ``[..., C, size, size]``: bicubic antialiased resize of the shorter side,
-    centre crop (values are not clamped)."""
+    """``[..., C, H, W]`` float → ``[..., C, size, size]``: bicubic antialiased resize of the
+    shorter side, centre crop (values are not clamped)."""
     nh, nw, top, left = resize_crop_box(x.shape[-2], x.shape[-1], size)
     if (nh, nw) != tuple(x.shape[-2:]):
         flat = x.reshape(-1, *x.shape[-3:])
@@ -80,9 +81,12 @@ def resize_crop_tensor(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def image_grid(images, cols: int | None = None, background: int = 255) -> Image.Image:
-    """Tile equally sized images into one PIL grid (``cols`` default: a near-square layout).
+    """Tile equally sized images into one PIL grid of ``cols`` columns (default: a near-square
+    layout), filling unused cells with ``background``.
 
-    ``images``: PIL images, uint8 arrays ``[H, W, 3]``, or a float tensor ``[N, 3, H, W]`` in [-1, 1]."""
+    ``images``: PIL images, uint8 arrays ``[H, W, 3]``, or a float tensor ``[N, 3, H, W]`` in
+    [-1, 1].
+    """
     from torchvision.utils import make_grid
 
     if isinstance(images, torch.Tensor):
@@ -90,10 +94,15 @@ def image_grid(images, cols: int | None = None, background: int = 255) -> Image.
     else:
         if len(images) == 0:
             raise ValueError("image_grid needs at least one image")
-        arrays = [np.asarray(im.convert("RGB") if isinstance(im, Image.Image) else im) for im in images]
+        arrays = [
+            np.asarray(im.convert("RGB") if isinstance(im, Image.Image) else im) for im in images
+        ]
         batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
     if batch.shape[0] == 0:
         raise ValueError("image_grid needs at least one image")
     cols = cols or math.ceil(math.sqrt(batch.shape[0]))
+    if batch.shape[0] < cols:  # make_grid would narrow the grid to the number of images
+        fill = torch.full((cols - batch.shape[0], *batch.shape[1:]), background / 255)
+        batch = torch.cat([batch, fill])
     grid = make_grid(batch, nrow=cols, padding=0, pad_value=background / 255)
     return Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))

@@ -27,7 +27,8 @@ FOLDER_FORMATS: dict[str, Callable] = {}
 
 
 def register_folder_format(marker: str, reader: Callable) -> None:
-    """Let ``UnCLIPPipeline.from_pretrained`` read folders that hold ``marker`` (e.g. ``model_index.json``)."""
+    """Let ``UnCLIPPipeline.from_pretrained`` read folders that hold ``marker`` (e.g.
+    ``model_index.json``)."""
     FOLDER_FORMATS[marker] = reader
 
 
@@ -71,10 +72,8 @@ def load_weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
         return load_file(str(files[0]))
     pickles = sorted(p.name for p in folder.glob("*.bin"))
     hint = (
-        (
-            f" (found only pickle weights {pickles}; unclip never unpickles weight files — convert them to "
-            f"safetensors first)"
-        )
+        f" (found only pickle weights {pickles}; unclip never unpickles weight files — convert "
+        "them to safetensors first)"
         if pickles
         else ""
     )
@@ -82,7 +81,8 @@ def load_weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
 
 
 def check_state(component: str, expected: dict, got: dict, folder: Path) -> None:
-    """Raise ``ValueError`` naming the component and key on a missing, unexpected or mis-shaped weight."""
+    """Raise ``ValueError`` naming the component and key on a missing, unexpected or mis-shaped
+    weight."""
     for key, value in expected.items():
         if key not in got:
             raise ValueError(f"{component}: weight {key!r} is missing from {folder}")
@@ -100,8 +100,9 @@ def check_state(component: str, expected: dict, got: dict, folder: Path) -> None
 
 
 def _settings_from_pipeline(folder: Path, expected: str) -> dict:
-    """Diffusion and sampling settings of a component folder without ``unclip_stage.json``: those of the
-    pipeline folder it sits in (``../unclip.json``), else ``{}`` (the defaults) with a warning."""
+    """Diffusion and sampling settings of a component folder without ``unclip_stage.json``: those of
+    the pipeline folder it sits in (``../unclip.json``), else ``{}`` (the defaults) with a
+    warning."""
     index_path = folder.parent / "unclip.json"
     if index_path.is_file():
         index = json.loads(index_path.read_text())
@@ -118,10 +119,11 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
                 data["sampling"] = index["sampling"][name]
             return data
     warnings.warn(
-        f"{expected} folder {folder} has neither unclip_stage.json nor a pipeline unclip.json beside it: "
-        f"assuming the default diffusion settings (epsilon prediction, no min-SNR). If it was trained "
-        f"otherwise, its samples will be wrong; pass the folder that a training command exported "
-        f"(<output_dir>/final/<name>) or a component folder inside a pipeline folder.",
+        f"{expected} folder {folder} has neither unclip_stage.json nor a pipeline unclip.json "
+        "beside it: assuming the default diffusion settings (epsilon prediction, no min-SNR). If "
+        "it was trained otherwise, its samples will be wrong; pass the folder that a training "
+        "command exported (<output_dir>/final/<name>) or a component folder inside a pipeline "
+        "folder.",
         stacklevel=3,
     )
     return {}
@@ -130,7 +132,8 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
 def load_components(
     clip, decoder, prior, upsamplers, default_diffusion: dict, default_sampling: dict
 ):
-    """``(clip, prior, decoder, upsamplers, diffusion, sampling)`` loaded from trained component folders."""
+    """``(clip, prior, decoder, upsamplers, diffusion, sampling)`` loaded from trained component
+    folders."""
     diffusion, sampling = {}, {}
 
     def meta(folder, expected):

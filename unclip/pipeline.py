@@ -1,17 +1,27 @@
-"""``UnCLIPPipeline``: text → CLIP text encoding → prior → image embedding → decoder → upsamplers → image.
+"""``UnCLIPPipeline``: text → CLIP text encoding → prior → image embedding → decoder → upsamplers.
 
 Each stage is a public method, and everything else composes from them::
 
-    pipe = UnCLIPPipeline.from_pretrained("path/to/pipeline")        # or a diffusers/Karlo folder
-    out = pipe(["a red circle", "a blue square"], num_images_per_prompt=2, generator=torch.Generator().manual_seed(0))
-    out.images                      # list of PIL images at the last stage's resolution
-    text = pipe.encode_text("a red circle")                     # TextEncoding [B, D], [B, L, W], [B, L]
-    emb = pipe.sample_image_embeds(text)                        # [B, D] CLIP image embeddings
-    small = pipe.decode(emb, text)                              # [B, 3, 64, 64] in [-1, 1]
-    big = pipe.upsample(small)                                  # through every upsampler
-    pipe.variations(pil_image, num_images=4)                    # image → CLIP embedding → decode
+    pipe = UnCLIPPipeline.from_pretrained("path/to/pipeline")  # or a diffusers/Karlo folder
+    gen = torch.Generator().manual_seed(0)
+    out = pipe(["a red circle", "a blue square"], num_images_per_prompt=2, generator=gen)
+    out.images                             # PIL images at the last stage's resolution
+    text = pipe.encode_text("a red circle")  # TextEncoding [B, D], [B, L, W], [B, L]
+    emb = pipe.sample_image_embeds(text)   # [B, D] CLIP image embeddings
+    small = pipe.decode(emb, text)         # [B, 3, 64, 64] in [-1, 1]
+    big = pipe.upsample(small)             # through every upsampler
+    pipe.variations(pil_image, num_images=4)  # image → CLIP embedding → decode
     pipe.interpolate("a red circle", "a blue square", num_steps=5)
-    keep = pipe.rerank(small, ["a red circle"] * 4, k=4)         # best of each group of 4 by CLIP score
+    keep = pipe.rerank(small, ["a red circle"] * 4, k=4)  # best of each group of 4 by CLIP score
+    pipe.sampling_settings({"decoder": {"steps": 50}})  # {stage: SamplingConfig}, validated
+
+Sampling settings (:class:`~unclip.config.SamplingConfig`: scheduler, steps, guidance_scale,
+best_of) are stored per stage in ``pipe.sampling``; every sampling method takes ``sampling=``
+overrides keyed by stage (``"prior"``, ``"decoder"``, an upsampler's name such as ``"sr64"``, or
+``"upsampler"`` for every upsampler), resolved and checked by
+:meth:`UnCLIPPipeline.sampling_settings`. The decoder's ``best_of`` is the number of base-resolution
+candidates decoded per image; :meth:`UnCLIPPipeline.rerank` keeps the one that
+:attr:`UnCLIPPipeline.rerank_clip` scores closest to the prompt.
 
 A pipeline may carry a second CLIP, ``reranker``, used only to choose among decoder candidates
 (reranking); without one, the conditioning CLIP scores them. A pipeline folder is self-describing:
@@ -23,9 +33,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -63,7 +75,16 @@ from unclip.pipeline_utils import (
 )
 from unclip.prior import UnCLIPPrior
 
-__all__ = ["UnCLIPPipeline", "UnCLIPOutput", "slerp", "PIPELINE_FILE", "DEFAULT_SAMPLING"]
+__all__ = [
+    "UnCLIPPipeline",
+    "UnCLIPOutput",
+    "slerp",
+    "PIPELINE_FILE",
+    "DEFAULT_SAMPLING",
+    "SAMPLING_FIELDS",
+    "EVERY_UPSAMPLER",
+    "generate_to_folder",
+]
 
 FORMAT_VERSION = 1
 
@@ -72,6 +93,14 @@ DEFAULT_SAMPLING = {
     "decoder": SamplingConfig(scheduler="ddim", steps=25, guidance_scale=4.0),
     "upsampler": SamplingConfig(scheduler="ddim", steps=10, guidance_scale=1.0),
 }
+#: the fields a ``sampling=`` override may set for a stage
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
+#: the ``sampling=`` key whose settings apply to every upsampler (a stage's own key wins)
+EVERY_UPSAMPLER = "upsampler"
+
+#: ``callback_on_step_end(pipe, step, timestep, callback_kwargs) -> dict | None``
+StepCallback = Callable[["UnCLIPPipeline", int, torch.Tensor, dict], Optional[dict]]
+
 DEFAULT_DIFFUSION = {
     "prior": DiffusionConfig(prediction_type="sample"),
     "decoder": DiffusionConfig(prediction_type="epsilon"),
@@ -84,18 +113,63 @@ class UnCLIPOutput:
     """Result of a pipeline call.
 
     ``images``: PIL list, ``np.ndarray [N, H, W, 3]`` uint8, or a tensor ``[N, 3, H, W]`` in [0, 1];
-    ``image_embeds [N, D]`` the CLIP image embeddings decoded; ``text_embeds [N, D]``;
-    ``stage_images``: ``{stage: tensor [N, 3, h, w] in [-1, 1]}`` when intermediates were requested.
+    ``image_embeds [N, D]`` the CLIP image embeddings decoded (the prior's chosen ones, or those
+    given); ``text_embeds [N, D]``; ``stage_images``: ``{stage: tensor [N, 3, h, w] in [-1, 1]}``
+    when intermediates were requested; ``timings``: wall-clock seconds per stage that ran (``prior``
+    includes the text encoding when the prior runs, ``decoder`` includes reranking).
     """
 
     images: Any
     image_embeds: torch.Tensor
     text_embeds: Optional[torch.Tensor] = None
     stage_images: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+    def save(
+        self,
+        folder: Union[str, os.PathLike],
+        prompts: Sequence[str],
+        record: Optional[dict] = None,
+        grid_cols: Optional[int] = None,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> dict:
+        """Write ``NNN_MM.png`` (prompt ``NNN``, image ``MM`` of it), ``grid.png`` and, with
+        ``record``, ``generate.json`` (``record`` plus the file list, with each prompt's seed from
+        ``seeds``) to ``folder``; returns the record. ``images`` must be PIL images in prompt order
+        (``output_type="pil"``)."""
+        from unclip.images import image_grid
+
+        if not isinstance(self.images, list):
+            raise TypeError(
+                "UnCLIPOutput.save needs PIL images (call the pipeline with output_type='pil')"
+            )
+        prompts = list(prompts)
+        if not prompts or len(self.images) % len(prompts):
+            raise ValueError(
+                f"save: {len(self.images)} images do not split over {len(prompts)} prompts"
+            )
+        per = len(self.images) // len(prompts)
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        files = []
+        for i, prompt in enumerate(prompts):
+            for j in range(per):
+                f = folder / f"{i:03d}_{j:02d}.png"
+                self.images[i * per + j].save(f)
+                entry = {"file": f.name, "prompt": prompt}
+                if seeds is not None:
+                    entry["seed"] = seeds[i]
+                files.append({**entry, "index": j})
+        image_grid(self.images, cols=grid_cols).save(folder / "grid.png")
+        out = {**(record or {}), "files": files, "grid": "grid.png"}
+        if record is not None:
+            (folder / "generate.json").write_text(json.dumps(out, indent=2))
+        return out
 
 
 def _cosines(clip: FrozenCLIP, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
-    """Cosine ``[B]`` between ``clip``'s embeddings of images ``[B, 3, H, W]`` and text embeddings ``[B, D]``."""
+    """Cosine ``[B]`` between ``clip``'s embeddings of images ``[B, 3, H, W]`` and text embeddings
+    ``[B, D]``."""
     img = F.normalize(clip.encode_image(images), dim=-1)
     return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
 
@@ -119,9 +193,11 @@ class UnCLIPPipeline:
             raise TypeError(
                 f"reranker must be a FrozenCLIP (or None), got {type(reranker).__name__}"
             )
-        # a CLIP used only to score decoder candidates (rerank); None: the conditioning CLIP scores them
+        # a CLIP used only to score decoder candidates (rerank); None: the conditioning CLIP scores
+        # them
         self.reranker = reranker
-        # the prior sampler clips predicted x_0 (normalised embedding) to [-r, r]; None disables (Karlo: 5)
+        # the prior sampler clips predicted x_0 (normalised embedding) to [-r, r]; None disables
+        # (Karlo: 5)
         self.prior_clip_range = None if prior_clip_range is None else float(prior_clip_range)
         self.prior = prior
         self.decoder = decoder
@@ -185,14 +261,14 @@ class UnCLIPPipeline:
 
     @property
     def rerank_clip(self) -> FrozenCLIP:
-        """The CLIP that scores candidates in :meth:`rerank`: the ``reranker`` if the pipeline has one, else
-        the conditioning CLIP."""
+        """The CLIP that scores decoder candidates in :meth:`rerank`: the ``reranker`` component if
+        the pipeline has one, else the conditioning CLIP (``clip``)."""
         return self.reranker if self.reranker is not None else self.clip
 
     def to(self, device=None, dtype=None, memory_format=None) -> UnCLIPPipeline:
-        """Move every component; ``memory_format=torch.channels_last`` stores the image networks' conv
-        weights NHWC, which makes their activations NHWC too (faster convolutions on CPUs with oneDNN,
-        same results to float rounding; see benchmarks/README.md)."""
+        """Move every component; ``memory_format=torch.channels_last`` stores the image networks'
+        conv weights NHWC, which makes their activations NHWC too (faster convolutions on CPUs with
+        oneDNN, same results to float rounding; see benchmarks/README.md)."""
         kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         for m in self.modules().values():
             m.to(**kwargs)
@@ -204,10 +280,10 @@ class UnCLIPPipeline:
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
-        """``None`` (default: full precision) or ``torch.bfloat16``/``torch.float16``: run every denoising
-        network call under ``torch.autocast`` in that dtype. Weights, latents, guidance and the scheduler
-        stay in the pipeline's dtype. On CPUs with native bf16 (AVX512-BF16/AMX) this is faster and changes
-        images slightly (see benchmarks/README.md)."""
+        """``None`` (default: full precision) or ``torch.bfloat16``/``torch.float16``: run every
+        denoising network call under ``torch.autocast`` in that dtype. Weights, latents, guidance
+        and the scheduler stay in the pipeline's dtype. On CPUs with native bf16 (AVX512-BF16/AMX)
+        this is faster and changes images slightly (see benchmarks/README.md)."""
         return self._autocast_dtype
 
     @autocast_dtype.setter
@@ -223,7 +299,8 @@ class UnCLIPPipeline:
         self._autocast_dtype = dtype
 
     def denoisers(self) -> dict[str, torch.nn.Module]:
-        """The networks called once per sampling step (prior transformer, decoder UNet, upsampler UNets)."""
+        """The networks called once per sampling step (prior transformer, decoder UNet, upsampler
+        UNets)."""
         nets = {}
         if self.prior is not None:
             nets["prior"] = self.prior.transformer
@@ -235,9 +312,10 @@ class UnCLIPPipeline:
         return nets
 
     def compile(self, **kwargs) -> UnCLIPPipeline:
-        """``torch.compile`` every network in :meth:`denoisers` in place (``kwargs`` go to ``torch.compile``,
-        e.g. ``mode="max-autotune"``); weights and state-dict names are unchanged. The first call of each
-        stage compiles (minutes for a mid-size UNet on a CPU); see benchmarks/README.md for when it pays."""
+        """``torch.compile`` every network in :meth:`denoisers` in place (``kwargs`` go to
+        ``torch.compile``, e.g. ``mode="max-autotune"``); weights and state-dict names are
+        unchanged. The first call of each stage compiles (minutes for a mid-size UNet on a CPU); see
+        benchmarks/README.md for when it pays."""
         for net in self.denoisers().values():
             net.compile(**kwargs)
         return self
@@ -248,7 +326,8 @@ class UnCLIPPipeline:
             pc = self.prior.config
             if pc.embed_dim != d:
                 raise ValueError(
-                    f"prior embed_dim {pc.embed_dim} != CLIP embed_dim {d} (clip: {self.clip.model_name})"
+                    f"prior embed_dim {pc.embed_dim} != CLIP embed_dim {d} "
+                    f"(clip: {self.clip.model_name})"
                 )
             if pc.text_width != w:
                 raise ValueError(f"prior text_width {pc.text_width} != CLIP text width {w}")
@@ -258,13 +337,14 @@ class UnCLIPPipeline:
                 )
         if self.reranker is not None and not self.reranker.has_vision:
             raise ValueError(
-                f"reranker CLIP {self.reranker.model_name!r} has no image tower, so it cannot score "
-                f"candidates; use a CLIP with image-tower weights"
+                f"reranker CLIP {self.reranker.model_name!r} has no image tower, so it cannot "
+                "score candidates; use a CLIP with image-tower weights"
             )
         dc = self.decoder.config
         if dc.embed_dim != d:
             raise ValueError(
-                f"decoder embed_dim {dc.embed_dim} != CLIP embed_dim {d} (clip: {self.clip.model_name})"
+                f"decoder embed_dim {dc.embed_dim} != CLIP embed_dim {d} "
+                f"(clip: {self.clip.model_name})"
             )
         if dc.use_text_tokens and dc.text_width != w:
             raise ValueError(f"decoder text_width {dc.text_width} != CLIP text width {w}")
@@ -310,7 +390,8 @@ class UnCLIPPipeline:
 
     @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike, None] = None) -> UnCLIPPipeline:
-        """Load a folder written by :meth:`save_pretrained`, or a diffusers ``UnCLIPPipeline`` folder.
+        """Load a folder written by :meth:`save_pretrained`, or a diffusers ``UnCLIPPipeline``
+        folder.
 
         ``path=None`` or ``"shapes"`` loads the bundled offline shapes model.
         """
@@ -370,9 +451,9 @@ class UnCLIPPipeline:
         reranker: Union[str, os.PathLike, None] = None,
     ) -> UnCLIPPipeline:
         """Assemble a pipeline from component folders exported by the training commands
-        (``<output_dir>/final/<name>``, each with ``config.json``, weights and ``unclip_stage.json``);
-        ``reranker``: a CLIP folder (e.g. ``unclip train-clip``'s ``<output_dir>/clip``) that scores decoder
-        candidates instead of the conditioning CLIP."""
+        (``<output_dir>/final/<name>``, each with ``config.json``, weights and
+        ``unclip_stage.json``); ``reranker``: a CLIP folder (e.g. ``unclip train-clip``'s
+        ``<output_dir>/clip``) that scores decoder candidates instead of the conditioning CLIP."""
         parts = load_components(
             clip, decoder, prior, upsamplers, DEFAULT_DIFFUSION, DEFAULT_SAMPLING
         )
@@ -384,26 +465,76 @@ class UnCLIPPipeline:
         return pipe
 
     # ------------------------------------------------------------------ settings
-    def _settings(self, stage: str, overrides: Optional[dict]) -> SamplingConfig:
-        s = copy.deepcopy(self.sampling[stage])
-        over = dict((overrides or {}).get("upsamplers", {})) if stage.startswith("sr") else {}
-        over.update((overrides or {}).get(stage, {}))
-        for k, v in over.items():
-            if not hasattr(s, k):
+    def sampling_settings(self, sampling: Optional[Mapping] = None) -> dict[str, SamplingConfig]:
+        """The settings every stage samples with: ``{stage: SamplingConfig}`` for
+        :attr:`stage_names`.
+
+        ``sampling``: overrides ``{key: {field: value}}``; a key is a stage name or ``"upsampler"``
+        (every upsampler; an upsampler's own key wins), a field one of :data:`SAMPLING_FIELDS`. A
+        value may also be a :class:`SamplingConfig`. ``"prior"`` and ``"upsampler"`` may be given
+        for a pipeline without that stage (they are checked, then unused). Unknown keys or fields
+        and invalid values are a ``ValueError`` naming them; the result is a copy (changing it
+        changes nothing)."""
+        over = self._check_overrides(sampling)
+        out = {}
+        for stage in self.stage_names:
+            s = copy.deepcopy(self.sampling[stage])
+            merged = dict(over.get(EVERY_UPSAMPLER, {})) if stage_kind(stage) == "upsampler" else {}
+            merged.update(over.get(stage, {}))
+            for k, v in merged.items():
+                setattr(s, k, v)
+            check_sampling_args(stage, s.scheduler, s.steps, s.guidance_scale)
+            if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
+                raise ValueError(f"{stage}: best_of must be an integer >= 1, got {s.best_of!r}")
+            if stage_kind(stage) == "upsampler" and s.best_of != 1:
                 raise ValueError(
-                    f"unknown sampling setting {k!r} for stage {stage}; valid: "
-                    f"{[f.name for f in dataclasses.fields(SamplingConfig)]}"
+                    f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "
+                    f"prior's and the decoder's best_of), got {s.best_of}"
                 )
-            setattr(s, k, v)
-        check_sampling_args(stage, s.scheduler, s.steps, s.guidance_scale)
-        if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
-            raise ValueError(f"{stage}: best_of must be an integer >= 1, got {s.best_of!r}")
-        if stage.startswith("sr") and s.best_of != 1:
-            raise ValueError(
-                f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the prior's "
-                f"and the decoder's best_of), got {s.best_of}"
+            out[stage] = s
+        return out
+
+    def _check_overrides(self, sampling: Optional[Mapping]) -> dict[str, dict]:
+        if sampling is None:
+            return {}
+        if not isinstance(sampling, Mapping):
+            raise TypeError(
+                f"sampling must be a dict {{stage: {{setting: value}}}}, got "
+                f"{type(sampling).__name__}"
             )
-        return s
+        # "prior" and "upsampler" are accepted (and checked) where the pipeline lacks that stage,
+        # so that one set of overrides serves every pipeline
+        valid = [*self.stage_names, EVERY_UPSAMPLER]
+        if self.prior is None:
+            valid.append("prior")
+        out = {}
+        for key, values in sampling.items():
+            if key not in valid:
+                if key == "upsamplers":
+                    hint = f"; use {EVERY_UPSAMPLER!r} for every upsampler"
+                else:
+                    close = difflib.get_close_matches(str(key), valid, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"sampling: unknown stage {key!r}{hint} (valid: {', '.join(valid)})"
+                )
+            if isinstance(values, SamplingConfig):
+                values = to_dict(values)
+            if not isinstance(values, Mapping):
+                raise TypeError(
+                    f"sampling[{key!r}] must be a dict of settings, got {type(values).__name__}"
+                )
+            unknown = [k for k in values if k not in SAMPLING_FIELDS]
+            if unknown:
+                raise ValueError(
+                    f"sampling[{key!r}]: unknown sampling setting {unknown[0]!r} "
+                    f"(valid: {', '.join(SAMPLING_FIELDS)})"
+                )
+            out[key] = dict(values)
+        return out
+
+    def _stage_settings(self, stage: str, sampling: Optional[Mapping]) -> SamplingConfig:
+        return self.sampling_settings(sampling)[stage]
 
     def _scheduler(self, stage: str, s: SamplingConfig):
         kind = stage_kind(stage)
@@ -418,7 +549,8 @@ class UnCLIPPipeline:
 
     # ------------------------------------------------------------------ stages
     def encode_text(self, prompt: Union[str, Sequence[str]]) -> TextEncoding:
-        """Prompts → :class:`TextEncoding` (``text_embed [B,D]``, ``text_tokens [B,L,W]``, ``text_mask [B,L]``)."""
+        """Prompts → :class:`TextEncoding` (``text_embed [B,D]``, ``text_tokens [B,L,W]``,
+        ``text_mask [B,L]``)."""
         return self.clip.encode_text(check_prompts(prompt))
 
     def null_text(self, batch: int) -> TextEncoding:
@@ -430,6 +562,27 @@ class UnCLIPPipeline:
     def _as_text(self, text) -> TextEncoding:
         return text if isinstance(text, TextEncoding) else self.encode_text(text)
 
+    def _step_callback(self, stage: str, callback_on_step_end: Optional[StepCallback]):
+        """Adapt a pipeline-level ``callback_on_step_end`` to :func:`sample_loop`'s ``callback``."""
+        if callback_on_step_end is None:
+            return None
+        if not callable(callback_on_step_end):
+            raise TypeError(
+                f"callback_on_step_end must be callable, got {type(callback_on_step_end).__name__}"
+            )
+
+        def step(i, t, x):
+            out = callback_on_step_end(self, i, t, {"stage": stage, "latents": x})
+            if out is None:
+                return None
+            if not isinstance(out, Mapping):
+                raise TypeError(
+                    f"callback_on_step_end must return None or a dict, got {type(out).__name__}"
+                )
+            return out.get("latents")
+
+        return step
+
     @torch.no_grad()
     def sample_image_embeds(
         self,
@@ -440,18 +593,20 @@ class UnCLIPPipeline:
         latents: Optional[torch.Tensor] = None,
         return_candidates: bool = False,
         progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
     ):
         """Prior: prompts or a :class:`TextEncoding` ``[B]`` → CLIP image embeddings ``[B·n, D]``.
 
-        With ``best_of = N > 1`` it samples N candidates per image and keeps the one with the highest dot
-        product with the text embedding (paper §2.2). ``return_candidates`` also returns the candidates
-        ``[B·n, N, D]``.
+        With ``best_of = N > 1`` it samples N candidates per image and keeps the one with the
+        highest dot product with the text embedding (paper §2.2). ``return_candidates`` also returns
+        the candidates ``[B·n, N, D]``. ``callback_on_step_end``: see :meth:`__call__`.
         """
         if self.prior is None:
             raise ValueError(
-                "this pipeline has no prior; pass image embeddings to decode() directly"
+                "this pipeline has no prior; pass image embeddings (pipe(..., image_embeds=...) or "
+                "decode()) instead"
             )
-        s = self._settings("prior", sampling)
+        s = self._stage_settings("prior", sampling)
         text = self._as_text(text)
         n, N = check_count(num_images_per_prompt), s.best_of
         b = len(text)
@@ -479,6 +634,7 @@ class UnCLIPPipeline:
             progress=progress,
             desc="prior",
             autocast_dtype=self.autocast_dtype,
+            callback=self._step_callback("prior", callback_on_step_end),
         )
         cands = self.prior.denormalize(x.float()).view(b * n, N, -1)
         text_embed = text.text_embed.repeat_interleave(n, dim=0).to(cands)
@@ -495,10 +651,12 @@ class UnCLIPPipeline:
         sampling: Optional[dict] = None,
         latents: Optional[torch.Tensor] = None,
         progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
     ) -> torch.Tensor:
-        """Decoder: ``image_embed [B, D]`` (+ optional captions/TextEncoding with B rows) → ``[B, 3, s, s]``
-        in [-1, 1] at the decoder's resolution. Without text the empty caption is used."""
-        s = self._settings("decoder", sampling)
+        """Decoder: ``image_embed [B, D]`` (+ optional captions/TextEncoding with B rows) →
+        ``[B, 3, s, s]`` in [-1, 1] at the decoder's resolution. Without text the empty caption is
+        used."""
+        s = self._stage_settings("decoder", sampling)
         image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
         text = self.null_text(b) if text is None else self._as_text(text)
@@ -533,6 +691,7 @@ class UnCLIPPipeline:
             progress=progress,
             desc="decoder",
             autocast_dtype=self.autocast_dtype,
+            callback=self._step_callback("decoder", callback_on_step_end),
         )
         return x.float().clamp(-1, 1)
 
@@ -545,6 +704,7 @@ class UnCLIPPipeline:
         stages: Optional[Sequence[str]] = None,
         return_intermediates: bool = False,
         progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
     ):
         """Upsamplers: ``[B, 3, h, w]`` in [-1, 1] → ``[B, 3, H, W]`` through each upsampler in turn
         (or only those named in ``stages``)."""
@@ -558,12 +718,12 @@ class UnCLIPPipeline:
                 raise ValueError(
                     f"{name} expects {up.config.low_res_size}px input, got {out.shape[-1]}px"
                 )
-            s = self._settings(name, sampling)
-            out = self._upsample_one(name, up, out, s, generator, progress)
+            s = self._stage_settings(name, sampling)
+            out = self._upsample_one(name, up, out, s, generator, progress, callback_on_step_end)
             inter[name] = out
         return (out, inter) if return_intermediates else out
 
-    def _upsample_one(self, name, up, low, s, generator, progress):
+    def _upsample_one(self, name, up, low, s, generator, progress, callback_on_step_end=None):
         b, size = low.shape[0], up.config.sample_size
         low_up = upsample_low_res(low, size, clamp=up.config.clamp_low_res)
         level = int(up.config.noise_level)
@@ -597,10 +757,16 @@ class UnCLIPPipeline:
             progress=progress,
             desc=name,
             autocast_dtype=self.autocast_dtype,
+            callback=self._step_callback(name, callback_on_step_end),
         )
         return x.float().clamp(-1, 1)
 
     # ------------------------------------------------------------------ composed
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     @torch.no_grad()
     def __call__(
         self,
@@ -609,52 +775,114 @@ class UnCLIPPipeline:
         generator: Generator = None,
         sampling: Optional[dict] = None,
         output_type: str = "pil",
-        rerank_candidates: Optional[int] = None,
         return_intermediates: bool = False,
         progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+        last_stage: Optional[str] = None,
     ) -> UnCLIPOutput:
         """Text → images through every stage.
 
-        ``generator``: one ``torch.Generator``, one per prompt, or one per image. ``sampling``: per-stage
-        overrides, e.g. ``{"prior": {"steps": 10}, "decoder": {"guidance_scale": 3}, "upsamplers": {...}}``.
-        ``rerank_candidates = K > 1`` decodes K base-resolution candidates per image and keeps the one
-        CLIP (:attr:`rerank_clip`) scores closest to the prompt before upsampling (as DALL-E did); ``None``
-        uses the decoder's ``best_of`` sampling setting. ``output_type``: ``pil``, ``np`` (uint8
-        ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]`` in [0, 1]).
+        ``generator``: one ``torch.Generator``, one per prompt, or one per image. ``sampling``:
+        per-stage overrides (see :meth:`sampling_settings`), e.g. ``{"prior": {"steps": 10},
+        "decoder": {"guidance_scale": 3, "best_of": 4}, "upsampler": {"steps": 5}}``. With the
+        decoder's ``best_of = K > 1`` it decodes K base-resolution candidates per image and keeps
+        the one :attr:`rerank_clip` scores closest to the prompt before upsampling (as DALL-E did).
+        ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]``
+        in [0, 1]).
+
+        ``callback_on_step_end(pipe, step, timestep, callback_kwargs)`` runs after every denoising
+        step of every stage, as in diffusers; ``callback_kwargs`` is ``{"stage": name, "latents":
+        x_t}`` (``x_t`` holds every candidate of that stage's batch) and a returned dict's
+        ``"latents"`` replaces ``x_t``. ``image_embeds [N, D]`` (one per output image,
+        prompt-major): decode these CLIP image embeddings instead of sampling the prior.
+        ``last_stage``: stop after this stage (``"decoder"`` or an upsampler's name; default: the
+        last). Seconds per stage are returned in ``UnCLIPOutput.timings``.
         """
         prompts = check_prompts(prompt)
         check_output_type(output_type)
         n = check_count(num_images_per_prompt)
-        for stage in self.stage_names:
-            self._settings(stage, sampling)  # validate everything before any compute
-        k = (
-            self._settings("decoder", sampling).best_of
-            if rerank_candidates is None
-            else rerank_candidates
-        )
-        k = check_count(k, "rerank_candidates")
+        settings = self.sampling_settings(sampling)  # validate everything before any compute
+        k = settings["decoder"].best_of
+        ups = self._stages_until(last_stage)
+        if image_embeds is not None:
+            image_embeds = check_embeds(image_embeds, self.clip.embed_dim)
+            if image_embeds.shape[0] != len(prompts) * n:
+                raise ValueError(
+                    f"image_embeds: {image_embeds.shape[0]} embeddings for {len(prompts)} prompts "
+                    "× "
+                    f"{n} images; give one per output image"
+                )
+        timings: dict[str, float] = {}
+        t0 = self._now()
         text = self.encode_text(prompts)
         gen = expand_generator(generator, len(prompts), n * k, "generator")
         text_k = text.repeat_interleave(n * k)
-        embeds = self.sample_image_embeds(text_k, 1, gen, sampling, progress=progress)
-        small = self.decode(embeds, text_k, gen, sampling, progress=progress)
+        if image_embeds is None:
+            embeds = self.sample_image_embeds(
+                text_k,
+                1,
+                gen,
+                sampling,
+                progress=progress,
+                callback_on_step_end=callback_on_step_end,
+            )
+            timings["prior"] = self._now() - t0
+            t0 = self._now()
+        else:
+            embeds = image_embeds.to(self.device).repeat_interleave(k, dim=0)
+        small = self.decode(
+            embeds,
+            text_k,
+            gen,
+            sampling,
+            progress=progress,
+            callback_on_step_end=callback_on_step_end,
+        )
         keep = self.rerank(small, [p for p in prompts for _ in range(n * k)], k)
         small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
+        timings["decoder"] = self._now() - t0
         gen = gen[::k] if isinstance(gen, list) else gen
-        final, inter = self.upsample(
-            small, gen, sampling, return_intermediates=True, progress=progress
-        )
+        final, inter = small, {}
+        for name in ups:
+            t0 = self._now()
+            final = self.upsample(
+                final,
+                gen,
+                sampling,
+                stages=[name],
+                progress=progress,
+                callback_on_step_end=callback_on_step_end,
+            )
+            timings[name] = self._now() - t0
+            inter[name] = final
         stage_images = {"decoder": small, **inter} if return_intermediates else {}
-        return UnCLIPOutput(to_output(final, output_type), embeds, text_k.text_embed, stage_images)
+        return UnCLIPOutput(
+            to_output(final, output_type), embeds, text_k.text_embed, stage_images, timings
+        )
+
+    def _stages_until(self, last_stage: Optional[str]) -> list[str]:
+        """The upsamplers to run when stopping after ``last_stage`` (None: every upsampler)."""
+        names = self.upsampler_names
+        if last_stage is None:
+            return names
+        if last_stage == "decoder":
+            return []
+        if last_stage not in names:
+            raise ValueError(
+                f"last_stage must be 'decoder' or one of this pipeline's upsamplers "
+                f"{names}, got {last_stage!r}"
+            )
+        return names[: names.index(last_stage) + 1]
 
     @torch.no_grad()
     def rerank(
         self, images: torch.Tensor, prompts: Union[str, Sequence[str]], k: int
     ) -> torch.Tensor:
-        """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates (``images [B·k, 3, H, W]``
-        in [-1, 1]) by the cosine between :attr:`rerank_clip`'s embeddings of the image and of its prompt.
-        ``prompts``: one per image (``B·k``), one per group (``B``), or one string for all; ``k = 1`` keeps
-        every image."""
+        """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
+        (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between :attr:`rerank_clip`'s
+        embeddings of the image and of its prompt. ``prompts``: one per image (``B·k``), one per
+        group (``B``), or one string for all; ``k = 1`` keeps every image."""
         k = check_count(k, "k")
         if images.shape[0] % k:
             raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
@@ -681,7 +909,8 @@ class UnCLIPPipeline:
 
     @torch.no_grad()
     def clip_scores(self, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
-        """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings ``[B, D]``."""
+        """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings
+        ``[B, D]``."""
         return _cosines(self.clip, images, text_embed)
 
     @torch.no_grad()
@@ -694,8 +923,10 @@ class UnCLIPPipeline:
         sampling: Optional[dict] = None,
         output_type: str = "pil",
         progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
     ) -> UnCLIPOutput:
-        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1)."""
+        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1).
+        ``callback_on_step_end``: see :meth:`__call__`."""
         check_output_type(output_type)
         n = check_count(num_images, "num_images")
         embed = self.clip.encode_image(as_image_input(image))
@@ -704,8 +935,9 @@ class UnCLIPPipeline:
         embeds = embed.repeat(n, 1)
         text = self.encode_text([caption] * n) if caption is not None else None
         gen = expand_generator(generator, 1, n, "generator")
-        small = self.decode(embeds, text, gen, sampling, progress=progress)
-        final = self.upsample(small, gen, sampling, progress=progress)
+        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+        small = self.decode(embeds, text, gen, sampling, **cb)
+        final = self.upsample(small, gen, sampling, **cb)
         return UnCLIPOutput(to_output(final, output_type), embeds)
 
     @torch.no_grad()
@@ -718,26 +950,90 @@ class UnCLIPPipeline:
         sampling: Optional[dict] = None,
         output_type: str = "pil",
         progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
     ) -> UnCLIPOutput:
         """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
 
-        Prompts go through the prior first. Every frame is decoded from the same initial noise so the
-        frames differ only by the embedding.
+        Prompts go through the prior first. Every frame is decoded from the same initial noise so
+        the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
         """
         check_output_type(output_type)
         if check_count(num_steps, "num_steps") < 2:
             raise ValueError("interpolate: num_steps must be >= 2")
         seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
         ends = []
         for x in (start, end):
             if isinstance(x, str):
-                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, progress=progress))
+                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
             else:
                 ends.append(self.clip.encode_image(as_image_input(x)))
         ws = torch.linspace(0, 1, num_steps)
         embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
         gens = [torch.Generator().manual_seed(seed) for _ in range(num_steps)]
-        small = self.decode(embeds, None, gens, sampling, progress=progress)
-        final = self.upsample(small, gens, sampling, progress=progress)
+        small = self.decode(embeds, None, gens, sampling, **cb)
+        final = self.upsample(small, gens, sampling, **cb)
         return UnCLIPOutput(to_output(final, output_type), embeds)
+
+
+def generate_to_folder(
+    model: Union[str, os.PathLike, UnCLIPPipeline, None],
+    prompts: Sequence[str],
+    folder: Union[str, os.PathLike],
+    *,
+    num_images_per_prompt: int = 1,
+    seed: int = 0,
+    sampling: Optional[dict] = None,
+    device: Union[str, torch.device] = "cpu",
+    progress: bool = True,
+    tiny: bool = False,
+    command: Optional[Sequence[str]] = None,
+) -> dict:
+    """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
+
+    ``model``: a pipeline, a folder for :meth:`UnCLIPPipeline.from_pretrained` or None (the bundled
+    model); ``tiny``: a random untrained tiny pipeline instead (a smoke test). Prompt ``i`` is
+    sampled with its own generator seeded ``seed + i``. ``generate.json`` records every setting
+    needed to reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
+    versions, ``command``); it is also returned."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        unclip_version = version("unclip")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        unclip_version = None
+    prompts = check_prompts(prompts)
+    n = check_count(num_images_per_prompt)
+    if tiny:
+        from unclip.tiny import tiny_pipeline
+
+        pipe, name = tiny_pipeline(), "tiny (random, untrained)"
+    elif isinstance(model, UnCLIPPipeline):
+        pipe, name = model, "in-memory pipeline"
+    else:
+        pipe, name = UnCLIPPipeline.from_pretrained(model), str(model or DEFAULT_MODEL)
+    pipe.to(device)
+    settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
+    seeds = [seed + i for i in range(len(prompts))]
+    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    t0 = time.perf_counter()
+    out = pipe(
+        prompts, num_images_per_prompt=n, generator=gens, sampling=sampling, progress=progress
+    )
+    seconds = time.perf_counter() - t0
+    record = {
+        "model": name,
+        "prompts": prompts,
+        "seeds": seeds,
+        "num_images_per_prompt": n,
+        "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
+        "device": str(device),
+        "resolution": pipe.resolution,
+        "sampling": {k: to_dict(v) for k, v in settings.items()},
+        "seconds": round(seconds, 3),
+        "seconds_per_stage": {k: round(v, 3) for k, v in out.timings.items()},
+        "versions": {"unclip": unclip_version, "torch": torch.__version__},
+        "command": list(command) if command is not None else None,
+    }
+    return out.save(folder, prompts, record, grid_cols=n if len(prompts) > 1 else None, seeds=seeds)

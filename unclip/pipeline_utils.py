@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+
 import torch
 import torch.nn.functional as F
 

@@ -47,6 +47,6 @@ wait $LANE_B
 step assemble "$UNCLIP" assemble --clip "$OUT/clip/final/clip" --prior "$OUT/prior/final/prior" \
   --decoder "$OUT/decoder_pairs/final/decoder" --upsampler "$OUT/sr64/final/sr64" \
   --upsampler "$OUT/sr128/final/sr128" --out "$OUT/pipeline"
-step finalize "${PYTHON:-python}" -m unclip.shapes.finalize "$OUT/pipeline" --sampling "$CFG/sampling.yaml" \
+step finalize "$UNCLIP" shapes-finalize "$OUT/pipeline" --sampling "$CFG/sampling.yaml" \
   --closed-vocabulary clip
-echo "pipeline: $OUT/pipeline   (evaluate: python -m unclip.shapes.evaluate --model $OUT/pipeline)"
+echo "pipeline: $OUT/pipeline   (evaluate: unclip shapes-eval --model $OUT/pipeline)"

@@ -4,6 +4,7 @@ unclip generate "a small red circle on the left" --out samples/
 unclip make-shapes data/shapes --num 10000 --format webdataset
 unclip embed ... | unclip evaluate ... | unclip convert SRC DST
 unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
+unclip shapes-eval --model PIPELINE | unclip shapes-finalize PIPELINE --sampling YAML
 """
 
 from __future__ import annotations
@@ -17,28 +18,36 @@ COMMANDS = {
         "text → images with a pipeline (default: the bundled shapes model)",
     ),
     "make-shapes": (
-        "unclip.shapes.world",
+        "unclip.cli.make_shapes",
         "write the procedural shapes dataset (folder or webdataset shards)",
     ),
-    "train-prior": ("unclip.train.prior", "train the diffusion prior"),
-    "train-decoder": ("unclip.train.decoder", "train the base decoder or an upsampler"),
+    "train-prior": ("unclip.cli.train_prior", "train the diffusion prior"),
+    "train-decoder": ("unclip.cli.train_decoder", "train the base decoder or an upsampler"),
     "train-clip": (
-        "unclip.shapes.train_clip",
+        "unclip.cli.train_clip",
         "train a small CLIP on the shapes world (contrastive)",
     ),
-    "embed": ("unclip.train.embed", "precompute CLIP embeddings into .npy shards + statistics"),
-    "evaluate": ("unclip.eval.evaluate", "FID, CLIP score, CLIP-FID and shapes faithfulness"),
+    "embed": ("unclip.cli.embed", "precompute CLIP embeddings into .npy shards + statistics"),
+    "evaluate": ("unclip.cli.evaluate", "FID, CLIP score, CLIP-FID and shapes faithfulness"),
     "convert": (
-        "unclip.interop.diffusers",
+        "unclip.cli.convert",
         "import Karlo/diffusers unCLIP folders, export to diffusers",
     ),
     "assemble": ("unclip.cli.assemble", "build a pipeline folder from trained component folders"),
+    "shapes-eval": (
+        "unclip.cli.shapes_eval",
+        "measure a shapes pipeline on the held-out split (per-stage scores, timings)",
+    ),
+    "shapes-finalize": (
+        "unclip.cli.shapes_finalize",
+        "set a shapes pipeline's default sampling settings, store fp16 weights",
+    ),
 }
 
 
 def usage() -> str:
     lines = ["usage: unclip COMMAND [args...]", "", "commands:"]
-    lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "run 'unclip COMMAND --help' for the options of a command"]
     return "\n".join(lines)
 

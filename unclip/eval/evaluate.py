@@ -5,7 +5,8 @@ Usage::
     unclip evaluate --model PATH (--prompts FILE | --coco-captions JSON | --shapes) --out DIR
                     [--reference DIR|NPZ] [--num-samples N] [--batch-size B] [--seed S]
                     [--inception PATH|random] [--clip-model NAME|DIR --clip-pretrained PATH]
-                    [--clip-fid] [--shapes] [--resolution 256] [--sampling JSON|FILE] [--save-samples]
+                    [--clip-fid] [--shapes] [--resolution 256] [--sampling JSON|FILE]
+                    [--save-samples]
     unclip evaluate --samples DIR ...      # score existing images (DIR/x.png + DIR/x.txt caption)
 
 Writes ``report.json``, ``report.md`` (a markdown table), ``grid.png`` (the first 64 samples) and
@@ -14,17 +15,18 @@ Writes ``report.json``, ``report.md`` (a markdown table), ``grid.png`` (the firs
 Samples
 -------
 Sample ``i`` uses prompt ``i mod P`` and its own ``torch.Generator`` seeded with
-``SeedSequence([seed, i])``, so a sample does not depend on the batch size or on the other prompts.
+:func:`unclip.pipeline_utils.sample_seed` ``(seed, i)``, so a sample does not depend on the batch
+size or on the other prompts.
 
 Fixed preprocessing (decides comparability; recorded in every report and stats cache)
 -----------------------------------------------------------------------------------
 Generated images (uint8 from the pipeline, ``round(255·x)``) and reference images alike: converted
-to RGB (alpha dropped); unless already ``R x R``, the shorter side is resized to ``R = --resolution``
-(default 256) with PIL bicubic (antialiased) and the centre ``R x R`` is cropped; kept as uint8.
-The Inception then resizes ``R → 299`` with TF1-compatible bilinear interpolation (torch-fidelity,
-no antialias), as the original TensorFlow FID code. CLIP sees the same ``R x R`` images through
-open_clip's own preprocessing. Statistics are only comparable between runs that agree on all of this,
-on the Inception weights (sha256 recorded) and on the reference set.
+to RGB (alpha dropped); unless already ``R x R``, the shorter side is resized to ``R =
+--resolution`` (default 256) with PIL bicubic (antialiased) and the centre ``R x R`` is cropped;
+kept as uint8. The Inception then resizes ``R → 299`` with TF1-compatible bilinear interpolation
+(torch-fidelity, no antialias), as the original TensorFlow FID code. CLIP sees the same ``R x R``
+images through open_clip's own preprocessing. Statistics are only comparable between runs that agree
+on all of this, on the Inception weights (sha256 recorded) and on the reference set.
 
 Metrics
 -------
@@ -35,14 +37,15 @@ Metrics
 * CLIP score: cosine of evaluation-CLIP image and text embeddings, reported as mean
   ``max(100·cos, 0)`` (torchmetrics) and mean ``2.5·max(cos, 0)`` (CLIP-S, Hessel et al. 2021). The
   evaluation CLIP defaults to the pipeline's own (conditioning) CLIP, which flatters the model; pass
-  ``--clip-model`` to use another. ``--clip-fid``: Fréchet distance of (unit-norm) CLIP image features.
+  ``--clip-model`` to use another. ``--clip-fid``: Fréchet distance of (unit-norm) CLIP image
+  features.
 * Shapes faithfulness (``--shapes``): :func:`unclip.shapes.detector.evaluate_images`; without
   ``--prompts``, prompts are drawn from the held-out split with ``--seed``.
 
 Zero-shot MS-COCO (unCLIP / Karlo protocol): ``--coco-captions captions_val2014.json`` samples
 ``--num-samples`` (default 30000) captions without replacement with ``--seed`` from the annotations
-sorted by id; ``--reference`` is the val2014 image folder (every image resized on the shorter side and
-centre-cropped to 256 as above), or its cached ``.npz``.
+sorted by id; ``--reference`` is the val2014 image folder (every image resized on the shorter side
+and centre-cropped to 256 as above), or its cached ``.npz``.
 
 Bad input never yields a silent number: blank prompt lines and unreadable images are skipped and
 counted in the report; non-UTF-8 prompt files, empty folders and reference sets smaller than the
@@ -51,9 +54,7 @@ sample set (unless ``--allow-small-reference``) are errors.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import random
 from pathlib import Path
 from typing import Optional
@@ -64,15 +65,14 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from unclip.eval import metrics as M
+from unclip.images import image_grid, list_images
+from unclip.pipeline_utils import sample_seed
 
 __all__ = [
-    "main",
-    "build_parser",
-    "run",
+    "evaluate",
     "read_prompts",
     "read_coco_captions",
     "shapes_prompts",
-    "sample_seed",
     "SampleScorer",
     "report_markdown",
 ]
@@ -110,7 +110,8 @@ def read_prompts(path) -> tuple[list[str], int]:
 
 
 def read_coco_captions(path, num: int, seed: int) -> list[str]:
-    """``num`` captions sampled without replacement (``random.Random(seed)``) from a COCO captions JSON."""
+    """``num`` captions sampled without replacement (``random.Random(seed)``) from a COCO captions
+    JSON."""
     path = Path(path)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -140,14 +141,10 @@ def shapes_prompts(num: int, seed: int) -> list[str]:
     return [world[i].caption for i in range(num)]
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """Seed of sample ``index`` of a run with ``seed`` (independent of batching)."""
-    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
-
-
 # ------------------------------------------------------------------------------------------ scoring
 class SampleScorer:
-    """Accumulates everything the metrics need from batches of (uint8 ``[R, R, 3]`` images, captions)."""
+    """Accumulates everything the metrics need from batches of (uint8 ``[R, R, 3]`` images,
+    captions)."""
 
     def __init__(
         self,
@@ -216,9 +213,7 @@ def _iter_folder(
     skipped: list,
     progress: bool,
 ):
-    files = M.list_images(folder)
-    if not files:
-        raise ValueError(f"samples folder {folder} contains no images")
+    files = list_images(folder, "samples folder")
     missing = [p for p in files if not p.with_suffix(".txt").is_file()]
     if missing:
         raise ValueError(
@@ -240,16 +235,6 @@ def _iter_folder(
 
 
 # ------------------------------------------------------------------------------------------- output
-def make_grid(images: list[np.ndarray]) -> Image.Image:
-    cols = math.ceil(math.sqrt(len(images)))
-    rows = math.ceil(len(images) / cols)
-    h, w = images[0].shape[:2]
-    grid = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
-    for i, a in enumerate(images):
-        grid.paste(Image.fromarray(a), ((i % cols) * w, (i // cols) * h))
-    return grid
-
-
 def _fmt(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
@@ -298,7 +283,8 @@ def report_markdown(r: dict) -> str:
     lines = [
         f"# Evaluation of `{r['model']}`",
         "",
-        f"{r['num_samples']} samples at {r['resolution']}px, seed {r['seed']}, prompts: {r['prompts']['source']}",
+        f"{r['num_samples']} samples at {r['resolution']}px, seed {r['seed']}, prompts: "
+        f"{r['prompts']['source']}",
         "",
         "| metric | value | details |",
         "| --- | --- | --- |",
@@ -307,154 +293,88 @@ def report_markdown(r: dict) -> str:
     return "\n".join(lines + [""] + [f"- {w}" for w in r["warnings"]]) + "\n"
 
 
-# --------------------------------------------------------------------------------------------- main
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="unclip evaluate",
-        description="FID, CLIP score, CLIP-FID and shapes "
-        "faithfulness of a pipeline's samples (see the unclip.eval.evaluate docs).",
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="pipeline folder")
-    src.add_argument(
-        "--samples", help="score existing images instead: folder of images with .txt captions"
-    )
-    pr = p.add_mutually_exclusive_group()
-    pr.add_argument("--prompts", help="UTF-8 text file, one prompt per line")
-    pr.add_argument("--coco-captions", help="COCO captions JSON (e.g. captions_val2014.json)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--reference", help="reference image folder or stats .npz (enables FID)")
-    p.add_argument(
-        "--reference-cache",
-        help="where to cache a folder's stats (default OUT/reference_stats.npz)",
-    )
-    p.add_argument("--allow-small-reference", action="store_true")
-    p.add_argument(
-        "--num-samples", type=_positive, help="default: one per prompt; COCO 30000; shapes 500"
-    )
-    p.add_argument("--batch-size", type=_positive, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--inception", help=f"local {M.INCEPTION_FILE} (or .safetensors); 'random' = TEST ONLY"
-    )
-    p.add_argument(
-        "--inception-feature",
-        type=int,
-        default=2048,
-        choices=(64, 192, 768, 2048),
-        help="Inception layer; FID is defined on 2048 (smaller ones only for quick tests)",
-    )
-    p.add_argument(
-        "--clip-model",
-        help="evaluation CLIP: open_clip model name, or a FrozenCLIP folder "
-        "(default: the pipeline's own CLIP)",
-    )
-    p.add_argument(
-        "--clip-pretrained", help="local weights of --clip-model (or an open_clip tag: downloads)"
-    )
-    p.add_argument(
-        "--clip-fid", action="store_true", help="also Fréchet distance on CLIP image features"
-    )
-    p.add_argument(
-        "--shapes", action="store_true", help="shapes faithfulness (held-out prompts by default)"
-    )
-    p.add_argument(
-        "--resolution", type=int, default=256, help="evaluation side R (images resized + cropped)"
-    )
-    p.add_argument(
-        "--sampling",
-        help='JSON (or a JSON file) of per-stage overrides, e.g. {"prior": {"steps": 10}}',
-    )
-    p.add_argument(
-        "--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt"
-    )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def _load_clip(args, pipe):
+# ------------------------------------------------------------------------------------------ the job
+def _load_clip(clip_model, clip_pretrained, pipe):
     from unclip.clip import FrozenCLIP
     from unclip.config import ClipConfig
 
-    if args.clip_model:
-        folder = Path(args.clip_model)
+    if clip_model:
+        folder = Path(clip_model)
         if folder.is_dir():
             clip = FrozenCLIP.from_pretrained(folder)
             return clip, f"{clip.model_name} from {folder}"
-        if not args.clip_pretrained:
+        if not clip_pretrained:
             raise ValueError(
                 "--clip-model NAME needs --clip-pretrained PATH (a random CLIP scores nothing)"
             )
-        clip = FrozenCLIP.from_config(ClipConfig(args.clip_model, pretrained=args.clip_pretrained))
-        return clip, f"{args.clip_model} ({args.clip_pretrained})"
+        clip = FrozenCLIP.from_config(ClipConfig(clip_model, pretrained=clip_pretrained))
+        return clip, f"{clip_model} ({clip_pretrained})"
     if pipe is not None:
         return pipe.clip, f"pipeline's own CLIP ({pipe.clip.model_name}, the conditioning CLIP)"
     return None, None
 
 
-def _parse_sampling(text):
-    if text is None:
-        return None
-    path = Path(text)
-    try:
-        value = json.loads(
-            path.read_text() if not text.lstrip().startswith("{") and path.is_file() else text
-        )
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--sampling is not valid JSON: {e}") from None
-    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError(
-            '--sampling must be a JSON object of per-stage objects, e.g. {"decoder": {"steps": 10}}'
-        )
-    return value
-
-
-def run(args) -> dict:
-    if not (args.model or args.samples):
+def evaluate(
+    out,
+    *,
+    model=None,
+    samples=None,
+    prompts_file=None,
+    coco_captions=None,
+    shapes: bool = False,
+    reference=None,
+    reference_cache=None,
+    allow_small_reference: bool = False,
+    num_samples: Optional[int] = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    inception_weights=None,
+    inception_feature: int = 2048,
+    clip_model=None,
+    clip_pretrained=None,
+    clip_fid: bool = False,
+    resolution: int = 256,
+    sampling: Optional[dict] = None,
+    save_samples: bool = False,
+    device="cpu",
+    progress: bool = True,
+) -> dict:
+    """Sample the pipeline folder ``model`` (or read the captioned images in ``samples``), score
+    them and write ``report.json``, ``report.md``, ``prompts.txt`` and ``grid.png`` to ``out`` (see
+    the module doc; each argument is the ``unclip evaluate`` flag of the same name, ``prompts_file``
+    is ``--prompts`` and ``inception_weights`` is ``--inception``). Returns the report."""
+    if not (model or samples):
         raise ValueError("pass --model PATH (generate) or --samples DIR (score existing images)")
-    if args.resolution < 16:
-        raise ValueError(f"--resolution must be >= 16, got {args.resolution}")
-    out = Path(args.out)
+    if resolution < 16:
+        raise ValueError(f"--resolution must be >= 16, got {resolution}")
+    out = Path(out)
     warn, skipped, report = (
         [],
         {},
         {
-            "model": args.model or args.samples,
-            "seed": args.seed,
-            "resolution": args.resolution,
+            "model": model or samples,
+            "seed": seed,
+            "resolution": resolution,
             "preprocessing": M.PREPROCESSING,
         },
     )
-    prompts, n = None, args.num_samples
-    if args.model:
-        if args.prompts:
-            prompts, skipped["blank_prompt_lines"] = read_prompts(args.prompts)
-            report["prompts"] = {"source": str(args.prompts), "count": len(prompts)}
-        elif args.coco_captions:
+    prompts, n = None, num_samples
+    if model:
+        if prompts_file:
+            prompts, skipped["blank_prompt_lines"] = read_prompts(prompts_file)
+            report["prompts"] = {"source": str(prompts_file), "count": len(prompts)}
+        elif coco_captions:
             n = n or 30000
-            prompts = read_coco_captions(args.coco_captions, n, args.seed)
-            report["prompts"] = {
-                "source": f"COCO {args.coco_captions} (sampled with seed {args.seed})"
-            }
-        elif args.shapes:
+            prompts = read_coco_captions(coco_captions, n, seed)
+            report["prompts"] = {"source": f"COCO {coco_captions} (sampled with seed {seed})"}
+        elif shapes:
             n = n or 500
-            prompts = shapes_prompts(n, args.seed)
-            report["prompts"] = {"source": f"shapes held-out split, seed {args.seed}"}
+            prompts = shapes_prompts(n, seed)
+            report["prompts"] = {"source": f"shapes held-out split, seed {seed}"}
         else:
             raise ValueError("pass --prompts FILE, --coco-captions JSON or --shapes")
         n = n or len(prompts)
-        if args.shapes:
+        if shapes:
             from unclip.shapes.world import parse_caption
 
             for i, prompt in enumerate(prompts):
@@ -464,93 +384,91 @@ def run(args) -> dict:
                     raise ValueError(
                         f"--shapes: prompt {i + 1} is not a shapes caption: {e}"
                     ) from None
-    elif args.prompts or args.coco_captions:
+    elif prompts_file or coco_captions:
         raise ValueError(
             "--samples takes the captions from DIR/*.txt; drop --prompts/--coco-captions"
         )
     else:
-        report["prompts"] = {"source": f"captions in {args.samples}"}
-    if n is not None and n < 2 and args.reference:
+        report["prompts"] = {"source": f"captions in {samples}"}
+    if n is not None and n < 2 and reference:
         raise ValueError("FID needs at least 2 samples (--num-samples)")
-    sampling = _parse_sampling(args.sampling)
     pipe = None
-    if args.model:
+    if model:
         from unclip.pipeline import UnCLIPPipeline
 
-        pipe = UnCLIPPipeline.from_pretrained(args.model).to(args.device)
-        for stage in pipe.stage_names:
-            pipe._settings(stage, sampling)  # unknown keys fail before any work
-        report["sampling"] = {k: vars(pipe._settings(k, sampling)) for k in pipe.stage_names}
-        if pipe.resolution < args.resolution:
+        pipe = UnCLIPPipeline.from_pretrained(model).to(device)
+        settings = pipe.sampling_settings(sampling)  # a bad override fails before any work
+        report["sampling"] = {k: vars(v) for k, v in settings.items()}
+        if pipe.resolution < resolution:
             warn.append(
-                f"samples are {pipe.resolution}px, upsampled to {args.resolution}px for evaluation"
+                f"samples are {pipe.resolution}px, upsampled to {resolution}px for evaluation"
             )
-    clip, clip_name = _load_clip(args, pipe)
+    clip, clip_name = _load_clip(clip_model, clip_pretrained, pipe)
     if clip is not None:
-        clip.to(args.device)
+        clip.to(device)
         clip_id = {"name": clip_name, "fingerprint": M.clip_fingerprint(clip)}
-    elif args.clip_fid:
+    elif clip_fid:
         raise ValueError("--clip-fid needs a CLIP: pass --model or --clip-model")
-    if args.clip_fid and not args.reference:
+    if clip_fid and not reference:
         raise ValueError("--clip-fid needs --reference (CLIP features of the reference set)")
 
     inception = ref_meta = None
-    if args.reference:
-        inception, inc_id = M.load_inception(args.inception, args.inception_feature)
-        inception.to(args.device)
+    if reference:
+        inception, inc_id = M.load_inception(inception_weights, inception_feature)
+        inception.to(device)
         if not inc_id["comparable"]:
             warn.append(
-                f"FID uses {inc_id['name']}, {inc_id['feature']}-d: NOT comparable with published FID"
+                f"FID uses {inc_id['name']}, {inc_id['feature']}-d: "
+                "NOT comparable with published FID"
             )
-        cache = args.reference_cache or out / "reference_stats.npz"
-        min_count = 0 if args.allow_small_reference else (n or 0)
+        cache = reference_cache or out / "reference_stats.npz"
+        min_count = 0 if allow_small_reference else (n or 0)
         ref_meta, ref = M.reference_stats(
-            args.reference,
+            reference,
             cache,
-            args.resolution,
+            resolution,
             inception,
             inc_id,
-            clip if args.clip_fid else None,
-            clip_id if args.clip_fid else None,
-            args.batch_size,
+            clip if clip_fid else None,
+            clip_id if clip_fid else None,
+            batch_size,
             min_count,
-            not args.no_progress,
+            progress,
         )
         skipped["unreadable_reference_images"] = ref_meta.get("skipped", 0)
     scorer = SampleScorer(
-        inception, clip, args.clip_fid, args.shapes, out / "samples" if args.save_samples else None
+        inception, clip, clip_fid, shapes, out / "samples" if save_samples else None
     )
     if pipe is not None:
         batches = _iter_generated(
             pipe,
             prompts,
             n,
-            args.seed,
-            args.batch_size,
-            args.resolution,
+            seed,
+            batch_size,
+            resolution,
             sampling,
-            not args.no_progress,
+            progress,
         )
     else:
         bad: list = []
-        batches = _iter_folder(
-            Path(args.samples), n, args.resolution, args.batch_size, bad, not args.no_progress
-        )
+        batches = _iter_folder(Path(samples), n, resolution, batch_size, bad, progress)
     for images, caps in batches:
         scorer.add(images, caps)
     if pipe is None:
         skipped["unreadable_samples"] = len(bad)
         if not scorer.captions:
             raise ValueError(
-                f"no readable images in samples folder {args.samples} ({len(bad)} unreadable)"
+                f"no readable images in samples folder {samples} ({len(bad)} unreadable)"
             )
-        if args.reference and ref_meta.get("count") is not None and not args.allow_small_reference:
-            M.check_reference_count(ref_meta["count"], len(scorer.captions), args.reference)
+        if reference and ref_meta.get("count") is not None and not allow_small_reference:
+            M.check_reference_count(ref_meta["count"], len(scorer.captions), reference)
     n = len(scorer.captions)
-    report.update(num_samples=n, batch_size=args.batch_size, skipped=skipped)
+    report.update(num_samples=n, batch_size=batch_size, skipped=skipped)
     if pipe is not None:
         report["sample_seeds"] = (
-            "sample i: torch.Generator seeded with SeedSequence([seed, i]), prompt i mod P"
+            "sample i: torch.Generator seeded with unclip.pipeline_utils.sample_seed(seed, i), "
+            "prompt i mod P"
         )
     if skipped.get("blank_prompt_lines"):
         warn.append(f"{skipped['blank_prompt_lines']} blank lines in the prompt file were skipped")
@@ -565,7 +483,7 @@ def run(args) -> dict:
             "inception_sha256": inc_id["sha256"],
             "feature": inc_id["feature"],
             "comparable": inc_id["comparable"],
-            "reference": str(args.reference),
+            "reference": str(reference),
             "reference_count": ref_meta.get("count"),
         }
     else:
@@ -575,7 +493,7 @@ def run(args) -> dict:
             "model": clip_name,
             **M.clip_score_summary(torch.cat(scorer.cosines)),
         }
-        if args.clip_fid:
+        if clip_fid:
             mu, sigma = scorer.clip_stats.mu_sigma()
             report["clip_fid"] = {
                 "value": M.frechet_distance(mu, sigma, ref["clip_mu"], ref["clip_sigma"]),
@@ -583,34 +501,15 @@ def run(args) -> dict:
             }
     else:
         report["clip_score"] = {"not_computed": "no CLIP: pass --model or --clip-model"}
-    if args.shapes:
+    if shapes:
         report["shapes"] = scorer.shapes_report()
-        if args.resolution < 64:
-            warn.append(
-                f"shapes detection is only reliable from 64px; evaluated at {args.resolution}px"
-            )
+        if resolution < 64:
+            warn.append(f"shapes detection is only reliable from 64px; evaluated at {resolution}px")
     report["warnings"] = warn
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(report_markdown(report), encoding="utf-8")
     (out / "prompts.txt").write_text("\n".join(scorer.captions) + "\n", encoding="utf-8")
-    make_grid(scorer.grid).save(out / "grid.png")
+    image_grid(scorer.grid, background=0).save(out / "grid.png")
     return report
-
-
-def main(argv=None) -> int:
-    """CLI entry point (see module doc). Returns 0; user errors exit with status 2 and a message."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        report = run(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        parser.error(str(e))
-    print(report_markdown(report))
-    print(f"wrote {Path(args.out) / 'report.json'}, report.md, grid.png")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

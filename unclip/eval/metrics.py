@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
+from unclip.images import list_images, resize_crop_box
+
 __all__ = [
     "frechet_distance",
     "GaussianStats",
@@ -45,7 +47,6 @@ __all__ = [
     "clip_score_summary",
     "clip_fingerprint",
     "to_eval_image",
-    "list_images",
     "read_image",
     "save_stats",
     "load_stats",
@@ -61,8 +62,8 @@ INCEPTION_URL = (
     f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{INCEPTION_FILE}"
 )
 STATS_FORMAT = "unclip-reference-stats"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-#: The fixed preprocessing (recorded in every report and stats file; stats are only reused if equal).
+#: The fixed preprocessing (recorded in every report and stats file; stats are only reused if
+#: equal).
 PREPROCESSING = {
     "mode": "RGB (PIL convert; alpha dropped)",
     "resize": "shorter side to R, PIL bicubic (antialiased), only if the image is not R x R",
@@ -77,8 +78,8 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
     """Fréchet distance between N(mu1, sigma1) and N(mu2, sigma2): ``mu [D]``, ``sigma [D, D]``.
 
     Float64 throughout. If the matrix square root of ``sigma1 @ sigma2`` is not finite or has a
-    significant imaginary part (singular covariances, e.g. fewer samples than dimensions), ``eps`` is
-    added to both diagonals and it is recomputed; tiny imaginary residues are dropped.
+    significant imaginary part (singular covariances, e.g. fewer samples than dimensions), ``eps``
+    is added to both diagonals and it is recomputed; tiny imaginary residues are dropped.
     """
     mu1, mu2 = (
         np.atleast_1d(np.asarray(mu1, np.float64)),
@@ -159,8 +160,9 @@ class InceptionFeatures(torch.nn.Module):
     """FID Inception v3 → features ``[N, feature]`` from uint8 images ``[N, 3, H, W]``.
 
     Wraps torchmetrics' ``NoTrainInceptionV3`` with ``antialias=False`` (TF1 bilinear resize to 299,
-    as the original TF FID code). ``state_dict=None`` leaves it randomly initialised (seeded He-normal
-    convolutions, identity batch norms, so features neither vanish nor explode): test use only.
+    as the original TF FID code). ``state_dict=None`` leaves it randomly initialised (seeded
+    He-normal convolutions, identity batch norms, so features neither vanish nor explode): test use
+    only.
     """
 
     def __init__(self, feature: int = 2048, state_dict: Optional[dict] = None, seed: int = 0):
@@ -214,7 +216,8 @@ class InceptionFeatures(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(
-                f"Inception input must be uint8 [N, 3, H, W], got {images.dtype} {tuple(images.shape)}"
+                f"Inception input must be uint8 [N, 3, H, W], got {images.dtype} "
+                f"{tuple(images.shape)}"
             )
         return self.net(images).float()
 
@@ -256,7 +259,8 @@ def _sha256(path: Path) -> str:
 def load_inception(
     weights: Optional[str] = None, feature: int = 2048
 ) -> tuple[InceptionFeatures, dict]:
-    """FID Inception from a local file (``.pth`` state dict or ``.safetensors``), or ``"random"`` (tests).
+    """FID Inception from a local file (``.pth`` state dict or ``.safetensors``), or ``"random"``
+    (tests).
 
     ``weights=None`` looks for ``INCEPTION_FILE`` in torch hub's checkpoint folder; nothing is ever
     downloaded. Returns the module and its identity ``{"name", "sha256", "feature", "comparable"}``.
@@ -264,8 +268,8 @@ def load_inception(
     if weights == "random":
         banner = "!" * 78
         msg = (
-            "--inception random: randomly initialised Inception (TEST ONLY). FID numbers from it are NOT "
-            "comparable with any published FID or with runs using the real weights."
+            "--inception random: randomly initialised Inception (TEST ONLY). FID numbers from it "
+            "are NOT comparable with any published FID or with runs using the real weights."
         )
         print(f"{banner}\nWARNING: {msg}\n{banner}", file=sys.stderr)
         warnings.warn(msg, stacklevel=2)
@@ -282,10 +286,11 @@ def load_inception(
     if not path.is_file():
         looked = f"{path}" if weights else f"{hub} (default location; no --inception given)"
         raise FileNotFoundError(
-            f"FID Inception weights not found: {looked}. FID needs the TF-compatible FID Inception v3 weights "
-            f"file {INCEPTION_FILE} (torch-fidelity's conversion of the 2015-12-05 TensorFlow Inception used by "
-            f"the original FID code). Nothing is downloaded at run time: get it from {INCEPTION_URL} and pass "
-            f"--inception /path/to/{INCEPTION_FILE} (or place it at {hub})."
+            f"FID Inception weights not found: {looked}. FID needs the TF-compatible FID Inception "
+            f"v3 weights file {INCEPTION_FILE} (torch-fidelity's conversion of the 2015-12-05 "
+            "TensorFlow Inception used by the original FID code). Nothing is downloaded at run "
+            f"time: get it from {INCEPTION_URL} and pass --inception /path/to/{INCEPTION_FILE} "
+            f"(or place it at {hub})."
         )
     try:
         if path.suffix == ".safetensors":
@@ -312,7 +317,8 @@ def load_inception(
 
 # ------------------------------------------------------------------------------------------ CLIP
 def clip_cosines(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
-    """Cosine similarity ``[N]`` of row i of ``image_embeds [N, D]`` with row i of ``text_embeds [N, D]``."""
+    """Cosine similarity ``[N]`` of row i of ``image_embeds [N, D]`` with row i of
+    ``text_embeds [N, D]``."""
     image_embeds, text_embeds = (
         torch.as_tensor(image_embeds).float(),
         torch.as_tensor(text_embeds).float(),
@@ -360,22 +366,10 @@ def to_eval_image(image: Image.Image, resolution: int) -> np.ndarray:
     image = image.convert("RGB")
     w, h = image.size
     if (w, h) != (resolution, resolution):
-        s = resolution / min(w, h)
-        nw, nh = max(resolution, round(w * s)), max(resolution, round(h * s))
-        image = image.resize((nw, nh), Image.BICUBIC)
-        left, top = (nw - resolution) // 2, (nh - resolution) // 2
+        nh, nw, top, left = resize_crop_box(h, w, resolution)
+        image = image.resize((nw, nh), Image.BICUBIC)  # PIL bicubic: part of the FID protocol
         image = image.crop((left, top, left + resolution, top + resolution))
     return np.asarray(image, dtype=np.uint8)
-
-
-def list_images(folder) -> list[Path]:
-    """Image files under ``folder`` (recursive, sorted by relative path)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"image folder not found: {folder}")
-    return sorted(
-        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-    )
 
 
 def read_image(path: Path, resolution: int) -> Optional[np.ndarray]:
@@ -399,7 +393,8 @@ def listing_digest(files: list[Path], root: Path) -> str:
 
 # ------------------------------------------------------------------------------------ stats cache
 def save_stats(path, meta: dict, **arrays) -> None:
-    """Write ``arrays`` (``mu``, ``sigma``, ``clip_mu``, ``clip_sigma``) + ``meta`` JSON to ``path`` (.npz)."""
+    """Write ``arrays`` (``mu``, ``sigma``, ``clip_mu``, ``clip_sigma``) + ``meta`` JSON to ``path``
+    (.npz)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
@@ -455,10 +450,11 @@ def reference_stats(
     min_count: int = 0,
     progress: bool = True,
 ) -> tuple[dict, dict]:
-    """Reference statistics ``(meta, arrays)`` from an ``.npz`` or an image folder (cached to ``cache``).
+    """Reference statistics ``(meta, arrays)`` from an ``.npz`` or an image folder (cached to
+    ``cache``).
 
-    ``arrays``: ``mu``, ``sigma`` (Inception) and, if ``clip`` is given, ``clip_mu``, ``clip_sigma``.
-    ``min_count``: fewer reference images than this is an error.
+    ``arrays``: ``mu``, ``sigma`` (Inception) and, if ``clip`` is given, ``clip_mu``,
+    ``clip_sigma``. ``min_count``: fewer reference images than this is an error.
     """
     ref = Path(reference)
     inc_key = {k: inception_id[k] for k in ("name", "sha256", "feature")}
@@ -486,11 +482,7 @@ def reference_stats(
             )
         check_reference_count(meta.get("count"), min_count, ref)
         return meta, arrays
-    files = list_images(ref)
-    if not files:
-        raise ValueError(
-            f"reference folder {ref} contains no images ({', '.join(IMAGE_EXTENSIONS)})"
-        )
+    files = list_images(ref, "reference folder")
     check_reference_count(len(files), min_count, ref)
     key.update(source=str(ref.resolve()), listing=listing_digest(files, ref))
     cache = Path(cache)

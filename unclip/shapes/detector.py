@@ -19,16 +19,18 @@ Algorithm (:func:`detect`)
    remaining component is an object.
 5. For each object: ``extent`` = bbox width / W -> nearest ``SIZES`` class; ``center`` = bbox centre
    -> nearest ``POSITIONS`` class; shape = nearest prototype in (fill ratio of the bbox, fraction of
-   mass in the bottom half of the bbox): square (1.0, 0.5), circle (pi/4, 0.5), triangle (0.5, 0.75).
+   mass in the bottom half of the bbox): square (1.0, 0.5), circle (pi/4, 0.5), triangle (0.5,
+   0.75).
 6. With exactly two objects, ``relation`` is the relation of the first to the second along the
-   dominant axis of the displacement between their centres. Objects are sorted by area, largest first.
+   dominant axis of the displacement between their centres. Objects are sorted by area, largest
+   first.
 
 Scoring (:func:`score`) against an ``expected`` dict from :func:`unclip.shapes.world.parse_caption`
 -----------------------------------------------------------------------------------------------
 * Single-object prompts: the object judged is the largest detected object of the expected color, or
-  the largest object if there is none; keys ``color``, ``shape``, ``size``, ``position`` (each only if
-  the caption names it), ``background`` (only if named), ``objects`` (exactly one object detected) and
-  ``all`` (every key above true).
+  the largest object if there is none; keys ``color``, ``shape``, ``size``, ``position`` (each only
+  if the caption names it), ``background`` (only if named), ``objects`` (exactly one object
+  detected) and ``all`` (every key above true).
 * Two-object prompts: each expected object is matched to the largest detected object of its color;
   ``colors`` = both colors found, ``shapes`` = both matched objects have their expected shapes,
   ``relation`` = the relation between the matched centres is the expected one, ``background`` if
@@ -75,7 +77,8 @@ def _to_array(image) -> np.ndarray:
 
 
 def _components(mask: np.ndarray) -> tuple[np.ndarray, int]:
-    """4-connected components of a boolean mask ``[H, W]`` -> (labels ``[H, W]`` with -1 outside, count)."""
+    """4-connected components of a boolean mask ``[H, W]`` -> (labels ``[H, W]`` with -1 outside,
+    count)."""
     h, w = mask.shape
     big = h * w
     labels = np.where(mask, np.arange(big).reshape(h, w), big)
@@ -96,7 +99,8 @@ def _components(mask: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def nearest(value: float, classes: dict) -> str:
-    """Name of the class whose value (a scalar range ``(lo, hi)`` or a point ``(x, y)``) is nearest."""
+    """Name of the class whose value (a scalar range ``(lo, hi)`` or a point ``(x, y)``) is
+    nearest."""
 
     def dist(ref):
         if isinstance(value, (int, float)):
@@ -132,8 +136,9 @@ def detect(
 ) -> dict:
     """Detect background and objects of a shapes image (PIL or uint8 ``[H, W, 3]``, any resolution).
 
-    Returns ``{"background", "relation", "objects": [{"shape", "color", "size", "position", "center",
-    "bbox", "extent", "area"}]}`` with geometry in fractions of W and H (as in the ground truth).
+    Returns ``{"background", "relation", "objects": [{"shape", "color", "size", "position",
+    "center", "bbox", "extent", "area"}]}`` with geometry in fractions of W and H (as in the ground
+    truth).
     """
     arr = _to_array(image)
     if max(arr.shape[:2]) > max_side:
@@ -201,7 +206,8 @@ def _largest_of_color(objects: list[dict], color: str):
 
 
 def score(image, expected: dict, **detect_kwargs) -> dict[str, bool]:
-    """Score one image against ``expected`` (a :func:`parse_caption` result); see module docstring."""
+    """Score one image against ``expected`` (a :func:`parse_caption` result); see module
+    docstring."""
     if not isinstance(expected, dict) or "objects" not in expected:
         raise TypeError(
             "expected must be a parse_caption() dict with 'objects', 'relation', 'background'"

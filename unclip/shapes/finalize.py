@@ -1,30 +1,30 @@
 """Finish an assembled shapes pipeline for shipping: default sampling settings + fp16 weights.
 
-    python -m unclip.shapes.finalize runs/shapes/pipeline --sampling configs/shapes/sampling.yaml
+    unclip shapes-finalize runs/shapes/pipeline --sampling configs/shapes/sampling.yaml
 
 Sets ``unclip.json``'s ``sampling`` from the YAML (``{stage: {scheduler, steps, guidance_scale,
-best_of}}``; stages ``prior``, ``decoder``, ``sr64``, ...) and, with ``--dtype float16`` (default),
+best_of}}``; stages ``prior``, ``decoder``, ``sr64``, ..., or ``upsampler`` for every upsampler;
+fields not given keep the pipeline's current values) and, with ``--dtype float16`` (default),
 stores every component's safetensors in fp16, halving the size. Loading upcasts: diffusers'
 ``ModelMixin.from_pretrained`` builds the model in fp32 and casts the loaded tensors, and
-``FrozenCLIP.from_pretrained`` copies them into an fp32 model, so the pipeline runs in fp32 as usual.
+``FrozenCLIP.from_pretrained`` copies them into an fp32 model, so the pipeline runs in fp32 as
+usual.
 
-``--closed-vocabulary reranker`` (repeatable; ``clip`` or ``reranker``) stores only the rows of that CLIP's
-token-embedding table that shapes captions can use (:func:`unclip.shapes.world.caption_vocabulary`): 6.3 MB
-less per CLIP, the same embeddings for every shapes caption (checked before writing).
+``--closed-vocabulary reranker`` (repeatable; ``clip`` or ``reranker``) stores only the rows of that
+CLIP's token-embedding table that shapes captions can use
+(:func:`unclip.shapes.world.caption_vocabulary`): 6.3 MB less per CLIP, the same embeddings for
+every shapes caption (checked before writing).
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 
 from unclip.clip import FrozenCLIP, closed_vocabulary_ids
-from unclip.config import SamplingConfig, from_dict
 from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.world import ShapesWorld, caption_vocabulary
 
@@ -44,45 +44,40 @@ def _check_same_text_embeddings(
         )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m unclip.shapes.finalize", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("pipeline", help="assembled pipeline folder (rewritten in place unless --out)")
-    p.add_argument(
-        "--sampling", required=True, help="YAML with the default sampling settings per stage"
-    )
-    p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
-    p.add_argument(
-        "--closed-vocabulary",
-        action="append",
-        default=[],
-        choices=("clip", "reranker"),
-        help="store this CLIP's token table for the shapes caption vocabulary only (repeatable)",
-    )
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    pipe = UnCLIPPipeline.from_pretrained(args.pipeline)
+def finalize(
+    pipeline,
+    sampling,
+    *,
+    dtype: str = "float16",
+    closed_vocabulary=(),
+    out=None,
+) -> Path:
+    """Rewrite the pipeline folder ``pipeline`` (or write ``out``) with the default sampling
+    settings of the YAML file ``sampling`` (overrides per stage, as ``pipe(sampling=...)`` takes
+    them), weights stored in ``dtype`` and the CLIPs named in ``closed_vocabulary`` (``clip``,
+    ``reranker``) restricted to the shapes caption vocabulary; returns the written folder."""
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
+    pipe = UnCLIPPipeline.from_pretrained(pipeline)
     closed = {}
-    for name in args.closed_vocabulary:
+    for name in closed_vocabulary:
+        if name not in ("clip", "reranker"):
+            raise ValueError(f"closed_vocabulary: {name!r} is not 'clip' or 'reranker'")
         clip = pipe.modules().get(name)
         if clip is None:
             raise ValueError(f"--closed-vocabulary {name}: this pipeline has no {name} component")
-        clip.kept_token_ids = closed_vocabulary_ids(
-            clip, caption_vocabulary()
-        )  # saved as a closed table
+        # saved as a closed table
+        clip.kept_token_ids = closed_vocabulary_ids(clip, caption_vocabulary())
         closed[name] = clip
-    settings = yaml.safe_load(Path(args.sampling).read_text()) or {}
-    for stage, values in settings.items():
-        if stage not in pipe.sampling:
-            raise ValueError(
-                f"{args.sampling}: unknown stage {stage!r}; this pipeline has {pipe.stage_names}"
-            )
-        pipe.sampling[stage] = from_dict(SamplingConfig, values, source=args.sampling, prefix=stage)
-    if args.dtype == "float16":
+    settings = yaml.safe_load(Path(sampling).read_text()) or {}
+    try:
+        pipe.sampling = pipe.sampling_settings(settings)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{sampling}: {e}") from None
+    if dtype == "float16":
         for m in pipe.modules().values():
             m.to(torch.float16)
-    out = Path(args.out or args.pipeline)
+    out = Path(out or pipeline)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
@@ -92,11 +87,7 @@ def main(argv=None) -> int:
     tmp.rename(out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(
-        f"wrote {out} ({size / 1e6:.1f} MB, {args.dtype}); sampling: "
+        f"wrote {out} ({size / 1e6:.1f} MB, {dtype}); sampling: "
         + ", ".join(f"{k}={vars(v)}" for k, v in pipe.sampling.items())
     )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return out

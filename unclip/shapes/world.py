@@ -36,7 +36,6 @@ Files written by :func:`write_shapes`
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import math
@@ -116,7 +115,8 @@ _PAIR_TEMPLATES = (
 
 @dataclass
 class ShapesSample:
-    """One sample: ``image`` (PIL RGB, resolution x resolution), ``caption`` and ``truth`` (JSON-able)."""
+    """One sample: ``image`` (PIL RGB, resolution x resolution), ``caption`` and ``truth``
+    (JSON-able)."""
 
     image: Image.Image
     caption: str
@@ -141,7 +141,8 @@ def matches_combination(obj: dict, combination: dict) -> bool:
 
 
 def is_heldout(scene: dict) -> bool:
-    """True iff an object of ``scene`` (a truth or :func:`parse_caption` dict) shows a held-out combination."""
+    """True iff an object of ``scene`` (a truth or :func:`parse_caption` dict) shows a held-out
+    combination."""
     return any(matches_combination(o, c) for o in scene["objects"] for c in HELDOUT_COMBINATIONS)
 
 
@@ -240,8 +241,8 @@ def _place_pair(rng: random.Random, objs: list[dict], relation: str) -> list[dic
 
 
 def _scene(rng: random.Random, objs: list[dict], relation: str | None, background: str) -> dict:
-    """A scene's ground truth: ``objs`` (attribute dicts) placed with ``rng``, as a pair in ``relation``
-    or alone (``relation`` None)."""
+    """A scene's ground truth: ``objs`` (attribute dicts) placed with ``rng``, as a pair in
+    ``relation`` or alone (``relation`` None)."""
     placed = (
         _place_pair(rng, objs, relation) if relation is not None else [_place_single(rng, objs[0])]
     )
@@ -258,9 +259,9 @@ def sample_truth(rng: random.Random, split: str = "all", two_object_prob: float 
     return _scene(rng, objs, rng.choice(RELATIONS) if pair else None, background)
 
 
-#: Which attribute :func:`contrast_truth` changes, with weights: single-object scenes, two-object scenes.
-#: (No background by default: captions name the background only half of the time, so a background twin's
-#: caption would often be the same sentence as its sibling's.)
+#: Which attribute :func:`contrast_truth` changes, with weights: single-object scenes, two-object
+#: scenes. (No background by default: captions name the background only half of the time, so a
+#: background twin's caption would often be the same sentence as its sibling's.)
 CONTRAST_SINGLE: dict[str, float] = {"shape": 0.6, "position": 0.2, "size": 0.1, "color": 0.1}
 CONTRAST_PAIR: dict[str, float] = {"relation": 0.6, "shape": 0.3, "color": 0.1}
 
@@ -271,11 +272,11 @@ def contrast_truth(
     """A scene that differs from ``truth`` in exactly one attribute, for contrastive hard negatives.
 
     Returns ``(new_truth, attribute)``. The attribute is drawn with ``weights`` (default
-    :data:`CONTRAST_SINGLE` or :data:`CONTRAST_PAIR`): ``shape``, ``color``, ``size`` and ``position``
-    change one object (the object is placed afresh, so its exact centre moves too); ``relation`` places the
-    same two objects in another relation; ``background`` changes only the background. The new scene stays
-    in ``split`` (a change that would make a ``"train"`` scene show a held-out combination is not drawn)
-    and keeps the two objects' colors different.
+    :data:`CONTRAST_SINGLE` or :data:`CONTRAST_PAIR`): ``shape``, ``color``, ``size`` and
+    ``position`` change one object (the object is placed afresh, so its exact centre moves too);
+    ``relation`` places the same two objects in another relation; ``background`` changes only the
+    background. The new scene stays in ``split`` (a change that would make a ``"train"`` scene show
+    a held-out combination is not drawn) and keeps the two objects' colors different.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
@@ -374,8 +375,9 @@ def make_caption(
     return rng.choice(_PAIR_TEMPLATES).format(a=a, rel=truth["relation"], b=b, bg=bg)
 
 
-#: An unnamed object color (:func:`unnamed_color`) is at least this far (Euclidean, sRGB 0-255) from every
-#: named color and every background, so a color-free view never shows, say, a reddish triangle.
+#: An unnamed object color (:func:`unnamed_color`) is at least this far (Euclidean, sRGB 0-255) from
+#: every named color and every background, so a color-free view never shows, say, a reddish
+#: triangle.
 UNNAMED_COLOR_MIN_DISTANCE = 90.0
 
 
@@ -393,13 +395,13 @@ def unnamed_color(rng: random.Random) -> tuple[int, int, int]:
 def color_free_view(
     truth: dict, rng: random.Random, resolution: int = 64, background_phrase_prob: float = 0.5
 ) -> tuple[Image.Image, str]:
-    """The scene ``truth`` with its objects painted in unnamed colors (:func:`unnamed_color`, one per
-    object) and a caption that names no color: ``(image, caption)``.
+    """The scene ``truth`` with its objects painted in unnamed colors (:func:`unnamed_color`, one
+    per object) and a caption that names no color: ``(image, caption)``.
 
     A training augmentation: a model that must match "a small triangle on the left" to triangles of
     arbitrary colors learns shape features that do not depend on color, which is what reading the
-    held-out color–shape pairs needs. It never shows a held-out combination: the colors are unnamed and
-    every other attribute is ``truth``'s (draw ``truth`` from the ``"train"`` split).
+    held-out color–shape pairs needs. It never shows a held-out combination: the colors are unnamed
+    and every other attribute is ``truth``'s (draw ``truth`` from the ``"train"`` split).
     """
     fills = [unnamed_color(rng) for _ in truth["objects"]]
     caption = make_caption(truth, rng, background_phrase_prob, name_colors=False)
@@ -407,9 +409,9 @@ def color_free_view(
 
 
 def caption_vocabulary() -> list[str]:
-    """Every word (and punctuation mark) a caption of this world can contain: the templates' words, the
-    position phrases, relations, size words, color, shape and background names, and the articles. For a
-    closed-vocabulary CLIP file (:func:`unclip.clip.closed_vocabulary_ids`)."""
+    """Every word (and punctuation mark) a caption of this world can contain: the templates' words,
+    the position phrases, relations, size words, color, shape and background names, and the
+    articles. For a closed-vocabulary CLIP file (:func:`unclip.clip.closed_vocabulary_ids`)."""
     text = " ".join(
         [
             *_SINGLE_TEMPLATES,
@@ -476,9 +478,9 @@ _PAIR_RE = re.compile(
 def parse_caption(text: str) -> dict:
     """Parse a shapes caption into the attributes it names (the inverse of :func:`make_caption`).
 
-    Returns ``{"background": name | None, "relation": None | relation, "objects": [{"shape", "color",
-    "size", "position"}]}``; attributes the caption does not name are ``None``. Raises ``ValueError``
-    for text that is not a shapes caption.
+    Returns ``{"background": name | None, "relation": None | relation, "objects": [{"shape",
+    "color", "size", "position"}]}``; attributes the caption does not name are ``None``. Raises
+    ``ValueError`` for text that is not a shapes caption.
     """
     if not isinstance(text, str):
         raise TypeError(f"caption must be a str, got {type(text).__name__}")
@@ -565,7 +567,8 @@ class ShapesWorld:
     def __repr__(self) -> str:
         return (
             f"ShapesWorld(resolution={self.resolution}, seed={self.seed}, split={self.split!r}, "
-            f"two_object_prob={self.two_object_prob}, background_phrase_prob={self.background_phrase_prob})"
+            f"two_object_prob={self.two_object_prob}, "
+            f"background_phrase_prob={self.background_phrase_prob})"
         )
 
 
@@ -697,75 +700,3 @@ def write_shapes(
         written.append(path)
     bar.close()
     return written
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="unclip make-shapes", description="Write the procedural shapes text-image dataset."
-    )
-    p.add_argument("out", help="output directory")
-    p.add_argument("--num", type=_int_at_least(1), required=True, help="number of samples")
-    p.add_argument(
-        "--resolution", type=_int_at_least(1), default=64, help="image side in pixels (8..4096)"
-    )
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
-    p.add_argument("--split", choices=SPLITS, default="train")
-    p.add_argument("--format", choices=("folder", "webdataset"), default="folder")
-    p.add_argument("--shard-size", type=_int_at_least(1), default=1000)
-    p.add_argument("--start-index", type=_int_at_least(0), default=0)
-    p.add_argument("--image-format", choices=("png", "jpg"), default="png")
-    p.add_argument("--two-object-prob", type=float, default=0.3)
-    p.add_argument("--background-phrase-prob", type=float, default=0.5)
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
-
-
-def main(argv=None) -> int:
-    """CLI: ``unclip make-shapes OUT --num N [--resolution R --seed S --split train ...]``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not 8 <= args.resolution <= 4096:
-        parser.error(f"--resolution must be in [8, 4096], got {args.resolution}")
-    for flag, p in (
-        ("--two-object-prob", args.two_object_prob),
-        ("--background-phrase-prob", args.background_phrase_prob),
-    ):
-        if not 0.0 <= p <= 1.0:
-            parser.error(f"{flag} must be in [0, 1], got {p}")
-    try:
-        paths = write_shapes(
-            args.out,
-            args.num,
-            resolution=args.resolution,
-            seed=args.seed,
-            split=args.split,
-            format=args.format,
-            shard_size=args.shard_size,
-            start_index=args.start_index,
-            image_format=args.image_format,
-            two_object_prob=args.two_object_prob,
-            background_phrase_prob=args.background_phrase_prob,
-            progress=not args.no_progress,
-        )
-    except ValueError as e:
-        parser.error(str(e))
-    kind = "shards" if args.format == "webdataset" else "images"
-    print(f"wrote {args.num} samples ({len(paths)} {kind}) to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
