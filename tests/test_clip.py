@@ -147,12 +147,13 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
         tiny_clip.save_pretrained(tmp_path / "bad", keep_tokens=[5, 49408])
 
 
-def test_frozen_clip_and_the_private_loaders_are_other_names_of_the_public_ones():
+def test_frozen_clip_is_another_name_of_clip():
     import unclip.clip as clip_module
 
     assert clip_module.FrozenCLIP is CLIP
-    assert clip_module._build_model is clip_module.build_open_clip_model
-    assert clip_module._load_pretrained is clip_module.load_pretrained_weights
+    import unclip
+
+    assert unclip.FrozenCLIP is unclip.CLIP is CLIP
     model = clip_module.build_open_clip_model(tiny_clip_config())
     assert isinstance(model, torch.nn.Module) and model.token_embedding.weight.requires_grad
 

@@ -6,7 +6,7 @@ import torch
 import yaml
 from conftest import CONFIGS
 
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import (
     ClipConfig,
     ConfigError,
@@ -95,6 +95,16 @@ def test_dotted_overrides(tmp_path):
         load_stage_config(p, ["train.lr"])
 
 
+def test_yaml_boolean_words_are_words_on_the_command_line_and_a_clear_error_in_files(tmp_path):
+    p = write(tmp_path, {"stage": "prior", "prior": {"num_layers": 2}})
+    cfg = load_stage_config(p, ["train.mixed_precision=no", "train.ema=False"])
+    assert cfg.train.mixed_precision == "no" and cfg.train.ema is False
+    unquoted = tmp_path / "unquoted.yaml"
+    unquoted.write_text("stage: prior\nprior: {num_layers: 2}\ntrain: {mixed_precision: no}\n")
+    with pytest.raises(ConfigError, match="train.mixed_precision.*quote the word"):
+        load_stage_config(unquoted)
+
+
 def test_override_does_not_mutate_input():
     data = {"train": {"lr": 1.0}}
     out = apply_overrides(data, ["train.lr=2"])
@@ -155,7 +165,7 @@ def test_every_architecture_field_is_a_model_argument_with_the_same_default(conf
 
 def _tiny_clip():
     torch.manual_seed(0)
-    return FrozenCLIP.from_config(ClipConfig("tiny", None, tiny_clip_config()))
+    return CLIP.from_config(ClipConfig("tiny", None, tiny_clip_config()))
 
 
 def test_configs_build_their_models_with_every_setting():

@@ -164,7 +164,7 @@ def test_folder_without_images_is_a_clear_error(tmp_path):
     (tmp_path / "a.txt").write_text("caption without image")
     with pytest.raises(ValueError, match=str(tmp_path)) as err:
         FolderStream(tmp_path, R, seed=0, rank=0, world_size=1)
-    assert "holds no images" in str(err.value) and "same-stem .txt captions" in str(err.value)
+    assert "contains no images" in str(err.value) and "same-stem .txt captions" in str(err.value)
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         FolderStream(tmp_path / "missing", R, seed=0, rank=0, world_size=1)
 

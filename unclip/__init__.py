@@ -2,10 +2,10 @@
 
 __version__ = "0.1.0"
 
-# the package facade wires in the layers that extend the core: diffusers/Karlo folders load through
+# the facade wires in the layer that extends the core: diffusers/Karlo folders load through
 # UnCLIPPipeline.from_pretrained once unclip.interop has registered its reader
-import unclip.interop  # noqa: E402,F401  (registration)
-from unclip.clip import FrozenCLIP, TextEncoding
+import unclip.interop  # noqa: F401
+from unclip.clip import CLIP, FrozenCLIP, TextEncoding
 from unclip.config import load_config
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPOutput, UnCLIPPipeline, slerp
@@ -14,6 +14,7 @@ from unclip.prior import UnCLIPPrior
 __all__ = [
     "UnCLIPPipeline",
     "UnCLIPOutput",
+    "CLIP",
     "FrozenCLIP",
     "TextEncoding",
     "UnCLIPPrior",

@@ -614,6 +614,3 @@ def tiny_clip_config(
 
 #: Another name for :class:`CLIP`, kept so existing code keeps working.
 FrozenCLIP = CLIP
-# private names still imported by modules outside this file; prefer the public ones
-_build_model = build_open_clip_model
-_load_pretrained = load_pretrained_weights

@@ -229,6 +229,11 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
                 errors.append(str(exc))
         raise ConfigError(f"{source}: '{where}' must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and any(isinstance(a, str) for a in args):
+            raise ConfigError(
+                f"{source}: '{where}' must be one of {list(args)}, got the boolean {value!r}: YAML "
+                f"reads unquoted no/yes/on/off as booleans, so quote the word (e.g. 'no')"
+            )
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -328,6 +333,10 @@ def apply_overrides(
         if not all(keys):
             raise ConfigError(f"{source}: override {item!r} has an empty key")
         value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+            # YAML 1.1 reads no/yes/on/off as booleans; on a command line they are words
+            # (train.mixed_precision=no)
+            value = raw.strip()
         if isinstance(value, str):  # YAML reads '3e-4' as a string; accept it as a number
             try:
                 value = float(value) if any(c in value for c in ".eE") else value

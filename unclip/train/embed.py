@@ -48,10 +48,10 @@ import numpy as np
 import torch
 import yaml
 
-from unclip.clip import FrozenCLIP
+from unclip.clip import CLIP
 from unclip.config import ClipConfig, from_dict
 from unclip.train.data.sources import (
-    _TAR_IMAGE_KEYS,
+    TAR_IMAGE_KEYS,
     BadSample,
     check_caption,
     embedding_shards,
@@ -70,8 +70,8 @@ logger = logging.getLogger(__name__)
 _MAX_LOGGED = 5
 
 
-def load_clip(spec: str) -> FrozenCLIP:
-    """A :class:`FrozenCLIP` from a pipeline folder (``clip/`` inside), a CLIP folder, or a YAML
+def load_clip(spec: str) -> CLIP:
+    """A :class:`CLIP` from a pipeline folder (``clip/`` inside), a CLIP folder, or a YAML
     file.
 
     The YAML is a stage config (its ``clip:`` section is used) or a file holding only a ``clip:``
@@ -82,10 +82,10 @@ def load_clip(spec: str) -> FrozenCLIP:
     if path.is_dir():
         for folder in (path / "clip", path):
             if (folder / "config.json").is_file():
-                return FrozenCLIP.from_pretrained(folder)
+                return CLIP.from_pretrained(folder)
         raise ValueError(
             f"--clip-config {spec}: folder has neither clip/config.json (a pipeline) nor "
-            "config.json (a CLIP folder written by FrozenCLIP.save_pretrained)"
+            "config.json (a CLIP folder written by CLIP.save_pretrained)"
         )
     if not path.is_file():
         raise ValueError(
@@ -106,7 +106,7 @@ def load_clip(spec: str) -> FrozenCLIP:
             stacklevel=2,
         )
         torch.manual_seed(0)
-    return FrozenCLIP.from_config(cfg)
+    return CLIP.from_config(cfg)
 
 
 def load_stats(path) -> dict[str, np.ndarray]:
@@ -197,7 +197,7 @@ def _chunks(job: EmbedJob) -> tuple[int, callable, Optional[int]]:
             errors = []
             for raw in iter_tar_samples([urls[chunk]], errors.append):
                 key = raw.get("__key__")
-                ext = next((k for k in _TAR_IMAGE_KEYS if k in raw), None)
+                ext = next((k for k in TAR_IMAGE_KEYS if k in raw), None)
                 try:
                     if ext is None:
                         raise BadSample("no image member")

@@ -369,7 +369,7 @@ class PairedFolderStream(_Paired, FolderStream):
 
 
 def paired_stream(data, resolution: int, **kw):
-    """The paired stream for ``data`` (a :class:`~unclip.config.DataConfig` with
+    """The paired stream for ``data`` (a :class:`~unclip.train.config.DataConfig` with
     ``embeddings_path``)."""
     if data.source in ("webdataset", "folder") and not data.path:
         raise ValueError(

@@ -61,11 +61,12 @@ __all__ = [
     "expand_urls",
     "iter_tar_samples",
     "embedding_shards",
+    "TAR_IMAGE_KEYS",
 ]
 
 logger = logging.getLogger(__name__)
 
-_TAR_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+TAR_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 _MAX_LOGGED = 5
 
 
@@ -388,9 +389,9 @@ class WebDatasetStream(_Stream):
 
     def _check(self, raw: dict):
         where = f"{raw.get('__url__')}:{raw.get('__key__')}"
-        ext = next((k for k in _TAR_IMAGE_KEYS if k in raw), None)
+        ext = next((k for k in TAR_IMAGE_KEYS if k in raw), None)
         if ext is None:
-            raise BadSample(f"{where}: no image member ({'/'.join(_TAR_IMAGE_KEYS)})")
+            raise BadSample(f"{where}: no image member ({'/'.join(TAR_IMAGE_KEYS)})")
         try:
             caption = check_caption(raw.get("txt"))
             return open_rgb(raw[ext]), caption
