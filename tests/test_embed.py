@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from unclip.cli import embed as embed_cli
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
 from unclip.shapes.world import write_shapes
 from unclip.train import embed
@@ -36,7 +36,7 @@ def _reset_accelerate():
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
     torch.manual_seed(0)
-    clip = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
+    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
     path = tmp_path_factory.mktemp("clip")
     clip.save_pretrained(path)
     return path
@@ -44,7 +44,7 @@ def clip_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clip(clip_dir):
-    return FrozenCLIP.from_pretrained(clip_dir)
+    return CLIP.from_pretrained(clip_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from unclip.cli.evaluate import main
-from unclip.clip import FrozenCLIP
+from unclip.clip import CLIP
 from unclip.eval import metrics as M
 from unclip.eval.evaluate import read_coco_captions, read_prompts
 from unclip.pipeline_utils import sample_seed
@@ -194,7 +194,7 @@ def test_clip_score_ranks_matching_pairs_above_mismatched():
         M.clip_cosines(image, text[:3])
 
 
-def _manual_cosines(clip: FrozenCLIP, images, captions):
+def _manual_cosines(clip: CLIP, images, captions):
     """CLIP cosines straight from open_clip (its own preprocessing, encode_image/encode_text)."""
     with torch.no_grad():
         img = clip.model.encode_image(torch.stack([clip.preprocess(i) for i in images]))
@@ -278,7 +278,7 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
     prompts = (out / "prompts.txt").read_text().splitlines()
     assert len(prompts) == 4
     # CLIP score is the pipeline CLIP's cosine on exactly the evaluated images and prompts
-    clip = FrozenCLIP.from_pretrained(model_dir / "clip")
+    clip = CLIP.from_pretrained(model_dir / "clip")
     samples = [Image.open(out / "samples" / f"{i:06d}.png").convert("RGB") for i in range(4)]
     cos = _manual_cosines(clip, samples, prompts)
     assert r["clip_score"]["cosine_mean"] == pytest.approx(float(cos.mean()), abs=1e-5)

@@ -147,12 +147,12 @@ def test_rerank_keeps_best_clip_candidate(tiny_pipe):
 
 
 def _with_reranker(pipe, seed=1):
-    from unclip import FrozenCLIP
+    from unclip import CLIP
     from unclip.clip import tiny_clip_config
     from unclip.config import ClipConfig
 
     torch.manual_seed(seed)
-    other = FrozenCLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
+    other = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
     return UnCLIPPipeline(
         pipe.clip,
         pipe.prior,
@@ -258,7 +258,7 @@ def test_rerank_refuses_bad_arguments(tiny_pipe):
         tiny_pipe.rerank(images, ["a red circle"] * 4, 3)
     with pytest.raises(ValueError, match="not groups of 4"):
         tiny_pipe.rerank(images, "a red circle", 4)
-    with pytest.raises(TypeError, match="reranker must be a FrozenCLIP"):
+    with pytest.raises(TypeError, match="reranker must be a CLIP"):
         UnCLIPPipeline(tiny_pipe.clip, tiny_pipe.prior, tiny_pipe.decoder, reranker="clip/")
 
 

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from unclip.cli.train_clip import main
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
 from unclip.shapes.train_clip import ClipDataConfig, make_batch
 from unclip.shapes.world import ShapesWorld, parse_caption
@@ -95,7 +95,7 @@ def _config(tmp_path, **data) -> str:
 def test_train_clip_tiny_run_writes_a_loadable_clip_and_retrieval_report(tmp_path, one_thread):
     out = tmp_path / "run"
     assert main([_config(tmp_path, hard_negatives=0.5), "--output-dir", str(out)]) == 0
-    clip = FrozenCLIP.from_pretrained(out / "final" / "clip")
+    clip = CLIP.from_pretrained(out / "final" / "clip")
     emb = clip.encode_text(["a small red circle on the left"]).text_embed
     assert emb.shape == (1, 32) and torch.isfinite(emb).all()
     report = json.loads((out / "retrieval.json").read_text())
@@ -139,9 +139,9 @@ def test_train_clip_resumes_exactly(tmp_path, one_thread):
     assert main([*common, *split, "--max-steps-this-run", "2"]) == 0
     assert not (tmp_path / "split" / "final").exists()
     assert main([*common, *split, "--resume", "latest"]) == 0
-    a = FrozenCLIP.from_pretrained(tmp_path / "full" / "final" / "clip").model.state_dict()
-    b = FrozenCLIP.from_pretrained(tmp_path / "split" / "final" / "clip").model.state_dict()
+    a = CLIP.from_pretrained(tmp_path / "full" / "final" / "clip").model.state_dict()
+    b = CLIP.from_pretrained(tmp_path / "split" / "final" / "clip").model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     torch.manual_seed(0)  # train.seed: the initialisation of both runs
-    init = FrozenCLIP.from_config(ClipConfig("tiny", None, tiny_clip_config())).model.state_dict()
+    init = CLIP.from_config(ClipConfig("tiny", None, tiny_clip_config())).model.state_dict()
     assert max(float((init[k] - a[k]).abs().max()) for k in a) > 1e-4  # it did train

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from unclip.cli import embed as embed_cli
 from unclip.cli import train_decoder as train_decoder_cli
 from unclip.cli import train_prior
-from unclip.clip import FrozenCLIP
+from unclip.clip import CLIP
 from unclip.shapes.world import write_shapes
 from unclip.train import decoder as train_decoder
 from unclip.train import embed
@@ -454,7 +454,7 @@ def test_prior_trains_from_embeddings_with_their_stats(data, tmp_path):
     # the training CLIP (same YAML clip section, train.seed 0) is the one that wrote the embeddings
     cfg = load_stage_config(PRIOR)
     torch.manual_seed(cfg.train.seed)
-    clip = FrozenCLIP.from_config(cfg.clip)
+    clip = CLIP.from_config(cfg.clip)
     _, txt, meta = rows(data["emb"], 0)
     np.testing.assert_allclose(
         clip.encode_text([meta[0]["caption"]]).text_embed[0].numpy(), txt[0], atol=1e-5

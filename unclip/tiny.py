@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from unclip.clip import FrozenCLIP, tiny_clip_config
+from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPPipeline
@@ -54,9 +54,7 @@ def tiny_pipeline(
 ) -> UnCLIPPipeline:
     """A random tiny pipeline: decoder at ``sizes[0]`` then one upsampler per further size."""
     torch.manual_seed(seed)
-    clip = FrozenCLIP.from_config(
-        ClipConfig("tiny", model_cfg=tiny_clip_config(**(clip_kwargs or {})))
-    )
+    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config(**(clip_kwargs or {}))))
     prior = UnCLIPPrior.from_clip(clip, **tiny_prior_kwargs())
     decoder = UnCLIPDecoder.from_clip(
         clip, **{**tiny_decoder_kwargs(sizes[0]), **(decoder_kwargs or {})}

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--clip-model",
-        help="evaluation CLIP: open_clip model name, or a FrozenCLIP folder "
+        help="evaluation CLIP: open_clip model name, or a CLIP folder "
         "(default: the pipeline's own CLIP)",
     )
     p.add_argument(

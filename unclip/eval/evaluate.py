@@ -295,19 +295,19 @@ def report_markdown(r: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ the job
 def _load_clip(clip_model, clip_pretrained, pipe):
-    from unclip.clip import FrozenCLIP
+    from unclip.clip import CLIP
     from unclip.config import ClipConfig
 
     if clip_model:
         folder = Path(clip_model)
         if folder.is_dir():
-            clip = FrozenCLIP.from_pretrained(folder)
+            clip = CLIP.from_pretrained(folder)
             return clip, f"{clip.model_name} from {folder}"
         if not clip_pretrained:
             raise ValueError(
                 "--clip-model NAME needs --clip-pretrained PATH (a random CLIP scores nothing)"
             )
-        clip = FrozenCLIP.from_config(ClipConfig(clip_model, pretrained=clip_pretrained))
+        clip = CLIP.from_config(ClipConfig(clip_model, pretrained=clip_pretrained))
         return clip, f"{clip_model} ({clip_pretrained})"
     if pipe is not None:
         return pipe.clip, f"pipeline's own CLIP ({pipe.clip.model_name}, the conditioning CLIP)"

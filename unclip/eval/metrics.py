@@ -352,7 +352,7 @@ def clip_score_summary(cosines: torch.Tensor) -> dict:
 
 
 def clip_fingerprint(clip) -> str:
-    """Short sha256 of a FrozenCLIP's weights (identifies the CLIP behind cached CLIP features)."""
+    """Short sha256 of a CLIP's weights (identifies the CLIP behind cached CLIP features)."""
     h = hashlib.sha256(clip.model_name.encode())
     for k, v in clip.model.state_dict().items():
         h.update(k.encode())

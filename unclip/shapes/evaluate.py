@@ -199,9 +199,9 @@ def run(
         state = {k.removeprefix("module."): v for k, v in state.items()}
         pipe.decoder.load_state_dict(state)
     if reranker:
-        from unclip.clip import FrozenCLIP
+        from unclip.clip import CLIP
 
-        pipe.reranker = FrozenCLIP.from_pretrained(reranker)
+        pipe.reranker = CLIP.from_pretrained(reranker)
     report = evaluate_pipeline(
         pipe,
         num,

@@ -7,7 +7,7 @@ best_of}}``; stages ``prior``, ``decoder``, ``sr64``, ..., or ``upsampler`` for 
 fields not given keep the pipeline's current values) and, with ``--dtype float16`` (default),
 stores every component's safetensors in fp16, halving the size. Loading upcasts: diffusers'
 ``ModelMixin.from_pretrained`` builds the model in fp32 and casts the loaded tensors, and
-``FrozenCLIP.from_pretrained`` copies them into an fp32 model, so the pipeline runs in fp32 as
+``CLIP.from_pretrained`` copies them into an fp32 model, so the pipeline runs in fp32 as
 usual.
 
 ``--closed-vocabulary reranker`` (repeatable; ``clip`` or ``reranker``) stores only the rows of that
@@ -24,14 +24,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from unclip.clip import FrozenCLIP, closed_vocabulary_ids
+from unclip.clip import CLIP, closed_vocabulary_ids
 from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.world import ShapesWorld, caption_vocabulary
 
 
-def _check_same_text_embeddings(
-    full: FrozenCLIP, closed: FrozenCLIP, name: str, num: int = 500
-) -> None:
+def _check_same_text_embeddings(full: CLIP, closed: CLIP, name: str, num: int = 500) -> None:
     """The closed-vocabulary copy must encode shapes captions exactly as the full CLIP does."""
     worlds = [
         ShapesWorld(32, seed=0, split=split, two_object_prob=0.5) for split in ("train", "heldout")
@@ -82,7 +80,7 @@ def finalize(
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
     for name, clip in closed.items():
-        _check_same_text_embeddings(clip, FrozenCLIP.from_pretrained(tmp / name), name)
+        _check_same_text_embeddings(clip, CLIP.from_pretrained(tmp / name), name)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -9,8 +9,8 @@ model built from the config dict (``clip.model_cfg``). Images are shapes renders
 size with a mild noise/blur augmentation (so embeddings of slightly grainy generated samples stay
 meaningful); captions are the world's own.
 
-Writes ``<output_dir>/final/clip`` (a :class:`~unclip.clip.FrozenCLIP` folder, loadable with
-``FrozenCLIP.from_pretrained`` or as ``clip.pretrained=<output_dir>/final/clip/model.safetensors``;
+Writes ``<output_dir>/final/clip`` (a :class:`~unclip.clip.CLIP` folder, loadable with
+``CLIP.from_pretrained`` or as ``clip.pretrained=<output_dir>/final/clip/model.safetensors``;
 weights optionally stored in fp16, upcast to the fp32 model on load) and
 ``<output_dir>/retrieval.json`` (:func:`attribute_retrieval` on held-out renders).
 """
@@ -27,7 +27,7 @@ from typing import Literal, Optional
 
 import torch
 
-from unclip.clip import FrozenCLIP
+from unclip.clip import CLIP
 from unclip.config import ClipConfig, load_config
 from unclip.images import pil_to_tensor
 from unclip.pipeline_utils import sample_seed
@@ -198,7 +198,7 @@ class ClipTask:
 
     name = "clip"
 
-    def __init__(self, clip: FrozenCLIP, device):
+    def __init__(self, clip: CLIP, device):
         import open_clip
 
         self.clip, self.device = clip, device
@@ -241,7 +241,7 @@ def _canonical(truth: dict, **change) -> str:
 
 @torch.no_grad()
 def attribute_retrieval(
-    clip: FrozenCLIP,
+    clip: CLIP,
     num: int = 300,
     seed: int = 1,
     split: str = "heldout",
@@ -316,7 +316,7 @@ def train_clip(
     t, d = cfg.train, cfg.data
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
     torch.manual_seed(t.seed)
-    clip = FrozenCLIP.from_config(cfg.clip)
+    clip = CLIP.from_config(cfg.clip)
     model = clip.model.train().requires_grad_(True)
     loop.prepare(model, no_weight_decay=lambda name, p: p.ndim < 2 or "embedding" in name)
     task = ClipTask(clip, loop.device)
@@ -327,7 +327,7 @@ def train_clip(
     if finished:
 
         def save(model, folder):
-            # fp16 weights halve the file; FrozenCLIP.from_pretrained loads them into fp32
+            # fp16 weights halve the file; CLIP.from_pretrained loads them into fp32
             if cfg.output.save_dtype == "float16":
                 model.half()
             try:
@@ -343,7 +343,7 @@ def train_clip(
                 "steps": t.max_steps,
                 "batch_size": d.batch_size,
                 "retrieval_heldout": attribute_retrieval(
-                    FrozenCLIP.from_pretrained(folder),  # exactly what was saved
+                    CLIP.from_pretrained(folder),  # exactly what was saved
                     num=cfg.output.eval_samples,
                     seed=d.seed + 1,
                     resolution=d.resolution,

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from unclip.clip import FrozenCLIP, TextEncoding
+from unclip.clip import CLIP, TextEncoding
 from unclip.diffusion import diffusion_loss, training_scheduler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
@@ -31,7 +31,7 @@ logger = logging.getLogger("unclip.train")
 STATS_SAMPLES = 256
 
 
-def _embed_batch(clip: FrozenCLIP, batch: dict, device) -> tuple[torch.Tensor, TextEncoding]:
+def _embed_batch(clip: CLIP, batch: dict, device) -> tuple[torch.Tensor, TextEncoding]:
     text = clip.encode_text(batch["caption"]).to(device)
     if "image_embed" in batch:
         image_embed = torch.nn.functional.normalize(batch["image_embed"].float(), dim=-1).to(device)
@@ -41,7 +41,7 @@ def _embed_batch(clip: FrozenCLIP, batch: dict, device) -> tuple[torch.Tensor, T
 
 
 def embedding_stats(
-    cfg: StageConfig, clip: FrozenCLIP, device, n: int = STATS_SAMPLES
+    cfg: StageConfig, clip: CLIP, device, n: int = STATS_SAMPLES
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-dimension mean/std ``[D]`` of the training image embeddings: those ``unclip embed``
     stored beside precomputed embeddings, else estimated over the first ``n`` samples (identical on
@@ -64,9 +64,7 @@ def embedding_stats(
     return x.mean(0), x.std(0).clamp_min(1e-4)
 
 
-def prior_loss(
-    model, batch: dict, clip: FrozenCLIP, null: TextEncoding, gens, cfg, noise_sched, device
-):
+def prior_loss(model, batch: dict, clip: CLIP, null: TextEncoding, gens, cfg, noise_sched, device):
     """x_0-prediction loss of one micro-batch with caption dropout."""
     image_embed, text = _embed_batch(clip, batch, device)
     b = image_embed.shape[0]
@@ -95,7 +93,7 @@ class PriorTask:
 
     name = "prior"
 
-    def __init__(self, cfg: StageConfig, clip: FrozenCLIP, device):
+    def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
         self.null = clip.encode_text([""])
         self.noise_sched = training_scheduler(cfg.diffusion)
@@ -121,7 +119,7 @@ def train_prior(
         )
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
     torch.manual_seed(cfg.train.seed)
-    clip = FrozenCLIP.from_config(cfg.clip).to(loop.device)
+    clip = CLIP.from_config(cfg.clip).to(loop.device)
     model = cfg.prior.build(clip)
     model.transformer.clip_mean.requires_grad_(False)
     model.transformer.clip_std.requires_grad_(False)
