@@ -176,21 +176,17 @@ def run(
     model: str | None = None,
     num: int = 200,
     *,
-    seed: int = 0,
-    prompt_seed: int = 1000,
-    batch_size: int = 50,
-    sampling: dict | None = None,
-    stages: str = "all",
-    oracle: bool = False,
     decoder_weights: str | None = None,
     reranker: str | None = None,
     out: str | None = None,
     grid: str | None = None,
+    **settings,
 ) -> dict:
     """Load a pipeline (``model``: a folder, default the bundled shapes model), optionally swap its
     decoder weights (e.g. a training checkpoint's raw ``model.safetensors``) or its reranker CLIP,
-    evaluate it (:func:`evaluate_pipeline`), write the report JSON to ``out`` and a sample grid to
-    ``grid``; returns the report."""
+    evaluate it with :func:`evaluate_pipeline` (``settings``: its keyword arguments, e.g. ``seed``,
+    ``sampling``, ``oracle``), write the report JSON to ``out`` and a sample grid to ``grid``;
+    returns the report."""
     pipe = UnCLIPPipeline.from_pretrained(model)
     if decoder_weights:
         from safetensors.torch import load_file
@@ -202,21 +198,12 @@ def run(
         from unclip.clip import CLIP
 
         pipe.reranker = CLIP.from_pretrained(reranker)
-    report = evaluate_pipeline(
-        pipe,
-        num,
-        seed=seed,
-        prompt_seed=prompt_seed,
-        batch_size=batch_size,
-        sampling=sampling,
-        stages=stages,
-        oracle=oracle,
-    )
+    report = evaluate_pipeline(pipe, num, **settings)
     images, captions = report.pop("_images"), report.pop("_captions")
     report.update(
         {
             "model": model or "bundled:shapes",
-            "sampling_overrides": sampling,
+            "sampling_overrides": settings.get("sampling"),
             "decoder_weights": decoder_weights,
             "reranker": reranker
             or ("pipeline reranker" if pipe.reranker is not None else "pipeline CLIP"),
