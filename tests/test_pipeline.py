@@ -89,7 +89,7 @@ def test_guidance_one_is_the_unguided_path(pipe64):
     # force the batched [uncond; cond] path at scale 1: eps_u + 1·(eps_c − eps_u) must equal eps_c
     with (
         mock.patch.object(diffusion, "is_guided", lambda scale: True),
-        mock.patch("unclip.pipeline.is_guided", lambda scale: True),
+        mock.patch("unclip.sampling.is_guided", lambda scale: True),
     ):
         forced = run(tiny_pipe, sampling=s).images
     assert torch.allclose(plain, forced, atol=1e-7)

@@ -424,9 +424,10 @@ def test_wrong_stage_config_is_refused(tmp_path):
 
 
 def test_upsampler_sample_grid_runs_the_pipeline_upsample_step(tmp_path):
-    """The upsampler's grid comes from ``UnCLIPPipeline.upsample``: low-res inputs (top row,
-    enlarged) and their upsampled samples (bottom row); with a sampling noise level the low-res
-    input is noised first, which changes the samples."""
+    """The upsampler's grid comes from :func:`unclip.sampling.sample_upsampler` (the step
+    ``UnCLIPPipeline.upsample`` runs): low-res inputs (top row, enlarged) and their upsampled
+    samples (bottom row); with a sampling noise level the low-res input is noised first, which
+    changes the samples."""
     from PIL import Image
 
     grids = {}

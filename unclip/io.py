@@ -1,5 +1,6 @@
 """Component and pipeline folders on disk: safetensors weights (one file or sharded; pickles are
-refused), JSON configs, trained component folders (``unclip_stage.json``) and the bundled models.
+refused), JSON configs, trained component folders (``unclip_stage.json``), pipeline folders
+(``unclip.json`` and one subfolder per component) and the bundled models.
 
 Other folder layouts (e.g. diffusers' ``model_index.json``) are loaded by readers registered with
 :func:`register_folder_format`; :mod:`unclip.interop` registers the diffusers/Karlo one.
@@ -8,18 +9,22 @@ Other folder layouts (e.g. diffusers' ``model_index.json``) are loaded by reader
 from __future__ import annotations
 
 import json
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Optional, Union
 
 import torch
 
-from unclip.clip import FrozenCLIP
+from unclip.clip import CLIP
+from unclip.config import DiffusionConfig, SamplingConfig, to_dict
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
-from unclip.pipeline_utils import stage_kind
 from unclip.prior import UnCLIPPrior
+from unclip.sampling import stage_kind
 
 PIPELINE_FILE = "unclip.json"
+PIPELINE_FORMAT_VERSION = 1
 STAGE_META_FILE = "unclip_stage.json"
 
 # marker file name -> reader(folder) returning a pipeline; filled by the interop layer
@@ -150,7 +155,7 @@ def load_components(
             )
         return folder, data
 
-    clip_m = FrozenCLIP.from_pretrained(clip)
+    clip_m = CLIP.from_pretrained(clip)
     prior_m = None
     if prior is not None:
         folder, data = meta(prior, "prior")
@@ -174,6 +179,106 @@ def load_components(
         sampling[name] = data.get("sampling", default_sampling["upsampler"])
         ups.append(up)
     return clip_m, prior_m, dec, ups, diffusion, sampling
+
+
+# pipeline folders ------------------------------------------------------------------------------
+def resolve_pipeline_folder(path: Union[str, os.PathLike, None] = None) -> Path:
+    """The folder ``path`` names: ``None`` or a bundled model's name (``"shapes"``) is that bundled
+    model's folder; anything else must be an existing folder (else ``FileNotFoundError``)."""
+    if path is None or str(path) in BUNDLED:
+        path = bundled_model_path(str(path or DEFAULT_MODEL))
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"pipeline folder not found: {path}")
+    return path
+
+
+def folder_format_reader(folder: Path) -> Optional[Callable]:
+    """``None`` for an unclip pipeline folder (it holds :data:`PIPELINE_FILE`, read by
+    :func:`read_pipeline_folder`), else the reader registered for a marker file it holds; a
+    ``ValueError`` for a folder of neither kind."""
+    if (folder / PIPELINE_FILE).is_file():
+        return None
+    for marker, reader in FOLDER_FORMATS.items():
+        if (folder / marker).is_file():
+            return reader
+    known = "".join(f" nor a {m}" for m in FOLDER_FORMATS)
+    raise ValueError(f"{folder} is not an unclip pipeline folder: it has no {PIPELINE_FILE}{known}")
+
+
+def write_pipeline_folder(
+    path: Union[str, os.PathLike],
+    *,
+    clip: CLIP,
+    prior: Optional[UnCLIPPrior],
+    decoder: UnCLIPDecoder,
+    upsamplers: Mapping[str, UnCLIPUpsampler],
+    reranker: Optional[CLIP],
+    diffusion: Mapping[str, DiffusionConfig],
+    sampling: Mapping[str, SamplingConfig],
+    prior_clip_range: Optional[float],
+) -> None:
+    """Write a self-describing pipeline folder: one subfolder per component (config and safetensors
+    weights; ``upsamplers`` by stage name) and :data:`PIPELINE_FILE` naming them, with each
+    stage's diffusion and sampling settings and the prior's ``prior_clip_range``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    clip.save_pretrained(path / "clip")
+    if prior is not None:
+        prior.save_pretrained(path / "prior", safe_serialization=True)
+    decoder.save_pretrained(path / "decoder", safe_serialization=True)
+    for name, up in upsamplers.items():
+        up.save_pretrained(path / name, safe_serialization=True)
+    if reranker is not None:
+        reranker.save_pretrained(path / "reranker")
+    index = {
+        "format": "unclip-pipeline",
+        "version": PIPELINE_FORMAT_VERSION,
+        "components": {
+            "clip": "clip",
+            "prior": "prior" if prior is not None else None,
+            "decoder": "decoder",
+            "upsamplers": list(upsamplers),
+            "reranker": "reranker" if reranker is not None else None,
+        },
+        "diffusion": {k: to_dict(v) for k, v in diffusion.items()},
+        "sampling": {k: to_dict(v) for k, v in sampling.items()},
+        "prior_clip_range": prior_clip_range,
+    }
+    (path / PIPELINE_FILE).write_text(json.dumps(index, indent=2))
+
+
+def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
+    """The components and settings of a folder written by :func:`write_pipeline_folder`, as the
+    keyword arguments of ``UnCLIPPipeline``: ``clip``, ``prior``, ``decoder``, ``upsamplers``,
+    ``diffusion`` and ``sampling`` (as stored), ``prior_clip_range``, ``reranker``."""
+    path = Path(path)
+    index = json.loads((path / PIPELINE_FILE).read_text())
+    comps = index.get("components", {})
+
+    def sub(name):
+        folder = path / name
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"pipeline component {name!r} is missing: expected {folder}/config.json "
+                f"and its weights"
+            )
+        return folder
+
+    return {
+        "clip": CLIP.from_pretrained(sub(comps.get("clip", "clip"))),
+        "prior": UnCLIPPrior.from_pretrained(sub(comps["prior"])) if comps.get("prior") else None,
+        "decoder": UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder"))),
+        "upsamplers": [
+            UnCLIPUpsampler.from_pretrained(sub(n)) for n in comps.get("upsamplers", [])
+        ],
+        "diffusion": index.get("diffusion"),
+        "sampling": index.get("sampling"),
+        "prior_clip_range": index.get("prior_clip_range", 10.0),
+        "reranker": (
+            CLIP.from_pretrained(sub(comps["reranker"])) if comps.get("reranker") else None
+        ),
+    }
 
 
 # bundled models --------------------------------------------------------------------------------

@@ -1,13 +1,21 @@
-"""Helpers of :mod:`unclip.pipeline`: argument checks, generator expansion, slerp, stage names."""
+"""Helpers of :mod:`unclip.pipeline`: argument and component checks, generator expansion, slerp,
+per-sample seeds."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
 from unclip.diffusion import Generator
+
+if TYPE_CHECKING:
+    from unclip.clip import CLIP
+    from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
+    from unclip.prior import UnCLIPPrior
 
 
 def slerp(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
@@ -63,8 +71,61 @@ def check_embeds(image_embed, dim: int) -> torch.Tensor:
     return image_embed
 
 
-def stage_kind(name: str) -> str:
-    return "upsampler" if name.startswith("sr") else name
+def check_components(
+    clip: CLIP,
+    prior: Optional[UnCLIPPrior],
+    decoder: UnCLIPDecoder,
+    upsamplers: Mapping[str, UnCLIPUpsampler],
+    reranker: Optional[CLIP],
+) -> None:
+    """Raise ``ValueError`` naming the mismatch unless the components fit together: the prior's and
+    decoder's embedding and text sizes match ``clip``, the reranker has an image tower, and each
+    upsampler (by stage name, in order) takes the previous stage's image size."""
+    d, w, L = clip.embed_dim, clip.text_width, clip.context_length
+    if prior is not None:
+        pc = prior.config
+        if pc.embed_dim != d:
+            raise ValueError(
+                f"prior embed_dim {pc.embed_dim} != CLIP embed_dim {d} (clip: {clip.model_name})"
+            )
+        if pc.text_width != w:
+            raise ValueError(f"prior text_width {pc.text_width} != CLIP text width {w}")
+        if pc.context_length != L:
+            raise ValueError(f"prior context_length {pc.context_length} != CLIP context length {L}")
+    if reranker is not None and not reranker.has_vision:
+        raise ValueError(
+            f"reranker CLIP {reranker.model_name!r} has no image tower, so it cannot "
+            "score candidates; use a CLIP with image-tower weights"
+        )
+    dc = decoder.config
+    if dc.embed_dim != d:
+        raise ValueError(
+            f"decoder embed_dim {dc.embed_dim} != CLIP embed_dim {d} (clip: {clip.model_name})"
+        )
+    if dc.use_text_tokens and dc.text_width != w:
+        raise ValueError(f"decoder text_width {dc.text_width} != CLIP text width {w}")
+    size = dc.sample_size
+    for name, up in upsamplers.items():
+        if up.config.low_res_size != size:
+            raise ValueError(
+                f"upsampler {name} expects {up.config.low_res_size}px input but the previous "
+                f"stage makes {size}px images"
+            )
+        size = up.config.sample_size
+
+
+def stages_until(upsampler_names: list[str], last_stage: Optional[str]) -> list[str]:
+    """The upsamplers to run when stopping after ``last_stage`` (None: every upsampler)."""
+    if last_stage is None:
+        return upsampler_names
+    if last_stage == "decoder":
+        return []
+    if last_stage not in upsampler_names:
+        raise ValueError(
+            f"last_stage must be 'decoder' or one of this pipeline's upsamplers "
+            f"{upsampler_names}, got {last_stage!r}"
+        )
+    return upsampler_names[: upsampler_names.index(last_stage) + 1]
 
 
 def sample_seed(seed: int, *key: int) -> int:

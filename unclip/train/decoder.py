@@ -23,11 +23,12 @@ from typing import Optional
 import torch
 from PIL import Image
 
-from unclip.clip import FrozenCLIP, TextEncoding
+from unclip.clip import CLIP, TextEncoding
 from unclip.decoder import UnCLIPDecoder, degrade, upsample_low_res
 from unclip.diffusion import diffusion_loss, training_scheduler
 from unclip.images import image_grid
 from unclip.pipeline import UnCLIPPipeline
+from unclip.sampling import sample_upsampler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop, sample_generators
@@ -47,9 +48,7 @@ logger = logging.getLogger("unclip.train")
 GRID_SIZE = 8
 
 
-def decoder_loss(
-    model, batch, clip: FrozenCLIP, null: TextEncoding, gens, cfg, noise_sched, device
-):
+def decoder_loss(model, batch, clip: CLIP, null: TextEncoding, gens, cfg, noise_sched, device):
     """Denoising loss of the base decoder on one micro-batch, with condition dropout."""
     images = batch["image"].to(device)
     b = images.shape[0]
@@ -129,7 +128,7 @@ class DecoderTask:
 
     name = "decoder"
 
-    def __init__(self, cfg: StageConfig, clip: FrozenCLIP, device):
+    def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
         self.null = clip.encode_text([""])
         self.noise_sched = training_scheduler(cfg.diffusion)
@@ -162,7 +161,7 @@ class UpsamplerTask:
     """An upsampler's training task: :func:`upsampler_loss`, and a grid of corrupted low-res
     training images (top row, enlarged) and the upsampler's samples from them (bottom row)."""
 
-    def __init__(self, cfg: StageConfig, clip: FrozenCLIP, device):
+    def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
         self.name = f"sr{cfg.upsampler.sample_size}"
         self.noise_sched = training_scheduler(cfg.diffusion)
@@ -175,30 +174,9 @@ class UpsamplerTask:
         n = min(GRID_SIZE, len(batch["caption"]))
         gens = _grid_generators(self.cfg, n)
         low = degrade(batch["image"][:n], up.low_res_size, aug.corruption, gens, aug.blur_sigma)
-        # a pipeline runs its upsamplers after a decoder of their input size; only upsample() runs
-        # here, so the decoder is a minimal placeholder that is never called
-        placeholder = UnCLIPDecoder(
-            embed_dim=self.clip.embed_dim,
-            text_width=self.clip.text_width,
-            sample_size=up.low_res_size,
-            block_out_channels=(8,),
-            layers_per_block=1,
-            down_block_types=("DownBlock2D",),
-            up_block_types=("UpBlock2D",),
-            mid_block_type=None,
-            norm_num_groups=8,
-            num_image_tokens=1,
-            use_text_tokens=False,
-        ).to(model.device)
-        pipe = UnCLIPPipeline(
-            self.clip,
-            None,
-            placeholder,
-            [model],
-            diffusion={self.name: self.cfg.diffusion},
-            sampling={self.name: self.cfg.sampling},
+        out = sample_upsampler(
+            model, low, self.cfg.sampling, self.cfg.diffusion, generator=gens, progress=False
         )
-        out = pipe.upsample(low.to(self.device), gens, progress=False)
         low = torch.nn.functional.interpolate(low.float(), size=out.shape[-2:])
         return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
 
@@ -221,7 +199,7 @@ def train_decoder(
         )
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
     torch.manual_seed(cfg.train.seed)
-    clip = FrozenCLIP.from_config(cfg.clip).to(loop.device)
+    clip = CLIP.from_config(cfg.clip).to(loop.device)
     model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
     if cfg.train.gradient_checkpointing:
         model.unet.enable_gradient_checkpointing()

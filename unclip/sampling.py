@@ -1,0 +1,435 @@
+"""Per-stage sampling: the settings each stage samples with, and each stage's sampling step.
+
+Settings: a stage samples with a :class:`~unclip.config.SamplingConfig` (scheduler, steps,
+guidance_scale, best_of) and the :class:`~unclip.config.DiffusionConfig` it was trained with (noise
+schedule, prediction type). :func:`stage_settings` gives every stage its own settings or the
+defaults of its kind (:data:`DEFAULT_SAMPLING`, :data:`DEFAULT_DIFFUSION`);
+:func:`resolve_sampling` applies and checks ``sampling=`` overrides.
+
+Steps: :func:`sample_prior`, :func:`sample_decoder` and :func:`sample_upsampler` each run one
+stage's reverse process with classifier-free guidance from that stage's network and settings alone,
+and :func:`rerank_candidates` keeps the decoder's best candidates by CLIP score, so they need no
+pipeline::
+
+    # sr32: an UnCLIPUpsampler from 16 to 32 px; low: [B, 3, 16, 16] in [-1, 1]
+    settings = SamplingConfig(steps=10, guidance_scale=1.0)
+    big = sample_upsampler(sr32, low, settings, DiffusionConfig(), generator=gens)  # [B, 3, 32, 32]
+
+:class:`~unclip.pipeline.UnCLIPPipeline` chains them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from unclip.clip import CLIP, TextEncoding, check_prompts
+from unclip.config import DiffusionConfig, SamplingConfig, from_dict, to_dict
+from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler, upsample_low_res
+from unclip.diffusion import (
+    Generator,
+    check_sampling_args,
+    is_guided,
+    make_scheduler,
+    sample_loop,
+    training_scheduler,
+)
+from unclip.pipeline_utils import check_count
+from unclip.prior import UnCLIPPrior
+
+__all__ = [
+    "DEFAULT_SAMPLING",
+    "DEFAULT_DIFFUSION",
+    "SAMPLING_FIELDS",
+    "EVERY_UPSAMPLER",
+    "stage_kind",
+    "stage_settings",
+    "resolve_sampling",
+    "stage_callback",
+    "sample_prior",
+    "sample_decoder",
+    "sample_upsampler",
+    "image_text_cosines",
+    "rerank_candidates",
+]
+
+DEFAULT_SAMPLING = {
+    "prior": SamplingConfig(scheduler="ddim", steps=25, guidance_scale=4.0, best_of=2),
+    "decoder": SamplingConfig(scheduler="ddim", steps=25, guidance_scale=4.0),
+    "upsampler": SamplingConfig(scheduler="ddim", steps=10, guidance_scale=1.0),
+}
+DEFAULT_DIFFUSION = {
+    "prior": DiffusionConfig(prediction_type="sample"),
+    "decoder": DiffusionConfig(prediction_type="epsilon"),
+    "upsampler": DiffusionConfig(prediction_type="epsilon"),
+}
+#: the fields a ``sampling=`` override may set for a stage
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
+#: the ``sampling=`` key whose settings apply to every upsampler (a stage's own key wins)
+EVERY_UPSAMPLER = "upsampler"
+
+#: ``callback(step, timestep, x_t) -> new x_t | None``, as :func:`~unclip.diffusion.sample_loop`
+LoopCallback = Callable[[int, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
+#: ``callback_on_step_end(pipe, step, timestep, callback_kwargs) -> dict | None``, as in diffusers
+StepCallback = Callable[[Any, int, torch.Tensor, dict], Optional[dict]]
+
+
+def stage_kind(name: str) -> str:
+    """``"prior"``, ``"decoder"`` or ``"upsampler"`` for a stage name (``sr64`` is an upsampler)."""
+    return "upsampler" if name.startswith("sr") else name
+
+
+# -------------------------------------------------------------------------------------- settings
+def stage_settings(
+    stage_names: Sequence[str],
+    diffusion: Optional[Mapping] = None,
+    sampling: Optional[Mapping] = None,
+) -> tuple[dict[str, DiffusionConfig], dict[str, SamplingConfig]]:
+    """``({stage: DiffusionConfig}, {stage: SamplingConfig})`` for ``stage_names``: each stage's
+    entry of ``diffusion``/``sampling`` (a config or a dict, as in ``unclip.json``) or else the
+    defaults of its kind. Sampling configs are copies, so changing them changes nothing given."""
+    diffusion_out: dict[str, DiffusionConfig] = {}
+    sampling_out: dict[str, SamplingConfig] = {}
+    for name in stage_names:
+        kind = stage_kind(name)
+        d = (diffusion or {}).get(name, DEFAULT_DIFFUSION[kind])
+        s = (sampling or {}).get(name, DEFAULT_SAMPLING[kind])
+        diffusion_out[name] = (
+            d
+            if isinstance(d, DiffusionConfig)
+            else from_dict(DiffusionConfig, d, prefix=f"diffusion.{name}")
+        )
+        sampling_out[name] = (
+            copy.deepcopy(s)
+            if isinstance(s, SamplingConfig)
+            else from_dict(SamplingConfig, s, prefix=f"sampling.{name}")
+        )
+    return diffusion_out, sampling_out
+
+
+def resolve_sampling(
+    settings: Mapping[str, SamplingConfig], sampling: Optional[Mapping] = None
+) -> dict[str, SamplingConfig]:
+    """``settings`` (``{stage: SamplingConfig}``, a pipeline's stages in order) with the overrides
+    ``sampling`` applied and every stage's result checked; a new dict of copies.
+
+    ``sampling``: ``{key: {field: value}}`` (or ``{key: SamplingConfig}``); a key is a stage of
+    ``settings`` or ``"upsampler"`` (every upsampler; an upsampler's own key wins), a field one of
+    :data:`SAMPLING_FIELDS`. ``"prior"`` and ``"upsampler"`` are accepted (and checked) where
+    ``settings`` has no such stage, so one set of overrides serves every pipeline. Unknown keys or
+    fields and invalid values are a ``ValueError`` naming them."""
+    over = _check_overrides(sampling, list(settings))
+    out = {}
+    for stage, base in settings.items():
+        s = copy.deepcopy(base)
+        merged = dict(over.get(EVERY_UPSAMPLER, {})) if stage_kind(stage) == "upsampler" else {}
+        merged.update(over.get(stage, {}))
+        for k, v in merged.items():
+            setattr(s, k, v)
+        check_sampling_args(stage, s.scheduler, s.steps, s.guidance_scale)
+        if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
+            raise ValueError(f"{stage}: best_of must be an integer >= 1, got {s.best_of!r}")
+        if stage_kind(stage) == "upsampler" and s.best_of != 1:
+            raise ValueError(
+                f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "
+                f"prior's and the decoder's best_of), got {s.best_of}"
+            )
+        out[stage] = s
+    return out
+
+
+def _check_overrides(sampling: Optional[Mapping], stages: list[str]) -> dict[str, dict]:
+    if sampling is None:
+        return {}
+    if not isinstance(sampling, Mapping):
+        raise TypeError(
+            f"sampling must be a dict {{stage: {{setting: value}}}}, got {type(sampling).__name__}"
+        )
+    valid = [*stages, EVERY_UPSAMPLER]
+    if "prior" not in stages:
+        valid.append("prior")
+    out = {}
+    for key, values in sampling.items():
+        if key not in valid:
+            if key == "upsamplers":
+                hint = f"; use {EVERY_UPSAMPLER!r} for every upsampler"
+            else:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"sampling: unknown stage {key!r}{hint} (valid: {', '.join(valid)})")
+        if isinstance(values, SamplingConfig):
+            values = to_dict(values)
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                f"sampling[{key!r}] must be a dict of settings, got {type(values).__name__}"
+            )
+        unknown = [k for k in values if k not in SAMPLING_FIELDS]
+        if unknown:
+            raise ValueError(
+                f"sampling[{key!r}]: unknown sampling setting {unknown[0]!r} "
+                f"(valid: {', '.join(SAMPLING_FIELDS)})"
+            )
+        out[key] = dict(values)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- steps
+def stage_callback(
+    pipe: Any, stage: str, callback_on_step_end: Optional[StepCallback]
+) -> Optional[LoopCallback]:
+    """A pipeline-level ``callback_on_step_end`` as the ``callback`` of ``stage``'s sampling loop:
+    it is called as ``callback_on_step_end(pipe, step, timestep, {"stage": stage, "latents": x_t})``
+    and a returned dict's ``"latents"`` replaces ``x_t``."""
+    if callback_on_step_end is None:
+        return None
+    if not callable(callback_on_step_end):
+        raise TypeError(
+            f"callback_on_step_end must be callable, got {type(callback_on_step_end).__name__}"
+        )
+
+    def step(i, t, x):
+        out = callback_on_step_end(pipe, i, t, {"stage": stage, "latents": x})
+        if out is None:
+            return None
+        if not isinstance(out, Mapping):
+            raise TypeError(
+                f"callback_on_step_end must return None or a dict, got {type(out).__name__}"
+            )
+        return out.get("latents")
+
+    return step
+
+
+def _checked(stage: str, settings: SamplingConfig) -> SamplingConfig:
+    """``settings`` checked as :func:`resolve_sampling` checks a stage's (a copy)."""
+    return resolve_sampling({stage: settings})[stage]
+
+
+def _sample(denoise, shape, sched, settings: SamplingConfig, net, desc: str, **kwargs):
+    """:func:`~unclip.diffusion.sample_loop` with ``settings``' steps and guidance scale, on the
+    network ``net``'s device and in its dtype."""
+    return sample_loop(
+        denoise,
+        shape,
+        sched,
+        num_steps=settings.steps,
+        guidance_scale=settings.guidance_scale,
+        device=net.device,
+        dtype=net.dtype,
+        desc=desc,
+        **kwargs,
+    )
+
+
+def _null_first(null: TextEncoding, cond: TextEncoding) -> TextEncoding:
+    """``[uncond; cond]`` conditioning for a guided :func:`~unclip.diffusion.sample_loop`."""
+    return TextEncoding.cat([null, cond])
+
+
+@torch.no_grad()
+def sample_prior(
+    prior: UnCLIPPrior,
+    text: TextEncoding,
+    null_text: Callable[[int], TextEncoding],
+    settings: SamplingConfig,
+    diffusion: DiffusionConfig,
+    *,
+    generator: Generator = None,
+    clip_range: Optional[float] = 10.0,
+    latents: Optional[torch.Tensor] = None,
+    progress: bool = True,
+    autocast_dtype: Optional[torch.dtype] = None,
+    callback: Optional[LoopCallback] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prior: ``text [B]`` → ``(best [B, D], candidates [B, N, D])`` CLIP image embeddings.
+
+    Samples ``N = settings.best_of`` candidates per row and keeps the one with the highest dot
+    product with the row's text embedding (paper §2.2). ``null_text(n)``: the empty caption's
+    encoding repeated ``n`` times (the unconditional input; called only when guided).
+    ``generator``: one, or one per candidate (``B·N``, row-major). ``clip_range``: predicted x_0
+    (the normalised embedding) is clipped to ``[-r, r]``; None disables. ``latents [B·N, D]``:
+    the initial noise. ``autocast_dtype``, ``callback``: as
+    :func:`~unclip.diffusion.sample_loop`."""
+    settings = _checked("prior", settings)
+    n_best, b = settings.best_of, len(text)
+    device = prior.device
+    cond = text.repeat_interleave(n_best).to(device=device)
+    batch = b * n_best
+    if is_guided(settings.guidance_scale):
+        cond = _null_first(null_text(batch).to(device=device), cond)
+    sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=clip_range)
+    x = _sample(
+        lambda x_in, t: prior(x_in, t, cond),
+        (batch, prior.config.embed_dim),
+        sched,
+        settings,
+        prior,
+        "prior",
+        generator=generator,
+        latents=latents,
+        progress=progress,
+        autocast_dtype=autocast_dtype,
+        callback=callback,
+    )
+    cands = prior.denormalize(x.float()).view(b, n_best, -1)
+    text_embed = text.text_embed.to(cands)
+    scores = (F.normalize(cands, dim=-1) * text_embed[:, None]).sum(-1)
+    best = cands[torch.arange(b), scores.argmax(dim=1)]
+    return best, cands
+
+
+@torch.no_grad()
+def sample_decoder(
+    decoder: UnCLIPDecoder,
+    image_embed: torch.Tensor,
+    text: TextEncoding,
+    null_text: Callable[[int], TextEncoding],
+    settings: SamplingConfig,
+    diffusion: DiffusionConfig,
+    *,
+    generator: Generator = None,
+    latents: Optional[torch.Tensor] = None,
+    progress: bool = True,
+    autocast_dtype: Optional[torch.dtype] = None,
+    callback: Optional[LoopCallback] = None,
+) -> torch.Tensor:
+    """Decoder: ``image_embed [B, D]`` and captions ``text [B]`` → images ``[B, 3, s, s]`` in
+    [-1, 1] at the decoder's resolution.
+
+    Guidance's unconditional input is the decoder's learned null image embedding with the empty
+    caption ``null_text(B)`` (called only when guided). ``generator``: one, or one per image;
+    ``latents [B, 3, s, s]``: the initial noise. ``autocast_dtype``, ``callback``: as
+    :func:`~unclip.diffusion.sample_loop`."""
+    settings = _checked("decoder", settings)
+    b, device = image_embed.shape[0], decoder.device
+    text = text.to(device=device)
+    image_embed = image_embed.to(device)
+    drop = None
+    if is_guided(settings.guidance_scale):
+        text = _null_first(null_text(b).to(device=device), text)
+        image_embed = torch.cat([image_embed, image_embed])
+        drop = torch.arange(2 * b, device=device) < b
+    cond = decoder.condition(image_embed, text, drop)
+    size = decoder.config.sample_size
+    learned = decoder.config.learned_variance
+    sched = make_scheduler(
+        settings.scheduler, diffusion, clip_sample_range=1.0, learned_variance=learned
+    )
+    x = _sample(
+        lambda x_in, t: decoder(x_in, t, cond=cond),
+        (b, 3, size, size),
+        sched,
+        settings,
+        decoder,
+        "decoder",
+        generator=generator,
+        latents=latents,
+        learned_variance=learned,
+        progress=progress,
+        autocast_dtype=autocast_dtype,
+        callback=callback,
+    )
+    return x.float().clamp(-1, 1)
+
+
+@torch.no_grad()
+def sample_upsampler(
+    up: UnCLIPUpsampler,
+    low: torch.Tensor,
+    settings: SamplingConfig,
+    diffusion: DiffusionConfig,
+    *,
+    generator: Generator = None,
+    progress: bool = True,
+    autocast_dtype: Optional[torch.dtype] = None,
+    callback: Optional[LoopCallback] = None,
+) -> torch.Tensor:
+    """One upsampler: ``low [B, 3, h, w]`` in [-1, 1] (``h = up.config.low_res_size``) → images
+    ``[B, 3, H, W]`` in [-1, 1] (``H = up.config.sample_size``), on the upsampler's device.
+
+    The low-res images are resized to ``H`` (bicubic) and, when ``up.config.noise_level > 0``,
+    noised to that level by ``diffusion``'s forward process, as in training (noise conditioning
+    augmentation); guidance's unconditional input is an all-zero low-res image. ``generator``: one,
+    or one per image; it draws that noise, the initial noise and the scheduler's noise.
+    ``diffusion``: the upsampler's training noise schedule. ``autocast_dtype``, ``callback``: as
+    :func:`~unclip.diffusion.sample_loop`."""
+    name = f"sr{up.config.sample_size}"
+    if not isinstance(low, torch.Tensor) or low.ndim != 4:
+        raise TypeError(f"{name}: the low-res images must be a tensor [B, 3, h, w] in [-1, 1]")
+    if low.shape[-1] != up.config.low_res_size:
+        raise ValueError(f"{name} expects {up.config.low_res_size}px input, got {low.shape[-1]}px")
+    settings = _checked(name, settings)
+    b, size, device = low.shape[0], up.config.sample_size, up.device
+    low_up = upsample_low_res(low.to(device), size, clamp=up.config.clamp_low_res)
+    level = int(up.config.noise_level)
+    levels = torch.full((b,), level, dtype=torch.long, device=device)
+    if level > 0:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        noise = randn_tensor(low_up.shape, generator=generator, device=device, dtype=low_up.dtype)
+        low_up = training_scheduler(diffusion).add_noise(low_up, noise, levels.cpu())
+    if is_guided(settings.guidance_scale):  # unconditional = no low-res information (zeros)
+        low_up = torch.cat([torch.zeros_like(low_up), low_up])
+        levels = torch.cat([levels, levels])
+    sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=1.0)
+
+    def denoise(x_in, t):
+        final = bool(t == sched.timesteps[-1])
+        return up(x_in, t, low_up, levels, final_step=final)
+
+    x = _sample(
+        denoise,
+        (b, 3, size, size),
+        sched,
+        settings,
+        up,
+        name,
+        generator=generator,
+        progress=progress,
+        autocast_dtype=autocast_dtype,
+        callback=callback,
+    )
+    return x.float().clamp(-1, 1)
+
+
+def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
+    """Cosine ``[B]`` between ``clip``'s embeddings of images ``[B, 3, H, W]`` in [-1, 1] and text
+    embeddings ``[B, D]``."""
+    img = F.normalize(clip.encode_image(images), dim=-1)
+    return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
+
+
+@torch.no_grad()
+def rerank_candidates(
+    clip: CLIP, images: torch.Tensor, prompts: Union[str, Sequence[str]], k: int
+) -> torch.Tensor:
+    """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
+    (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between ``clip``'s embeddings of the image
+    and of its prompt (the decoder's ``best_of``). ``prompts``: one per image (``B·k``), one per
+    group (``B``), or one string for all; ``k = 1`` keeps every image."""
+    k = check_count(k, "k")
+    if images.shape[0] % k:
+        raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
+    if k == 1:
+        return torch.arange(images.shape[0])
+    if isinstance(prompts, torch.Tensor):
+        raise TypeError(
+            "rerank takes the prompts (strings), not text embeddings: the reranking CLIP "
+            "(pipe.rerank_clip) encodes them itself"
+        )
+    prompts = [prompts] * images.shape[0] if isinstance(prompts, str) else check_prompts(prompts)
+    if len(prompts) == images.shape[0] // k:
+        prompts = [p for p in prompts for _ in range(k)]
+    if len(prompts) != images.shape[0]:
+        raise ValueError(
+            f"rerank: {len(prompts)} prompts for {images.shape[0]} images in groups of {k}; "
+            f"give one prompt per image or one per group"
+        )
+    scores = image_text_cosines(clip, images, clip.encode_text(prompts).text_embed).view(-1, k)
+    return torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()
