@@ -572,6 +572,29 @@ def test_upsampler_noise_level_noises_the_low_res_image_at_sampling(tmp_path):
     assert torch.allclose(sr(loaded), noisy, atol=1e-5)
 
 
+def test_sample_upsampler_is_the_pipeline_upsample_step():
+    """`unclip.sampling.sample_upsampler` runs one upsampler without a pipeline and gives exactly
+    what `UnCLIPPipeline.upsample` gives for that stage (noise-level step and guidance included);
+    it refuses input of the wrong size and an upsampler best_of."""
+    from unclip.sampling import sample_upsampler
+
+    pipe = tiny_pipeline(seed=0)
+    up = pipe.upsamplers[0]
+    up.register_to_config(noise_level=100)
+    low = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    over = {"sr32": {"guidance_scale": 2.0, "steps": 3}}
+    settings = pipe.sampling_settings(over)["sr32"]
+    alone = sample_upsampler(up, low, settings, pipe.diffusion["sr32"], generator=gens(0, 1))
+    piped = pipe.upsample(low, gens(0, 1), over, stages=["sr32"], progress=False)
+    assert alone.shape == (2, 3, 32, 32)
+    assert torch.equal(alone, piped)
+    with pytest.raises(ValueError, match="sr32 expects 16px input, got 32px"):
+        sample_upsampler(up, alone, settings, pipe.diffusion["sr32"])
+    settings.best_of = 2
+    with pytest.raises(ValueError, match="best_of must be 1 for an upsampler"):
+        sample_upsampler(up, low, settings, pipe.diffusion["sr32"])
+
+
 def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocabulary(
     tiny_pipe, tmp_path
 ):
