@@ -443,6 +443,30 @@ def test_pickle_weights_are_refused(folder):
         load_diffusers_unclip(folder)
 
 
+class _Payload:
+    """Unpickling this creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("component", ["prior", "decoder", "text_encoder", "super_res_first"])
+def test_malicious_pickle_weights_are_refused_unrun(folder, tmp_path, component):
+    for weights in (folder / component).glob("*.safetensors"):
+        weights.unlink()
+    name = "pytorch_model.bin" if component == "text_encoder" else "diffusion_pytorch_model.bin"
+    bad = folder / component / name
+    torch.save({"payload": _Payload(tmp_path / "marker")}, bad)
+    with pytest.raises(
+        ValueError, match=rf"{component}: no safetensors weights.*{bad} is a pickle"
+    ):
+        UnCLIPPipeline.from_pretrained(folder)
+    assert not (tmp_path / "marker").exists()
+
+
 # ------------------------------------------------------------------------------- export errors, CLI
 def test_export_refuses_what_diffusers_cannot_express(tmp_path):
     pipe = tiny_pipeline(

@@ -210,12 +210,16 @@ class CLIP(torch.nn.Module):
                 f"CLIP folder {path} has no {CONFIG_NAME}; expected a folder written by "
                 f"CLIP.save_pretrained"
             )
-        meta = json.loads(cfg_file.read_text())
+        from unclip.io import pickle_refusal, pickles_in, read_json
+
+        meta = read_json(cfg_file, "clip")
         model = build_open_clip_model(meta["model_cfg"])
         weights = path / WEIGHTS_NAME
         kept = None
         if weights.is_file():
             kept = _load_safetensors(model, weights)
+        elif pickles_in(path):
+            raise pickle_refusal(pickles_in(path)[0], "clip", path)
         elif meta.get("pretrained"):
             load_pretrained_weights(model, meta["model_name"], meta["pretrained"])
         else:
@@ -286,6 +290,29 @@ class CLIP(torch.nn.Module):
                 state[key] = state[key][ids].contiguous()
                 state[KEPT_TOKENS_KEY] = ids
             save_file(state, str(path / WEIGHTS_NAME))
+
+    def fingerprint(self) -> str:
+        """Short sha256 (16 hex digits) of this CLIP's model name, config and weights: identifies
+        the CLIP a component was trained with, or that cached features came from.
+
+        Floating weights are hashed as float32 on the CPU and a closed-vocabulary token table only
+        by its kept rows, so a CLIP hashes the same before :meth:`save_pretrained` and after
+        :meth:`from_pretrained` (also when saved in fp16 from fp16 values)."""
+        import hashlib
+
+        h = hashlib.sha256(self.model_name.encode())
+        h.update(json.dumps(self.model_cfg, sort_keys=True, default=str).encode())
+        state = self.model.state_dict()
+        table = _token_table_key(state) if self.kept_token_ids is not None else None
+        for key, value in state.items():
+            value = value.detach().cpu()
+            if value.is_floating_point():
+                value = value.float()
+            if key == table:
+                value = value[torch.unique(self.kept_token_ids.to(torch.int64).cpu())]
+            h.update(key.encode())
+            h.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -513,9 +540,9 @@ def closed_vocabulary_ids(clip: CLIP, words: Sequence[str]) -> torch.Tensor:
 def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None:
     """Load ``file`` into ``model``; returns the kept token ids of a closed-vocabulary file, else
     None."""
-    from safetensors.torch import load_file
+    from unclip.io import load_safetensors
 
-    state = load_file(str(file))
+    state = load_safetensors(file, "clip")
     kept = state.pop(KEPT_TOKENS_KEY, None)
     if kept is not None:  # a closed-vocabulary table: put its rows in place, zeros elsewhere
         key = _token_table_key(state)
@@ -546,22 +573,26 @@ def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None
 def load_pretrained_weights(model: torch.nn.Module, model_name: str, pretrained: str) -> None:
     """Load a local weights file or folder, or an open_clip hub tag (the only path that downloads),
     into the open_clip ``model`` built for ``model_name``."""
+    from unclip.io import pickle_refusal, pickles_in
+
     p = Path(pretrained)
     if p.is_dir():
-        for name in (WEIGHTS_NAME, "open_clip_model.safetensors", "open_clip_pytorch_model.bin"):
+        names = (WEIGHTS_NAME, "open_clip_model.safetensors", "open_clip_pytorch_model.safetensors")
+        for name in names:
             if (p / name).is_file():
                 p = p / name
                 break
         else:
+            if pickles_in(p):
+                raise pickle_refusal(pickles_in(p)[0], "clip", p)
             raise FileNotFoundError(
                 f"no CLIP weights in folder {pretrained}: provide {p / WEIGHTS_NAME} "
                 f"or open_clip_model.safetensors"
             )
     if p.is_file():
-        if p.suffix == ".safetensors":
-            _load_safetensors(model, p)
-        else:
-            open_clip.load_checkpoint(model, str(p), weights_only=True)
+        if p.suffix != ".safetensors":  # a pickle (.bin/.pt/.ckpt) or an unknown format
+            raise pickle_refusal(p, "clip")
+        _load_safetensors(model, p)
         return
     if os.sep in pretrained or pretrained.endswith((".safetensors", ".bin", ".pt", ".pth")):
         raise FileNotFoundError(f"CLIP weights file not found: {pretrained}")
@@ -581,6 +612,12 @@ def load_pretrained_weights(model: torch.nn.Module, model_name: str, pretrained:
         ) from exc
     if not ckpt:
         raise FileNotFoundError(f"could not fetch open_clip weights {model_name}/{pretrained}")
+    if not str(ckpt).endswith(".safetensors"):  # this tag is published only as a pickle
+        raise pickle_refusal(ckpt, f"clip ({model_name}/{pretrained})")
+    from unclip.io import check_safetensors
+
+    check_safetensors(ckpt, f"clip ({model_name}/{pretrained})")
+    # open_clip's loader (safetensors for this file) converts older and third-party key layouts
     open_clip.load_checkpoint(model, ckpt, weights_only=True)
 
 

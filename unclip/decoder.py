@@ -179,6 +179,15 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         """A decoder sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
         return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader restricted to safetensors weights (pickles can run code: refused)."""
+        from unclip.io import safe_model_from_pretrained
+
+        return safe_model_from_pretrained(
+            super().from_pretrained, pretrained_model_name_or_path, "decoder", **kwargs
+        )
+
 
 class UnCLIPUpsampler(ModelMixin, ConfigMixin):
     """Super-resolution stage ``low_res_size → sample_size``.
@@ -235,6 +244,15 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
             self.noise_level_embedding = TimestepEmbedding(
                 block_out_channels[0], block_out_channels[0] * 4
             )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader restricted to safetensors weights (pickles can run code: refused)."""
+        from unclip.io import safe_model_from_pretrained
+
+        return safe_model_from_pretrained(
+            super().from_pretrained, pretrained_model_name_or_path, "upsampler", **kwargs
+        )
 
     def forward(
         self,

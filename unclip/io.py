@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,15 +44,98 @@ def read_json(file: Path, component: str) -> dict:
     if not file.is_file():
         raise ValueError(f"{component}: {file} is missing")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{component}: {file} is not valid JSON ({exc})") from exc
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{component}: {file} is not valid JSON ({exc}); fix or re-export it"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{component}: {file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_pipeline_index(path) -> dict:
+    """The ``unclip.json`` of pipeline folder ``path``; a broken file is a one-line
+    ``ValueError`` naming it."""
+    return read_json(Path(path) / PIPELINE_FILE, "pipeline")
+
+
+#: weight files that are Python pickles: loading one can run arbitrary code, so unclip refuses them
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def pickle_refusal(file, component: str, folder=None) -> ValueError:
+    """The one-line error for a pickle weights file (``folder``: the component folder that has no
+    safetensors weights besides it), with the command that converts it."""
+    file = Path(file)
+    target = file.with_suffix(".safetensors")
+    where = f"no safetensors weights in {folder}; " if folder is not None else ""
+    return ValueError(
+        f"{component}: {where}{file} is a pickle, which can run code when loaded, so unclip "
+        "never loads "
+        f'it; convert it to safetensors where you trust the file: python -c "import torch; from '
+        f"safetensors.torch import save_file; save_file(torch.load('{file}', weights_only=True), "
+        f"'{target}')\""
+    )
+
+
+def pickles_in(folder: Path) -> list[Path]:
+    """The pickle weight files directly in ``folder``."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+
+
+def check_safetensors(file, component: str) -> None:
+    """Raise a one-line ``ValueError`` naming ``file`` if it is not a complete safetensors file
+    (only the header is read; safetensors checks it covers the whole file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"{component}: {file} is truncated or corrupt ({exc}); re-download or re-export it"
+        ) from None
+
+
+def load_safetensors(file, component: str) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file; a truncated or corrupt file is a one-line
+    ``ValueError`` naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if Path(file).suffix in PICKLE_SUFFIXES:
+        raise pickle_refusal(file, component)
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"{component}: {file} is truncated or corrupt ({exc}); re-download or re-export it"
+        ) from None
+
+
+def safe_model_from_pretrained(load: Callable, path, component: str, **kwargs):
+    """diffusers' ``ModelMixin.from_pretrained`` (bound as ``load``) restricted to safetensors: a
+    folder with only pickle weights is refused with how to convert them, a truncated safetensors
+    file is a one-line error naming it, and diffusers is told ``use_safetensors=True`` so it never
+    falls back to unpickling."""
+    if kwargs.get("use_safetensors") is False:
+        raise ValueError(f"{component}: unclip never loads pickle weights (use_safetensors=False)")
+    kwargs["use_safetensors"] = True
+    folder = Path(path) / (kwargs.get("subfolder") or "")
+    if folder.is_dir():
+        weights = sorted(folder.glob("*.safetensors"))
+        if not weights and pickles_in(folder):
+            raise pickle_refusal(pickles_in(folder)[0], component, folder)
+        for file in weights:
+            check_safetensors(file, component)
+    return load(path, **kwargs)
 
 
 def load_weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
     """All tensors of a component folder (one or sharded safetensors files; pickles are refused)."""
-    from safetensors.torch import load_file
-
     if not folder.is_dir():
         raise ValueError(f"{component}: component folder {folder} is missing")
     for index_name in (
@@ -67,22 +152,17 @@ def load_weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
                     raise ValueError(
                         f"{component}: shard {shard} listed in {index_name} is missing"
                     )
-                state.update(load_file(str(folder / shard)))
+                state.update(load_safetensors(folder / shard, component))
             return state
     for name in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
         if (folder / name).is_file():
-            return load_file(str(folder / name))
+            return load_safetensors(folder / name, component)
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
-        return load_file(str(files[0]))
-    pickles = sorted(p.name for p in folder.glob("*.bin"))
-    hint = (
-        f" (found only pickle weights {pickles}; unclip never unpickles weight files — convert "
-        "them to safetensors first)"
-        if pickles
-        else ""
-    )
-    raise ValueError(f"{component}: no safetensors weights in {folder}{hint}")
+        return load_safetensors(files[0], component)
+    if pickles_in(folder):
+        raise pickle_refusal(pickles_in(folder)[0], component, folder)
+    raise ValueError(f"{component}: no safetensors weights in {folder}")
 
 
 def check_state(component: str, expected: dict, got: dict, folder: Path) -> None:
@@ -108,9 +188,9 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
     """Diffusion and sampling settings of a component folder without ``unclip_stage.json``: those of
     the pipeline folder it sits in (``../unclip.json``), else ``{}`` (the defaults) with a
     warning."""
-    index_path = folder.parent / "unclip.json"
+    index_path = folder.parent / PIPELINE_FILE
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        index = read_json(index_path, "pipeline")
         comps = index.get("components", {})
         stage_of = {
             comps.get("prior"): "prior",
@@ -134,28 +214,64 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
     return {}
 
 
+def stage_meta(stage: str, name: str, diffusion: dict, sampling: dict, clip) -> dict:
+    """The ``unclip_stage.json`` of an exported component: its stage kind, name, diffusion and
+    sampling settings (dicts) and the fingerprint of the CLIP it was trained with
+    (:meth:`~unclip.clip.CLIP.fingerprint`), which :func:`load_components` checks."""
+    return {
+        "stage": stage,
+        "name": name,
+        "diffusion": diffusion,
+        "sampling": sampling,
+        "clip_fingerprint": clip.fingerprint(),
+    }
+
+
 def load_components(
     clip, decoder, prior, upsamplers, default_diffusion: dict, default_sampling: dict
 ):
     """``(clip, prior, decoder, upsamplers, diffusion, sampling)`` loaded from trained component
-    folders."""
+    folders.
+
+    A component whose ``unclip_stage.json`` records a ``clip_fingerprint`` must have been trained
+    with this ``clip`` (``ValueError`` otherwise); one without it (an older export) loads with a
+    warning, unless it sits in a pipeline folder whose ``clip/`` is this ``clip``."""
     diffusion, sampling = {}, {}
+    clip_m = CLIP.from_pretrained(clip)
+    unchecked = []
 
     def meta(folder, expected):
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{expected} component folder {folder} has no config.json")
-        m = folder / "unclip_stage.json"
-        data = (
-            json.loads(m.read_text()) if m.is_file() else _settings_from_pipeline(folder, expected)
-        )
+        m = folder / STAGE_META_FILE
+        data = read_json(m, expected) if m.is_file() else _settings_from_pipeline(folder, expected)
         if data and data.get("stage") != expected:
             raise ValueError(
                 f"{folder} holds a {data.get('stage')!r} component, expected {expected!r}"
             )
+        want = data.get("clip_fingerprint")
+        same_pipeline = (folder.parent / PIPELINE_FILE).is_file() and (
+            (folder.parent / "clip").resolve() == Path(clip).resolve()
+        )
+        if want is None:
+            if not same_pipeline:  # a pipeline folder's parts were saved together
+                unchecked.append(str(folder))
+        elif want != clip_fingerprint():
+            raise ValueError(
+                f"{expected} {folder} was trained with CLIP {want} but the CLIP {clip} is "
+                f"{clip_fingerprint()}; pass the CLIP folder exported with it (<output_dir>/final/"
+                "clip of its training run)"
+            )
         return folder, data
 
-    clip_m = CLIP.from_pretrained(clip)
+    fingerprint = []
+
+    def clip_fingerprint():
+        if not fingerprint:
+            fingerprint.append(clip_m.fingerprint())
+        return fingerprint[0]
+
     prior_m = None
     if prior is not None:
         folder, data = meta(prior, "prior")
@@ -178,6 +294,13 @@ def load_components(
         diffusion[name] = data.get("diffusion", default_diffusion["upsampler"])
         sampling[name] = data.get("sampling", default_sampling["upsampler"])
         ups.append(up)
+    if unchecked:
+        warnings.warn(
+            f"{', '.join(unchecked)}: no clip_fingerprint recorded (exported by an older unclip), "
+            f"so unclip cannot check that they were trained with the CLIP {clip}; make sure it is "
+            "the one exported beside them",
+            stacklevel=3,
+        )
     return clip_m, prior_m, dec, ups, diffusion, sampling
 
 
@@ -253,7 +376,7 @@ def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
     keyword arguments of ``UnCLIPPipeline``: ``clip``, ``prior``, ``decoder``, ``upsamplers``,
     ``diffusion`` and ``sampling`` (as stored), ``prior_clip_range``, ``reranker``."""
     path = Path(path)
-    index = json.loads((path / PIPELINE_FILE).read_text())
+    index = read_pipeline_index(path)
     comps = index.get("components", {})
 
     def sub(name):
@@ -279,6 +402,62 @@ def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
             CLIP.from_pretrained(sub(comps["reranker"])) if comps.get("reranker") else None
         ),
     }
+
+
+def check_out_folder(out, overwrite: bool, option: str = "--out") -> Path:
+    """Check, before any work, that ``out`` can become a new folder: not a file, empty or absent
+    unless ``overwrite``, and its parent writable; raise a one-line ``ValueError`` otherwise."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option} {out} is a file; choose a folder path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{option} {out} is not empty; pass --overwrite to replace it entirely, or choose "
+            "another folder"
+        )
+    parent = out.resolve() if out.is_dir() else out.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {out}: {parent} is a file, not a folder; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {out}: cannot write in {parent}; choose a writable folder")
+    return out
+
+
+def write_folder(out, write: Callable[[Path], None]) -> Path:
+    """Write folder ``out`` whole: ``write(tmp)`` fills a temporary folder beside it, which then
+    replaces ``out`` and everything that was in it; on failure ``out`` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        write(tmp)
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def assemble_pipeline(
+    clip, decoder, prior=None, upsamplers=(), reranker=None, *, out, overwrite: bool = False
+):
+    """``unclip assemble``: a pipeline folder ``out`` from trained component folders (see
+    ``UnCLIPPipeline.from_components``). A non-empty ``out`` is refused unless ``overwrite``, which
+    replaces it entirely; the folder is written beside it and renamed. Returns the pipeline."""
+    from unclip.pipeline import UnCLIPPipeline
+
+    check_out_folder(out, overwrite)
+    pipe = UnCLIPPipeline.from_components(clip, decoder, prior, upsamplers, reranker=reranker)
+    write_folder(out, pipe.save_pretrained)
+    return pipe
 
 
 # bundled models --------------------------------------------------------------------------------

@@ -105,3 +105,12 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
             context_length=clip.context_length,
             **kwargs,
         )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader restricted to safetensors weights (pickles can run code: refused)."""
+        from unclip.io import safe_model_from_pretrained
+
+        return safe_model_from_pretrained(
+            super().from_pretrained, pretrained_model_name_or_path, "prior", **kwargs
+        )

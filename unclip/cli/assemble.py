@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from unclip.pipeline import UnCLIPPipeline
+from unclip.io import assemble_pipeline
 
 
 def main(argv=None) -> int:
@@ -25,11 +25,21 @@ def main(argv=None) -> int:
         help="CLIP folder that scores decoder candidates (reranking) instead of --clip",
     )
     p.add_argument("--out", required=True, help="output pipeline folder")
-    args = p.parse_args(argv)
-    pipe = UnCLIPPipeline.from_components(
-        args.clip, args.decoder, args.prior, args.upsampler, reranker=args.reranker
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out entirely (otherwise it is refused)",
     )
-    pipe.save_pretrained(args.out)
+    args = p.parse_args(argv)
+    pipe = assemble_pipeline(
+        args.clip,
+        args.decoder,
+        args.prior,
+        args.upsampler,
+        args.reranker,
+        out=args.out,
+        overwrite=args.overwrite,
+    )
     extra = "; reranker CLIP" if pipe.reranker is not None else ""
     print(
         f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px{extra}) to {args.out}"

@@ -352,12 +352,9 @@ def clip_score_summary(cosines: torch.Tensor) -> dict:
 
 
 def clip_fingerprint(clip) -> str:
-    """Short sha256 of a CLIP's weights (identifies the CLIP behind cached CLIP features)."""
-    h = hashlib.sha256(clip.model_name.encode())
-    for k, v in clip.model.state_dict().items():
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    """Short sha256 of a CLIP's config and weights (identifies the CLIP behind cached CLIP
+    features); see :meth:`unclip.clip.CLIP.fingerprint`."""
+    return clip.fingerprint()
 
 
 # ---------------------------------------------------------------------------------------- images

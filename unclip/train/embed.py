@@ -59,6 +59,7 @@ from unclip.train.data.sources import (
     iter_tar_samples,
     list_images,
     open_rgb,
+    shard_error,
 )
 
 __all__ = ["EmbedJob", "embed", "load_clip", "load_stats", "STATS_FILE"]
@@ -92,8 +93,17 @@ def load_clip(spec: str) -> CLIP:
             f"--clip-config {spec}: no such file or folder; pass a pipeline folder, a CLIP folder "
             "or a YAML config with a 'clip:' section"
         )
-    data = yaml.safe_load(path.read_text()) or {}
-    if isinstance(data, dict) and set(data) == {"clip"}:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"--clip-config {spec}: not a valid YAML file ({first})") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--clip-config {spec}: expected a YAML mapping with a 'clip:' section, got "
+            f"{type(data).__name__}"
+        )
+    if set(data) == {"clip"}:
         cfg = from_dict(ClipConfig, data["clip"], source=str(path), prefix="clip")
     else:
         from unclip.train.config import load_stage_config
@@ -148,7 +158,8 @@ class EmbedJob:
 
 
 # --------------------------------------------------------------------------------------------------
-# Chunks: (key, image | None, caption | None, reason | None) per item
+# Chunks: (key, image | None, caption | None, reason) per item; reason: None, a bad sample's
+# message, or (message, samples lost) for a broken shard
 # --------------------------------------------------------------------------------------------------
 def _chunks(job: EmbedJob) -> tuple[int, callable, Optional[int]]:
     """``(num_chunks, items(chunk) -> iterator, total items or None)``."""
@@ -194,8 +205,12 @@ def _chunks(job: EmbedJob) -> tuple[int, callable, Optional[int]]:
         urls = expand_urls(job.data)
 
         def items(chunk):
-            errors = []
-            for raw in iter_tar_samples([urls[chunk]], errors.append):
+            for raw in iter_tar_samples([urls[chunk]]):
+                broken = shard_error(raw)
+                if broken is not None:
+                    logger.warning("unclip embed: %s", broken)
+                    yield None, None, None, (broken, max(1, raw.get("__lost__") or 0))
+                    continue
                 key = raw.get("__key__")
                 ext = next((k for k in TAR_IMAGE_KEYS if k in raw), None)
                 try:
@@ -205,8 +220,6 @@ def _chunks(job: EmbedJob) -> tuple[int, callable, Optional[int]]:
                     yield key, open_rgb(raw[ext]), caption, None
                 except BadSample as exc:
                     yield key, None, None, f"{urls[chunk]}:{key}: {exc}"
-            for exc in errors:
-                logger.warning("unclip embed: broken shard or member in %s: %s", urls[chunk], exc)
 
         return len(urls), items, None
     raise ValueError(f"unknown --source {job.source!r}; choose folder, webdataset or shapes")
@@ -257,6 +270,9 @@ def _embed_chunk(
             batch.clear()
 
     for key, image, caption, reason in items:
+        if isinstance(reason, tuple):  # a broken shard (already logged): (reason, samples lost)
+            skipped += reason[1]
+            continue
         if reason is not None:
             skipped += 1
             log_bad(reason)
@@ -278,29 +294,56 @@ def _embed_chunk(
     return len(img), skipped
 
 
+def _check_job(job: EmbedJob) -> None:
+    """One-line errors for bad options, before any model is loaded."""
+    from unclip.io import check_out_folder
+
+    if job.source not in ("folder", "webdataset", "shapes"):
+        raise ValueError(f"unknown --source {job.source!r}; choose folder, webdataset or shapes")
+    if job.dtype not in ("float16", "float32"):
+        raise ValueError(f"--dtype must be float16 or float32, got {job.dtype!r}")
+    for name in ("batch_size", "shard_size"):
+        if getattr(job, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(job, name)}")
+    if job.num is not None and job.num < 1:
+        raise ValueError(f"--num must be >= 1, got {job.num}")
+    if job.source != "shapes" and not job.data:
+        raise ValueError(f"--source {job.source} needs --data")
+    if job.source == "webdataset":
+        for url in expand_urls(job.data):
+            local = "://" not in url and not url.startswith("pipe:")
+            if local and not Path(url).is_file():
+                raise FileNotFoundError(
+                    f"--data: tar shard {url} not found; pass existing shards (path, brace pattern "
+                    "such as 'shards/{00000..00009}.tar', '::' list or pipe: URL)"
+                )
+    if not Path(job.clip_config).exists():
+        raise FileNotFoundError(
+            f"--clip-config {job.clip_config}: no such file or folder; pass a pipeline folder, a "
+            "CLIP folder or a YAML config with a 'clip:' section"
+        )
+    check_out_folder(job.out, overwrite=True)
+
+
 def embed(job: EmbedJob) -> int:
     """Run ``unclip embed`` (see module doc) in this process (one of several under
     ``torchrun``/``accelerate launch``); returns 0."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    for name in ("batch_size", "shard_size"):
-        if getattr(job, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(job, name)}")
-    if job.num is not None and job.num < 1:
-        raise ValueError(f"--num must be >= 1, got {job.num}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    _check_job(job)
     out = Path(job.out)
     existing = [f for files in embedding_shards(out).values() for f in files.values()]
     if existing and not job.overwrite:
         raise ValueError(
             f"{out} already holds {len(existing)} embedding shard files; pass --overwrite to "
-            "replace "
-            f"them or choose another --out"
+            "replace them or choose another --out"
         )
     num_chunks, items, total = _chunks(job)
-    clip = load_clip(job.clip_config).to(acc.device)
+    clip = load_clip(job.clip_config)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    clip = clip.to(acc.device)
     acc.wait_for_everyone()
     if acc.is_main_process:
         for f in existing + [out / STATS_FILE, out / "stats.json"]:

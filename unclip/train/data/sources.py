@@ -40,6 +40,7 @@ import io
 import json
 import logging
 import re
+import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Optional, Union
@@ -60,6 +61,7 @@ __all__ = [
     "open_rgb",
     "expand_urls",
     "iter_tar_samples",
+    "shard_error",
     "embedding_shards",
     "TAR_IMAGE_KEYS",
 ]
@@ -71,7 +73,13 @@ _MAX_LOGGED = 5
 
 
 class BadSample(Exception):
-    """Internal: a sample that must be skipped; the message is the reason."""
+    """Internal: a sample that must be skipped; the message is the reason. ``count``: how many
+    samples it stands for (a broken shard loses several); ``loud``: always log it, also after the
+    first few."""
+
+    def __init__(self, reason: str, count: int = 1, loud: bool = False):
+        super().__init__(reason)
+        self.count, self.loud = count, loud
 
 
 class _EpochEnd(int):
@@ -133,20 +141,104 @@ def expand_urls(urls: Union[str, Sequence[str]]) -> list[str]:
     return out
 
 
-def iter_tar_samples(urls: Sequence[str], on_error: Callable[[Exception], None]) -> Iterator[dict]:
+class _StrictTarInfo(tarfile.TarInfo):
+    """Tar header reader that reports a shard cut short: after the first member, :mod:`tarfile`
+    takes a truncated, missing or garbled header for the end of the archive and stops without a
+    word, which would lose the rest of the shard silently."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except (
+            tarfile.EmptyHeaderError,
+            tarfile.TruncatedHeaderError,
+            tarfile.InvalidHeaderError,
+        ) as exc:
+            if tar.offset == 0:
+                raise
+            raise tarfile.ReadError(
+                f"cut short at byte {tar.offset} ({exc}; no end-of-archive marker)"
+            ) from None
+
+
+def _tar_files(url: str, errors: list) -> Iterator[dict]:
+    """The regular members of one shard as webdataset file dicts, then webdataset's end-of-shard
+    marker ``{}``; an unreadable or cut-short shard appends its exception to ``errors``."""
+    from webdataset.gopen import gopen
+
+    stream = None
+    try:
+        stream = gopen(url)
+        tar = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_StrictTarInfo)
+        for member in tar:
+            # skip directories and webdataset's own "__name__" metadata members
+            if not member.isreg() or re.match(r"__[^/]*__($|/)", member.name):
+                continue
+            data = tar.extractfile(member).read()
+            yield {"fname": member.name, "data": data, "__url__": url}
+            tar.members = []  # streamed: do not keep every header in memory
+    except Exception as exc:  # tarfile.ReadError, OSError, EOFError, zlib.error, pipe status
+        errors.append(exc)
+    finally:
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception as exc:  # a pipe: URL whose command failed
+                errors.append(exc)
+    yield {}
+
+
+def _shard_size(url: str) -> Optional[int]:
+    """The number of samples img2dataset wrote to a local shard (``successes`` in the
+    ``<shard>_stats.json`` beside it), or None if unknown."""
+    path = Path(url)
+    stats = path.with_name(path.name.split(".")[0] + "_stats.json")
+    try:
+        n = json.loads(stats.read_text()).get("successes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
+def iter_tar_samples(urls: Sequence[str]) -> Iterator[dict]:
     """Raw img2dataset samples (``{"__key__", "__url__", "jpg"|..., "txt", ...}`` bytes) of ``urls``
     in order.
 
-    Uses webdataset's tar readers; a broken shard or member is reported to ``on_error`` and skipped.
+    A shard that cannot be opened or read to its end (truncated, corrupt, a failing ``pipe:``)
+    yields, after the samples read before the break, one error item ``{"__url__", "__error__":
+    reason, "__lost__": n}`` where ``n`` is the number of samples lost if img2dataset's
+    ``<shard>_stats.json`` lies beside the shard, else None (unknown).
     """
-    from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+    from webdataset.tariterators import group_by_keys
 
-    def handler(exc: Exception) -> bool:
-        on_error(exc)
-        return True
+    for url in urls:
+        errors: list = []
 
-    opened = url_opener(({"url": u} for u in urls), handler=handler)
-    return group_by_keys(tar_file_expander(opened, handler=handler), handler=handler)
+        def handler(exc: Exception, errors: list = errors) -> bool:
+            errors.append(exc)
+            return True
+
+        count = 0
+        for sample in group_by_keys(_tar_files(url, errors), handler=handler):
+            count += 1
+            yield sample
+        for exc in errors:
+            size = _shard_size(url)
+            lost = None if size is None else max(size - count, 0)
+            yield {"__url__": url, "__error__": f"{type(exc).__name__}: {exc}", "__lost__": lost}
+
+
+def shard_error(raw: dict) -> Optional[str]:
+    """The one-line reason of an error item of :func:`iter_tar_samples`, or None for a sample."""
+    if "__error__" not in raw:
+        return None
+    lost = raw.get("__lost__")
+    what = "the rest of the shard" if lost is None else f"{lost} sample(s)"
+    return (
+        f"broken shard {raw['__url__']} ({raw['__error__']}): {what} lost; re-download or "
+        "re-create the shard"
+    )
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -205,7 +297,10 @@ class _Stream:
             raise ValueError(f"worker {worker} must be in [0, num_workers={num_workers})")
         return self.rank + worker * self.world_size, self.world_size * num_workers
 
-    def _bad(self, reason: str) -> None:
+    def _bad(self, reason: str, loud: bool = False) -> None:
+        if loud:
+            logger.warning("%s: %s", type(self).__name__, reason)
+            return
         if self._logged < _MAX_LOGGED:
             logger.warning("%s: skipping bad %s: %s", type(self).__name__, self.what, reason)
         elif self._logged == _MAX_LOGGED:
@@ -231,9 +326,9 @@ class _Stream:
             try:
                 value = self._check(item)
             except BadSample as exc:
-                skipped += 1
+                skipped += exc.count
                 run_of_bad += 1
-                self._bad(str(exc))
+                self._bad(str(exc), exc.loud)
                 if epoch_len is not None and run_of_bad >= epoch_len:
                     raise ValueError(
                         f"{self.describe()}: {run_of_bad} bad samples in a row (a whole epoch); "
@@ -329,9 +424,10 @@ class WebDatasetStream(_Stream):
     pass through a shuffle buffer of ``shuffle_buffer`` raw samples (seeded by ``(seed, c, n)``; 0
     or 1 disables it) that carries over epochs, then are decoded; unreadable images and
     missing/empty ``.txt`` captions are skipped and counted; a shard that cannot be opened or is cut
-    short is logged and the rest of it is lost (not counted). Resuming re-reads and decodes the
-    skipped samples (tar shards have no random access). ``split``: the keyword arguments of the data
-    split (module doc).
+    short (also inside a tar header) is logged with its name and counted as skipped: as the number
+    of samples lost when img2dataset's ``<shard>_stats.json`` lies beside it, else as one.
+    Resuming re-reads and decodes the skipped samples (tar shards have no random access).
+    ``split``: the keyword arguments of the data split (module doc).
     """
 
     what = "webdataset sample"
@@ -352,9 +448,6 @@ class WebDatasetStream(_Stream):
         more = " …" if len(self.urls) > 1 else ""
         return f"webdataset {self.urls[0]}{more} ({len(self.urls)} shards)"
 
-    def _shard_error(self, exc: Exception) -> None:
-        self._bad(f"broken shard or member ({type(exc).__name__}: {exc})")
-
     def _epochs(self, c: int, n: int) -> Iterator:
         if len(self.urls) <= c:
             raise ValueError(
@@ -366,7 +459,7 @@ class WebDatasetStream(_Stream):
         while True:
             order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
             count = 0
-            for raw in iter_tar_samples([self.urls[i] for i in order[c::n]], self._shard_error):
+            for raw in iter_tar_samples([self.urls[i] for i in order[c::n]]):
                 count += 1
                 yield raw
             yield _EpochEnd(count)
@@ -388,6 +481,9 @@ class WebDatasetStream(_Stream):
                 buf[i] = item
 
     def _check(self, raw: dict):
+        broken = shard_error(raw)
+        if broken is not None:
+            raise BadSample(broken, count=max(1, raw.get("__lost__") or 0), loud=True)
         where = f"{raw.get('__url__')}:{raw.get('__key__')}"
         ext = next((k for k in TAR_IMAGE_KEYS if k in raw), None)
         if ext is None:
