@@ -46,6 +46,12 @@ def final_weights(run) -> dict:
     }
 
 
+def losses(run) -> list[tuple]:
+    """``(step, loss, lr)`` of each step ``metrics.jsonl`` records."""
+    records = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["lr"]) for r in records if "loss" in r]
+
+
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -598,35 +604,58 @@ def test_disk_full_keeps_the_last_checkpoint_and_never_half_writes_an_export(run
 # --------------------------------------------------------------------------------------------------
 # 6. kill -9 at random points
 # --------------------------------------------------------------------------------------------------
+def _wait_for(path: Path, proc=None, timeout: float = 120) -> float:
+    """Wait until ``path`` exists (or ``proc`` ended); return the time."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and (proc is None or proc.poll() is None):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.002)
+    return time.monotonic()
+
+
 @pytest.mark.slow
 def test_kill_9_at_random_points_then_resume_is_exact(tmp_path, one_thread):
-    """A tiny run killed with SIGKILL at a random moment (three seeds: during start-up, training,
-    a checkpoint or the export), then resumed with ``--resume latest``, ends with the weights of
-    an uninterrupted run, bit for bit, and leaves no temporary folder."""
+    """A tiny run killed with SIGKILL at a random moment, then resumed with ``--resume latest``,
+    ends with the weights of an uninterrupted run, bit for bit, logs each step's loss once, as
+    that run did, and leaves no temporary folder. The moments are drawn per seed from strata of
+    the uninterrupted run's timeline: start-up before the first checkpoint, then three thirds of
+    the span of training, checkpoints (written, renamed, pruned) and the export."""
     common = ["train.max_steps=6", "train.checkpoint_every=1", "train.keep_last=2"]
-    t0 = time.perf_counter()
-    assert train(tmp_path / "reference", *common) == 0
-    work = time.perf_counter() - t0  # the training and export, without the start-up
-    reference = final_weights(tmp_path / "reference")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for seed in range(3):
-        run = tmp_path / f"killed{seed}"
+
+    def start(run):
         argv = [str(PRIOR), f"train.output_dir={run}", *QUIET, *common]
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "unclip.cli.train_prior", *argv],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+
+    ref = tmp_path / "reference"
+    proc = start(ref)
+    config = _wait_for(ref / "config.yaml", proc)
+    checkpoints = _wait_for(ref / "checkpoints", proc)
+    exported = _wait_for(ref / "final" / "clip", proc)
+    assert proc.wait(timeout=120) == 0
+    reference = final_weights(ref)
+    logged = losses(ref)
+    assert [step for step, _, _ in logged] == [1, 2, 3, 4, 5, 6]
+    for seed in range(4):
+        run = tmp_path / f"killed{seed}"
+        u = random.Random(seed).random()
+        proc = start(run)
         try:
-            deadline = time.monotonic() + 120
-            while not (run / "config.yaml").exists() and proc.poll() is None:
-                assert time.monotonic() < deadline, "the run never started"
-                time.sleep(0.01)
-            time.sleep(random.Random(seed).uniform(0, 1.5 * work))
+            if seed == 0:  # start-up
+                _wait_for(run / "config.yaml", proc)
+                time.sleep(u * (checkpoints - config))
+            else:  # training, checkpoints, export
+                _wait_for(run / "checkpoints", proc)
+                time.sleep((seed - 1 + u) / 3 * (exported - checkpoints))
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
         assert train(run, *common, args=["--resume", "latest"]) == 0
         assert_same_weights(final_weights(run), reference)
+        assert losses(run) == logged
         assert not [p for p in run.rglob("*") if p.name.endswith((".tmp", ".old"))]

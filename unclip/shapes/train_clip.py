@@ -31,6 +31,7 @@ from unclip.clip import CLIP
 from unclip.config import ClipConfig
 from unclip.images import pil_to_tensor
 from unclip.pipeline_utils import sample_seed
+from unclip.train.checkpoint import disk_full_is_an_error
 from unclip.train.config import (
     TrainConfig,
     check_at_least,
@@ -369,7 +370,9 @@ def train_clip(
                 ),
                 "mixed_precision": loop.mixed_precision,
             }
-            (Path(t.output_dir) / "retrieval.json").write_text(json.dumps(report, indent=2))
+            path = Path(t.output_dir) / "retrieval.json"
+            with disk_full_is_an_error(path):
+                path.write_text(json.dumps(report, indent=2))
             print(json.dumps(report, indent=2))
             print(f"saved CLIP to {folder}")
     loop.finish()

@@ -47,7 +47,9 @@ __all__ = [
     "CheckpointError",
     "DiskFullError",
     "MANIFEST",
+    "REQUIRED_FILES",
     "is_disk_full",
+    "disk_full_is_an_error",
     "writing",
     "replace_folder",
     "write_manifest",
@@ -65,6 +67,17 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+#: the files every checkpoint holds (the EMA's, ``ema.safetensors``/``ema.json``, when EMA is on;
+#: the other processes' random states, ``rng_<rank>.*``, in a multi-process run)
+REQUIRED_FILES = (
+    "model.safetensors",
+    "optimizer.safetensors",
+    "optimizer.json",
+    "trainer_state.json",
+    "rng_0.safetensors",
+    "rng_0.json",
+    "config.yaml",
+)
 FORMAT = "unclip-checkpoint"
 VERSION = 1
 STEP_DIR = re.compile(r"^step_\d{8}$")
@@ -104,6 +117,17 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
+def disk_full_is_an_error(path: Path):
+    """Re-raise a full disk met in the block as :class:`DiskFullError` naming ``path``."""
+    try:
+        yield
+    except Exception as exc:
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise DiskFullError(path) from exc
+        raise
+
+
+@contextlib.contextmanager
 def writing(tmp: Path, target: Path):
     """Write ``tmp`` (a temporary folder that becomes ``target``) in the block: on any error the
     partial ``tmp`` is removed (freeing the space it took), and a full disk is re-raised as
@@ -112,7 +136,7 @@ def writing(tmp: Path, target: Path):
         yield
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, Exception) and is_disk_full(exc):
+        if isinstance(exc, Exception) and is_disk_full(exc) and not isinstance(exc, DiskFullError):
             raise DiskFullError(target) from exc
         raise
 
@@ -196,7 +220,7 @@ def write_manifest(folder: Path, step: int) -> None:
     os.replace(tmp, folder / MANIFEST)
 
 
-def verify(folder: Path, required: tuple[str, ...] = ()) -> dict:
+def verify(folder: Path, required: tuple[str, ...] = REQUIRED_FILES) -> dict:
     """Check ``folder`` against its manifest; return the manifest. ``required``: files that must be
     listed. Raises :class:`CheckpointError` with the first problem found (no manifest, a file
     missing, of another size, or with other content)."""
@@ -208,14 +232,18 @@ def verify(folder: Path, required: tuple[str, ...] = ()) -> dict:
         if any((folder / name).exists() for name in LEGACY_PICKLES):
             raise CheckpointError(
                 "it was written by an older unclip as pickles, which unclip no longer loads "
-                "(they can run code); start afresh with --overwrite"
+                "(they can run code)"
             )
         raise CheckpointError(f"no {MANIFEST} (the checkpoint was never finished)")
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
-        ok = manifest.get("format") == FORMAT and isinstance(files, dict)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        ok = (
+            manifest.get("format") == FORMAT
+            and isinstance(files, dict)
+            and all(isinstance(entry, dict) for entry in files.values())
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
         ok = False
     if not ok:
         raise CheckpointError(f"{MANIFEST} is damaged (not a checkpoint manifest)")
@@ -251,7 +279,7 @@ def completed_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def newest_intact(
-    ckpt_dir: Path, required: tuple[str, ...] = ()
+    ckpt_dir: Path, required: tuple[str, ...] = REQUIRED_FILES
 ) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     """The newest checkpoint of ``ckpt_dir`` that passes :func:`verify` (``None`` if none does),
     and the ``(folder, reason)`` of each newer one that was skipped."""

@@ -213,7 +213,11 @@ class _RunState:
         return dict(vars(self))
 
     def load_state_dict(self, state):
-        vars(self).update(state)
+        for key in vars(self):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"run state '{key}' must be a count, got {value!r}")
+            setattr(self, key, value)
 
 
 class TrainLoop:
@@ -297,8 +301,9 @@ class TrainLoop:
         self._saved_step: Optional[int] = None  # the step of the checkpoint on disk, if current
         self.claim_output_dir(overwrite)
         if self.accelerator.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out / "config.yaml")
+            with ckpt.disk_full_is_an_error(self.out / "config.yaml"):
+                self.out.mkdir(parents=True, exist_ok=True)
+                save_config(cfg, self.out / "config.yaml")
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
             logging.getLogger("unclip").setLevel(logging.INFO)
         if trackers:
@@ -532,8 +537,27 @@ class TrainLoop:
         values = {k: float(v) for k, v in values.items()}
         self.accelerator.log(values, step=self.state.step)
         if self.accelerator.is_main_process:
-            with open(self.out / "metrics.jsonl", "a") as f:
+            path = self.out / "metrics.jsonl"
+            with ckpt.disk_full_is_an_error(path), open(path, "a") as f:
                 f.write(json.dumps({"step": self.state.step, **values}) + "\n")
+
+    def trim_metrics(self) -> None:
+        """On resume: drop the records ``metrics.jsonl`` holds for steps after the checkpoint (the
+        interrupted run logged them; this run logs them again) and a line cut short by a kill."""
+        path = self.out / "metrics.jsonl"
+        if not (self.accelerator.is_main_process and path.is_file()):
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= self.state.step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = path.with_name(path.name + ".tmp")
+        with ckpt.disk_full_is_an_error(path):
+            tmp.write_text("".join(keep))
+            os.replace(tmp, path)
 
     # ------------------------------------------------------------------ EMA weights, samples
     @contextlib.contextmanager
@@ -563,7 +587,8 @@ class TrainLoop:
                 grid = task.sample_grid(model, batch)
             finally:
                 model.train()
-        grid.save(path)
+        with ckpt.disk_full_is_an_error(path):
+            grid.save(path)
         return path
 
     # ------------------------------------------------------------------ checkpoints
@@ -575,20 +600,6 @@ class TrainLoop:
         """The newest completed checkpoint folder (not checked; see :meth:`load_checkpoint`)."""
         done = ckpt.completed_checkpoints(self.ckpt_dir)
         return done[-1] if done else None
-
-    def checkpoint_files(self) -> tuple[str, ...]:
-        """The files every checkpoint must hold (listed in its manifest); those that depend on the
-        config (``ema.*``) are checked when loaded."""
-        files = (
-            "model.safetensors",
-            "optimizer.safetensors",
-            "optimizer.json",
-            "trainer_state.json",
-            "rng_0.safetensors",
-            "rng_0.json",
-            "config.yaml",
-        )
-        return files
 
     def checkpoint(self) -> None:
         """Save a checkpoint unless the one on disk already holds this step's state."""
@@ -707,9 +718,8 @@ class TrainLoop:
         ``latest``: the newest intact one (each newer, damaged one is skipped with a warning
         saying why), ``None`` when there is none yet. A damaged checkpoint named explicitly, or
         only damaged ones, is a :class:`CheckpointError`."""
-        required = self.checkpoint_files()
         if which == "latest":
-            path, skipped = ckpt.newest_intact(self.ckpt_dir, required)
+            path, skipped = ckpt.newest_intact(self.ckpt_dir)
             for bad, why in skipped:
                 logger.warning("skipping damaged checkpoint %s: %s", bad, why)
             if path is None and skipped:
@@ -725,7 +735,7 @@ class TrainLoop:
                 f"checkpoint not found: {path}; use --resume latest or a checkpoints/step_* folder"
             )
         try:
-            ckpt.verify(path, required)
+            ckpt.verify(path)
         except CheckpointError as exc:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {exc}; resume another one (--resume latest takes "
@@ -737,6 +747,7 @@ class TrainLoop:
         path = self.checkpoint_to_resume(which)
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch", self.ckpt_dir)
+            self.trim_metrics()
             return
         try:
             self.read_state(path)
@@ -748,6 +759,7 @@ class TrainLoop:
                 "checkpoint of this config, or start afresh with --overwrite"
             ) from None
         self._saved_step = self.state.step
+        self.trim_metrics()
         logger.info(
             "resumed from %s at step %d (%d samples on this rank)",
             path,
@@ -814,7 +826,9 @@ class TrainLoop:
         """Check that every rank holds the same weights, log the run's totals, close trackers."""
         sums = self.parameter_checksums()
         if self.accelerator.is_main_process:
-            (self.out / "rank_checksums.json").write_text(json.dumps(sums))
+            path = self.out / "rank_checksums.json"
+            with ckpt.disk_full_is_an_error(path):
+                path.write_text(json.dumps(sums))
         if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
             raise RuntimeError(
                 f"ranks hold different weights at the end of training: checksums {sums}"
