@@ -283,6 +283,15 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact(half, kind, c
     assert_same_weights(load_file(str(latest / "model.safetensors")), intact)
 
 
+def test_a_run_folder_given_as_checkpoint_is_a_clear_error(half):
+    with pytest.raises(CheckpointError) as err:
+        resume(half, "--resume", str(half))
+    assert str(err.value) == (
+        f"{half} is a run folder, not a checkpoint; use --resume latest or one of its "
+        "checkpoints/step_* folders"
+    )
+
+
 def test_only_damaged_checkpoints_is_an_error_not_a_fresh_start(half):
     for step in (1, 2, 3):
         _truncate(step_dir(half, step))

@@ -734,6 +734,11 @@ class TrainLoop:
             raise FileNotFoundError(
                 f"checkpoint not found: {path}; use --resume latest or a checkpoints/step_* folder"
             )
+        if (path / "checkpoints").is_dir():
+            raise CheckpointError(
+                f"{path} is a run folder, not a checkpoint; use --resume latest or one of its "
+                "checkpoints/step_* folders"
+            )
         try:
             ckpt.verify(path)
         except CheckpointError as exc:
