@@ -29,6 +29,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import unicodedata
 import warnings
 from collections.abc import Sequence
@@ -246,7 +247,11 @@ class CLIP(torch.nn.Module):
         save_weights: bool = True,
         keep_tokens: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
-        """Write ``config.json`` and (by default) ``model.safetensors`` to ``path``.
+        """Write ``config.json`` and (by default) ``model.safetensors`` to the folder ``path``.
+
+        The folder is written as ``<path>.tmp`` and then takes the place of ``path`` (an existing
+        one is replaced whole), so ``path`` never holds a half-written CLIP, also when the disk
+        fills up or the process is killed.
 
         ``keep_tokens``: store only these rows of the token-embedding table (a closed vocabulary,
         e.g. the words of a procedural caption world; :func:`closed_vocabulary_ids`), with their
@@ -255,10 +260,7 @@ class CLIP(torch.nn.Module):
         tokens encode exactly as before and :meth:`tokenize` warns about any other token. A CLIP
         loaded from such a file saves the same rows again unless ``keep_tokens`` says otherwise.
         """
-        from safetensors.torch import save_file
-
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         ids = (
             self.kept_token_ids
             if keep_tokens is None
@@ -273,6 +275,23 @@ class CLIP(torch.nn.Module):
                     f"{ids.numel()} ids in [{ids.min() if ids.numel() else '-'}, "
                     f"{ids.max() if ids.numel() else '-'}]"
                 )
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            self._write_pretrained(tmp, save_weights, ids)
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_pretrained(self, path: Path, save_weights: bool, ids) -> None:
+        from safetensors.torch import save_file
+
         meta = {
             "model_name": self.model_name,
             "model_cfg": self.model_cfg,

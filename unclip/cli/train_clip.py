@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from unclip.cli.train_prior import add_run_arguments
 from unclip.config import to_yaml
 from unclip.shapes.train_clip import load_clip_train_config, train_clip
 
@@ -23,15 +24,8 @@ def main(argv=None) -> int:
         help="YAML with clip:, data:, train:, output: sections (see configs/shapes/clip.yaml)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=500")
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder to resume from")
-    p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument(
-        "--max-steps-this-run",
-        type=int,
-        default=None,
-        help="stop (with a checkpoint, without exporting) after this many optimizer steps",
-    )
+    add_run_arguments(p)
     args = p.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.output_dir:
@@ -40,7 +34,12 @@ def main(argv=None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    return train_clip(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+    return train_clip(
+        cfg,
+        resume=args.resume,
+        max_steps_this_run=args.max_steps_this_run,
+        overwrite=args.overwrite,
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,12 @@ def main(argv=None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    return train_decoder(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+    return train_decoder(
+        cfg,
+        resume=args.resume,
+        max_steps_this_run=args.max_steps_this_run,
+        overwrite=args.overwrite,
+    )
 
 
 if __name__ == "__main__":

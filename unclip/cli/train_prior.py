@@ -21,9 +21,24 @@ def stage_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.batch_size=16"
     )
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder to resume from")
-    p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
+    add_run_arguments(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """``--resume``/``--overwrite`` (one or neither), ``--output-dir``, ``--max-steps-this-run``."""
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume", default=None, help="'latest' or a checkpoint folder to resume from"
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an output_dir that holds an earlier run: its checkpoints, final/, "
+        "samples and metrics are deleted first (without it such a folder is refused)",
+    )
+    p.add_argument("--output-dir", default=None, help="overrides train.output_dir")
     p.add_argument(
         "--max-steps-this-run",
         type=int,
@@ -31,7 +46,6 @@ def stage_parser(prog: str, description: str) -> argparse.ArgumentParser:
         help="stop (with a checkpoint, without exporting) after this many optimizer steps in this "
         "invocation, e.g. to fit a scheduler's time slot; resume later with --resume latest",
     )
-    return p
 
 
 def stage_config(args: argparse.Namespace, stages: tuple[str, ...]) -> StageConfig:
@@ -49,7 +63,12 @@ def main(argv=None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    return train_prior(cfg, resume=args.resume, max_steps_this_run=args.max_steps_this_run)
+    return train_prior(
+        cfg,
+        resume=args.resume,
+        max_steps_this_run=args.max_steps_this_run,
+        overwrite=args.overwrite,
+    )
 
 
 if __name__ == "__main__":

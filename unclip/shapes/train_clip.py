@@ -28,10 +28,17 @@ from typing import Literal, Optional
 import torch
 
 from unclip.clip import CLIP
-from unclip.config import ClipConfig, load_config
+from unclip.config import ClipConfig
 from unclip.images import pil_to_tensor
 from unclip.pipeline_utils import sample_seed
-from unclip.train.config import TrainConfig
+from unclip.train.checkpoint import disk_full_is_an_error
+from unclip.train.config import (
+    TrainConfig,
+    check_at_least,
+    check_probability,
+    check_range,
+    load_config_naming_source,
+)
 from unclip.train.loop import TrainLoop
 
 __all__ = [
@@ -72,6 +79,22 @@ class ClipDataConfig:
     #: (:func:`unclip.shapes.world.color_free_view`), so shape features cannot lean on color.
     color_free_prob: float = 0.0
 
+    def __post_init__(self) -> None:
+        """Range-check every number (:class:`~unclip.config.ConfigError` naming the key)."""
+        check_at_least("data.resolution", self.resolution, 1)
+        check_at_least("data.batch_size", self.batch_size, 1)
+        check_at_least("data.seed", self.seed, 0)
+        for key in ("two_object_prob", "noise_prob", "blur_prob"):
+            check_probability(f"data.{key}", getattr(self, key))
+        check_range("data.noise_std", self.noise_std, self.noise_std >= 0, "a number >= 0")
+        check_range(
+            "data.hard_negatives",
+            self.hard_negatives,
+            0.0 <= self.hard_negatives <= 0.5,
+            "in [0, 0.5] (a share of the batch)",
+        )
+        check_probability("data.color_free_prob", self.color_free_prob)
+
 
 @dataclass
 class ClipOptimConfig(TrainConfig):
@@ -100,6 +123,9 @@ class ClipOutputConfig:
     save_dtype: Literal["float32", "float16"] = "float16"
     eval_samples: int = 300
 
+    def __post_init__(self) -> None:
+        check_at_least("output.eval_samples", self.eval_samples, 1)
+
 
 @dataclass
 class ClipTrainConfig:
@@ -114,20 +140,11 @@ class ClipTrainConfig:
 
 def load_clip_train_config(path, overrides=()) -> ClipTrainConfig:
     """Load and check a ``train-clip`` config (YAML file or dict) with dotted ``overrides``."""
-    cfg = load_config(path, overrides, schema=ClipTrainConfig)
+    cfg = load_config_naming_source(path, overrides, ClipTrainConfig)
     if cfg.clip.model_cfg is None:
         raise ValueError(
             "train-clip needs clip.model_cfg (an open_clip config dict: embed_dim, vision_cfg, "
             "text_cfg)"
-        )
-    if not 0.0 <= cfg.data.hard_negatives <= 0.5:
-        raise ValueError(
-            "data.hard_negatives must be in [0, 0.5] (a share of the batch), got "
-            f"{cfg.data.hard_negatives}"
-        )
-    if not 0.0 <= cfg.data.color_free_prob <= 1.0:
-        raise ValueError(
-            f"data.color_free_prob must be a probability in [0, 1], got {cfg.data.color_free_prob}"
         )
     return cfg
 
@@ -307,14 +324,17 @@ def attribute_retrieval(
 
 
 def train_clip(
-    cfg: ClipTrainConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None
+    cfg: ClipTrainConfig,
+    resume: Optional[str] = None,
+    max_steps_this_run: Optional[int] = None,
+    overwrite: bool = False,
 ) -> int:
     """Train the CLIP ``cfg`` describes; when ``train.max_steps`` is reached, export
     ``<output_dir>/final/clip`` and write ``<output_dir>/retrieval.json``. ``resume``: ``"latest"``
-    or a checkpoint folder; ``max_steps_this_run``: stop (with a checkpoint) after that many steps.
-    Returns 0."""
+    or a checkpoint folder; ``max_steps_this_run``: stop (with a checkpoint) after that many steps;
+    ``overwrite``: replace an earlier run in ``train.output_dir`` (refused otherwise). Returns 0."""
     t, d = cfg.train, cfg.data
-    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
+    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(t.seed)
     clip = CLIP.from_config(cfg.clip)
     model = clip.model.train().requires_grad_(True)
@@ -350,7 +370,9 @@ def train_clip(
                 ),
                 "mixed_precision": loop.mixed_precision,
             }
-            (Path(t.output_dir) / "retrieval.json").write_text(json.dumps(report, indent=2))
+            path = Path(t.output_dir) / "retrieval.json"
+            with disk_full_is_an_error(path):
+                path.write_text(json.dumps(report, indent=2))
             print(json.dumps(report, indent=2))
             print(f"saved CLIP to {folder}")
     loop.finish()

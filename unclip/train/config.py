@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -37,9 +38,27 @@ __all__ = [
     "StageConfig",
     "STAGES",
     "load_stage_config",
+    "check_range",
+    "check_at_least",
+    "check_probability",
+    "load_config_naming_source",
 ]
 
 STAGES = ("prior", "decoder", "upsampler")
+
+
+def check_range(key: str, value, ok: bool, valid: str) -> None:
+    """Raise :class:`ConfigError` ``"<key> must be <valid>, got <value>"`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key} must be {valid}, got {value!r}")
+
+
+def check_at_least(key: str, value, low) -> None:
+    check_range(key, value, value >= low, f"an integer >= {low}")
+
+
+def check_probability(key: str, value) -> None:
+    check_range(key, value, 0.0 <= value <= 1.0, "a probability in [0, 1]")
 
 
 @dataclass
@@ -68,6 +87,20 @@ class DataConfig:
     shapes_split: Literal["train", "heldout", "all"] = "train"
     shapes_two_object_prob: float = 0.3
     shapes_resolution: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Range-check every number (:class:`ConfigError` naming the key and the valid range)."""
+        check_at_least("data.resolution", self.resolution, 1)
+        check_at_least("data.batch_size", self.batch_size, 1)
+        check_at_least("data.num_workers", self.num_workers, 0)
+        check_at_least("data.shuffle_buffer", self.shuffle_buffer, 0)
+        check_at_least("data.shapes_seed", self.shapes_seed, 0)
+        check_probability("data.shapes_two_object_prob", self.shapes_two_object_prob)
+        if self.shapes_resolution is not None:
+            check_at_least("data.shapes_resolution", self.shapes_resolution, 1)
 
 
 @dataclass
@@ -115,6 +148,58 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Range-check every number (:class:`ConfigError` naming the key and the valid range).
+        ``checkpoint_every: 0`` checkpoints at the end of the run only; ``sample_every: 0`` never
+        samples; ``powersgd_rank: 0`` turns PowerSGD off."""
+        check_range("train.seed", self.seed, 0 <= self.seed < 2**63, "an integer in [0, 2**63)")
+        check_at_least("train.max_steps", self.max_steps, 1)
+        check_range(
+            "train.lr", self.lr, 0 < self.lr < math.inf, "a positive finite number (e.g. 1e-4)"
+        )
+        check_range(
+            "train.min_lr",
+            self.min_lr,
+            0 <= self.min_lr <= self.lr,
+            f"a number in [0, train.lr = {self.lr}]",
+        )
+        check_at_least("train.warmup_steps", self.warmup_steps, 0)
+        check_range(
+            "train.weight_decay",
+            self.weight_decay,
+            0 <= self.weight_decay < math.inf,
+            "a finite number >= 0",
+        )
+        check_range(
+            "train.adam_betas",
+            self.adam_betas,
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "two numbers in [0, 1), e.g. [0.9, 0.999]",
+        )
+        check_range(
+            "train.adam_eps", self.adam_eps, 0 < self.adam_eps < math.inf, "a positive number"
+        )
+        check_at_least("train.grad_accum_steps", self.grad_accum_steps, 1)
+        check_range(
+            "train.max_grad_norm",
+            self.max_grad_norm,
+            self.max_grad_norm > 0,
+            "a positive number (inf: no clipping)",
+        )
+        check_range("train.ema_decay", self.ema_decay, 0 <= self.ema_decay < 1, "in [0, 1)")
+        check_probability("train.text_drop_prob", self.text_drop_prob)
+        check_probability("train.image_embed_drop_prob", self.image_embed_drop_prob)
+        check_at_least("train.powersgd_rank", self.powersgd_rank, 0)
+        check_at_least("train.powersgd_start_step", self.powersgd_start_step, 0)
+        check_at_least("train.checkpoint_every", self.checkpoint_every, 0)
+        check_at_least("train.keep_last", self.keep_last, 1)
+        check_at_least("train.log_every", self.log_every, 1)
+        check_at_least("train.sample_every", self.sample_every, 0)
+        check_at_least("train.max_consecutive_nonfinite", self.max_consecutive_nonfinite, 1)
+
 
 @dataclass
 class UpsamplerTrainConfig:
@@ -131,6 +216,22 @@ class UpsamplerTrainConfig:
     corruption: Literal["blur", "bsr", "none"] = "blur"
     blur_sigma: list[float] = field(default_factory=lambda: [0.4, 0.6])
     max_noise_level: int = 250
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Range-check every number (:class:`ConfigError` naming the key and the valid range); the
+        noise level is checked against the diffusion schedule by :class:`StageConfig`."""
+        if self.crop_size is not None:
+            check_at_least("upsampler_train.crop_size", self.crop_size, 1)
+        check_range(
+            "upsampler_train.blur_sigma",
+            self.blur_sigma,
+            len(self.blur_sigma) == 2 and 0 <= self.blur_sigma[0] <= self.blur_sigma[1],
+            "[low, high] with 0 <= low <= high",
+        )
+        check_at_least("upsampler_train.max_noise_level", self.max_noise_level, 0)
 
 
 @dataclass
@@ -165,11 +266,32 @@ class StageConfig:
             )
         if self.stage == "upsampler" and self.upsampler_train is None:
             self.upsampler_train = UpsamplerTrainConfig()
+        if self.upsampler_train is not None:
+            steps = self.diffusion.num_train_timesteps
+            level = self.upsampler_train.max_noise_level
+            check_range(
+                "upsampler_train.max_noise_level",
+                level,
+                level < steps,
+                f"in [0, diffusion.num_train_timesteps - 1 = {steps - 1}]",
+            )
 
     @property
     def model(self):
         """The model section of this stage."""
         return getattr(self, self.stage)
+
+
+def load_config_naming_source(path, overrides, schema):
+    """:func:`unclip.config.load_config`, with the file named in the range errors of the training
+    sections too (they are raised where the values enter, which does not know the file)."""
+    try:
+        return load_config(path, overrides, schema=schema)
+    except ConfigError as exc:
+        where = "<dict>" if isinstance(path, dict) else "<defaults>" if path is None else str(path)
+        if where in str(exc):
+            raise
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def load_stage_config(
@@ -181,7 +303,7 @@ def load_stage_config(
 
     ``stages``: the stages the caller trains; a config of another stage is a ``ValueError``.
     """
-    cfg = load_config(path, overrides, schema=StageConfig)
+    cfg = load_config_naming_source(path, overrides, StageConfig)
     if cfg.stage not in stages:
         raise ValueError(
             f"{path}: stage is {cfg.stage!r} but this command trains {' or '.join(stages)}"

@@ -182,12 +182,16 @@ class UpsamplerTask:
 
 
 def train_decoder(
-    cfg: StageConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None
+    cfg: StageConfig,
+    resume: Optional[str] = None,
+    max_steps_this_run: Optional[int] = None,
+    overwrite: bool = False,
 ) -> int:
     """Train the base decoder or the upsampler described by ``cfg`` (stage ``decoder`` or
     ``upsampler``); when ``train.max_steps`` is reached, export ``<output_dir>/final/decoder`` (or
     ``final/sr<size>``) and ``final/clip``. ``resume``: ``"latest"`` or a checkpoint folder;
-    ``max_steps_this_run``: stop (with a checkpoint) after that many steps. Returns 0."""
+    ``max_steps_this_run``: stop (with a checkpoint) after that many steps; ``overwrite``: replace
+    an earlier run in ``train.output_dir`` (refused otherwise). Returns 0."""
     if cfg.stage not in ("decoder", "upsampler"):
         raise ValueError(
             f"train_decoder needs a stage 'decoder' or 'upsampler' config, got stage {cfg.stage!r}"
@@ -197,7 +201,7 @@ def train_decoder(
             f"data.resolution ({cfg.data.resolution}) must equal decoder.sample_size "
             f"({cfg.decoder.sample_size})"
         )
-    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
+    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
     clip = CLIP.from_config(cfg.clip).to(loop.device)
     model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()

@@ -14,15 +14,22 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
   ``max_consecutive_nonfinite`` in a row training stops with a clear message (after a checkpoint);
-* checkpoints every ``checkpoint_every`` steps and at the end, written to a temporary folder and
-  renamed (never half-written), keeping the last ``keep_last``; exact resume (model, optimizer, LR
-  schedule, EMA, grad scaler, RNG and data position) with ``--resume latest`` or a checkpoint path;
+* checkpoints every ``checkpoint_every`` steps and at the end, keeping the last ``keep_last``:
+  safetensors and JSON only, written to a temporary folder with a manifest (sizes, SHA-256) last and
+  renamed (:mod:`unclip.train.checkpoint`); exact resume (model, optimizer, LR schedule, EMA, grad
+  scaler, RNG and data position) with ``--resume latest`` (the newest intact checkpoint; damaged
+  ones are skipped with a warning) or a checkpoint path (checked; a damaged one is an error);
+* a run's ``output_dir`` is its own: a folder holding files is refused unless the run resumes
+  (``--resume``) or starts afresh (``overwrite``: the old run's files are removed first);
+* a full disk while writing a checkpoint or the export stops the run with a one-line
+  :class:`~unclip.train.checkpoint.DiskFullError`; the last intact checkpoint is kept;
 * per-sample randomness: every sample's noise, timestep and condition dropout come from a
   ``torch.Generator`` seeded by ``(seed, rank, sample number)``
   (:func:`unclip.pipeline_utils.sample_seed`), so results do not depend on how samples are grouped
   into micro-batches and resume is exact;
 * logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers;
-* export: ``<output_dir>/final/<component>`` with the EMA weights.
+* export: ``<output_dir>/final/<component>`` with the EMA weights, each folder written to a
+  temporary folder and renamed.
 """
 
 from __future__ import annotations
@@ -47,11 +54,14 @@ from accelerate.utils import (
     ProjectConfiguration,
 )
 from diffusers.training_utils import EMAModel
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from unclip.config import save_config, to_dict
 from unclip.io import STAGE_META_FILE
 from unclip.pipeline_utils import sample_seed
+from unclip.train import checkpoint as ckpt
+from unclip.train.checkpoint import CheckpointError, DiskFullError
 
 __all__ = [
     "TrainLoop",
@@ -62,6 +72,9 @@ __all__ = [
     "STAGE_META_FILE",
     "load_initial_weights",
     "auto_mixed_precision",
+    "CheckpointError",
+    "DiskFullError",
+    "RUN_FILES",
 ]
 
 logger = logging.getLogger("unclip.train")
@@ -173,6 +186,19 @@ def batch_size_of(batch: dict) -> int:
     return len(batch["caption"])
 
 
+#: what a run writes in its ``output_dir`` (removed by ``overwrite``; other files are left alone)
+RUN_FILES = (
+    "checkpoints",
+    "final",
+    "samples",
+    "logs",
+    "config.yaml",
+    "metrics.jsonl",
+    "rank_checksums.json",
+    "retrieval.json",
+)
+
+
 class _RunState:
     """Counters saved in every checkpoint (the data position among them)."""
 
@@ -187,7 +213,11 @@ class _RunState:
         return dict(vars(self))
 
     def load_state_dict(self, state):
-        vars(self).update(state)
+        for key in vars(self):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"run state '{key}' must be a count, got {value!r}")
+            setattr(self, key, value)
 
 
 class TrainLoop:
@@ -195,7 +225,7 @@ class TrainLoop:
 
     Usage::
 
-        loop = TrainLoop(cfg, resume="latest")
+        loop = TrainLoop(cfg, resume="latest")  # or overwrite=True to replace an earlier run
         model = loop.prepare(build_model())
         finished = loop.run(task, make_batches(..., start=loop.state.samples))
         if finished:
@@ -203,7 +233,9 @@ class TrainLoop:
         loop.finish()
 
     ``cfg`` is any config with a ``train`` section (:class:`~unclip.train.config.TrainConfig`); the
-    whole config is saved beside the run and every checkpoint.
+    whole config is saved beside the run and every checkpoint. ``resume``: ``"latest"`` or a
+    checkpoint folder; ``overwrite``: remove an earlier run's files from ``output_dir`` first (a
+    folder holding files is refused otherwise).
     """
 
     def __init__(
@@ -211,12 +243,20 @@ class TrainLoop:
         cfg,
         resume: Optional[str] = None,
         max_steps_this_run: Optional[int] = None,
+        overwrite: bool = False,
     ):
         self.cfg = cfg
         if max_steps_this_run is not None and max_steps_this_run < 1:
-            raise ValueError("--max-steps-this-run must be >= 1")
+            raise ValueError(f"--max-steps-this-run must be >= 1, got {max_steps_this_run}")
+        if resume and overwrite:
+            raise ValueError(
+                "--resume and --overwrite exclude each other: resume the run, or replace it"
+            )
         self.max_steps_this_run = max_steps_this_run
         t = cfg.train
+        t.validate()  # again: the config may have been changed since it was built
+        if hasattr(cfg, "data") and hasattr(cfg.data, "validate"):
+            cfg.data.validate()
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
         handlers = []
@@ -258,15 +298,43 @@ class TrainLoop:
         self.state = _RunState()
         self.resume = resume
         self.ema: Optional[EMAModel] = None
+        self._saved_step: Optional[int] = None  # the step of the checkpoint on disk, if current
+        self.claim_output_dir(overwrite)
         if self.accelerator.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out / "config.yaml")
+            with ckpt.disk_full_is_an_error(self.out / "config.yaml"):
+                self.out.mkdir(parents=True, exist_ok=True)
+                save_config(cfg, self.out / "config.yaml")
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
             logging.getLogger("unclip").setLevel(logging.INFO)
         if trackers:
             self.accelerator.init_trackers("unclip", config=_flat(cfg))
 
     # ------------------------------------------------------------------ setup
+    def claim_output_dir(self, overwrite: bool) -> None:
+        """Refuse an ``output_dir`` that already holds files unless this run resumes; with
+        ``overwrite``, remove the earlier run's files (:data:`RUN_FILES`) first. Every process
+        looks before any writes."""
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"train.output_dir {out} is a file; choose a folder")
+        held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        if held and not self.resume and not overwrite:
+            raise ValueError(
+                f"train.output_dir {out} already holds files ({', '.join(held[:4])}"
+                f"{', ...' if len(held) > 4 else ''}): continue that run with --resume latest, "
+                "or replace it with --overwrite"
+            )
+        self.accelerator.wait_for_everyone()
+        if overwrite and held and self.accelerator.is_main_process:
+            for name in RUN_FILES:
+                path = out / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            logger.info("--overwrite: removed the earlier run's files from %s", out)
+        self.accelerator.wait_for_everyone()
+
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
@@ -308,9 +376,6 @@ class TrainLoop:
             self.ema = EMAModel(params, decay=t.ema_decay, use_ema_warmup=t.ema_warmup, power=3 / 4)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.accelerator.register_for_checkpointing(self.lr_schedule, self.state)
-        if self.ema is not None:
-            self.accelerator.register_for_checkpointing(self.ema)
         if self.resume:
             self.load_checkpoint(self.resume)
         return self.model
@@ -347,10 +412,9 @@ class TrainLoop:
                 if t.sample_every and self.state.step % t.sample_every == 0:
                     self.save_samples(task, first)
                 if t.checkpoint_every and self.state.step % t.checkpoint_every == 0:
-                    self.save_checkpoint()
+                    self.checkpoint()
                 self.stop_if_nonfinite()
-        if not (t.checkpoint_every and self.state.step % t.checkpoint_every == 0):
-            self.save_checkpoint()
+        self.checkpoint()
         finished = self.state.step >= t.max_steps
         if not finished:
             logger.info(
@@ -445,7 +509,7 @@ class TrainLoop:
         n = self.state.consecutive_nonfinite
         if n < self.cfg.train.max_consecutive_nonfinite:
             return
-        self.save_checkpoint()
+        self.checkpoint()
         raise NonFiniteError(
             f"{n} consecutive optimizer steps had a non-finite loss or gradient (step "
             f"{self.state.step}); lower train.lr, use mixed_precision=bf16/no, or check the data. "
@@ -473,8 +537,27 @@ class TrainLoop:
         values = {k: float(v) for k, v in values.items()}
         self.accelerator.log(values, step=self.state.step)
         if self.accelerator.is_main_process:
-            with open(self.out / "metrics.jsonl", "a") as f:
+            path = self.out / "metrics.jsonl"
+            with ckpt.disk_full_is_an_error(path), open(path, "a") as f:
                 f.write(json.dumps({"step": self.state.step, **values}) + "\n")
+
+    def trim_metrics(self) -> None:
+        """On resume: drop the records ``metrics.jsonl`` holds for steps after the checkpoint (the
+        interrupted run logged them; this run logs them again) and a line cut short by a kill."""
+        path = self.out / "metrics.jsonl"
+        if not (self.accelerator.is_main_process and path.is_file()):
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= self.state.step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = path.with_name(path.name + ".tmp")
+        with ckpt.disk_full_is_an_error(path):
+            tmp.write_text("".join(keep))
+            os.replace(tmp, path)
 
     # ------------------------------------------------------------------ EMA weights, samples
     @contextlib.contextmanager
@@ -504,7 +587,8 @@ class TrainLoop:
                 grid = task.sample_grid(model, batch)
             finally:
                 model.train()
-        grid.save(path)
+        with ckpt.disk_full_is_an_error(path):
+            grid.save(path)
         return path
 
     # ------------------------------------------------------------------ checkpoints
@@ -513,49 +597,174 @@ class TrainLoop:
         return self.out / "checkpoints"
 
     def latest_checkpoint(self) -> Optional[Path]:
-        if not self.ckpt_dir.is_dir():
-            return None
-        done = sorted(
-            p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-        )
+        """The newest completed checkpoint folder (not checked; see :meth:`load_checkpoint`)."""
+        done = ckpt.completed_checkpoints(self.ckpt_dir)
         return done[-1] if done else None
 
+    def checkpoint(self) -> None:
+        """Save a checkpoint unless the one on disk already holds this step's state."""
+        if self._saved_step != self.state.step:
+            self.save_checkpoint()
+
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_XXXXXXXX`` atomically (tmp folder, then rename); keep the last
-        ``keep_last``."""
+        """Write ``checkpoints/step_XXXXXXXX``: every file to ``step_XXXXXXXX.tmp``, the manifest
+        last, then rename; then remove all but the newest ``keep_last`` older checkpoints (newer
+        ones, left by an earlier run this one resumed before, stay until replaced). A full disk is
+        a :class:`DiskFullError`; the partial folder is removed and older checkpoints are kept."""
         acc = self.accelerator
         final = self.ckpt_dir / f"step_{self.state.step:08d}"
-        tmp = self.ckpt_dir / f"step_{self.state.step:08d}.tmp"
+        tmp = final.with_name(final.name + ".tmp")
+        with ckpt.writing(tmp, final):
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            acc.wait_for_everyone()
+            self.write_state(tmp)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                save_config(self.cfg, tmp / "config.yaml")
+                ckpt.write_manifest(tmp, self.state.step)
+                ckpt.replace_folder(tmp, final)
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            save_config(self.cfg, tmp / "config.yaml")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            done = sorted(
-                p
-                for p in self.ckpt_dir.glob("step_*")
-                if p.is_dir() and not p.name.endswith(".tmp")
-            )
-            for old in done[: -max(1, self.cfg.train.keep_last)]:
+            older = [p for p in ckpt.completed_checkpoints(self.ckpt_dir) if p.name < final.name]
+            for old in older[: max(0, len(older) - (self.cfg.train.keep_last - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
+        self._saved_step = self.state.step
         return final
 
-    def load_checkpoint(self, which: str) -> None:
-        path = self.latest_checkpoint() if which == "latest" else Path(which)
-        if path is None:
-            logger.info("no checkpoint in %s: starting from scratch", self.ckpt_dir)
+    def write_state(self, folder: Path) -> None:
+        """The training state as safetensors and JSON (see :mod:`unclip.train.checkpoint`): this
+        process's random state; on the main process everything else."""
+        tensors, meta = ckpt.rng_files()
+        ckpt.save_tensors(tensors, folder / f"rng_{self.rank}.safetensors")
+        ckpt.write_json(folder / f"rng_{self.rank}.json", meta)
+        if not self.accelerator.is_main_process:
             return
+        from safetensors.torch import save_model
+
+        save_model(self.unwrapped, str(folder / "model.safetensors"))
+        tensors, meta = ckpt.optimizer_files(self.optimizer.state_dict())
+        ckpt.save_tensors(tensors, folder / "optimizer.safetensors")
+        ckpt.write_json(folder / "optimizer.json", meta)
+        if self.ema is not None:
+            ema = self.ema.state_dict()
+            shadow = ema.pop("shadow_params")
+            ckpt.save_tensors(
+                {f"shadow.{i}": t for i, t in enumerate(shadow)}, folder / "ema.safetensors"
+            )
+            ckpt.write_json(folder / "ema.json", ema)
+        scaler = self.accelerator.scaler
+        ckpt.write_json(
+            folder / "trainer_state.json",
+            {
+                "run": self.state.state_dict(),
+                "lr_schedule": self.lr_schedule.state_dict(),
+                "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                "world_size": self.world,
+            },
+        )
+
+    def read_state(self, folder: Path) -> None:
+        """Load what :meth:`write_state` wrote (the folder was checked against its manifest)."""
+        from safetensors.torch import load_model
+
+        listed = set(ckpt.read_json(folder / ckpt.MANIFEST)["files"])  # nothing else is opened
+        load_model(self.unwrapped, str(folder / "model.safetensors"), strict=True)
+        live = self.optimizer.state_dict()
+        state = ckpt.optimizer_state(
+            ckpt.load_tensors(folder / "optimizer.safetensors"),
+            ckpt.read_json(folder / "optimizer.json"),
+            live,
+        )
+        self.optimizer.load_state_dict(state)
+        if self.ema is not None:
+            if not {"ema.json", "ema.safetensors"} <= listed:
+                raise CheckpointError("it has no EMA weights but train.ema is on")
+            ema = ckpt.read_json(folder / "ema.json")
+            shadow = ckpt.load_tensors(folder / "ema.safetensors")
+            if len(shadow) != len(self.ema.shadow_params):
+                raise CheckpointError(
+                    f"its EMA holds {len(shadow)} tensors, this model {len(self.ema.shadow_params)}"
+                )
+            ema["shadow_params"] = [
+                shadow[f"shadow.{i}"].to(old.device, old.dtype)
+                for i, old in enumerate(self.ema.shadow_params)
+            ]
+            self.ema.load_state_dict(ema)
+        trainer = ckpt.read_json(folder / "trainer_state.json")
+        self.state.load_state_dict(trainer["run"])
+        self.lr_schedule.load_state_dict(trainer["lr_schedule"])
+        scaler = self.accelerator.scaler
+        if scaler is not None and trainer.get("grad_scaler"):
+            scaler.load_state_dict(trainer["grad_scaler"])
+        rng = f"rng_{self.rank}"
+        if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
+            ckpt.set_rng_state(
+                ckpt.load_tensors(folder / f"{rng}.safetensors"),
+                ckpt.read_json(folder / f"{rng}.json"),
+            )
+        else:
+            logger.warning(
+                "%s has no random state for rank %d (saved by %s processes): resuming with a "
+                "fresh one, so the run will not repeat an uninterrupted one exactly",
+                folder,
+                self.rank,
+                trainer.get("world_size"),
+            )
+
+    def checkpoint_to_resume(self, which: str) -> Optional[Path]:
+        """The checkpoint ``which`` (``"latest"`` or a folder) names, checked against its manifest.
+        ``latest``: the newest intact one (each newer, damaged one is skipped with a warning
+        saying why), ``None`` when there is none yet. A damaged checkpoint named explicitly, or
+        only damaged ones, is a :class:`CheckpointError`."""
+        if which == "latest":
+            path, skipped = ckpt.newest_intact(self.ckpt_dir)
+            for bad, why in skipped:
+                logger.warning("skipping damaged checkpoint %s: %s", bad, why)
+            if path is None and skipped:
+                bad, why = skipped[0]
+                raise CheckpointError(
+                    f"no intact checkpoint in {self.ckpt_dir}: all {len(skipped)} are damaged "
+                    f"(newest, {bad.name}: {why}); start afresh with --overwrite"
+                )
+            return path
+        path = Path(which)
         if not path.is_dir():
             raise FileNotFoundError(
                 f"checkpoint not found: {path}; use --resume latest or a checkpoints/step_* folder"
             )
-        self.accelerator.load_state(str(path))
+        if (path / "checkpoints").is_dir():
+            raise CheckpointError(
+                f"{path} is a run folder, not a checkpoint; use --resume latest or one of its "
+                "checkpoints/step_* folders"
+            )
+        try:
+            ckpt.verify(path)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {exc}; resume another one (--resume latest takes "
+                "the newest intact one)"
+            ) from None
+        return path
+
+    def load_checkpoint(self, which: str) -> None:
+        path = self.checkpoint_to_resume(which)
+        if path is None:
+            logger.info("no checkpoint in %s: starting from scratch", self.ckpt_dir)
+            self.trim_metrics()
+            return
+        try:
+            self.read_state(path)
+        except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+            # the files are as written (the manifest matched): another config's, or hand-made
+            reason = f"{type(exc).__name__}: " + " ".join(str(exc).split())
+            raise CheckpointError(
+                f"checkpoint {path} cannot be loaded into this run ({reason[:300]}); resume a "
+                "checkpoint of this config, or start afresh with --overwrite"
+            ) from None
+        self._saved_step = self.state.step
+        self.trim_metrics()
         logger.info(
             "resumed from %s at step %d (%d samples on this rank)",
             path,
@@ -564,6 +773,18 @@ class TrainLoop:
         )
 
     # ------------------------------------------------------------------ export
+    def write_folder(self, target: Path, write_fn) -> Path:
+        """Main process: ``write_fn(folder)`` writes a temporary folder, which then replaces
+        ``target`` (never half-written; a full disk is a :class:`DiskFullError`)."""
+        target = Path(target)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with ckpt.writing(tmp, target):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            write_fn(tmp)
+            ckpt.replace_folder(tmp, target)
+        return target
+
     def export(self, name: str, save_fn, meta: Optional[dict] = None) -> Path:
         """Write the component folder ``<output_dir>/final/<name>`` with the EMA weights (if any):
         ``save_fn(unwrapped_model, folder)`` writes it, then ``meta`` (if given) goes to
@@ -571,15 +792,15 @@ class TrainLoop:
         acc = self.accelerator
         acc.wait_for_everyone()
         target = self.out / "final" / name
+
+        def write(folder: Path) -> None:
+            save_fn(self.unwrapped, folder)
+            if meta is not None:
+                (folder / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
+
         if acc.is_main_process:
             with self.ema_weights():
-                tmp = target.with_name(target.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                save_fn(self.unwrapped, tmp)
-                if meta is not None:
-                    (tmp / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(tmp, target)
+                self.write_folder(target, write)
         acc.wait_for_everyone()
         return target
 
@@ -595,7 +816,7 @@ class TrainLoop:
         }
         out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
         if self.accelerator.is_main_process:
-            clip.save_pretrained(out.parent / "clip")
+            self.write_folder(out.parent / "clip", clip.save_pretrained)
             print(f"exported {name} to {out}")
         return out
 
@@ -610,7 +831,9 @@ class TrainLoop:
         """Check that every rank holds the same weights, log the run's totals, close trackers."""
         sums = self.parameter_checksums()
         if self.accelerator.is_main_process:
-            (self.out / "rank_checksums.json").write_text(json.dumps(sums))
+            path = self.out / "rank_checksums.json"
+            with ckpt.disk_full_is_an_error(path):
+                path.write_text(json.dumps(sums))
         if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
             raise RuntimeError(
                 f"ranks hold different weights at the end of training: checksums {sums}"

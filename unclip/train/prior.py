@@ -105,11 +105,15 @@ class PriorTask:
 
 
 def train_prior(
-    cfg: StageConfig, resume: Optional[str] = None, max_steps_this_run: Optional[int] = None
+    cfg: StageConfig,
+    resume: Optional[str] = None,
+    max_steps_this_run: Optional[int] = None,
+    overwrite: bool = False,
 ) -> int:
     """Train the prior described by ``cfg`` (stage ``prior``); when ``train.max_steps`` is reached,
     export ``<output_dir>/final/prior`` and ``final/clip``. ``resume``: ``"latest"`` or a checkpoint
-    folder; ``max_steps_this_run``: stop (with a checkpoint) after that many steps. Returns 0."""
+    folder; ``max_steps_this_run``: stop (with a checkpoint) after that many steps; ``overwrite``:
+    replace an earlier run in ``train.output_dir`` (refused otherwise). Returns 0."""
     if cfg.stage != "prior":
         raise ValueError(f"train_prior needs a stage 'prior' config, got stage {cfg.stage!r}")
     if cfg.diffusion.prediction_type != "sample":
@@ -117,7 +121,7 @@ def train_prior(
             "the paper's prior predicts x_0 (diffusion.prediction_type=sample); using %s",
             cfg.diffusion.prediction_type,
         )
-    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run)
+    loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
     clip = CLIP.from_config(cfg.clip).to(loop.device)
     model = cfg.prior.build(clip)
