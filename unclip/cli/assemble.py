@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from unclip.pipeline import UnCLIPPipeline
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="unclip assemble", description=__doc__.splitlines()[0])
@@ -26,6 +24,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", required=True, help="output pipeline folder")
     args = p.parse_args(argv)
+    from unclip.pipeline import UnCLIPPipeline
+
     pipe = UnCLIPPipeline.from_components(
         args.clip, args.decoder, args.prior, args.upsampler, reranker=args.reranker
     )
@@ -38,4 +38,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip assemble", main, sys.argv[1:]))

@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from unclip.config import to_yaml
-from unclip.shapes.train_clip import load_clip_train_config, train_clip
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
@@ -33,6 +30,9 @@ def main(argv=None) -> int:
         help="stop (with a checkpoint, without exporting) after this many optimizer steps",
     )
     args = p.parse_intermixed_args(argv)
+    from unclip.config import to_yaml
+    from unclip.shapes.train_clip import load_clip_train_config, train_clip
+
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"train.output_dir={args.output_dir}")
@@ -44,4 +44,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip train-clip", main, sys.argv[1:]))
