@@ -1,5 +1,5 @@
 import sys
 
-from unclip.cli.train_decoder import main
+from unclip.cli import train_decoder_script
 
-sys.exit(main())
+sys.exit(train_decoder_script())

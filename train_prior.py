@@ -1,5 +1,5 @@
 import sys
 
-from unclip.cli.train_prior import main
+from unclip.cli import train_prior_script
 
-sys.exit(main())
+sys.exit(train_prior_script())

@@ -2,8 +2,9 @@
 refused), JSON configs, trained component folders (``unclip_stage.json``), pipeline folders
 (``unclip.json`` and one subfolder per component) and the bundled models.
 
-Other folder layouts (e.g. diffusers' ``model_index.json``) are loaded by readers registered with
-:func:`register_folder_format`; :mod:`unclip.interop` registers the diffusers/Karlo one.
+Other folder layouts (e.g. diffusers' ``model_index.json``) are loaded by readers declared as
+``unclip.folder_formats`` entry points (the diffusers/Karlo one is in pyproject.toml) or registered
+with :func:`register_folder_format`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Optional, Union
 
@@ -29,13 +30,70 @@ PIPELINE_FILE = "unclip.json"
 PIPELINE_FORMAT_VERSION = 1
 STAGE_META_FILE = "unclip_stage.json"
 
-# marker file name -> reader(folder) returning a pipeline; filled by the interop layer
-FOLDER_FORMATS: dict[str, Callable] = {}
+# entry point group of folder readers: name = the marker file, value = reader(folder) -> pipeline,
+# e.g. "model_index.json" = "unclip.interop.diffusers:load_diffusers_unclip"
+FOLDER_FORMAT_ENTRY_POINTS = "unclip.folder_formats"
+
+
+class FolderFormats(MutableMapping):
+    """marker file name -> reader(folder) returning a pipeline.
+
+    The entry points are listed on first use and each reader is imported only when a folder holds
+    its marker, so the core never imports the layers that extend it (a reader registered in code
+    wins over an entry point for the same marker)."""
+
+    def __init__(self) -> None:
+        self._readers: dict = {}
+        self._listed = False
+
+    def _list(self) -> dict:
+        if not self._listed:
+            self._listed = True
+            from importlib.metadata import entry_points
+
+            for ep in entry_points(group=FOLDER_FORMAT_ENTRY_POINTS):
+                self._readers.setdefault(ep.name, _EntryPointReader(ep))
+        return self._readers
+
+    def __getitem__(self, marker: str) -> Callable:
+        return self._list()[marker]
+
+    def __setitem__(self, marker: str, reader: Callable) -> None:
+        self._readers[marker] = reader
+
+    def __delitem__(self, marker: str) -> None:
+        del self._list()[marker]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._list()))
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+
+class _EntryPointReader:
+    """A folder reader named by an entry point, imported on its first call."""
+
+    def __init__(self, entry_point) -> None:
+        self.entry_point = entry_point
+        self._reader: Callable | None = None
+
+    def __call__(self, folder):
+        if self._reader is None:
+            self._reader = self.entry_point.load()
+        return self._reader(folder)
+
+    def __repr__(self) -> str:
+        return f"<folder reader {self.entry_point.value}>"
+
+
+FOLDER_FORMATS = FolderFormats()
 
 
 def register_folder_format(marker: str, reader: Callable) -> None:
     """Let ``UnCLIPPipeline.from_pretrained`` read folders that hold ``marker`` (e.g.
-    ``model_index.json``)."""
+    ``model_index.json``); packages can declare the same as an ``unclip.folder_formats`` entry
+    point instead."""
     FOLDER_FORMATS[marker] = reader
 
 

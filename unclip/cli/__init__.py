@@ -5,12 +5,18 @@ unclip make-shapes data/shapes --num 10000 --format webdataset
 unclip embed ... | unclip evaluate ... | unclip convert SRC DST
 unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
 unclip shapes-eval --model PIPELINE | unclip shapes-finalize PIPELINE --sampling YAML
+
+Errors are one line and exit status 1 (argument errors 2); ``--debug`` or ``UNCLIP_DEBUG=1`` shows
+the traceback (see :mod:`unclip.cli.errors`). Only the chosen command's module is imported, and each
+imports torch and the models after parsing its arguments, so ``--help`` is instant.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from unclip.cli.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, run_main
 
 COMMANDS = {
     "generate": (
@@ -48,12 +54,24 @@ COMMANDS = {
 def usage() -> str:
     lines = ["usage: unclip COMMAND [args...]", "", "commands:"]
     lines += [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "run 'unclip COMMAND --help' for the options of a command"]
+    lines += [
+        "",
+        "run 'unclip COMMAND --help' for the options of a command;",
+        f"{DEBUG_FLAG} (anywhere) or {DEBUG_ENV}=1 shows the full traceback of an error",
+    ]
     return "\n".join(lines)
 
 
+def run_command(name: str, argv=None, debug: bool = False) -> int:
+    """``unclip NAME ARGV...``: the command's ``main`` with one-line errors; the exit status."""
+    argv, flagged = debug_requested(sys.argv[1:] if argv is None else argv)
+    module = importlib.import_module(COMMANDS[name][0])
+    return run_main(f"unclip {name}", module.main, argv, debug=debug or flagged)
+
+
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``unclip`` command; returns the exit status."""
+    argv, debug = debug_requested(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
@@ -70,8 +88,16 @@ def main(argv=None) -> int:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"unclip: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return run_command(name, rest, debug=debug)
+
+
+# console scripts of their own (pyproject.toml [project.scripts]), the same as `unclip NAME`
+def train_prior_script(argv=None) -> int:
+    return run_command("train-prior", argv)
+
+
+def train_decoder_script(argv=None) -> int:
+    return run_command("train-decoder", argv)
 
 
 if __name__ == "__main__":

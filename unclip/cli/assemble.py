@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from unclip.io import assemble_pipeline
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="unclip assemble", description=__doc__.splitlines()[0])
@@ -31,6 +29,8 @@ def main(argv=None) -> int:
         help="replace a non-empty --out entirely (otherwise it is refused)",
     )
     args = p.parse_args(argv)
+    from unclip.io import assemble_pipeline
+
     pipe = assemble_pipeline(
         args.clip,
         args.decoder,
@@ -48,4 +48,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip assemble", main, sys.argv[1:]))

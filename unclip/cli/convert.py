@@ -10,8 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from unclip.interop.diffusers import convert
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
@@ -35,6 +33,8 @@ def main(argv=None) -> int:
         "--overwrite", action="store_true", help="write into a non-empty output folder"
     )
     args = parser.parse_args(argv)
+    from unclip.interop.diffusers import convert
+
     try:
         pipe = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, ImportError) as exc:
@@ -48,4 +48,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip convert", main, sys.argv[1:]))

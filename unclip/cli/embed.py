@@ -12,8 +12,6 @@ import argparse
 import sys
 from typing import Optional
 
-from unclip.train.embed import EmbedJob, embed
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -57,9 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = vars(build_parser().parse_args(argv))
+    from unclip.train.embed import EmbedJob, embed
+
     args["progress"] = not args.pop("no_progress")
     return embed(EmbedJob(**args))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip embed", main, sys.argv[1:]))

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-import torch
-
-from unclip.eval.metrics import INCEPTION_FILE
+from unclip.cli.errors import seed_type
 
 
 def _positive(text: str) -> int:
@@ -54,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-samples", type=_positive, help="default: one per prompt; COCO 30000; shapes 500"
     )
     p.add_argument("--batch-size", type=_positive, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument(
-        "--inception", help=f"local {INCEPTION_FILE} (or .safetensors); 'random' = TEST ONLY"
+        "--inception",
+        help="local FID Inception weights (torch-fidelity's weights-inception-2015-12-05-*.pth, "
+        "or .safetensors); 'random' = TEST ONLY",
     )
     p.add_argument(
         "--inception-feature",
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt"
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -113,10 +114,13 @@ def _parse_sampling(text):
 
 def main(argv=None) -> int:
     """Returns 0; user errors exit with status 2 and a message."""
-    from unclip.eval.evaluate import evaluate, report_markdown
-
     parser = build_parser()
     args = parser.parse_args(argv)
+    import torch
+
+    from unclip.eval.evaluate import evaluate, report_markdown
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         report = evaluate(
             args.out,
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
             resolution=args.resolution,
             sampling=_parse_sampling(args.sampling),
             save_samples=args.save_samples,
-            device=args.device,
+            device=device,
             progress=not args.no_progress,
         )
     except (ValueError, FileNotFoundError, TypeError) as e:
@@ -150,4 +154,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip evaluate", main, sys.argv[1:]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from unclip.cli.errors import seed_type
 from unclip.shapes.world import SPLITS, write_shapes
 
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resolution", type=_resolution, default=64, help="image side in pixels (8..4096)"
     )
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--split", choices=SPLITS, default="train")
     p.add_argument("--format", choices=("folder", "webdataset"), default="folder")
     p.add_argument("--shard-size", type=_int_at_least(1), default=1000)
@@ -97,4 +98,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip make-shapes", main, sys.argv[1:]))

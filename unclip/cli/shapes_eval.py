@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from unclip.cli.errors import seed_type
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unclip shapes-eval", description=__doc__.splitlines()[0])
@@ -21,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="pipeline folder (default: the bundled shapes model)"
     )
     p.add_argument("--num", type=int, default=200, help="prompts per kind (single, two-object)")
-    p.add_argument("--seed", type=int, default=0, help="image i is sampled with seed + i")
-    p.add_argument("--prompt-seed", type=int, default=1000, help="seed of the held-out captions")
+    p.add_argument("--seed", type=seed_type, default=0, help="image i is sampled with seed + i")
+    p.add_argument(
+        "--prompt-seed", type=seed_type, default=1000, help="seed of the held-out captions"
+    )
     p.add_argument("--batch-size", type=int, default=50)
     p.add_argument(
         "--sampling",
@@ -78,4 +82,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip shapes-eval", main, sys.argv[1:]))

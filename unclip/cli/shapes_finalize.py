@@ -31,9 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from unclip.shapes.finalize import finalize
 
-    args = build_parser().parse_args(argv)
     finalize(
         args.pipeline,
         args.sampling,
@@ -45,4 +45,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip shapes-finalize", main, sys.argv[1:]))

@@ -10,8 +10,6 @@ import argparse
 import sys
 
 from unclip.cli.train_prior import add_run_arguments
-from unclip.config import to_yaml
-from unclip.shapes.train_clip import load_clip_train_config, train_clip
 
 
 def main(argv=None) -> int:
@@ -27,6 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     add_run_arguments(p)
     args = p.parse_intermixed_args(argv)
+    from unclip.config import to_yaml
+    from unclip.shapes.train_clip import load_clip_train_config, train_clip
+
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"train.output_dir={args.output_dir}")
@@ -43,4 +44,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip train-clip", main, sys.argv[1:]))

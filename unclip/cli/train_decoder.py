@@ -12,17 +12,19 @@ from __future__ import annotations
 import sys
 
 from unclip.cli.train_prior import stage_config, stage_parser
-from unclip.config import to_yaml
-from unclip.train.decoder import train_decoder
 
 
 def main(argv=None) -> int:
     parser = stage_parser("unclip train-decoder", "train the base decoder or an upsampler")
     args = parser.parse_intermixed_args(argv)
+    from unclip.config import to_yaml
+
     cfg = stage_config(args, ("decoder", "upsampler"))
     if args.print_config:
         print(to_yaml(cfg))
         return 0
+    from unclip.train.decoder import train_decoder
+
     return train_decoder(
         cfg,
         resume=args.resume,
@@ -32,4 +34,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip train-decoder", main, sys.argv[1:]))

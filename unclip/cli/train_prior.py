@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from unclip.config import to_yaml
-from unclip.train.config import StageConfig, load_stage_config
-from unclip.train.prior import train_prior
+if TYPE_CHECKING:
+    from unclip.train.config import StageConfig
 
 
 def stage_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -50,6 +50,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def stage_config(args: argparse.Namespace, stages: tuple[str, ...]) -> StageConfig:
     """The stage config named by the parsed arguments, ``--output-dir`` applied."""
+    from unclip.train.config import load_stage_config
+
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"train.output_dir={args.output_dir}")
@@ -59,10 +61,14 @@ def stage_config(args: argparse.Namespace, stages: tuple[str, ...]) -> StageConf
 def main(argv=None) -> int:
     parser = stage_parser("unclip train-prior", "train the diffusion prior")
     args = parser.parse_intermixed_args(argv)
+    from unclip.config import to_yaml
+
     cfg = stage_config(args, ("prior",))
     if args.print_config:
         print(to_yaml(cfg))
         return 0
+    from unclip.train.prior import train_prior
+
     return train_prior(
         cfg,
         resume=args.resume,
@@ -72,4 +78,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip train-prior", main, sys.argv[1:]))
