@@ -20,14 +20,11 @@ from unclip.cli.errors import SEED_MAX, debug_requested, format_error, run_main,
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny"
 HEAVY = ("torch", "open_clip", "diffusers", "accelerate", "transformers", "numpy", "scipy")
+
+
 # unclip/cli/generate.py parses --scheduler choices from unclip.diffusion (torch, diffusers) and
 # turns library errors into usage errors; these cases pass once it takes SCHEDULERS from a light
 # module, --seed type=seed_type, and lets ValueError reach the one-line report
-GENERATE_PENDING = pytest.mark.xfail(
-    strict=True, reason="unclip/cli/generate.py: light SCHEDULERS import, seed_type, no p.error"
-)
-
-
 def _env(**extra: str) -> dict:
     """The test's environment for a subprocess: this source tree first on the path, no
     ``UNCLIP_DEBUG`` unless given, ``extra`` (an extra ``PYTHONPATH`` entry goes after the tree)."""
@@ -100,7 +97,11 @@ BAD_INPUTS = [
         id="assemble-missing-folder",
     ),
     pytest.param(
-        ["embed", "--source", "folder", "--data", "nowhere", "--clip-config", "x", "--out", "e"],
+        [
+            "embed",
+            *("--source", "folder", "--data", "nowhere"),
+            *("--clip-config", str(TINY / "prior.yaml"), "--out", "e"),
+        ],
         "embed",
         ("nowhere", "does not exist"),
         id="embed-missing-folder",
@@ -128,7 +129,6 @@ BAD_INPUTS = [
         "generate",
         ("pipeline folder not found: nowhere",),
         id="generate-missing-model",
-        marks=GENERATE_PENDING,
     ),
 ]
 
@@ -187,9 +187,7 @@ def test_console_scripts_report_one_line_errors(work):
         ["evaluate", "--seed", str(2**64), "--out", "o"],
         ["shapes-eval", "--seed", "-1"],
         ["make-shapes", "d", "--num", "1", "--seed", str(SEED_MAX + 1)],
-        pytest.param(
-            ["generate", "a cat", "--seed", str(2**64), "--out", "o"], marks=GENERATE_PENDING
-        ),
+        ["generate", "a cat", "--seed", str(2**64), "--out", "o"],
     ],
     ids=["evaluate", "shapes-eval", "make-shapes", "generate"],
 )
@@ -311,7 +309,7 @@ def test_unclip_help_imports_nothing_heavy(tmp_path):
 
 @pytest.mark.parametrize(
     "command",
-    [pytest.param(c, marks=GENERATE_PENDING) if c == "generate" else c for c in cli.COMMANDS],
+    list(cli.COMMANDS),
 )
 def test_command_help_and_argument_errors_import_nothing_heavy(command, tmp_path):
     code = (

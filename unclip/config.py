@@ -173,6 +173,10 @@ class DiffusionConfig:
     min_snr_gamma: Optional[float] = None
 
 
+#: the samplers a stage can use, by name (``SamplingConfig.scheduler``)
+SCHEDULERS = ("ddpm", "ddim", "dpm++", "unclip")
+
+
 @dataclass
 class SamplingConfig:
     """Sampling settings of one stage: scheduler name, number of steps, guidance scale.

@@ -23,7 +23,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
-from unclip.config import DiffusionConfig
+from unclip.config import SCHEDULERS, DiffusionConfig
 
 __all__ = [
     "SCHEDULERS",
@@ -36,8 +36,6 @@ __all__ = [
 ]
 
 Generator = Optional[Union[torch.Generator, Sequence[torch.Generator]]]
-
-SCHEDULERS = ("ddpm", "ddim", "dpm++", "unclip")
 
 
 def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: float) -> None:

@@ -14,7 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from unclip.diffusion import SCHEDULERS
+from unclip.cli.errors import seed_type
+from unclip.config import SCHEDULERS
 
 __all__ = ["main", "build_parser", "add_sampling_args", "sampling_overrides"]
 
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="use a random untrained tiny pipeline (smoke test)"
     )
     p.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed S+i")
+    p.add_argument("--seed", type=seed_type, default=0, help="prompt i uses seed S+i")
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -109,8 +110,6 @@ def _prompts(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from unclip.pipeline import generate_to_folder
-
     p = build_parser()
     args = p.parse_args(argv)
     prompts = _prompts(p, args)
@@ -120,21 +119,20 @@ def main(argv=None) -> int:
             "noise",
             file=sys.stderr,
         )
-    try:
-        record = generate_to_folder(
-            args.model,
-            prompts,
-            args.out,
-            num_images_per_prompt=args.num_images,
-            seed=args.seed,
-            sampling=sampling_overrides(args),
-            device=args.device,
-            progress=not args.no_progress,
-            tiny=args.tiny,
-            command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
-        )
-    except (ValueError, FileNotFoundError) as e:
-        p.error(str(e))
+    from unclip.pipeline import generate_to_folder
+
+    record = generate_to_folder(
+        args.model,
+        prompts,
+        args.out,
+        num_images_per_prompt=args.num_images,
+        seed=args.seed,
+        sampling=sampling_overrides(args),
+        device=args.device,
+        progress=not args.no_progress,
+        tiny=args.tiny,
+        command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
+    )
     print(
         f"wrote {len(record['files'])} images ({record['resolution']}px) + grid.png + "
         f"generate.json to {args.out} in {record['seconds']:.1f}s"

@@ -58,7 +58,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from unclip.config import save_config, to_dict
-from unclip.io import STAGE_META_FILE
+from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train.checkpoint import CheckpointError, DiskFullError
@@ -808,12 +808,7 @@ class TrainLoop:
         """Export a diffusion stage: ``final/<name>`` (EMA weights, with the stage's diffusion and
         sampling settings) and its conditioning CLIP as ``final/clip``."""
         cfg = self.cfg
-        meta = {
-            "stage": cfg.stage,
-            "name": name,
-            "diffusion": to_dict(cfg.diffusion),
-            "sampling": to_dict(cfg.sampling),
-        }
+        meta = stage_meta(cfg.stage, name, to_dict(cfg.diffusion), to_dict(cfg.sampling), clip)
         out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
         if self.accelerator.is_main_process:
             self.write_folder(out.parent / "clip", clip.save_pretrained)
