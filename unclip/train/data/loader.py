@@ -67,22 +67,18 @@ def make_stream(
 ) -> Iterable[dict]:
     """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if
     given), starting after ``start`` consumed samples."""
+    split = dict(rank=rank, world_size=world_size, start=start, **worker)
     if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
         from unclip.train.data.paired import paired_stream
 
-        return paired_stream(
-            data, resolution, seed=seed, rank=rank, world_size=world_size, start=start, **worker
-        )
+        return paired_stream(data, resolution, seed=seed, **split)
     if data.source == "shapes":
         return ShapesStream(
             data.shapes_resolution or resolution,
             seed=data.shapes_seed,
             split=data.shapes_split,
             two_object_prob=data.shapes_two_object_prob,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            **worker,
+            **split,
         )
     if not data.path:
         raise ValueError(
@@ -92,30 +88,13 @@ def make_stream(
     from unclip.train.data import sources
 
     if data.source == "folder":
-        return sources.FolderStream(
-            data.path,
-            resolution,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            **worker,
-        )
+        return sources.FolderStream(data.path, resolution, seed=seed, **split)
     if data.source == "webdataset":
         return sources.WebDatasetStream(
-            data.path,
-            resolution,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            shuffle_buffer=data.shuffle_buffer,
-            **worker,
+            data.path, resolution, seed=seed, shuffle_buffer=data.shuffle_buffer, **split
         )
     if data.source == "embeddings":
-        return sources.EmbeddingStream(
-            data.path, seed=seed, rank=rank, world_size=world_size, start=start, **worker
-        )
+        return sources.EmbeddingStream(data.path, seed=seed, **split)
     raise ValueError(f"unknown data.source {data.source!r}")
 
 
