@@ -14,6 +14,7 @@ pass is skipped (it cancels exactly), so guidance 1 *is* the unguided path.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
@@ -39,7 +40,8 @@ Generator = Optional[Union[torch.Generator, Sequence[torch.Generator]]]
 
 
 def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: float) -> None:
-    """Raise a clear error for an unknown sampler, ``steps < 1`` or ``guidance_scale < 0``."""
+    """Raise a clear error for an unknown sampler, ``steps < 1``, or a guidance scale that is not a
+    finite number ``>= 0`` (NaN and inf would turn every image into NaN)."""
     if scheduler not in SCHEDULERS:
         raise ValueError(
             f"{stage}: unknown sampler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}"
@@ -50,8 +52,14 @@ def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: 
         raise ValueError(
             f"{stage}: the 'unclip' sampler needs steps >= 2 (got {steps}); use ddim for one step"
         )
-    if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0:
-        raise ValueError(f"{stage}: guidance scale must be a number >= 0, got {guidance_scale!r}")
+    if (
+        not isinstance(guidance_scale, (int, float))
+        or not math.isfinite(guidance_scale)
+        or guidance_scale < 0
+    ):
+        raise ValueError(
+            f"{stage}: guidance scale must be a finite number >= 0, got {guidance_scale!r}"
+        )
 
 
 def make_scheduler(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,18 @@ from unclip.pipeline_utils import check_count
 if TYPE_CHECKING:
     from unclip.pipeline import UnCLIPPipeline
 
-__all__ = ["UnCLIPOutput", "generate_to_folder"]
+__all__ = [
+    "UnCLIPOutput",
+    "generate_to_folder",
+    "check_output_folder",
+    "DEFAULT_BATCH_SIZE",
+    "GRID_MAX_IMAGES",
+]
+
+#: images per pipeline call in :func:`generate_to_folder` (``unclip generate --batch-size``)
+DEFAULT_BATCH_SIZE = 16
+#: the most images ``grid.png`` of :func:`generate_to_folder` shows (the first ones)
+GRID_MAX_IMAGES = 64
 
 
 @dataclass
@@ -83,6 +95,29 @@ class UnCLIPOutput:
         return out
 
 
+def check_output_folder(folder: Union[str, os.PathLike]) -> Path:
+    """``folder`` as a ``Path`` if files can be written into it: an existing folder, or a missing
+    one whose nearest existing parent is a writable folder (it is created at the first write).
+    A file, a path under a file or an unwritable place is an error naming ``folder``; nothing is
+    created."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"output folder {folder} is a file; give a folder (a missing one is created)"
+        )
+    parent = folder.absolute()
+    while not parent.exists() and parent.parent != parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot create output folder {folder}: {parent} is a file, not a folder")
+    try:  # permissions alone do not tell (root, read-only mounts): write and remove a probe
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(folder)) from exc
+    return folder
+
+
 def generate_to_folder(
     model: Union[str, os.PathLike, UnCLIPPipeline, None],
     prompts: Sequence[str],
@@ -95,25 +130,41 @@ def generate_to_folder(
     progress: bool = True,
     tiny: bool = False,
     command: Optional[Sequence[str]] = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
     ``model``: a pipeline, a folder for :meth:`UnCLIPPipeline.from_pretrained` or None (the bundled
-    model); ``tiny``: a random untrained tiny pipeline instead (a smoke test). Prompt ``i`` is
-    sampled with its own generator seeded ``seed + i``. ``generate.json`` records every setting
-    needed to reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
-    versions, ``command``); it is also returned."""
+    model); ``tiny``: a random untrained tiny pipeline instead (a smoke test). ``folder`` is
+    checked (:func:`check_output_folder`) before the model loads; an existing folder is fine, its
+    files of the same names are replaced. ``generate.json`` records every setting needed to
+    reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
+    ``batch_size``, versions, ``command``); it is also returned.
+
+    Memory stays bounded however many images are asked for: the images (prompt-major: every image
+    of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
+    (each decoded from ``best_of`` candidates), and each batch's PNGs are written before the next
+    batch starts. ``grid.png`` shows the first :data:`GRID_MAX_IMAGES` images only.
+
+    Seeds: prompt ``i`` draws from one generator seeded ``seed + i``. A request of at most
+    ``batch_size`` images is one pipeline call (the same images as ``pipe(prompts,
+    num_images_per_prompt, generator=[one generator per prompt])``). In a larger request, a prompt
+    whose images fall into several batches keeps drawing from its generator batch after batch, so
+    the images are deterministic for a given ``seed`` and ``batch_size`` but change with
+    ``batch_size``."""
     from importlib.metadata import PackageNotFoundError, version
 
     # imported here: unclip.pipeline imports this module for UnCLIPOutput
     from unclip.pipeline import UnCLIPPipeline
 
+    prompts = check_prompts(prompts)
+    n = check_count(num_images_per_prompt)
+    batch_size = check_count(batch_size, "batch_size")
+    folder = check_output_folder(folder)  # before loading a model or sampling anything
     try:
         unclip_version = version("unclip")
     except PackageNotFoundError:  # running from a source tree that is not installed
         unclip_version = None
-    prompts = check_prompts(prompts)
-    n = check_count(num_images_per_prompt)
     if tiny:
         from unclip.tiny import tiny_pipeline
 
@@ -126,23 +177,56 @@ def generate_to_folder(
     settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
     seeds = [seed + i for i in range(len(prompts))]
     gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    t0 = time.perf_counter()
-    out = pipe(
-        prompts, num_images_per_prompt=n, generator=gens, sampling=sampling, progress=progress
-    )
-    seconds = time.perf_counter() - t0
+    # (prompt index, image index of that prompt) of every image, prompt-major
+    order = [(i, j) for i in range(len(prompts)) for j in range(n)]
+    files: list[dict] = []
+    grid_images: list = []
+    timings: dict[str, float] = {}
+    seconds = 0.0
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        if len(batch) == len(order):  # the whole request: exactly one pipeline call
+            args = (prompts, n, gens)
+        else:  # one prompt per image; a prompt's generator carries on into the next batch
+            args = ([prompts[i] for i, _ in batch], 1, [gens[i] for i, _ in batch])
+        t0 = time.perf_counter()
+        out = pipe(
+            args[0],
+            num_images_per_prompt=args[1],
+            generator=args[2],
+            sampling=sampling,
+            progress=progress,
+        )
+        seconds += time.perf_counter() - t0
+        for stage, t in out.timings.items():
+            timings[stage] = timings.get(stage, 0.0) + t
+        folder.mkdir(parents=True, exist_ok=True)
+        for (i, j), image in zip(batch, out.images):
+            f = folder / f"{i:03d}_{j:02d}.png"
+            image.save(f)
+            files.append({"file": f.name, "prompt": prompts[i], "seed": seeds[i], "index": j})
+            if len(grid_images) < GRID_MAX_IMAGES:
+                grid_images.append(image)
+        del out
+    cols = n if len(prompts) > 1 and n < GRID_MAX_IMAGES else None
+    image_grid(grid_images, cols=cols).save(folder / "grid.png")
     record = {
         "model": name,
         "prompts": prompts,
         "seeds": seeds,
         "num_images_per_prompt": n,
+        "batch_size": batch_size,
         "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
         "device": str(device),
         "resolution": pipe.resolution,
         "sampling": {k: to_dict(v) for k, v in settings.items()},
         "seconds": round(seconds, 3),
-        "seconds_per_stage": {k: round(v, 3) for k, v in out.timings.items()},
+        "seconds_per_stage": {k: round(v, 3) for k, v in timings.items()},
         "versions": {"unclip": unclip_version, "torch": torch.__version__},
         "command": list(command) if command is not None else None,
+        "files": files,
+        "grid": "grid.png",
+        "grid_images": len(grid_images),
     }
-    return out.save(folder, prompts, record, grid_cols=n if len(prompts) > 1 else None, seeds=seeds)
+    (folder / "generate.json").write_text(json.dumps(record, indent=2))
+    return record

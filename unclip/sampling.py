@@ -15,6 +15,9 @@ pipeline::
     settings = SamplingConfig(steps=10, guidance_scale=1.0)
     big = sample_upsampler(sr32, low, settings, DiffusionConfig(), generator=gens)  # [B, 3, 32, 32]
 
+A step whose result holds NaN or inf (NaN weights, say) raises a ``ValueError`` naming the stage
+(:func:`check_finite`) instead of returning black images.
+
 :class:`~unclip.pipeline.UnCLIPPipeline` chains them.
 """
 
@@ -55,6 +58,7 @@ __all__ = [
     "sample_prior",
     "sample_decoder",
     "sample_upsampler",
+    "check_finite",
     "image_text_cosines",
     "rerank_candidates",
 ]
@@ -232,6 +236,18 @@ def _null_first(null: TextEncoding, cond: TextEncoding) -> TextEncoding:
     return TextEncoding.cat([null, cond])
 
 
+def check_finite(stage: str, x: torch.Tensor, autocast_dtype: Optional[torch.dtype] = None):
+    """``x``, a stage's sampled result, if every value is finite; else a one-line ``ValueError``
+    naming the stage. NaN weights (a corrupt or diverged checkpoint) otherwise reach the user as
+    black images; float16 can also overflow to inf."""
+    if torch.isfinite(x).all():
+        return x
+    hint = "its weights or inputs hold NaN/inf; check the model folder"
+    if autocast_dtype == torch.float16 or x.dtype == torch.float16:
+        hint += " (or float16 overflowed: try bfloat16 or float32)"
+    raise ValueError(f"{stage} produced NaN/inf values: {hint}")
+
+
 @torch.no_grad()
 def sample_prior(
     prior: UnCLIPPrior,
@@ -277,6 +293,7 @@ def sample_prior(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
+    x = check_finite("prior", x, autocast_dtype)
     cands = prior.denormalize(x.float()).view(b, n_best, -1)
     text_embed = text.text_embed.to(cands)
     scores = (F.normalize(cands, dim=-1) * text_embed[:, None]).sum(-1)
@@ -335,7 +352,7 @@ def sample_decoder(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
-    return x.float().clamp(-1, 1)
+    return check_finite("decoder", x, autocast_dtype).float().clamp(-1, 1)
 
 
 @torch.no_grad()
@@ -395,7 +412,7 @@ def sample_upsampler(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
-    return x.float().clamp(-1, 1)
+    return check_finite(name, x, autocast_dtype).float().clamp(-1, 1)
 
 
 def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:

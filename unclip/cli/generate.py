@@ -4,8 +4,10 @@
     unclip generate "a cat" "a dog" --model path/to/pipeline --decoder-steps 50 \\
         --decoder-guidance-scale 5 --decoder-best-of 4
 
-Writes one PNG per image, ``grid.png`` and ``generate.json`` with every setting needed to reproduce
-the result (prompts, per-prompt seeds, model, per-stage sampling settings, versions).
+Writes one PNG per image, ``grid.png`` (the first 64 images) and ``generate.json`` with every
+setting needed to reproduce the result (prompts, per-prompt seeds, model, per-stage sampling
+settings, batch size, versions). Images are sampled and written ``--batch-size`` at a time, so
+``--num-images 10000`` needs no more memory than one batch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from unclip.config import SCHEDULERS
 
 __all__ = ["main", "build_parser", "add_sampling_args", "sampling_overrides"]
 
+#: ``--batch-size`` default; equals ``unclip.output.DEFAULT_BATCH_SIZE`` (kept here so that
+#: ``--help`` imports no torch)
+DEFAULT_BATCH_SIZE = 16
 #: (flag prefix, ``sampling=`` key, help label)
 STAGES = (
     ("prior", "prior", "prior"),
@@ -84,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="use a random untrained tiny pipeline (smoke test)"
     )
     p.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="images sampled at once (each from --decoder-best-of candidates); more images are "
+        "sampled and written batch by batch, so memory stays bounded; a prompt whose images span "
+        "batches continues its seed's random stream, so such images depend on the batch size "
+        "(default: %(default)s)",
+    )
     p.add_argument("--seed", type=seed_type, default=0, help="prompt i uses seed S+i")
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
@@ -106,6 +120,8 @@ def _prompts(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
         p.error("prompts must not be empty strings")
     if args.num_images < 1:
         p.error("--num-images must be >= 1")
+    if args.batch_size < 1:
+        p.error("--batch-size must be >= 1")
     return prompts
 
 
@@ -113,12 +129,6 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     prompts = _prompts(p, args)
-    if args.tiny:
-        print(
-            "note: --tiny builds a small *untrained* random pipeline on the fly; its images are "
-            "noise",
-            file=sys.stderr,
-        )
     from unclip.pipeline import generate_to_folder
 
     record = generate_to_folder(
@@ -131,12 +141,15 @@ def main(argv=None) -> int:
         device=args.device,
         progress=not args.no_progress,
         tiny=args.tiny,
+        batch_size=args.batch_size,
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
     print(
         f"wrote {len(record['files'])} images ({record['resolution']}px) + grid.png + "
         f"generate.json to {args.out} in {record['seconds']:.1f}s"
     )
+    if args.tiny:  # after the run: a failed run's stderr is its one error line
+        print("note: --tiny is a small *untrained* random pipeline; its images are noise")
     return 0
 
 
