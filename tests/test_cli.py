@@ -57,6 +57,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
     assert record["sampling"]["sr32"]["steps"] == record["sampling"]["sr64"]["steps"] == 2
     assert set(record["seconds_per_stage"]) == {"prior", "decoder", "sr32", "sr64"}
     assert record["rerank_clip"] == "clip"
+    assert record["batch_size"] == 16 and record["grid_images"] == 4
     for f in files:
         assert Image.open(out / f).size == (64, 64)
     assert Image.open(out / "grid.png").size == (128, 128)
@@ -75,6 +76,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["", "--tiny"], "empty"),
         (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-best-of", "0"], "best_of must be an integer >= 1"),
+        (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
         (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),
     ],
