@@ -1,6 +1,7 @@
 """What a pipeline call returns (:class:`UnCLIPOutput`) and writing it to a folder: one PNG per
 image, ``grid.png`` and ``generate.json`` (:meth:`UnCLIPOutput.save`, :func:`generate_to_folder`,
-which backs ``unclip generate``)."""
+which backs ``unclip generate``: it checks the folder before loading a model and samples any number
+of images in bounded batches)."""
 
 from __future__ import annotations
 
