@@ -32,3 +32,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def reset_accelerate():
+    """Clear Accelerate's process-wide state after the test."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    """A tiny random CLIP saved as a component folder."""
+    from unclip.clip import CLIP, tiny_clip_config
+    from unclip.config import ClipConfig
+
+    torch.manual_seed(0)
+    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
+    path = tmp_path_factory.mktemp("clip")
+    clip.save_pretrained(path)
+    return path

@@ -16,7 +16,6 @@ import yaml
 
 from unclip.cli import embed as embed_cli
 from unclip.clip import CLIP, tiny_clip_config
-from unclip.config import ClipConfig
 from unclip.shapes.world import write_shapes
 from unclip.train import embed
 from unclip.train.data.sources import EmbeddingStream, open_rgb
@@ -25,21 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-@pytest.fixture(autouse=True)
-def _reset_accelerate():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
-    path = tmp_path_factory.mktemp("clip")
-    clip.save_pretrained(path)
-    return path
+# Accelerate keeps process-wide state that a later test must not inherit
+pytestmark = pytest.mark.usefixtures("reset_accelerate")
 
 
 @pytest.fixture(scope="module")

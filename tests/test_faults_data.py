@@ -15,22 +15,8 @@ from unclip.shapes.world import write_shapes
 from unclip.train import embed
 from unclip.train.data.sources import WebDatasetStream
 
-
-@pytest.fixture(autouse=True)
-def _reset_accelerate():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
-    path = tmp_path_factory.mktemp("clip")
-    clip.save_pretrained(path)
-    return path
+# Accelerate keeps process-wide state that a later test must not inherit
+pytestmark = pytest.mark.usefixtures("reset_accelerate")
 
 
 # ---------------------------------------------------------------------- truncated webdataset shard
