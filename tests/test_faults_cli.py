@@ -415,3 +415,14 @@ def test_register_folder_format_still_works(tiny_pipe, tmp_path):
         del FOLDER_FORMATS["other_index.json"]
     with pytest.raises(ValueError, match="has no unclip.json"):
         unclip.UnCLIPPipeline.from_pretrained(folder)
+
+
+def test_a_diffusers_folder_without_an_installed_reader_says_to_reinstall(tmp_path, monkeypatch):
+    import unclip.io as io
+
+    folder = tmp_path / "karlo"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{}")
+    monkeypatch.setattr(io, "FOLDER_FORMATS", {})  # an install that lists no entry point
+    with pytest.raises(ValueError, match=r"diffusers folder.*reinstall unclip.*folder_formats"):
+        unclip.UnCLIPPipeline.from_pretrained(folder)

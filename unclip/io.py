@@ -384,6 +384,14 @@ def folder_format_reader(folder: Path) -> Optional[Callable]:
         if (folder / marker).is_file():
             return reader
     known = "".join(f" nor a {m}" for m in FOLDER_FORMATS)
+    if not FOLDER_FORMATS and (folder / "model_index.json").is_file():
+        # the diffusers reader is declared as an entry point: an install from before it existed
+        # (or a source tree on sys.path without an install) lists none
+        raise ValueError(
+            f"{folder} is a diffusers folder but no folder reader is installed; reinstall unclip "
+            "(pip install -e . in a checkout) so its unclip.folder_formats entry point is "
+            "registered"
+        )
     raise ValueError(f"{folder} is not an unclip pipeline folder: it has no {PIPELINE_FILE}{known}")
 
 
