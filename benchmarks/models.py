@@ -17,6 +17,7 @@ from unclip.config import ClipConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.pipeline import UnCLIPPipeline
 from unclip.prior import UnCLIPPrior
+from unclip.tiny import tiny_decoder_kwargs, tiny_prior_kwargs, tiny_upsampler_kwargs
 
 # the three-level decoder UNet: attention below the full resolution
 DOWN_3 = ("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D")
@@ -24,28 +25,12 @@ UP_3 = ("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D", "ResnetUpsampleB
 
 # name → (clip kwargs, prior kwargs, decoder kwargs, upsampler kwargs)
 SIZES = {
+    # unclip.tiny's sizes (the test suite's models)
     "tiny": dict(
         clip=dict(embed_dim=32, width=32, layers=2, context_length=32),
-        prior=dict(num_layers=2, num_attention_heads=2, attention_head_dim=16),
-        decoder=dict(
-            sample_size=16,
-            block_out_channels=(16, 32),
-            layers_per_block=1,
-            down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
-            up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-            attention_head_dim=8,
-            norm_num_groups=8,
-            cross_attention_dim=32,
-        ),
-        upsampler=dict(
-            low_res_size=16,
-            sample_size=32,
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            down_block_types=("DownBlock2D",) * 2,
-            up_block_types=("UpBlock2D",) * 2,
-            norm_num_groups=4,
-        ),
+        prior=tiny_prior_kwargs(),
+        decoder=tiny_decoder_kwargs(16),
+        upsampler=tiny_upsampler_kwargs(16, 32),
     ),
     # the bundled shapes model's sizes (configs/shapes/*.yaml)
     "small": dict(
