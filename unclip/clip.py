@@ -29,7 +29,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import unicodedata
 import warnings
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from PIL import Image
 
 from unclip.config import ClipConfig
+from unclip.files import write_folder
 from unclip.images import resize_crop_tensor
 
 __all__ = [
@@ -275,19 +275,7 @@ class CLIP(torch.nn.Module):
                     f"{ids.numel()} ids in [{ids.min() if ids.numel() else '-'}, "
                     f"{ids.max() if ids.numel() else '-'}]"
                 )
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-            self._write_pretrained(tmp, save_weights, ids)
-            old = path.with_name(path.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_folder(path, lambda tmp: self._write_pretrained(tmp, save_weights, ids))
 
     def _write_pretrained(self, path: Path, save_weights: bool, ids) -> None:
         from safetensors.torch import save_file

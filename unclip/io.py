@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from unclip.clip import CLIP
 from unclip.config import DiffusionConfig, SamplingConfig, to_dict
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
+from unclip.files import check_output_folder, write_folder
 from unclip.prior import UnCLIPPrior
 from unclip.sampling import stage_kind
 
@@ -470,48 +469,6 @@ def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
     }
 
 
-def check_out_folder(out, overwrite: bool, option: str = "--out") -> Path:
-    """Check, before any work, that ``out`` can become a new folder: not a file, empty or absent
-    unless ``overwrite``, and its parent writable; raise a one-line ``ValueError`` otherwise."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{option} {out} is a file; choose a folder path")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(
-            f"{option} {out} is not empty; pass --overwrite to replace it entirely, or choose "
-            "another folder"
-        )
-    parent = out.resolve() if out.is_dir() else out.resolve().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{option} {out}: {parent} is a file, not a folder; choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {out}: cannot write in {parent}; choose a writable folder")
-    return out
-
-
-def write_folder(out, write: Callable[[Path], None]) -> Path:
-    """Write folder ``out`` whole: ``write(tmp)`` fills a temporary folder beside it, which then
-    replaces ``out`` and everything that was in it; on failure ``out`` is left as it was."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        write(tmp)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
 def assemble_pipeline(
     clip, decoder, prior=None, upsamplers=(), reranker=None, *, out, overwrite: bool = False
 ):
@@ -520,7 +477,7 @@ def assemble_pipeline(
     replaces it entirely; the folder is written beside it and renamed. Returns the pipeline."""
     from unclip.pipeline import UnCLIPPipeline
 
-    check_out_folder(out, overwrite)
+    check_output_folder(out, overwrite=overwrite, option="--out")
     pipe = UnCLIPPipeline.from_components(clip, decoder, prior, upsamplers, reranker=reranker)
     write_folder(out, pipe.save_pretrained)
     return pipe

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import torch
 
 from unclip.clip import check_prompts
 from unclip.config import to_dict
+from unclip.files import check_output_folder
 from unclip.images import image_grid
 from unclip.io import DEFAULT_MODEL
 from unclip.pipeline_utils import check_count
@@ -94,29 +94,6 @@ class UnCLIPOutput:
         if record is not None:
             (folder / "generate.json").write_text(json.dumps(out, indent=2))
         return out
-
-
-def check_output_folder(folder: Union[str, os.PathLike]) -> Path:
-    """``folder`` as a ``Path`` if files can be written into it: an existing folder, or a missing
-    one whose nearest existing parent is a writable folder (it is created at the first write).
-    A file, a path under a file or an unwritable place is an error naming ``folder``; nothing is
-    created."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(
-            f"output folder {folder} is a file; give a folder (a missing one is created)"
-        )
-    parent = folder.absolute()
-    while not parent.exists() and parent.parent != parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"cannot create output folder {folder}: {parent} is a file, not a folder")
-    try:  # permissions alone do not tell (root, read-only mounts): write and remove a probe
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(folder)) from exc
-    return folder
 
 
 def generate_to_folder(

@@ -43,6 +43,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from unclip.files import replace_folder
+
 __all__ = [
     "CheckpointError",
     "DiskFullError",
@@ -139,27 +141,6 @@ def writing(tmp: Path, target: Path):
         if isinstance(exc, Exception) and is_disk_full(exc) and not isinstance(exc, DiskFullError):
             raise DiskFullError(target) from exc
         raise
-
-
-def replace_folder(tmp: Path, target: Path) -> None:
-    """Put the finished folder ``tmp`` at ``target``: the old ``target`` (if any) is moved aside
-    first and removed last, so at every instant one complete version exists under a known name."""
-    old = target.with_name(target.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:

@@ -296,7 +296,7 @@ def _embed_chunk(
 
 def _check_job(job: EmbedJob) -> None:
     """One-line errors for bad options, before any model is loaded."""
-    from unclip.io import check_out_folder
+    from unclip.files import check_output_folder
 
     if job.source not in ("folder", "webdataset", "shapes"):
         raise ValueError(f"unknown --source {job.source!r}; choose folder, webdataset or shapes")
@@ -322,7 +322,7 @@ def _check_job(job: EmbedJob) -> None:
             f"--clip-config {job.clip_config}: no such file or folder; pass a pipeline folder, a "
             "CLIP folder or a YAML config with a 'clip:' section"
         )
-    check_out_folder(job.out, overwrite=True)
+    check_output_folder(job.out, option="--out")
 
 
 def embed(job: EmbedJob) -> int:
