@@ -353,7 +353,6 @@ class TrainLoop:
             logger.info("initial weights from %s", src)
         exempt = no_weight_decay or (lambda name, p: p.ndim < 2)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(
             [
                 {
@@ -372,10 +371,14 @@ class TrainLoop:
                 s, warmup=t.warmup_steps, total=t.max_steps, base_lr=t.lr, min_lr=t.min_lr
             ),
         )
-        if t.ema:
-            self.ema = EMAModel(params, decay=t.ema_decay, use_ema_warmup=t.ema_warmup, power=3 / 4)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if t.ema:
+            # after prepare: the shadow copies are made from the parameters where they now live
+            # (the GPU), so EMA.step never mixes devices
+            self.ema = EMAModel(
+                self.trainable, decay=t.ema_decay, use_ema_warmup=t.ema_warmup, power=3 / 4
+            )
         if self.resume:
             self.load_checkpoint(self.resume)
         return self.model
@@ -449,9 +452,13 @@ class TrainLoop:
             with self.accelerator.accumulate(self.model):
                 loss = task.loss(self.model, batch, self.generators(batch_size_of(batch)))
                 losses.append(float(loss.detach()))
-                self.accelerator.backward(loss)
+                self.backward(loss)
         assert self.accelerator.sync_gradients, "the last micro-batch must sync gradients"
         return losses
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss through Accelerate (loss scaling, accumulation)."""
+        self.accelerator.backward(loss)
 
     def optimize(self, finite_loss: bool) -> bool:
         """Clip the accumulated gradients and take the optimizer step unless a loss (on any process)
