@@ -33,6 +33,10 @@ COMMANDS = {
         "unclip.cli.train_clip",
         "train a small CLIP on the shapes world (contrastive)",
     ),
+    "plan": (
+        "unclip.cli.plan",
+        "dry-run a training step on fake CUDA tensors and print a per-GPU memory plan",
+    ),
     "embed": ("unclip.cli.embed", "precompute CLIP embeddings into .npy shards + statistics"),
     "evaluate": ("unclip.cli.evaluate", "FID, CLIP score, CLIP-FID and shapes faithfulness"),
     "convert": (

@@ -40,6 +40,7 @@ __all__ = [
     "upsampler_inputs",
     "upsampler_loss",
     "train_decoder",
+    "build_image_model",
 ]
 
 logger = logging.getLogger("unclip.train")
@@ -181,6 +182,15 @@ class UpsamplerTask:
         return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
 
 
+def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
+    """The network a ``decoder`` or ``upsampler`` stage config trains (with gradient checkpointing
+    if ``train.gradient_checkpointing``)."""
+    model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
+    if cfg.train.gradient_checkpointing:
+        model.unet.enable_gradient_checkpointing()
+    return model
+
+
 def train_decoder(
     cfg: StageConfig,
     resume: Optional[str] = None,
@@ -203,10 +213,9 @@ def train_decoder(
         )
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
-    clip = CLIP.from_config(cfg.clip).to(loop.device)
-    model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
-    if cfg.train.gradient_checkpointing:
-        model.unet.enable_gradient_checkpointing()
+    with torch.device(loop.device):  # built where it trains: no CPU copy of a large network
+        clip = CLIP.from_config(cfg.clip)
+        model = build_image_model(cfg, clip)
     model = loop.prepare(model)
     model.train()
     task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, loop.device)

@@ -24,7 +24,7 @@ from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
 from unclip.train.loop import TrainLoop
 
-__all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior"]
+__all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior", "build_prior_model"]
 
 logger = logging.getLogger("unclip.train")
 
@@ -104,6 +104,15 @@ class PriorTask:
         )
 
 
+def build_prior_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
+    """The prior a ``prior`` stage config trains; its embedding statistics are buffers-like
+    parameters that are set from the data, not trained."""
+    model = cfg.prior.build(clip)
+    model.transformer.clip_mean.requires_grad_(False)
+    model.transformer.clip_std.requires_grad_(False)
+    return model
+
+
 def train_prior(
     cfg: StageConfig,
     resume: Optional[str] = None,
@@ -123,10 +132,9 @@ def train_prior(
         )
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
-    clip = CLIP.from_config(cfg.clip).to(loop.device)
-    model = cfg.prior.build(clip)
-    model.transformer.clip_mean.requires_grad_(False)
-    model.transformer.clip_std.requires_grad_(False)
+    with torch.device(loop.device):  # built where it trains: no CPU copy of a large network
+        clip = CLIP.from_config(cfg.clip)
+        model = build_prior_model(cfg, clip)
     model.set_embedding_stats(*embedding_stats(cfg, clip, loop.device))
     if cfg.train.gradient_checkpointing:
         logger.warning(

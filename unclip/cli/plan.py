@@ -1,0 +1,116 @@
+"""``unclip plan``: a dry run of one training step of a stage on fake CUDA tensors and a per-GPU
+memory plan (see :mod:`unclip.train.plan`). Needs no GPU and downloads nothing.
+
+    unclip plan configs/decoder_64.yaml --gpus 8 --gpu-memory 80GiB
+    unclip plan configs/decoder_64.yaml --accelerate-config configs/accelerate/fsdp_8gpu.yaml
+    unclip plan configs/prior_vit_l14.yaml --micro-batch 128 --json plan.json
+    unclip plan --sample configs/prior_vit_l14.yaml configs/decoder_64.yaml configs/sr256.yaml \
+        configs/sr1024.yaml          # the full-scale cascade sampling at fp16 on one GPU
+    unclip plan --sample PIPELINE_FOLDER --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="unclip plan",
+        description="run one training step of a stage config on fake CUDA tensors (shapes, dtypes "
+        "and devices, no storage) through the real training code, and print a per-GPU memory plan",
+    )
+    p.add_argument(
+        "config", nargs="?", help="a stage config (prior, decoder or upsampler YAML) to train"
+    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.batch_size=16")
+    p.add_argument(
+        "--accelerate-config",
+        help="plan for the strategy and GPU count of this Accelerate config file only",
+    )
+    p.add_argument("--gpus", type=int, default=None, help="number of GPUs (default 8)")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="micro-batch per GPU (default data.batch_size)",
+    )
+    p.add_argument("--json", default=None, help="also write the measurement and plan as JSON here")
+    p.add_argument(
+        "--sample",
+        nargs="+",
+        metavar="PIPELINE_OR_CONFIG",
+        help="plan sampling at fp16 instead: a pipeline folder, or stage configs forming a cascade",
+    )
+    p.add_argument("--batch", type=int, default=1, help="--sample: images per prompt (default 1)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.config is None) == (args.sample is None):
+        parser.error("give a stage CONFIG to plan training, or --sample to plan sampling")
+    import dataclasses
+    import json
+
+    from unclip.train.config import load_stage_config
+    from unclip.train.plan import measure_step
+    from unclip.train.strategies import (
+        format_plan,
+        memory_plan,
+        parse_memory,
+        read_accelerate_config,
+    )
+
+    memory = parse_memory(args.gpu_memory)
+    if args.sample:
+        from unclip.train.plan_sampling import format_sampling, measure_sampling
+
+        sampled = measure_sampling(args.sample, batch=args.batch)
+        print(format_sampling(sampled, memory))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dataclasses.asdict(sampled), f, indent=2)
+        return 0
+    strategy, gpus = None, 8
+    if args.accelerate_config:
+        strategy, gpus = read_accelerate_config(args.accelerate_config)
+    if args.gpus is not None:
+        if args.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+        gpus = args.gpus
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
+    cfg = load_stage_config(args.config, args.overrides)
+    measure = measure_step(cfg, micro_batch=args.micro_batch)
+    rows, choice = memory_plan(measure, gpus, memory, strategy, cfg.train.grad_accum_steps)
+    print(format_plan(measure, rows, choice, gpus, memory))
+    if args.json:
+        report = {
+            "config": str(args.config),
+            "measure": dataclasses.asdict(measure),
+            "gpus": gpus,
+            "gpu_memory": memory,
+            "rows": [
+                {
+                    "strategy": r.strategy.name,
+                    "launch": r.strategy.launch,
+                    "micro_batch": r.micro_batch,
+                    "grad_accum_steps": r.grad_accum_steps,
+                    "parts": {k: int(v) for k, v in r.parts.items()},
+                    "peak": r.peak,
+                    "budget": r.budget,
+                    "fits": r.fits,
+                }
+                for r in rows
+            ],
+            "choice": None if choice is None else choice.strategy.name,
+            "choice_micro_batch": None if choice is None else choice.micro_batch,
+            "choice_peak": None if choice is None else choice.peak,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if choice is not None else 1

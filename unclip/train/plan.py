@@ -1,0 +1,436 @@
+"""``unclip plan``: one training step of a stage on fake CUDA tensors, and a per-GPU memory plan.
+
+No GPU is needed. The step runs through the project's own training code — the stage's model build
+(:func:`~unclip.train.decoder.build_image_model`, :func:`~unclip.train.prior.build_prior_model`),
+:meth:`TrainLoop.prepare <unclip.train.loop.TrainLoop.prepare>` (Accelerate with fp16 autocast and
+loss scaling, AdamW, EMA), the stage's loss, clipping, the optimizer step and the EMA update — on
+PyTorch's ``FakeTensorMode``: every tensor has its shape, dtype and device (``cuda:0``) but no
+storage, so a 3.5B-parameter decoder "trains" in seconds on a laptop and any device or dtype
+mismatch raises exactly where it would on a GPU.
+
+What a fake tensor cannot do, and what the dry run does instead:
+
+* **read a value** (``loss.item()``, the grad scaler's overflow flag, ``bool(isfinite(norm))``): a
+  read returns 0 (``True`` for a boolean), so the step takes the path of a healthy step; the
+  optimizer runs in its ``capturable`` mode (its step counter is a tensor on the GPU, never read);
+* **run autograd's backward on "cuda" without a driver** (the engine asks the CUDA driver for its
+  streams, pytorch/pytorch#92627): :meth:`PlanLoop.backward` walks the real autograd graph of the
+  loss and gives every parameter the graph reaches a gradient of its shape, dtype and device, as the
+  engine would. Its memory is estimated (see :func:`measure_step`).
+
+Memory is counted by :class:`MemoryTracker`: every tensor the step allocates on the device, each
+storage rounded up to 512 bytes as the CUDA caching allocator does, freed when its last reference
+dies. The plan for ``N`` GPUs and a sharding strategy is then exact arithmetic on the measured parts
+(:mod:`unclip.train.strategies`); ``docs/full_scale.md`` states the method's error against real CPU
+steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import tempfile
+import weakref
+from collections.abc import Iterator
+from functools import partial
+from typing import Optional
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from unclip.train.loop import TrainLoop
+
+__all__ = ["MemoryTracker", "StepMeasure", "PlanLoop", "graph_parameters", "measure_step"]
+
+#: the CUDA caching allocator rounds every block up to this many bytes
+ALLOC_ROUND = 512
+
+
+def _round(nbytes: int) -> int:
+    return max(ALLOC_ROUND, -(-nbytes // ALLOC_ROUND) * ALLOC_ROUND) if nbytes else 0
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live bytes of the tensors on ``device_type``: each storage counted once, from the op that
+    made it until its last reference dies. ``current`` and ``peak`` in bytes; :meth:`track` adds
+    tensors made before the tracker started. Works on real and fake tensors alike."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.current = 0
+        self.peak = 0
+        self.largest = 0  # the largest single storage seen
+
+    def track(self, *tensors) -> None:
+        for t in tree_leaves(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key in self.live:
+                continue
+            n = _round(st.nbytes())
+            self.live[key] = (weakref.ref(st, partial(self._free, key)), n)
+            self.current += n
+            self.peak = max(self.peak, self.current)
+            self.largest = max(self.largest, n)
+
+    def _free(self, key: int, _ref) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(out)
+        return out
+
+
+_ANY = (torch.ops.aten.any.default, torch.ops.aten.any.dim, torch.ops.aten.any.dims)
+
+
+class _FakeCUDA(FakeTensorMode):
+    """Fake tensors whose value reads take a healthy step's path: numbers read 0, a boolean reads
+    ``True`` (``x.all()``, ``isfinite(norm)``) unless it came from ``any()`` (``(std <= 0).any()``),
+    which reads ``False``. See the module doc."""
+
+    def __init__(self):
+        super().__init__()
+        self._from_any: weakref.WeakSet = weakref.WeakSet()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            if t.dtype == torch.bool:
+                return t not in self._from_any
+            return 0.0 if t.is_floating_point() else 0
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _ANY:
+            self._from_any.add(out)
+        return out
+
+
+@contextlib.contextmanager
+def _cuda_reported(count: int = 1) -> Iterator[None]:
+    """torch reports ``count`` CUDA devices (Accelerate then picks ``cuda:0``, fp16 autocast and a
+    grad scaler). Only around Accelerate's setup: fake tensors must not see a CUDA they would try to
+    initialise."""
+    with contextlib.ExitStack() as stack:
+        for name, value in (
+            ("is_available", lambda: True),
+            ("device_count", lambda: count),
+            ("set_device", lambda device: None),
+            ("current_device", lambda: 0),
+            ("is_bf16_supported", lambda *a, **k: True),
+        ):
+            stack.enter_context(mock.patch(f"torch.cuda.{name}", value))
+        yield
+
+
+class PlanLoop(TrainLoop):
+    """:class:`TrainLoop` whose backward is the fake-CUDA stand-in described in the module doc."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        acc = self.accelerator
+        loss = loss / acc.gradient_accumulation_steps
+        if acc.scaler is not None:
+            loss = acc.scaler.scale(loss)  # the scaler creates its scale on the loss's device
+        for p in graph_parameters(loss):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.add_(torch.zeros_like(p))
+        self.grad_bytes_seen = True
+
+
+def graph_parameters(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that ``loss``'s autograd graph reaches (those backward
+    would give a gradient), in graph order."""
+    out, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            out.append(var)
+        stack.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+@dataclasses.dataclass
+class StepMeasure:
+    """What one fake-CUDA training step of a stage measured (bytes on one GPU, one process)."""
+
+    stage: str
+    component: str
+    params_total: int  # parameters of the trained network
+    params_trainable: int
+    clip_params: int
+    micro_batch: int
+    grad_accum_steps: int
+    mixed_precision: str
+    gradient_checkpointing: bool
+    weights: int  # the trained network's parameters and buffers
+    clip: int  # the frozen CLIP's weights
+    ema: int
+    grads: int
+    optimizer: int
+    activations: int  # live at the end of one micro-batch's forward (saved for backward)
+    autocast_copies: (
+        int  # the half-precision weight copies autocast keeps for backward (in activations)
+    )
+    recompute: int  # the largest checkpointed block's forward, recomputed during backward
+    transient: int  # the largest single tensor of the step, twice: an activation and its gradient
+    block_weights: int  # the largest block's weights (what FULL_SHARD gathers at once)
+    forward_peak: int  # the tracker's peak while the forward ran
+    optimizer_peak: int  # the tracker's peak through clipping, the optimizer step and EMA
+    param_dtypes: dict
+    loss_dtype: str
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.clip + self.ema + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """The step's peak on one GPU without sharding: the static state plus a micro-batch's
+        activations, the recomputed block and the backward's transient, or a measured peak if
+        higher."""
+        backward = self.static + self.activations + self.recompute + self.transient
+        return max(backward, self.forward_peak, self.optimizer_peak)
+
+
+def _synthetic_batch(cfg, clip, b: int) -> dict:
+    """A micro-batch of the stage's data with the right shapes (values do not matter)."""
+    batch = {"caption": ["a red circle above a blue square on a white background"] * b}
+    if cfg.stage == "prior" and cfg.data.source == "embeddings":
+        batch["image_embed"] = torch.randn(b, clip.embed_dim)
+    else:
+        size = clip.image_size if cfg.stage == "prior" else cfg.data.resolution
+        batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
+    return batch
+
+
+def _count(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if id(st) not in seen:
+            seen.add(id(st))
+            total += _round(st.nbytes())
+    return total
+
+
+def measure_step(
+    cfg,
+    micro_batch: Optional[int] = None,
+    device_type: str = "cuda",
+    accumulation: Optional[int] = None,
+) -> StepMeasure:
+    """Run one training step of ``cfg`` (a stage config) on fake tensors and measure its memory.
+
+    ``device_type="cuda"``: fake ``cuda:0`` tensors with the config's mixed precision (``auto`` →
+    fp16 with loss scaling); ``"cpu"``: fake CPU tensors (used to check the method against a real
+    CPU run). ``micro_batch`` overrides ``data.batch_size``; ``accumulation`` the number of
+    micro-batches run (default: ``min(train.grad_accum_steps, 2)``: the second micro-batch is where
+    the peak is, with the first one's gradients held). Raises whatever a GPU would: device and dtype
+    mismatches included."""
+    from unclip.clip import CLIP
+
+    cfg = copy.deepcopy(cfg)
+    if micro_batch is not None:
+        cfg.data.batch_size = micro_batch
+    cfg.clip.pretrained = None  # shapes only: nothing is downloaded or read
+    cfg.train.init_weights = None
+    cfg.train.trackers = []
+    cfg.train.progress = False
+    steps = accumulation or min(cfg.train.grad_accum_steps, 2)
+    cfg.train.grad_accum_steps = steps
+    with _fresh_accelerate_state(), tempfile.TemporaryDirectory(prefix="unclip-plan-") as tmp:
+        cfg.train.output_dir = tmp
+        if device_type == "cuda":
+            with _cuda_reported():
+                loop = PlanLoop(cfg, overwrite=True)
+        else:
+            loop = PlanLoop(cfg, overwrite=True)
+        # the model is built on the device (as the training commands do); Accelerate's own move
+        # would swap fake parameters, which fake tensors do not support
+        loop.accelerator.device_placement = False
+        fake = _FakeCUDA()
+        mem = MemoryTracker(device_type)
+        recompute = [0]
+        real_checkpoint = torch.utils.checkpoint.checkpoint
+
+        def measured_checkpoint(fn, *args, **kwargs):
+            # a checkpointed block's forward temporaries are what backward recomputes
+            start, mem.peak = mem.peak, mem.current
+            base = mem.current
+            out = real_checkpoint(fn, *args, **kwargs)
+            recompute[0] = max(recompute[0], mem.peak - base)
+            mem.peak = max(start, mem.peak)
+            return out
+
+        with fake, mem, mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint):
+            device = torch.device(device_type, 0) if device_type == "cuda" else loop.device
+            torch.manual_seed(cfg.train.seed)
+            with torch.device(device):
+                clip = CLIP.from_config(cfg.clip)
+            clip_bytes = mem.current
+            model, task = _build(cfg, clip, device)
+            weights = mem.current - clip_bytes
+            params = list(model.parameters())
+            trainable = [p for p in params if p.requires_grad]
+            if device_type == "cuda":
+                with _cuda_reported():
+                    model = loop.prepare(model)
+            else:
+                model = loop.prepare(model)
+            # no value can be read: the step counter stays a tensor (see the module doc); on a
+            # CPU, where the capturable mode does not exist, the fused kernel keeps it one too
+            for group in loop.optimizer.param_groups:
+                group["capturable" if device_type == "cuda" else "fused"] = True
+            ema = mem.current - clip_bytes - weights
+            batch = _synthetic_batch(cfg, clip, cfg.data.batch_size)
+            model.train()
+            # forward and the stand-in backward of each micro-batch, measured one at a time
+            act, fwd_peak, copies, largest, loss_dtype = 0, 0, 0, 0, "float32"
+            for _ in range(steps):
+                before = mem.current
+                mem.reset_peak()
+                mem.largest = 0
+                with loop.accelerator.accumulate(model):
+                    gens = loop.generators(cfg.data.batch_size)
+                    with _autocast_copies(params) as casts:
+                        loss = task.loss(model, batch, gens)
+                    act = max(act, mem.current - before)
+                    largest = max(largest, mem.largest)
+                    fwd_peak = max(fwd_peak, mem.peak)
+                    copies = max(copies, _count(casts))
+                    loss_dtype = str(loss.dtype).replace("torch.", "")
+                    loop.backward(loss)
+                    del loss
+            grads = _count([p.grad for p in trainable if p.grad is not None])
+            mem.reset_peak()
+            before_opt = mem.current
+            if loop.optimize(True):
+                loop.update_ema()
+            opt_peak = mem.peak
+            optimizer = mem.current - before_opt + grads  # zero_grad freed the gradients
+            _check_devices(loop, model, device)
+            measure = StepMeasure(
+                stage=cfg.stage,
+                component=task.name,
+                params_total=sum(p.numel() for p in params),
+                params_trainable=sum(p.numel() for p in trainable),
+                clip_params=sum(p.numel() for p in clip.model.parameters()),
+                micro_batch=cfg.data.batch_size,
+                grad_accum_steps=steps,
+                mixed_precision=loop.mixed_precision,
+                gradient_checkpointing=bool(cfg.train.gradient_checkpointing),
+                weights=weights,
+                clip=clip_bytes,
+                ema=ema,
+                grads=grads,
+                optimizer=optimizer,
+                activations=act,
+                autocast_copies=copies,
+                recompute=recompute[0],
+                transient=2 * largest,
+                block_weights=_largest_block(model),
+                forward_peak=fwd_peak,
+                optimizer_peak=opt_peak,
+                param_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                loss_dtype=loss_dtype,
+            )
+        loop.accelerator.end_training()
+    return measure
+
+
+@contextlib.contextmanager
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps the device it chose in a process-wide state: the dry run's fake GPU must
+    neither inherit this process's device nor leave its own behind for a real run."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _largest_block(model: torch.nn.Module) -> int:
+    """Bytes of the largest element of any ``ModuleList`` (a UNet block, a transformer layer):
+    the unit a sharded run gathers whole."""
+    best = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for child in module:
+                best = max(best, sum(p.numel() * p.element_size() for p in child.parameters()))
+    return best
+
+
+def _build(cfg, clip, device):
+    """The stage's network and training task, built by the training commands' own functions."""
+    with torch.device(device):
+        if cfg.stage == "prior":
+            from unclip.train.prior import PriorTask, build_prior_model
+
+            model = build_prior_model(cfg, clip)
+            d = clip.embed_dim
+            model.set_embedding_stats(torch.zeros(d), torch.ones(d))
+            return model, PriorTask(cfg, clip, device)
+        from unclip.train.decoder import DecoderTask, UpsamplerTask, build_image_model
+
+        model = build_image_model(cfg, clip)
+        task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, device)
+        return model, task
+
+
+@contextlib.contextmanager
+def _autocast_copies(params):
+    """Collects the half-precision copies autocast makes of ``params`` (they stay alive for
+    backward)."""
+    ids = {id(p) for p in params}
+    found: list[torch.Tensor] = []
+
+    class _Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args and id(args[0]) in ids:
+                found.append(out)
+            return out
+
+    with _Casts():
+        yield found
+
+
+def _check_devices(loop, model, device) -> None:
+    """Every piece of training state must live on the training device: a stray CPU tensor is a
+    cross-device copy per step on a GPU, or a crash."""
+    want = torch.device(device).type
+
+    def bad(tensors, what):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != want:
+                raise RuntimeError(
+                    f"{what} is on {t.device}, the model trains on {device}: every piece of "
+                    "training state must live on the training device"
+                )
+
+    bad(model.parameters(), "a parameter")
+    if loop.ema is not None:
+        bad(loop.ema.shadow_params, "an EMA weight")
+    for state in loop.optimizer.state.values():
+        bad(state.values(), "optimizer state")

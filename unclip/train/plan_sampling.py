@@ -1,0 +1,177 @@
+"""``unclip plan --sample``: the cascade's sampling at fp16 on fake CUDA tensors, with each stage's
+peak memory on one GPU.
+
+The pipeline comes from a pipeline folder (loaded for real, then its weights become fake CUDA
+tensors) or from stage configs (``configs/prior_vit_l14.yaml configs/decoder_64.yaml …``: the
+networks are built on fake tensors, so a full-scale cascade costs no memory here). Sampling runs
+through :class:`~unclip.pipeline.UnCLIPPipeline` itself with a few steps per stage: memory does not
+grow with the number of steps, and each step runs the same code. Tensors are counted by
+:class:`~unclip.train.plan.MemoryTracker`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional, Union
+from unittest import mock
+
+import torch
+
+from unclip.train.plan import MemoryTracker, _FakeCUDA
+
+__all__ = ["SampleMeasure", "measure_sampling", "format_sampling"]
+
+
+@dataclasses.dataclass
+class SampleMeasure:
+    stages: list[str]
+    params: dict  # component → parameters
+    weights: int  # bytes of every component's weights on the GPU
+    stage_peaks: dict  # stage → the peak while it sampled (bytes, weights included)
+    peak: int
+    batch: int
+    dtype: str
+    output_shape: list
+
+
+def _place(module: torch.nn.Module, device, dtype) -> None:
+    """Every parameter and buffer of ``module`` as a tensor on ``device`` (floating ones in
+    ``dtype``), assigned in place: ``Module.to`` would swap each fake tensor, which fake tensors
+    do not support."""
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            if p is not None:
+                t = p.detach().to(device, dtype if p.is_floating_point() else None)
+                m._parameters[key] = torch.nn.Parameter(t, requires_grad=False)
+        for key, b in m._buffers.items():
+            if b is not None:
+                m._buffers[key] = b.to(device, dtype if b.is_floating_point() else None)
+
+
+def _pipeline_from_configs(paths):
+    """An untrained pipeline built from stage configs (the first one's CLIP conditions all)."""
+    from unclip.clip import CLIP
+    from unclip.pipeline import UnCLIPPipeline
+    from unclip.train.config import load_stage_config
+
+    cfgs = [load_stage_config(p) for p in paths]
+    clip_cfg = cfgs[0].clip
+    clip_cfg.pretrained = None
+    clip = CLIP.from_config(clip_cfg)
+    prior, decoder, ups = None, None, []
+    diffusion, sampling = {}, {}
+    for path, cfg in zip(paths, cfgs):
+        if cfg.clip.model_name != clip_cfg.model_name:
+            raise ValueError(
+                f"{path} is conditioned on CLIP {cfg.clip.model_name}, the first config on "
+                f"{clip_cfg.model_name}: a cascade shares one CLIP"
+            )
+        if cfg.stage == "prior":
+            prior, name = cfg.prior.build(clip), "prior"
+        elif cfg.stage == "decoder":
+            decoder, name = cfg.decoder.build(clip), "decoder"
+        else:
+            ups.append(cfg.upsampler.build())
+            name = f"sr{cfg.upsampler.sample_size}"
+        diffusion[name], sampling[name] = cfg.diffusion, cfg.sampling
+    if decoder is None:
+        raise ValueError("--sample needs a decoder config among the stage configs")
+    ups.sort(key=lambda u: u.config.sample_size)
+    return UnCLIPPipeline(clip, prior, decoder, ups, diffusion=diffusion, sampling=sampling)
+
+
+def measure_sampling(
+    sources: list[Union[str, Path]],
+    batch: int = 1,
+    steps: int = 2,
+    dtype: torch.dtype = torch.float16,
+    prompt: str = "a red circle above a blue square",
+) -> SampleMeasure:
+    """Sample ``batch`` images of ``prompt`` through the pipeline ``sources`` describe (one pipeline
+    folder, or stage configs) on fake ``cuda:0`` tensors in ``dtype``, ``steps`` per stage."""
+    from unclip.pipeline import UnCLIPPipeline
+
+    sources = [Path(s) for s in sources]
+    if batch < 1 or steps < 1:
+        raise ValueError(f"batch and steps must be >= 1, got {batch} and {steps}")
+    device = torch.device("cuda", 0)
+    fake = _FakeCUDA()
+    mem = MemoryTracker("cuda")
+    folder = len(sources) == 1 and sources[0].is_dir()
+    pipe = UnCLIPPipeline.from_pretrained(sources[0]) if folder else None
+    if pipe is not None:  # real weights become fake ones: only their shapes and dtypes matter
+        for m in pipe.modules().values():
+            for sub in m.modules():
+                for k, p in sub._parameters.items():
+                    if p is not None:
+                        sub._parameters[k] = torch.nn.Parameter(
+                            fake.from_tensor(p.detach()), requires_grad=False
+                        )
+                for k, b in sub._buffers.items():
+                    if b is not None:
+                        sub._buffers[k] = fake.from_tensor(b)
+                for k, v in list(vars(sub).items()):  # plain tensor attributes (token id sets)
+                    if isinstance(v, torch.Tensor):
+                        setattr(sub, k, fake.from_tensor(v))
+    with fake, mem:
+        if pipe is None:
+            pipe = _pipeline_from_configs(sources)
+        for m in pipe.modules().values():
+            _place(m, device, dtype)
+        pipe._null_text = None
+        weights = mem.current
+        stages = list(pipe.stage_names)
+        peaks: dict[str, int] = {}
+
+        def record(_pipe, _step, _t, kwargs):
+            name = kwargs["stage"]
+            peaks[name] = max(peaks.get(name, 0), mem.peak)
+            mem.reset_peak()
+            return None
+
+        mem.reset_peak()
+        # the pipeline times each stage, waiting for the GPU: there is no GPU to wait for
+        with torch.no_grad(), mock.patch("torch.cuda.synchronize", lambda *a, **k: None):
+            out = pipe(
+                prompt,
+                num_images_per_prompt=batch,
+                sampling={name: {"steps": steps} for name in stages},
+                output_type="pt",
+                progress=False,
+                callback_on_step_end=record,
+            )
+        images = out.images
+        params = {
+            name: sum(p.numel() for p in m.parameters()) for name, m in pipe.modules().items()
+        }
+    return SampleMeasure(
+        stages=stages,
+        params=params,
+        weights=weights,
+        stage_peaks=peaks,
+        peak=max([weights, *peaks.values()]),
+        batch=batch,
+        dtype=str(dtype).replace("torch.", ""),
+        output_shape=list(images.shape),
+    )
+
+
+def format_sampling(m: SampleMeasure, gpu_memory: Optional[int] = None) -> str:
+    from unclip.train.strategies import CUDA_CONTEXT, FRAGMENTATION, GiB
+
+    lines = [
+        f"fake-CUDA sampling passed: {' → '.join(m.stages)} at {m.dtype}, {m.batch} image(s) of "
+        f"shape {m.output_shape[1:]} on cuda:0, no device or dtype mismatch",
+        "parameters: "
+        + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in m.params.items() if v)
+        + f"; weights on the GPU {m.weights / GiB:.2f} GiB",
+        "peak per stage (weights included), GiB: "
+        + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.stage_peaks.items()),
+        f"peak {m.peak / GiB:.2f} GiB",
+    ]
+    if gpu_memory is not None:
+        budget = (gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION)
+        fits = "fits" if m.peak <= budget else "does not fit"
+        lines.append(f"{fits} on one GPU of {gpu_memory / GiB:.0f} GiB (usable {budget / GiB:.1f})")
+    return "\n".join(lines)

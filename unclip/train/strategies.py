@@ -1,0 +1,278 @@
+"""From one process's dry-run measurement (:class:`~unclip.train.plan.StepMeasure`) to a per-GPU
+memory plan for ``N`` GPUs under DDP, ZeRO-2/FSDP ``SHARD_GRAD_OP``, ZeRO-3/FSDP ``FULL_SHARD`` and
+``FULL_SHARD`` with the optimizer offloaded to the CPU: exact arithmetic on the measured parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from unclip.train.plan import StepMeasure
+
+__all__ = [
+    "Strategy",
+    "STRATEGIES",
+    "PlanRow",
+    "plan_row",
+    "memory_plan",
+    "parse_memory",
+    "read_accelerate_config",
+    "format_plan",
+    "GiB",
+    "CUDA_CONTEXT",
+    "FRAGMENTATION",
+]
+
+GiB = 2**30
+#: per-GPU memory that is not the model's: the CUDA context and kernels, plus allocator
+#: fragmentation as a share of the rest (a common observation for training workloads)
+CUDA_CONTEXT = 1.5 * GiB
+FRAGMENTATION = 0.10
+
+
+def parse_memory(text: str) -> int:
+    """``"80GiB"``, ``"80GB"`` (read as GiB: an "80 GB" card holds 80 GiB), ``"40960MiB"`` or a
+    number of bytes → bytes."""
+    low = str(text).strip().lower()
+    units = {"tib": 2**40, "tb": 2**40, "gib": GiB, "gb": GiB, "mib": 2**20, "mb": 2**20}
+    unit = next((u for u in units if low.endswith(u)), "")
+    number, scale = low[: len(low) - len(unit)].strip(), units.get(unit, 1)
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(
+            f"cannot read the memory size {text!r}; write e.g. 80GiB, 40GB or 24576MiB"
+        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value * scale)
+
+
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How the training state is spread over the GPUs. ``shard_*``: that part is divided by the
+    number of GPUs sharing it; ``offload_optimizer``: optimizer state (and its EMA shard) live in
+    CPU memory; ``ddp_buckets``: DDP's all-reduce buckets, a second copy of the gradients unless
+    ``gradient_as_bucket_view``."""
+
+    name: str
+    launch: str  # the shipped Accelerate config file, or "" for plain DDP
+    shard_weights: bool = False
+    shard_grads: bool = False
+    shard_optimizer: bool = False
+    offload_optimizer: bool = False
+    ddp_buckets: bool = False
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.launch})" if self.launch else self.name
+
+
+STRATEGIES = {
+    "ddp": Strategy("DDP", "configs/accelerate/ddp_8gpu.yaml"),
+    "zero2": Strategy(
+        "FSDP SHARD_GRAD_OP / ZeRO-2",
+        "configs/accelerate/deepspeed_zero2_8gpu.yaml",
+        shard_grads=True,
+        shard_optimizer=True,
+    ),
+    "zero3": Strategy(
+        "FSDP FULL_SHARD / ZeRO-3",
+        "configs/accelerate/fsdp_8gpu.yaml",
+        shard_weights=True,
+        shard_grads=True,
+        shard_optimizer=True,
+    ),
+    "zero3_offload": Strategy(
+        "FSDP FULL_SHARD + CPU offload of the optimizer",
+        "configs/accelerate/fsdp_offload_8gpu.yaml",
+        shard_weights=True,
+        shard_grads=True,
+        shard_optimizer=True,
+        offload_optimizer=True,
+    ),
+}
+
+
+def read_accelerate_config(path) -> tuple[str, int]:
+    """The strategy key (of :data:`STRATEGIES`) and the number of processes an Accelerate config
+    file describes."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read the Accelerate config {path}: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not an Accelerate config file (a YAML mapping)")
+    kind = str(data.get("distributed_type", "NO")).upper()
+    gpus = int(data.get("num_processes", 1) or 1)
+    if kind == "FSDP":
+        fsdp = data.get("fsdp_config") or {}
+        sharding = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+        offload = bool(fsdp.get("fsdp_offload_params", False))
+        if sharding in ("SHARD_GRAD_OP", "2", "_HYBRID_SHARD_ZERO2"):
+            return "zero2", gpus
+        if sharding in ("NO_SHARD", "3"):
+            return "ddp", gpus
+        if sharding in ("HYBRID_SHARD", "4"):
+            # sharded within a node: the share of each GPU is that of one machine
+            machines = int(data.get("num_machines", 1) or 1)
+            gpus = max(1, gpus // machines)
+        return ("zero3_offload" if offload else "zero3"), gpus
+    if kind == "DEEPSPEED":
+        ds = data.get("deepspeed_config") or {}
+        stage = int(ds.get("zero_stage", 2))
+        offload = str(ds.get("offload_optimizer_device", "none")).lower() not in ("none", "")
+        if stage >= 3:
+            return ("zero3_offload" if offload else "zero3"), gpus
+        return ("zero2" if stage >= 1 else "ddp"), gpus
+    if kind in ("MULTI_GPU", "NO"):
+        return "ddp", gpus
+    raise ValueError(
+        f"{path}: distributed_type {kind} is not one the plan knows; use MULTI_GPU, FSDP or "
+        "DEEPSPEED"
+    )
+
+
+@dataclasses.dataclass
+class PlanRow:
+    strategy: Strategy
+    micro_batch: int
+    grad_accum_steps: int
+    gpus: int
+    parts: dict  # name → bytes per GPU
+    peak: int
+    budget: int
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget
+
+
+def plan_row(
+    m: StepMeasure,
+    strategy: Strategy,
+    gpus: int,
+    gpu_memory: int,
+    micro_batch: Optional[int] = None,
+    grad_accum_steps: Optional[int] = None,
+) -> PlanRow:
+    """Bytes per GPU of each part of the training state for ``strategy`` on ``gpus`` GPUs, with the
+    activations scaled to ``micro_batch`` (they grow linearly with it)."""
+    b = micro_batch or m.micro_batch
+    scale = b / m.micro_batch
+    n = max(1, gpus)
+    share = lambda x, on: x / n if on else x  # noqa: E731
+    weights = share(m.weights, strategy.shard_weights)
+    if strategy.shard_weights:
+        # the gathered full weights of the block being computed (and the next one, prefetched)
+        weights += 2 * m.block_weights
+    parts = {
+        "weights": weights,
+        "gradients": share(m.grads, strategy.shard_grads),
+        "DDP buckets": m.grads if strategy.ddp_buckets else 0,
+        "optimizer": 0
+        if strategy.offload_optimizer
+        else share(m.optimizer, strategy.shard_optimizer),
+        "EMA": share(m.ema, strategy.shard_optimizer),
+        "frozen CLIP": m.clip,
+        "activations": m.activations * scale,
+        "recompute": m.recompute * scale,
+        "transient": m.transient * scale,
+    }
+    peak = int(sum(parts.values()))
+    budget = int((gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION))
+    accum = grad_accum_steps or m.grad_accum_steps
+    return PlanRow(strategy, b, accum, n, parts, peak, budget)
+
+
+def memory_plan(
+    m: StepMeasure,
+    gpus: int,
+    gpu_memory: int,
+    strategy: Optional[str] = None,
+    grad_accum_steps: int = 1,
+) -> tuple[list[PlanRow], Optional[PlanRow]]:
+    """Rows for every strategy (or only ``strategy``) at the measured micro-batch, and the first
+    that fits in the order DDP → ZeRO-2 → ZeRO-3 → ZeRO-3 with CPU offload, halving the micro-batch
+    (doubling accumulation, so the global batch stays) when none fits."""
+    if gpu_memory <= CUDA_CONTEXT:
+        raise ValueError(
+            f"GPU memory of {gpu_memory / GiB:.2f} GiB leaves nothing beside the CUDA context "
+            f"({CUDA_CONTEXT / GiB:.1f} GiB); give the card's size, e.g. --gpu-memory 80GiB"
+        )
+    keys = [strategy] if strategy else list(STRATEGIES)
+    rows = [plan_row(m, STRATEGIES[k], gpus, gpu_memory, None, grad_accum_steps) for k in keys]
+    b, accum = m.micro_batch, grad_accum_steps
+    while b >= 1:
+        for k in keys:
+            row = plan_row(m, STRATEGIES[k], gpus, gpu_memory, b, accum)
+            if row.fits:
+                return rows, row
+        if b == 1:
+            break
+        b, accum = b // 2, accum * 2
+    return rows, None
+
+
+_UNIT = ["GiB"]
+
+
+def _gib(x) -> str:
+    """Bytes in the plan's unit (GiB, or MiB for plans of small models)."""
+    return f"{x / (GiB if _UNIT[0] == 'GiB' else 2**20):.1f}"
+
+
+def format_plan(m: StepMeasure, rows: list[PlanRow], choice: Optional[PlanRow], gpus, gpu_memory):
+    """The plan as text: the dry run's checks, the measured parts and a per-strategy table."""
+    _UNIT[0] = "GiB" if max(r.peak for r in rows) >= GiB else "MiB"
+    unit = _UNIT[0]
+    out = [
+        f"{m.stage} ({m.component}): fake-CUDA training step passed — model build, prepare, "
+        f"{m.mixed_precision} autocast, loss ({m.loss_dtype}), backward, clipping, AdamW, EMA; "
+        "every tensor on cuda:0",
+        f"parameters: {m.params_total / 1e9:.3f}B in the network ({m.params_trainable / 1e9:.3f}B "
+        f"trained), frozen CLIP {m.clip_params / 1e9:.3f}B; weights in "
+        f"{', '.join(m.param_dtypes)}",
+        f"measured on one GPU at micro-batch {m.micro_batch} (gradient checkpointing "
+        f"{'on' if m.gradient_checkpointing else 'off'}), {unit}: weights {_gib(m.weights)}, "
+        f"gradients "
+        f"{_gib(m.grads)}, AdamW state {_gib(m.optimizer)}, EMA {_gib(m.ema)}, frozen CLIP "
+        f"{_gib(m.clip)}, activations {_gib(m.activations)} (of which autocast weight copies "
+        f"{_gib(m.autocast_copies)}), recomputed block {_gib(m.recompute)}, transient "
+        f"{_gib(m.transient)}",
+        "",
+        f"per-GPU plan on {gpus} GPUs of {gpu_memory / GiB:.1f} GiB (usable after the CUDA context "
+        f"and {FRAGMENTATION:.0%} fragmentation: {rows[0].budget / GiB:.1f} GiB), in {unit}:",
+    ]
+    names = list(rows[0].parts)
+    head = ["strategy", "micro-batch"] + names + ["peak", "fits"]
+    table = [head]
+    for r in rows:
+        table.append(
+            [r.strategy.name, str(r.micro_batch)]
+            + [_gib(r.parts[k]) for k in names]
+            + [_gib(r.peak), "yes" if r.fits else "no"]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    out.append("")
+    if choice is None:
+        out.append(
+            "does not fit at micro-batch 1 with any strategy: turn on "
+            "train.gradient_checkpointing, use more GPUs or a smaller model"
+        )
+    else:
+        launch = f" — accelerate launch --config_file {choice.strategy.launch}" * bool(
+            choice.strategy.launch
+        )
+        out.append(
+            f"fits: {choice.strategy.name}, micro-batch {choice.micro_batch}, gradient "
+            f"accumulation {choice.grad_accum_steps}, predicted peak {_gib(choice.peak)} {unit}"
+            f"{launch}"
+        )
+    return "\n".join(out)
