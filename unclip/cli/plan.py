@@ -87,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = load_stage_config(args.config, args.overrides)
     measure = measure_step(cfg, micro_batch=args.micro_batch)
     rows, choice = memory_plan(measure, gpus, memory, strategy, cfg.train.grad_accum_steps)
-    print(format_plan(measure, rows, choice, gpus, memory))
+    print(format_plan(measure, rows, choice, gpus, memory, cfg.train.max_steps))
     if args.json:
         report = {
             "config": str(args.config),
@@ -110,6 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "choice": None if choice is None else choice.strategy.name,
             "choice_micro_batch": None if choice is None else choice.micro_batch,
             "choice_peak": None if choice is None else choice.peak,
+            "train_flops_per_sample": measure.train_flops_per_sample,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -41,6 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 from unclip.train.loop import TrainLoop
 
@@ -197,6 +198,13 @@ class StepMeasure:
     optimizer_peak: int  # the tracker's peak through clipping, the optimizer step and EMA
     param_dtypes: dict
     loss_dtype: str
+    forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
+
+    @property
+    def train_flops_per_sample(self) -> float:
+        """Forward + backward (twice the forward) per sample, plus the recomputed forward with
+        gradient checkpointing: the usual 3× (4×) rule on the counted forward."""
+        return self.forward_flops / self.micro_batch * (4 if self.gradient_checkpointing else 3)
 
     @property
     def static(self) -> int:
@@ -218,6 +226,9 @@ def _synthetic_batch(cfg, clip, b: int) -> dict:
         batch["image_embed"] = torch.randn(b, clip.embed_dim)
     else:
         size = clip.image_size if cfg.stage == "prior" else cfg.data.resolution
+        if cfg.stage == "upsampler" and cfg.upsampler_train.crop_size:
+            # already the crop: a random crop's offsets are values, which fake tensors do not have
+            size = cfg.upsampler_train.crop_size
         batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
     return batch
 
@@ -311,8 +322,9 @@ def measure_step(
                 mem.largest = 0
                 with loop.accelerator.accumulate(model):
                     gens = loop.generators(cfg.data.batch_size)
-                    with _autocast_copies(params) as casts:
+                    with _autocast_copies(params) as casts, FlopCounterMode(display=False) as fc:
                         loss = task.loss(model, batch, gens)
+                    forward_flops = fc.get_total_flops()
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)
                     fwd_peak = max(fwd_peak, mem.peak)
@@ -352,6 +364,7 @@ def measure_step(
                 optimizer_peak=opt_peak,
                 param_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
                 loss_dtype=loss_dtype,
+                forward_flops=forward_flops,
             )
         loop.accelerator.end_training()
     return measure

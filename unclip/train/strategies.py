@@ -19,6 +19,7 @@ __all__ = [
     "parse_memory",
     "read_accelerate_config",
     "format_plan",
+    "throughput_line",
     "GiB",
     "CUDA_CONTEXT",
     "FRAGMENTATION",
@@ -29,6 +30,10 @@ GiB = 2**30
 #: fragmentation as a share of the rest (a common observation for training workloads)
 CUDA_CONTEXT = 1.5 * GiB
 FRAGMENTATION = 0.10
+#: an A100's dense fp16/bf16 tensor-core peak, and the share of it a well-fed diffusion UNet step
+#: reaches (an assumption the throughput line states, not a measurement)
+A100_FP16_FLOPS = 312e12
+UTILISATION = 0.40
 
 
 def parse_memory(text: str) -> int:
@@ -226,7 +231,30 @@ def _gib(x) -> str:
     return f"{x / (GiB if _UNIT[0] == 'GiB' else 2**20):.1f}"
 
 
-def format_plan(m: StepMeasure, rows: list[PlanRow], choice: Optional[PlanRow], gpus, gpu_memory):
+def throughput_line(m: StepMeasure, gpus: int, global_batch: int, max_steps: int) -> str:
+    """Expected speed from the counted FLOPs at :data:`UTILISATION` of an A100's fp16 peak."""
+    per_sample = m.train_flops_per_sample
+    if per_sample <= 0:
+        return "throughput: no FLOPs counted"
+    rate = UTILISATION * A100_FP16_FLOPS / per_sample  # samples/s per GPU
+    days = max_steps * global_batch / (rate * gpus) / 86400
+    return (
+        f"throughput: {per_sample / 1e12:.2f} TFLOP per training sample (forward counted per op, "
+        f"x{4 if m.gradient_checkpointing else 3} for backward"
+        f"{' and recompute' if m.gradient_checkpointing else ''}); at {UTILISATION:.0%} of an "
+        f"A100's {A100_FP16_FLOPS / 1e12:.0f} TFLOP/s fp16: {rate:.1f} samples/s per GPU, "
+        f"{max_steps} steps of {global_batch} samples on {gpus} GPUs in {days:.1f} days"
+    )
+
+
+def format_plan(
+    m: StepMeasure,
+    rows: list[PlanRow],
+    choice: Optional[PlanRow],
+    gpus,
+    gpu_memory,
+    max_steps: Optional[int] = None,
+):
     """The plan as text: the dry run's checks, the measured parts and a per-strategy table."""
     _UNIT[0] = "GiB" if max(r.peak for r in rows) >= GiB else "MiB"
     unit = _UNIT[0]
@@ -275,4 +303,7 @@ def format_plan(m: StepMeasure, rows: list[PlanRow], choice: Optional[PlanRow], 
             f"accumulation {choice.grad_accum_steps}, predicted peak {_gib(choice.peak)} {unit}"
             f"{launch}"
         )
+        if max_steps:
+            global_batch = choice.micro_batch * choice.grad_accum_steps * gpus
+            out.append(throughput_line(m, gpus, global_batch, max_steps))
     return "\n".join(out)
