@@ -97,7 +97,16 @@ class DecoderConfig:
     into ``num_image_tokens`` extra context tokens placed beside the caption tokens.
     ``coord_channels`` adds x/y coordinate input channels (CoordConv; not in the paper or Karlo);
     ``embed_scale`` multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones).
-    :meth:`build` makes the network, sized for a CLIP.
+
+    ``text_encoder`` chooses what encodes the caption: ``clip`` (the frozen CLIP's token states and
+    pooled text embedding; the small models) or ``transformer``, the paper's decoder's own
+    trainable transformer (GLIDE's: width 2048, 24 layers, 32 heads, 256 tokens), sized by
+    ``text_encoder_width``, ``text_encoder_layers``, ``text_encoder_heads`` and
+    ``text_context_length``, over token ids of ``text_tokenizer`` (``open_clip_bpe``: open_clip's
+    CLIP BPE, shipped with the package). Its final token's state is projected into the time
+    embedding and its token states are the context beside the image tokens. ``dropout``: in the
+    UNet's residual blocks during training (paper: 0.1). :meth:`build` makes the network, sized for
+    a CLIP.
     """
 
     sample_size: int = 64
@@ -126,6 +135,30 @@ class DecoderConfig:
     use_text_tokens: bool = True
     coord_channels: bool = False
     embed_scale: float = 1.0
+    text_encoder: Literal["clip", "transformer"] = "clip"
+    text_encoder_width: int = 2048
+    text_encoder_layers: int = 24
+    text_encoder_heads: int = 32
+    text_context_length: int = 256
+    text_tokenizer: Literal["open_clip_bpe"] = "open_clip_bpe"
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_dropout("decoder.dropout", self.dropout)
+        if self.text_encoder == "transformer":
+            for key in ("text_encoder_width", "text_encoder_layers", "text_encoder_heads"):
+                if getattr(self, key) < 1:
+                    raise ConfigError(f"decoder.{key} must be at least 1, got {getattr(self, key)}")
+            if self.text_encoder_width % self.text_encoder_heads:
+                raise ConfigError(
+                    f"decoder.text_encoder_width ({self.text_encoder_width}) must be divisible by "
+                    f"decoder.text_encoder_heads ({self.text_encoder_heads})"
+                )
+            if self.text_context_length < 2:
+                raise ConfigError(
+                    "decoder.text_context_length must be at least 2 (start and end tokens), got "
+                    f"{self.text_context_length}"
+                )
 
     def build(self, clip):
         """The :class:`~unclip.decoder.UnCLIPDecoder` this config describes, sized for ``clip``."""
@@ -140,7 +173,9 @@ class UpsamplerConfig:
 
     ``noise_level`` is the fixed noise level (a diffusion timestep) of the low-res image at
     sampling. How the low-res conditioning is corrupted during training is a training setting (the
-    stage config's ``upsampler_train:`` section). :meth:`build` makes the network.
+    stage config's ``upsampler_train:`` section). ``add_attention``: self-attention in the UNet's
+    mid block (the paper's upsamplers are convolution-only: false). ``dropout``: in the residual
+    blocks during training (paper: 0.1 in the first upsampler). :meth:`build` makes the network.
     """
 
     sample_size: int = 256
@@ -155,12 +190,22 @@ class UpsamplerConfig:
     )
     norm_num_groups: int = 32
     noise_level: int = 0
+    add_attention: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_dropout("upsampler.dropout", self.dropout)
 
     def build(self):
         """The :class:`~unclip.decoder.UnCLIPUpsampler` this config describes."""
         from unclip.decoder import UnCLIPUpsampler
 
         return UnCLIPUpsampler(**to_dict(self))
+
+
+def _check_dropout(key: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{key} must be in [0, 1), got {value!r}")
 
 
 @dataclass

@@ -6,7 +6,11 @@ projected into ``num_image_tokens`` extra context tokens concatenated before the
 normalised) caption token states; the pooled text embedding is also added to the timestep embedding
 (as in GLIDE and Karlo). A learned null image embedding replaces ``image_embed`` for the
 unconditional pass and for dropout in training; the null caption is the CLIP encoding of the empty
-string.
+string. With ``text_encoder="transformer"`` the decoder encodes the caption itself, as the paper's
+decoder (GLIDE's) does: a trainable :class:`~unclip.text_encoder.CaptionTransformer` over the
+caption's token ids (``text`` is then ids ``[B, L]`` from :meth:`UnCLIPDecoder.tokenize`, the null
+caption the empty string's ids); its token states replace the CLIP ones and its final token's
+state replaces the pooled CLIP text embedding.
 
 :class:`UnCLIPUpsampler` wraps ``UNet2DModel``: the low-res image is upsampled (bicubic) and
 concatenated to ``x_t`` (6 input channels); the noise level of the low-res conditioning augmentation
@@ -23,7 +27,8 @@ a BSR-style random degradation (second upsampler; Zhang et al. 2021).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +36,34 @@ from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
-from unclip.clip import TextEncoding
+from unclip.clip import TextEncoding, check_prompts
+from unclip.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
 
-__all__ = ["UnCLIPDecoder", "UnCLIPUpsampler", "degrade", "gaussian_blur", "upsample_low_res"]
+__all__ = [
+    "Caption",
+    "TEXT_ENCODERS",
+    "UnCLIPDecoder",
+    "UnCLIPUpsampler",
+    "degrade",
+    "drop_captions",
+    "encode_captions",
+    "gaussian_blur",
+    "upsample_low_res",
+]
+
+#: what a decoder conditions on for the caption (``text_encoder``): frozen CLIP token states, or
+#: its own trainable transformer over the caption's tokens (the paper's decoder)
+TEXT_ENCODERS = ("clip", "transformer")
+
+#: a decoder's caption input: a CLIP :class:`TextEncoding`, or token ids ``[B, L]`` for a decoder
+#: with its own text encoder
+Caption = Union[TextEncoding, torch.Tensor]
+
+
+def check_dropout(value: float) -> float:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {value!r}")
+    return value
 
 
 def coordinate_grid(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +88,13 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
     CLIP embeddings of width D have components of about 1/sqrt(D), so their conditioning starts far
     weaker than the timestep embedding and the layer-normalised caption tokens, and the decoder
     learns to ignore it; sqrt(D) gives unit-scale components.
+    ``text_encoder``: ``"clip"`` (frozen CLIP token states and pooled embedding, ``text`` a
+    :class:`TextEncoding`) or ``"transformer"`` (the paper's own caption transformer of
+    ``text_encoder_width/layers/heads`` over ``text_context_length`` tokens of ``text_tokenizer``;
+    ``text`` token ids). ``dropout``: in the UNet's residual blocks during training (paper: 0.1).
     """
+
+    _supports_gradient_checkpointing = True
 
     @register_to_config
     def __init__(
@@ -89,8 +125,19 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         learned_variance: bool = False,
         coord_channels: bool = False,
         embed_scale: float = 1.0,
+        text_encoder: str = "clip",
+        text_encoder_width: int = 2048,
+        text_encoder_layers: int = 24,
+        text_encoder_heads: int = 32,
+        text_context_length: int = 256,
+        text_tokenizer: str = "open_clip_bpe",
+        dropout: float = 0.0,
     ):
         super().__init__()
+        if text_encoder not in TEXT_ENCODERS:
+            raise ValueError(
+                f"decoder text_encoder must be one of {list(TEXT_ENCODERS)}, got {text_encoder!r}"
+            )
         cross = cross_attention_dim or block_out_channels[-1]
         time_dim = block_out_channels[0] * 4
         self.unet = UNet2DConditionModel(
@@ -107,22 +154,91 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
             norm_num_groups=norm_num_groups,
             class_embed_type="identity",
             resnet_time_scale_shift="scale_shift",
+            dropout=check_dropout(dropout),
         )
+        self.text_transformer = None
+        token_width, pooled_width = text_width, embed_dim
+        if text_encoder == "transformer":
+            vocab = check_tokenizer(text_tokenizer)
+            self.text_transformer = CaptionTransformer(
+                vocab["vocab_size"],
+                vocab["eot_token_id"],
+                text_context_length,
+                text_encoder_width,
+                text_encoder_layers,
+                text_encoder_heads,
+            )
+            token_width = pooled_width = text_encoder_width
         self.null_image_embed = torch.nn.Parameter(torch.zeros(embed_dim))
         self.image_to_time = torch.nn.Linear(embed_dim, time_dim)
-        self.text_to_time = torch.nn.Linear(embed_dim, time_dim)
+        self.text_to_time = torch.nn.Linear(pooled_width, time_dim)
         self.image_to_tokens = torch.nn.Linear(embed_dim, num_image_tokens * cross)
-        self.text_tokens_proj = torch.nn.Linear(text_width, cross) if use_text_tokens else None
+        self.text_tokens_proj = torch.nn.Linear(token_width, cross) if use_text_tokens else None
         self.text_tokens_norm = torch.nn.LayerNorm(cross) if use_text_tokens else None
 
     @property
     def out_image_channels(self) -> int:
         return 3
 
+    @property
+    def has_text_encoder(self) -> bool:
+        """True when the decoder encodes captions itself (``text_encoder="transformer"``)."""
+        return self.text_transformer is not None
+
+    def tokenize(self, prompts: Union[str, Sequence[str]]) -> torch.Tensor:
+        """Captions → this decoder's caption token ids ``[B, text_context_length]``."""
+        if not self.has_text_encoder:
+            raise ValueError(
+                "this decoder conditions on CLIP token states (text_encoder: clip); encode "
+                "captions with the pipeline's CLIP (encode_text) instead"
+            )
+        c = self.config
+        return caption_tokenizer(c.text_tokenizer, c.text_context_length)(prompts)
+
+    def null_caption(self, batch: int) -> torch.Tensor:
+        """The empty caption's token ids repeated ``batch`` times (the unconditional input)."""
+        return self.tokenize([""]).expand(batch, -1)
+
+    def caption_ids(self, text, batch: int) -> torch.Tensor:
+        """Token ids ``[batch, L]`` for a decoder with its own text encoder from captions (strings),
+        ids, or None (the empty caption)."""
+        if text is None:
+            return self.null_caption(batch)
+        if isinstance(text, torch.Tensor):
+            return text
+        if isinstance(text, TextEncoding):
+            raise ValueError(
+                "this decoder encodes captions with its own text transformer (text_encoder: "
+                "transformer), not CLIP token states; pass the captions as strings"
+            )
+        return self.tokenize(check_prompts(text))
+
+    def _caption_states(self, text: Caption):
+        """Caption token states ``[B, L, W]``, their mask ``[B, L]`` and the pooled caption vector
+        added to the time embedding."""
+        if self.text_transformer is None:
+            if not isinstance(text, TextEncoding):
+                raise TypeError(
+                    "this decoder conditions on CLIP token states (text_encoder: clip): pass a "
+                    f"TextEncoding (CLIP.encode_text), got {type(text).__name__}"
+                )
+            text_embed = text.text_embed.to(self.dtype)
+            if self.config.embed_scale != 1.0:
+                text_embed = text_embed * self.config.embed_scale
+            return text.text_tokens, text.text_mask, text_embed
+        if not isinstance(text, torch.Tensor) or text.dtype != torch.long:
+            raise TypeError(
+                "this decoder encodes captions with its own text transformer (text_encoder: "
+                "transformer): pass caption token ids from decoder.tokenize(captions), got "
+                f"{type(text).__name__}"
+            )
+        states, mask, final = self.text_transformer(text.to(self.device))
+        return states, mask, final
+
     def condition(
         self,
         image_embed: torch.Tensor,
-        text: TextEncoding,
+        text: Caption,
         drop_image: Optional[torch.Tensor] = None,
     ):
         """Context tokens ``[B, n+L, X]``, their mask ``[B, n+L]`` and the additive time
@@ -134,18 +250,17 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
             image_embed = torch.where(
                 drop_image.view(b, 1).to(image_embed.device), null, image_embed
             )
-        text_embed = text.text_embed.to(self.dtype)
+        text_tokens, text_mask, text_embed = self._caption_states(text)
         if self.config.embed_scale != 1.0:
             image_embed = image_embed * self.config.embed_scale
-            text_embed = text_embed * self.config.embed_scale
-        time_add = self.image_to_time(image_embed) + self.text_to_time(text_embed)
+        time_add = self.image_to_time(image_embed) + self.text_to_time(text_embed.to(self.dtype))
         n = self.config.num_image_tokens
         tokens = self.image_to_tokens(image_embed).view(b, -1, n).transpose(1, 2)  # [B, n, X]
         mask = torch.ones(b, n, dtype=torch.bool, device=image_embed.device)
         if self.text_tokens_proj is not None:
-            txt = self.text_tokens_norm(self.text_tokens_proj(text.text_tokens.to(self.dtype)))
+            txt = self.text_tokens_norm(self.text_tokens_proj(text_tokens.to(self.dtype)))
             tokens = torch.cat([tokens, txt], dim=1)
-            mask = torch.cat([mask, text.text_mask.to(mask.device).bool()], dim=1)
+            mask = torch.cat([mask, text_mask.to(mask.device).bool()], dim=1)
         return tokens, mask, time_add
 
     def forward(
@@ -153,7 +268,7 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         x_t: torch.Tensor,
         t: torch.Tensor,
         image_embed: Optional[torch.Tensor] = None,
-        text: Optional[TextEncoding] = None,
+        text: Optional[Caption] = None,
         drop_image: Optional[torch.Tensor] = None,
         cond: Optional[tuple] = None,
     ) -> torch.Tensor:
@@ -189,11 +304,35 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         )
 
 
+def encode_captions(config, clip, prompts: Sequence[str]) -> Caption:
+    """Captions as a decoder with ``config`` (a :class:`~unclip.config.DecoderConfig` or a
+    decoder's ``config``) takes them: ``clip.encode_text`` for ``text_encoder: clip``, else token
+    ids from the decoder's tokenizer (what its own text transformer reads)."""
+    if getattr(config, "text_encoder", "clip") == "clip":
+        return clip.encode_text(prompts)
+    return caption_tokenizer(config.text_tokenizer, config.text_context_length)(prompts)
+
+
+def drop_captions(text: Caption, null: Caption, drop: torch.Tensor) -> Caption:
+    """``text [B]`` with the rows where ``drop [B]`` is True replaced by the empty caption ``null``
+    (one row, or B), for classifier-free guidance training."""
+    if isinstance(text, torch.Tensor):
+        return torch.where(drop[:, None], null.to(text.device), text)
+    null = null.to(device=text.text_mask.device)
+    return TextEncoding(
+        torch.where(drop[:, None], null.text_embed, text.text_embed),
+        torch.where(drop[:, None, None], null.text_tokens, text.text_tokens),
+        torch.where(drop[:, None], null.text_mask, text.text_mask),
+    )
+
+
 class UnCLIPUpsampler(ModelMixin, ConfigMixin):
     """Super-resolution stage ``low_res_size → sample_size``.
 
     ``forward(x_t [B,3,H,W], t, low_res_up [B,3,H,W], noise_level [B]) → [B,3,H,W]`` where
     ``low_res_up`` is the (corrupted, noised) low-res image already upsampled to ``H×W``.
+    ``add_attention``: self-attention in the UNet's mid block (the paper's upsamplers have none).
+    ``dropout``: in the residual blocks during training (paper: 0.1 in the first upsampler).
     """
 
     @register_to_config
@@ -212,6 +351,7 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
         resnet_time_scale_shift: str = "scale_shift",
         add_attention: bool = True,
         clamp_low_res: bool = True,
+        dropout: float = 0.0,
     ):
         super().__init__()
         if sample_size <= low_res_size:
@@ -232,6 +372,7 @@ class UnCLIPUpsampler(ModelMixin, ConfigMixin):
                 class_embed_type="identity" if noise_level_conditioning else None,
                 resnet_time_scale_shift=resnet_time_scale_shift,
                 add_attention=add_attention,
+                dropout=check_dropout(dropout),
             )
 
         self.unet = make()

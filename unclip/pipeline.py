@@ -318,6 +318,13 @@ class UnCLIPPipeline:
     def _as_text(self, text) -> TextEncoding:
         return text if isinstance(text, TextEncoding) else self.encode_text(text)
 
+    def _decoder_captions(self, text, b: int):
+        """The decoder's caption input for ``b`` images and its unconditional one (a callable of
+        the batch size): CLIP encodings, or token ids for a decoder with its own text encoder."""
+        if self.decoder.has_text_encoder:
+            return self.decoder.caption_ids(text, b), self.decoder.null_caption
+        return (self.null_text(b) if text is None else self._as_text(text)), self.null_text
+
     @torch.no_grad()
     def sample_image_embeds(
         self,
@@ -372,18 +379,19 @@ class UnCLIPPipeline:
     ) -> torch.Tensor:
         """Decoder: ``image_embed [B, D]`` (+ optional captions/TextEncoding with B rows) →
         ``[B, 3, s, s]`` in [-1, 1] at the decoder's resolution. Without text the empty caption is
-        used."""
+        used. A decoder with its own text encoder takes the captions as strings (or its token
+        ids), not a CLIP TextEncoding."""
         s = self._stage_settings("decoder", sampling)
         image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
-        text = self.null_text(b) if text is None else self._as_text(text)
+        text, null = self._decoder_captions(text, b)
         if len(text) != b:
             raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
         return sample_decoder(
             self.decoder,
             image_embed,
             text,
-            self.null_text,
+            null,
             s,
             self.diffusion["decoder"],
             generator=generator,
@@ -495,15 +503,16 @@ class UnCLIPPipeline:
             t0 = self._now()
         else:
             embeds = image_embeds.to(self.device).repeat_interleave(k, dim=0)
+        captions_k = [p for p in prompts for _ in range(n * k)]
         small = self.decode(
             embeds,
-            text_k,
+            captions_k if self.decoder.has_text_encoder else text_k,
             gen,
             sampling,
             progress=progress,
             callback_on_step_end=callback_on_step_end,
         )
-        keep = self.rerank(small, [p for p in prompts for _ in range(n * k)], k)
+        keep = self.rerank(small, captions_k, k)
         small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
         timings["decoder"] = self._now() - t0
         gen = gen[::k] if isinstance(gen, list) else gen
@@ -561,7 +570,7 @@ class UnCLIPPipeline:
         if embed.shape[0] != 1:
             raise ValueError("variations takes one image; call it once per image")
         embeds = embed.repeat(n, 1)
-        text = self.encode_text([caption] * n) if caption is not None else None
+        text = [caption] * n if caption is not None else None
         gen = expand_generator(generator, 1, n, "generator")
         cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
         small = self.decode(embeds, text, gen, sampling, **cb)

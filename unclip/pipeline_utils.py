@@ -102,7 +102,8 @@ def check_components(
         raise ValueError(
             f"decoder embed_dim {dc.embed_dim} != CLIP embed_dim {d} (clip: {clip.model_name})"
         )
-    if dc.use_text_tokens and dc.text_width != w:
+    # a decoder with its own text encoder reads caption tokens, not the CLIP's token states
+    if dc.use_text_tokens and dc.text_encoder == "clip" and dc.text_width != w:
         raise ValueError(f"decoder text_width {dc.text_width} != CLIP text width {w}")
     size = dc.sample_size
     for name, up in upsamplers.items():

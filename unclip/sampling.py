@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from unclip.clip import CLIP, TextEncoding, check_prompts
 from unclip.config import DiffusionConfig, SamplingConfig, from_dict, to_dict
-from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler, upsample_low_res
+from unclip.decoder import Caption, UnCLIPDecoder, UnCLIPUpsampler, upsample_low_res
 from unclip.diffusion import (
     Generator,
     check_sampling_args,
@@ -231,8 +231,10 @@ def _sample(denoise, shape, sched, settings: SamplingConfig, net, desc: str, **k
     )
 
 
-def _null_first(null: TextEncoding, cond: TextEncoding) -> TextEncoding:
+def _null_first(null: Caption, cond: Caption) -> Caption:
     """``[uncond; cond]`` conditioning for a guided :func:`~unclip.diffusion.sample_loop`."""
+    if isinstance(cond, torch.Tensor):  # caption token ids of a decoder's own text encoder
+        return torch.cat([null, cond])
     return TextEncoding.cat([null, cond])
 
 
@@ -305,8 +307,8 @@ def sample_prior(
 def sample_decoder(
     decoder: UnCLIPDecoder,
     image_embed: torch.Tensor,
-    text: TextEncoding,
-    null_text: Callable[[int], TextEncoding],
+    text: Caption,
+    null_text: Callable[[int], Caption],
     settings: SamplingConfig,
     diffusion: DiffusionConfig,
     *,
@@ -320,8 +322,9 @@ def sample_decoder(
     [-1, 1] at the decoder's resolution.
 
     Guidance's unconditional input is the decoder's learned null image embedding with the empty
-    caption ``null_text(B)`` (called only when guided). ``generator``: one, or one per image;
-    ``latents [B, 3, s, s]``: the initial noise. ``autocast_dtype``, ``callback``: as
+    caption ``null_text(B)`` (called only when guided). ``text``: a CLIP :class:`TextEncoding`, or
+    caption token ids ``[B, L]`` for a decoder with its own text encoder. ``generator``: one, or
+    one per image; ``latents [B, 3, s, s]``: the initial noise. ``autocast_dtype``, ``callback``: as
     :func:`~unclip.diffusion.sample_loop`."""
     settings = _checked("decoder", settings)
     b, device = image_embed.shape[0], decoder.device

@@ -495,7 +495,12 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
             "the embedding size"
         )
     dc = pipe.decoder.config
-    if not dc.use_text_tokens:
+    if dc.text_encoder != "clip":
+        out.append(
+            f"decoder: text_encoder={dc.text_encoder} (the decoder's own caption transformer); "
+            "diffusers' UnCLIPPipeline conditions the decoder on CLIP token states"
+        )
+    elif not dc.use_text_tokens:
         out.append(
             "decoder: use_text_tokens=False; diffusers' text_proj always adds the caption token "
             "states"

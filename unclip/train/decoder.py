@@ -5,9 +5,9 @@
     accelerate launch train_decoder.py configs/decoder_64.yaml --resume latest
 
 Decoder (paper §2.1): condition on the frozen CLIP's image embedding of the training image and the
-caption's token states; drop the image embedding for ``train.image_embed_drop_prob`` of the samples
-(learned null embedding) and the caption for ``train.text_drop_prob`` (empty caption), for
-classifier-free guidance.
+caption (CLIP token states, or the decoder's own text transformer over its tokens); drop the image
+embedding for ``train.image_embed_drop_prob`` of the samples (learned null embedding) and the
+caption for ``train.text_drop_prob`` (empty caption), for classifier-free guidance.
 
 Upsampler: take a random ``upsampler_train.crop_size`` crop (or the whole image), make its low-res
 conditioning by downsampling and corrupting it (``blur`` or ``bsr``), add Gaussian noise of a random
@@ -23,8 +23,15 @@ from typing import Optional
 import torch
 from PIL import Image
 
-from unclip.clip import CLIP, TextEncoding
-from unclip.decoder import UnCLIPDecoder, degrade, upsample_low_res
+from unclip.clip import CLIP
+from unclip.decoder import (
+    Caption,
+    UnCLIPDecoder,
+    degrade,
+    drop_captions,
+    encode_captions,
+    upsample_low_res,
+)
 from unclip.diffusion import diffusion_loss, training_scheduler
 from unclip.images import image_grid
 from unclip.pipeline import UnCLIPPipeline
@@ -49,23 +56,18 @@ logger = logging.getLogger("unclip.train")
 GRID_SIZE = 8
 
 
-def decoder_loss(model, batch, clip: CLIP, null: TextEncoding, gens, cfg, noise_sched, device):
-    """Denoising loss of the base decoder on one micro-batch, with condition dropout."""
+def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched, device):
+    """Denoising loss of the base decoder on one micro-batch, with condition dropout (``null``:
+    the empty caption as the decoder takes captions, :func:`~unclip.decoder.encode_captions`)."""
     images = batch["image"].to(device)
-    b = images.shape[0]
     image_embed = (
         batch["image_embed"].to(device) if "image_embed" in batch else clip.encode_image(images)
     )
-    text = clip.encode_text(batch["caption"]).to(device)
+    text = encode_captions(cfg.decoder, clip, batch["caption"]).to(device)
     coins = torch.stack([torch.rand(2, generator=g) for g in gens]).to(device)
     drop_image = coins[:, 0] < cfg.train.image_embed_drop_prob
     drop_text = coins[:, 1] < cfg.train.text_drop_prob
-    nb = null.repeat_interleave(b).to(device)
-    text = TextEncoding(
-        torch.where(drop_text[:, None], nb.text_embed, text.text_embed),
-        torch.where(drop_text[:, None, None], nb.text_tokens, text.text_tokens),
-        torch.where(drop_text[:, None], nb.text_mask, text.text_mask),
-    )
+    text = drop_captions(text, null, drop_text)
     return diffusion_loss(
         lambda x_t, t: model(x_t, t, image_embed, text, drop_image),
         images,
@@ -131,7 +133,7 @@ class DecoderTask:
 
     def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
-        self.null = clip.encode_text([""])
+        self.null = encode_captions(cfg.decoder, clip, [""])
         self.noise_sched = training_scheduler(cfg.diffusion)
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
@@ -187,7 +189,8 @@ def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     if ``train.gradient_checkpointing``)."""
     model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
     if cfg.train.gradient_checkpointing:
-        model.unet.enable_gradient_checkpointing()
+        # the decoder's own: its UNet and, when it has one, its caption transformer
+        (model if cfg.stage == "decoder" else model.unet).enable_gradient_checkpointing()
     return model
 
 
