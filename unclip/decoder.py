@@ -27,6 +27,7 @@ a BSR-style random degradation (second upsampler; Zhang et al. 2021).
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Sequence
 from typing import Optional, Union
 
@@ -176,6 +177,24 @@ class UnCLIPDecoder(ModelMixin, ConfigMixin):
         self.text_tokens_proj = torch.nn.Linear(token_width, cross) if use_text_tokens else None
         self.text_tokens_norm = torch.nn.LayerNorm(cross) if use_text_tokens else None
 
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
+        """diffusers' checkpointing (the UNet's residual blocks, the caption transformer's layers)
+        plus every attention layer of the UNet: diffusers' ``SimpleCrossAttn`` blocks checkpoint
+        only their resnets, so the attention layers' saved activations, and the half-precision
+        weight copies autocast keeps for them, would dominate the decoder's training memory
+        (measured with ``unclip plan``, docs/full_scale.md)."""
+        super().enable_gradient_checkpointing(gradient_checkpointing_func)
+        from diffusers.models.attention_processor import Attention
+
+        for module in self.unet.modules():
+            if isinstance(module, Attention) and "forward" not in vars(module):
+                module.forward = types.MethodType(_checkpointed_forward, module)
+
+    def disable_gradient_checkpointing(self) -> None:
+        super().disable_gradient_checkpointing()
+        for module in self.unet.modules():
+            vars(module).pop("forward", None)
+
     @property
     def out_image_channels(self) -> int:
         return 3
@@ -324,6 +343,18 @@ def drop_captions(text: Caption, null: Caption, drop: torch.Tensor) -> Caption:
         torch.where(drop[:, None, None], null.text_tokens, text.text_tokens),
         torch.where(drop[:, None], null.text_mask, text.text_mask),
     )
+
+
+def _checkpointed_forward(module: torch.nn.Module, *args, **kwargs):
+    """The module class's ``forward`` under activation checkpointing while it trains with gradients
+    (recomputed in backward; the result and the gradients are unchanged). Bound to an instance as
+    its ``forward``: a bound method follows the module through ``copy.deepcopy``."""
+    forward = type(module).forward
+    if module.training and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(
+            forward, module, *args, use_reentrant=False, **kwargs
+        )
+    return forward(module, *args, **kwargs)
 
 
 class UnCLIPUpsampler(ModelMixin, ConfigMixin):

@@ -188,9 +188,7 @@ class StepMeasure:
     grads: int
     optimizer: int
     activations: int  # live at the end of one micro-batch's forward (saved for backward)
-    autocast_copies: (
-        int  # the half-precision weight copies autocast keeps for backward (in activations)
-    )
+    autocast_copies: int  # half-precision weight copies kept for backward (in activations)
     recompute: int  # the largest checkpointed block's forward, recomputed during backward
     transient: int  # the largest single tensor of the step, twice: an activation and its gradient
     block_weights: int  # the largest block's weights (what FULL_SHARD gathers at once)
@@ -328,7 +326,7 @@ def measure_step(
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)
                     fwd_peak = max(fwd_peak, mem.peak)
-                    copies = max(copies, _count(casts))
+                    copies = max(copies, _count([c() for c in casts if c() is not None]))
                     loss_dtype = str(loss.dtype).replace("torch.", "")
                     loop.backward(loss)
                     del loss
@@ -413,16 +411,16 @@ def _build(cfg, clip, device):
 
 @contextlib.contextmanager
 def _autocast_copies(params):
-    """Collects the half-precision copies autocast makes of ``params`` (they stay alive for
-    backward)."""
+    """Weak references to the half-precision copies autocast makes of ``params``: those still
+    alive after the forward are kept for backward."""
     ids = {id(p) for p in params}
-    found: list[torch.Tensor] = []
+    found: list[weakref.ref] = []
 
     class _Casts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten._to_copy.default and args and id(args[0]) in ids:
-                found.append(out)
+                found.append(weakref.ref(out))  # weak: only those backward keeps count
             return out
 
     with _Casts():
