@@ -48,7 +48,6 @@ from typing import Optional, Protocol
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (
-    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     ProjectConfiguration,
@@ -61,6 +60,7 @@ from unclip.config import save_config, to_dict
 from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
 from unclip.train import checkpoint as ckpt
+from unclip.train import distributed as dist_utils
 from unclip.train.checkpoint import CheckpointError, DiskFullError
 
 __all__ = [
@@ -259,17 +259,9 @@ class TrainLoop:
             cfg.data.validate()
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
-        handlers = []
-        if t.powersgd_rank > 0:
-            handlers.append(
-                DistributedDataParallelKwargs(
-                    comm_hook=DDPCommunicationHookType.POWER_SGD,
-                    comm_state_option={
-                        "matrix_approximation_rank": t.powersgd_rank,
-                        "start_powerSGD_iter": max(2, t.powersgd_start_step),
-                    },
-                )
-            )
+        # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
+        # PowerSGD is registered after prepare (dist_utils.register_powersgd)
+        handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
         trackers = [x for x in t.trackers if x]
         # a second run in the same process (tests, notebooks) may use another precision:
         # Accelerate keeps its settings in a process-wide singleton, so start it afresh (keeping the
@@ -292,6 +284,11 @@ class TrainLoop:
                 project_dir=str(self.out), logging_dir=str(self.out / "logs")
             ),
         )
+        if multi_cpu and dist_utils.env_flag("ACCELERATE_USE_FSDP"):
+            dist_utils.use_fsdp_on_cpu(self.accelerator, mp)
+        dist_utils.check_strategy(self.accelerator)
+        self.strategy = dist_utils.strategy_of(self.accelerator)
+        self.sharded = dist_utils.is_sharded(self.accelerator)
         self.mixed_precision = mp
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
@@ -351,20 +348,7 @@ class TrainLoop:
         if t.init_weights:
             src = load_initial_weights(model, t.init_weights)
             logger.info("initial weights from %s", src)
-        exempt = no_weight_decay or (lambda name, p: p.ndim < 2)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {
-                    "params": [p for n, p in named if not exempt(n, p)],
-                    "weight_decay": t.weight_decay,
-                },
-                {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
-            ],
-            lr=t.lr,
-            betas=tuple(t.adam_betas),
-            eps=t.adam_eps,
-        )
+        self.optimizer = self.make_optimizer(model, no_weight_decay)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: warmup_cosine(
@@ -372,7 +356,22 @@ class TrainLoop:
             ),
         )
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        self.powersgd = None
+        if t.powersgd_rank > 0 and self.strategy == "ddp":
+            self.powersgd = dist_utils.register_powersgd(
+                self.model, self.accelerator, t.powersgd_rank, t.powersgd_start_step
+            )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if (
+            t.ema
+            and self.strategy == "deepspeed"
+            and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
+            raise ValueError(
+                "train.ema with DeepSpeed ZeRO-3 is not supported (each process holds empty "
+                "placeholders of the weights to copy); use FSDP (the EMA is sharded with the "
+                "weights) or ZeRO-2, or set train.ema=false"
+            )
         if t.ema:
             # after prepare: the shadow copies are made from the parameters where they now live
             # (the GPU), so EMA.step never mixes devices
@@ -382,6 +381,24 @@ class TrainLoop:
         if self.resume:
             self.load_checkpoint(self.resume)
         return self.model
+
+    def make_optimizer(
+        self,
+        model: torch.nn.Module,
+        no_weight_decay: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    ) -> torch.optim.Optimizer:
+        """``train.optimizer`` over the trainable parameters in two groups: weight decay, and none
+        for those ``no_weight_decay(name, param)`` names (default: fewer than 2 dimensions)."""
+        t = self.cfg.train
+        exempt = no_weight_decay or (lambda name, p: p.ndim < 2)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if not exempt(n, p)], "weight_decay": t.weight_decay},
+            {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
+        ]
+        return dist_utils.make_optimizer(
+            t.optimizer, groups, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps
+        )
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -468,6 +485,8 @@ class TrainLoop:
         flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
         if self.world > 1:
             flag = self.accelerator.reduce(flag, reduction="sum")
+        if isinstance(norm, torch.Tensor):
+            norm = dist_utils.gather_full(norm)  # FSDP2: a replicated DTensor
         bad = bool(flag.item() > 0) or (
             norm is not None and not torch.isfinite(torch.as_tensor(norm))
         )
@@ -583,10 +602,11 @@ class TrainLoop:
     def save_samples(self, task: Task, batch: dict) -> Optional[Path]:
         """``samples/step_XXXXXXXX.png``: the task's sample grid from the EMA weights (main process;
         tasks without a sample grid write nothing)."""
-        if not hasattr(task, "sample_grid") or not self.accelerator.is_main_process:
+        main = self.accelerator.is_main_process
+        # sharded weights: every process runs the model (its forward gathers the shards)
+        if not hasattr(task, "sample_grid") or not (main or self.sharded):
             return None
         path = self.out / "samples" / f"step_{self.state.step:08d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
         model = self.unwrapped
         with self.ema_weights(), torch.no_grad():
             model.eval()
@@ -594,7 +614,10 @@ class TrainLoop:
                 grid = task.sample_grid(model, batch)
             finally:
                 model.train()
+        if not main:
+            return None
         with ckpt.disk_full_is_an_error(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
             grid.save(path)
         return path
 
@@ -640,25 +663,68 @@ class TrainLoop:
         self._saved_step = self.state.step
         return final
 
+    def full_state_dict(self) -> dict:
+        """The model's whole weights, on CPU, on the main process (``{}`` elsewhere under
+        sharding). Every process calls it: gathering shards is collective."""
+        if self.strategy == "deepspeed":
+            state = self.accelerator.get_state_dict(self.model)
+            return state if self.accelerator.is_main_process else {}
+        return dist_utils.gather_state(
+            self.unwrapped.state_dict(), self.accelerator.is_main_process
+        )
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load whole weights (as :meth:`full_state_dict` gives them) into the prepared model, each
+        process taking its shard."""
+        live = self.unwrapped.state_dict()
+        if sorted(live) != sorted(state):
+            missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+            raise KeyError(
+                f"weights do not match the model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
+        dist_utils.load_full_state(live, state)
+
+    def full_optimizer_state(self) -> dict:
+        """The optimizer's state dict with whole moment tensors on the main process (every process
+        calls it). DeepSpeed's ZeRO state is not gathered: an empty state is saved."""
+        main = self.accelerator.is_main_process
+        if self.strategy == "deepspeed":
+            return {"state": {}, "param_groups": []}
+        if self.strategy == "fsdp":
+            return dist_utils.optimizer_state_full(self.optimizer, main)
+        return self.optimizer.state_dict() if main else {}
+
     def write_state(self, folder: Path) -> None:
         """The training state as safetensors and JSON (see :mod:`unclip.train.checkpoint`): this
-        process's random state; on the main process everything else."""
+        process's random state; on the main process everything else. Sharded weights, moments and
+        EMA are gathered to whole tensors first (every process takes part), so the files are the
+        same under every strategy."""
         tensors, meta = ckpt.rng_files()
         ckpt.save_tensors(tensors, folder / f"rng_{self.rank}.safetensors")
         ckpt.write_json(folder / f"rng_{self.rank}.json", meta)
-        if not self.accelerator.is_main_process:
+        main = self.accelerator.is_main_process
+        model = self.full_state_dict() if self.sharded else None
+        optimizer = self.full_optimizer_state()
+        shadow = {}
+        if self.ema is not None:
+            shadow = dist_utils.gather_state(dict(enumerate(self.ema.shadow_params)), main)
+        if not main:
             return
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
 
-        save_model(self.unwrapped, str(folder / "model.safetensors"))
-        tensors, meta = ckpt.optimizer_files(self.optimizer.state_dict())
+        if model is None:
+            save_model(self.unwrapped, str(folder / "model.safetensors"))
+        else:
+            save_file(model, str(folder / "model.safetensors"))
+        tensors, meta = ckpt.optimizer_files(optimizer)
         ckpt.save_tensors(tensors, folder / "optimizer.safetensors")
         ckpt.write_json(folder / "optimizer.json", meta)
         if self.ema is not None:
             ema = self.ema.state_dict()
-            shadow = ema.pop("shadow_params")
+            ema.pop("shadow_params")
             ckpt.save_tensors(
-                {f"shadow.{i}": t for i, t in enumerate(shadow)}, folder / "ema.safetensors"
+                {f"shadow.{i}": t for i, t in shadow.items()}, folder / "ema.safetensors"
             )
             ckpt.write_json(folder / "ema.json", ema)
         scaler = self.accelerator.scaler
@@ -677,14 +743,24 @@ class TrainLoop:
         from safetensors.torch import load_model
 
         listed = set(ckpt.read_json(folder / ckpt.MANIFEST)["files"])  # nothing else is opened
-        load_model(self.unwrapped, str(folder / "model.safetensors"), strict=True)
-        live = self.optimizer.state_dict()
-        state = ckpt.optimizer_state(
-            ckpt.load_tensors(folder / "optimizer.safetensors"),
-            ckpt.read_json(folder / "optimizer.json"),
-            live,
-        )
-        self.optimizer.load_state_dict(state)
+        if self.sharded:
+            self.load_full_state_dict(ckpt.load_tensors(folder / "model.safetensors"))
+        else:
+            load_model(self.unwrapped, str(folder / "model.safetensors"), strict=True)
+        if self.strategy == "deepspeed":
+            logger.warning(
+                "DeepSpeed: the checkpoint holds no ZeRO optimizer state; the AdamW moments "
+                "restart (the weights, EMA, schedule and data position are restored)"
+            )
+        else:
+            state = ckpt.optimizer_state(
+                ckpt.load_tensors(folder / "optimizer.safetensors"),
+                ckpt.read_json(folder / "optimizer.json"),
+                self.optimizer.state_dict(),
+            )
+            self.optimizer.load_state_dict(
+                dist_utils.optimizer_state_sharded(self.optimizer, state)
+            )
         if self.ema is not None:
             if not {"ema.json", "ema.safetensors"} <= listed:
                 raise CheckpointError("it has no EMA weights but train.ema is on")
@@ -694,11 +770,13 @@ class TrainLoop:
                 raise CheckpointError(
                     f"its EMA holds {len(shadow)} tensors, this model {len(self.ema.shadow_params)}"
                 )
-            ema["shadow_params"] = [
-                shadow[f"shadow.{i}"].to(old.device, old.dtype)
-                for i, old in enumerate(self.ema.shadow_params)
-            ]
+            live_shadow = self.ema.shadow_params
+            ema["shadow_params"] = [t.clone() for t in live_shadow]  # same layout, then filled
             self.ema.load_state_dict(ema)
+            dist_utils.load_full_state(
+                dict(enumerate(self.ema.shadow_params)),
+                {i: shadow[f"shadow.{i}"] for i in range(len(live_shadow))},
+            )
         trainer = ckpt.read_json(folder / "trainer_state.json")
         self.state.load_state_dict(trainer["run"])
         self.lr_schedule.load_state_dict(trainer["lr_schedule"])
@@ -800,14 +878,20 @@ class TrainLoop:
         acc.wait_for_everyone()
         target = self.out / "final" / name
 
-        def write(folder: Path) -> None:
-            save_fn(self.unwrapped, folder)
+        def write(folder: Path, model: torch.nn.Module) -> None:
+            save_fn(model, folder)
             if meta is not None:
                 (folder / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
 
-        if acc.is_main_process:
+        if self.sharded:  # every process gathers; the main one writes a plain copy
             with self.ema_weights():
-                self.write_folder(target, write)
+                state = self.full_state_dict()
+            if acc.is_main_process:
+                full = dist_utils.full_copy(self.unwrapped, state)
+                self.write_folder(target, lambda folder: write(folder, full))
+        elif acc.is_main_process:
+            with self.ema_weights():
+                self.write_folder(target, lambda folder: write(folder, self.unwrapped))
         acc.wait_for_everyone()
         return target
 
@@ -824,9 +908,8 @@ class TrainLoop:
 
     def parameter_checksums(self) -> list[float]:
         """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
-        local = torch.stack(
-            [p.detach().double().sum() + p.detach().double().abs().sum() for p in self.trainable]
-        ).sum()
+        whole = [dist_utils.gather_full(p.detach()).double() for p in self.trainable]
+        local = torch.stack([p.sum() + p.abs().sum() for p in whole]).sum()
         return [float(x) for x in self.accelerator.gather(local.float().reshape(1).to(self.device))]
 
     def finish(self) -> None:
