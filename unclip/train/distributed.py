@@ -26,6 +26,7 @@ gathers runs on every process first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -110,6 +111,39 @@ def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
         plugin.set_mixed_precision(mixed_precision)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
+
+
+#: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):
+#: the prior's transformer blocks, or else the resnet and attention blocks of a diffusers UNet
+FSDP_BLOCKS = (("BasicTransformerBlock",), ("ResnetBlock2D", "Attention"))
+
+
+def fit_fsdp_wrapping(accelerator, model: torch.nn.Module) -> None:
+    """Under FSDP with ``fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`` and no class names in the
+    Accelerate config, shard the blocks of :data:`FSDP_BLOCKS` this model holds, so one config
+    fits every stage (Accelerate insists that each named class exists in the model, and a
+    prior has no UNet blocks). Accelerate's size-based policy is no alternative for FSDP2: it
+    counts all parameters below a module and so also picks ``ModuleList`` containers, which
+    ``fully_shard`` refuses."""
+    if strategy_of(accelerator) != "fsdp":
+        return
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap:
+        return
+    plugin.transformer_cls_names_to_wrap = fsdp_block_classes(model)
+
+
+def fsdp_block_classes(model: torch.nn.Module) -> list[str]:
+    """The class names of :data:`FSDP_BLOCKS` that ``model`` holds: the first set found."""
+    present = {type(m).__name__ for m in model.modules()}
+    for names in FSDP_BLOCKS:
+        found = [n for n in names if n in present]
+        if found:
+            return found
+    return []
 
 
 def check_strategy(accelerator) -> None:
@@ -210,6 +244,22 @@ def register_powersgd(ddp_model, accelerator, rank: int, start_step: int) -> Pow
     state = PowerSGDGuardState(ps, scale)
     ddp_model.register_comm_hook(state, nonfinite_safe_powersgd_hook)
     return state
+
+
+@contextlib.contextmanager
+def root_unsharded(model: torch.nn.Module):
+    """Within the block an FSDP2 model's own (root-group) parameters are whole tensors, so code
+    that calls its methods other than ``forward`` (samplers call ``condition``) works; the block
+    groups still gather themselves in their forward. Every process must enter it."""
+    unshard = getattr(model, "unshard", None)
+    if unshard is None:
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 # ------------------------------------------------------------------ sharded tensors

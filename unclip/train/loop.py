@@ -290,6 +290,7 @@ class TrainLoop:
         self.strategy = dist_utils.strategy_of(self.accelerator)
         self.sharded = dist_utils.is_sharded(self.accelerator)
         self.mixed_precision = mp
+        logger.info("strategy: %s on %d processes", self.strategy, self.accelerator.num_processes)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.state = _RunState()
@@ -355,6 +356,7 @@ class TrainLoop:
                 s, warmup=t.warmup_steps, total=t.max_steps, base_lr=t.lr, min_lr=t.min_lr
             ),
         )
+        dist_utils.fit_fsdp_wrapping(self.accelerator, model)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.powersgd = None
         if t.powersgd_rank > 0 and self.strategy == "ddp":
@@ -608,7 +610,7 @@ class TrainLoop:
             return None
         path = self.out / "samples" / f"step_{self.state.step:08d}.png"
         model = self.unwrapped
-        with self.ema_weights(), torch.no_grad():
+        with self.ema_weights(), torch.no_grad(), dist_utils.root_unsharded(model):
             model.eval()
             try:
                 grid = task.sample_grid(model, batch)
