@@ -24,7 +24,7 @@ def main():
         "train.progress=false",
         "train.max_steps=4",
         "train.checkpoint_every=2",
-        "train.sample_every=2",
+        "train.sample_every=4",
         "train.warmup_steps=1",
         "train.mixed_precision=no",
         "data.batch_size=4",

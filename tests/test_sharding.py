@@ -116,6 +116,7 @@ def test_optimizer_setting():
             dist_utils.make_optimizer("adamw8bit", groups, lr=1e-3, betas=[0.9, 0.99], eps=1e-8)
 
 
+@pytest.mark.slow
 def test_powersgd_survives_a_loss_scale_overflow(tmp_path):
     """2 gloo processes, PowerSGD from step 2, a real GradScaler; at step 4 rank 0's loss is
     infinite. The scaler skips that step and halves its scale; every later step is finite and the
@@ -143,6 +144,7 @@ def test_powersgd_survives_a_loss_scale_overflow(tmp_path):
     assert sums[0] == sums[1]
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_cpu_processes(tmp_path):
     """FSDP2 (the shipped fsdp_8gpu.yaml, as ``accelerate launch`` passes it) on 2 gloo
     processes: the tiny decoder trains (with sample grids and checkpoints), a run stopped and
@@ -173,10 +175,7 @@ def test_fsdp_on_two_cpu_processes(tmp_path):
         assert torch.equal(full[k], split[k]), k
         assert torch.allclose(full[k], ddp[k], atol=1e-4), k
     for run in ("fsdp_full", "ddp"):
-        assert sorted(p.name for p in (tmp_path / run / "samples").iterdir()) == [
-            "step_00000002.png",
-            "step_00000004.png",
-        ]
+        assert [p.name for p in (tmp_path / run / "samples").iterdir()] == ["step_00000004.png"]
     step = "checkpoints/step_00000004"
     for name in ("model", "optimizer", "ema"):
         a = load_file(str(tmp_path / "fsdp_full" / step / f"{name}.safetensors"))
@@ -198,7 +197,7 @@ def test_fsdp_on_two_cpu_processes(tmp_path):
         embed,
         ["a red circle", "a blue square"],
         [torch.Generator().manual_seed(i) for i in range(2)],
-        sampling={"steps": 3},
+        sampling={"decoder": {"steps": 3}},
         progress=False,
     )
     assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()

@@ -61,6 +61,7 @@ from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
+from unclip.train import state_files
 from unclip.train.checkpoint import CheckpointError, DiskFullError
 
 __all__ = [
@@ -665,140 +666,14 @@ class TrainLoop:
         self._saved_step = self.state.step
         return final
 
-    def full_state_dict(self) -> dict:
-        """The model's whole weights, on CPU, on the main process (``{}`` elsewhere under
-        sharding). Every process calls it: gathering shards is collective."""
-        if self.strategy == "deepspeed":
-            state = self.accelerator.get_state_dict(self.model)
-            return state if self.accelerator.is_main_process else {}
-        return dist_utils.gather_state(
-            self.unwrapped.state_dict(), self.accelerator.is_main_process
-        )
-
-    def load_full_state_dict(self, state: dict) -> None:
-        """Load whole weights (as :meth:`full_state_dict` gives them) into the prepared model, each
-        process taking its shard."""
-        live = self.unwrapped.state_dict()
-        if sorted(live) != sorted(state):
-            missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
-            raise KeyError(
-                f"weights do not match the model: missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}"
-            )
-        dist_utils.load_full_state(live, state)
-
-    def full_optimizer_state(self) -> dict:
-        """The optimizer's state dict with whole moment tensors on the main process (every process
-        calls it). DeepSpeed's ZeRO state is not gathered: an empty state is saved."""
-        main = self.accelerator.is_main_process
-        if self.strategy == "deepspeed":
-            return {"state": {}, "param_groups": []}
-        if self.strategy == "fsdp":
-            return dist_utils.optimizer_state_full(self.optimizer, main)
-        return self.optimizer.state_dict() if main else {}
-
     def write_state(self, folder: Path) -> None:
-        """The training state as safetensors and JSON (see :mod:`unclip.train.checkpoint`): this
-        process's random state; on the main process everything else. Sharded weights, moments and
-        EMA are gathered to whole tensors first (every process takes part), so the files are the
-        same under every strategy."""
-        tensors, meta = ckpt.rng_files()
-        ckpt.save_tensors(tensors, folder / f"rng_{self.rank}.safetensors")
-        ckpt.write_json(folder / f"rng_{self.rank}.json", meta)
-        main = self.accelerator.is_main_process
-        model = self.full_state_dict() if self.sharded else None
-        optimizer = self.full_optimizer_state()
-        shadow = {}
-        if self.ema is not None:
-            shadow = dist_utils.gather_state(dict(enumerate(self.ema.shadow_params)), main)
-        if not main:
-            return
-        from safetensors.torch import save_file, save_model
-
-        if model is None:
-            save_model(self.unwrapped, str(folder / "model.safetensors"))
-        else:
-            save_file(model, str(folder / "model.safetensors"))
-        tensors, meta = ckpt.optimizer_files(optimizer)
-        ckpt.save_tensors(tensors, folder / "optimizer.safetensors")
-        ckpt.write_json(folder / "optimizer.json", meta)
-        if self.ema is not None:
-            ema = self.ema.state_dict()
-            ema.pop("shadow_params")
-            ckpt.save_tensors(
-                {f"shadow.{i}": t for i, t in shadow.items()}, folder / "ema.safetensors"
-            )
-            ckpt.write_json(folder / "ema.json", ema)
-        scaler = self.accelerator.scaler
-        ckpt.write_json(
-            folder / "trainer_state.json",
-            {
-                "run": self.state.state_dict(),
-                "lr_schedule": self.lr_schedule.state_dict(),
-                "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                "world_size": self.world,
-            },
-        )
+        """The training state as safetensors and JSON (:func:`unclip.train.state_files.write_state`:
+        whole tensors under every strategy; every process takes part)."""
+        state_files.write_state(self, folder)
 
     def read_state(self, folder: Path) -> None:
         """Load what :meth:`write_state` wrote (the folder was checked against its manifest)."""
-        from safetensors.torch import load_model
-
-        listed = set(ckpt.read_json(folder / ckpt.MANIFEST)["files"])  # nothing else is opened
-        if self.sharded:
-            self.load_full_state_dict(ckpt.load_tensors(folder / "model.safetensors"))
-        else:
-            load_model(self.unwrapped, str(folder / "model.safetensors"), strict=True)
-        if self.strategy == "deepspeed":
-            logger.warning(
-                "DeepSpeed: the checkpoint holds no ZeRO optimizer state; the AdamW moments "
-                "restart (the weights, EMA, schedule and data position are restored)"
-            )
-        else:
-            state = ckpt.optimizer_state(
-                ckpt.load_tensors(folder / "optimizer.safetensors"),
-                ckpt.read_json(folder / "optimizer.json"),
-                self.optimizer.state_dict(),
-            )
-            self.optimizer.load_state_dict(
-                dist_utils.optimizer_state_sharded(self.optimizer, state)
-            )
-        if self.ema is not None:
-            if not {"ema.json", "ema.safetensors"} <= listed:
-                raise CheckpointError("it has no EMA weights but train.ema is on")
-            ema = ckpt.read_json(folder / "ema.json")
-            shadow = ckpt.load_tensors(folder / "ema.safetensors")
-            if len(shadow) != len(self.ema.shadow_params):
-                raise CheckpointError(
-                    f"its EMA holds {len(shadow)} tensors, this model {len(self.ema.shadow_params)}"
-                )
-            live_shadow = self.ema.shadow_params
-            ema["shadow_params"] = [t.clone() for t in live_shadow]  # same layout, then filled
-            self.ema.load_state_dict(ema)
-            dist_utils.load_full_state(
-                dict(enumerate(self.ema.shadow_params)),
-                {i: shadow[f"shadow.{i}"] for i in range(len(live_shadow))},
-            )
-        trainer = ckpt.read_json(folder / "trainer_state.json")
-        self.state.load_state_dict(trainer["run"])
-        self.lr_schedule.load_state_dict(trainer["lr_schedule"])
-        scaler = self.accelerator.scaler
-        if scaler is not None and trainer.get("grad_scaler"):
-            scaler.load_state_dict(trainer["grad_scaler"])
-        rng = f"rng_{self.rank}"
-        if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
-            ckpt.set_rng_state(
-                ckpt.load_tensors(folder / f"{rng}.safetensors"),
-                ckpt.read_json(folder / f"{rng}.json"),
-            )
-        else:
-            logger.warning(
-                "%s has no random state for rank %d (saved by %s processes): resuming with a "
-                "fresh one, so the run will not repeat an uninterrupted one exactly",
-                folder,
-                self.rank,
-                trainer.get("world_size"),
-            )
+        state_files.read_state(self, folder)
 
     def checkpoint_to_resume(self, which: str) -> Optional[Path]:
         """The checkpoint ``which`` (``"latest"`` or a folder) names, checked against its manifest.
@@ -887,7 +762,7 @@ class TrainLoop:
 
         if self.sharded:  # every process gathers; the main one writes a plain copy
             with self.ema_weights():
-                state = self.full_state_dict()
+                state = state_files.full_state_dict(self)
             if acc.is_main_process:
                 full = dist_utils.full_copy(self.unwrapped, state)
                 self.write_folder(target, lambda folder: write(folder, full))
