@@ -7,9 +7,12 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
     run_step:  forward_backward -> optimize -> update_ema
 
 * the ``Accelerator`` (mixed precision: ``auto`` = fp16 with loss scaling on GPU, bf16 on a CPU with
-  native bf16, else fp32; gradient accumulation; DDP with an optional PowerSGD communication hook;
-  trackers);
-* AdamW and a LambdaLR schedule: linear warmup to ``lr`` then cosine decay to the ``min_lr`` floor;
+  native bf16, else fp32; gradient accumulation; trackers) and the strategy the launch chose
+  (DDP with an optional PowerSGD hook that survives fp16 overflows, FSDP2, DeepSpeed:
+  :mod:`unclip.train.distributed`; checkpoints hold whole tensors under each:
+  :mod:`unclip.train.state_files`);
+* AdamW (or 8-bit AdamW, ``train.optimizer``) and a LambdaLR schedule: linear warmup to ``lr``
+  then cosine decay to the ``min_lr`` floor;
 * optional initial weights (``init_weights``: fine-tune an exported component);
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
@@ -360,6 +363,8 @@ class TrainLoop:
         dist_utils.fit_fsdp_wrapping(self.accelerator, model)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.powersgd = None
+        if t.powersgd_rank > 0 and self.sharded:
+            logger.warning("train.powersgd_rank applies to DDP only: off under %s", self.strategy)
         if t.powersgd_rank > 0 and self.strategy == "ddp":
             self.powersgd = dist_utils.register_powersgd(
                 self.model, self.accelerator, t.powersgd_rank, t.powersgd_start_step
