@@ -116,13 +116,17 @@ class TrainConfig:
     a pipeline folder) or a ``.safetensors`` file; the model config must match. ``--resume`` still
     wins: a checkpoint, when one is found, replaces them. ``sample_every``: write a grid of samples
     from the EMA weights to ``samples/`` every that many steps (stages that have a sample grid; 0:
-    never).
+    never). ``optimizer``: ``adamw`` (torch) or ``adamw8bit`` (bitsandbytes' 8-bit AdamW: its
+    moments take a quarter of the memory; GPU only, ``pip install bitsandbytes``).
+    ``powersgd_rank`` applies to DDP launches; an overflowing fp16 step does not disturb its
+    error feedback (:func:`unclip.train.distributed.nonfinite_safe_powersgd_hook`).
     """
 
     output_dir: str = "runs/experiment"
     seed: int = 0
     init_weights: Optional[str] = None
     max_steps: int = 100_000
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     lr: float = 1.1e-4
     min_lr: float = 1e-6
     warmup_steps: int = 10_000
@@ -157,6 +161,12 @@ class TrainConfig:
         samples; ``powersgd_rank: 0`` turns PowerSGD off."""
         check_range("train.seed", self.seed, 0 <= self.seed < 2**63, "an integer in [0, 2**63)")
         check_at_least("train.max_steps", self.max_steps, 1)
+        check_range(
+            "train.optimizer",
+            self.optimizer,
+            self.optimizer in ("adamw", "adamw8bit"),
+            "adamw or adamw8bit (8-bit AdamW from bitsandbytes, for GPUs)",
+        )
         check_range(
             "train.lr", self.lr, 0 < self.lr < math.inf, "a positive finite number (e.g. 1e-4)"
         )

@@ -7,9 +7,12 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
     run_step:  forward_backward -> optimize -> update_ema
 
 * the ``Accelerator`` (mixed precision: ``auto`` = fp16 with loss scaling on GPU, bf16 on a CPU with
-  native bf16, else fp32; gradient accumulation; DDP with an optional PowerSGD communication hook;
-  trackers);
-* AdamW and a LambdaLR schedule: linear warmup to ``lr`` then cosine decay to the ``min_lr`` floor;
+  native bf16, else fp32; gradient accumulation; trackers) and the strategy the launch chose
+  (DDP with an optional PowerSGD hook that survives fp16 overflows, FSDP2, DeepSpeed:
+  :mod:`unclip.train.distributed`; checkpoints hold whole tensors under each:
+  :mod:`unclip.train.state_files`);
+* AdamW (or 8-bit AdamW, ``train.optimizer``) and a LambdaLR schedule: linear warmup to ``lr``
+  then cosine decay to the ``min_lr`` floor;
 * optional initial weights (``init_weights``: fine-tune an exported component);
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
@@ -48,7 +51,6 @@ from typing import Optional, Protocol
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (
-    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     ProjectConfiguration,
@@ -61,6 +63,8 @@ from unclip.config import save_config, to_dict
 from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
 from unclip.train import checkpoint as ckpt
+from unclip.train import distributed as dist_utils
+from unclip.train import state_files
 from unclip.train.checkpoint import CheckpointError, DiskFullError
 
 __all__ = [
@@ -259,17 +263,9 @@ class TrainLoop:
             cfg.data.validate()
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
-        handlers = []
-        if t.powersgd_rank > 0:
-            handlers.append(
-                DistributedDataParallelKwargs(
-                    comm_hook=DDPCommunicationHookType.POWER_SGD,
-                    comm_state_option={
-                        "matrix_approximation_rank": t.powersgd_rank,
-                        "start_powerSGD_iter": max(2, t.powersgd_start_step),
-                    },
-                )
-            )
+        # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
+        # PowerSGD is registered after prepare (dist_utils.register_powersgd)
+        handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
         trackers = [x for x in t.trackers if x]
         # a second run in the same process (tests, notebooks) may use another precision:
         # Accelerate keeps its settings in a process-wide singleton, so start it afresh (keeping the
@@ -292,7 +288,13 @@ class TrainLoop:
                 project_dir=str(self.out), logging_dir=str(self.out / "logs")
             ),
         )
+        if multi_cpu and dist_utils.env_flag("ACCELERATE_USE_FSDP"):
+            dist_utils.use_fsdp_on_cpu(self.accelerator, mp)
+        dist_utils.check_strategy(self.accelerator)
+        self.strategy = dist_utils.strategy_of(self.accelerator)
+        self.sharded = dist_utils.is_sharded(self.accelerator)
         self.mixed_precision = mp
+        logger.info("strategy: %s on %d processes", self.strategy, self.accelerator.num_processes)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.state = _RunState()
@@ -351,28 +353,33 @@ class TrainLoop:
         if t.init_weights:
             src = load_initial_weights(model, t.init_weights)
             logger.info("initial weights from %s", src)
-        exempt = no_weight_decay or (lambda name, p: p.ndim < 2)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {
-                    "params": [p for n, p in named if not exempt(n, p)],
-                    "weight_decay": t.weight_decay,
-                },
-                {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
-            ],
-            lr=t.lr,
-            betas=tuple(t.adam_betas),
-            eps=t.adam_eps,
-        )
+        self.optimizer = self.make_optimizer(model, no_weight_decay)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: warmup_cosine(
                 s, warmup=t.warmup_steps, total=t.max_steps, base_lr=t.lr, min_lr=t.min_lr
             ),
         )
+        dist_utils.fit_fsdp_wrapping(self.accelerator, model)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        self.powersgd = None
+        if t.powersgd_rank > 0 and self.sharded:
+            logger.warning("train.powersgd_rank applies to DDP only: off under %s", self.strategy)
+        if t.powersgd_rank > 0 and self.strategy == "ddp":
+            self.powersgd = dist_utils.register_powersgd(
+                self.model, self.accelerator, t.powersgd_rank, t.powersgd_start_step
+            )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if (
+            t.ema
+            and self.strategy == "deepspeed"
+            and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
+            raise ValueError(
+                "train.ema with DeepSpeed ZeRO-3 is not supported (each process holds empty "
+                "placeholders of the weights to copy); use FSDP (the EMA is sharded with the "
+                "weights) or ZeRO-2, or set train.ema=false"
+            )
         if t.ema:
             # after prepare: the shadow copies are made from the parameters where they now live
             # (the GPU), so EMA.step never mixes devices
@@ -382,6 +389,24 @@ class TrainLoop:
         if self.resume:
             self.load_checkpoint(self.resume)
         return self.model
+
+    def make_optimizer(
+        self,
+        model: torch.nn.Module,
+        no_weight_decay: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    ) -> torch.optim.Optimizer:
+        """``train.optimizer`` over the trainable parameters in two groups: weight decay, and none
+        for those ``no_weight_decay(name, param)`` names (default: fewer than 2 dimensions)."""
+        t = self.cfg.train
+        exempt = no_weight_decay or (lambda name, p: p.ndim < 2)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if not exempt(n, p)], "weight_decay": t.weight_decay},
+            {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
+        ]
+        return dist_utils.make_optimizer(
+            t.optimizer, groups, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps
+        )
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -468,6 +493,8 @@ class TrainLoop:
         flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
         if self.world > 1:
             flag = self.accelerator.reduce(flag, reduction="sum")
+        if isinstance(norm, torch.Tensor):
+            norm = dist_utils.gather_full(norm)  # FSDP2: a replicated DTensor
         bad = bool(flag.item() > 0) or (
             norm is not None and not torch.isfinite(torch.as_tensor(norm))
         )
@@ -583,18 +610,22 @@ class TrainLoop:
     def save_samples(self, task: Task, batch: dict) -> Optional[Path]:
         """``samples/step_XXXXXXXX.png``: the task's sample grid from the EMA weights (main process;
         tasks without a sample grid write nothing)."""
-        if not hasattr(task, "sample_grid") or not self.accelerator.is_main_process:
+        main = self.accelerator.is_main_process
+        # sharded weights: every process runs the model (its forward gathers the shards)
+        if not hasattr(task, "sample_grid") or not (main or self.sharded):
             return None
         path = self.out / "samples" / f"step_{self.state.step:08d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
         model = self.unwrapped
-        with self.ema_weights(), torch.no_grad():
+        with self.ema_weights(), torch.no_grad(), dist_utils.root_unsharded(model):
             model.eval()
             try:
                 grid = task.sample_grid(model, batch)
             finally:
                 model.train()
+        if not main:
+            return None
         with ckpt.disk_full_is_an_error(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
             grid.save(path)
         return path
 
@@ -641,84 +672,13 @@ class TrainLoop:
         return final
 
     def write_state(self, folder: Path) -> None:
-        """The training state as safetensors and JSON (see :mod:`unclip.train.checkpoint`): this
-        process's random state; on the main process everything else."""
-        tensors, meta = ckpt.rng_files()
-        ckpt.save_tensors(tensors, folder / f"rng_{self.rank}.safetensors")
-        ckpt.write_json(folder / f"rng_{self.rank}.json", meta)
-        if not self.accelerator.is_main_process:
-            return
-        from safetensors.torch import save_model
-
-        save_model(self.unwrapped, str(folder / "model.safetensors"))
-        tensors, meta = ckpt.optimizer_files(self.optimizer.state_dict())
-        ckpt.save_tensors(tensors, folder / "optimizer.safetensors")
-        ckpt.write_json(folder / "optimizer.json", meta)
-        if self.ema is not None:
-            ema = self.ema.state_dict()
-            shadow = ema.pop("shadow_params")
-            ckpt.save_tensors(
-                {f"shadow.{i}": t for i, t in enumerate(shadow)}, folder / "ema.safetensors"
-            )
-            ckpt.write_json(folder / "ema.json", ema)
-        scaler = self.accelerator.scaler
-        ckpt.write_json(
-            folder / "trainer_state.json",
-            {
-                "run": self.state.state_dict(),
-                "lr_schedule": self.lr_schedule.state_dict(),
-                "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                "world_size": self.world,
-            },
-        )
+        """The training state as safetensors and JSON (:func:`unclip.train.state_files.write_state`:
+        whole tensors under every strategy; every process takes part)."""
+        state_files.write_state(self, folder)
 
     def read_state(self, folder: Path) -> None:
         """Load what :meth:`write_state` wrote (the folder was checked against its manifest)."""
-        from safetensors.torch import load_model
-
-        listed = set(ckpt.read_json(folder / ckpt.MANIFEST)["files"])  # nothing else is opened
-        load_model(self.unwrapped, str(folder / "model.safetensors"), strict=True)
-        live = self.optimizer.state_dict()
-        state = ckpt.optimizer_state(
-            ckpt.load_tensors(folder / "optimizer.safetensors"),
-            ckpt.read_json(folder / "optimizer.json"),
-            live,
-        )
-        self.optimizer.load_state_dict(state)
-        if self.ema is not None:
-            if not {"ema.json", "ema.safetensors"} <= listed:
-                raise CheckpointError("it has no EMA weights but train.ema is on")
-            ema = ckpt.read_json(folder / "ema.json")
-            shadow = ckpt.load_tensors(folder / "ema.safetensors")
-            if len(shadow) != len(self.ema.shadow_params):
-                raise CheckpointError(
-                    f"its EMA holds {len(shadow)} tensors, this model {len(self.ema.shadow_params)}"
-                )
-            ema["shadow_params"] = [
-                shadow[f"shadow.{i}"].to(old.device, old.dtype)
-                for i, old in enumerate(self.ema.shadow_params)
-            ]
-            self.ema.load_state_dict(ema)
-        trainer = ckpt.read_json(folder / "trainer_state.json")
-        self.state.load_state_dict(trainer["run"])
-        self.lr_schedule.load_state_dict(trainer["lr_schedule"])
-        scaler = self.accelerator.scaler
-        if scaler is not None and trainer.get("grad_scaler"):
-            scaler.load_state_dict(trainer["grad_scaler"])
-        rng = f"rng_{self.rank}"
-        if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
-            ckpt.set_rng_state(
-                ckpt.load_tensors(folder / f"{rng}.safetensors"),
-                ckpt.read_json(folder / f"{rng}.json"),
-            )
-        else:
-            logger.warning(
-                "%s has no random state for rank %d (saved by %s processes): resuming with a "
-                "fresh one, so the run will not repeat an uninterrupted one exactly",
-                folder,
-                self.rank,
-                trainer.get("world_size"),
-            )
+        state_files.read_state(self, folder)
 
     def checkpoint_to_resume(self, which: str) -> Optional[Path]:
         """The checkpoint ``which`` (``"latest"`` or a folder) names, checked against its manifest.
@@ -800,14 +760,20 @@ class TrainLoop:
         acc.wait_for_everyone()
         target = self.out / "final" / name
 
-        def write(folder: Path) -> None:
-            save_fn(self.unwrapped, folder)
+        def write(folder: Path, model: torch.nn.Module) -> None:
+            save_fn(model, folder)
             if meta is not None:
                 (folder / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
 
-        if acc.is_main_process:
+        if self.sharded:  # every process gathers; the main one writes a plain copy
             with self.ema_weights():
-                self.write_folder(target, write)
+                state = state_files.full_state_dict(self)
+            if acc.is_main_process:
+                full = dist_utils.full_copy(self.unwrapped, state)
+                self.write_folder(target, lambda folder: write(folder, full))
+        elif acc.is_main_process:
+            with self.ema_weights():
+                self.write_folder(target, lambda folder: write(folder, self.unwrapped))
         acc.wait_for_everyone()
         return target
 
@@ -824,9 +790,8 @@ class TrainLoop:
 
     def parameter_checksums(self) -> list[float]:
         """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
-        local = torch.stack(
-            [p.detach().double().sum() + p.detach().double().abs().sum() for p in self.trainable]
-        ).sum()
+        whole = [dist_utils.gather_full(p.detach()).double() for p in self.trainable]
+        local = torch.stack([p.sum() + p.abs().sum() for p in whole]).sum()
         return [float(x) for x in self.accelerator.gather(local.float().reshape(1).to(self.device))]
 
     def finish(self) -> None:

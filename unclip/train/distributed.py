@@ -1,0 +1,379 @@
+"""How a training run is spread over processes: the optimizer, DDP's PowerSGD hook, FSDP and
+DeepSpeed, and the state dicts a checkpoint or an export gathers from them.
+
+:class:`~unclip.train.loop.TrainLoop` uses this module for everything that depends on the
+strategy Accelerate runs (``accelerate launch --config_file configs/accelerate/<strategy>.yaml``):
+
+============  =================================================================================
+strategy      what the loop does differently
+============  =================================================================================
+``single``    nothing: one process holds everything
+``ddp``       ``gradient_as_bucket_view`` (the gradients live in DDP's buckets: one copy fewer);
+              PowerSGD through :func:`nonfinite_safe_powersgd_hook` when ``train.powersgd_rank``
+``fsdp``      FSDP2 only (``fsdp_version: 2``): parameters, gradients, optimizer moments and the
+              EMA shadow are ``DTensor`` shards; checkpoints and exports gather them to full
+              tensors (:func:`gather_state`) and resume scatters them back
+              (:func:`load_full_state`), so checkpoints have the same files as unsharded ones
+``deepspeed`` ZeRO-2/3 through Accelerate: weights are gathered with
+              ``Accelerator.get_state_dict``; the ZeRO optimizer partitions are *not* checkpointed
+              (DeepSpeed keeps them in pickles, which this project never loads), so a resume
+              restarts the AdamW moments (with a warning)
+============  =================================================================================
+
+Rank-0-only work (writing files, sample grids) never calls a collective: everything that
+gathers runs on every process first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("unclip.train")
+
+__all__ = [
+    "OPTIMIZERS",
+    "make_optimizer",
+    "strategy_of",
+    "use_fsdp_on_cpu",
+    "PowerSGDGuardState",
+    "nonfinite_safe_powersgd_hook",
+    "register_powersgd",
+    "gather_full",
+    "gather_state",
+    "load_full_state",
+    "is_sharded",
+    "full_copy",
+]
+
+#: ``train.optimizer`` values
+OPTIMIZERS = ("adamw", "adamw8bit")
+
+
+# ------------------------------------------------------------------ optimizer
+def make_optimizer(name: str, groups: list[dict], *, lr: float, betas, eps: float):
+    """``adamw`` (torch) or ``adamw8bit`` (bitsandbytes' 8-bit AdamW: the two moments take 2 bytes
+    per parameter instead of 8, a GPU-only saving; imported only when asked for)."""
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ImportError(
+                "train.optimizer=adamw8bit needs bitsandbytes, which is not installed: "
+                "pip install bitsandbytes (it needs a CUDA GPU), or use train.optimizer=adamw"
+            ) from None
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
+    raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+# ------------------------------------------------------------------ strategy
+def strategy_of(accelerator) -> str:
+    """``single``, ``ddp``, ``fsdp`` or ``deepspeed``: how ``accelerator`` spreads the model."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        return "fsdp"
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed"
+    return "ddp" if accelerator.num_processes > 1 else "single"
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether each process holds only part of the weights (gathering needs every process)."""
+    return strategy_of(accelerator) in ("fsdp", "deepspeed")
+
+
+def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
+    """Run FSDP2 on a multi-process CPU launch (gloo) when the launch asks for FSDP
+    (``ACCELERATE_USE_FSDP=true``, as ``accelerate launch`` with an FSDP config sets it).
+
+    Accelerate applies its FSDP plugin on accelerators only and silently trains with DDP on CPUs;
+    FSDP2's ``fully_shard`` itself runs on CPU tensors over gloo, so switching the state to FSDP
+    lets the sharded code path (and its checkpoints) run, and be tested, on a machine without
+    GPUs. FSDP1 needs CUDA devices and is refused here."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables the launcher set
+    if plugin.fsdp_version != 2:
+        raise ValueError(
+            "FSDP on CPU processes needs fsdp_version: 2 in the Accelerate config (FSDP1 shards "
+            "on CUDA devices only)"
+        )
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+#: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):
+#: the prior's transformer blocks, or else the resnet and attention blocks of a diffusers UNet
+FSDP_BLOCKS = (("BasicTransformerBlock",), ("ResnetBlock2D", "Attention"))
+
+
+def fit_fsdp_wrapping(accelerator, model: torch.nn.Module) -> None:
+    """Under FSDP with ``fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`` and no class names in the
+    Accelerate config, shard the blocks of :data:`FSDP_BLOCKS` this model holds, so one config
+    fits every stage (Accelerate insists that each named class exists in the model, and a
+    prior has no UNet blocks). Accelerate's size-based policy is no alternative for FSDP2: it
+    counts all parameters below a module and so also picks ``ModuleList`` containers, which
+    ``fully_shard`` refuses."""
+    if strategy_of(accelerator) != "fsdp":
+        return
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap:
+        return
+    plugin.transformer_cls_names_to_wrap = fsdp_block_classes(model)
+
+
+def fsdp_block_classes(model: torch.nn.Module) -> list[str]:
+    """The class names of :data:`FSDP_BLOCKS` that ``model`` holds: the first set found."""
+    present = {type(m).__name__ for m in model.modules()}
+    for names in FSDP_BLOCKS:
+        found = [n for n in names if n in present]
+        if found:
+            return found
+    return []
+
+
+def check_strategy(accelerator) -> None:
+    """Refuse FSDP1: its flat parameters are not ``DTensor`` shards, which the checkpoints and the
+    EMA of this project gather (FSDP2, ``fsdp_version: 2``, shards each parameter)."""
+    if strategy_of(accelerator) == "fsdp" and not accelerator.is_fsdp2:
+        raise ValueError(
+            "FSDP1 is not supported: set fsdp_version: 2 in the Accelerate config (the shipped "
+            "configs/accelerate/fsdp_*.yaml do)"
+        )
+
+
+# ------------------------------------------------------------------ PowerSGD
+class PowerSGDGuardState:
+    """State of :func:`nonfinite_safe_powersgd_hook`: torch's ``PowerSGDState`` plus the loss scale
+    each bucket's error feedback was measured at, and a count of the buckets whose PowerSGD
+    update was rolled back because it was non-finite. ``scale()``: the current loss scale (a
+    1-element tensor) or ``None`` without loss scaling."""
+
+    def __init__(self, powersgd_state, scale: Callable[[], Optional[torch.Tensor]]):
+        self.powersgd = powersgd_state
+        self.scale = scale
+        self.error_scale: dict[int, torch.Tensor] = {}
+        self.rolled_back = 0
+
+
+def nonfinite_safe_powersgd_hook(state: PowerSGDGuardState, bucket):
+    """torch's ``powerSGD_hook`` whose memory survives a loss-scale overflow.
+
+    PowerSGD keeps, per bucket, the compression error of the last step (error feedback, added to
+    the next step's gradient) and the low-rank factors P and Q (warm start). A step whose
+    gradient holds inf/NaN (an fp16 overflow, which the grad scaler then skips) writes NaN into
+    both, and every later step's gradient becomes NaN: the run stops after
+    ``train.max_consecutive_nonfinite``. Here, when the reduced bucket is non-finite, the memory
+    is put back as it was before the step (the gradient stays non-finite, so the step is still
+    skipped). The check needs no extra communication: P, Q and the uncompressed tensors are
+    all-reduced, so a non-finite value on any process makes the result non-finite on all.
+
+    With loss scaling the error feedback is measured in scaled units; it is rescaled when the
+    scale changes (the scaler halves it after an overflow, doubles it after a run of good
+    steps), so a residual is never fed back at the wrong magnitude."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    ps = state.powersgd
+    if ps.iter < ps.start_powerSGD_iter:  # plain all-reduce: no memory to protect
+        return psgd.powerSGD_hook(ps, bucket)
+    index = bucket.index()
+    scale = state.scale()
+    error = ps.error_dict.get(index)
+    if error is not None and scale is not None:
+        if index in state.error_scale:
+            error.mul_(scale / state.error_scale[index])
+        state.error_scale[index] = scale.detach().clone()
+    # the hook replaces error_dict[index] with a new tensor but writes P and Q in place
+    saved_p = ps.p_memory_dict.get(index)
+    saved_q = ps.q_memory_dict.get(index)
+    saved_p = saved_p.clone() if saved_p is not None else None
+    saved_q = saved_q.clone() if saved_q is not None else None
+
+    def check(fut):
+        out = fut.value()
+        if bool(torch.isfinite(out).all()):
+            if scale is not None:  # the scale the new error feedback is measured at
+                state.error_scale[index] = scale.detach().clone()
+            return out
+        state.rolled_back += 1
+        if error is None:
+            ps.error_dict.pop(index, None)
+        else:
+            ps.error_dict[index] = error
+        if saved_p is None:  # the first compressed step: start afresh next time
+            ps.p_memory_dict.pop(index, None)
+            ps.q_memory_dict.pop(index, None)
+        else:
+            ps.p_memory_dict[index] = saved_p
+            ps.q_memory_dict[index] = saved_q
+        return out
+
+    return psgd.powerSGD_hook(ps, bucket).then(check)
+
+
+def register_powersgd(ddp_model, accelerator, rank: int, start_step: int) -> PowerSGDGuardState:
+    """PowerSGD of ``rank`` on ``ddp_model`` after ``start_step`` plain all-reduce steps (at least
+    2: DDP rebuilds its buckets after the first step), through
+    :func:`nonfinite_safe_powersgd_hook`. Returns the hook's state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    ps = psgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=max(2, start_step),
+    )
+
+    def scale():
+        scaler = accelerator.scaler
+        return getattr(scaler, "_scale", None) if scaler is not None else None
+
+    state = PowerSGDGuardState(ps, scale)
+    ddp_model.register_comm_hook(state, nonfinite_safe_powersgd_hook)
+    return state
+
+
+@contextlib.contextmanager
+def root_unsharded(model: torch.nn.Module):
+    """Within the block an FSDP2 model's own (root-group) parameters are whole tensors, so code
+    that calls its methods other than ``forward`` (samplers call ``condition``) works; the block
+    groups still gather themselves in their forward. Every process must enter it."""
+    unshard = getattr(model, "unshard", None)
+    if unshard is None:
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+# ------------------------------------------------------------------ sharded tensors
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return ()
+    return DTensor
+
+
+def gather_full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every process calls it, in the same
+    order); other tensors as they are."""
+    dt = _dtensor_type()
+    if dt and isinstance(t, dt):
+        return t.full_tensor()
+    return t
+
+
+def gather_state(state: dict, main: bool) -> dict:
+    """``{name: tensor}`` with every shard gathered, on CPU, on the main process (``{}``
+    elsewhere). Every process must call it; the tensors are gathered one at a time so no
+    process holds more than one whole tensor beyond its shard."""
+    out = {}
+    for key, value in state.items():
+        full = gather_full(value)
+        if main:
+            out[key] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def load_full_state(live: dict, full: dict) -> None:
+    """Copy the whole tensors ``full`` into ``live`` (same names): an FSDP2 shard takes its own
+    slice (each process reads the files itself: no communication), other tensors the whole."""
+    dt = _dtensor_type()
+    with torch.no_grad():
+        for key, target in live.items():
+            value = full[key]
+            if dt and isinstance(target, dt):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = value.to(target.device, target.dtype)
+                shard = distribute_tensor(
+                    value, target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(value.to(target.device, target.dtype))
+
+
+def optimizer_state_full(optimizer, main: bool) -> dict:
+    """The optimizer's state dict with each moment gathered to a whole tensor on the main process
+    (the same layout an unsharded run saves); ``{}`` on the others. Every process calls it."""
+    sd = optimizer.state_dict()
+    state = {}
+    for idx in sorted(sd["state"]):
+        per = {}
+        for name, value in sd["state"][idx].items():
+            if isinstance(value, torch.Tensor):
+                full = gather_full(value)
+                value = full.detach().to("cpu", copy=True) if main else None
+            per[name] = value
+        state[idx] = per
+    return {"state": state, "param_groups": sd["param_groups"]} if main else {}
+
+
+def optimizer_state_sharded(optimizer, full: dict) -> dict:
+    """``full`` (whole moments, as :func:`optimizer_state_full` saves them) with each tensor that
+    belongs to an FSDP2-sharded parameter cut to this process's shard, for
+    ``optimizer.load_state_dict``."""
+    dt = _dtensor_type()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not dt or not any(isinstance(p, dt) for p in params):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    state = {}
+    for idx, per in full["state"].items():
+        param = params[int(idx)]
+        new = {}
+        for name, value in per.items():
+            if isinstance(param, dt) and isinstance(value, torch.Tensor):
+                if tuple(value.shape) == tuple(param.shape):
+                    value = distribute_tensor(
+                        value.to(param.device),
+                        param.device_mesh,
+                        param.placements,
+                        src_data_rank=None,
+                    )
+            new[name] = value
+        state[idx] = new
+    return {"state": state, "param_groups": full["param_groups"]}
+
+
+# ------------------------------------------------------------------ export
+def full_copy(model: torch.nn.Module, state: dict) -> torch.nn.Module:
+    """A plain (unsharded, CPU) copy of ``model`` holding the whole weights ``state``, for writing
+    a component folder under sharding. Built from the model's config (diffusers ``ModelMixin``)
+    on the meta device, then given the tensors, so no second random initialisation runs."""
+    if not (hasattr(model, "config") and hasattr(type(model), "from_config")):
+        raise TypeError(
+            f"exporting a sharded {type(model).__name__} needs a diffusers ModelMixin (built from "
+            "its config); train this component without FSDP/DeepSpeed"
+        )
+    with torch.device("meta"):
+        copy = type(model).from_config(dict(model.config))
+    copy.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*copy.named_parameters(), *copy.named_buffers()] if t.is_meta]
+    if left:  # non-persistent buffers are not in a state dict: build them for real
+        copy = type(model).from_config(dict(model.config))
+        copy.load_state_dict(state, strict=True)
+    return copy.eval()
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"

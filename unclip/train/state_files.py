@@ -1,0 +1,154 @@
+"""A :class:`~unclip.train.loop.TrainLoop`'s state in a checkpoint folder, under every strategy.
+
+The files (:mod:`unclip.train.checkpoint` lists them) hold whole tensors whatever the strategy:
+under FSDP2 the weights, AdamW moments and EMA shadow are gathered from their shards one tensor at
+a time on every process and written by the main one, and on resume each process reads the files
+and keeps its own slice. A checkpoint therefore resumes under another strategy or process count
+(a random state is missing then, with a warning). Under DeepSpeed the weights are gathered with
+``Accelerator.get_state_dict`` and the ZeRO optimizer partitions are not saved: a resume restarts
+the AdamW moments.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from unclip.train import checkpoint as ckpt
+from unclip.train import distributed as dist_utils
+from unclip.train.checkpoint import CheckpointError
+
+__all__ = ["write_state", "read_state", "full_state_dict", "load_full_state_dict"]
+
+logger = logging.getLogger("unclip.train")
+
+
+def full_state_dict(loop) -> dict:
+    """The model's whole weights, on CPU, on the main process (``{}`` elsewhere under
+    sharding). Every process calls it: gathering shards is collective."""
+    if loop.strategy == "deepspeed":
+        state = loop.accelerator.get_state_dict(loop.model)
+        return state if loop.accelerator.is_main_process else {}
+    return dist_utils.gather_state(loop.unwrapped.state_dict(), loop.accelerator.is_main_process)
+
+
+def load_full_state_dict(loop, state: dict) -> None:
+    """Load whole weights (as :func:`full_state_dict` gives them) into the prepared model, each
+    process taking its shard."""
+    live = loop.unwrapped.state_dict()
+    if sorted(live) != sorted(state):
+        missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+        raise KeyError(
+            f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    dist_utils.load_full_state(live, state)
+
+
+def full_optimizer_state(loop) -> dict:
+    """The optimizer's state dict with whole moment tensors on the main process (every process
+    calls it). DeepSpeed's ZeRO state is not gathered: an empty state is saved."""
+    main = loop.accelerator.is_main_process
+    if loop.strategy == "deepspeed":
+        return {"state": {}, "param_groups": []}
+    if loop.strategy == "fsdp":
+        return dist_utils.optimizer_state_full(loop.optimizer, main)
+    return loop.optimizer.state_dict() if main else {}
+
+
+def write_state(loop, folder: Path) -> None:
+    """The training state as safetensors and JSON (see :mod:`unclip.train.checkpoint`): this
+    process's random state; on the main process everything else. Sharded weights, moments and
+    EMA are gathered to whole tensors first (every process takes part), so the files are the
+    same under every strategy."""
+    tensors, meta = ckpt.rng_files()
+    ckpt.save_tensors(tensors, folder / f"rng_{loop.rank}.safetensors")
+    ckpt.write_json(folder / f"rng_{loop.rank}.json", meta)
+    main = loop.accelerator.is_main_process
+    model = full_state_dict(loop) if loop.sharded else None
+    optimizer = full_optimizer_state(loop)
+    shadow = {}
+    if loop.ema is not None:
+        shadow = dist_utils.gather_state(dict(enumerate(loop.ema.shadow_params)), main)
+    if not main:
+        return
+    from safetensors.torch import save_file, save_model
+
+    if model is None:
+        save_model(loop.unwrapped, str(folder / "model.safetensors"))
+    else:
+        save_file(model, str(folder / "model.safetensors"))
+    tensors, meta = ckpt.optimizer_files(optimizer)
+    ckpt.save_tensors(tensors, folder / "optimizer.safetensors")
+    ckpt.write_json(folder / "optimizer.json", meta)
+    if loop.ema is not None:
+        ema = loop.ema.state_dict()
+        ema.pop("shadow_params")
+        ckpt.save_tensors({f"shadow.{i}": t for i, t in shadow.items()}, folder / "ema.safetensors")
+        ckpt.write_json(folder / "ema.json", ema)
+    scaler = loop.accelerator.scaler
+    ckpt.write_json(
+        folder / "trainer_state.json",
+        {
+            "run": loop.state.state_dict(),
+            "lr_schedule": loop.lr_schedule.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "world_size": loop.world,
+        },
+    )
+
+
+def read_state(loop, folder: Path) -> None:
+    """Load what :func:`write_state` wrote (the folder was checked against its manifest)."""
+    from safetensors.torch import load_model
+
+    listed = set(ckpt.read_json(folder / ckpt.MANIFEST)["files"])  # nothing else is opened
+    if loop.sharded:
+        load_full_state_dict(loop, ckpt.load_tensors(folder / "model.safetensors"))
+    else:
+        load_model(loop.unwrapped, str(folder / "model.safetensors"), strict=True)
+    if loop.strategy == "deepspeed":
+        logger.warning(
+            "DeepSpeed: the checkpoint holds no ZeRO optimizer state; the AdamW moments "
+            "restart (the weights, EMA, schedule and data position are restored)"
+        )
+    else:
+        state = ckpt.optimizer_state(
+            ckpt.load_tensors(folder / "optimizer.safetensors"),
+            ckpt.read_json(folder / "optimizer.json"),
+            loop.optimizer.state_dict(),
+        )
+        loop.optimizer.load_state_dict(dist_utils.optimizer_state_sharded(loop.optimizer, state))
+    if loop.ema is not None:
+        if not {"ema.json", "ema.safetensors"} <= listed:
+            raise CheckpointError("it has no EMA weights but train.ema is on")
+        ema = ckpt.read_json(folder / "ema.json")
+        shadow = ckpt.load_tensors(folder / "ema.safetensors")
+        if len(shadow) != len(loop.ema.shadow_params):
+            raise CheckpointError(
+                f"its EMA holds {len(shadow)} tensors, this model {len(loop.ema.shadow_params)}"
+            )
+        loop.ema.load_state_dict(ema)  # counters (ema.json holds no shadow_params)
+        dist_utils.load_full_state(  # into the shadow tensors in place (shards under FSDP)
+            dict(enumerate(loop.ema.shadow_params)),
+            {i: shadow[f"shadow.{i}"] for i in range(len(loop.ema.shadow_params))},
+        )
+    trainer = ckpt.read_json(folder / "trainer_state.json")
+    loop.state.load_state_dict(trainer["run"])
+    loop.lr_schedule.load_state_dict(trainer["lr_schedule"])
+    scaler = loop.accelerator.scaler
+    if scaler is not None and trainer.get("grad_scaler"):
+        scaler.load_state_dict(trainer["grad_scaler"])
+    rng = f"rng_{loop.rank}"
+    if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
+        ckpt.set_rng_state(
+            ckpt.load_tensors(folder / f"{rng}.safetensors"),
+            ckpt.read_json(folder / f"{rng}.json"),
+        )
+    else:
+        logger.warning(
+            "%s has no random state for rank %d (saved by %s processes): resuming with a "
+            "fresh one, so the run will not repeat an uninterrupted one exactly",
+            folder,
+            loop.rank,
+            trainer.get("world_size"),
+        )
