@@ -52,6 +52,7 @@ def test_accelerate_config_files_parse(monkeypatch):
     assert names == {
         "ddp_8gpu.yaml",
         "fsdp_8gpu.yaml",
+        "fsdp_grad_op_8gpu.yaml",
         "fsdp_hybrid_16gpu.yaml",
         "fsdp_offload_8gpu.yaml",
         "deepspeed_zero2_8gpu.yaml",
@@ -68,7 +69,8 @@ def test_accelerate_config_files_parse(monkeypatch):
                 if key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_")):
                     monkeypatch.setenv(key, value)
             plugin = FullyShardedDataParallelPlugin()  # Accelerate's own reading of the values
-            assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+            assert plugin.fsdp_version == 2
+            assert plugin.reshard_after_forward is ("grad_op" not in path.name)
             assert plugin.transformer_cls_names_to_wrap is None  # filled per model by the loop
             assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == ("offload" in path.name)
             for key in env:

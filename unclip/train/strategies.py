@@ -60,7 +60,9 @@ class Strategy:
     """How the training state is spread over the GPUs. ``shard_*``: that part is divided by the
     number of GPUs sharing it; ``offload_optimizer``: optimizer state (and its EMA shard) live in
     CPU memory; ``ddp_buckets``: DDP's all-reduce buckets, a second copy of the gradients unless
-    ``gradient_as_bucket_view``."""
+    ``gradient_as_bucket_view``; ``offload_weights``: FSDP's CPU offload, which keeps the weight,
+    gradient and optimizer shards (and so the EMA shard) in CPU memory; the GPU holds the blocks
+    being computed."""
 
     name: str
     launch: str  # the shipped Accelerate config file, or "" for plain DDP
@@ -68,6 +70,7 @@ class Strategy:
     shard_grads: bool = False
     shard_optimizer: bool = False
     offload_optimizer: bool = False
+    offload_weights: bool = False  # FSDP's CPU offload: weights, gradients and EMA shards too
     ddp_buckets: bool = False
 
     def describe(self) -> str:
@@ -78,7 +81,7 @@ STRATEGIES = {
     "ddp": Strategy("DDP", "configs/accelerate/ddp_8gpu.yaml"),
     "zero2": Strategy(
         "FSDP SHARD_GRAD_OP / ZeRO-2",
-        "configs/accelerate/deepspeed_zero2_8gpu.yaml",
+        "configs/accelerate/fsdp_grad_op_8gpu.yaml",
         shard_grads=True,
         shard_optimizer=True,
     ),
@@ -90,12 +93,13 @@ STRATEGIES = {
         shard_optimizer=True,
     ),
     "zero3_offload": Strategy(
-        "FSDP FULL_SHARD + CPU offload of the optimizer",
+        "FSDP FULL_SHARD + CPU offload",
         "configs/accelerate/fsdp_offload_8gpu.yaml",
         shard_weights=True,
         shard_grads=True,
         shard_optimizer=True,
         offload_optimizer=True,
+        offload_weights=True,
     ),
 }
 
@@ -116,21 +120,29 @@ def read_accelerate_config(path) -> tuple[str, int]:
     gpus = int(data.get("num_processes", 1) or 1)
     if kind == "FSDP":
         fsdp = data.get("fsdp_config") or {}
-        sharding = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
         offload = bool(fsdp.get("fsdp_offload_params", False))
-        if sharding in ("SHARD_GRAD_OP", "2", "_HYBRID_SHARD_ZERO2"):
-            return "zero2", gpus
+        # FSDP2 names the strategy by whether weights are resharded after the forward; FSDP1 by
+        # its sharding strategy
+        if "fsdp_reshard_after_forward" in fsdp and "fsdp_sharding_strategy" not in fsdp:
+            full = str(fsdp["fsdp_reshard_after_forward"]).lower() in ("true", "1")
+            sharding = "FULL_SHARD" if full else "SHARD_GRAD_OP"
+        else:
+            sharding = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+        # hybrid sharding: each GPU's share is that of the group it shards over
+        shard = (data.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size")
+        if shard:
+            gpus = int(shard)
+        elif sharding in ("HYBRID_SHARD", "4", "_HYBRID_SHARD_ZERO2", "5"):
+            gpus = max(1, gpus // int(data.get("num_machines", 1) or 1))
         if sharding in ("NO_SHARD", "3"):
             return "ddp", gpus
-        if sharding in ("HYBRID_SHARD", "4"):
-            # sharded within a node: the share of each GPU is that of one machine
-            machines = int(data.get("num_machines", 1) or 1)
-            gpus = max(1, gpus // machines)
+        if sharding in ("SHARD_GRAD_OP", "2", "_HYBRID_SHARD_ZERO2", "5"):
+            return ("zero3_offload" if offload else "zero2"), gpus
         return ("zero3_offload" if offload else "zero3"), gpus
     if kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}
         stage = int(ds.get("zero_stage", 2))
-        offload = str(ds.get("offload_optimizer_device", "none")).lower() not in ("none", "")
+        offload = str(ds.get("offload_param_device", "none")).lower() not in ("none", "")
         if stage >= 3:
             return ("zero3_offload" if offload else "zero3"), gpus
         return ("zero2" if stage >= 1 else "ddp"), gpus
@@ -171,18 +183,18 @@ def plan_row(
     scale = b / m.micro_batch
     n = max(1, gpus)
     share = lambda x, on: x / n if on else x  # noqa: E731
-    weights = share(m.weights, strategy.shard_weights)
+    weights = 0 if strategy.offload_weights else share(m.weights, strategy.shard_weights)
     if strategy.shard_weights:
         # the gathered full weights of the block being computed (and the next one, prefetched)
         weights += 2 * m.block_weights
     parts = {
         "weights": weights,
-        "gradients": share(m.grads, strategy.shard_grads),
+        "gradients": 0 if strategy.offload_weights else share(m.grads, strategy.shard_grads),
         "DDP buckets": m.grads if strategy.ddp_buckets else 0,
         "optimizer": 0
         if strategy.offload_optimizer
         else share(m.optimizer, strategy.shard_optimizer),
-        "EMA": share(m.ema, strategy.shard_optimizer),
+        "EMA": 0 if strategy.offload_weights else share(m.ema, strategy.shard_optimizer),
         "frozen CLIP": m.clip,
         "activations": m.activations * scale,
         "recompute": m.recompute * scale,
