@@ -97,6 +97,9 @@ class DecoderConfig:
     into ``num_image_tokens`` extra context tokens placed beside the caption tokens.
     ``coord_channels`` adds x/y coordinate input channels (CoordConv; not in the paper or Karlo);
     ``embed_scale`` multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones).
+    ``learned_variance``: 6 output channels, the mean parameter and a per-channel variance
+    interpolation (Improved DDPM; the paper's and Karlo's decoder), trained with
+    ``diffusion.vlb_weight`` (see :mod:`unclip.vlb`).
     :meth:`build` makes the network, sized for a CLIP.
     """
 
@@ -122,6 +125,7 @@ class DecoderConfig:
     mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn"
     attention_head_dim: int = 64
     num_image_tokens: int = 4
+    learned_variance: bool = False
     norm_num_groups: int = 32
     use_text_tokens: bool = True
     coord_channels: bool = False
@@ -165,12 +169,24 @@ class UpsamplerConfig:
 
 @dataclass
 class DiffusionConfig:
-    """Noise schedule and training target shared by every stage."""
+    """Noise schedule and training target shared by every stage.
+
+    ``vlb_weight``: λ of the Improved-DDPM hybrid loss ``L_simple + λ·L_vlb`` (paper: 0.001) that
+    trains a decoder's learned variance (``decoder.learned_variance``); 0 trains ``L_simple`` only.
+    """
 
     num_train_timesteps: int = 1000
     beta_schedule: Literal["squaredcos_cap_v2", "linear", "scaled_linear"] = "squaredcos_cap_v2"
     prediction_type: Literal["epsilon", "sample", "v_prediction"] = "epsilon"
     min_snr_gamma: Optional[float] = None
+    vlb_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.vlb_weight < float("inf")):
+            raise ConfigError(
+                f"diffusion.vlb_weight must be a finite number >= 0 (paper: 0.001), got "
+                f"{self.vlb_weight!r}"
+            )
 
 
 #: the samplers a stage can use, by name (``SamplingConfig.scheduler``)

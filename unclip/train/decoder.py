@@ -37,6 +37,7 @@ __all__ = [
     "DecoderTask",
     "UpsamplerTask",
     "decoder_loss",
+    "decoder_image_embed",
     "upsampler_inputs",
     "upsampler_loss",
     "train_decoder",
@@ -52,9 +53,7 @@ def decoder_loss(model, batch, clip: CLIP, null: TextEncoding, gens, cfg, noise_
     """Denoising loss of the base decoder on one micro-batch, with condition dropout."""
     images = batch["image"].to(device)
     b = images.shape[0]
-    image_embed = (
-        batch["image_embed"].to(device) if "image_embed" in batch else clip.encode_image(images)
-    )
+    image_embed = decoder_image_embed(batch, clip, device)
     text = clip.encode_text(batch["caption"]).to(device)
     coins = torch.stack([torch.rand(2, generator=g) for g in gens]).to(device)
     drop_image = coins[:, 0] < cfg.train.image_embed_drop_prob
@@ -72,7 +71,19 @@ def decoder_loss(model, batch, clip: CLIP, null: TextEncoding, gens, cfg, noise_
         prediction_type=cfg.diffusion.prediction_type,
         min_snr_gamma=cfg.diffusion.min_snr_gamma,
         generators=gens,
+        learned_variance=cfg.decoder.learned_variance,
+        vlb_weight=cfg.diffusion.vlb_weight,
     )
+
+
+def decoder_image_embed(batch: dict, clip: CLIP, device) -> torch.Tensor:
+    """The CLIP image embeddings ``[B, D]`` that condition the decoder on ``batch``: its
+    precomputed ``image_embed`` (``unclip embed`` of the original images) if present, else CLIP's
+    embedding of its ``clip_image`` (the original at CLIP's input size, ``data.clip_view: full``),
+    else of the training ``image`` (enlarged to CLIP's input size)."""
+    if "image_embed" in batch:
+        return batch["image_embed"].to(device)
+    return clip.encode_image(batch.get("clip_image", batch["image"]).to(device))
 
 
 def upsampler_inputs(
@@ -148,8 +159,9 @@ class DecoderTask:
             diffusion={"decoder": self.cfg.diffusion},
             sampling={"decoder": self.cfg.sampling},
         )
+        first = {k: batch[k][:n] for k in ("image", "clip_image", "image_embed") if k in batch}
         out = pipe.decode(
-            self.clip.encode_image(images),
+            decoder_image_embed(first, self.clip, self.device),
             batch["caption"][:n],
             _grid_generators(self.cfg, n),
             progress=False,
@@ -213,6 +225,7 @@ def train_decoder(
     data = make_batches(
         cfg.data,
         resolution=cfg.data.resolution,
+        clip_resolution=clip.image_size if cfg.data.clip_view == "full" else None,
         seed=cfg.train.seed,
         rank=loop.rank,
         world_size=loop.world,
