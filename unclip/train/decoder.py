@@ -38,6 +38,7 @@ __all__ = [
     "UpsamplerTask",
     "decoder_loss",
     "decoder_image_embed",
+    "decoder_batches",
     "upsampler_inputs",
     "upsampler_loss",
     "train_decoder",
@@ -193,6 +194,20 @@ class UpsamplerTask:
         return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
 
 
+def decoder_batches(cfg: StageConfig, clip: CLIP, *, rank: int, world_size: int, start: int = 0):
+    """The training batches of a decoder or upsampler run: images at ``data.resolution`` and, for
+    ``data.clip_view: full``, each original image at ``clip``'s input size as ``clip_image``."""
+    return make_batches(
+        cfg.data,
+        resolution=cfg.data.resolution,
+        clip_resolution=clip.image_size if cfg.data.clip_view == "full" else None,
+        seed=cfg.train.seed,
+        rank=rank,
+        world_size=world_size,
+        start=start,
+    )
+
+
 def train_decoder(
     cfg: StageConfig,
     resume: Optional[str] = None,
@@ -222,14 +237,8 @@ def train_decoder(
     model = loop.prepare(model)
     model.train()
     task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, loop.device)
-    data = make_batches(
-        cfg.data,
-        resolution=cfg.data.resolution,
-        clip_resolution=clip.image_size if cfg.data.clip_view == "full" else None,
-        seed=cfg.train.seed,
-        rank=loop.rank,
-        world_size=loop.world,
-        start=loop.state.samples,
+    data = decoder_batches(
+        cfg, clip, rank=loop.rank, world_size=loop.world, start=loop.state.samples
     )
     if loop.run(task, data):
         loop.export_stage(task.name, clip)
