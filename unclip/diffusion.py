@@ -2,7 +2,8 @@
 
 Noise schedules and update rules come from diffusers schedulers; this module only chooses them by
 name (:func:`make_scheduler`), computes the training target (:func:`diffusion_loss`: ``epsilon``,
-``sample`` (x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023) and runs the
+``sample`` (x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023, and for a
+learned variance the Improved-DDPM hybrid loss of :mod:`unclip.vlb`) and runs the
 reverse process with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
 
     eps_hat = eps(x_t | ∅) + s · (eps(x_t | c) − eps(x_t | ∅))

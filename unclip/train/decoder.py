@@ -4,10 +4,11 @@
     unclip train-decoder configs/tiny/sr32.yaml
     accelerate launch train_decoder.py configs/decoder_64.yaml --resume latest
 
-Decoder (paper §2.1): condition on the frozen CLIP's image embedding of the training image and the
-caption's token states; drop the image embedding for ``train.image_embed_drop_prob`` of the samples
-(learned null embedding) and the caption for ``train.text_drop_prob`` (empty caption), for
-classifier-free guidance.
+Decoder (paper §2.1): condition on the frozen CLIP's image embedding of the training image (of the
+original image with ``data.clip_view: full``, or precomputed) and the caption's token states; drop
+the image embedding for ``train.image_embed_drop_prob`` of the samples (learned null embedding) and
+the caption for ``train.text_drop_prob`` (empty caption), for classifier-free guidance. With
+``decoder.learned_variance`` the loss is the hybrid loss (``diffusion.vlb_weight``).
 
 Upsampler: take a random ``upsampler_train.crop_size`` crop (or the whole image), make its low-res
 conditioning by downsampling and corrupting it (``blur`` or ``bsr``), add Gaussian noise of a random
