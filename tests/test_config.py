@@ -213,8 +213,8 @@ def test_core_loader_needs_an_explicit_schema(tmp_path):
     assert load_config(p, schema=DecoderConfig).layers_per_block == 2
     with pytest.raises(TypeError, match="schema"):
         load_config(p)
-    with pytest.raises(ConfigError, match="unknown key 'learned_variance'"):
-        load_config({"learned_variance": True}, schema=DecoderConfig)
+    with pytest.raises(ConfigError, match="unknown key 'out_channels'"):
+        load_config({"out_channels": 6}, schema=DecoderConfig)
 
 
 def test_upsampler_training_settings_live_in_their_own_section(tmp_path):

@@ -105,8 +105,11 @@ class DecoderConfig:
     ``text_context_length``, over token ids of ``text_tokenizer`` (``open_clip_bpe``: open_clip's
     CLIP BPE, shipped with the package). Its final token's state is projected into the time
     embedding and its token states are the context beside the image tokens. ``dropout``: in the
-    UNet's residual blocks during training (paper: 0.1). :meth:`build` makes the network, sized for
-    a CLIP.
+    UNet's residual blocks during training (paper: 0.1).
+    ``learned_variance``: 6 output channels, the mean parameter and a per-channel variance
+    interpolation (Improved DDPM; the paper's and Karlo's decoder), trained with
+    ``diffusion.vlb_weight`` (see :mod:`unclip.vlb`).
+    :meth:`build` makes the network, sized for a CLIP.
     """
 
     sample_size: int = 64
@@ -131,6 +134,7 @@ class DecoderConfig:
     mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn"
     attention_head_dim: int = 64
     num_image_tokens: int = 4
+    learned_variance: bool = False
     norm_num_groups: int = 32
     use_text_tokens: bool = True
     coord_channels: bool = False
@@ -210,12 +214,24 @@ def _check_dropout(key: str, value: float) -> None:
 
 @dataclass
 class DiffusionConfig:
-    """Noise schedule and training target shared by every stage."""
+    """Noise schedule and training target shared by every stage.
+
+    ``vlb_weight``: λ of the Improved-DDPM hybrid loss ``L_simple + λ·L_vlb`` (paper: 0.001) that
+    trains a decoder's learned variance (``decoder.learned_variance``); 0 trains ``L_simple`` only.
+    """
 
     num_train_timesteps: int = 1000
     beta_schedule: Literal["squaredcos_cap_v2", "linear", "scaled_linear"] = "squaredcos_cap_v2"
     prediction_type: Literal["epsilon", "sample", "v_prediction"] = "epsilon"
     min_snr_gamma: Optional[float] = None
+    vlb_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.vlb_weight < float("inf")):
+            raise ConfigError(
+                f"diffusion.vlb_weight must be a finite number >= 0 (paper: 0.001), got "
+                f"{self.vlb_weight!r}"
+            )
 
 
 #: the samplers a stage can use, by name (``SamplingConfig.scheduler``)

@@ -2,7 +2,8 @@
 
 Noise schedules and update rules come from diffusers schedulers; this module only chooses them by
 name (:func:`make_scheduler`), computes the training target (:func:`diffusion_loss`: ``epsilon``,
-``sample`` (x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023) and runs the
+``sample`` (x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023, and for a
+learned variance the Improved-DDPM hybrid loss of :mod:`unclip.vlb`) and runs the
 reverse process with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
 
     eps_hat = eps(x_t | ∅) + s · (eps(x_t | c) − eps(x_t | ∅))
@@ -25,6 +26,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
 from unclip.config import SCHEDULERS, DiffusionConfig
+from unclip.vlb import predicted_x0, vlb_term
 
 __all__ = [
     "SCHEDULERS",
@@ -151,6 +153,8 @@ def diffusion_loss(
     t: Optional[torch.Tensor] = None,
     noise: Optional[torch.Tensor] = None,
     reduction: str = "mean",
+    learned_variance: bool = False,
+    vlb_weight: float = 0.0,
 ) -> torch.Tensor:
     """Denoising loss ``|| target − model_fn(x_t, t) ||²`` on ``x_0 [B, ...]``.
 
@@ -159,6 +163,11 @@ def diffusion_loss(
     batches), or from the global RNG when ``generators`` is None. ``prediction_type``: ``epsilon``
     (target eps), ``sample`` (target x_0) or ``v_prediction`` (target v = α·eps − σ·x_0).
     ``min_snr_gamma`` weights each sample by ``min(SNR, γ)`` expressed for the chosen target.
+    ``learned_variance``: the model outputs ``2C`` channels, its mean parameter then the variance
+    interpolation ``v`` of :mod:`unclip.vlb`; the loss adds the hybrid loss's variational-bound
+    term ``vlb_weight · T · L_t`` (Improved DDPM: ``L_simple + λ·L_vlb``, ``L_t`` in bits/dim, the
+    mean under a stop-gradient so only the variance learns from it; min-SNR weighting applies to
+    the ``L_simple`` part only).
     Returns a scalar (``reduction="mean"``) or the per-sample losses ``[B]`` (``reduction="none"``).
     """
     b = x_0.shape[0]
@@ -180,6 +189,9 @@ def diffusion_loss(
     noise = noise.to(x_0.device, x_0.dtype)
     x_t = scheduler.add_noise(x_0, noise, t)
     pred = model_fn(x_t, t).float()
+    var = None
+    if learned_variance:
+        pred, var = _split_variance(pred, x_0)
     if prediction_type == "epsilon":
         target = noise
     elif prediction_type == "sample":
@@ -203,7 +215,21 @@ def diffusion_loss(
             prediction_type
         ]
         loss = loss * weight
+    if var is not None and vlb_weight:
+        x_0_hat = predicted_x0(scheduler, x_t, t, pred.detach(), prediction_type)
+        loss = loss + float(vlb_weight) * T * vlb_term(scheduler, x_0, x_t, t, x_0_hat, var)
     return loss.mean() if reduction == "mean" else loss
+
+
+def _split_variance(out: torch.Tensor, x_0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean parameter, variance interpolation)`` halves of a learned-variance model output."""
+    c = x_0.shape[1]
+    if out.shape[1] != 2 * c or out.shape[2:] != x_0.shape[2:]:
+        raise ValueError(
+            f"a learned-variance model must output {2 * c} channels (mean, variance) of "
+            f"{tuple(x_0.shape[2:])}, got {tuple(out.shape[1:])}"
+        )
+    return out[:, :c], out[:, c:]
 
 
 def _step_kwargs(scheduler, generator, prev_timestep):

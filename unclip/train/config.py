@@ -41,6 +41,7 @@ __all__ = [
     "check_range",
     "check_at_least",
     "check_probability",
+    "check_decoder_options",
     "load_config_naming_source",
 ]
 
@@ -74,6 +75,11 @@ class DataConfig:
     ``image_embed``/``text_embed`` (matched by key, tar shard ``i`` ↔ embedding shard ``i``) instead
     of running CLIP on it, and the shards are checked to line up (``ValueError`` naming the shard
     and key otherwise); see :mod:`unclip.train.data.paired`.
+    ``clip_view`` (base decoder): which image the decoder's CLIP image embedding is computed from
+    when the sample has no precomputed ``image_embed``: ``training_image`` (the image at
+    ``resolution``, enlarged to the CLIP's input size) or ``full`` (the paper's: the original
+    image resized and centre-cropped to the CLIP's input size, the view the prior learns from).
+    Precomputed embeddings (``embeddings_path``) are of the original images and always win.
     """
 
     source: Literal["shapes", "folder", "webdataset", "embeddings"] = "shapes"
@@ -87,6 +93,7 @@ class DataConfig:
     shapes_split: Literal["train", "heldout", "all"] = "train"
     shapes_two_object_prob: float = 0.3
     shapes_resolution: Optional[int] = None
+    clip_view: Literal["training_image", "full"] = "training_image"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -276,6 +283,7 @@ class StageConfig:
             )
         if self.stage == "upsampler" and self.upsampler_train is None:
             self.upsampler_train = UpsamplerTrainConfig()
+        check_decoder_options(self)
         if self.upsampler_train is not None:
             steps = self.diffusion.num_train_timesteps
             level = self.upsampler_train.max_noise_level
@@ -290,6 +298,34 @@ class StageConfig:
     def model(self):
         """The model section of this stage."""
         return getattr(self, self.stage)
+
+
+def check_decoder_options(cfg: StageConfig) -> None:
+    """The settings that only make sense together: a learned decoder variance and the hybrid loss
+    that trains it (``diffusion.vlb_weight``), and the decoder's CLIP view (``data.clip_view``)."""
+    learned = cfg.stage == "decoder" and cfg.decoder.learned_variance
+    weight = cfg.diffusion.vlb_weight
+    if weight > 0 and not learned:
+        raise ConfigError(
+            f"diffusion.vlb_weight={weight} trains a learned variance, which only the base "
+            f"decoder has (decoder.learned_variance=true); stage {cfg.stage!r} "
+            + (
+                "has a fixed variance: set decoder.learned_variance=true or "
+                if cfg.stage == "decoder"
+                else "has none: "
+            )
+            + "set diffusion.vlb_weight=0"
+        )
+    if learned and weight == 0:
+        raise ConfigError(
+            "decoder.learned_variance=true needs diffusion.vlb_weight > 0 (the paper's hybrid "
+            "loss uses 0.001): without it the variance half of the output is never trained"
+        )
+    if cfg.data.clip_view != "training_image" and cfg.stage != "decoder":
+        raise ConfigError(
+            f"data.clip_view={cfg.data.clip_view!r} applies to stage 'decoder' only (stage "
+            f"{cfg.stage!r} computes no decoder image embedding); remove it"
+        )
 
 
 def load_config_naming_source(path, overrides, schema):

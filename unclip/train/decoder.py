@@ -4,10 +4,12 @@
     unclip train-decoder configs/tiny/sr32.yaml
     accelerate launch train_decoder.py configs/decoder_64.yaml --resume latest
 
-Decoder (paper §2.1): condition on the frozen CLIP's image embedding of the training image and the
-caption (CLIP token states, or the decoder's own text transformer over its tokens); drop the image
-embedding for ``train.image_embed_drop_prob`` of the samples (learned null embedding) and the
-caption for ``train.text_drop_prob`` (empty caption), for classifier-free guidance.
+Decoder (paper §2.1): condition on the frozen CLIP's image embedding of the training image (of the
+original image with ``data.clip_view: full``, or precomputed) and the caption (CLIP token states, or
+the decoder's own text transformer over its tokens); drop the image embedding for
+``train.image_embed_drop_prob`` of the samples (learned null embedding) and the caption for
+``train.text_drop_prob`` (empty caption), for classifier-free guidance. With
+``decoder.learned_variance`` the loss is the hybrid loss (``diffusion.vlb_weight``).
 
 Upsampler: take a random ``upsampler_train.crop_size`` crop (or the whole image), make its low-res
 conditioning by downsampling and corrupting it (``blur`` or ``bsr``), add Gaussian noise of a random
@@ -44,6 +46,8 @@ __all__ = [
     "DecoderTask",
     "UpsamplerTask",
     "decoder_loss",
+    "decoder_image_embed",
+    "decoder_batches",
     "upsampler_inputs",
     "upsampler_loss",
     "train_decoder",
@@ -60,9 +64,7 @@ def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched
     """Denoising loss of the base decoder on one micro-batch, with condition dropout (``null``:
     the empty caption as the decoder takes captions, :func:`~unclip.decoder.encode_captions`)."""
     images = batch["image"].to(device)
-    image_embed = (
-        batch["image_embed"].to(device) if "image_embed" in batch else clip.encode_image(images)
-    )
+    image_embed = decoder_image_embed(batch, clip, device)
     text = encode_captions(cfg.decoder, clip, batch["caption"]).to(device)
     coins = torch.stack([torch.rand(2, generator=g) for g in gens]).to(device)
     drop_image = coins[:, 0] < cfg.train.image_embed_drop_prob
@@ -75,7 +77,19 @@ def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched
         prediction_type=cfg.diffusion.prediction_type,
         min_snr_gamma=cfg.diffusion.min_snr_gamma,
         generators=gens,
+        learned_variance=cfg.decoder.learned_variance,
+        vlb_weight=cfg.diffusion.vlb_weight,
     )
+
+
+def decoder_image_embed(batch: dict, clip: CLIP, device) -> torch.Tensor:
+    """The CLIP image embeddings ``[B, D]`` that condition the decoder on ``batch``: its
+    precomputed ``image_embed`` (``unclip embed`` of the original images) if present, else CLIP's
+    embedding of its ``clip_image`` (the original at CLIP's input size, ``data.clip_view: full``),
+    else of the training ``image`` (enlarged to CLIP's input size)."""
+    if "image_embed" in batch:
+        return batch["image_embed"].to(device)
+    return clip.encode_image(batch.get("clip_image", batch["image"]).to(device))
 
 
 def upsampler_inputs(
@@ -151,8 +165,9 @@ class DecoderTask:
             diffusion={"decoder": self.cfg.diffusion},
             sampling={"decoder": self.cfg.sampling},
         )
+        first = {k: batch[k][:n] for k in ("image", "clip_image", "image_embed") if k in batch}
         out = pipe.decode(
-            self.clip.encode_image(images),
+            decoder_image_embed(first, self.clip, self.device),
             batch["caption"][:n],
             _grid_generators(self.cfg, n),
             progress=False,
@@ -194,6 +209,20 @@ def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     return model
 
 
+def decoder_batches(cfg: StageConfig, clip: CLIP, *, rank: int, world_size: int, start: int = 0):
+    """The training batches of a decoder or upsampler run: images at ``data.resolution`` and, for
+    ``data.clip_view: full``, each original image at ``clip``'s input size as ``clip_image``."""
+    return make_batches(
+        cfg.data,
+        resolution=cfg.data.resolution,
+        clip_resolution=clip.image_size if cfg.data.clip_view == "full" else None,
+        seed=cfg.train.seed,
+        rank=rank,
+        world_size=world_size,
+        start=start,
+    )
+
+
 def train_decoder(
     cfg: StageConfig,
     resume: Optional[str] = None,
@@ -222,13 +251,8 @@ def train_decoder(
     model = loop.prepare(model)
     model.train()
     task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, loop.device)
-    data = make_batches(
-        cfg.data,
-        resolution=cfg.data.resolution,
-        seed=cfg.train.seed,
-        rank=loop.rank,
-        world_size=loop.world,
-        start=loop.state.samples,
+    data = decoder_batches(
+        cfg, clip, rank=loop.rank, world_size=loop.world, start=loop.state.samples
     )
     if loop.run(task, data):
         loop.export_stage(task.name, clip)

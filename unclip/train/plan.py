@@ -224,6 +224,8 @@ def _synthetic_batch(cfg, clip, b: int) -> dict:
         batch["image_embed"] = torch.randn(b, clip.embed_dim)
     else:
         size = clip.image_size if cfg.stage == "prior" else cfg.data.resolution
+        if cfg.stage == "decoder" and cfg.data.clip_view == "full":
+            batch["clip_image"] = torch.rand(b, 3, clip.image_size, clip.image_size) * 2 - 1
         if cfg.stage == "upsampler" and cfg.upsampler_train.crop_size:
             # already the crop: a random crop's offsets are values, which fake tensors do not have
             size = cfg.upsampler_train.crop_size

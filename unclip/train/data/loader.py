@@ -10,6 +10,7 @@ have followed. Image samples:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Optional
 
 import torch
 
@@ -36,11 +37,20 @@ class ShapesStream:
         start: int = 0,
         worker: int = 0,
         num_workers: int = 1,
+        clip_resolution: Optional[int] = None,
     ):
         from unclip.shapes.world import ShapesWorld
 
         self.world = ShapesWorld(
             resolution=resolution, seed=seed, split=split, two_object_prob=two_object_prob
+        )
+        # a scene is a function of (seed, split, index): the same scene drawn at the CLIP's size
+        self.clip_world = (
+            None
+            if clip_resolution is None
+            else ShapesWorld(
+                resolution=clip_resolution, seed=seed, split=split, two_object_prob=two_object_prob
+            )
         )
         # DataLoader worker w of rank r is consumer r + w·world_size of world_size·num_workers
         self.consumer = rank + worker * world_size
@@ -50,8 +60,12 @@ class ShapesStream:
     def __iter__(self) -> Iterator[dict]:
         i = self.start
         while True:
-            sample = self.world[self.consumer + i * self.consumers]
-            yield {"image": pil_to_tensor(sample.image), "caption": sample.caption, "skipped": 0}
+            index = self.consumer + i * self.consumers
+            sample = self.world[index]
+            out = {"image": pil_to_tensor(sample.image), "caption": sample.caption, "skipped": 0}
+            if self.clip_world is not None:
+                out["clip_image"] = pil_to_tensor(self.clip_world[index].image)
+            yield out
             i += 1
 
 
@@ -63,10 +77,13 @@ def make_stream(
     rank: int,
     world_size: int,
     start: int = 0,
+    clip_resolution: Optional[int] = None,
     **worker,
 ) -> Iterable[dict]:
     """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if
-    given), starting after ``start`` consumed samples."""
+    given), starting after ``start`` consumed samples. ``clip_resolution``: image samples also carry
+    ``clip_image``, the original image at that size (:mod:`unclip.train.data.sources`); ignored
+    with ``data.embeddings_path``, whose precomputed embeddings replace it."""
     split = dict(rank=rank, world_size=world_size, start=start, **worker)
     if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
         from unclip.train.data.paired import paired_stream
@@ -78,6 +95,7 @@ def make_stream(
             seed=data.shapes_seed,
             split=data.shapes_split,
             two_object_prob=data.shapes_two_object_prob,
+            clip_resolution=clip_resolution,
             **split,
         )
     if not data.path:
@@ -88,10 +106,17 @@ def make_stream(
     from unclip.train.data import sources
 
     if data.source == "folder":
-        return sources.FolderStream(data.path, resolution, seed=seed, **split)
+        return sources.FolderStream(
+            data.path, resolution, seed=seed, clip_resolution=clip_resolution, **split
+        )
     if data.source == "webdataset":
         return sources.WebDatasetStream(
-            data.path, resolution, seed=seed, shuffle_buffer=data.shuffle_buffer, **split
+            data.path,
+            resolution,
+            seed=seed,
+            shuffle_buffer=data.shuffle_buffer,
+            clip_resolution=clip_resolution,
+            **split,
         )
     if data.source == "embeddings":
         return sources.EmbeddingStream(data.path, seed=seed, **split)
@@ -99,14 +124,27 @@ def make_stream(
 
 
 def make_batches(
-    data: DataConfig, *, resolution: int, seed: int, rank: int, world_size: int, start: int = 0
+    data: DataConfig,
+    *,
+    resolution: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start: int = 0,
+    clip_resolution: Optional[int] = None,
 ) -> Iterable[dict]:
     """Batches of ``data.batch_size`` for this rank, resumable at ``start`` samples; uses a
     DataLoader with ``data.num_workers`` worker processes when > 0 (exact resume either way, see
-    ``StreamDataset``)."""
+    ``StreamDataset``). ``clip_resolution``: as in :func:`make_stream`."""
     if data.num_workers <= 0:
         stream = make_stream(
-            data, resolution=resolution, seed=seed, rank=rank, world_size=world_size, start=start
+            data,
+            resolution=resolution,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start=start,
+            clip_resolution=clip_resolution,
         )
         return batches(stream, data.batch_size)
 
@@ -125,6 +163,7 @@ def make_batches(
             rank=rank,
             world_size=world_size,
             start=start,
+            clip_resolution=clip_resolution,
             worker=worker,
             num_workers=num_workers,
         )

@@ -11,6 +11,10 @@ Samples
 * image sources: ``{"image": float32 [3, R, R] in [-1, 1], "caption": str, "skipped": int}``; the
   image is converted to RGB, resized on the shorter side to ``R`` (bicubic, antialiased) and
   centre-cropped.
+* image sources built with ``clip_resolution=S`` also carry ``"clip_image": float32 [3, S, S]``
+  in [-1, 1]: the original image resized and centre-cropped to ``S`` (a CLIP's input size), the
+  same geometry as the CLIP's own preprocessing, so its embedding is that of the full-resolution
+  image (``data.clip_view: full``).
 * embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str,
   "skipped": int}``.
 
@@ -32,6 +36,7 @@ the main process); ``start`` always counts the samples *this consumer* yielded.
 
 Every stream takes the keyword arguments ``seed``, ``rank``, ``world_size``, ``start`` (default 0),
 ``worker`` and ``num_workers`` (default: from the DataLoader worker info) that define this split.
+(Image sources also take ``clip_resolution``, see Samples.)
 """
 
 from __future__ import annotations
@@ -276,8 +281,16 @@ class _Stream:
         start: int = 0,
         worker: Optional[int] = None,
         num_workers: Optional[int] = None,
+        clip_resolution: Optional[int] = None,
     ):
         _check_split(seed, rank, world_size, start)
+        if clip_resolution is not None and (
+            isinstance(clip_resolution, bool)
+            or not isinstance(clip_resolution, int)
+            or clip_resolution < 1
+        ):
+            raise ValueError(f"clip_resolution must be an int >= 1, got {clip_resolution!r}")
+        self.clip_resolution = clip_resolution
         self.seed, self.rank, self.world_size, self.start = (
             int(seed),
             int(rank),
@@ -348,7 +361,11 @@ class _Stream:
 
     def _sample(self, value) -> dict:  # image sources: value = (PIL image, caption)
         image, caption = value
-        return {"image": image_to_tensor(image, self.resolution), "caption": caption}
+        sample = {"image": image_to_tensor(image, self.resolution), "caption": caption}
+        if self.clip_resolution is not None:
+            # cut from the decoded original, not from the (smaller) training image
+            sample["clip_image"] = image_to_tensor(image, self.clip_resolution)
+        return sample
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""``data.clip_view: full``: the decoder's CLIP image embedding is of the original image at the
+CLIP's input size, not of the (smaller) training image; precomputed embeddings still win."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import CONFIGS
+
+from unclip.clip import CLIP
+from unclip.images import pil_to_tensor
+from unclip.shapes.world import ShapesWorld, write_shapes
+from unclip.train.config import load_stage_config
+from unclip.train.data.loader import ShapesStream
+from unclip.train.data.sources import iter_tar_samples, open_rgb
+from unclip.train.decoder import decoder_batches, decoder_image_embed
+
+ORIGINAL, TRAIN, CLIP_SIZE = 128, 32, 64
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clip_view")
+    write_shapes(root / "folder", 6, resolution=ORIGINAL, format="folder", progress=False)
+    for txt in (root / "folder").glob("*.txt"):  # unique captions identify the samples
+        txt.write_text(txt.stem)
+    write_shapes(
+        root / "wds", 6, resolution=ORIGINAL, format="webdataset", shard_size=6, progress=False
+    )
+    return root
+
+
+def stage_config(source, root, view):
+    path = root / "folder" if source == "folder" else root / "wds" / "00000.tar"
+    return load_stage_config(
+        CONFIGS / "tiny" / "decoder.yaml",
+        [
+            f"data.source={source}",
+            f"data.path={path}",
+            f"data.resolution={TRAIN}",
+            f"decoder.sample_size={TRAIN}",
+            "data.batch_size=3",
+            "data.shuffle_buffer=0",
+            f"data.clip_view={view}",
+            f"clip.model_cfg.vision_cfg.image_size={CLIP_SIZE}",
+        ],
+    )
+
+
+def originals(source, root):
+    """caption -> the original 128 px image as a [-1, 1] tensor."""
+    if source == "folder":
+        return {f.stem: pil_to_tensor(open_rgb(f)) for f in sorted((root / "folder").glob("*.png"))}
+    out = {}
+    for raw in iter_tar_samples([str(root / "wds" / "00000.tar")]):
+        out[raw["txt"].decode()] = pil_to_tensor(open_rgb(raw["png"]))
+    return out
+
+
+@pytest.mark.parametrize("source", ["folder", "webdataset"])
+def test_full_view_embeds_the_original_image(data, source):
+    cfg = stage_config(source, data, "full")
+    torch.manual_seed(0)
+    clip = CLIP.from_config(cfg.clip)
+    assert clip.image_size == CLIP_SIZE
+    batch = next(iter(decoder_batches(cfg, clip, rank=0, world_size=1)))
+    assert batch["image"].shape == (3, 3, TRAIN, TRAIN)
+    assert batch["clip_image"].shape == (3, 3, CLIP_SIZE, CLIP_SIZE)
+    got = decoder_image_embed(batch, clip, "cpu")
+    full = originals(source, data)
+    assert all(full[c].shape[-1] == ORIGINAL for c in batch["caption"])
+    want = clip.encode_image(torch.stack([full[c] for c in batch["caption"]]))
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # ... and not of the 32 px training image (today's default view, which stays the default)
+    small = clip.encode_image(batch["image"])
+    assert (got - small).abs().max() > 100 * 1e-5
+    default = stage_config(source, data, "training_image")
+    batch = next(iter(decoder_batches(default, clip, rank=0, world_size=1)))
+    assert "clip_image" not in batch
+    assert torch.allclose(decoder_image_embed(batch, clip, "cpu"), small)
+
+
+def test_precomputed_embeddings_win():
+    batch = {
+        "image": torch.zeros(2, 3, 8, 8),
+        "clip_image": torch.zeros(2, 3, 8, 8),
+        "image_embed": torch.arange(8.0).view(2, 4),
+    }
+    assert torch.equal(decoder_image_embed(batch, None, "cpu"), batch["image_embed"])
+
+
+def test_shapes_full_view_is_the_same_scene_at_clip_size():
+    stream = ShapesStream(16, seed=3, clip_resolution=40)
+    world = ShapesWorld(resolution=40, seed=3)
+    for i, sample in enumerate(itertools.islice(stream, 3)):
+        assert sample["image"].shape[-1] == 16
+        assert torch.equal(sample["clip_image"], pil_to_tensor(world[i].image))
+        assert sample["caption"] == world[i].caption
