@@ -51,7 +51,9 @@ def test_fake_cuda_step_of_every_tiny_stage(name):
     assert trainable <= m.ema < trainable * 1.1  # the EMA shadows every trained weight, on the GPU
     # AdamW: two moments per weight (and a step counter per tensor)
     assert 2 * trainable <= m.optimizer < 2 * trainable * 1.25
-    assert m.activations > 0 and m.clip > 0
+    assert m.activations > 0
+    # the frozen CLIP is on the GPU only where the stage runs it (an upsampler never does)
+    assert (m.clip > 0) == (name in ("prior", "decoder"))
     # autocast's fp16 weight copies exist only if the forward really ran under fp16 autocast
     assert 0 < m.autocast_copies <= m.weights / 2 * 1.1
     assert m.peak >= m.static + m.activations
@@ -244,3 +246,9 @@ def test_plan_needs_a_config_or_sample():
 
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_dry_run_of_an_attention_free_upsampler():
+    m = measured("sr32", "upsampler.add_attention=false")
+    assert 0 < m.block_weights < m.weights
+    assert m.params_total < measured("sr32").params_total  # no mid-block attention

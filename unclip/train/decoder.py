@@ -52,6 +52,7 @@ __all__ = [
     "upsampler_loss",
     "train_decoder",
     "build_image_model",
+    "clip_device",
 ]
 
 logger = logging.getLogger("unclip.train")
@@ -199,6 +200,13 @@ class UpsamplerTask:
         return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
 
 
+def clip_device(cfg: StageConfig, device) -> torch.device:
+    """Where a stage's frozen CLIP lives: on the training device for the decoder, which encodes
+    every batch with it; on the CPU for an upsampler, which never runs it (it only travels with
+    the export), so it takes no GPU memory."""
+    return torch.device(device) if cfg.stage == "decoder" else torch.device("cpu")
+
+
 def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     """The network a ``decoder`` or ``upsampler`` stage config trains (with gradient checkpointing
     if ``train.gradient_checkpointing``)."""
@@ -245,8 +253,9 @@ def train_decoder(
         )
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
-    with torch.device(loop.device):  # built where it trains: no CPU copy of a large network
+    with torch.device(clip_device(cfg, loop.device)):
         clip = CLIP.from_config(cfg.clip)
+    with torch.device(loop.device):  # built where it trains: no CPU copy of a large network
         model = build_image_model(cfg, clip)
     model = loop.prepare(model)
     model.train()

@@ -295,7 +295,7 @@ def measure_step(
         with fake, mem, mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint):
             device = torch.device(device_type, 0) if device_type == "cuda" else loop.device
             torch.manual_seed(cfg.train.seed)
-            with torch.device(device):
+            with torch.device(_clip_device(cfg, device)):
                 clip = CLIP.from_config(cfg.clip)
             clip_bytes = mem.current
             model, task = _build(cfg, clip, device)
@@ -389,9 +389,17 @@ def _largest_block(model: torch.nn.Module) -> int:
     best = 0
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList):
-            for child in module:
+            for child in filter(None, module):  # attention-free blocks hold None entries
                 best = max(best, sum(p.numel() * p.element_size() for p in child.parameters()))
     return best
+
+
+def _clip_device(cfg, device):
+    if cfg.stage == "prior":
+        return device
+    from unclip.train.decoder import clip_device
+
+    return clip_device(cfg, device)
 
 
 def _build(cfg, clip, device):

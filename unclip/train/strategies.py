@@ -273,7 +273,7 @@ def format_plan(
     out = [
         f"{m.stage} ({m.component}): fake-CUDA training step passed — model build, prepare, "
         f"{m.mixed_precision} autocast, loss ({m.loss_dtype}), backward, clipping, AdamW, EMA; "
-        "every tensor on cuda:0",
+        "training state on cuda:0, no device or dtype mismatch",
         f"parameters: {m.params_total / 1e9:.3f}B in the network ({m.params_trainable / 1e9:.3f}B "
         f"trained), frozen CLIP {m.clip_params / 1e9:.3f}B; weights in "
         f"{', '.join(m.param_dtypes)}",
@@ -315,6 +315,11 @@ def format_plan(
             f"accumulation {choice.grad_accum_steps}, predicted peak {_gib(choice.peak)} {unit}"
             f"{launch}"
         )
+        per_sample = (m.activations + m.recompute + m.transient) / m.micro_batch
+        if per_sample > 0:
+            fixed = choice.peak - per_sample * choice.micro_batch
+            largest = int((choice.budget - fixed) // per_sample)
+            out.append(f"the largest micro-batch that fits with it: {largest}")
         if max_steps:
             global_batch = choice.micro_batch * choice.grad_accum_steps * gpus
             out.append(throughput_line(m, gpus, global_batch, max_steps))
