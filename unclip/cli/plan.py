@@ -75,24 +75,29 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(dataclasses.asdict(sampled), f, indent=2)
         return 0
-    strategy, gpus = None, 8
+    strategy, shard_gpus, gpus = None, 8, 8
     if args.accelerate_config:
-        strategy, gpus = read_accelerate_config(args.accelerate_config)
+        launch = read_accelerate_config(args.accelerate_config)
+        strategy, shard_gpus, gpus = launch.strategy, launch.shard_gpus, launch.gpus
     if args.gpus is not None:
         if args.gpus < 1:
             raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+        # hybrid sharding keeps its shard group (a node); the GPUs beyond it replicate
+        hybrid = args.accelerate_config and shard_gpus < gpus
+        shard_gpus = min(shard_gpus, args.gpus) if hybrid else args.gpus
         gpus = args.gpus
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     cfg = load_stage_config(args.config, args.overrides)
     measure = measure_step(cfg, micro_batch=args.micro_batch)
-    rows, choice = memory_plan(measure, gpus, memory, strategy, cfg.train.grad_accum_steps)
-    print(format_plan(measure, rows, choice, gpus, memory, cfg.train.max_steps))
+    rows, choice = memory_plan(measure, shard_gpus, memory, strategy, cfg.train.grad_accum_steps)
+    print(format_plan(measure, rows, choice, shard_gpus, memory, cfg.train.max_steps, gpus))
     if args.json:
         report = {
             "config": str(args.config),
             "measure": dataclasses.asdict(measure),
             "gpus": gpus,
+            "shard_gpus": shard_gpus,
             "gpu_memory": memory,
             "rows": [
                 {

@@ -191,18 +191,23 @@ class StepMeasure:
     autocast_copies: int  # half-precision weight copies kept for backward (in activations)
     recompute: int  # the largest checkpointed block's forward, recomputed during backward
     transient: int  # the largest single tensor of the step, twice: an activation and its gradient
-    block_weights: int  # the largest block's weights (what FULL_SHARD gathers at once)
+    block_weights: int  # the largest FSDP unit's weights (FULL_SHARD gathers one at a time)
+    root_weights: int  # weights in no FSDP unit: the root group, gathered for the whole step
     forward_peak: int  # the tracker's peak while the forward ran
     optimizer_peak: int  # the tracker's peak through clipping, the optimizer step and EMA
     param_dtypes: dict
     loss_dtype: str
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
+    clip_flops: int = 0  # the frozen CLIP's part of it (no backward)
 
     @property
     def train_flops_per_sample(self) -> float:
-        """Forward + backward (twice the forward) per sample, plus the recomputed forward with
-        gradient checkpointing: the usual 3× (4×) rule on the counted forward."""
-        return self.forward_flops / self.micro_batch * (4 if self.gradient_checkpointing else 3)
+        """The trained network's forward + backward (twice the forward), plus the recomputed
+        forward with gradient checkpointing — the usual 3× (4×) rule — and the frozen CLIP's
+        forward once."""
+        trained = self.forward_flops - self.clip_flops
+        factor = 4 if self.gradient_checkpointing else 3
+        return (trained * factor + self.clip_flops) / self.micro_batch
 
     @property
     def static(self) -> int:
@@ -268,7 +273,11 @@ def measure_step(
     cfg.train.progress = False
     steps = accumulation or min(cfg.train.grad_accum_steps, 2)
     cfg.train.grad_accum_steps = steps
-    with _fresh_accelerate_state(), tempfile.TemporaryDirectory(prefix="unclip-plan-") as tmp:
+    with (
+        _fresh_accelerate_state(),
+        torch.random.fork_rng(devices=[]),  # the seed below must not change the caller's RNG
+        tempfile.TemporaryDirectory(prefix="unclip-plan-") as tmp,
+    ):
         cfg.train.output_dir = tmp
         if device_type == "cuda":
             with _cuda_reported():
@@ -297,6 +306,7 @@ def measure_step(
             torch.manual_seed(cfg.train.seed)
             with torch.device(_clip_device(cfg, device)):
                 clip = CLIP.from_config(cfg.clip)
+            clip_flops = _count_flops_of(clip, ("encode_text", "encode_image"))
             clip_bytes = mem.current
             model, task = _build(cfg, clip, device)
             weights = mem.current - clip_bytes
@@ -316,15 +326,18 @@ def measure_step(
             model.train()
             # forward and the stand-in backward of each micro-batch, measured one at a time
             act, fwd_peak, copies, largest, loss_dtype = 0, 0, 0, 0, "float32"
+            forward_flops = None
             for _ in range(steps):
                 before = mem.current
                 mem.reset_peak()
                 mem.largest = 0
                 with loop.accelerator.accumulate(model):
                     gens = loop.generators(cfg.data.batch_size)
+                    clip_flops[0] = 0
                     with _autocast_copies(params) as casts, FlopCounterMode(display=False) as fc:
                         loss = task.loss(model, batch, gens)
-                    forward_flops = fc.get_total_flops()
+                    if forward_flops is None:
+                        forward_flops, frozen_flops = fc.get_total_flops(), clip_flops[0]
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)
                     fwd_peak = max(fwd_peak, mem.peak)
@@ -340,6 +353,7 @@ def measure_step(
             opt_peak = mem.peak
             optimizer = mem.current - before_opt + grads  # zero_grad freed the gradients
             _check_devices(loop, model, device)
+            units = _fsdp_units(loop.unwrapped)
             measure = StepMeasure(
                 stage=cfg.stage,
                 component=task.name,
@@ -359,12 +373,14 @@ def measure_step(
                 autocast_copies=copies,
                 recompute=recompute[0],
                 transient=2 * largest,
-                block_weights=_largest_block(model),
+                block_weights=max([_bytes(u) for u in units] or [0]),
+                root_weights=_bytes(model) - sum(_bytes(u) for u in units),
                 forward_peak=fwd_peak,
                 optimizer_peak=opt_peak,
                 param_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
                 loss_dtype=loss_dtype,
                 forward_flops=forward_flops,
+                clip_flops=frozen_flops,
             )
         loop.accelerator.end_training()
     return measure
@@ -383,15 +399,44 @@ def _fresh_accelerate_state() -> Iterator[None]:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _largest_block(model: torch.nn.Module) -> int:
-    """Bytes of the largest element of any ``ModuleList`` (a UNet block, a transformer layer):
-    the unit a sharded run gathers whole."""
-    best = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList):
-            for child in filter(None, module):  # attention-free blocks hold None entries
-                best = max(best, sum(p.numel() * p.element_size() for p in child.parameters()))
-    return best
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules an FSDP launch shards as units (the training loop's block classes for this
+    model), outermost only; what no unit holds stays in the root group, gathered for the step."""
+    from unclip.train.distributed import fsdp_block_classes
+
+    names = set(fsdp_block_classes(model))
+    units: list[torch.nn.Module] = []
+
+    def walk(module):
+        for child in module.children():
+            if type(child).__name__ in names:
+                units.append(child)
+            else:
+                walk(child)
+
+    walk(model)
+    return units
+
+
+def _count_flops_of(obj, methods) -> list[int]:
+    """Wrap ``obj``'s ``methods`` so the FLOPs they run are added to the returned counter (the
+    frozen CLIP runs forward only: it is counted once, not with the backward's factor)."""
+    counter = [0]
+    for name in methods:
+        fn = getattr(obj, name)
+
+        def run(*args, _fn=fn, **kwargs):
+            with FlopCounterMode(display=False) as inner:
+                out = _fn(*args, **kwargs)
+            counter[0] += inner.get_total_flops()
+            return out
+
+        setattr(obj, name, run)
+    return counter
 
 
 def _clip_device(cfg, device):

@@ -14,6 +14,8 @@ __all__ = [
     "Strategy",
     "STRATEGIES",
     "PlanRow",
+    "Launch",
+    "per_sample_bytes",
     "plan_row",
     "memory_plan",
     "parse_memory",
@@ -58,55 +60,59 @@ def parse_memory(text: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How the training state is spread over the GPUs. ``shard_*``: that part is divided by the
-    number of GPUs sharing it; ``offload_optimizer``: optimizer state (and its EMA shard) live in
-    CPU memory; ``ddp_buckets``: DDP's all-reduce buckets, a second copy of the gradients unless
-    ``gradient_as_bucket_view``; ``offload_weights``: FSDP's CPU offload, which keeps the weight,
-    gradient and optimizer shards (and so the EMA shard) in CPU memory; the GPU holds the blocks
-    being computed."""
+    number of GPUs sharing it (under FSDP2 the EMA follows each rank's shard; under DeepSpeed
+    ZeRO-2 it is whole); ``offload_optimizer``: the optimizer state lives in CPU memory;
+    ``offload_weights``: FSDP's CPU offload, which keeps the weight, gradient and optimizer shards
+    (and so the EMA shard) in CPU memory, the GPU holding the units being computed;
+    ``ddp_buckets``: DDP's all-reduce buckets, a second copy of the gradients unless
+    ``gradient_as_bucket_view`` (the training loop sets it); ``refuses_ema``: the training loop
+    refuses ``train.ema`` under it (DeepSpeed ZeRO-3)."""
 
     name: str
-    launch: str  # the shipped Accelerate config file, or "" for plain DDP
+    launch: str  # the shipped Accelerate config file that launches it
     shard_weights: bool = False
     shard_grads: bool = False
     shard_optimizer: bool = False
+    shard_ema: bool = False
     offload_optimizer: bool = False
-    offload_weights: bool = False  # FSDP's CPU offload: weights, gradients and EMA shards too
+    offload_weights: bool = False
     ddp_buckets: bool = False
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.launch})" if self.launch else self.name
+    refuses_ema: bool = False
 
 
+_ZERO2 = dict(shard_grads=True, shard_optimizer=True)
+_ZERO3 = dict(shard_weights=True, shard_grads=True, shard_optimizer=True, shard_ema=True)
+
+#: what the plan suggests, in this order (DeepSpeed is planned when its config file is given)
 STRATEGIES = {
     "ddp": Strategy("DDP", "configs/accelerate/ddp_8gpu.yaml"),
     "zero2": Strategy(
-        "FSDP SHARD_GRAD_OP / ZeRO-2",
-        "configs/accelerate/fsdp_grad_op_8gpu.yaml",
-        shard_grads=True,
-        shard_optimizer=True,
+        "FSDP SHARD_GRAD_OP", "configs/accelerate/fsdp_grad_op_8gpu.yaml", shard_ema=True, **_ZERO2
     ),
-    "zero3": Strategy(
-        "FSDP FULL_SHARD / ZeRO-3",
-        "configs/accelerate/fsdp_8gpu.yaml",
-        shard_weights=True,
-        shard_grads=True,
-        shard_optimizer=True,
-    ),
+    "zero3": Strategy("FSDP FULL_SHARD", "configs/accelerate/fsdp_8gpu.yaml", **_ZERO3),
     "zero3_offload": Strategy(
         "FSDP FULL_SHARD + CPU offload",
         "configs/accelerate/fsdp_offload_8gpu.yaml",
-        shard_weights=True,
-        shard_grads=True,
-        shard_optimizer=True,
         offload_optimizer=True,
         offload_weights=True,
+        **_ZERO3,
     ),
 }
 
 
-def read_accelerate_config(path) -> tuple[str, int]:
-    """The strategy key (of :data:`STRATEGIES`) and the number of processes an Accelerate config
-    file describes."""
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What an Accelerate config file launches: the strategy, the GPUs each share of the state is
+    divided over (``shard_gpus``: a node under hybrid sharding) and all processes (``gpus``, for
+    the global batch)."""
+
+    strategy: Strategy
+    shard_gpus: int
+    gpus: int
+
+
+def read_accelerate_config(path) -> Launch:
+    """The :class:`Launch` an Accelerate config file describes."""
     import yaml
 
     try:
@@ -118,6 +124,7 @@ def read_accelerate_config(path) -> tuple[str, int]:
         raise ValueError(f"{path} is not an Accelerate config file (a YAML mapping)")
     kind = str(data.get("distributed_type", "NO")).upper()
     gpus = int(data.get("num_processes", 1) or 1)
+    launch = str(path)
     if kind == "FSDP":
         fsdp = data.get("fsdp_config") or {}
         offload = bool(fsdp.get("fsdp_offload_params", False))
@@ -131,23 +138,48 @@ def read_accelerate_config(path) -> tuple[str, int]:
         # hybrid sharding: each GPU's share is that of the group it shards over
         shard = (data.get("parallelism_config") or {}).get("parallelism_config_dp_shard_size")
         if shard:
-            gpus = int(shard)
+            shard_gpus = int(shard)
         elif sharding in ("HYBRID_SHARD", "4", "_HYBRID_SHARD_ZERO2", "5"):
-            gpus = max(1, gpus // int(data.get("num_machines", 1) or 1))
+            shard_gpus = max(1, gpus // int(data.get("num_machines", 1) or 1))
+        else:
+            shard_gpus = gpus
         if sharding in ("NO_SHARD", "3"):
-            return "ddp", gpus
-        if sharding in ("SHARD_GRAD_OP", "2", "_HYBRID_SHARD_ZERO2", "5"):
-            return ("zero3_offload" if offload else "zero2"), gpus
-        return ("zero3_offload" if offload else "zero3"), gpus
+            strategy = dataclasses.replace(STRATEGIES["ddp"], name="FSDP NO_SHARD", launch=launch)
+        elif offload:
+            strategy = dataclasses.replace(STRATEGIES["zero3_offload"], launch=launch)
+        elif sharding in ("SHARD_GRAD_OP", "2", "_HYBRID_SHARD_ZERO2", "5"):
+            strategy = dataclasses.replace(STRATEGIES["zero2"], launch=launch)
+        else:
+            strategy = dataclasses.replace(STRATEGIES["zero3"], launch=launch)
+        return Launch(strategy, shard_gpus, gpus)
     if kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}
         stage = int(ds.get("zero_stage", 2))
-        offload = str(ds.get("offload_param_device", "none")).lower() not in ("none", "")
+        off_opt = str(ds.get("offload_optimizer_device", "none")).lower() not in ("none", "")
+        off_par = str(ds.get("offload_param_device", "none")).lower() not in ("none", "")
         if stage >= 3:
-            return ("zero3_offload" if offload else "zero3"), gpus
-        return ("zero2" if stage >= 1 else "ddp"), gpus
+            strategy = Strategy(
+                "DeepSpeed ZeRO-3",
+                launch,
+                offload_optimizer=off_opt or off_par,
+                offload_weights=off_par,
+                refuses_ema=True,
+                **_ZERO3,
+            )
+        elif stage >= 1:
+            # ZeRO-2 shards gradients and optimizer state; the EMA of the whole weights is whole
+            strategy = Strategy(
+                f"DeepSpeed ZeRO-{stage}",
+                launch,
+                shard_grads=stage >= 2,
+                shard_optimizer=True,
+                offload_optimizer=off_opt,
+            )
+        else:
+            strategy = Strategy("DeepSpeed ZeRO-0", launch)
+        return Launch(strategy, gpus, gpus)
     if kind in ("MULTI_GPU", "NO"):
-        return "ddp", gpus
+        return Launch(dataclasses.replace(STRATEGIES["ddp"], launch=launch), gpus, gpus)
     raise ValueError(
         f"{path}: distributed_type {kind} is not one the plan knows; use MULTI_GPU, FSDP or "
         "DEEPSPEED"
@@ -163,10 +195,11 @@ class PlanRow:
     parts: dict  # name → bytes per GPU
     peak: int
     budget: int
+    note: str = ""
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.budget
+        return self.peak <= self.budget and not self.note
 
 
 def plan_row(
@@ -177,70 +210,86 @@ def plan_row(
     micro_batch: Optional[int] = None,
     grad_accum_steps: Optional[int] = None,
 ) -> PlanRow:
-    """Bytes per GPU of each part of the training state for ``strategy`` on ``gpus`` GPUs, with the
-    activations scaled to ``micro_batch`` (they grow linearly with it)."""
+    """Bytes per GPU of each part of the training state for ``strategy`` sharded over ``gpus``
+    GPUs, with the batch-dependent activations scaled to ``micro_batch`` (autocast's weight copies
+    do not depend on it)."""
     b = micro_batch or m.micro_batch
     scale = b / m.micro_batch
     n = max(1, gpus)
-    share = lambda x, on: x / n if on else x  # noqa: E731
-    weights = 0 if strategy.offload_weights else share(m.weights, strategy.shard_weights)
+
+    def share(x, on):
+        return x / n if on else x
+
+    if strategy.offload_weights:
+        weights = 0.0
+    else:
+        weights = share(m.weights, strategy.shard_weights)
     if strategy.shard_weights:
-        # the gathered full weights of the block being computed (and the next one, prefetched)
-        weights += 2 * m.block_weights
+        # gathered for compute: the root group for the whole step, and the unit being computed
+        # with the next one prefetched
+        weights += m.root_weights + 2 * m.block_weights
     parts = {
         "weights": weights,
         "gradients": 0 if strategy.offload_weights else share(m.grads, strategy.shard_grads),
         "DDP buckets": m.grads if strategy.ddp_buckets else 0,
-        "optimizer": 0
-        if strategy.offload_optimizer
-        else share(m.optimizer, strategy.shard_optimizer),
-        "EMA": 0 if strategy.offload_weights else share(m.ema, strategy.shard_optimizer),
+        "optimizer": (
+            0 if strategy.offload_optimizer else share(m.optimizer, strategy.shard_optimizer)
+        ),
+        "EMA": 0 if strategy.offload_weights else share(m.ema, strategy.shard_ema),
         "frozen CLIP": m.clip,
-        "activations": m.activations * scale,
+        "autocast copies": m.autocast_copies,
+        "activations": (m.activations - m.autocast_copies) * scale,
         "recompute": m.recompute * scale,
         "transient": m.transient * scale,
     }
     peak = int(sum(parts.values()))
     budget = int((gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION))
     accum = grad_accum_steps or m.grad_accum_steps
-    return PlanRow(strategy, b, accum, n, parts, peak, budget)
+    note = "refuses train.ema" if strategy.refuses_ema and m.ema else ""
+    return PlanRow(strategy, b, accum, n, parts, peak, budget, note)
+
+
+def per_sample_bytes(m: StepMeasure) -> float:
+    """The bytes of one GPU's peak that grow with each sample of the micro-batch."""
+    return (m.activations - m.autocast_copies + m.recompute + m.transient) / m.micro_batch
 
 
 def memory_plan(
     m: StepMeasure,
     gpus: int,
     gpu_memory: int,
-    strategy: Optional[str] = None,
+    strategy: Optional[Strategy] = None,
     grad_accum_steps: int = 1,
 ) -> tuple[list[PlanRow], Optional[PlanRow]]:
-    """Rows for every strategy (or only ``strategy``) at the measured micro-batch, and the first
-    that fits in the order DDP → ZeRO-2 → ZeRO-3 → ZeRO-3 with CPU offload, halving the micro-batch
-    (doubling accumulation, so the global batch stays) when none fits."""
+    """Rows for every strategy of :data:`STRATEGIES` (or only ``strategy``) at the measured
+    micro-batch, and the first that fits: DDP, SHARD_GRAD_OP, FULL_SHARD at the measured
+    micro-batch, then at each smaller divisor of it with accumulation raised to keep the global
+    batch; CPU offload, the slowest, only after all of those."""
     if gpu_memory <= CUDA_CONTEXT:
         raise ValueError(
             f"GPU memory of {gpu_memory / GiB:.2f} GiB leaves nothing beside the CUDA context "
             f"({CUDA_CONTEXT / GiB:.1f} GiB); give the card's size, e.g. --gpu-memory 80GiB"
         )
-    keys = [strategy] if strategy else list(STRATEGIES)
-    rows = [plan_row(m, STRATEGIES[k], gpus, gpu_memory, None, grad_accum_steps) for k in keys]
-    b, accum = m.micro_batch, grad_accum_steps
-    while b >= 1:
-        for k in keys:
-            row = plan_row(m, STRATEGIES[k], gpus, gpu_memory, b, accum)
-            if row.fits:
-                return rows, row
-        if b == 1:
-            break
-        b, accum = b // 2, accum * 2
+    options = [strategy] if strategy else list(STRATEGIES.values())
+    rows = [plan_row(m, s, gpus, gpu_memory, None, grad_accum_steps) for s in options]
+    b0 = m.micro_batch
+    sizes = [b for b in range(b0, 0, -1) if b0 % b == 0]
+    tiers = [
+        [s for s in options if not s.offload_weights],
+        [s for s in options if s.offload_weights],
+    ]
+    for tier in tiers:
+        for b in sizes:
+            for s in tier:
+                row = plan_row(m, s, gpus, gpu_memory, b, grad_accum_steps * (b0 // b))
+                if row.fits:
+                    return rows, row
     return rows, None
 
 
-_UNIT = ["GiB"]
-
-
-def _gib(x) -> str:
-    """Bytes in the plan's unit (GiB, or MiB for plans of small models)."""
-    return f"{x / (GiB if _UNIT[0] == 'GiB' else 2**20):.1f}"
+def _in(unit: str, x) -> str:
+    """Bytes in ``unit`` (GiB, or MiB for plans of small models)."""
+    return f"{x / (GiB if unit == 'GiB' else 2**20):.1f}"
 
 
 def throughput_line(m: StepMeasure, gpus: int, global_batch: int, max_steps: int) -> str:
@@ -252,8 +301,9 @@ def throughput_line(m: StepMeasure, gpus: int, global_batch: int, max_steps: int
     days = max_steps * global_batch / (rate * gpus) / 86400
     return (
         f"throughput: {per_sample / 1e12:.2f} TFLOP per training sample (forward counted per op, "
-        f"x{4 if m.gradient_checkpointing else 3} for backward"
-        f"{' and recompute' if m.gradient_checkpointing else ''}); at {UTILISATION:.0%} of an "
+        f"the trained network's x{4 if m.gradient_checkpointing else 3} for backward"
+        f"{' and recompute' if m.gradient_checkpointing else ''}, the frozen CLIP's once); at "
+        f"{UTILISATION:.0%} of an "
         f"A100's {A100_FP16_FLOPS / 1e12:.0f} TFLOP/s fp16: {rate:.1f} samples/s per GPU, "
         f"{max_steps} steps of {global_batch} samples on {gpus} GPUs in {days:.1f} days"
     )
@@ -263,13 +313,20 @@ def format_plan(
     m: StepMeasure,
     rows: list[PlanRow],
     choice: Optional[PlanRow],
-    gpus,
-    gpu_memory,
+    gpus: int,
+    gpu_memory: int,
     max_steps: Optional[int] = None,
+    total_gpus: Optional[int] = None,
 ):
-    """The plan as text: the dry run's checks, the measured parts and a per-strategy table."""
-    _UNIT[0] = "GiB" if max(r.peak for r in rows) >= GiB else "MiB"
-    unit = _UNIT[0]
+    """The plan as text: the dry run's checks, the measured parts and a per-strategy table.
+    ``gpus``: the GPUs the state is sharded over; ``total_gpus``: all of them (hybrid sharding
+    replicates the sharded state across nodes), for the global batch and the training time."""
+    total_gpus = total_gpus or gpus
+    unit = "GiB" if max(r.peak for r in rows) >= GiB else "MiB"
+
+    def _gib(x) -> str:
+        return _in(unit, x)
+
     out = [
         f"{m.stage} ({m.component}): fake-CUDA training step passed — model build, prepare, "
         f"{m.mixed_precision} autocast, loss ({m.loss_dtype}), backward, clipping, AdamW, EMA; "
@@ -285,7 +342,8 @@ def format_plan(
         f"{_gib(m.autocast_copies)}), recomputed block {_gib(m.recompute)}, transient "
         f"{_gib(m.transient)}",
         "",
-        f"per-GPU plan on {gpus} GPUs of {gpu_memory / GiB:.1f} GiB (usable after the CUDA context "
+        f"per-GPU plan, state sharded over {gpus} GPUs of {gpu_memory / GiB:.1f} GiB (usable after "
+        "the CUDA context "
         f"and {FRAGMENTATION:.0%} fragmentation: {rows[0].budget / GiB:.1f} GiB), in {unit}:",
     ]
     names = list(rows[0].parts)
@@ -295,7 +353,7 @@ def format_plan(
         table.append(
             [r.strategy.name, str(r.micro_batch)]
             + [_gib(r.parts[k]) for k in names]
-            + [_gib(r.peak), "yes" if r.fits else "no"]
+            + [_gib(r.peak), "yes" if r.fits else (f"no: {r.note}" if r.note else "no")]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
@@ -315,12 +373,12 @@ def format_plan(
             f"accumulation {choice.grad_accum_steps}, predicted peak {_gib(choice.peak)} {unit}"
             f"{launch}"
         )
-        per_sample = (m.activations + m.recompute + m.transient) / m.micro_batch
+        per_sample = per_sample_bytes(m)
         if per_sample > 0:
             fixed = choice.peak - per_sample * choice.micro_batch
             largest = int((choice.budget - fixed) // per_sample)
             out.append(f"the largest micro-batch that fits with it: {largest}")
         if max_steps:
-            global_batch = choice.micro_batch * choice.grad_accum_steps * gpus
-            out.append(throughput_line(m, gpus, global_batch, max_steps))
+            global_batch = choice.micro_batch * choice.grad_accum_steps * total_gpus
+            out.append(throughput_line(m, total_gpus, global_batch, max_steps))
     return "\n".join(out)
