@@ -3,7 +3,7 @@
 under FSDP2 in one go, the same run split in two (stop, ``--resume latest``), and a DDP run of the
 same config for reference (FSDP switched off for it). One process start for the three runs.
 
-``python fsdp_worker.py CONFIG OUT``"""
+``python fsdp_worker.py CONFIG OUT [OVERRIDE ...]`` (the overrides go to every run)"""
 
 import os
 import sys
@@ -28,6 +28,7 @@ def main():
         "train.warmup_steps=1",
         "train.mixed_precision=no",
         "data.batch_size=4",
+        *sys.argv[3:],
     ]
 
     def run(name, *args):

@@ -3,9 +3,12 @@ CLIP's input size, not of the (smaller) training image; precomputed embeddings s
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import CONFIGS
+from PIL import Image
 
 from unclip.clip import CLIP
 from unclip.images import pil_to_tensor
@@ -16,6 +19,8 @@ from unclip.train.data.sources import iter_tar_samples, open_rgb
 from unclip.train.decoder import decoder_batches, decoder_image_embed
 
 ORIGINAL, TRAIN, CLIP_SIZE = 128, 32, 64
+#: one original of the folder source is this wide (random pixels, so any other crop differs)
+WIDE = 192
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +29,8 @@ def data(tmp_path_factory):
     write_shapes(root / "folder", 6, resolution=ORIGINAL, format="folder", progress=False)
     for txt in (root / "folder").glob("*.txt"):  # unique captions identify the samples
         txt.write_text(txt.stem)
+    noise = np.random.default_rng(0).integers(0, 256, (ORIGINAL, WIDE, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(root / "folder" / "00000001.png")
     write_shapes(
         root / "wds", 6, resolution=ORIGINAL, format="webdataset", shard_size=6, progress=False
     )
@@ -39,7 +46,7 @@ def stage_config(source, root, view):
             f"data.path={path}",
             f"data.resolution={TRAIN}",
             f"decoder.sample_size={TRAIN}",
-            "data.batch_size=3",
+            "data.batch_size=6",  # the whole set: every original
             "data.shuffle_buffer=0",
             f"data.clip_view={view}",
             f"clip.model_cfg.vision_cfg.image_size={CLIP_SIZE}",
@@ -57,6 +64,19 @@ def originals(source, root):
     return out
 
 
+def centre_crop(image: torch.Tensor, size: int) -> torch.Tensor:
+    """``image`` [3, H, W] in [-1, 1] with H the shorter side, at ``size`` px: H scaled to
+    ``size`` (bicubic, antialiased), the middle ``size`` columns kept."""
+    h, w = image.shape[-2:]
+    assert h <= w and w * size % h == 0
+    width = w * size // h
+    x = F.interpolate(
+        (image[None] + 1) / 2, size=(size, width), mode="bicubic", antialias=True
+    ).clamp(0, 1)
+    left = (width - size) // 2
+    return x[0, :, :, left : left + size] * 2 - 1
+
+
 @pytest.mark.parametrize("source", ["folder", "webdataset"])
 def test_full_view_embeds_the_original_image(data, source):
     cfg = stage_config(source, data, "full")
@@ -64,14 +84,21 @@ def test_full_view_embeds_the_original_image(data, source):
     clip = CLIP.from_config(cfg.clip)
     assert clip.image_size == CLIP_SIZE
     batch = next(iter(decoder_batches(cfg, clip, rank=0, world_size=1)))
-    assert batch["image"].shape == (3, 3, TRAIN, TRAIN)
-    assert batch["clip_image"].shape == (3, 3, CLIP_SIZE, CLIP_SIZE)
+    assert batch["image"].shape == (6, 3, TRAIN, TRAIN)
+    assert batch["clip_image"].shape == (6, 3, CLIP_SIZE, CLIP_SIZE)
     got = decoder_image_embed(batch, clip, "cpu")
     full = originals(source, data)
-    assert all(full[c].shape[-1] == ORIGINAL for c in batch["caption"])
-    want = clip.encode_image(torch.stack([full[c] for c in batch["caption"]]))
+    widths = [full[c].shape[-1] for c in batch["caption"]]
+    assert all(full[c].shape[-2] == ORIGINAL for c in batch["caption"])
+    assert sorted(widths) == [ORIGINAL] * 5 + ([WIDE] if source == "folder" else [ORIGINAL])
+    crops = torch.stack([centre_crop(full[c], CLIP_SIZE) for c in batch["caption"]])
+    want = clip.encode_image(crops)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-    # ... and not of the 32 px training image (today's default view, which stays the default)
+    if source == "folder":  # the wide original squeezed to a square instead is another embedding
+        squeezed = F.interpolate(full["00000001"][None], size=(CLIP_SIZE, CLIP_SIZE))
+        wide = batch["caption"].index("00000001")
+        assert (clip.encode_image(squeezed)[0] - got[wide]).abs().max() > 100 * 1e-5
+    # ... and not of the 32 px training image (the default view, data.clip_view: training_image)
     small = clip.encode_image(batch["image"])
     assert (got - small).abs().max() > 100 * 1e-5
     default = stage_config(source, data, "training_image")

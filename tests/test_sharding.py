@@ -15,8 +15,16 @@ from safetensors.torch import load_file
 
 from unclip.config import ConfigError
 from unclip.train import distributed as dist_utils
-from unclip.train.config import TrainConfig
+from unclip.train.config import TrainConfig, load_stage_config
 
+#: a tiny caption transformer for the tiny decoder (``decoder.text_encoder: transformer``)
+TINY_TEXT_ENCODER = dict(
+    text_encoder="transformer",
+    text_encoder_width=32,
+    text_encoder_layers=2,
+    text_encoder_heads=2,
+    text_context_length=16,
+)
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 TORCHRUN = [
     str(Path(sys.executable).with_name("torchrun")),
@@ -89,17 +97,110 @@ def test_accelerate_config_files_parse(monkeypatch):
 
 def test_fsdp_blocks_fit_every_stage():
     """The block classes FSDP shards exist in each stage's model (Accelerate refuses a named class
-    the model lacks)."""
+    the model lacks): the prior's transformer blocks, the UNets' resnet and attention blocks, and
+    the caption transformer's blocks of a decoder that has one."""
     from unclip.clip import CLIP
-    from unclip.train.config import load_stage_config
 
-    for name in ("prior", "decoder", "sr32"):
-        cfg = load_stage_config(CONFIGS / "tiny" / f"{name}.yaml")
-        model = cfg.model.build(CLIP.from_config(cfg.clip)) if name != "sr32" else cfg.model.build()
+    want = {
+        "prior": ["BasicTransformerBlock"],
+        "decoder": ["ResnetBlock2D", "Attention"],
+        "decoder+caption": ["ResnetBlock2D", "Attention", "CaptionBlock"],
+        "sr32": ["ResnetBlock2D", "Attention"],
+    }
+    for name, blocks_wanted in want.items():
+        stage = name.split("+")[0]
+        overrides = (
+            [f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()] if "+" in name else []
+        )
+        cfg = load_stage_config(CONFIGS / "tiny" / f"{stage}.yaml", overrides)
+        model = (
+            cfg.model.build(CLIP.from_config(cfg.clip)) if stage != "sr32" else cfg.model.build()
+        )
         blocks = dist_utils.fsdp_block_classes(model)
         present = {type(m).__name__ for m in model.modules()}
-        assert blocks and set(blocks) <= present, name
-        assert blocks == (["BasicTransformerBlock"] if name == "prior" else blocks)
+        assert set(blocks) <= present, name
+        assert blocks == blocks_wanted, name
+
+
+def _outside_units(model: torch.nn.Module) -> dict[str, int]:
+    """``{name: size}`` of the parameters no FSDP unit holds: the root group."""
+    inside = {id(p) for unit in dist_utils.fsdp_units(model) for p in unit.parameters()}
+    return {n: p.numel() for n, p in model.named_parameters() if id(p) not in inside}
+
+
+def test_fsdp_shards_the_caption_transformer_blocks():
+    """A decoder with its own caption transformer: each of its blocks is an FSDP unit, so the root
+    group (gathered for the whole step) keeps only its token and position embeddings and final
+    norm. At full scale (configs/*.yaml, built on the meta device) the root group of every stage
+    is a small part of the model; the decoder's caption blocks alone are 1.31B of its 3.56B."""
+    from unclip.tiny import tiny_pipeline
+    from unclip.train.params import build_on_meta
+
+    decoder = tiny_pipeline(decoder_kwargs=TINY_TEXT_ENCODER).decoder
+    units = dist_utils.fsdp_units(decoder)
+    captions = [m for m in units if type(m).__name__ == "CaptionBlock"]
+    assert len(captions) == TINY_TEXT_ENCODER["text_encoder_layers"]
+    root_caption = {n for n in _outside_units(decoder) if n.startswith("text_transformer.")}
+    assert root_caption == {
+        "text_transformer.token_embedding.weight",
+        "text_transformer.positional_embedding",
+        "text_transformer.final_norm.weight",
+        "text_transformer.final_norm.bias",
+    }
+    for config in ("decoder_64", "prior_vit_l14", "sr256", "sr1024"):
+        model = build_on_meta(load_stage_config(CONFIGS / f"{config}.yaml"))
+        total = sum(p.numel() for p in model.parameters())
+        assert sum(_outside_units(model).values()) < 0.1 * total, config
+
+
+def test_ema_shadow_is_fp32_for_half_precision_weights(tmp_path, reset_accelerate):
+    """Weights in fp16 or bf16 (what DeepSpeed's engine makes of the module before the EMA is
+    built) get an fp32 EMA shadow: an update far below half precision's resolution still moves
+    it, the EMA weights copy back into the model, and a checkpoint resumes fp32 shadows."""
+    from dataclasses import dataclass
+
+    from unclip.train.loop import TrainLoop
+
+    @dataclass
+    class Config:
+        train: TrainConfig
+
+    for dtype in (torch.float16, torch.bfloat16):
+        out = tmp_path / str(dtype)
+        cfg = Config(
+            TrainConfig(
+                output_dir=str(out),
+                mixed_precision="no",
+                ema_decay=0.9999,
+                ema_warmup=False,
+                trackers=[],
+                progress=False,
+            )
+        )
+        loop = TrainLoop(cfg)
+        model = torch.nn.Linear(4, 4).to(dtype)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        loop.prepare(model)
+        assert all(s.dtype == torch.float32 for s in loop.ema.shadow_params), dtype
+        loop.ema.optimization_step = 10**6  # past any decay warm-up: decay is 0.9999
+        with torch.no_grad():
+            model.weight.fill_(2.0)  # the shadow moves by 1e-4: below 1.0's half-precision step
+        loop.update_ema()
+        shadow = loop.ema.shadow_params[0]
+        assert (shadow.double() - 1.0001).abs().max() < 1e-6  # half precision stays at 1.0
+        with loop.ema_weights():
+            assert model.weight.dtype == dtype
+            assert torch.equal(model.weight, shadow.to(dtype))
+        assert torch.equal(model.weight, torch.full_like(model.weight, 2.0))
+        loop.save_checkpoint()
+        loop.finish()
+
+        resumed = TrainLoop(cfg, resume="latest")
+        resumed.prepare(torch.nn.Linear(4, 4).to(dtype))
+        assert all(s.dtype == torch.float32 for s in resumed.ema.shadow_params), dtype
+        assert torch.equal(resumed.ema.shadow_params[0], shadow)
+        resumed.finish()
 
 
 def test_optimizer_setting():
@@ -149,14 +250,21 @@ def test_powersgd_survives_a_loss_scale_overflow(tmp_path):
 @pytest.mark.slow
 def test_fsdp_on_two_cpu_processes(tmp_path):
     """FSDP2 (the shipped fsdp_8gpu.yaml, as ``accelerate launch`` passes it) on 2 gloo
-    processes: the tiny decoder trains (with sample grids and checkpoints), a run stopped and
+    processes: the tiny decoder with its own caption transformer (whose blocks are FSDP units, as
+    the UNet's are) trains (with sample grids and checkpoints), a run stopped and
     resumed ends with exactly the weights of an uninterrupted one, the checkpoints have the files
     and tensors a DDP run writes, the weights match DDP's, and the export loads and generates."""
     env = {**os.environ, **launch_env(ROOT / "configs" / "accelerate" / "fsdp_8gpu.yaml")}
     env.update(OMP_NUM_THREADS="1", ACCELERATE_MIXED_PRECISION="no")
     worker = ROOT / "tests" / "fsdp_worker.py"
     proc = subprocess.run(
-        [*TORCHRUN, str(worker), str(CONFIGS / "tiny" / "decoder.yaml"), str(tmp_path)],
+        [
+            *TORCHRUN,
+            str(worker),
+            str(CONFIGS / "tiny" / "decoder.yaml"),
+            str(tmp_path),
+            *[f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()],
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -165,6 +273,7 @@ def test_fsdp_on_two_cpu_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy: fsdp on 2 processes" in proc.stderr
     assert "strategy: ddp on 2 processes" in proc.stderr
+    assert "(ResnetBlock2D, Attention, CaptionBlock) as their own groups" in proc.stderr
 
     def final(run):
         return load_file(

@@ -211,7 +211,7 @@ def _decoder_cfg(*overrides):
 def test_config_checks_for_learned_variance():
     cfg = _decoder_cfg("decoder.learned_variance=true", "diffusion.vlb_weight=0.001")
     assert cfg.decoder.learned_variance and cfg.diffusion.vlb_weight == 0.001
-    assert not _decoder_cfg().decoder.learned_variance  # default: today's fixed variance
+    assert not _decoder_cfg().decoder.learned_variance  # default: a fixed variance, not predicted
     with pytest.raises(ConfigError, match="needs diffusion.vlb_weight > 0"):
         _decoder_cfg("decoder.learned_variance=true")
     with pytest.raises(ConfigError, match="set decoder.learned_variance=true or"):

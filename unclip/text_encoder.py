@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from open_clip.tokenizer import SimpleTokenizer
 
-__all__ = ["CaptionTokenizer", "CaptionTransformer", "TOKENIZERS", "caption_tokenizer"]
+__all__ = [
+    "CaptionBlock",
+    "CaptionTokenizer",
+    "CaptionTransformer",
+    "TOKENIZERS",
+    "caption_tokenizer",
+]
 
 #: caption tokenizers by the name a decoder config gives (``text_tokenizer``): vocabulary size and
 #: end-of-text id, known without reading the BPE file so a network can be built on the meta device
@@ -64,8 +70,12 @@ def caption_tokenizer(name: str, context_length: int) -> CaptionTokenizer:
     return CaptionTokenizer(name, context_length)
 
 
-class _Block(torch.nn.Module):
-    """Pre-norm transformer block: self-attention (SDPA) over the caption, then a 4× GELU MLP."""
+class CaptionBlock(torch.nn.Module):
+    """Pre-norm transformer block: self-attention (SDPA) over the caption, then a 4× GELU MLP.
+
+    Public because FSDP shards the decoder by block class name
+    (:data:`unclip.train.distributed.FSDP_BLOCKS`): each block is its own group, gathered only
+    while it runs, instead of the whole caption transformer staying gathered in the root group."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -114,7 +124,7 @@ class CaptionTransformer(torch.nn.Module):
         self.positional_embedding = torch.nn.Parameter(torch.empty(context_length, width))
         torch.nn.init.normal_(self.token_embedding.weight, std=0.02)
         torch.nn.init.normal_(self.positional_embedding, std=0.01)
-        self.blocks = torch.nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(CaptionBlock(width, heads) for _ in range(layers))
         self.final_norm = torch.nn.LayerNorm(width)
         self.gradient_checkpointing = False
 

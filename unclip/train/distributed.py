@@ -17,7 +17,8 @@ strategy      what the loop does differently
 ``deepspeed`` ZeRO-2/3 through Accelerate: weights are gathered with
               ``Accelerator.get_state_dict``; the ZeRO optimizer partitions are *not* checkpointed
               (DeepSpeed keeps them in pickles, which this project never loads), so a resume
-              restarts the AdamW moments (with a warning)
+              restarts the AdamW moments (with a warning); the EMA shadow is fp32 though the
+              engine casts the weights to fp16/bf16 (:func:`shadow_in_fp32`)
 ============  =================================================================================
 
 Rank-0-only work (writing files, sample grids) never calls a collective: everything that
@@ -49,6 +50,10 @@ __all__ = [
     "load_full_state",
     "is_sharded",
     "full_copy",
+    "FSDP_BLOCKS",
+    "fsdp_block_classes",
+    "fsdp_units",
+    "shadow_in_fp32",
 ]
 
 #: ``train.optimizer`` values
@@ -114,8 +119,11 @@ def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
 
 
 #: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):
-#: the prior's transformer blocks, or else the resnet and attention blocks of a diffusers UNet
-FSDP_BLOCKS = (("BasicTransformerBlock",), ("ResnetBlock2D", "Attention"))
+#: the prior's transformer blocks, or else the resnet and attention blocks of a diffusers UNet and
+#: the blocks of the decoder's own caption transformer (``text_encoder: transformer``, 1.31B of the
+#: full-scale decoder's 3.56B parameters). What no block holds (embeddings, projections, the
+#: caption's token embedding) stays in the root group, gathered for the whole step.
+FSDP_BLOCKS = (("BasicTransformerBlock",), ("ResnetBlock2D", "Attention", "CaptionBlock"))
 
 
 def fit_fsdp_wrapping(accelerator, model: torch.nn.Module) -> None:
@@ -134,6 +142,11 @@ def fit_fsdp_wrapping(accelerator, model: torch.nn.Module) -> None:
     if policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap:
         return
     plugin.transformer_cls_names_to_wrap = fsdp_block_classes(model)
+    logger.info(
+        "FSDP shards %d blocks (%s) as their own groups",
+        len(fsdp_units(model)),
+        ", ".join(plugin.transformer_cls_names_to_wrap),
+    )
 
 
 def fsdp_block_classes(model: torch.nn.Module) -> list[str]:
@@ -146,6 +159,14 @@ def fsdp_block_classes(model: torch.nn.Module) -> list[str]:
     return []
 
 
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that FSDP shards as their own groups (instances of
+    :func:`fsdp_block_classes`), in ``model.modules()`` order. The parameters under none of them
+    form the root group, which stays gathered for the whole step."""
+    names = set(fsdp_block_classes(model))
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def check_strategy(accelerator) -> None:
     """Refuse FSDP1: its flat parameters are not ``DTensor`` shards, which the checkpoints and the
     EMA of this project gather (FSDP2, ``fsdp_version: 2``, shards each parameter)."""
@@ -154,6 +175,26 @@ def check_strategy(accelerator) -> None:
             "FSDP1 is not supported: set fsdp_version: 2 in the Accelerate config (the shipped "
             "configs/accelerate/fsdp_*.yaml do)"
         )
+
+
+# ------------------------------------------------------------------ EMA
+def shadow_in_fp32(ema):
+    """Make the shadow of diffusers' ``EMAModel`` ``ema`` fp32 (in place, on the same devices);
+    returns ``ema``.
+
+    ``EMAModel`` clones the parameters as they are; built after ``accelerator.prepare`` those may
+    be half precision (DeepSpeed's fp16/bf16 engines cast the module itself). A half-precision
+    shadow loses the EMA: with decay 0.9999 each update moves it by 1e-4 of its distance to the
+    weights, which rounds away unless that distance exceeds about 5 times the value itself
+    (fp16's half step is 2**-11 of it; bf16's 2**-8, so 40 times). An fp32 shadow takes every
+    update; ``step`` mixes dtypes by type promotion and ``copy_to`` casts back to the
+    parameters' dtype. FSDP2 shadows are fp32 ``DTensor`` shards already (its parameters stay
+    fp32; mixed precision casts only the gathered copies)."""
+    ema.shadow_params = [
+        s.float() if s.is_floating_point() and s.dtype != torch.float32 else s
+        for s in ema.shadow_params
+    ]
+    return ema
 
 
 # ------------------------------------------------------------------ PowerSGD

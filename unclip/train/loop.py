@@ -381,10 +381,12 @@ class TrainLoop:
                 "weights) or ZeRO-2, or set train.ema=false"
             )
         if t.ema:
-            # after prepare: the shadow copies are made from the parameters where they now live
-            # (the GPU), so EMA.step never mixes devices
-            self.ema = EMAModel(
-                self.trainable, decay=t.ema_decay, use_ema_warmup=t.ema_warmup, power=3 / 4
+            # the shadow copies are made from the parameters where they live after prepare (the
+            # GPU), so EMA.step never mixes devices; they are fp32 whatever the parameters' dtype
+            self.ema = dist_utils.shadow_in_fp32(
+                EMAModel(
+                    self.trainable, decay=t.ema_decay, use_ema_warmup=t.ema_warmup, power=3 / 4
+                )
             )
         if self.resume:
             self.load_checkpoint(self.resume)
