@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from unclip.train.distributed import fsdp_units
 from unclip.train.loop import TrainLoop
 
 __all__ = ["MemoryTracker", "StepMeasure", "PlanLoop", "graph_parameters", "measure_step"]
@@ -353,7 +354,7 @@ def measure_step(
             opt_peak = mem.peak
             optimizer = mem.current - before_opt + grads  # zero_grad freed the gradients
             _check_devices(loop, model, device)
-            units = _fsdp_units(loop.unwrapped)
+            units = fsdp_units(loop.unwrapped)  # what FSDP would shard unit by unit
             measure = StepMeasure(
                 stage=cfg.stage,
                 component=task.name,
@@ -401,25 +402,6 @@ def _fresh_accelerate_state() -> Iterator[None]:
 
 def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules an FSDP launch shards as units (the training loop's block classes for this
-    model), outermost only; what no unit holds stays in the root group, gathered for the step."""
-    from unclip.train.distributed import fsdp_block_classes
-
-    names = set(fsdp_block_classes(model))
-    units: list[torch.nn.Module] = []
-
-    def walk(module):
-        for child in module.children():
-            if type(child).__name__ in names:
-                units.append(child)
-            else:
-                walk(child)
-
-    walk(model)
-    return units
 
 
 def _count_flops_of(obj, methods) -> list[int]:
