@@ -109,6 +109,7 @@ def generate_to_folder(
     tiny: bool = False,
     command: Optional[Sequence[str]] = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    negative_prompt: Optional[str] = None,
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
@@ -117,7 +118,9 @@ def generate_to_folder(
     checked (:func:`check_output_folder`) before the model loads; an existing folder is fine, its
     files of the same names are replaced. ``generate.json`` records every setting needed to
     reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
-    ``batch_size``, versions, ``command``); it is also returned.
+    ``batch_size``, ``negative_prompt``, versions, ``command``); it is also returned.
+    ``negative_prompt``: one caption that replaces the empty one in guidance for every prompt
+    (see :meth:`UnCLIPPipeline.__call__`).
 
     Memory stays bounded however many images are asked for: the images (prompt-major: every image
     of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
@@ -174,6 +177,7 @@ def generate_to_folder(
             generator=args[2],
             sampling=sampling,
             progress=progress,
+            negative_prompt=negative_prompt,
         )
         seconds += time.perf_counter() - t0
         for stage, t in out.timings.items():
@@ -193,6 +197,7 @@ def generate_to_folder(
         "prompts": prompts,
         "seeds": seeds,
         "num_images_per_prompt": n,
+        "negative_prompt": negative_prompt,
         "batch_size": batch_size,
         "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
         "device": str(device),

@@ -318,12 +318,53 @@ class UnCLIPPipeline:
     def _as_text(self, text) -> TextEncoding:
         return text if isinstance(text, TextEncoding) else self.encode_text(text)
 
+    def _encode_each(self, captions: Sequence[str]) -> TextEncoding:
+        """Each distinct caption encoded on its own, so that the empty caption as a negative
+        prompt is bit for bit the usual unconditional input (a batch's rows can differ in the last
+        bits from the same caption encoded alone)."""
+        enc = {c: self.clip.encode_text([c]) for c in dict.fromkeys(captions)}
+        return TextEncoding.cat([enc[c] for c in captions])
+
+    def _unconditional(self, negative, rows: int):
+        """The unconditional input of guidance for ``rows`` conditioned rows: the empty caption
+        (``negative=None``), or ``negative`` (a :class:`TextEncoding` or prompts with one row per
+        conditioned row, or one prompt for all) in its place, as a callable of the batch size
+        (each row repeated to fill it, as the samplers repeat the conditioned rows)."""
+        if negative is None:
+            return self.null_text
+        if not isinstance(negative, TextEncoding):
+            negative = check_prompts(negative, "negative_prompt")
+        neg = negative if isinstance(negative, TextEncoding) else self._encode_each(negative)
+        if len(neg) == 1:
+            neg = neg.repeat_interleave(rows)
+        if len(neg) != rows:
+            raise ValueError(
+                f"negative prompts: {len(neg)} for {rows} rows; give one string for all, or one "
+                "per prompt"
+            )
+        return lambda batch: neg.repeat_interleave(batch // rows)
+
     def _decoder_captions(self, text, b: int):
         """The decoder's caption input for ``b`` images and its unconditional one (a callable of
         the batch size): CLIP encodings, or token ids for a decoder with its own text encoder."""
         if self.decoder.has_text_encoder:
             return self.decoder.caption_ids(text, b), self.decoder.null_caption
         return (self.null_text(b) if text is None else self._as_text(text)), self.null_text
+
+    def _decoder_negative(self, negative, b: int):
+        if not self.decoder.has_text_encoder:
+            return self._unconditional(negative, b)
+        if not isinstance(negative, torch.Tensor):
+            negative = check_prompts(negative, "negative_prompt")
+        ids = self.decoder.caption_ids(negative, b)
+        if ids.shape[0] == 1:
+            ids = ids.expand(b, -1)
+        if ids.shape[0] != b:
+            raise ValueError(
+                f"negative prompts: {ids.shape[0]} for {b} images; give one string for all, or "
+                "one per prompt"
+            )
+        return lambda batch: ids.repeat_interleave(batch // b, dim=0)
 
     @torch.no_grad()
     def sample_image_embeds(
@@ -336,12 +377,15 @@ class UnCLIPPipeline:
         return_candidates: bool = False,
         progress: bool = True,
         callback_on_step_end: Optional[StepCallback] = None,
+        negative_prompt=None,
     ):
         """Prior: prompts or a :class:`TextEncoding` ``[B]`` → CLIP image embeddings ``[B·n, D]``.
 
         With ``best_of = N > 1`` it samples N candidates per image and keeps the one with the
         highest dot product with the text embedding (paper §2.2). ``return_candidates`` also returns
         the candidates ``[B·n, N, D]``. ``callback_on_step_end``: see :meth:`__call__`.
+        ``negative_prompt``: a caption (one for all, or one per row of ``text``) that takes the
+        empty caption's place in classifier-free guidance, steering away from it.
         """
         if self.prior is None:
             raise ValueError(
@@ -351,10 +395,11 @@ class UnCLIPPipeline:
         s = self._stage_settings("prior", sampling)
         text = self._as_text(text)
         n = check_count(num_images_per_prompt)
+        uncond = self._unconditional(negative_prompt, len(text))
         best, cands = sample_prior(
             self.prior,
             text.repeat_interleave(n),
-            self.null_text,
+            uncond,
             s,
             self.diffusion["prior"],
             generator=expand_generator(generator, len(text), n * s.best_of, "sample_image_embeds"),
@@ -376,15 +421,20 @@ class UnCLIPPipeline:
         latents: Optional[torch.Tensor] = None,
         progress: bool = True,
         callback_on_step_end: Optional[StepCallback] = None,
+        negative_prompt=None,
     ) -> torch.Tensor:
         """Decoder: ``image_embed [B, D]`` (+ optional captions/TextEncoding with B rows) →
         ``[B, 3, s, s]`` in [-1, 1] at the decoder's resolution. Without text the empty caption is
         used. A decoder with its own text encoder takes the captions as strings (or its token
-        ids), not a CLIP TextEncoding."""
+        ids), not a CLIP TextEncoding. ``negative_prompt`` (one caption, or one per image) takes
+        the empty caption's place in the unconditional branch of guidance (whose image embedding
+        stays the learned null one)."""
         s = self._stage_settings("decoder", sampling)
         image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
         text, null = self._decoder_captions(text, b)
+        if negative_prompt is not None:
+            null = self._decoder_negative(negative_prompt, b)
         if len(text) != b:
             raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
         return sample_decoder(
@@ -452,6 +502,7 @@ class UnCLIPPipeline:
         callback_on_step_end: Optional[StepCallback] = None,
         image_embeds: Optional[torch.Tensor] = None,
         last_stage: Optional[str] = None,
+        negative_prompt: Union[str, Sequence[str], None] = None,
     ) -> UnCLIPOutput:
         """Text → images through every stage.
 
@@ -470,8 +521,21 @@ class UnCLIPPipeline:
         prompt-major): decode these CLIP image embeddings instead of sampling the prior.
         ``last_stage``: stop after this stage (``"decoder"`` or an upsampler's name; default: the
         last). Seconds per stage are returned in ``UnCLIPOutput.timings``.
+        ``negative_prompt``: one caption for all prompts, or one per prompt, that replaces the empty
+        caption in the unconditional branch of guidance in the prior and the decoder (the images
+        are steered away from it); it acts only in a stage whose guidance scale is not 1.
         """
         prompts = check_prompts(prompt)
+        negatives = None
+        if negative_prompt is not None:
+            negatives = check_prompts(negative_prompt, "negative_prompt")
+            if len(negatives) == 1:
+                negatives = negatives * len(prompts)
+            if len(negatives) != len(prompts):
+                raise ValueError(
+                    f"negative_prompt: {len(negatives)} for {len(prompts)} prompts; give one "
+                    "string for all, or one per prompt"
+                )
         check_output_type(output_type)
         n = check_count(num_images_per_prompt)
         settings = self.sampling_settings(sampling)  # validate everything before any compute
@@ -490,6 +554,10 @@ class UnCLIPPipeline:
         text = self.encode_text(prompts)
         gen = expand_generator(generator, len(prompts), n * k, "generator")
         text_k = text.repeat_interleave(n * k)
+        neg_k = None  # the negative caption of each row, encoded once per prompt
+        if negatives is not None:
+            neg_k = self._encode_each(negatives).repeat_interleave(n * k)
+            neg_captions_k = [c for c in negatives for _ in range(n * k)]
         if image_embeds is None:
             embeds = self.sample_image_embeds(
                 text_k,
@@ -498,6 +566,7 @@ class UnCLIPPipeline:
                 sampling,
                 progress=progress,
                 callback_on_step_end=callback_on_step_end,
+                negative_prompt=neg_k,
             )
             timings["prior"] = self._now() - t0
             t0 = self._now()
@@ -511,6 +580,11 @@ class UnCLIPPipeline:
             sampling,
             progress=progress,
             callback_on_step_end=callback_on_step_end,
+            negative_prompt=(
+                None
+                if neg_k is None
+                else (neg_captions_k if self.decoder.has_text_encoder else neg_k)
+            ),
         )
         keep = self.rerank(small, captions_k, k)
         small, embeds, text_k = small[keep], embeds[keep], text_k[keep]

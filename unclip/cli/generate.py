@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.add_argument("--seed", type=seed_type, default=0, help="prompt i uses seed S+i")
+    p.add_argument(
+        "--negative",
+        default=None,
+        metavar="TEXT",
+        help="a negative prompt: replaces the empty caption in the prior's and the decoder's "
+        "guidance, steering every image away from it",
+    )
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -142,6 +149,7 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
         tiny=args.tiny,
         batch_size=args.batch_size,
+        negative_prompt=args.negative,
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
     print(
