@@ -83,17 +83,13 @@ def test_cli_negative_is_recorded(tmp_path):
 def test_negative_prompt_with_a_decoder_that_has_its_own_caption_encoder(tiny_pipe):
     from unclip import UnCLIPPipeline
     from unclip.decoder import UnCLIPDecoder
-    from unclip.tiny import tiny_decoder_kwargs
+    from unclip.tiny import TINY_TEXT_ENCODER, tiny_decoder_kwargs
 
     torch.manual_seed(0)
     decoder = UnCLIPDecoder(
         embed_dim=tiny_pipe.clip.embed_dim,
         text_width=tiny_pipe.clip.text_width,
-        text_encoder="transformer",
-        text_encoder_width=32,
-        text_encoder_layers=2,
-        text_encoder_heads=2,
-        text_context_length=16,
+        **TINY_TEXT_ENCODER,
         **tiny_decoder_kwargs(),
     )
     pipe = UnCLIPPipeline(tiny_pipe.clip, tiny_pipe.prior, decoder)

@@ -15,18 +15,16 @@ from unclip.config import ConfigError, DecoderConfig, UpsamplerConfig, load_conf
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler, encode_captions
 from unclip.diffusion import make_scheduler, training_scheduler
 from unclip.sampling import sample_upsampler
-from unclip.tiny import tiny_decoder_kwargs, tiny_pipeline, tiny_upsampler_kwargs
+from unclip.tiny import (
+    TINY_TEXT_ENCODER,
+    tiny_decoder_kwargs,
+    tiny_pipeline,
+    tiny_upsampler_kwargs,
+)
 from unclip.train.config import load_stage_config
 from unclip.train.decoder import decoder_loss
 from unclip.train.params import count_parameters
 
-TINY_TEXT_ENCODER = dict(
-    text_encoder="transformer",
-    text_encoder_width=32,
-    text_encoder_layers=2,
-    text_encoder_heads=2,
-    text_context_length=16,
-)
 QUIET = ["train.progress=false", "train.trackers=[]"]
 
 

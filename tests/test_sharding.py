@@ -14,17 +14,10 @@ from conftest import CONFIGS, ROOT
 from safetensors.torch import load_file
 
 from unclip.config import ConfigError
+from unclip.tiny import TINY_TEXT_ENCODER
 from unclip.train import distributed as dist_utils
 from unclip.train.config import TrainConfig, load_stage_config
 
-#: a tiny caption transformer for the tiny decoder (``decoder.text_encoder: transformer``)
-TINY_TEXT_ENCODER = dict(
-    text_encoder="transformer",
-    text_encoder_width=32,
-    text_encoder_layers=2,
-    text_encoder_heads=2,
-    text_context_length=16,
-)
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 TORCHRUN = [
     str(Path(sys.executable).with_name("torchrun")),

@@ -46,6 +46,16 @@ def tiny_upsampler_kwargs(low_res_size: int, sample_size: int) -> dict:
     )
 
 
+#: a tiny caption transformer for a tiny decoder (``decoder.text_encoder: transformer``)
+TINY_TEXT_ENCODER = dict(
+    text_encoder="transformer",
+    text_encoder_width=32,
+    text_encoder_layers=2,
+    text_encoder_heads=2,
+    text_context_length=16,
+)
+
+
 def tiny_pipeline(
     seed: int = 0,
     sizes: tuple = (16, 32, 64),
