@@ -9,6 +9,7 @@ have followed. Image samples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Optional
 
@@ -136,39 +137,26 @@ def make_batches(
     """Batches of ``data.batch_size`` for this rank, resumable at ``start`` samples; uses a
     DataLoader with ``data.num_workers`` worker processes when > 0 (exact resume either way, see
     ``StreamDataset``). ``clip_resolution``: as in :func:`make_stream`."""
+    # this rank's stream from a start position (and a DataLoader worker's share of it)
+    stream_from = functools.partial(
+        make_stream,
+        data,
+        resolution=resolution,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        clip_resolution=clip_resolution,
+    )
     if data.num_workers <= 0:
-        stream = make_stream(
-            data,
-            resolution=resolution,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            clip_resolution=clip_resolution,
-        )
-        return batches(stream, data.batch_size)
+        return batches(stream_from(start=start), data.batch_size)
 
     from unclip.train.data.sources import StreamDataset
 
     if (
         data.embeddings_path
     ):  # check the pairing now, before the workers start (they reuse the cached check)
-        make_stream(data, resolution=resolution, seed=seed, rank=rank, world_size=world_size)
-
-    def factory(start: int, worker: int, num_workers: int):
-        return make_stream(
-            data,
-            resolution=resolution,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            start=start,
-            clip_resolution=clip_resolution,
-            worker=worker,
-            num_workers=num_workers,
-        )
-
-    ds = StreamDataset(factory, start=start, batch_size=data.batch_size)
+        stream_from()
+    ds = StreamDataset(stream_from, start=start, batch_size=data.batch_size)
     return torch.utils.data.DataLoader(
         ds,
         batch_size=data.batch_size,
