@@ -35,18 +35,20 @@ class SampleMeasure:
     output_shape: list
 
 
-def _place(module: torch.nn.Module, device, dtype) -> None:
-    """Every parameter and buffer of ``module`` as a tensor on ``device`` (floating ones in
-    ``dtype``), assigned in place: ``Module.to`` would swap each fake tensor, which fake tensors
-    do not support."""
+def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False) -> None:
+    """Every parameter and buffer of ``module`` (and with ``attributes`` its plain tensor
+    attributes, e.g. a CLIP's kept token ids) replaced by ``convert(tensor)``, assigned in place:
+    ``Module.to`` would swap each fake tensor, which fake tensors do not support."""
     for m in module.modules():
         for key, p in m._parameters.items():
             if p is not None:
-                t = p.detach().to(device, dtype if p.is_floating_point() else None)
-                m._parameters[key] = torch.nn.Parameter(t, requires_grad=False)
+                m._parameters[key] = torch.nn.Parameter(convert(p.detach()), requires_grad=False)
         for key, b in m._buffers.items():
             if b is not None:
-                m._buffers[key] = b.to(device, dtype if b.is_floating_point() else None)
+                m._buffers[key] = convert(b)
+        for key, v in list(vars(m).items()) if attributes else ():
+            if isinstance(v, torch.Tensor):
+                setattr(m, key, convert(v))
 
 
 def _pipeline_from_configs(paths):
@@ -102,23 +104,15 @@ def measure_sampling(
     pipe = UnCLIPPipeline.from_pretrained(sources[0]) if folder else None
     if pipe is not None:  # real weights become fake ones: only their shapes and dtypes matter
         for m in pipe.modules().values():
-            for sub in m.modules():
-                for k, p in sub._parameters.items():
-                    if p is not None:
-                        sub._parameters[k] = torch.nn.Parameter(
-                            fake.from_tensor(p.detach()), requires_grad=False
-                        )
-                for k, b in sub._buffers.items():
-                    if b is not None:
-                        sub._buffers[k] = fake.from_tensor(b)
-                for k, v in list(vars(sub).items()):  # plain tensor attributes (token id sets)
-                    if isinstance(v, torch.Tensor):
-                        setattr(sub, k, fake.from_tensor(v))
+            _replace_tensors(m, fake.from_tensor, attributes=True)
     with fake, mem:
         if pipe is None:
             pipe = _pipeline_from_configs(sources)
         for m in pipe.modules().values():
-            _place(m, device, dtype)
+            # on the GPU, floating tensors in the sampling dtype
+            _replace_tensors(
+                m, lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)
+            )
         pipe._null_text = None
         weights = mem.current
         stages = list(pipe.stage_names)
