@@ -11,17 +11,12 @@ accumulation, so the second micro-batch runs with the first one's gradients held
 from __future__ import annotations
 
 import sys
-import tempfile
-
-import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import ROOT, machine, write_json  # noqa: E402
 
-from unclip.clip import CLIP  # noqa: E402
 from unclip.train.config import load_stage_config  # noqa: E402
-from unclip.train.loop import TrainLoop  # noqa: E402
-from unclip.train.plan import MemoryTracker, _build, _synthetic_batch, measure_step  # noqa: E402
+from unclip.train.plan import measure_step, real_cpu_step_peak  # noqa: E402
 
 MiB = 2**20
 MID_DECODER = [
@@ -43,31 +38,13 @@ CASES = {
 }
 
 
-def real_peak(cfg) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg.train.output_dir = tmp
-        loop = TrainLoop(cfg, overwrite=True)
-        mem = MemoryTracker("cpu")
-        with mem:
-            torch.manual_seed(0)
-            clip = CLIP.from_config(cfg.clip)
-            model, task = _build(cfg, clip, "cpu")
-            model = loop.prepare(model)
-            model.train()
-            batch = _synthetic_batch(cfg, clip, cfg.data.batch_size)
-            mem.reset_peak()
-            loop.run_step(task, [batch, batch])
-        loop.accelerator.end_training()
-        return mem.peak
-
-
 def main() -> None:
     rows = []
     common = ["train.mixed_precision=no", "clip.pretrained=null", "train.grad_accum_steps=2"]
     for name, (path, overrides) in CASES.items():
         cfg = load_stage_config(ROOT / path, common + overrides)
         est = measure_step(cfg, device_type="cpu")
-        real = real_peak(cfg)
+        real = real_cpu_step_peak(cfg)
         rows.append(
             {
                 "case": name,

@@ -46,7 +46,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from unclip.train.distributed import fsdp_units
 from unclip.train.loop import TrainLoop
 
-__all__ = ["MemoryTracker", "StepMeasure", "PlanLoop", "graph_parameters", "measure_step"]
+__all__ = [
+    "MemoryTracker",
+    "StepMeasure",
+    "PlanLoop",
+    "graph_parameters",
+    "measure_step",
+    "real_cpu_step_peak",
+]
 
 #: the CUDA caching allocator rounds every block up to this many bytes
 ALLOC_ROUND = 512
@@ -385,6 +392,32 @@ def measure_step(
             )
         loop.accelerator.end_training()
     return measure
+
+
+def real_cpu_step_peak(cfg) -> int:
+    """The tracker's peak over one real CPU training step of ``cfg`` (real backward) with two
+    micro-batches of its synthetic batch: what :func:`measure_step` with ``device_type="cpu"``
+    estimates, to check the method against."""
+    from unclip.clip import CLIP
+
+    cfg = copy.deepcopy(cfg)
+    with tempfile.TemporaryDirectory(prefix="unclip-plan-") as tmp:
+        cfg.train.output_dir = tmp
+        loop = TrainLoop(cfg, overwrite=True)
+        mem = MemoryTracker("cpu")
+        try:
+            with mem:
+                torch.manual_seed(cfg.train.seed)
+                clip = CLIP.from_config(cfg.clip)
+                model, task = _build(cfg, clip, "cpu")
+                model = loop.prepare(model)
+                model.train()
+                batch = _synthetic_batch(cfg, clip, cfg.data.batch_size)
+                mem.reset_peak()
+                loop.run_step(task, [batch, batch])
+        finally:
+            loop.accelerator.end_training()
+    return mem.peak
 
 
 @contextlib.contextmanager
