@@ -201,10 +201,10 @@ class UpsamplerTask:
 
 
 def clip_device(cfg: StageConfig, device) -> torch.device:
-    """Where a stage's frozen CLIP lives: on the training device for the decoder, which encodes
-    every batch with it; on the CPU for an upsampler, which never runs it (it only travels with
-    the export), so it takes no GPU memory."""
-    return torch.device(device) if cfg.stage == "decoder" else torch.device("cpu")
+    """Where a stage's frozen CLIP lives: on the training device for the decoder (and the
+    prior), which encode every batch with it; on the CPU for an upsampler, which never runs it (it
+    only travels with the export), so it takes no GPU memory."""
+    return torch.device("cpu") if cfg.stage == "upsampler" else torch.device(device)
 
 
 def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from unclip.train.decoder import clip_device
 from unclip.train.distributed import fsdp_units
 from unclip.train.loop import TrainLoop
 
@@ -312,7 +313,7 @@ def measure_step(
         with fake, mem, mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint):
             device = torch.device(device_type, 0) if device_type == "cuda" else loop.device
             torch.manual_seed(cfg.train.seed)
-            with torch.device(_clip_device(cfg, device)):
+            with torch.device(clip_device(cfg, device)):
                 clip = CLIP.from_config(cfg.clip)
             clip_flops = _count_flops_of(clip, ("encode_text", "encode_image"))
             clip_bytes = mem.current
@@ -452,14 +453,6 @@ def _count_flops_of(obj, methods) -> list[int]:
 
         setattr(obj, name, run)
     return counter
-
-
-def _clip_device(cfg, device):
-    if cfg.stage == "prior":
-        return device
-    from unclip.train.decoder import clip_device
-
-    return clip_device(cfg, device)
 
 
 def _build(cfg, clip, device):
