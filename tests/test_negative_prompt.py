@@ -99,5 +99,5 @@ def test_negative_prompt_with_a_decoder_that_has_its_own_caption_encoder(tiny_pi
         for n in (None, "", "a green triangle")
     )
     assert torch.equal(plain, empty) and not torch.allclose(plain, steered)
-    with pytest.raises(ValueError, match="negative prompts: 3 for 2 images"):
+    with pytest.raises(ValueError, match="negative_prompt: 3 for 2 images"):
         pipe.decode(embeds, ["a red circle"] * 2, negative_prompt=["a", "b", "c"])

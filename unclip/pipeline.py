@@ -97,6 +97,20 @@ __all__ = [
 ]
 
 
+def negatives_per_row(negative, rows: int, what: str) -> list[str]:
+    """Negative prompts as one per row: one string (or a one-item list) serves every row, else
+    there must be one per row (``what`` names the rows in the error: prompts, images)."""
+    captions = check_prompts(negative, "negative_prompt")
+    if len(captions) == 1:
+        captions = captions * rows
+    if len(captions) != rows:
+        raise ValueError(
+            f"negative_prompt: {len(captions)} for {rows} {what}; give one string for all, or one "
+            "per prompt"
+        )
+    return captions
+
+
 class UnCLIPPipeline:
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
@@ -325,23 +339,14 @@ class UnCLIPPipeline:
         enc = {c: self.clip.encode_text([c]) for c in dict.fromkeys(captions)}
         return TextEncoding.cat([enc[c] for c in captions])
 
-    def _unconditional(self, negative, rows: int):
+    def _unconditional(self, negative, rows: int, what: str = "rows"):
         """The unconditional input of guidance for ``rows`` conditioned rows: the empty caption
-        (``negative=None``), or ``negative`` (a :class:`TextEncoding` or prompts with one row per
-        conditioned row, or one prompt for all) in its place, as a callable of the batch size
-        (each row repeated to fill it, as the samplers repeat the conditioned rows)."""
+        (``negative=None``), or the encoded ``negative`` prompts (:func:`negatives_per_row`) in its
+        place, as a callable of the batch size (each row repeated to fill it, as the samplers
+        repeat the conditioned rows)."""
         if negative is None:
             return self.null_text
-        if not isinstance(negative, TextEncoding):
-            negative = check_prompts(negative, "negative_prompt")
-        neg = negative if isinstance(negative, TextEncoding) else self._encode_each(negative)
-        if len(neg) == 1:
-            neg = neg.repeat_interleave(rows)
-        if len(neg) != rows:
-            raise ValueError(
-                f"negative prompts: {len(neg)} for {rows} rows; give one string for all, or one "
-                "per prompt"
-            )
+        neg = self._encode_each(negatives_per_row(negative, rows, what))
         return lambda batch: neg.repeat_interleave(batch // rows)
 
     def _decoder_captions(self, text, b: int):
@@ -353,17 +358,8 @@ class UnCLIPPipeline:
 
     def _decoder_negative(self, negative, b: int):
         if not self.decoder.has_text_encoder:
-            return self._unconditional(negative, b)
-        if not isinstance(negative, torch.Tensor):
-            negative = check_prompts(negative, "negative_prompt")
-        ids = self.decoder.caption_ids(negative, b)
-        if ids.shape[0] == 1:
-            ids = ids.expand(b, -1)
-        if ids.shape[0] != b:
-            raise ValueError(
-                f"negative prompts: {ids.shape[0]} for {b} images; give one string for all, or "
-                "one per prompt"
-            )
+            return self._unconditional(negative, b, "images")
+        ids = self.decoder.caption_ids(negatives_per_row(negative, b, "images"), b)
         return lambda batch: ids.repeat_interleave(batch // b, dim=0)
 
     @torch.no_grad()
@@ -528,14 +524,7 @@ class UnCLIPPipeline:
         prompts = check_prompts(prompt)
         negatives = None
         if negative_prompt is not None:
-            negatives = check_prompts(negative_prompt, "negative_prompt")
-            if len(negatives) == 1:
-                negatives = negatives * len(prompts)
-            if len(negatives) != len(prompts):
-                raise ValueError(
-                    f"negative_prompt: {len(negatives)} for {len(prompts)} prompts; give one "
-                    "string for all, or one per prompt"
-                )
+            negatives = negatives_per_row(negative_prompt, len(prompts), "prompts")
         check_output_type(output_type)
         n = check_count(num_images_per_prompt)
         settings = self.sampling_settings(sampling)  # validate everything before any compute
@@ -554,10 +543,8 @@ class UnCLIPPipeline:
         text = self.encode_text(prompts)
         gen = expand_generator(generator, len(prompts), n * k, "generator")
         text_k = text.repeat_interleave(n * k)
-        neg_k = None  # the negative caption of each row, encoded once per prompt
-        if negatives is not None:
-            neg_k = self._encode_each(negatives).repeat_interleave(n * k)
-            neg_captions_k = [c for c in negatives for _ in range(n * k)]
+        # the negative caption of each row (each distinct one is encoded once)
+        neg_k = None if negatives is None else [c for c in negatives for _ in range(n * k)]
         if image_embeds is None:
             embeds = self.sample_image_embeds(
                 text_k,
@@ -580,11 +567,7 @@ class UnCLIPPipeline:
             sampling,
             progress=progress,
             callback_on_step_end=callback_on_step_end,
-            negative_prompt=(
-                None
-                if neg_k is None
-                else (neg_captions_k if self.decoder.has_text_encoder else neg_k)
-            ),
+            negative_prompt=neg_k,
         )
         keep = self.rerank(small, captions_k, k)
         small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
