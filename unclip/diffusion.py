@@ -34,6 +34,8 @@ __all__ = [
     "training_scheduler",
     "diffusion_loss",
     "sample_loop",
+    "denoise_steps",
+    "guided_output",
     "check_sampling_args",
     "Generator",
 ]
@@ -272,34 +274,93 @@ def sample_loop(
     ``callback(i, t, x)`` runs after step ``i`` (timestep ``t``) with the new ``x``; a tensor it
     returns replaces ``x``.
     """
-    guided = is_guided(guidance_scale)
     scheduler.set_timesteps(num_steps, device=device)
-    timesteps = scheduler.timesteps
     if latents is None:
         latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
     elif tuple(latents.shape) != tuple(shape):
         raise ValueError(f"latents must have shape {tuple(shape)}, got {tuple(latents.shape)}")
     x = latents.to(device=device, dtype=dtype) * scheduler.init_noise_sigma
-    channels = shape[1] if len(shape) > 2 else None
-    for i, t in enumerate(tqdm(timesteps, desc=desc, disable=not progress, leave=False)):
-        x_in = torch.cat([x, x]) if guided else x
-        x_in = scheduler.scale_model_input(x_in, t)
-        if autocast_dtype is None:
+    return denoise_steps(
+        denoise,
+        x,
+        scheduler,
+        guidance_scale=guidance_scale,
+        generator=generator,
+        learned_variance=learned_variance,
+        progress=progress,
+        desc=desc,
+        autocast_dtype=autocast_dtype,
+        callback=callback,
+    )
+
+
+def guided_output(
+    denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    t: torch.Tensor,
+    scheduler,
+    *,
+    guidance_scale: float,
+    learned_variance: bool = False,
+    autocast_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """The classifier-free-guided model output at ``x`` (timestep ``t``), as ``scheduler.step``
+    takes it: ``denoise`` sees ``[x; x]`` when guided (see :func:`sample_loop`); a learned variance
+    keeps the conditioned half's variance channels where the scheduler uses them and is dropped
+    otherwise."""
+    x_in = torch.cat([x, x]) if is_guided(guidance_scale) else x
+    x_in = scheduler.scale_model_input(x_in, t)
+    if autocast_dtype is None:
+        out = denoise(x_in, t)
+    else:
+        with torch.autocast(x.device.type, dtype=autocast_dtype):
             out = denoise(x_in, t)
-        else:
-            with torch.autocast(torch.device(device).type, dtype=autocast_dtype):
-                out = denoise(x_in, t)
-            out = out.to(x.dtype)
-        var = None
-        if learned_variance:
-            out, var = out.split(channels, dim=1)
-        if guided:
-            uncond, cond = out.chunk(2)
-            out = uncond + guidance_scale * (cond - uncond)
-            if var is not None:
-                var = var.chunk(2)[1]
-        if var is not None and getattr(scheduler.config, "variance_type", None) == "learned_range":
-            out = torch.cat([out, var], dim=1)
+        out = out.to(x.dtype)
+    var = None
+    if learned_variance:
+        out, var = out.split(x.shape[1], dim=1)
+    if is_guided(guidance_scale):
+        uncond, cond = out.chunk(2)
+        out = uncond + guidance_scale * (cond - uncond)
+        if var is not None:
+            var = var.chunk(2)[1]
+    if var is not None and getattr(scheduler.config, "variance_type", None) == "learned_range":
+        out = torch.cat([out, var], dim=1)
+    return out
+
+
+def denoise_steps(
+    denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    scheduler,
+    *,
+    guidance_scale: float,
+    start: int = 0,
+    generator: Generator = None,
+    learned_variance: bool = False,
+    progress: bool = True,
+    desc: str = "sampling",
+    autocast_dtype: Optional[torch.dtype] = None,
+    callback: Optional[Callable[[int, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]] = None,
+) -> torch.Tensor:
+    """The reverse process from ``x``, the noisy sample at ``scheduler.timesteps[start]`` (its
+    timesteps already set), to ``x_0``: :func:`sample_loop` from its first step, or image-to-image
+    from a later one. Arguments as :func:`sample_loop`."""
+    timesteps = scheduler.timesteps
+    if start and hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(start)  # multistep solvers index their history by step
+    steps = range(start, len(timesteps))
+    for i in tqdm(steps, desc=desc, disable=not progress, leave=False):
+        t = timesteps[i]
+        out = guided_output(
+            denoise,
+            x,
+            t,
+            scheduler,
+            guidance_scale=guidance_scale,
+            learned_variance=learned_variance,
+            autocast_dtype=autocast_dtype,
+        )
         prev = timesteps[i + 1] if i + 1 < len(timesteps) else None
         x = scheduler.step(out, t, x, **_step_kwargs(scheduler, generator, prev)).prev_sample
         if callback is not None:
