@@ -36,6 +36,7 @@ __all__ = [
     "sample_loop",
     "denoise_steps",
     "guided_output",
+    "scheduler_step",
     "check_sampling_args",
     "Generator",
 ]
@@ -361,12 +362,20 @@ def denoise_steps(
             learned_variance=learned_variance,
             autocast_dtype=autocast_dtype,
         )
-        prev = timesteps[i + 1] if i + 1 < len(timesteps) else None
-        x = scheduler.step(out, t, x, **_step_kwargs(scheduler, generator, prev)).prev_sample
+        x = scheduler_step(scheduler, out, i, x, generator)
         if callback is not None:
             new = callback(i, t, x)
             x = x if new is None else new
     return x
+
+
+def scheduler_step(scheduler, out: torch.Tensor, i: int, x: torch.Tensor, generator: Generator):
+    """``scheduler``'s step ``i`` (of its set timesteps) from ``x`` with the model output ``out``:
+    the sample at the next timestep (``x_0`` after the last)."""
+    timesteps = scheduler.timesteps
+    prev = timesteps[i + 1] if i + 1 < len(timesteps) else None
+    kwargs = _step_kwargs(scheduler, generator, prev)
+    return scheduler.step(out, timesteps[i], x, **kwargs).prev_sample
 
 
 def is_guided(guidance_scale: float) -> bool:

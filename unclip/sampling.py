@@ -38,6 +38,7 @@ from unclip.decoder import Caption, UnCLIPDecoder, UnCLIPUpsampler, upsample_low
 from unclip.diffusion import (
     Generator,
     check_sampling_args,
+    guided_output,
     is_guided,
     make_scheduler,
     sample_loop,
@@ -58,6 +59,9 @@ __all__ = [
     "sample_prior",
     "sample_decoder",
     "sample_upsampler",
+    "Denoiser",
+    "decoder_denoiser",
+    "upsampler_denoiser",
     "check_finite",
     "image_text_cosines",
     "rerank_candidates",
@@ -303,6 +307,92 @@ def sample_prior(
     return best, cands
 
 
+@dataclasses.dataclass
+class Denoiser:
+    """One stage's conditioned network call, ready for a sampling loop: ``fn(x_in, t)`` is the
+    model output for ``x_in`` (``[uncond; cond]`` halves when ``settings`` guide), ``scheduler``
+    the stage's sampler with its timesteps set, ``shape`` the stage's sample shape."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scheduler: Any
+    shape: tuple
+    settings: SamplingConfig
+    learned_variance: bool = False
+
+    def output(self, x: torch.Tensor, t, autocast_dtype=None) -> torch.Tensor:
+        """The guided model output at ``x``, as the scheduler's step takes it."""
+        return guided_output(
+            self.fn,
+            x,
+            t,
+            self.scheduler,
+            guidance_scale=self.settings.guidance_scale,
+            learned_variance=self.learned_variance,
+            autocast_dtype=autocast_dtype,
+        )
+
+
+def decoder_denoiser(
+    decoder: UnCLIPDecoder,
+    image_embed: torch.Tensor,
+    text: Caption,
+    null_text: Callable[[int], Caption],
+    settings: SamplingConfig,
+    diffusion: DiffusionConfig,
+) -> Denoiser:
+    """The decoder's :class:`Denoiser` for ``image_embed [B, D]`` and captions ``text [B]``
+    (arguments as :func:`sample_decoder`; ``settings`` already checked)."""
+    b, device = image_embed.shape[0], decoder.device
+    text = text.to(device=device)
+    image_embed = image_embed.to(device)
+    drop = None
+    if is_guided(settings.guidance_scale):
+        text = _null_first(null_text(b).to(device=device), text)
+        image_embed = torch.cat([image_embed, image_embed])
+        drop = torch.arange(2 * b, device=device) < b
+    cond = decoder.condition(image_embed, text, drop)
+    size = decoder.config.sample_size
+    learned = decoder.config.learned_variance
+    sched = make_scheduler(
+        settings.scheduler, diffusion, clip_sample_range=1.0, learned_variance=learned
+    )
+    sched.set_timesteps(settings.steps, device=device)
+    return Denoiser(
+        lambda x_in, t: decoder(x_in, t, cond=cond), sched, (b, 3, size, size), settings, learned
+    )
+
+
+def upsampler_denoiser(
+    up: UnCLIPUpsampler,
+    low: torch.Tensor,
+    settings: SamplingConfig,
+    diffusion: DiffusionConfig,
+    generator: Generator = None,
+) -> Denoiser:
+    """An upsampler's :class:`Denoiser` conditioned on ``low [B, 3, h, w]`` (resized, and noised
+    by ``generator`` as :func:`sample_upsampler` describes; ``settings`` already checked)."""
+    b, size, device = low.shape[0], up.config.sample_size, up.device
+    low_up = upsample_low_res(low.to(device), size, clamp=up.config.clamp_low_res)
+    level = int(up.config.noise_level)
+    levels = torch.full((b,), level, dtype=torch.long, device=device)
+    if level > 0:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        noise = randn_tensor(low_up.shape, generator=generator, device=device, dtype=low_up.dtype)
+        low_up = training_scheduler(diffusion).add_noise(low_up, noise, levels.cpu())
+    if is_guided(settings.guidance_scale):  # unconditional = no low-res information (zeros)
+        low_up = torch.cat([torch.zeros_like(low_up), low_up])
+        levels = torch.cat([levels, levels])
+    sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=1.0)
+    sched.set_timesteps(settings.steps, device=device)
+
+    def denoise(x_in, t):
+        final = bool(t == sched.timesteps[-1])
+        return up(x_in, t, low_up, levels, final_step=final)
+
+    return Denoiser(denoise, sched, (b, 3, size, size), settings)
+
+
 @torch.no_grad()
 def sample_decoder(
     decoder: UnCLIPDecoder,
@@ -327,30 +417,17 @@ def sample_decoder(
     one per image; ``latents [B, 3, s, s]``: the initial noise. ``autocast_dtype``, ``callback``: as
     :func:`~unclip.diffusion.sample_loop`."""
     settings = _checked("decoder", settings)
-    b, device = image_embed.shape[0], decoder.device
-    text = text.to(device=device)
-    image_embed = image_embed.to(device)
-    drop = None
-    if is_guided(settings.guidance_scale):
-        text = _null_first(null_text(b).to(device=device), text)
-        image_embed = torch.cat([image_embed, image_embed])
-        drop = torch.arange(2 * b, device=device) < b
-    cond = decoder.condition(image_embed, text, drop)
-    size = decoder.config.sample_size
-    learned = decoder.config.learned_variance
-    sched = make_scheduler(
-        settings.scheduler, diffusion, clip_sample_range=1.0, learned_variance=learned
-    )
+    d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
     x = _sample(
-        lambda x_in, t: decoder(x_in, t, cond=cond),
-        (b, 3, size, size),
-        sched,
+        d.fn,
+        d.shape,
+        d.scheduler,
         settings,
         decoder,
         "decoder",
         generator=generator,
         latents=latents,
-        learned_variance=learned,
+        learned_variance=d.learned_variance,
         progress=progress,
         autocast_dtype=autocast_dtype,
         callback=callback,
@@ -385,28 +462,11 @@ def sample_upsampler(
     if low.shape[-1] != up.config.low_res_size:
         raise ValueError(f"{name} expects {up.config.low_res_size}px input, got {low.shape[-1]}px")
     settings = _checked(name, settings)
-    b, size, device = low.shape[0], up.config.sample_size, up.device
-    low_up = upsample_low_res(low.to(device), size, clamp=up.config.clamp_low_res)
-    level = int(up.config.noise_level)
-    levels = torch.full((b,), level, dtype=torch.long, device=device)
-    if level > 0:
-        from diffusers.utils.torch_utils import randn_tensor
-
-        noise = randn_tensor(low_up.shape, generator=generator, device=device, dtype=low_up.dtype)
-        low_up = training_scheduler(diffusion).add_noise(low_up, noise, levels.cpu())
-    if is_guided(settings.guidance_scale):  # unconditional = no low-res information (zeros)
-        low_up = torch.cat([torch.zeros_like(low_up), low_up])
-        levels = torch.cat([levels, levels])
-    sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=1.0)
-
-    def denoise(x_in, t):
-        final = bool(t == sched.timesteps[-1])
-        return up(x_in, t, low_up, levels, final_step=final)
-
+    d = upsampler_denoiser(up, low, settings, diffusion, generator)
     x = _sample(
-        denoise,
-        (b, 3, size, size),
-        sched,
+        d.fn,
+        d.shape,
+        d.scheduler,
         settings,
         up,
         name,
