@@ -47,6 +47,7 @@ from unclip.clip import CLIP, TextEncoding, check_prompts
 from unclip.config import DiffusionConfig, SamplingConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.diffusion import Generator
+from unclip.editing import EditingMixin, EditOutput, Inversion
 from unclip.images import as_image_input, to_output
 from unclip.io import (
     PIPELINE_FILE,
@@ -87,6 +88,8 @@ from unclip.sampling import (
 __all__ = [
     "UnCLIPPipeline",
     "UnCLIPOutput",
+    "EditOutput",
+    "Inversion",
     "slerp",
     "PIPELINE_FILE",
     "bundled_model_path",
@@ -111,7 +114,7 @@ def negatives_per_row(negative, rows: int, what: str) -> list[str]:
     return captions
 
 
-class UnCLIPPipeline:
+class UnCLIPPipeline(EditingMixin):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
     def __init__(

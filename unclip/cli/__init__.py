@@ -1,6 +1,7 @@
 """The ``unclip`` command: one subcommand per job, each a module with ``main(argv=None)``.
 
 unclip generate "a small red circle on the left" --out samples/
+unclip edit inpaint IMAGE MASK PROMPT --out edited/ | unclip edit text-diff IMAGE --source ...
 unclip make-shapes data/shapes --num 10000 --format webdataset
 unclip embed ... | unclip evaluate ... | unclip convert SRC DST
 unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
@@ -22,6 +23,10 @@ COMMANDS = {
     "generate": (
         "unclip.cli.generate",
         "text → images with a pipeline (default: the bundled shapes model)",
+    ),
+    "edit": (
+        "unclip.cli.edit",
+        "edit images: invert, text-diff, interpolate, inpaint, img2img",
     ),
     "make-shapes": (
         "unclip.cli.make_shapes",

@@ -1,0 +1,607 @@
+"""Editing with the cascade (DALL-E 2 paper §3): DDIM inversion, text diffs, interpolation between
+inverted images, inpainting and image-to-image. :class:`UnCLIPPipeline` carries these methods::
+
+    inv = pipe.invert(image)                       # x_T of the decoder's deterministic DDIM
+    inv.error                                      # round-trip RMSE of the reconstruction
+    out = pipe.text_diff(image, "a red circle on the left", "a blue circle on the left")
+    out = pipe.interpolate_inverted(image_a, image_b, num_steps=5)
+    out = pipe.inpaint(image, mask, "a green triangle on the right")   # mask: white = regenerate
+    out = pipe.img2img(image, "a blue square", strength=0.6)
+
+Conventions follow generation: ``generator`` (one, or one per output image), ``sampling=``
+overrides per stage, ``output_type``, ``progress``; results are :class:`EditOutput`.
+
+DDIM here is the deterministic update written out (:func:`ddim_step`, :func:`ddim_invert_step`):
+the step from ``x_t`` to ``x_s`` is affine in ``x_t`` for a fixed model output, so the inverse step
+solves it exactly, and inversion's only approximation is evaluating the model at ``x_s`` instead
+of the unknown ``x_t`` (Song et al. 2021; Dhariwal & Nichol 2021). Neither clips ``x̂_0``, so a
+decode is the exact mirror of its inversion. Images are resized to each stage's resolution
+(shorter side, centre crop).
+
+Inpainting keeps the unmasked pixels of every stage's output equal to the image resized to that
+stage (bit for bit) and regenerates the masked ones: at every step the known region is replaced by
+the image noised to the next step's level, with RePaint's resampling (Lugmayr et al. 2022) in the
+decoder, where the content is decided (``resample`` passes per step); the upsamplers see the
+inpainted lower-resolution image as their condition.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image, UnidentifiedImageError
+from tqdm.auto import tqdm
+
+from unclip.config import SamplingConfig
+from unclip.diffusion import Generator, denoise_steps, scheduler_step, training_scheduler
+from unclip.images import pil_to_tensor, resize_crop_box, resize_crop_tensor, to_output
+from unclip.output import UnCLIPOutput
+from unclip.pipeline_utils import check_count, check_output_type, expand_generator, slerp
+from unclip.sampling import (
+    Denoiser,
+    check_finite,
+    decoder_denoiser,
+    resolve_sampling,
+    stage_callback,
+    upsampler_denoiser,
+)
+
+__all__ = [
+    "EditingMixin",
+    "EditOutput",
+    "Inversion",
+    "read_image",
+    "read_mask",
+    "ddim_step",
+    "ddim_invert_step",
+    "RESAMPLING_SCHEDULERS",
+]
+
+#: samplers whose step keeps no history, so a step may be taken again (RePaint's resampling)
+RESAMPLING_SCHEDULERS = ("ddim", "ddpm", "unclip")
+
+
+@dataclass
+class EditOutput(UnCLIPOutput):
+    """:class:`~unclip.output.UnCLIPOutput` of an edit, plus ``latents`` (the decoder's starting
+    ``x_T`` when it came from an inversion) and ``info`` (per-image values such as ``theta`` or
+    ``strength``, and the inversion's round-trip ``inversion_error``)."""
+
+    latents: Optional[torch.Tensor] = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Inversion:
+    """Result of :meth:`EditingMixin.invert`: ``latents [B, 3, s, s]`` (the decoder's ``x_T``),
+    the ``image_embeds [B, D]`` and captions it was inverted with, the ``image`` at the decoder's
+    resolution in [-1, 1], its ``reconstruction`` (decoded back from ``latents``, when asked) and
+    ``error``, the root-mean-square difference of the two in [-1, 1] units (None without a
+    reconstruction)."""
+
+    latents: torch.Tensor
+    image_embeds: torch.Tensor
+    image: torch.Tensor
+    steps: int
+    guidance_scale: float
+    caption: Optional[str] = None
+    reconstruction: Optional[torch.Tensor] = None
+    error: Optional[float] = None
+
+
+# ------------------------------------------------------------------------------------ inputs
+def read_image(image, what: str = "image") -> torch.Tensor:
+    """A PIL image, an image file, a uint8 array ``[H, W, 3]`` or a float tensor ``[3, H, W]`` /
+    ``[B, 3, H, W]`` in [-1, 1] → a float tensor ``[B, 3, H, W]`` in [-1, 1]; a file that cannot
+    be read is a ``ValueError`` naming it."""
+    if isinstance(image, (str, os.PathLike)):
+        if not os.path.isfile(image):
+            raise FileNotFoundError(f"{what} file not found: {image}")
+        try:
+            with Image.open(image) as im:
+                image = im.convert("RGB")
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(f"cannot read {what} {image}: not an image file ({exc})") from None
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"{what}: an array must be [H, W, 3] uint8, got {image.shape}")
+        image = Image.fromarray(image.astype(np.uint8))
+    if isinstance(image, Image.Image):
+        return pil_to_tensor(image)[None]
+    if isinstance(image, torch.Tensor):
+        x = image[None] if image.ndim == 3 else image
+        if x.ndim != 4 or x.shape[1] != 3 or not x.is_floating_point():
+            raise ValueError(
+                f"{what}: a tensor must be float [3, H, W] or [B, 3, H, W] in [-1, 1], got "
+                f"{x.dtype} {tuple(image.shape)}"
+            )
+        return x.float().clamp(-1, 1)
+    raise TypeError(
+        f"{what} must be a PIL image, a file path, a uint8 array [H, W, 3] or a tensor in "
+        f"[-1, 1], got {type(image).__name__}"
+    )
+
+
+def read_mask(mask, height: int, width: int) -> torch.Tensor:
+    """An inpainting mask → bool ``[1, 1, H, W]``, True where the image is regenerated. A PIL
+    image or file (white = regenerate, as in diffusers), a bool/uint8/float array or tensor
+    ``[H, W]`` (nonzero, or above 0.5 for floats, = regenerate). It must have the image's size
+    ``height × width`` and select at least one pixel."""
+    if isinstance(mask, (str, os.PathLike)):
+        if not os.path.isfile(mask):
+            raise FileNotFoundError(f"mask file not found: {mask}")
+        try:
+            with Image.open(mask) as im:
+                mask = im.convert("L")
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(f"cannot read mask {mask}: not an image file ({exc})") from None
+    if isinstance(mask, Image.Image):
+        m = torch.from_numpy(np.asarray(mask.convert("L")) > 127)
+    elif isinstance(mask, (np.ndarray, torch.Tensor)):
+        m = torch.as_tensor(np.asarray(mask) if isinstance(mask, np.ndarray) else mask)
+        m = m.squeeze()
+        if m.ndim == 3 and m.shape[-1] in (1, 3):  # [H, W, C] image array
+            m = m[..., 0]
+        if m.dtype == torch.bool:
+            pass
+        elif m.is_floating_point():
+            m = m > 0.5
+        else:
+            m = m > (127 if m.dtype == torch.uint8 and int(m.max()) > 1 else 0)
+    else:
+        raise TypeError(
+            f"mask must be a PIL image, a file path, an array or a tensor [H, W], got "
+            f"{type(mask).__name__}"
+        )
+    if m.ndim != 2:
+        raise ValueError(f"mask must be one channel [H, W], got shape {tuple(m.shape)}")
+    if tuple(m.shape) != (height, width):
+        raise ValueError(
+            f"mask is {m.shape[1]}x{m.shape[0]} pixels but the image is {width}x{height}; give a "
+            "mask of the image's size (white = regenerate)"
+        )
+    if not bool(m.any()):
+        raise ValueError("mask selects no pixel to regenerate (white, 1 or True marks them)")
+    return m[None, None].cpu()
+
+
+def at_size(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Images ``[B, 3, H, W]`` in [-1, 1] at a stage's ``size`` (shorter side, centre crop); the
+    image itself when it already is that size."""
+    return resize_crop_tensor(x.float(), size).clamp(-1, 1)
+
+
+def mask_at_size(m: torch.Tensor, size: int) -> torch.Tensor:
+    """A bool mask ``[1, 1, H, W]`` at ``size`` with the images' geometry: a pixel is regenerated
+    if any part of it was (area resampling, so the kept region never grows into the masked one)."""
+    nh, nw, top, left = resize_crop_box(m.shape[-2], m.shape[-1], size)
+    x = m.float()
+    if (nh, nw) != tuple(m.shape[-2:]):
+        x = F.interpolate(x, size=(nh, nw), mode="area")
+    return x[..., top : top + size, left : left + size] > 0
+
+
+# -------------------------------------------------------------------------------- DDIM math
+def _affine(out, a_t, a_s, prediction_type: str):
+    """``(A, B)`` with ``x_s = A·x_t + B`` for DDIM's deterministic step from level ``a_t`` to
+    ``a_s`` (alphas cumprod) given the model output ``out`` (``x̂_0`` not clipped)."""
+    st, ss = math.sqrt(a_t), math.sqrt(a_s)
+    nt, ns = math.sqrt(1 - a_t), math.sqrt(1 - a_s)
+    if prediction_type == "epsilon":  # x0 = (x - nt·eps) / st
+        return ss / st, (ns - ss * nt / st) * out
+    if prediction_type == "sample":  # eps = (x - st·x0) / nt
+        return ns / nt, (ss - ns * st / nt) * out
+    if prediction_type == "v_prediction":  # x0 = st·x − nt·v, eps = st·v + nt·x
+        return ss * st + ns * nt, (ns * st - ss * nt) * out
+    raise ValueError(f"unknown prediction_type {prediction_type!r}")
+
+
+def ddim_step(out, x_t, a_t: float, a_s: float, prediction_type: str) -> torch.Tensor:
+    """DDIM's deterministic (η = 0) step from ``x_t`` at level ``a_t`` to level ``a_s``."""
+    a, b = _affine(out, a_t, a_s, prediction_type)
+    return a * x_t + b
+
+
+def ddim_invert_step(out, x_s, a_t: float, a_s: float, prediction_type: str) -> torch.Tensor:
+    """The ``x_t`` that :func:`ddim_step` takes to ``x_s`` with model output ``out``."""
+    a, b = _affine(out, a_t, a_s, prediction_type)
+    return (x_s - b) / a
+
+
+def _levels(d: Denoiser) -> list[tuple[float, float]]:
+    """``(a_t, a_s)`` of each DDIM step of ``d``'s timesteps: from ``t`` to the next timestep, and
+    after the last to the fully denoised level."""
+    sched = d.scheduler
+    ac = sched.alphas_cumprod.double()
+    ts = [int(t) for t in sched.timesteps]
+    final = float(ac[0])
+    return [
+        (float(ac[t]), float(ac[ts[i + 1]]) if i + 1 < len(ts) else final) for i, t in enumerate(ts)
+    ]
+
+
+# ------------------------------------------------------------------------------------ mixin
+class EditingMixin:
+    """Edits of :class:`~unclip.pipeline.UnCLIPPipeline` (see the module doc)."""
+
+    def _edit_settings(self, sampling, steps=None, guidance_scale=None) -> SamplingConfig:
+        s = self._stage_settings("decoder", sampling)
+        if steps is not None:
+            s.steps = steps
+        if guidance_scale is not None:
+            s.guidance_scale = guidance_scale
+        s.scheduler, s.best_of = "ddim", 1
+        return resolve_sampling({"decoder": s})["decoder"]
+
+    def _ddim_denoiser(self, embeds, caption, settings: SamplingConfig) -> Denoiser:
+        b = embeds.shape[0]
+        text, null = self._decoder_captions(None if caption is None else [caption] * b, b)
+        return decoder_denoiser(
+            self.decoder, embeds, text, null, settings, self.diffusion["decoder"]
+        )
+
+    def _ddim_run(self, d: Denoiser, x: torch.Tensor, invert: bool, progress: bool, desc: str):
+        pred = self.diffusion["decoder"].prediction_type
+        ts, levels = list(d.scheduler.timesteps), _levels(d)
+        order = range(len(ts) - 1, -1, -1) if invert else range(len(ts))
+        x = x.to(self.device, torch.float32)
+        for i in tqdm(order, desc=desc, disable=not progress, leave=False):
+            out = d.output(x, ts[i], self.autocast_dtype).float()
+            a_t, a_s = levels[i]
+            step = ddim_invert_step if invert else ddim_step
+            x = step(out, x, a_t, a_s, pred)
+        return check_finite(desc, x)
+
+    @torch.no_grad()
+    def invert(
+        self,
+        image,
+        caption: Optional[str] = None,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        image_embeds: Optional[torch.Tensor] = None,
+        reconstruct: bool = True,
+        progress: bool = True,
+    ) -> Inversion:
+        """DDIM inversion of the decoder: image(s) → the ``x_T`` from which the decoder's
+        deterministic DDIM (``steps`` steps, ``guidance_scale``, conditioned on the images' CLIP
+        embeddings, or ``image_embeds``, and ``caption``, default the empty one) decodes them back.
+        Guidance 1 inverts best (guided updates are not the gradient of one model). With
+        ``reconstruct`` the round trip is decoded and its RMSE reported (``Inversion.error``)."""
+        x = read_image(image)
+        small = at_size(x, self.decoder.config.sample_size).to(self.device)
+        if image_embeds is None:
+            image_embeds = self.clip.encode_image(x.to(self.device))
+        embeds = image_embeds.to(self.device).float()
+        if embeds.shape[0] != small.shape[0]:
+            raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
+        s = self._edit_settings(None, check_count(steps, "steps"), guidance_scale)
+        d = self._ddim_denoiser(embeds, caption, s)
+        latents = self._ddim_run(d, small, True, progress, "invert")
+        inv = Inversion(latents, embeds, small, s.steps, s.guidance_scale, caption)
+        if reconstruct:
+            rec = self._ddim_run(d, latents, False, progress, "reconstruct").clamp(-1, 1)
+            inv.reconstruction = rec
+            inv.error = float((rec - small).pow(2).mean().sqrt())
+        return inv
+
+    def _finish(self, small, gens, sampling, output_type, progress, callback, embeds, **extra):
+        final = self.upsample(
+            small, gens, sampling, progress=progress, callback_on_step_end=callback
+        )
+        return EditOutput(to_output(final, output_type), embeds, **extra)
+
+    @torch.no_grad()
+    def text_diff(
+        self,
+        image,
+        source_caption: str,
+        target_caption: str,
+        num_steps: int = 5,
+        max_theta: float = 0.5,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        caption: Optional[str] = None,
+        generator: Optional[torch.Generator] = None,
+        sampling: Optional[dict] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end=None,
+    ) -> EditOutput:
+        """A text diff (paper §3.3): the image's CLIP embedding ``z_i`` rotated towards
+        ``z_d = norm(z_t − z_t0)``, the difference of the target and source captions' text
+        embeddings, ``slerp(z_i, z_d, θ)`` for ``num_steps`` values of θ from 0 to ``max_theta``,
+        each decoded from the image's inverted ``x_T`` (:meth:`invert` with ``steps``,
+        ``guidance_scale`` and the decoder ``caption``) and upsampled from the same seed. θ = 0
+        reproduces the inversion's reconstruction; ``info["theta"]`` lists the θ values and
+        ``info["inversion_error"]`` the round trip's RMSE."""
+        check_output_type(output_type)
+        n = check_count(num_steps, "num_steps")
+        if not 0 < float(max_theta) <= 1:
+            raise ValueError(f"text_diff: max_theta must be in (0, 1], got {max_theta!r}")
+        for name, c in (("source_caption", source_caption), ("target_caption", target_caption)):
+            if not isinstance(c, str) or not c.strip():
+                raise ValueError(f"text_diff: {name} must be a non-empty string")
+        if read_image(image).shape[0] != 1:
+            raise ValueError("text_diff takes one image; call it once per image")
+        inv = self.invert(image, caption, steps, guidance_scale, progress=progress)
+        z = self.clip.encode_text([source_caption, target_caption]).text_embed.float()
+        diff = z[1] - z[0]
+        if float(diff.norm()) < 1e-6:
+            raise ValueError(
+                "text_diff: the source and target captions encode identically; give two captions "
+                "that differ in what should change"
+            )
+        z_d = F.normalize(diff, dim=-1)[None].to(inv.image_embeds)
+        thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
+        embeds = torch.cat([slerp(inv.image_embeds, z_d, th) for th in thetas])
+        d = self._ddim_denoiser(embeds, caption, self._edit_settings(None, steps, guidance_scale))
+        small = self._ddim_run(d, inv.latents.repeat(n, 1, 1, 1), False, progress, "text diff")
+        gens = _same_seed(generator, n)
+        info = {"theta": thetas, "inversion_error": inv.error}
+        return self._finish(
+            small.clamp(-1, 1),
+            gens,
+            sampling,
+            output_type,
+            progress,
+            callback_on_step_end,
+            embeds,
+            latents=inv.latents,
+            info=info,
+        )
+
+    @torch.no_grad()
+    def interpolate_inverted(
+        self,
+        start,
+        end,
+        num_steps: int = 5,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        generator: Optional[torch.Generator] = None,
+        sampling: Optional[dict] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end=None,
+    ) -> EditOutput:
+        """Interpolation between two images that keeps each image's inverted latent (paper §3.2,
+        figure 4): both are inverted (:meth:`invert`); frame ``w`` decodes ``slerp`` of the two
+        CLIP embeddings from ``slerp`` of the two ``x_T``, so the end frames reconstruct the
+        images. ``info["weight"]`` lists the weights."""
+        check_output_type(output_type)
+        if check_count(num_steps, "num_steps") < 2:
+            raise ValueError("interpolate_inverted: num_steps must be >= 2")
+        invs = [
+            self.invert(x, None, steps, guidance_scale, progress=progress) for x in (start, end)
+        ]
+        if any(i.latents.shape[0] != 1 for i in invs):
+            raise ValueError("interpolate_inverted takes one start and one end image")
+        ws = [i / (num_steps - 1) for i in range(num_steps)]
+        embeds = torch.cat([slerp(invs[0].image_embeds, invs[1].image_embeds, w) for w in ws])
+        lat = [i.latents.flatten(1) for i in invs]
+        shape = invs[0].latents.shape[1:]
+        latents = torch.cat([slerp(lat[0], lat[1], w).view(1, *shape) for w in ws])
+        d = self._ddim_denoiser(embeds, None, self._edit_settings(None, steps, guidance_scale))
+        small = self._ddim_run(d, latents, False, progress, "interpolate")
+        info = {"weight": ws, "inversion_error": [i.error for i in invs]}
+        return self._finish(
+            small.clamp(-1, 1),
+            _same_seed(generator, num_steps),
+            sampling,
+            output_type,
+            progress,
+            callback_on_step_end,
+            embeds,
+            latents=latents,
+            info=info,
+        )
+
+    def _edit_embeds(self, prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb):
+        if image_embeds is not None:
+            emb = torch.as_tensor(image_embeds).float().to(self.device)
+            emb = emb[None] if emb.ndim == 1 else emb
+            if emb.shape[0] == 1:
+                emb = emb.repeat(n, 1)
+            if emb.shape != (n, self.clip.embed_dim):
+                raise ValueError(
+                    f"image_embeds: expected [{n}, {self.clip.embed_dim}] (or one row), got "
+                    f"{tuple(emb.shape)}"
+                )
+            return emb
+        if self.prior is None:
+            raise ValueError("this pipeline has no prior; pass image_embeds=")
+        return self.sample_image_embeds(
+            [prompt] * n,  # one row per image, so generators given per image serve each row
+            1,
+            gen,
+            sampling,
+            progress=progress,
+            callback_on_step_end=cb,
+            negative_prompt=negative_prompt,
+        )
+
+    def _edit_start(self, image, prompt, num_images, generator, what):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{what}: prompt must be a non-empty string")
+        x = read_image(image)
+        if x.shape[0] != 1:
+            raise ValueError(f"{what} takes one image; call it once per image")
+        n = check_count(num_images, "num_images")
+        return x, n, expand_generator(generator, 1, n, "generator")
+
+    def _edit_decoder(self, embeds, prompt, n, sampling, negative_prompt) -> Denoiser:
+        text, null = self._decoder_captions([prompt] * n, n)
+        if negative_prompt is not None:
+            null = self._decoder_negative(negative_prompt, n)
+        s = self._stage_settings("decoder", sampling)
+        return decoder_denoiser(self.decoder, embeds, text, null, s, self.diffusion["decoder"])
+
+    @torch.no_grad()
+    def img2img(
+        self,
+        image,
+        prompt: str,
+        strength: float = 0.6,
+        num_images: int = 1,
+        generator: Generator = None,
+        sampling: Optional[dict] = None,
+        negative_prompt: Optional[str] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+        output_type: str = "pil",
+        return_intermediates: bool = False,
+        progress: bool = True,
+        callback_on_step_end=None,
+    ) -> EditOutput:
+        """Image-to-image (SDEdit, Meng et al. 2022): the image at the decoder's resolution,
+        noised to the level of the decoder sampler's step ``(1 − strength)·steps``, denoised
+        from there conditioned on ``prompt`` (its prior sample, or ``image_embeds``), then
+        upsampled. ``strength`` in (0, 1]: 1 keeps almost nothing of the image, small values
+        keep its layout and colours. The decoder's ``best_of`` is not used (one sample per
+        image)."""
+        check_output_type(output_type)
+        if not isinstance(strength, (int, float)) or not 0 < float(strength) <= 1:
+            raise ValueError(f"img2img: strength must be in (0, 1], got {strength!r}")
+        x, n, gen = self._edit_start(image, prompt, num_images, generator, "img2img")
+        cb = callback_on_step_end
+        embeds = self._edit_embeds(
+            prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
+        )
+        d = self._edit_decoder(embeds, prompt, n, sampling, negative_prompt)
+        steps = d.settings.steps
+        run = max(1, min(steps, round(float(strength) * steps)))
+        start = steps - run
+        known = at_size(x, self.decoder.config.sample_size).to(self.device).repeat(n, 1, 1, 1)
+        noise = randn_tensor(known.shape, generator=gen, device=self.device, dtype=known.dtype)
+        t0 = d.scheduler.timesteps[start].reshape(1).repeat(n).cpu()
+        x_t = training_scheduler(self.diffusion["decoder"]).add_noise(known, noise, t0)
+        small = denoise_steps(
+            d.fn,
+            x_t,
+            d.scheduler,
+            guidance_scale=d.settings.guidance_scale,
+            start=start,
+            generator=gen,
+            learned_variance=d.learned_variance,
+            progress=progress,
+            desc="img2img",
+            autocast_dtype=self.autocast_dtype,
+            callback=stage_callback(self, "decoder", cb),
+        )
+        small = check_finite("decoder", small).float().clamp(-1, 1)
+        out = self._finish(
+            small,
+            gen,
+            sampling,
+            output_type,
+            progress,
+            cb,
+            embeds,
+            info={"strength": float(strength), "decoder_steps_run": run},
+        )
+        if return_intermediates:
+            out.stage_images = {"decoder": small}
+        return out
+
+    @torch.no_grad()
+    def inpaint(
+        self,
+        image,
+        mask,
+        prompt: str,
+        num_images: int = 1,
+        resample: int = 4,
+        generator: Generator = None,
+        sampling: Optional[dict] = None,
+        negative_prompt: Optional[str] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+        output_type: str = "pil",
+        return_intermediates: bool = False,
+        progress: bool = True,
+        callback_on_step_end=None,
+    ) -> EditOutput:
+        """Regenerate the masked region of ``image`` to ``prompt`` and keep the rest (see the
+        module doc). ``mask``: the image's size, white/1/True = regenerate (:func:`read_mask`).
+        The prompt describes the whole edited image; its prior sample (or ``image_embeds``)
+        conditions the decoder. ``resample``: RePaint passes per decoder step (1 = plain
+        replacement; more harmonise the new region with the kept one, at that many times the
+        decoder's cost; the decoder's sampler must then be one of
+        :data:`RESAMPLING_SCHEDULERS`). The unmasked pixels of every stage's output are the
+        image's, resized to that stage, bit for bit."""
+        check_output_type(output_type)
+        resample = check_count(resample, "resample")
+        x, n, gen = self._edit_start(image, prompt, num_images, generator, "inpaint")
+        m = read_mask(mask, x.shape[-2], x.shape[-1])
+        settings = self.sampling_settings(sampling)
+        if resample > 1 and settings["decoder"].scheduler not in RESAMPLING_SCHEDULERS:
+            raise ValueError(
+                f"inpaint: resample={resample} needs a decoder sampler that keeps no history "
+                f"({', '.join(RESAMPLING_SCHEDULERS)}), not {settings['decoder'].scheduler!r}; "
+                "use resample=1 or another sampler"
+            )
+        cb = callback_on_step_end
+        embeds = self._edit_embeds(
+            prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
+        )
+        d = self._edit_decoder(embeds, prompt, n, sampling, negative_prompt)
+        out = self._masked(d, x, m, "decoder", resample, gen, progress, cb)
+        stages = {"decoder": out}
+        for name, up in zip(self.upsampler_names, self.upsamplers):
+            du = upsampler_denoiser(up, out, settings[name], self.diffusion[name], gen)
+            out = self._masked(du, x, m, name, 1, gen, progress, cb)
+            stages[name] = out
+        res = EditOutput(to_output(out, output_type), embeds, info={"resample": resample})
+        if return_intermediates:
+            res.stage_images = stages
+        return res
+
+    def _masked(self, d: Denoiser, image, mask, stage, resample, gen, progress, cb):
+        """One stage's masked sampling: ``d``'s reverse process with the unmasked region replaced
+        at every step by ``image`` noised to the next step's level, ``resample`` passes per step;
+        the result's unmasked pixels are exactly ``image`` at the stage's size."""
+        b, size = d.shape[0], d.shape[-1]
+        known = at_size(image, size).to(self.device).repeat(b, 1, 1, 1)
+        regen = mask_at_size(mask, size).to(self.device)
+        fwd = training_scheduler(self.diffusion[stage])
+        sched, ts = d.scheduler, d.scheduler.timesteps
+        ac = sched.alphas_cumprod
+        x = randn_tensor(d.shape, generator=gen, device=self.device) * sched.init_noise_sigma
+        callback = stage_callback(self, stage, cb)
+
+        def noised(level):
+            noise = randn_tensor(known.shape, generator=gen, device=self.device)
+            return fwd.add_noise(known, noise, level.reshape(1).repeat(b).cpu())
+
+        for i in tqdm(range(len(ts)), desc=f"inpaint {stage}", disable=not progress, leave=False):
+            last = i + 1 == len(ts)
+            for r in range(1 if last else resample):
+                out = d.output(x, ts[i], self.autocast_dtype)
+                x_next = scheduler_step(sched, out, i, x, gen)
+                x_next = torch.where(regen, x_next, known if last else noised(ts[i + 1]))
+                if r + 1 < resample and not last:  # RePaint: back to step i's level, again
+                    ratio = float(ac[int(ts[i])] / ac[int(ts[i + 1])])
+                    noise = randn_tensor(x.shape, generator=gen, device=self.device)
+                    x = math.sqrt(ratio) * x_next + math.sqrt(1 - ratio) * noise
+            x = x_next
+            if callback is not None:
+                new = callback(i, ts[i], x)
+                x = x if new is None else new
+        x = check_finite(stage, x).float().clamp(-1, 1)
+        return torch.where(regen, x, known)
+
+
+def _same_seed(generator: Optional[torch.Generator], n: int) -> list[torch.Generator]:
+    """``n`` generators with one seed drawn from ``generator``, so that frames differ only by
+    what is edited."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator must be one torch.Generator for a sequence of frames")
+    src = generator if generator is not None else torch.Generator().manual_seed(0)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=src))
+    return [torch.Generator().manual_seed(seed) for _ in range(n)]
