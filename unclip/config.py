@@ -234,7 +234,8 @@ class DiffusionConfig:
             )
 
 
-#: the samplers a stage can use, by name (``SamplingConfig.scheduler``)
+#: the samplers configured by the library itself (``SamplingConfig.scheduler``); any other
+#: diffusers scheduler works too, by alias, class name or instance (see unclip/schedulers.py)
 SCHEDULERS = ("ddpm", "ddim", "dpm++", "unclip")
 
 
@@ -242,7 +243,9 @@ SCHEDULERS = ("ddpm", "ddim", "dpm++", "unclip")
 class SamplingConfig:
     """Sampling settings of one stage: scheduler name, number of steps, guidance scale.
 
-    ``scheduler`` is one of ``ddpm``, ``ddim``, ``dpm++`` (DPM-Solver++ multistep), ``unclip``.
+    ``scheduler`` is one of ``ddpm``, ``ddim``, ``dpm++`` (DPM-Solver++ multistep), ``unclip``,
+    an alias such as ``euler``, ``heun`` or ``unipc``, a diffusers scheduler class name, or a
+    diffusers scheduler instance (:mod:`unclip.schedulers`).
     ``best_of``: for the prior, that many embedding candidates per image, keeping the one with the
     highest dot product with the text embedding (paper: 2); for the decoder, that many
     base-resolution images per prompt (each from its own prior sample), keeping the one the CLIP
@@ -361,6 +364,8 @@ def to_dict(obj: Any) -> Any:
     """Plain dict/list form of a config (safe for YAML and JSON)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if type(obj).__name__.endswith("Scheduler") and hasattr(obj, "config"):
+        return type(obj).__name__  # a diffusers scheduler instance: recorded by its class
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

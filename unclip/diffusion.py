@@ -26,6 +26,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
 from unclip.config import SCHEDULERS, DiffusionConfig
+from unclip.schedulers import build_scheduler, check_scheduler_spec
 from unclip.vlb import predicted_x0, vlb_term
 
 __all__ = [
@@ -47,13 +48,13 @@ Generator = Optional[Union[torch.Generator, Sequence[torch.Generator]]]
 def check_sampling_args(stage: str, scheduler: str, steps: int, guidance_scale: float) -> None:
     """Raise a clear error for an unknown sampler, ``steps < 1``, or a guidance scale that is not a
     finite number ``>= 0`` (NaN and inf would turn every image into NaN)."""
-    if scheduler not in SCHEDULERS:
-        raise ValueError(
-            f"{stage}: unknown sampler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}"
-        )
+    try:
+        check_scheduler_spec(scheduler)
+    except ValueError as exc:
+        raise ValueError(f"{stage}: {exc}") from None
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{stage}: steps must be an integer >= 1, got {steps!r}")
-    if scheduler == "unclip" and steps < 2:
+    if isinstance(scheduler, str) and scheduler == "unclip" and steps < 2:
         raise ValueError(
             f"{stage}: the 'unclip' sampler needs steps >= 2 (got {steps}); use ddim for one step"
         )
@@ -74,7 +75,9 @@ def make_scheduler(
     clip_sample_range: Optional[float] = 1.0,
     learned_variance: bool = False,
 ):
-    """A diffusers scheduler for sampling, by name: ``ddpm``, ``ddim``, ``dpm++`` or ``unclip``.
+    """A diffusers scheduler for sampling, by name: ``ddpm``, ``ddim``, ``dpm++`` or ``unclip``
+    (configured here), or any other diffusers scheduler by alias, class name or instance
+    (:func:`unclip.schedulers.build_scheduler`).
 
     ``clip_sample_range`` clips predicted x_0 to ``[-r, r]`` (1 for images; None disables, e.g. for
     prior embeddings under DPM-Solver++). ``learned_variance``: the model outputs ``2C`` channels
@@ -127,7 +130,7 @@ def make_scheduler(
             timestep_spacing="trailing",
             final_sigmas_type="zero",
         )
-    raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+    return build_scheduler(name, diffusion, learned_variance=learned_variance)
 
 
 def training_scheduler(diffusion: DiffusionConfig) -> DDPMScheduler:

@@ -40,7 +40,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
 from unclip.config import SamplingConfig
-from unclip.diffusion import Generator, denoise_steps, scheduler_step, training_scheduler
+from unclip.diffusion import Generator, denoise_steps, scheduler_step
 from unclip.images import pil_to_tensor, resize_crop_box, resize_crop_tensor, to_output
 from unclip.output import UnCLIPOutput
 from unclip.pipeline_utils import check_count, check_output_type, expand_generator, slerp
@@ -477,11 +477,15 @@ class EditingMixin:
         d = self._edit_decoder(embeds, prompt, n, sampling, negative_prompt)
         steps = d.settings.steps
         run = max(1, min(steps, round(float(strength) * steps)))
-        start = steps - run
+        sched = d.scheduler
+        start = (steps - run) * sched.order  # second-order solvers list each timestep twice
+        if hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(start)  # where sigma-indexed samplers read add_noise's level
         known = at_size(x, self.decoder.config.sample_size).to(self.device).repeat(n, 1, 1, 1)
         noise = randn_tensor(known.shape, generator=gen, device=self.device, dtype=known.dtype)
-        t0 = d.scheduler.timesteps[start].reshape(1).repeat(n).cpu()
-        x_t = training_scheduler(self.diffusion["decoder"]).add_noise(known, noise, t0)
+        # the sampler's own forward process: sigma-space samplers (Euler, ...) scale x_t
+        # differently from the variance-preserving one the model was trained with
+        x_t = sched.add_noise(known, noise, sched.timesteps[start].reshape(1).repeat(n))
         small = denoise_steps(
             d.fn,
             x_t,
@@ -569,15 +573,16 @@ class EditingMixin:
         b, size = d.shape[0], d.shape[-1]
         known = at_size(image, size).to(self.device).repeat(b, 1, 1, 1)
         regen = mask_at_size(mask, size).to(self.device)
-        fwd = training_scheduler(self.diffusion[stage])
         sched, ts = d.scheduler, d.scheduler.timesteps
         ac = sched.alphas_cumprod
         x = randn_tensor(d.shape, generator=gen, device=self.device) * sched.init_noise_sigma
         callback = stage_callback(self, stage, cb)
 
         def noised(level):
+            # the sampler's own forward process at the level its next step starts from (a
+            # sigma-indexed sampler reads it from its step index, already advanced)
             noise = randn_tensor(known.shape, generator=gen, device=self.device)
-            return fwd.add_noise(known, noise, level.reshape(1).repeat(b).cpu())
+            return sched.add_noise(known, noise, level.reshape(1).repeat(b))
 
         for i in tqdm(range(len(ts)), desc=f"inpaint {stage}", disable=not progress, leave=False):
             last = i + 1 == len(ts)

@@ -19,6 +19,10 @@ from pathlib import Path
 from unclip.cli.errors import seed_type
 from unclip.config import SCHEDULERS
 
+#: the sampler names ``--help`` lists (unclip.schedulers.SCHEDULER_ALIASES, without importing
+#: diffusers for ``--help``)
+SAMPLER_NAMES = (*SCHEDULERS, "euler", "euler_a", "heun", "unipc", "deis", "dpm2", "dpm++2s", "lms")
+
 __all__ = ["main", "build_parser", "add_sampling_args", "sampling_overrides"]
 
 #: ``--batch-size`` default; equals ``unclip.output.DEFAULT_BATCH_SIZE`` (kept here so that
@@ -38,7 +42,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """``--{prior,decoder,upsampler}-{scheduler,steps,guidance-scale}``, ``--prior-best-of`` and
     ``--decoder-best-of``; :func:`sampling_overrides` turns them into ``sampling=``."""
     for prefix, _, label in STAGES:
-        p.add_argument(f"--{prefix}-scheduler", choices=SCHEDULERS, help=f"{label} sampler")
+        p.add_argument(
+            f"--{prefix}-scheduler",
+            metavar="NAME",
+            help=f"{label} sampler: {', '.join(SAMPLER_NAMES)}, or a diffusers scheduler class "
+            "name",
+        )
         p.add_argument(f"--{prefix}-steps", type=int, help=f"{label} sampling steps")
         p.add_argument(
             f"--{prefix}-guidance-scale",

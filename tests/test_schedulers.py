@@ -1,0 +1,104 @@
+"""Any diffusers scheduler per stage: by alias, class name or instance, with the stage's training
+facts winning and clear refusals (unclip/schedulers.py)."""
+
+import json
+
+import pytest
+import torch
+from conftest import gens
+from diffusers import DDPMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+
+from unclip.cli import main as unclip_main
+from unclip.config import DiffusionConfig
+from unclip.diffusion import make_scheduler
+from unclip.tiny import tiny_pipeline
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline(seed=0, sizes=(16,))
+
+
+def decode(pipe, scheduler, steps=4):
+    return pipe(
+        ["a red circle", "a blue square"],
+        generator=gens(1, 2),
+        sampling={"prior": {"steps": 3}, "decoder": {"scheduler": scheduler, "steps": steps}},
+        output_type="pt",
+        progress=False,
+    ).images
+
+
+@pytest.mark.parametrize("name", ["euler", "euler_a", "heun", "unipc", "dpm2", "lms"])
+def test_a_diffusers_scheduler_by_alias_samples_the_decoder(pipe, name):
+    ddim = decode(pipe, "ddim")
+    got = decode(pipe, name)
+    assert torch.isfinite(got).all() and got.shape == ddim.shape
+    assert not torch.allclose(got, ddim, atol=1e-4)  # the scheduler was actually used
+    assert torch.equal(got, decode(pipe, name))  # and is deterministic for fixed generators
+
+
+def test_a_class_name_and_an_instance_work_and_the_stage_facts_win(pipe):
+    by_alias = decode(pipe, "euler")
+    by_class = decode(pipe, "EulerDiscreteScheduler")
+    torch.testing.assert_close(by_class, by_alias)
+    # an instance built for another model: its schedule and prediction type are replaced by the
+    # stage's, its own options (Karras sigmas) are kept
+    inst = EulerDiscreteScheduler(
+        num_train_timesteps=10, prediction_type="v_prediction", use_karras_sigmas=True
+    )
+    stage = DiffusionConfig(prediction_type="epsilon")
+    sched = make_scheduler(inst, stage)
+    assert sched.config.num_train_timesteps == 1000
+    assert sched.config.prediction_type == "epsilon"
+    assert sched.config.beta_schedule == stage.beta_schedule
+    assert sched.config.use_karras_sigmas is True
+    assert inst.config.num_train_timesteps == 10  # the given instance is not changed
+    karras = decode(pipe, inst)
+    assert torch.isfinite(karras).all() and not torch.allclose(karras, by_alias, atol=1e-4)
+
+
+def test_schedulers_that_cannot_serve_a_stage_are_refused_with_the_reason(pipe):
+    with pytest.raises(ValueError, match="unknown sampler 'eulr'; did you mean 'euler'"):
+        decode(pipe, "eulr")
+    with pytest.raises(ValueError, match="takes no prediction_type"):
+        decode(pipe, FlowMatchEulerDiscreteScheduler())
+    # the tiny prior predicts x_0 ("sample"), which ancestral Euler does not implement
+    with pytest.raises(ValueError, match="EulerAncestralDiscreteScheduler cannot serve this stage"):
+        pipe("a red circle", sampling={"prior": {"scheduler": "euler_a"}}, progress=False)
+    with pytest.raises(ValueError, match="needs a model that outputs its variance"):
+        decode(pipe, DDPMScheduler(variance_type="learned_range"))
+    with pytest.raises(ValueError, match="a sampler must be a name or a diffusers scheduler"):
+        decode(pipe, 3)
+
+
+def test_generate_records_the_sampler_and_refuses_an_unknown_one(tmp_path, capsys):
+    out = tmp_path / "s"
+    code = unclip_main(
+        ["generate", "a red circle", "--tiny", "--out", str(out), "--no-progress",
+         "--decoder-scheduler", "unipc", "--decoder-steps", "3", "--prior-steps", "2"]
+    )  # fmt: skip
+    assert code == 0
+    rec = json.loads((out / "generate.json").read_text())
+    assert rec["sampling"]["decoder"]["scheduler"] == "unipc"
+    code = unclip_main(
+        ["generate", "a red circle", "--tiny", "--out", str(tmp_path / "t"), "--no-progress",
+         "--decoder-scheduler", "nope"]
+    )  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert "decoder: unknown sampler 'nope'" in err and "\n" not in err
+
+
+def test_a_pipeline_saved_with_an_alias_loads_it(pipe, tmp_path):
+    from unclip.pipeline import UnCLIPPipeline
+
+    pipe.sampling["decoder"].scheduler = "heun"
+    try:
+        pipe.save_pretrained(tmp_path / "p")
+    finally:
+        pipe.sampling["decoder"].scheduler = "ddim"
+    loaded = UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    assert loaded.sampling["decoder"].scheduler == "heun"
