@@ -102,3 +102,34 @@ def test_a_pipeline_saved_with_an_alias_loads_it(pipe, tmp_path):
         pipe.sampling["decoder"].scheduler = "ddim"
     loaded = UnCLIPPipeline.from_pretrained(tmp_path / "p")
     assert loaded.sampling["decoder"].scheduler == "heun"
+
+
+def test_attention_slicing_changes_memory_layout_not_results(pipe):
+    def sliced(p):
+        return type(p).__name__.startswith("SlicedAttn")  # with or without added KV
+
+    plain = decode(pipe, "ddim")
+    pipe.enable_attention_slicing("max")
+    try:
+        procs = [m.processor for net in pipe.denoisers().values() for m in net.modules()
+                 if hasattr(m, "set_attention_slice") and hasattr(m, "processor")]  # fmt: skip
+        assert procs and all(sliced(p) for p in procs)
+        torch.testing.assert_close(decode(pipe, "ddim"), plain, rtol=1e-4, atol=1e-5)
+    finally:
+        pipe.disable_attention_slicing()
+    assert not any(
+        sliced(m.processor)
+        for net in pipe.denoisers().values()
+        for m in net.modules()
+        if hasattr(m, "processor")
+    )
+    with pytest.raises(ValueError, match="slice_size must be"):
+        pipe.enable_attention_slicing(0)
+
+
+def test_xformers_is_refused_with_what_to_do_off_cuda(pipe):
+    from unclip.memory import xformers_available
+
+    msg = "runs on CUDA only" if xformers_available() else "pip install 'unclip\\[xformers\\]'"
+    with pytest.raises(ValueError, match=msg):
+        pipe.enable_xformers_memory_efficient_attention()

@@ -58,6 +58,7 @@ from unclip.io import (
     resolve_pipeline_folder,
     write_pipeline_folder,
 )
+from unclip.memory import MemoryMixin
 from unclip.output import UnCLIPOutput, generate_to_folder
 from unclip.pipeline_utils import (
     check_components,
@@ -114,7 +115,7 @@ def negatives_per_row(negative, rows: int, what: str) -> list[str]:
     return captions
 
 
-class UnCLIPPipeline(EditingMixin):
+class UnCLIPPipeline(EditingMixin, MemoryMixin):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
     def __init__(
@@ -203,6 +204,7 @@ class UnCLIPPipeline(EditingMixin):
             for m in [self.decoder, *self.upsamplers]:
                 m.to(memory_format=memory_format)
         self._null_text = None
+        self._auto_xformers()
         return self
 
     @property

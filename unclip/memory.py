@@ -1,0 +1,85 @@
+"""Attention memory options of :class:`~unclip.pipeline.UnCLIPPipeline`::
+
+    pipe.enable_attention_slicing()        # attention computed a few heads at a time
+    pipe.disable_attention_slicing()       # back to PyTorch's scaled-dot-product attention
+    pipe.enable_xformers_memory_efficient_attention()   # CUDA + the [xformers] extra
+
+Slicing trades speed for peak memory: the attention matrix of only ``slice_size`` heads exists at
+once (``"auto"``: half the heads, ``"max"``: one head). Results equal the unsliced ones to float
+rounding. :meth:`UnCLIPPipeline.to` turns xformers on by itself when the pipeline moves to a CUDA
+device and the ``xformers`` package is installed (``pipe.use_xformers = False`` keeps it off).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Union
+
+import torch
+
+__all__ = ["MemoryMixin", "xformers_available"]
+
+
+def xformers_available() -> bool:
+    return importlib.util.find_spec("xformers") is not None
+
+
+def _attention_modules(net: torch.nn.Module):
+    from diffusers.models.attention_processor import Attention
+
+    return [m for m in net.modules() if isinstance(m, Attention)]
+
+
+class MemoryMixin:
+    """Attention slicing and xformers for every denoising network (see the module doc)."""
+
+    #: ``"auto"``: enable xformers in :meth:`to` on CUDA when installed; False: never
+    use_xformers: Union[str, bool] = "auto"
+
+    def enable_attention_slicing(self, slice_size: Union[str, int] = "auto") -> None:
+        """Compute attention ``slice_size`` heads at a time in every denoiser (``"auto"``: half
+        of each layer's heads, ``"max"``: one)."""
+        if slice_size not in ("auto", "max") and (
+            isinstance(slice_size, bool) or not isinstance(slice_size, int) or slice_size < 1
+        ):
+            raise ValueError(
+                f"slice_size must be 'auto', 'max' or an integer >= 1, got {slice_size!r}"
+            )
+        for net in self.denoisers().values():
+            for attn in _attention_modules(net):
+                heads = attn.sliceable_head_dim
+                size = {"auto": max(1, heads // 2), "max": 1}.get(slice_size, slice_size)
+                attn.set_attention_slice(min(int(size), heads))
+
+    def disable_attention_slicing(self) -> None:
+        """Full attention again (PyTorch's scaled-dot-product attention)."""
+        for net in self.denoisers().values():
+            for attn in _attention_modules(net):
+                attn.set_attention_slice(None)
+
+    def enable_xformers_memory_efficient_attention(self) -> None:
+        """xformers' memory-efficient attention in every denoiser; needs a CUDA device and the
+        ``xformers`` package (``pip install 'unclip[xformers]'``)."""
+        if not xformers_available():
+            raise ValueError(
+                "xformers is not installed: pip install 'unclip[xformers]' (CUDA only); PyTorch's "
+                "scaled-dot-product attention is used without it"
+            )
+        if self.device.type != "cuda":
+            raise ValueError(
+                f"xformers attention runs on CUDA only; the pipeline is on {self.device} "
+                "(move it with pipe.to('cuda') first)"
+            )
+        for net in self.denoisers().values():
+            for attn in _attention_modules(net):
+                attn.set_use_memory_efficient_attention_xformers(True)
+
+    def disable_xformers_memory_efficient_attention(self) -> None:
+        for net in self.denoisers().values():
+            for attn in _attention_modules(net):
+                attn.set_use_memory_efficient_attention_xformers(False)
+
+    def _auto_xformers(self) -> None:
+        """Called by :meth:`to`: xformers on when on CUDA, installed and not turned off."""
+        if self.use_xformers == "auto" and self.device.type == "cuda" and xformers_available():
+            self.enable_xformers_memory_efficient_attention()
