@@ -235,12 +235,14 @@ class UnCLIPARPrior(ModelMixin, ConfigMixin):
         self.register_buffer("pca_components", torch.eye(embed_dim)[:p].clone())
         self.register_buffer("bucket_edges", torch.zeros(p, num_buckets + 1))
         self.register_buffer("dot_edges", torch.zeros(dot_buckets + 1))
-        self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
+        # a float flag (1 once fitted): buffers of one floating dtype travel everywhere the
+        # weights do (DDP buffer broadcasts, dtype casts of the whole model)
+        self.register_buffer("fitted", torch.zeros(()))
 
     # ------------------------------------------------------------------ the code
     @property
     def is_fitted(self) -> bool:
-        return bool(self.fitted)
+        return bool(self.fitted > 0)
 
     @property
     def null_dot(self) -> int:
@@ -296,7 +298,7 @@ class UnCLIPARPrior(ModelMixin, ConfigMixin):
         ):
             buf = getattr(self, name)
             buf.copy_(value.to(buf.dtype))
-        self.fitted.fill_(True)
+        self.fitted.fill_(1.0)
 
     def project(self, image_embed: torch.Tensor) -> torch.Tensor:
         """``[B, D]`` → PCA coordinates ``[B, P]`` (in order of decreasing variance)."""
