@@ -6,8 +6,10 @@ import torch
 import yaml
 from conftest import CONFIGS
 
+from unclip.ar_prior import UnCLIPARPrior
 from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import (
+    ARPriorOptions,
     ClipConfig,
     ConfigError,
     DecoderConfig,
@@ -143,9 +145,13 @@ def test_every_shipped_config_loads(path):
 # ------------------------------------------------------------------------------------------------
 ARCHITECTURES = [
     (PriorConfig, UnCLIPPrior),
+    (PriorConfig, UnCLIPARPrior),
+    (ARPriorOptions, UnCLIPARPrior),
     (DecoderConfig, UnCLIPDecoder),
     (UpsamplerConfig, UnCLIPUpsampler),
 ]
+#: fields that choose the model or feed its training, not arguments of the model
+NOT_ARGUMENTS = {"type", "ar", "fit_samples"}
 
 
 @pytest.mark.parametrize("config_cls, model_cls", ARCHITECTURES, ids=lambda c: c.__name__)
@@ -153,6 +159,8 @@ def test_every_architecture_field_is_a_model_argument_with_the_same_default(conf
     params = inspect.signature(model_cls.__init__).parameters
     config = config_cls()
     for f in dataclasses.fields(config_cls):
+        if f.name in NOT_ARGUMENTS:
+            continue
         assert f.name in params, (
             f"{config_cls.__name__}.{f.name} is no {model_cls.__name__} argument"
         )
@@ -202,8 +210,22 @@ def test_configs_build_their_models_with_every_setting():
     )
     upsampler = up_cfg.build()
     assert isinstance(upsampler, UnCLIPUpsampler)
-    for cfg, model in ((prior_cfg, prior), (decoder_cfg, decoder), (up_cfg, upsampler)):
+    ar_cfg = PriorConfig(
+        type="ar",
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        dropout=0.1,
+        ar=ARPriorOptions(pca_dims=5, num_buckets=7, dot_buckets=3),
+    )
+    ar = ar_cfg.build(clip)
+    assert isinstance(ar, UnCLIPARPrior)
+    pairs = [(prior_cfg, prior), (decoder_cfg, decoder), (up_cfg, upsampler), (ar_cfg, ar)]
+    pairs.append((ar_cfg.ar, ar))
+    for cfg, model in pairs:
         for key, value in to_dict(cfg).items():
+            if key in NOT_ARGUMENTS:
+                continue
             built = model.config[key]
             assert (list(built) if isinstance(built, tuple) else built) == value, key
 

@@ -23,6 +23,7 @@ _EXPORTS = {
     "FrozenCLIP": "unclip.clip",
     "TextEncoding": "unclip.clip",
     "UnCLIPPrior": "unclip.prior",
+    "UnCLIPARPrior": "unclip.ar_prior",
     "UnCLIPDecoder": "unclip.decoder",
     "UnCLIPUpsampler": "unclip.decoder",
     "load_config": "unclip.config",
@@ -35,6 +36,7 @@ __all__ = [
     "FrozenCLIP",
     "TextEncoding",
     "UnCLIPPrior",
+    "UnCLIPARPrior",
     "UnCLIPDecoder",
     "UnCLIPUpsampler",
     "load_config",
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports on first use
+    from unclip.ar_prior import UnCLIPARPrior
     from unclip.clip import CLIP, FrozenCLIP, TextEncoding
     from unclip.config import load_config
     from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler

@@ -33,6 +33,7 @@ import yaml
 __all__ = [
     "ClipConfig",
     "PriorConfig",
+    "ARPriorOptions",
     "DecoderConfig",
     "UpsamplerConfig",
     "DiffusionConfig",
@@ -69,24 +70,86 @@ class ClipConfig:
 
 
 @dataclass
-class PriorConfig:
-    """Diffusion prior over CLIP image embeddings (diffusers ``PriorTransformer``), paper §2.2.
+class ARPriorOptions:
+    """The autoregressive prior's code (paper §2.1; see docs/ar_prior.md).
 
-    The transformer sees [text tokens (num_embeddings), text_embed, time, x_t, prediction token] and
-    predicts x_0 (the un-noised, normalised image embedding). The CLIP supplies the widths
-    (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes the network.
+    ``pca_dims``: principal components of the CLIP image embedding kept (paper: 319 of 1024;
+    None: all ``D``), fitted on ``fit_samples`` training embeddings at the start of training.
+    ``num_buckets``: codes per component (paper: 1024), with per-component quantile bucket edges.
+    ``dot_buckets``: buckets of the text–image cosine, the "dot-product token".
     """
 
+    pca_dims: Optional[int] = None
+    num_buckets: int = 1024
+    dot_buckets: int = 32
+    fit_samples: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.pca_dims is not None and self.pca_dims < 1:
+            raise ConfigError(
+                f"prior.ar.pca_dims must be an integer >= 1 (or null: every dimension), got "
+                f"{self.pca_dims!r}"
+            )
+        if self.num_buckets < 2:
+            raise ConfigError(
+                f"prior.ar.num_buckets must be an integer >= 2 (paper: 1024), got "
+                f"{self.num_buckets!r}"
+            )
+        if self.dot_buckets < 1:
+            raise ConfigError(
+                f"prior.ar.dot_buckets must be an integer >= 1, got {self.dot_buckets!r}"
+            )
+        if self.fit_samples < 2:
+            raise ConfigError(
+                f"prior.ar.fit_samples must be an integer >= 2 (more than pca_dims), got "
+                f"{self.fit_samples!r}"
+            )
+
+
+@dataclass
+class PriorConfig:
+    """The prior over CLIP image embeddings: ``type`` ``diffusion`` (paper §2.2) or ``ar`` (§2.1).
+
+    ``diffusion``: diffusers ``PriorTransformer``; the transformer sees [text tokens
+    (num_embeddings), text_embed, time, x_t, prediction token] and predicts x_0 (the un-noised,
+    normalised image embedding). ``ar``: a causal transformer of the same size
+    (``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``dropout``) predicting the
+    PCA-quantised image embedding one code at a time (:class:`~unclip.ar_prior.UnCLIPARPrior`),
+    with the code settings in ``ar`` (:class:`ARPriorOptions`; only for ``type: ar``). The CLIP
+    supplies the widths (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes
+    the network.
+    """
+
+    type: Literal["diffusion", "ar"] = "diffusion"
     num_layers: int = 24
     num_attention_heads: int = 32
     attention_head_dim: int = 64
     dropout: float = 0.0
+    ar: Optional[ARPriorOptions] = None
+
+    def __post_init__(self) -> None:
+        _check_dropout("prior.dropout", self.dropout)
+        if self.type == "diffusion" and self.ar is not None:
+            raise ConfigError(
+                "prior.ar configures the autoregressive prior; set prior.type: ar or remove the "
+                "'ar:' section"
+            )
+        if self.type == "ar" and self.ar is None:
+            self.ar = ARPriorOptions()
 
     def build(self, clip):
-        """The :class:`~unclip.prior.UnCLIPPrior` this config describes, sized for ``clip``."""
+        """The prior this config describes (:class:`~unclip.prior.UnCLIPPrior` or
+        :class:`~unclip.ar_prior.UnCLIPARPrior`), sized for ``clip``."""
+        arch = {k: v for k, v in to_dict(self).items() if k not in ("type", "ar")}
+        if self.type == "ar":
+            from unclip.ar_prior import UnCLIPARPrior
+
+            opts = to_dict(self.ar)
+            opts.pop("fit_samples")  # a training setting: how many embeddings the fit reads
+            return UnCLIPARPrior.from_clip(clip, **arch, **opts)
         from unclip.prior import UnCLIPPrior
 
-        return UnCLIPPrior.from_clip(clip, **to_dict(self))
+        return UnCLIPPrior.from_clip(clip, **arch)
 
 
 @dataclass
@@ -250,12 +313,23 @@ class SamplingConfig:
     highest dot product with the text embedding (paper: 2); for the decoder, that many
     base-resolution images per prompt (each from its own prior sample), keeping the one the CLIP
     scores closest to the prompt before upsampling (CLIP reranking, as DALL-E); upsamplers take 1.
+
+    The autoregressive prior (``prior.type: ar``) samples codes, not noise: it ignores
+    ``scheduler`` and ``steps`` and takes ``guidance_scale`` (on its logits), ``best_of`` and four
+    settings of its own, which every other stage refuses when set: ``temperature`` (default 1),
+    ``top_k`` and ``top_p`` (default: off), ``dot_product_quantile``: the quantile of the training
+    text–image cosines its dot-product token asks for (default: drawn from the top half for each
+    sample, as the paper samples).
     """
 
     scheduler: str = "ddim"
     steps: int = 25
     guidance_scale: float = 4.0
     best_of: int = 1
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    dot_product_quantile: Optional[float] = None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from unclip.config import DiffusionConfig, SamplingConfig, to_dict
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.files import check_output_folder, write_folder
 from unclip.prior import UnCLIPPrior
+from unclip.priors import load_prior
 from unclip.sampling import stage_kind
 
 PIPELINE_FILE = "unclip.json"
@@ -332,7 +333,7 @@ def load_components(
     prior_m = None
     if prior is not None:
         folder, data = meta(prior, "prior")
-        prior_m = UnCLIPPrior.from_pretrained(folder)
+        prior_m = load_prior(folder)
         diffusion["prior"], sampling["prior"] = (
             data.get("diffusion", default_diffusion["prior"]),
             data.get("sampling", default_sampling["prior"]),
@@ -455,7 +456,7 @@ def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
 
     return {
         "clip": CLIP.from_pretrained(sub(comps.get("clip", "clip"))),
-        "prior": UnCLIPPrior.from_pretrained(sub(comps["prior"])) if comps.get("prior") else None,
+        "prior": load_prior(sub(comps["prior"])) if comps.get("prior") else None,
         "decoder": UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder"))),
         "upsamplers": [
             UnCLIPUpsampler.from_pretrained(sub(n)) for n in comps.get("upsamplers", [])

@@ -70,6 +70,7 @@ from unclip.pipeline_utils import (
     stages_until,
 )
 from unclip.prior import UnCLIPPrior
+from unclip.priors import prior_type
 from unclip.sampling import (
     DEFAULT_DIFFUSION,
     DEFAULT_SAMPLING,
@@ -317,7 +318,11 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin):
         for a pipeline without that stage (they are checked, then unused). Unknown keys or fields
         and invalid values are a ``ValueError`` naming them; the result is a copy (changing it
         changes nothing)."""
-        return resolve_sampling({name: self.sampling[name] for name in self.stage_names}, sampling)
+        return resolve_sampling(
+            {name: self.sampling[name] for name in self.stage_names},
+            sampling,
+            ar_stages=("prior",) if prior_type(self.prior) == "ar" else (),
+        )
 
     def _stage_settings(self, stage: str, sampling: Optional[Mapping]) -> SamplingConfig:
         return self.sampling_settings(sampling)[stage]

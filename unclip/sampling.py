@@ -26,12 +26,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+from unclip.ar_prior import UnCLIPARPrior
+from unclip.ar_sampling import check_ar_sampling, sample_ar_prior
 from unclip.clip import CLIP, TextEncoding, check_prompts
 from unclip.config import DiffusionConfig, SamplingConfig, from_dict, to_dict
 from unclip.decoder import Caption, UnCLIPDecoder, UnCLIPUpsampler, upsample_low_res
@@ -122,7 +124,9 @@ def stage_settings(
 
 
 def resolve_sampling(
-    settings: Mapping[str, SamplingConfig], sampling: Optional[Mapping] = None
+    settings: Mapping[str, SamplingConfig],
+    sampling: Optional[Mapping] = None,
+    ar_stages: Collection[str] = (),
 ) -> dict[str, SamplingConfig]:
     """``settings`` (``{stage: SamplingConfig}``, a pipeline's stages in order) with the overrides
     ``sampling`` applied and every stage's result checked; a new dict of copies.
@@ -131,7 +135,9 @@ def resolve_sampling(
     ``settings`` or ``"upsampler"`` (every upsampler; an upsampler's own key wins), a field one of
     :data:`SAMPLING_FIELDS`. ``"prior"`` and ``"upsampler"`` are accepted (and checked) where
     ``settings`` has no such stage, so one set of overrides serves every pipeline. Unknown keys or
-    fields and invalid values are a ``ValueError`` naming them."""
+    fields and invalid values are a ``ValueError`` naming them. ``ar_stages``: the stages sampled
+    by an autoregressive prior, the only ones that take its settings
+    (:data:`~unclip.ar_sampling.AR_SAMPLING_FIELDS`)."""
     over = _check_overrides(sampling, list(settings))
     out = {}
     for stage, base in settings.items():
@@ -141,6 +147,7 @@ def resolve_sampling(
         for k, v in merged.items():
             setattr(s, k, v)
         check_sampling_args(stage, s.scheduler, s.steps, s.guidance_scale)
+        check_ar_sampling(stage, s, stage in ar_stages)
         if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
             raise ValueError(f"{stage}: best_of must be an integer >= 1, got {s.best_of!r}")
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
@@ -256,7 +263,7 @@ def check_finite(stage: str, x: torch.Tensor, autocast_dtype: Optional[torch.dty
 
 @torch.no_grad()
 def sample_prior(
-    prior: UnCLIPPrior,
+    prior: Union[UnCLIPPrior, UnCLIPARPrior],
     text: TextEncoding,
     null_text: Callable[[int], TextEncoding],
     settings: SamplingConfig,
@@ -277,7 +284,27 @@ def sample_prior(
     ``generator``: one, or one per candidate (``B·N``, row-major). ``clip_range``: predicted x_0
     (the normalised embedding) is clipped to ``[-r, r]``; None disables. ``latents [B·N, D]``:
     the initial noise. ``autocast_dtype``, ``callback``: as
-    :func:`~unclip.diffusion.sample_loop`."""
+    :func:`~unclip.diffusion.sample_loop`.
+
+    An autoregressive prior (:class:`~unclip.ar_prior.UnCLIPARPrior`) is sampled by
+    :func:`~unclip.ar_sampling.sample_ar_prior` (``diffusion`` and ``clip_range`` do not apply to
+    it, nor do ``latents``)."""
+    if isinstance(prior, UnCLIPARPrior):
+        if latents is not None:
+            raise ValueError(
+                "prior: latents are the diffusion prior's initial noise; the autoregressive "
+                "prior samples codes and takes none"
+            )
+        return sample_ar_prior(
+            prior,
+            text,
+            null_text,
+            settings,
+            generator=generator,
+            progress=progress,
+            autocast_dtype=autocast_dtype,
+            callback=callback,
+        )
     settings = _checked("prior", settings)
     n_best, b = settings.best_of, len(text)
     device = prior.device

@@ -36,11 +36,25 @@ STAGES = (
 )
 #: (flag suffix, SamplingConfig field)
 FIELDS = (("scheduler", "scheduler"), ("steps", "steps"), ("guidance_scale", "guidance_scale"))
+#: the autoregressive prior's own settings: (flag suffix, SamplingConfig field, type, help)
+AR_FLAGS = (
+    ("temperature", "temperature", float, "sampling temperature of the codes (default 1)"),
+    ("top-k", "top_k", int, "sample among the k most likely codes only"),
+    ("top-p", "top_p", float, "sample in the nucleus of probability p, in (0, 1]"),
+    (
+        "dot-product-quantile",
+        "dot_product_quantile",
+        float,
+        "quantile in [0, 1] of the training text-image cosines to condition on (default: drawn "
+        "from the top half, as the paper)",
+    ),
+)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """``--{prior,decoder,upsampler}-{scheduler,steps,guidance-scale}``, ``--prior-best-of`` and
-    ``--decoder-best-of``; :func:`sampling_overrides` turns them into ``sampling=``."""
+    """``--{prior,decoder,upsampler}-{scheduler,steps,guidance-scale}``, ``--prior-best-of``,
+    ``--decoder-best-of`` and the autoregressive prior's ``--prior-{temperature,top-k,top-p,
+    dot-product-quantile}``; :func:`sampling_overrides` turns them into ``sampling=``."""
     for prefix, _, label in STAGES:
         p.add_argument(
             f"--{prefix}-scheduler",
@@ -59,6 +73,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="prior candidates per image; the one closest to the text embedding is kept",
     )
+    ar = p.add_argument_group("autoregressive prior (prior.type: ar) only")
+    for flag, field, kind, text in AR_FLAGS:
+        ar.add_argument(f"--prior-{flag}", type=kind, dest=f"prior_{field}", help=text)
     p.add_argument(
         "--decoder-best-of",
         type=int,
@@ -77,9 +94,11 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
             for flag, field in FIELDS
             if getattr(args, f"{prefix}_{flag}") is not None
         }
-        best_of = getattr(args, f"{prefix}_best_of", None)
-        if best_of is not None:
-            values["best_of"] = best_of
+        extra = ["best_of", *(f for _, f, _, _ in AR_FLAGS)] if prefix == "prior" else ["best_of"]
+        for field in extra:
+            value = getattr(args, f"{prefix}_{field}", None)
+            if value is not None:
+                values[field] = value
         if values:
             out[key] = values
     return out

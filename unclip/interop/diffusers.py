@@ -47,6 +47,7 @@ from typing import Union
 import torch
 from diffusers import PriorTransformer, UnCLIPScheduler, UNet2DConditionModel, UNet2DModel
 
+from unclip.ar_prior import UnCLIPARPrior
 from unclip.clip import CompatTokenizer
 from unclip.config import DiffusionConfig, SamplingConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
@@ -488,6 +489,12 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
         )
     if pipe.prior is None:
         out.append("prior: the pipeline has no prior (diffusers' UnCLIPPipeline needs one)")
+    elif isinstance(pipe.prior, UnCLIPARPrior):
+        out.append(
+            "prior: an autoregressive prior (prior.type: ar); diffusers' UnCLIPPipeline and Karlo "
+            "have only the diffusion prior (PriorTransformer), so export a pipeline with a "
+            "diffusion prior"
+        )
     elif not isinstance(pipe.prior.text_token_proj, torch.nn.Identity):
         out.append(
             f"prior: text_token_proj projects the CLIP text width {clip.text_width} to the "

@@ -462,6 +462,12 @@ def _build(cfg, clip, device):
             from unclip.train.prior import PriorTask, build_prior_model
 
             model = build_prior_model(cfg, clip)
+            if cfg.prior.type == "ar":
+                from unclip.train.ar_prior import ARPriorTask
+
+                # only shapes matter here: the unfitted (all-zero) edges give every sample code 0
+                model.fitted.fill_(1.0)
+                return model, ARPriorTask(cfg, clip, device)
             d = clip.embed_dim
             model.set_embedding_stats(torch.zeros(d), torch.ones(d))
             return model, PriorTask(cfg, clip, device)

@@ -105,9 +105,12 @@ class PriorTask:
 
 
 def build_prior_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
-    """The prior a ``prior`` stage config trains; its embedding statistics are buffers-like
-    parameters that are set from the data, not trained."""
+    """The prior a ``prior`` stage config trains; the diffusion prior's embedding statistics are
+    buffers-like parameters that are set from the data, not trained (the AR prior keeps its fit in
+    buffers)."""
     model = cfg.prior.build(clip)
+    if cfg.prior.type == "ar":
+        return model
     model.transformer.clip_mean.requires_grad_(False)
     model.transformer.clip_std.requires_grad_(False)
     return model
@@ -119,12 +122,20 @@ def train_prior(
     max_steps_this_run: Optional[int] = None,
     overwrite: bool = False,
 ) -> int:
-    """Train the prior described by ``cfg`` (stage ``prior``); when ``train.max_steps`` is reached,
-    export ``<output_dir>/final/prior`` and ``final/clip``. ``resume``: ``"latest"`` or a checkpoint
-    folder; ``max_steps_this_run``: stop (with a checkpoint) after that many steps; ``overwrite``:
-    replace an earlier run in ``train.output_dir`` (refused otherwise). Returns 0."""
+    """Train the prior described by ``cfg`` (stage ``prior``; an autoregressive one,
+    ``prior.type: ar``, by :func:`unclip.train.ar_prior.train_ar_prior`); when
+    ``train.max_steps`` is reached, export ``<output_dir>/final/prior`` and ``final/clip``.
+    ``resume``: ``"latest"`` or a checkpoint folder; ``max_steps_this_run``: stop (with a
+    checkpoint) after that many steps; ``overwrite``: replace an earlier run in
+    ``train.output_dir`` (refused otherwise). Returns 0."""
     if cfg.stage != "prior":
         raise ValueError(f"train_prior needs a stage 'prior' config, got stage {cfg.stage!r}")
+    if cfg.prior.type == "ar":
+        from unclip.train.ar_prior import train_ar_prior
+
+        return train_ar_prior(
+            cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite
+        )
     if cfg.diffusion.prediction_type != "sample":
         logger.warning(
             "the paper's prior predicts x_0 (diffusion.prediction_type=sample); using %s",

@@ -1,0 +1,216 @@
+"""Diffusion prior vs autoregressive prior on the shapes world, trained for the same CPU time.
+
+    python benchmarks/bench_ar_prior.py                 # 20 minutes of training per prior
+    python benchmarks/bench_ar_prior.py --budget 3600   # an hour each
+    python benchmarks/bench_ar_prior.py --quick         # about a minute: checks the script runs
+
+Both priors are trained by ``unclip train-prior``'s own function from ``configs/shapes/prior.yaml``
+and ``configs/shapes/prior_ar.yaml``, conditioned on the bundled shapes model's CLIP
+(``unclip/models/shapes/clip``), with the same data stream, batch size, learning rate and EMA.
+"The same CPU budget" is wall-clock seconds of one single-threaded process per prior, everything
+included (the AR prior's PCA and bucket fit, the diffusion prior's embedding statistics, data
+rendering, CLIP encoding, checkpoints): a short calibration run of each measures its seconds per
+step and its fixed start-up cost, and the real run is given the number of steps that fills the
+budget (``train.max_steps``, so both get a complete warmup-cosine schedule). The real runs' wall
+times are reported beside the budget.
+
+Evaluation, on shapes-world captions the training stream did not show (another ``shapes_seed``):
+each prior samples one embedding per caption with its config's sampling settings (both best of 2;
+the diffusion prior DDIM 25 steps, guidance 2; the AR prior guidance 2 on the logits, temperature 1,
+dot-product token from the top half), one generator per caption, and we report the mean cosine of
+the sample to the true CLIP image embedding of that caption's rendered image, the mean cosine to
+the caption's text embedding, and seconds per embedding (median of 3 timed batches after a warm-up).
+For scale: the mean cosine of the true embeddings to their mean, what a prior that ignores the
+caption would reach.
+
+Writes ``benchmarks/results/bench_ar_prior.json`` (``bench_ar_prior_quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import torch
+import torch.nn.functional as F
+
+CONFIGS = {
+    "diffusion": common.ROOT / "configs" / "shapes" / "prior.yaml",
+    "ar": common.ROOT / "configs" / "shapes" / "prior_ar.yaml",
+}
+CLIP_FOLDER = common.ROOT / "unclip" / "models" / "shapes" / "clip"
+EVAL_SEED = 977  # a shapes_seed the training stream (shapes_seed 0) does not use
+
+
+def stage_config(kind: str, out: Path, overrides: list[str]):
+    from unclip.train.config import load_stage_config
+
+    return load_stage_config(
+        CONFIGS[kind],
+        [
+            f"clip.pretrained={CLIP_FOLDER}",
+            f"train.output_dir={out}",
+            "train.checkpoint_every=0",
+            "train.log_every=1",
+            "train.progress=false",
+            *overrides,
+        ],
+    )
+
+
+def train(kind: str, out: Path, overrides: list[str]) -> tuple[float, list[dict]]:
+    """Train one prior; ``(wall seconds, metrics records)``."""
+    from unclip.train.prior import train_prior
+
+    cfg = stage_config(kind, out, overrides)
+    t0 = time.perf_counter()
+    train_prior(cfg, overwrite=True)
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return wall, records
+
+
+def steps_for_budget(kind: str, work: Path, budget: float, calib_steps: int, overrides) -> dict:
+    """Calibrate: seconds per step (median of the logged steps' batch / samples_per_s) and the
+    fixed cost (the rest of the calibration run's wall time); then the steps that fill
+    ``budget``."""
+    wall, records = train(
+        kind, work / f"{kind}_calibration", [f"train.max_steps={calib_steps}", *overrides]
+    )
+    batch = stage_config(kind, work / "x", overrides).data.batch_size
+    per_step = sorted(batch / r["samples_per_s"] for r in records if "samples_per_s" in r)
+    step_s = per_step[len(per_step) // 2]
+    fixed = max(0.0, wall - step_s * calib_steps)
+    steps = max(1, int((budget - fixed) / step_s))
+    common.log(f"{kind}: {step_s:.3f} s/step, {fixed:.1f} s fixed -> {steps} steps in {budget} s")
+    return {"seconds_per_step": step_s, "fixed_seconds": fixed, "steps": steps}
+
+
+def eval_set(n: int):
+    """``(captions, true image embeddings [n, D], text encoding)`` of ``n`` held-back scenes."""
+    from unclip.clip import CLIP
+    from unclip.train.data.loader import batches, make_stream
+    from unclip.train.prior import _embed_batch
+
+    cfg = stage_config("diffusion", Path(tempfile.gettempdir()) / "unused", [])
+    cfg.data.shapes_seed = EVAL_SEED
+    clip = CLIP.from_config(cfg.clip)
+    stream = make_stream(cfg.data, resolution=clip.image_size, seed=0, rank=0, world_size=1)
+    batch = next(iter(batches(stream, n)))
+    with torch.no_grad():
+        image_embed, text = _embed_batch(clip, batch, "cpu")
+    return clip, batch["caption"], image_embed.float(), text
+
+
+def evaluate(kind: str, folder: Path, clip, captions, truth, text, repeats: int) -> dict:
+    from unclip.config import DiffusionConfig, SamplingConfig, from_dict
+    from unclip.priors import load_prior
+    from unclip.sampling import sample_prior
+
+    prior = load_prior(folder / "prior").eval()
+    meta = json.loads((folder / "prior" / "unclip_stage.json").read_text())
+    settings = from_dict(SamplingConfig, meta["sampling"])
+    diffusion = from_dict(DiffusionConfig, meta["diffusion"])
+    null = clip.encode_text([""])
+    n = len(captions)
+
+    def run():
+        gens = [torch.Generator().manual_seed(i) for i in range(n * settings.best_of)]
+        return sample_prior(
+            prior,
+            text,
+            null.repeat_interleave,
+            settings,
+            diffusion,
+            generator=gens,
+            progress=False,
+        )[0]
+
+    emb = run()  # warm-up, and the samples scored
+    times = [common.timed(run)[0] for _ in range(repeats)]
+    return {
+        "cos_to_true_image_embed": float(F.cosine_similarity(emb, truth).mean()),
+        "cos_to_text_embed": float(F.cosine_similarity(emb, text.text_embed).mean()),
+        "seconds_per_embedding": common.median(times) / n,
+        "sampling": meta["sampling"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=1200.0, help="training seconds per prior")
+    p.add_argument("--eval", type=int, default=256, help="held-back captions to sample")
+    p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp folder)")
+    p.add_argument("--quick", action="store_true", help="about a minute: checks the script runs")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    started = time.perf_counter()
+    common_ov, ar_ov, calib_steps = [], [], 20
+    if args.quick:
+        # a few seconds of training each: the numbers mean nothing, the path is exercised
+        args.budget, args.eval, calib_steps = 8.0, 16, 3
+        common_ov, ar_ov = ["data.batch_size=16"], ["prior.ar.fit_samples=64"]
+    overrides_for = {"diffusion": common_ov, "ar": common_ov + ar_ov}
+    tmp = None
+    if args.work is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_ar_prior_")
+        args.work = Path(tmp.name)
+    clip, captions, truth, text = eval_set(args.eval)
+    mean_cos = float(F.cosine_similarity(truth, truth.mean(0, keepdim=True)).mean())
+    result = {
+        "machine": common.machine(),
+        "budget_seconds": args.budget,
+        "quick": args.quick,
+        "eval_captions": len(captions),
+        "baseline_cos_true_to_mean_true": mean_cos,
+        "priors": {},
+    }
+    for kind in ("diffusion", "ar"):
+        ov = overrides_for[kind]
+        plan = steps_for_budget(kind, args.work, args.budget, calib_steps, ov)
+        out = args.work / kind
+        wall, records = train(kind, out, [f"train.max_steps={plan['steps']}", *ov])
+        losses = [r["loss"] for r in records if "loss" in r]
+        k = max(1, len(losses) // 10)
+        row = {
+            **plan,
+            "train_wall_seconds": wall,
+            "first_loss": sum(losses[:k]) / k,
+            "last_loss": sum(losses[-k:]) / k,
+            **evaluate(kind, out / "final", clip, captions, truth, text, 3),
+        }
+        result["priors"][kind] = row
+    if tmp is not None:
+        tmp.cleanup()
+
+    def report(r):
+        rows = [{"prior": k, **v} for k, v in r["priors"].items()]
+        cols = [
+            ("prior", "prior"),
+            ("steps", "steps"),
+            ("train s", "train_wall_seconds"),
+            ("cos(sample, true image)", "cos_to_true_image_embed"),
+            ("cos(sample, text)", "cos_to_text_embed"),
+            ("s / embedding", "seconds_per_embedding"),
+            ("first loss", "first_loss"),
+            ("last loss", "last_loss"),
+        ]
+        head = (
+            f"budget {r['budget_seconds']:.0f} s per prior; {r['eval_captions']} captions; "
+            f"cos(true, mean true) = {r['baseline_cos_true_to_mean_true']:.4f}\n"
+            + common.machine_line(r["machine"])
+        )
+        return head + common.table(rows, cols, "diffusion vs AR prior on shapes")
+
+    name = "bench_ar_prior_quick" if args.quick else "bench_ar_prior"
+    return common.finish(name, result, started, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
