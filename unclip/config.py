@@ -75,12 +75,21 @@ class PriorConfig:
     The transformer sees [text tokens (num_embeddings), text_embed, time, x_t, prediction token] and
     predicts x_0 (the un-noised, normalised image embedding). The CLIP supplies the widths
     (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes the network.
+
+    DALL-E Mega's transformer recipe (:mod:`unclip.transformer_blocks`): ``normformer`` adds
+    NormFormer's LayerNorms after attention and after the feed-forward's activation and a learned
+    scale per attention head (Shleifer et al. 2021); ``ff_activation`` ``geglu``/``swiglu`` makes
+    the feed-forward a GLU with 2/3 of the hidden width, the same parameter count (Shazeer 2020).
+    The defaults (off, ``gelu``) are diffusers' ``PriorTransformer`` exactly; either option makes a
+    prior that diffusers' ``UnCLIPPipeline`` cannot load (export refuses it).
     """
 
     num_layers: int = 24
     num_attention_heads: int = 32
     attention_head_dim: int = 64
     dropout: float = 0.0
+    normformer: bool = False
+    ff_activation: Literal["gelu", "geglu", "swiglu"] = "gelu"
 
     def build(self, clip):
         """The :class:`~unclip.prior.UnCLIPPrior` this config describes, sized for ``clip``."""
