@@ -198,7 +198,7 @@ def test_ema_shadow_is_fp32_for_half_precision_weights(tmp_path, reset_accelerat
 
 def test_optimizer_setting():
     assert TrainConfig().optimizer == "adamw"
-    with pytest.raises(ConfigError, match="train.optimizer must be adamw or adamw8bit"):
+    with pytest.raises(ConfigError, match="train.optimizer must be adamw, adamw8bit"):
         TrainConfig(optimizer="sgd")
     groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
     assert isinstance(

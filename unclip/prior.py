@@ -6,7 +6,13 @@
 * embedding normalisation: the diffusion runs on ``(image_embed − mean) / std`` with per-dimension
   statistics stored with the weights (``set_embedding_stats``), as in Karlo;
 * a projection of the text token states ``[B, L, W]`` to the embedding width ``D`` when ``W != D``;
-* ``x_0`` prediction (the transformer predicts the clean normalised embedding).
+* ``x_0`` prediction (the transformer predicts the clean normalised embedding);
+* optionally DALL-E Mega's transformer recipe (``normformer``, ``ff_activation``): the
+  transformer's blocks are then :class:`~unclip.transformer_blocks.TransformerBlock` instead of
+  diffusers' ``BasicTransformerBlock`` (embeddings, masks and output head stay diffusers'). With
+  both options at their defaults the network is diffusers' ``PriorTransformer`` unchanged, so
+  existing weights load and export as before; a prior with either option cannot be exported to
+  diffusers (:func:`unclip.interop.diffusers.export_problems` says so).
 
 The unconditional input for classifier-free guidance is the CLIP encoding of the empty caption (as
 in Karlo and diffusers), so exported weights sample identically elsewhere.
@@ -19,13 +25,14 @@ from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 
 from unclip.clip import TextEncoding
+from unclip.transformer_blocks import TransformerBlock, check_block_options
 
 __all__ = ["UnCLIPPrior"]
 
 
 class UnCLIPPrior(ModelMixin, ConfigMixin):
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
-    space)."""
+    space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`."""
 
     @register_to_config
     def __init__(
@@ -37,8 +44,11 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
         num_attention_heads: int = 32,
         attention_head_dim: int = 64,
         dropout: float = 0.0,
+        normformer: bool = False,
+        ff_activation: str = "gelu",
     ):
         super().__init__()
+        check_block_options(normformer, ff_activation)
         self.transformer = PriorTransformer(
             num_attention_heads=num_attention_heads,
             attention_head_dim=attention_head_dim,
@@ -48,6 +58,20 @@ class UnCLIPPrior(ModelMixin, ConfigMixin):
             additional_embeddings=4,
             dropout=dropout,
         )
+        if normformer or ff_activation != "gelu":
+            # diffusers' PriorTransformer runs whatever sits in transformer_blocks as
+            # block(hidden_states, attention_mask=[B * heads, S, S] additive mask)
+            self.transformer.transformer_blocks = torch.nn.ModuleList(
+                TransformerBlock(
+                    num_attention_heads * attention_head_dim,
+                    num_attention_heads,
+                    attention_head_dim,
+                    dropout=dropout,
+                    normformer=normformer,
+                    ff_activation=ff_activation,
+                )
+                for _ in range(num_layers)
+            )
         self.text_token_proj = (
             torch.nn.Linear(text_width, embed_dim)
             if text_width != embed_dim

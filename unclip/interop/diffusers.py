@@ -501,6 +501,15 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
             f"embedding size {clip.embed_dim}; diffusers' PriorTransformer takes text states at "
             "the embedding size"
         )
+    if pipe.prior is not None:
+        pc = pipe.prior.config
+        if getattr(pc, "normformer", False) or getattr(pc, "ff_activation", "gelu") != "gelu":
+            out.append(
+                f"prior: normformer={pc.normformer}, ff_activation={pc.ff_activation} (DALL-E "
+                "Mega's transformer blocks); diffusers' PriorTransformer has "
+                "BasicTransformerBlocks only (GELU feed-forward, no NormFormer norms or head "
+                "scales)"
+            )
     dc = pipe.decoder.config
     if dc.text_encoder != "clip":
         out.append(

@@ -5,7 +5,8 @@ rest), so resuming one never runs code from it, whoever wrote it:
 
 ==========================  =================================================================
 ``model.safetensors``       the model's weights (the raw ones; EMA weights are separate)
-``optimizer.safetensors``   the optimizer's per-parameter tensors (AdamW moments and steps)
+``optimizer.safetensors``   the optimizer's per-parameter tensors (AdamW moments and steps;
+                            SOAP's and KL-Shampoo's Kronecker factors and eigenbases)
 ``optimizer.json``          its parameter groups (hyper-parameters) and non-tensor state
 ``ema.safetensors``/``.json``  the EMA weights and their counters (when EMA is on)
 ``trainer_state.json``      the run's counters (step, data position, skips), the LR schedule
@@ -276,8 +277,62 @@ def newest_intact(
 
 
 # ------------------------------------------------------------------ optimizer state
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def _is_flat(state: dict) -> bool:
+    """Whether a state dict has torch.optim's plain layout (AdamW's): per-parameter tensors and
+    JSON scalars under string names, and parameter groups without tensors."""
+    if set(state) != {"state", "param_groups"}:
+        return False
+    plain = (torch.Tensor, *_JSON_SCALARS)
+    for per_param in state["state"].values():
+        if not all(isinstance(k, str) and isinstance(v, plain) for k, v in per_param.items()):
+            return False
+    return not any(isinstance(v, torch.Tensor) for g in state["param_groups"] for v in g.values())
+
+
+def _encode(value, key: str, tensors: dict, seen: dict):
+    """``value`` as JSON, with its tensors moved to ``tensors`` (one entry per tensor object, so
+    an aliased tensor is stored once and comes back aliased) and containers tagged with their
+    type: ``{"tensor": key}``, ``{"dict": [[k, v], ...]}`` (keys keep their type),
+    ``{"list"|"tuple"|"set": [...]}``."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in seen:
+            seen[id(value)] = key
+            tensors[key] = value
+        return {"tensor": seen[id(value)]}
+    if isinstance(value, dict):
+        return {"dict": [[k, _encode(v, f"{key}.{k}", tensors, seen)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        kind = "list" if isinstance(value, list) else "tuple" if isinstance(value, tuple) else "set"
+        items = sorted(value) if kind == "set" else value
+        return {kind: [_encode(v, f"{key}.{i}", tensors, seen) for i, v in enumerate(items)]}
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    raise TypeError(f"cannot store {type(value).__name__} at {key} in a checkpoint")
+
+
+def _decode(value, tensors: dict):
+    if not isinstance(value, dict):
+        return value
+    ((kind, body),) = value.items()
+    if kind == "tensor":
+        return tensors[body]
+    if kind == "dict":
+        return {k: _decode(v, tensors) for k, v in body}
+    items = [_decode(v, tensors) for v in body]
+    return {"list": list, "tuple": tuple, "set": set}[kind](items)
+
+
 def optimizer_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split a ``torch.optim`` state dict into tensors (``state.<param>.<name>``) and JSON."""
+    """Split an optimizer's state dict into tensors and JSON. torch.optim's plain layout (AdamW):
+    tensors ``state.<param>.<name>``, the groups and scalars as JSON. Any other (heavyball's nested
+    per-parameter state, tensors in its groups): the whole dict as a tagged JSON tree under
+    ``tree`` whose tensors are ``tree.<path>``."""
+    if not _is_flat(state):
+        tensors: dict[str, torch.Tensor] = {}
+        return tensors, {"tree": _encode(state, "tree", tensors, {})}
     tensors, scalars = {}, {}
     for idx, per_param in state["state"].items():
         for name, value in per_param.items():
@@ -295,13 +350,12 @@ def optimizer_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
 def optimizer_state(tensors: dict[str, torch.Tensor], meta: dict, live: dict) -> dict:
     """Rebuild the state dict of :func:`optimizer_files`; ``live``: the state dict of the optimizer
     it is for (its groups must hold the same parameters)."""
+    if "tree" in meta:
+        state = _decode(meta["tree"], tensors)
+        _check_groups(state["param_groups"], live)
+        return state
     groups = meta["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in live["param_groups"]]:
-        raise CheckpointError(
-            "its optimizer has parameter groups of other sizes than this model's "
-            f"({[len(g['params']) for g in groups]} vs "
-            f"{[len(g['params']) for g in live['param_groups']]}): another architecture"
-        )
+    _check_groups(groups, live)
     for saved, now in zip(groups, live["param_groups"]):
         for k, v in now.items():
             if isinstance(v, tuple) and isinstance(saved.get(k), list):
@@ -313,6 +367,15 @@ def optimizer_state(tensors: dict[str, torch.Tensor], meta: dict, live: dict) ->
     for idx, values in meta.get("scalars", {}).items():
         state.setdefault(int(idx), {}).update(values)
     return {"state": state, "param_groups": groups}
+
+
+def _check_groups(groups: list, live: dict) -> None:
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in live["param_groups"]]:
+        raise CheckpointError(
+            "its optimizer has parameter groups of other sizes than this model's "
+            f"({[len(g['params']) for g in groups]} vs "
+            f"{[len(g['params']) for g in live['param_groups']]}): another architecture"
+        )
 
 
 # ------------------------------------------------------------------ random state

@@ -30,6 +30,7 @@ from unclip.config import (
     UpsamplerConfig,
     load_config,
 )
+from unclip.train.optimizers import OPTIMIZERS, PRECONDITIONED
 
 __all__ = [
     "DataConfig",
@@ -46,6 +47,16 @@ __all__ = [
 ]
 
 STAGES = ("prior", "decoder", "upsampler")
+
+#: the settings of :class:`TrainConfig` that only the preconditioned optimizers (soap, kl_shampoo)
+#: take
+PRECONDITIONER_KEYS = (
+    "precondition_frequency",
+    "shampoo_beta",
+    "max_precond_dim",
+    "precondition_1d",
+    "optimizer_compile",
+)
 
 
 def check_range(key: str, value, ok: bool, valid: str) -> None:
@@ -123,8 +134,17 @@ class TrainConfig:
     a pipeline folder) or a ``.safetensors`` file; the model config must match. ``--resume`` still
     wins: a checkpoint, when one is found, replaces them. ``sample_every``: write a grid of samples
     from the EMA weights to ``samples/`` every that many steps (stages that have a sample grid; 0:
-    never). ``optimizer``: ``adamw`` (torch) or ``adamw8bit`` (bitsandbytes' 8-bit AdamW: its
-    moments take a quarter of the memory; GPU only, ``pip install bitsandbytes``).
+    never). ``optimizer``: ``adamw`` (torch), ``adamw8bit`` (bitsandbytes' 8-bit AdamW: its
+    moments take a quarter of the memory; GPU only, ``pip install bitsandbytes``), ``soap`` or
+    ``kl_shampoo`` (heavyball's SOAP and KL-Shampoo, ``pip install 'unclip[optim]'``; see
+    :mod:`unclip.train.optimizers`), which also take ``precondition_frequency`` (steps between
+    refreshes of the preconditioner), ``shampoo_beta`` (running average of its Kronecker factors),
+    ``max_precond_dim`` (larger dimensions are not preconditioned), ``precondition_1d`` and
+    ``optimizer_compile`` (heavyball's ``torch.compile`` of the update; off: eager). The betas,
+    epsilon and weight decay are ``adam_betas``, ``adam_eps`` and ``weight_decay`` for every
+    optimizer. ``resblock_grad_scaling`` (decoder and upsamplers): DALL-E's per-resblock gradient
+    scaling, a separate gradient scale for each residual block, adapted to its own overflows
+    (:mod:`unclip.train.grad_scaling`; docs/training_tricks.md).
     ``powersgd_rank`` applies to DDP launches; an overflowing fp16 step does not disturb its
     error feedback (:func:`unclip.train.distributed.nonfinite_safe_powersgd_hook`).
     """
@@ -133,7 +153,14 @@ class TrainConfig:
     seed: int = 0
     init_weights: Optional[str] = None
     max_steps: int = 100_000
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    optimizer: Literal["adamw", "adamw8bit", "soap", "kl_shampoo"] = "adamw"
+    # SOAP's paper and DALL-E Mega's Shampoo refresh the preconditioner every 10 steps; the other
+    # preconditioner defaults are heavyball's
+    precondition_frequency: int = 10
+    shampoo_beta: float = 0.95
+    max_precond_dim: int = 2048
+    precondition_1d: bool = False
+    optimizer_compile: bool = False
     lr: float = 1.1e-4
     min_lr: float = 1e-6
     warmup_steps: int = 10_000
@@ -149,6 +176,7 @@ class TrainConfig:
     text_drop_prob: float = 0.1
     image_embed_drop_prob: float = 0.1
     gradient_checkpointing: bool = False
+    resblock_grad_scaling: bool = False
     powersgd_rank: int = 0
     powersgd_start_step: int = 1000
     checkpoint_every: int = 1000
@@ -171,9 +199,22 @@ class TrainConfig:
         check_range(
             "train.optimizer",
             self.optimizer,
-            self.optimizer in ("adamw", "adamw8bit"),
-            "adamw or adamw8bit (8-bit AdamW from bitsandbytes, for GPUs)",
+            self.optimizer in OPTIMIZERS,
+            "adamw, adamw8bit (8-bit AdamW from bitsandbytes, for GPUs), soap or kl_shampoo "
+            "(heavyball)",
         )
+        check_at_least("train.precondition_frequency", self.precondition_frequency, 1)
+        check_range(
+            "train.shampoo_beta", self.shampoo_beta, 0 <= self.shampoo_beta < 1, "in [0, 1)"
+        )
+        check_at_least("train.max_precond_dim", self.max_precond_dim, 1)
+        if self.optimizer not in PRECONDITIONED:
+            for key in PRECONDITIONER_KEYS:
+                if getattr(self, key) != TrainConfig.__dataclass_fields__[key].default:
+                    raise ConfigError(
+                        f"train.{key}={getattr(self, key)!r} applies to train.optimizer soap or "
+                        f"kl_shampoo only (the optimizer is {self.optimizer}); remove it"
+                    )
         check_range(
             "train.lr", self.lr, 0 < self.lr < math.inf, "a positive finite number (e.g. 1e-4)"
         )
@@ -302,7 +343,8 @@ class StageConfig:
 
 def check_decoder_options(cfg: StageConfig) -> None:
     """The settings that only make sense together: a learned decoder variance and the hybrid loss
-    that trains it (``diffusion.vlb_weight``), and the decoder's CLIP view (``data.clip_view``)."""
+    that trains it (``diffusion.vlb_weight``), the decoder's CLIP view (``data.clip_view``), and
+    per-resblock gradient scaling (``train.resblock_grad_scaling``: UNet stages only)."""
     learned = cfg.stage == "decoder" and cfg.decoder.learned_variance
     weight = cfg.diffusion.vlb_weight
     if weight > 0 and not learned:
@@ -320,6 +362,11 @@ def check_decoder_options(cfg: StageConfig) -> None:
         raise ConfigError(
             "decoder.learned_variance=true needs diffusion.vlb_weight > 0 (the paper's hybrid "
             "loss uses 0.001): without it the variance half of the output is never trained"
+        )
+    if cfg.train.resblock_grad_scaling and cfg.stage == "prior":
+        raise ConfigError(
+            "train.resblock_grad_scaling applies to the decoder and upsampler stages (the "
+            "residual blocks of their UNets); stage 'prior' has none: remove it"
         )
     if cfg.data.clip_view != "training_image" and cfg.stage != "decoder":
         raise ConfigError(

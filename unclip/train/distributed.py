@@ -1,5 +1,6 @@
-"""How a training run is spread over processes: the optimizer, DDP's PowerSGD hook, FSDP and
-DeepSpeed, and the state dicts a checkpoint or an export gathers from them.
+"""How a training run is spread over processes: DDP's PowerSGD hook, FSDP and DeepSpeed, and the
+state dicts a checkpoint or an export gathers from them (the optimizers are built by
+:mod:`unclip.train.optimizers`).
 
 :class:`~unclip.train.loop.TrainLoop` uses this module for everything that depends on the
 strategy Accelerate runs (``accelerate launch --config_file configs/accelerate/<strategy>.yaml``):
@@ -35,6 +36,9 @@ from typing import Optional
 
 import torch
 
+# the optimizers are built in their own module; these names are part of this module's interface
+from unclip.train.optimizers import OPTIMIZERS, make_optimizer
+
 logger = logging.getLogger("unclip.train")
 
 __all__ = [
@@ -55,27 +59,6 @@ __all__ = [
     "fsdp_units",
     "shadow_in_fp32",
 ]
-
-#: ``train.optimizer`` values
-OPTIMIZERS = ("adamw", "adamw8bit")
-
-
-# ------------------------------------------------------------------ optimizer
-def make_optimizer(name: str, groups: list[dict], *, lr: float, betas, eps: float):
-    """``adamw`` (torch) or ``adamw8bit`` (bitsandbytes' 8-bit AdamW: the two moments take 2 bytes
-    per parameter instead of 8, a GPU-only saving; imported only when asked for)."""
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
-    if name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ImportError(
-                "train.optimizer=adamw8bit needs bitsandbytes, which is not installed: "
-                "pip install bitsandbytes (it needs a CUDA GPU), or use train.optimizer=adamw"
-            ) from None
-        return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
-    raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
 # ------------------------------------------------------------------ strategy
@@ -119,11 +102,16 @@ def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
 
 
 #: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):
-#: the prior's transformer blocks, or else the resnet and attention blocks of a diffusers UNet and
-#: the blocks of the decoder's own caption transformer (``text_encoder: transformer``, 1.31B of the
-#: full-scale decoder's 3.56B parameters). What no block holds (embeddings, projections, the
-#: caption's token embedding) stays in the root group, gathered for the whole step.
-FSDP_BLOCKS = (("BasicTransformerBlock",), ("ResnetBlock2D", "Attention", "CaptionBlock"))
+#: the prior's transformer blocks (diffusers' or, with DALL-E Mega's options, the project's own
+#: :class:`~unclip.transformer_blocks.TransformerBlock`), or else the resnet and attention blocks
+#: of a diffusers UNet and the blocks of the decoder's own caption transformer (``text_encoder:
+#: transformer``, 1.31B of the full-scale decoder's 3.56B parameters). What no block holds
+#: (embeddings, projections, the caption's token embedding) stays in the root group, gathered for
+#: the whole step.
+FSDP_BLOCKS = (
+    ("BasicTransformerBlock", "TransformerBlock"),
+    ("ResnetBlock2D", "Attention", "CaptionBlock"),
+)
 
 
 def fit_fsdp_wrapping(accelerator, model: torch.nn.Module) -> None:

@@ -11,10 +11,13 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
   (DDP with an optional PowerSGD hook that survives fp16 overflows, FSDP2, DeepSpeed:
   :mod:`unclip.train.distributed`; checkpoints hold whole tensors under each:
   :mod:`unclip.train.state_files`);
-* AdamW (or 8-bit AdamW, ``train.optimizer``) and a LambdaLR schedule: linear warmup to ``lr``
-  then cosine decay to the ``min_lr`` floor;
+* AdamW (or 8-bit AdamW, SOAP, KL-Shampoo: ``train.optimizer``, :mod:`unclip.train.optimizers`)
+  and a LambdaLR schedule: linear warmup to ``lr`` then cosine decay to the ``min_lr`` floor;
 * optional initial weights (``init_weights``: fine-tune an exported component);
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
+* optionally DALL-E's per-resblock gradient scaling (``resblock_grad_scaling``,
+  :mod:`unclip.train.grad_scaling`): each UNet residual block's scale is divided out of its
+  gradients before clipping and adapted after each step;
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
   ``max_consecutive_nonfinite`` in a row training stops with a clear message (after a checkpoint);
 * checkpoints every ``checkpoint_every`` steps and at the end, keeping the last ``keep_last``:
@@ -66,6 +69,8 @@ from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train import state_files
 from unclip.train.checkpoint import CheckpointError, DiskFullError
+from unclip.train.grad_scaling import ResblockGradScaler
+from unclip.train.optimizers import PRECONDITIONED, make_optimizer
 
 __all__ = [
     "TrainLoop",
@@ -370,6 +375,14 @@ class TrainLoop:
                 self.model, self.accelerator, t.powersgd_rank, t.powersgd_start_step
             )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.resblock_scaler = None
+        if t.resblock_grad_scaling:
+            if self.sharded:
+                raise ValueError(
+                    f"train.resblock_grad_scaling runs unsharded (single process or DDP); "
+                    f"{self.strategy} splits the gradients it rescales across processes"
+                )
+            self.resblock_scaler = ResblockGradScaler(self.unwrapped)
         if (
             t.ema
             and self.strategy == "deepspeed"
@@ -406,8 +419,23 @@ class TrainLoop:
             {"params": [p for n, p in named if not exempt(n, p)], "weight_decay": t.weight_decay},
             {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
         ]
-        return dist_utils.make_optimizer(
-            t.optimizer, groups, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps
+        if t.optimizer in PRECONDITIONED and self.sharded:
+            raise ValueError(
+                f"train.optimizer={t.optimizer} runs unsharded (single process or DDP): its "
+                f"Kronecker factors cover whole parameters, which {self.strategy} splits across "
+                "processes; use train.optimizer=adamw there"
+            )
+        return make_optimizer(
+            t.optimizer,
+            groups,
+            lr=t.lr,
+            betas=t.adam_betas,
+            eps=t.adam_eps,
+            precondition_frequency=t.precondition_frequency,
+            shampoo_beta=t.shampoo_beta,
+            max_precond_dim=t.max_precond_dim,
+            precondition_1d=t.precondition_1d,
+            compile=t.optimizer_compile,
         )
 
     @property
@@ -491,6 +519,11 @@ class TrainLoop:
         """Clip the accumulated gradients and take the optimizer step unless a loss (on any process)
         or the gradient is non-finite; advance the LR schedule either way. Returns whether the step
         was taken."""
+        if self.resblock_scaler is not None:  # before clipping: the norm is of the true gradients
+            reduce = (
+                (lambda x: self.accelerator.reduce(x, reduction="sum")) if self.world > 1 else None
+            )
+            self.resblock_scaler.unscale_(reduce)
         norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.train.max_grad_norm)
         flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
         if self.world > 1:
@@ -508,6 +541,8 @@ class TrainLoop:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_schedule.step()
+        if self.resblock_scaler is not None:
+            self.resblock_scaler.update()
         if bad:
             self.state.nonfinite += 1
             self.state.consecutive_nonfinite += 1

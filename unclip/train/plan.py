@@ -272,7 +272,15 @@ def measure_step(
     the peak is, with the first one's gradients held). Raises whatever a GPU would: device and dtype
     mismatches included."""
     from unclip.clip import CLIP
+    from unclip.train.optimizers import PRECONDITIONED
 
+    if cfg.train.optimizer in PRECONDITIONED:
+        # the plan's step runs AdamW's capturable mode; heavyball's preconditioners (two
+        # Kronecker factors and eigenbases per preconditioned dimension) are not modelled
+        raise ValueError(
+            f"unclip plan measures AdamW's optimizer state; train.optimizer="
+            f"{cfg.train.optimizer} is not modelled: plan with train.optimizer=adamw"
+        )
     cfg = copy.deepcopy(cfg)
     if micro_batch is not None:
         cfg.data.batch_size = micro_batch

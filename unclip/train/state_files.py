@@ -17,6 +17,7 @@ from pathlib import Path
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train.checkpoint import CheckpointError
+from unclip.train.optimizers import checkpoint_state
 
 __all__ = ["write_state", "read_state", "full_state_dict", "load_full_state_dict"]
 
@@ -52,7 +53,7 @@ def full_optimizer_state(loop) -> dict:
         return {"state": {}, "param_groups": []}
     if loop.strategy == "fsdp":
         return dist_utils.optimizer_state_full(loop.optimizer, main)
-    return loop.optimizer.state_dict() if main else {}
+    return checkpoint_state(loop.optimizer) if main else {}
 
 
 def write_state(loop, folder: Path) -> None:
@@ -92,6 +93,9 @@ def write_state(loop, folder: Path) -> None:
             "run": loop.state.state_dict(),
             "lr_schedule": loop.lr_schedule.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "resblock_grad_scales": (
+                loop.resblock_scaler.state_dict() if loop.resblock_scaler is not None else None
+            ),
             "world_size": loop.world,
         },
     )
@@ -138,6 +142,15 @@ def read_state(loop, folder: Path) -> None:
     scaler = loop.accelerator.scaler
     if scaler is not None and trainer.get("grad_scaler"):
         scaler.load_state_dict(trainer["grad_scaler"])
+    if loop.resblock_scaler is not None:
+        if trainer.get("resblock_grad_scales"):
+            loop.resblock_scaler.load_state_dict(trainer["resblock_grad_scales"])
+        else:
+            logger.warning(
+                "%s was saved without train.resblock_grad_scaling: the per-resblock gradient "
+                "scales start afresh",
+                folder,
+            )
     rng = f"rng_{loop.rank}"
     if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
         ckpt.set_rng_state(
