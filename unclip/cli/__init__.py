@@ -2,6 +2,7 @@
 
 unclip generate "a small red circle on the left" --out samples/
 unclip edit inpaint IMAGE MASK PROMPT --out edited/ | unclip edit text-diff IMAGE --source ...
+unclip serve [--model PIPELINE] [--port 7860]   (a local web demo; pip install 'unclip[demo]')
 unclip make-shapes data/shapes --num 10000 --format webdataset
 unclip embed ... | unclip evaluate ... | unclip convert SRC DST
 unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
@@ -27,6 +28,10 @@ COMMANDS = {
     "edit": (
         "unclip.cli.edit",
         "edit images: invert, text-diff, interpolate, inpaint, img2img",
+    ),
+    "serve": (
+        "unclip.cli.serve",
+        "a local web demo (Gradio): generate, variations, interpolate, edit",
     ),
     "make-shapes": (
         "unclip.cli.make_shapes",

@@ -1,0 +1,87 @@
+"""``unclip serve``: a local web demo of a pipeline (default: the bundled shapes model) on Gradio.
+
+    pip install 'unclip[demo]'
+    unclip serve                                   # http://127.0.0.1:7860
+    unclip serve --model path/to/pipeline --port 8000 --device cuda
+
+Tabs: Generate, Variations, Interpolate, Edit (inpaint, image to image, text diff), with per-stage
+sampling settings and a progress bar; see :mod:`unclip.demo`. The server listens on ``--host``
+only (no public share link); Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+__all__ = ["main", "build_parser", "start", "MISSING_GRADIO"]
+
+MISSING_GRADIO = "the web demo needs gradio, which is not installed: pip install 'unclip[demo]'"
+#: prompts offered under the Generate tab for the bundled shapes model
+SHAPES_EXAMPLES = (
+    "a small red circle on the left",
+    "a blue square above a green triangle",
+    "a big yellow triangle in the center",
+)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be from 1 to 65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unclip serve", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="pipeline folder, diffusers/Karlo unCLIP folder, or 'shapes' (bundled, default)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 serves every network interface (default: %(default)s)",
+    )
+    p.add_argument("--port", type=_port, default=7860, help="(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    return p
+
+
+def start(args: argparse.Namespace, block: bool = True):
+    """Load the pipeline, build the app and serve it; with ``block=False`` return the running
+    ``gr.Blocks`` (``.close()`` stops it)."""
+    import torch
+
+    from unclip.demo import build_demo, launch
+    from unclip.pipeline import UnCLIPPipeline
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {args.device!r}: {exc}") from None
+    pipe = UnCLIPPipeline.from_pretrained(args.model).to(device)
+    bundled = args.model in (None, "shapes")
+    name = "shapes (bundled)" if bundled else str(args.model)
+    demo = build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())
+    launch(demo, host=args.host, port=args.port, block=block)
+    return demo
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    # checked before anything is loaded, so a missing extra costs no model load and is one line
+    if importlib.util.find_spec("gradio") is None:
+        print(f"unclip serve: error: {MISSING_GRADIO}", file=sys.stderr)
+        return 1
+    start(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
