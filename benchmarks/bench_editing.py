@@ -1,6 +1,6 @@
 """Score the edits of unclip/editing.py on the shapes world: the bundled model and its evaluator.
 
-    python benchmarks/bench_editing.py            # docs/editing.json + docs/editing_*.png
+    python benchmarks/bench_editing.py            # docs/editing.json + docs/editing_*.jpg
     python benchmarks/bench_editing.py --quick --out /tmp/edit   # 2 scenes per table
 
 Tables (docs/editing.md reads them):
@@ -143,7 +143,9 @@ def inpainting(pipe, n: int, resamples, pictures: Path):
             "seconds_per_image": round(seconds / n, 2),
         }
         print("inpaint", r, res[f"resample_{r}"], flush=True)
-    image_grid([im for row in pics for im in row], cols=3).save(pictures / "editing_inpaint.png")
+    image_grid([im for row in pics for im in row], cols=3).save(
+        pictures / "editing_inpaint.jpg", quality=85
+    )
     return {"scenes": n, **res}
 
 
