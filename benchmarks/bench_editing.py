@@ -85,7 +85,7 @@ def text_diff(pipe, n: int, frames: int, steps: int, pictures: Path):
         if i < 4:
             rows.append([render(t, RES), *out.images])
     image_grid([im for r in rows for im in r], cols=frames + 1).save(
-        pictures / "editing_text_diff.png"
+        pictures / "editing_text_diff.jpg", quality=85
     )
     res = {
         "source": src,
@@ -178,7 +178,7 @@ def img2img(pipe, n: int, strengths, pictures: Path):
         }
         print("img2img", st, res[str(st)], flush=True)
     image_grid([im for row in pics for im in row], cols=len(strengths) + 1).save(
-        pictures / "editing_img2img.png"
+        pictures / "editing_img2img.jpg", quality=85
     )
     return {"scenes": n, "strength": res}
 
