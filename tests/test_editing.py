@@ -202,12 +202,23 @@ def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(tiny_pipe,
     out = tmp_path / "diff"
     code = unclip_main(
         ["edit", "text-diff", str(tmp_path / "a.png"), "--source", "a red circle", "--target",
-         "a blue circle", "--frames", "2", "--steps", "3", "--out", str(out), *args]
+         "a blue circle", "--frames", "2", "--steps", "2", "--out", str(out), "--model",
+         str(model), "--no-progress", "--upsampler-steps", "2"]
     )  # fmt: skip
     assert code == 0
     rec = json.loads((out / "edit.json").read_text())
     assert rec["theta"] == [0.0, 0.5] and rec["inversion_error"] > 0
     assert len(rec["files"]) == 2
+    # the decoder ran the inversion's DDIM at --steps, and the record says so
+    assert rec["sampling"]["decoder"] == {
+        "scheduler": "ddim", "steps": 2, "guidance_scale": 1.0, "best_of": 1
+    }  # fmt: skip
+    assert rec["sampling"]["sr32"]["steps"] == 2
+    code = unclip_main(
+        ["edit", "text-diff", str(tmp_path / "a.png"), "--source", "a", "--target", "b",
+         "--out", str(tmp_path / "d2"), *args]
+    )  # fmt: skip
+    assert code == 1  # --decoder-steps does not apply to a decode from inverted latents
 
 
 def test_cli_edit_reports_a_mask_of_the_wrong_size_in_one_line(tiny_pipe, tmp_path, capsys):

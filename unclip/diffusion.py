@@ -365,19 +365,31 @@ def denoise_steps(
             learned_variance=learned_variance,
             autocast_dtype=autocast_dtype,
         )
-        x = scheduler_step(scheduler, out, i, x, generator)
+        # a linear multistep solver started mid-schedule (image-to-image) has only the steps
+        # since ``start`` in its history; left alone it would weigh missing ones
+        x = scheduler_step(scheduler, out, i, x, generator, history=i - start + 1)
         if callback is not None:
             new = callback(i, t, x)
             x = x if new is None else new
     return x
 
 
-def scheduler_step(scheduler, out: torch.Tensor, i: int, x: torch.Tensor, generator: Generator):
+def scheduler_step(
+    scheduler,
+    out: torch.Tensor,
+    i: int,
+    x: torch.Tensor,
+    generator: Generator,
+    history: Optional[int] = None,
+):
     """``scheduler``'s step ``i`` (of its set timesteps) from ``x`` with the model output ``out``:
-    the sample at the next timestep (``x_0`` after the last)."""
+    the sample at the next timestep (``x_0`` after the last). ``history``: how many steps this
+    run has taken, counting this one, for a sampler whose step takes an ``order`` (LMS)."""
     timesteps = scheduler.timesteps
     prev = timesteps[i + 1] if i + 1 < len(timesteps) else None
     kwargs = _step_kwargs(scheduler, generator, prev)
+    if history is not None and "order" in inspect.signature(scheduler.step).parameters:
+        kwargs["order"] = min(history, 4)
     return scheduler.step(out, timesteps[i], x, **kwargs).prev_sample
 
 

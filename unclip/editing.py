@@ -35,12 +35,13 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers import DDIMScheduler, DDPMScheduler, UnCLIPScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm
 
 from unclip.config import SamplingConfig
-from unclip.diffusion import Generator, denoise_steps, scheduler_step
+from unclip.diffusion import Generator, denoise_steps, make_scheduler, scheduler_step
 from unclip.images import pil_to_tensor, resize_crop_box, resize_crop_tensor, to_output
 from unclip.output import UnCLIPOutput
 from unclip.pipeline_utils import check_count, check_output_type, expand_generator, slerp
@@ -52,6 +53,7 @@ from unclip.sampling import (
     stage_callback,
     upsampler_denoiser,
 )
+from unclip.schedulers import scheduler_label
 
 __all__ = [
     "EditingMixin",
@@ -341,7 +343,11 @@ class EditingMixin:
             )
         z_d = F.normalize(diff, dim=-1)[None].to(inv.image_embeds)
         thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
-        embeds = torch.cat([slerp(inv.image_embeds, z_d, th) for th in thetas])
+        # rotate on the unit sphere and keep the image embedding's norm (a CLIP whose embeddings
+        # are not normalised, e.g. Karlo's, would otherwise scale the direction down)
+        z_i = inv.image_embeds
+        norm = z_i.norm(dim=-1, keepdim=True)
+        embeds = torch.cat([slerp(F.normalize(z_i, dim=-1), z_d, th) * norm for th in thetas])
         d = self._ddim_denoiser(embeds, caption, self._edit_settings(None, steps, guidance_scale))
         small = self._ddim_run(d, inv.latents.repeat(n, 1, 1, 1), False, progress, "text diff")
         gens = _same_seed(generator, n)
@@ -478,7 +484,8 @@ class EditingMixin:
         steps = d.settings.steps
         run = max(1, min(steps, round(float(strength) * steps)))
         sched = d.scheduler
-        start = (steps - run) * sched.order  # second-order solvers list each timestep twice
+        # second-order solvers list each timestep twice (UnCLIPScheduler has no order: first)
+        start = (steps - run) * getattr(sched, "order", 1)
         if hasattr(sched, "set_begin_index"):
             sched.set_begin_index(start)  # where sigma-indexed samplers read add_noise's level
         known = at_size(x, self.decoder.config.sample_size).to(self.device).repeat(n, 1, 1, 1)
@@ -544,10 +551,15 @@ class EditingMixin:
         x, n, gen = self._edit_start(image, prompt, num_images, generator, "inpaint")
         m = read_mask(mask, x.shape[-2], x.shape[-1])
         settings = self.sampling_settings(sampling)
-        if resample > 1 and settings["decoder"].scheduler not in RESAMPLING_SCHEDULERS:
+        spec = settings["decoder"].scheduler
+        stateless = (DDIMScheduler, DDPMScheduler, UnCLIPScheduler)
+        built = make_scheduler(
+            spec, self.diffusion["decoder"], learned_variance=self.decoder.config.learned_variance
+        )
+        if resample > 1 and not isinstance(built, stateless):
             raise ValueError(
                 f"inpaint: resample={resample} needs a decoder sampler that keeps no history "
-                f"({', '.join(RESAMPLING_SCHEDULERS)}), not {settings['decoder'].scheduler!r}; "
+                f"({', '.join(RESAMPLING_SCHEDULERS)}), not {scheduler_label(spec)!r}; "
                 "use resample=1 or another sampler"
             )
         cb = callback_on_step_end

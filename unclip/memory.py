@@ -73,13 +73,28 @@ class MemoryMixin:
         for net in self.denoisers().values():
             for attn in _attention_modules(net):
                 attn.set_use_memory_efficient_attention_xformers(True)
+        self._xformers_on = True
 
     def disable_xformers_memory_efficient_attention(self) -> None:
         for net in self.denoisers().values():
             for attn in _attention_modules(net):
                 attn.set_use_memory_efficient_attention_xformers(False)
+        self._xformers_on = False
 
     def _auto_xformers(self) -> None:
-        """Called by :meth:`to`: xformers on when on CUDA, installed and not turned off."""
-        if self.use_xformers == "auto" and self.device.type == "cuda" and xformers_available():
+        """Called by :meth:`to`: xformers on when on CUDA, installed, not turned off and no
+        attention slicing was asked for; off again when the pipeline leaves CUDA (its kernels are
+        CUDA only)."""
+        if self.use_xformers != "auto" or not xformers_available():
+            return
+        if self.device.type != "cuda":
+            if getattr(self, "_xformers_on", False):
+                self.disable_xformers_memory_efficient_attention()
+            return
+        sliced = any(
+            type(a.processor).__name__.startswith("SlicedAttn")
+            for net in self.denoisers().values()
+            for a in _attention_modules(net)
+        )
+        if not sliced:
             self.enable_xformers_memory_efficient_attention()

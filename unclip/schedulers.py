@@ -147,7 +147,12 @@ def _check_serves(sched, prediction_type: str, learned_variance: bool) -> None:
             "the stages are DDPM-trained"
         )
     var = getattr(sched.config, "variance_type", None)
-    if var in ("learned", "learned_range") and not learned_variance:
+    if var == "learned":
+        raise ValueError(
+            f"{name} with variance_type='learned' is not supported (the decoders output the "
+            "interpolation of variance_type='learned_range')"
+        )
+    if var == "learned_range" and not learned_variance:
         raise ValueError(
             f"{name} with variance_type={var!r} needs a model that outputs its variance; this "
             "stage's does not (set variance_type='fixed_small' or use another sampler)"
@@ -157,7 +162,8 @@ def _check_serves(sched, prediction_type: str, learned_variance: bool) -> None:
         probe.set_timesteps(2)
         x = torch.zeros(1, 2, 2, 2)
         t = probe.timesteps[0]
-        probe.step(torch.zeros_like(x), t, probe.scale_model_input(x, t))
+        out = torch.zeros(1, 4 if var == "learned_range" else 2, 2, 2)  # mean (+ variance)
+        probe.step(out, t, probe.scale_model_input(x, t))
     except (ValueError, NotImplementedError, KeyError) as exc:
         raise ValueError(
             f"{name} cannot serve this stage (a model that predicts {prediction_type!r}): {exc}"

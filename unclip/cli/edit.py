@@ -128,6 +128,12 @@ def run(args: argparse.Namespace, argv) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     progress = not args.no_progress
     sampling = sampling_overrides(args) if hasattr(args, "prior_steps") else None
+    ddim_decode = args.edit in ("text-diff", "interpolate")
+    if ddim_decode and sampling and set(sampling) - {"upsampler"}:
+        raise ValueError(
+            f"unclip edit {args.edit} decodes from the inverted latents with DDIM: set the "
+            "decoder with --steps and --guidance-scale (only --upsampler-* settings apply)"
+        )
     if sampling is not None:
         pipe.sampling_settings(sampling)  # a bad override fails before any compute
     record = {
@@ -207,6 +213,14 @@ def run(args: argparse.Namespace, argv) -> dict:
         images = out.images
         record.update(out.info)
         record["sampling"] = {k: to_dict(v) for k, v in pipe.sampling_settings(sampling).items()}
+        if ddim_decode:  # the decoder ran the inversion's DDIM, not its own settings
+            record["sampling"]["decoder"] = {
+                "scheduler": "ddim",
+                "steps": args.steps,
+                "guidance_scale": args.guidance_scale,
+                "best_of": 1,
+            }
+            record["sampling"].pop("prior", None)
     record["resolution"] = images[-1].size[0]
     record["seconds"] = round(time.perf_counter() - t0, 3)
     return _save(images, folder, record)
