@@ -19,13 +19,17 @@ from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 
 from unclip.clip import TextEncoding
+from unclip.precision import KeepFp32Mixin
 
 __all__ = ["UnCLIPPrior"]
 
 
-class UnCLIPPrior(ModelMixin, ConfigMixin):
+class UnCLIPPrior(KeepFp32Mixin, ModelMixin, ConfigMixin):
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
     space)."""
+
+    # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.precision)
+    _keep_in_fp32_modules = ["clip_mean", "clip_std"]
 
     @register_to_config
     def __init__(
