@@ -54,3 +54,53 @@ def clip_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("clip")
     clip.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hugging Face Hub cache in ``tmp_path``, laid out as ``huggingface_hub`` lays it
+    out (``models--org--name/{blobs,refs,snapshots}``, snapshot files linked to their blobs), set
+    as the default cache with ``HF_HUB_OFFLINE=1``; any attempt to open a network connection
+    fails the test. Returns ``add(repo_id, folder, ref="main") -> commit``, which stores
+    ``folder``'s files as a commit of ``repo_id`` and points ``refs/<ref>`` at it;
+    ``add.cache`` is the cache folder."""
+    import hashlib
+    import socket
+
+    import huggingface_hub.constants as hub_constants
+
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    # huggingface_hub reads both once, at import
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a test tried to open a network connection: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+
+    def add(repo_id: str, folder, ref: str = "main") -> str:
+        folder = Path(folder)
+        files = sorted(f for f in folder.rglob("*") if f.is_file())
+        digest = hashlib.sha1(repo_id.encode())
+        for f in files:
+            digest.update(str(f.relative_to(folder)).encode() + f.read_bytes())
+        commit = digest.hexdigest()
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        for f in files:
+            data = f.read_bytes()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            link = repo / "snapshots" / commit / f.relative_to(folder)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(os.path.relpath(blob, link.parent))
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        return commit
+
+    add.cache = cache
+    return add

@@ -30,6 +30,7 @@ from diffusers import (
     UnCLIPPipeline as DiffusersUnCLIP,
 )
 from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 from transformers import (
     CLIPImageProcessor,
@@ -312,6 +313,23 @@ def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):
     assert _max_diff(_diffusers_images(exported), reference) <= 1e-4
     again = UnCLIPPipeline.from_pretrained(tmp_path / "exported")  # and back into unclip
     assert _max_diff(_unclip_images(again), reference) <= 1e-4
+
+
+def test_a_karlo_repo_loads_and_converts_by_hub_id(karlo, reference, hub_cache, tmp_path, capsys):
+    repo = shutil.copytree(karlo[0], tmp_path / "karlo")
+    card = "---\nlicense: creativeml-openrail-m\ntags:\n- text-to-image\n---\n\n# Karlo\n"
+    (repo / "README.md").write_text(card)
+    hub_cache("kakaobrain/karlo-tiny", repo)  # offline: from the Hub cache only
+    pipe = UnCLIPPipeline.from_pretrained("kakaobrain/karlo-tiny")
+    assert _max_diff(_unclip_images(pipe), reference) <= 1e-4
+    assert main(["kakaobrain/karlo-tiny", str(tmp_path / "native")]) == 0
+    assert "wrote unclip pipeline" in capsys.readouterr().out
+    written = ModelCard.load(tmp_path / "native" / "README.md").data
+    assert written.license == "creativeml-openrail-m"  # the source's license is kept
+    assert written.base_model == "kakaobrain/karlo-tiny" and written.library_name == "unclip"
+    with pytest.raises(SystemExit):
+        main(["kakaobrain/karlo-tiny", str(tmp_path / "v"), "--revision", "v9"])
+    assert "kakaobrain/karlo-tiny (revision v9)" in capsys.readouterr().err
 
 
 def test_image_variations_layout(tmp_path):

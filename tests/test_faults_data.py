@@ -223,6 +223,7 @@ def test_assemble_refuses_a_non_empty_out_and_overwrite_replaces_it_whole(pipe_d
 
     assert assemble(assemble_args(pipe_dir, out, "--overwrite")) == 0
     assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",  # the model card
         "clip",
         "decoder",
         "prior",

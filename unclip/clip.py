@@ -201,10 +201,36 @@ class CLIP(torch.nn.Module):
         return cls(model, tokenizer, cfg.model_name, model_cfg, cfg.pretrained)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> CLIP:
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        variant: str | None = None,
+    ) -> CLIP:
         """Load a folder written by :meth:`save_pretrained` (``config.json`` +
-        ``model.safetensors``)."""
-        path = Path(path)
+        ``model.safetensors``), or a Hub repo id's (``org/name``, ``subfolder``: e.g. ``"clip"``
+        of a pipeline repo; see :func:`unclip.hub.resolve_folder` for ``revision``,
+        ``cache_dir``, ``local_files_only``). ``torch_dtype``: cast the weights after loading;
+        ``variant``: read ``model.<variant>.safetensors``."""
+        from unclip.hub import resolve_folder
+        from unclip.io import variant_file
+        from unclip.precision import parse_dtype
+
+        dtype = parse_dtype(torch_dtype)
+        path = resolve_folder(
+            path,
+            subfolder=subfolder,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            variant=variant,
+            what="clip",
+        )
         cfg_file = path / CONFIG_NAME
         if not cfg_file.is_file():
             raise FileNotFoundError(
@@ -215,7 +241,9 @@ class CLIP(torch.nn.Module):
 
         meta = read_json(cfg_file, "clip")
         model = build_open_clip_model(meta["model_cfg"])
-        weights = path / WEIGHTS_NAME
+        weights = path / variant_file(WEIGHTS_NAME, variant)
+        if variant and not weights.is_file():
+            raise FileNotFoundError(f"CLIP weights of variant {variant!r} missing: {weights}")
         kept = None
         if weights.is_file():
             kept = _load_safetensors(model, weights)
@@ -239,7 +267,7 @@ class CLIP(torch.nn.Module):
             tokenizer_cfg=tok_cfg,
         )
         clip.kept_token_ids = kept
-        return clip
+        return clip.to(dtype=dtype) if dtype is not None else clip
 
     def save_pretrained(
         self,
@@ -297,6 +325,30 @@ class CLIP(torch.nn.Module):
                 state[key] = state[key][ids].contiguous()
                 state[KEPT_TOKENS_KEY] = ids
             save_file(state, str(path / WEIGHTS_NAME))
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ):
+        """Upload the folder :meth:`save_pretrained` writes to the Hub model repo ``repo_id``
+        (created if needed; :func:`unclip.hub.push_folder`); returns the ``CommitInfo``."""
+        from unclip.hub import push_folder
+
+        return push_folder(
+            self.save_pretrained,
+            repo_id,
+            commit_message=commit_message,
+            private=private,
+            token=token,
+            revision=revision,
+            create_pr=create_pr,
+        )
 
     def fingerprint(self) -> str:
         """Short sha256 (16 hex digits) of this CLIP's model name, config and weights: identifies

@@ -38,6 +38,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
 from unclip.clip import TextEncoding, check_prompts
+from unclip.precision import KeepFp32Mixin
 from unclip.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
 
 __all__ = [
@@ -77,7 +78,7 @@ def coordinate_grid(x: torch.Tensor) -> torch.Tensor:
     return grid.to(x.dtype).unsqueeze(0).expand(b, -1, -1, -1)
 
 
-class UnCLIPDecoder(ModelMixin, ConfigMixin):
+class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):
     """Base decoder:
     ``forward(x_t [B,3,H,W], t, image_embed [B,D], text, drop_image [B]?) → [B,C,H,W]``.
 
@@ -357,7 +358,7 @@ def _checkpointed_forward(module: torch.nn.Module, *args, **kwargs):
     return forward(module, *args, **kwargs)
 
 
-class UnCLIPUpsampler(ModelMixin, ConfigMixin):
+class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):
     """Super-resolution stage ``low_res_size → sample_size``.
 
     ``forward(x_t [B,3,H,W], t, low_res_up [B,3,H,W], noise_level [B]) → [B,3,H,W]`` where

@@ -30,7 +30,8 @@ PIPELINE_FILE = "unclip.json"
 PIPELINE_FORMAT_VERSION = 1
 STAGE_META_FILE = "unclip_stage.json"
 
-# entry point group of folder readers: name = the marker file, value = reader(folder) -> pipeline,
+# entry point group of folder readers: name = the marker file, value = reader(folder) -> pipeline
+# (called with variant= too when one is asked for),
 # e.g. "model_index.json" = "unclip.interop.diffusers:load_diffusers_unclip"
 FOLDER_FORMAT_ENTRY_POINTS = "unclip.folder_formats"
 
@@ -78,10 +79,10 @@ class _EntryPointReader:
         self.entry_point = entry_point
         self._reader: Callable | None = None
 
-    def __call__(self, folder):
+    def __call__(self, folder, **kwargs):
         if self._reader is None:
             self._reader = self.entry_point.load()
-        return self._reader(folder)
+        return self._reader(folder, **kwargs)
 
     def __repr__(self) -> str:
         return f"<folder reader {self.entry_point.value}>"
@@ -178,43 +179,74 @@ def safe_model_from_pretrained(load: Callable, path, component: str, **kwargs):
     """diffusers' ``ModelMixin.from_pretrained`` (bound as ``load``) restricted to safetensors: a
     folder with only pickle weights is refused with how to convert them, a truncated safetensors
     file is a one-line error naming it, and diffusers is told ``use_safetensors=True`` so it never
-    falls back to unpickling."""
+    falls back to unpickling. ``path`` may be a Hub repo id (:func:`unclip.hub.resolve_folder`:
+    ``revision``, ``cache_dir``, ``local_files_only``, ``subfolder`` and ``variant`` are honoured
+    there); ``torch_dtype`` and the other keyword arguments go to diffusers."""
+    from unclip.hub import is_repo_id, resolve_folder
+
     if kwargs.get("use_safetensors") is False:
         raise ValueError(f"{component}: unclip never loads pickle weights (use_safetensors=False)")
     kwargs["use_safetensors"] = True
-    folder = Path(path) / (kwargs.get("subfolder") or "")
-    if folder.is_dir():
-        weights = sorted(folder.glob("*.safetensors"))
-        if not weights and pickles_in(folder):
-            raise pickle_refusal(pickles_in(folder)[0], component, folder)
-        for file in weights:
-            check_safetensors(file, component)
-    return load(path, **kwargs)
+    folder = resolve_folder(
+        path,
+        revision=kwargs.pop("revision", None),
+        cache_dir=kwargs.pop("cache_dir", None),
+        local_files_only=kwargs.pop("local_files_only", None),
+        subfolder=kwargs.pop("subfolder", None),
+        variant=kwargs.get("variant"),
+        what=component,
+    )
+    suffix = f".{kwargs['variant']}.safetensors" if kwargs.get("variant") else ".safetensors"
+    weights = sorted(f for f in folder.iterdir() if f.name.endswith(suffix))
+    if not weights and pickles_in(folder):
+        raise pickle_refusal(pickles_in(folder)[0], component, folder)
+    for file in weights:
+        check_safetensors(file, component)
+    model = load(folder, **kwargs)
+    if not Path(path).expanduser().is_dir() and is_repo_id(str(path)):
+        # the config's _name_or_path names the repo rather than a snapshot in the cache
+        model.register_to_config(_name_or_path=str(path))
+    return model
 
 
-def load_weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
-    """All tensors of a component folder (one or sharded safetensors files; pickles are refused)."""
+def variant_file(name: str, variant: Optional[str]) -> str:
+    """diffusers' name of a weights file's variant: ``model.safetensors`` →
+    ``model.fp16.safetensors`` (an index ``x.safetensors.index.json`` →
+    ``x.safetensors.index.fp16.json``)."""
+    if not variant:
+        return name
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}.{variant}{dot}{ext}"
+
+
+def load_weights(
+    folder: Path, component: str, variant: Optional[str] = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of a component folder (one or sharded safetensors files; pickles are refused);
+    ``variant`` (e.g. ``"fp16"``): the files of that variant (``model.fp16.safetensors``)."""
     if not folder.is_dir():
         raise ValueError(f"{component}: component folder {folder} is missing")
-    for index_name in (
-        "diffusion_pytorch_model.safetensors.index.json",
-        "model.safetensors.index.json",
-    ):
-        if (folder / index_name).is_file():
-            shards = sorted(
-                set(read_json(folder / index_name, component).get("weight_map", {}).values())
-            )
+    for base in ("diffusion_pytorch_model", "model"):
+        index = folder / variant_file(f"{base}.safetensors.index.json", variant)
+        if index.is_file():
+            shards = sorted(set(read_json(index, component).get("weight_map", {}).values()))
             state = {}
             for shard in shards:
                 if not (folder / shard).is_file():
                     raise ValueError(
-                        f"{component}: shard {shard} listed in {index_name} is missing"
+                        f"{component}: shard {shard} listed in {index.name} is missing"
                     )
                 state.update(load_safetensors(folder / shard, component))
             return state
-    for name in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
-        if (folder / name).is_file():
-            return load_safetensors(folder / name, component)
+    for base in ("diffusion_pytorch_model", "model"):
+        file = folder / variant_file(f"{base}.safetensors", variant)
+        if file.is_file():
+            return load_safetensors(file, component)
+    if variant:
+        raise ValueError(
+            f"{component}: no {variant!r} variant weights (*.{variant}.safetensors) in {folder}; "
+            "load without variant= to read the plain weights"
+        )
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
         return load_safetensors(files[0], component)
@@ -363,15 +395,16 @@ def load_components(
 
 
 # pipeline folders ------------------------------------------------------------------------------
-def resolve_pipeline_folder(path: Union[str, os.PathLike, None] = None) -> Path:
+def resolve_pipeline_folder(path: Union[str, os.PathLike, None] = None, **hub) -> Path:
     """The folder ``path`` names: ``None`` or a bundled model's name (``"shapes"``) is that bundled
-    model's folder; anything else must be an existing folder (else ``FileNotFoundError``)."""
+    model's folder; anything else an existing folder or a Hub repo id's snapshot
+    (:func:`unclip.hub.resolve_folder`, which takes ``hub``: ``revision``, ``cache_dir``,
+    ``local_files_only``, ``variant``); else ``FileNotFoundError``."""
+    from unclip.hub import resolve_folder
+
     if path is None or str(path) in BUNDLED:
         path = bundled_model_path(str(path or DEFAULT_MODEL))
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"pipeline folder not found: {path}")
-    return path
+    return resolve_folder(path, what="pipeline", **hub)
 
 
 def folder_format_reader(folder: Path) -> Optional[Callable]:
@@ -437,11 +470,13 @@ def write_pipeline_folder(
     (path / PIPELINE_FILE).write_text(json.dumps(index, indent=2))
 
 
-def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
+def read_pipeline_folder(path: Union[str, os.PathLike], variant: Optional[str] = None) -> dict:
     """The components and settings of a folder written by :func:`write_pipeline_folder`, as the
     keyword arguments of ``UnCLIPPipeline``: ``clip``, ``prior``, ``decoder``, ``upsamplers``,
-    ``diffusion`` and ``sampling`` (as stored), ``prior_clip_range``, ``reranker``."""
+    ``diffusion`` and ``sampling`` (as stored), ``prior_clip_range``, ``reranker``. ``variant``:
+    read each component's weights of that variant (``model.fp16.safetensors``)."""
     path = Path(path)
+    v = {"variant": variant} if variant else {}
     index = read_pipeline_index(path)
     comps = index.get("components", {})
 
@@ -455,17 +490,17 @@ def read_pipeline_folder(path: Union[str, os.PathLike]) -> dict:
         return folder
 
     return {
-        "clip": CLIP.from_pretrained(sub(comps.get("clip", "clip"))),
-        "prior": load_prior(sub(comps["prior"])) if comps.get("prior") else None,
-        "decoder": UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder"))),
+        "clip": CLIP.from_pretrained(sub(comps.get("clip", "clip")), **v),
+        "prior": load_prior(sub(comps["prior"]), **v) if comps.get("prior") else None,
+        "decoder": UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder")), **v),
         "upsamplers": [
-            UnCLIPUpsampler.from_pretrained(sub(n)) for n in comps.get("upsamplers", [])
+            UnCLIPUpsampler.from_pretrained(sub(n), **v) for n in comps.get("upsamplers", [])
         ],
         "diffusion": index.get("diffusion"),
         "sampling": index.get("sampling"),
         "prior_clip_range": index.get("prior_clip_range", 10.0),
         "reranker": (
-            CLIP.from_pretrained(sub(comps["reranker"])) if comps.get("reranker") else None
+            CLIP.from_pretrained(sub(comps["reranker"]), **v) if comps.get("reranker") else None
         ),
     }
 

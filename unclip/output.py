@@ -110,11 +110,14 @@ def generate_to_folder(
     command: Optional[Sequence[str]] = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     negative_prompt: Optional[str] = None,
+    revision: Optional[str] = None,
+    cache_dir: Union[str, os.PathLike, None] = None,
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
-    ``model``: a pipeline, a folder for :meth:`UnCLIPPipeline.from_pretrained` or None (the bundled
-    model); ``tiny``: a random untrained tiny pipeline instead (a smoke test). ``folder`` is
+    ``model``: a pipeline, a folder or Hub repo id for :meth:`UnCLIPPipeline.from_pretrained`
+    (``revision``, ``cache_dir``: of the repo) or None (the bundled model); ``tiny``: a random
+    untrained tiny pipeline instead (a smoke test). ``folder`` is
     checked (:func:`check_output_folder`) before the model loads; an existing folder is fine, its
     files of the same names are replaced. ``generate.json`` records every setting needed to
     reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
@@ -153,7 +156,9 @@ def generate_to_folder(
     elif isinstance(model, UnCLIPPipeline):
         pipe, name = model, "in-memory pipeline"
     else:
-        pipe, name = UnCLIPPipeline.from_pretrained(model), str(model or DEFAULT_MODEL)
+        hub = {"revision": revision, "cache_dir": cache_dir}
+        pipe = UnCLIPPipeline.from_pretrained(model, **hub)
+        name = str(model or DEFAULT_MODEL)
     pipe.to(device)
     settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
     seeds = [seed + i for i in range(len(prompts))]
@@ -194,6 +199,7 @@ def generate_to_folder(
     image_grid(grid_images, cols=cols).save(folder / "grid.png")
     record = {
         "model": name,
+        "revision": revision,
         "prompts": prompts,
         "seeds": seeds,
         "num_images_per_prompt": n,

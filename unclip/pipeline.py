@@ -43,11 +43,13 @@ from typing import Optional, Union
 
 import torch
 
+from unclip.card import check_card_fields, read_card_info, write_card
 from unclip.clip import CLIP, TextEncoding, check_prompts
 from unclip.config import DiffusionConfig, SamplingConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.diffusion import Generator
 from unclip.editing import EditingMixin, EditOutput, Inversion
+from unclip.hub import push_folder
 from unclip.images import as_image_input, to_output
 from unclip.io import (
     PIPELINE_FILE,
@@ -69,6 +71,7 @@ from unclip.pipeline_utils import (
     slerp,
     stages_until,
 )
+from unclip.precision import parse_dtype
 from unclip.prior import UnCLIPPrior
 from unclip.priors import prior_type
 from unclip.sampling import (
@@ -152,6 +155,9 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin):
             m.eval()
         self._null_text: Optional[TextEncoding] = None
         self._autocast_dtype: Optional[torch.dtype] = None
+        # the model card fields save_pretrained writes (unclip.card.CARD_FIELDS); from_pretrained
+        # reads them from the folder's README.md
+        self.card_info: dict = {}
 
     # ------------------------------------------------------------------ structure
     @property
@@ -195,9 +201,15 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin):
         return self.reranker if self.reranker is not None else self.clip
 
     def to(self, device=None, dtype=None, memory_format=None) -> UnCLIPPipeline:
-        """Move every component; ``memory_format=torch.channels_last`` stores the image networks'
-        conv weights NHWC, which makes their activations NHWC too (faster convolutions on CPUs with
-        oneDNN, same results to float rounding; see benchmarks/README.md)."""
+        """Move every component: ``pipe.to("cuda")``, ``pipe.to(torch.float16)``,
+        ``pipe.to("cuda", torch.bfloat16)``. Casting to float16/bfloat16 keeps the tensors the
+        numerics need in float32 (:mod:`unclip.precision`). ``memory_format=torch.channels_last``
+        stores the image networks' conv weights NHWC, which makes their activations NHWC too
+        (faster convolutions on CPUs with oneDNN, same results to float rounding; see
+        benchmarks/README.md)."""
+        if isinstance(device, torch.dtype):  # pipe.to(torch.float16), as diffusers' pipelines
+            device, dtype = None, device if dtype is None else dtype
+        dtype = parse_dtype(dtype, "dtype")
         kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         for m in self.modules().values():
             m.to(**kwargs)
@@ -252,9 +264,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin):
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(
-        self, path: Union[str, os.PathLike], safe_serialization: bool = True
+        self,
+        path: Union[str, os.PathLike],
+        safe_serialization: bool = True,
+        model_card: Optional[Mapping] = None,
     ) -> None:
-        """Write the self-describing folder: ``unclip.json`` + one subfolder per component."""
+        """Write the self-describing folder: ``unclip.json`` + one subfolder per component, and
+        ``README.md``, a model card in the Hub's format (:mod:`unclip.card`) from the pipeline
+        and :attr:`card_info` updated with ``model_card`` (fields in
+        :data:`unclip.card.CARD_FIELDS`: license, training, evaluation, ...)."""
+        info = {**self.card_info, **check_card_fields(model_card)}
         write_pipeline_folder(
             path,
             clip=self.clip,
@@ -266,19 +285,71 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin):
             sampling=self.sampling,
             prior_clip_range=self.prior_clip_range,
         )
+        write_card(path, self, info)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Union[str, bool, None] = None,
+        revision: Optional[str] = None,
+        create_pr: bool = False,
+        model_card: Optional[Mapping] = None,
+    ):
+        """Upload the folder :meth:`save_pretrained` writes (with its model card, whose loading
+        example names ``repo_id``) to the Hub model repo ``repo_id``, created if needed; returns
+        ``huggingface_hub``'s ``CommitInfo``. ``token``: default, the one ``hf auth login``
+        stored."""
+        return push_folder(
+            self._push_writer(repo_id, model_card),
+            repo_id,
+            commit_message=commit_message,
+            private=private,
+            token=token,
+            revision=revision,
+            create_pr=create_pr,
+        )
+
+    def _push_writer(self, repo_id: str, model_card: Optional[Mapping] = None):
+        """What :meth:`push_to_hub` uploads: a function writing :meth:`save_pretrained`'s folder
+        with a card whose loading example names ``repo_id`` (see
+        :func:`unclip.hub.upload_folder_of`)."""
+        card = {"repo_id": repo_id, **check_card_fields(model_card)}
+        return lambda folder: self.save_pretrained(folder, model_card=card)
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, os.PathLike, None] = None) -> UnCLIPPipeline:
-        """Load a folder written by :meth:`save_pretrained`, or a diffusers ``UnCLIPPipeline``
-        folder.
+    def from_pretrained(
+        cls,
+        path: Union[str, os.PathLike, None] = None,
+        *,
+        revision: Optional[str] = None,
+        cache_dir: Union[str, os.PathLike, None] = None,
+        local_files_only: Optional[bool] = None,
+        torch_dtype: Union[torch.dtype, str, None] = None,
+        variant: Optional[str] = None,
+    ) -> UnCLIPPipeline:
+        """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
+        folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
 
-        ``path=None`` or ``"shapes"`` loads the bundled offline shapes model.
+        ``path=None`` or ``"shapes"`` loads the bundled offline shapes model. A repo id is
+        fetched once into the Hub cache (``cache_dir``, default ``HF_HUB_CACHE``) at ``revision``
+        (branch, tag or commit; default ``main``), safetensors weights only
+        (:mod:`unclip.hub`); ``local_files_only=True`` or ``HF_HUB_OFFLINE=1`` use the cache only.
+        ``torch_dtype`` (``torch.float16``/``bfloat16``/``float32`` or its name): cast the weights
+        as :meth:`to` does. ``variant`` (e.g. ``"fp16"``): read ``*.fp16.safetensors`` weights.
         """
-        path = resolve_pipeline_folder(path)
+        dtype = parse_dtype(torch_dtype)
+        hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
+        path = resolve_pipeline_folder(path, variant=variant, **hub)
         reader = folder_format_reader(path)
         if reader is not None:
-            return reader(path)
-        return cls._frozen(**read_pipeline_folder(path))
+            pipe = reader(path, variant=variant) if variant else reader(path)
+        else:
+            pipe = cls._frozen(**read_pipeline_folder(path, variant=variant))
+        pipe.card_info = read_card_info(path)
+        return pipe.to(dtype=dtype) if dtype is not None else pipe
 
     @classmethod
     def from_components(

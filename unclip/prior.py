@@ -25,14 +25,18 @@ from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 
 from unclip.clip import TextEncoding
+from unclip.precision import KeepFp32Mixin
 from unclip.transformer_blocks import TransformerBlock, check_block_options
 
 __all__ = ["UnCLIPPrior"]
 
 
-class UnCLIPPrior(ModelMixin, ConfigMixin):
+class UnCLIPPrior(KeepFp32Mixin, ModelMixin, ConfigMixin):
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
     space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`."""
+
+    # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.precision)
+    _keep_in_fp32_modules = ["clip_mean", "clip_std"]
 
     @register_to_config
     def __init__(

@@ -27,7 +27,7 @@ def prior_type(prior) -> str:
     return "ar" if isinstance(prior, UnCLIPARPrior) else "diffusion"
 
 
-def load_prior(folder: Union[str, Path]) -> Union[UnCLIPPrior, UnCLIPARPrior]:
+def load_prior(folder: Union[str, Path], **kwargs) -> Union[UnCLIPPrior, UnCLIPARPrior]:
     """The prior saved in ``folder`` (its config.json names the class; a config without a class
     name, as older exports wrote, is the diffusion prior)."""
     from unclip.io import read_json
@@ -40,4 +40,4 @@ def load_prior(folder: Union[str, Path]) -> Union[UnCLIPPrior, UnCLIPARPrior]:
             f"prior: {folder}/config.json names the class {name!r}, which is not a prior "
             f"({known}); pass a prior folder"
         )
-    return PRIOR_CLASSES[name][1].from_pretrained(folder)
+    return PRIOR_CLASSES[name][1].from_pretrained(folder, **kwargs)

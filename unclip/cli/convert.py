@@ -2,6 +2,7 @@
 
 unclip convert karlo-v1-alpha karlo-unclip            # diffusers/Karlo → native unclip folder
 unclip convert my-unclip my-diffusers --to diffusers  # native unclip → diffusers folder
+unclip convert org/karlo-repo karlo-unclip             # a Hugging Face Hub repo id as the source
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from unclip.cli.generate import add_hub_args
 
 
 def main(argv=None) -> int:
@@ -19,8 +22,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "src",
-        help="source folder (diffusers/Karlo for --to unclip; unclip or diffusers for "
-        "--to diffusers)",
+        help="source folder or Hugging Face Hub repo id (org/name) (diffusers/Karlo for --to "
+        "unclip; unclip or diffusers for --to diffusers)",
     )
     parser.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
     parser.add_argument(
@@ -32,11 +35,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty output folder"
     )
+    add_hub_args(parser)
     args = parser.parse_args(argv)
     from unclip.interop.diffusers import convert
 
     try:
-        pipe = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite)
+        pipe = convert(
+            args.src,
+            args.dst,
+            to=args.to,
+            overwrite=args.overwrite,
+            revision=args.revision,
+            cache_dir=args.cache_dir,
+        )
     except (ValueError, FileNotFoundError, ImportError) as exc:
         parser.error(str(exc))
     if args.to == "unclip":

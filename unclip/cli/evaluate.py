@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from unclip.cli.errors import seed_type
+from unclip.cli.generate import add_hub_args
 
 
 def _positive(text: str) -> int:
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "faithfulness of a pipeline's samples (see the unclip.eval.evaluate docs).",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="pipeline folder")
+    src.add_argument("--model", help="pipeline folder or Hugging Face Hub repo id (org/name)")
     src.add_argument(
         "--samples", help="score existing images instead: folder of images with .txt captions"
     )
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt"
     )
+    add_hub_args(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -125,6 +127,8 @@ def main(argv=None) -> int:
         report = evaluate(
             args.out,
             model=args.model,
+            revision=args.revision,
+            cache_dir=args.cache_dir,
             samples=args.samples,
             prompts_file=args.prompts,
             coco_captions=args.coco_captions,

@@ -3,6 +3,7 @@
     unclip generate "a small red circle on the left" --num-images 4 --seed 0 --out samples/
     unclip generate "a cat" "a dog" --model path/to/pipeline --decoder-steps 50 \\
         --decoder-guidance-scale 5 --decoder-best-of 4
+    unclip generate "a cat" --model org/name --revision v1.0   # a Hugging Face Hub repo
 
 Writes one PNG per image, ``grid.png`` (the first 64 images) and ``generate.json`` with every
 setting needed to reproduce the result (prompts, per-prompt seeds, model, per-stage sampling
@@ -23,7 +24,7 @@ from unclip.config import SCHEDULERS
 #: diffusers for ``--help``)
 SAMPLER_NAMES = (*SCHEDULERS, "euler", "euler_a", "heun", "unipc", "deis", "dpm2", "dpm++2s", "lms")
 
-__all__ = ["main", "build_parser", "add_sampling_args", "sampling_overrides"]
+__all__ = ["main", "build_parser", "add_hub_args", "add_sampling_args", "sampling_overrides"]
 
 #: ``--batch-size`` default; equals ``unclip.output.DEFAULT_BATCH_SIZE`` (kept here so that
 #: ``--help`` imports no torch)
@@ -49,6 +50,21 @@ AR_FLAGS = (
         "from the top half, as the paper)",
     ),
 )
+
+
+def add_hub_args(p: argparse.ArgumentParser) -> None:
+    """``--revision`` and ``--cache-dir``, for a model given as a Hub repo id."""
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a Hub repo id given as the model (default: main)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="Hugging Face Hub cache folder (default: HF_HUB_CACHE, ~/.cache/huggingface/hub); "
+        "HF_HUB_OFFLINE=1 loads from it without the network",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="pipeline folder, diffusers/Karlo unCLIP folder, or 'shapes' (bundled, default)",
+        help="pipeline folder, diffusers/Karlo unCLIP folder, Hugging Face Hub repo id of either "
+        "(org/name), or 'shapes' (bundled, default)",
     )
+    add_hub_args(p)
     p.add_argument(
         "--tiny", action="store_true", help="use a random untrained tiny pipeline (smoke test)"
     )
@@ -178,6 +196,8 @@ def main(argv=None) -> int:
         tiny=args.tiny,
         batch_size=args.batch_size,
         negative_prompt=args.negative,
+        revision=args.revision,
+        cache_dir=args.cache_dir,
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
     print(

@@ -318,6 +318,8 @@ def evaluate(
     out,
     *,
     model=None,
+    revision: Optional[str] = None,
+    cache_dir=None,
     samples=None,
     prompts_file=None,
     coco_captions=None,
@@ -339,10 +341,11 @@ def evaluate(
     device="cpu",
     progress: bool = True,
 ) -> dict:
-    """Sample the pipeline folder ``model`` (or read the captioned images in ``samples``), score
-    them and write ``report.json``, ``report.md``, ``prompts.txt`` and ``grid.png`` to ``out`` (see
-    the module doc; each argument is the ``unclip evaluate`` flag of the same name, ``prompts_file``
-    is ``--prompts`` and ``inception_weights`` is ``--inception``). Returns the report."""
+    """Sample the pipeline folder or Hub repo id ``model`` (at ``revision``, cached in
+    ``cache_dir``; or read the captioned images in ``samples``), score them and write
+    ``report.json``, ``report.md``, ``prompts.txt`` and ``grid.png`` to ``out`` (see the module
+    doc; each argument is the ``unclip evaluate`` flag of the same name, ``prompts_file`` is
+    ``--prompts`` and ``inception_weights`` is ``--inception``). Returns the report."""
     if not (model or samples):
         raise ValueError("pass --model PATH (generate) or --samples DIR (score existing images)")
     if resolution < 16:
@@ -353,6 +356,7 @@ def evaluate(
         {},
         {
             "model": model or samples,
+            **({"revision": revision} if revision else {}),
             "seed": seed,
             "resolution": resolution,
             "preprocessing": M.PREPROCESSING,
@@ -396,7 +400,8 @@ def evaluate(
     if model:
         from unclip.pipeline import UnCLIPPipeline
 
-        pipe = UnCLIPPipeline.from_pretrained(model).to(device)
+        hub = {"revision": revision, "cache_dir": cache_dir}
+        pipe = UnCLIPPipeline.from_pretrained(model, **hub).to(device)
         settings = pipe.sampling_settings(sampling)  # a bad override fails before any work
         report["sampling"] = {k: vars(v) for k, v in settings.items()}
         if pipe.resolution < resolution:

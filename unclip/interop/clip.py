@@ -368,10 +368,13 @@ def clip_model_cfg(text: dict, vision: Optional[dict]) -> dict:
 
 
 def clip_from_transformers(
-    root: Path, has_image_encoder: bool, feature_extractor: Optional[dict] = None
+    root: Path,
+    has_image_encoder: bool,
+    feature_extractor: Optional[dict] = None,
+    variant: Optional[str] = None,
 ) -> CLIP:
     """A :class:`~unclip.clip.CLIP` from ``root/text_encoder``, ``root/tokenizer`` and (optionally)
-    ``root/image_encoder``."""
+    ``root/image_encoder`` (``variant``: their ``*.<variant>.safetensors`` weights)."""
     text_cfg = read_json(root / "text_encoder" / "config.json", "text_encoder")
     vision_cfg = (
         read_json(root / "image_encoder" / "config.json", "image_encoder")
@@ -396,7 +399,8 @@ def clip_from_transformers(
         )
     state = {k: v for k, v in expected.items() if k.startswith("visual.") or k == "logit_scale"}
     for comp, to_tf, from_tf, layers in parts:
-        got = {k: v for k, v in load_weights(root / comp, comp).items() if k not in IGNORED_KEYS}
+        got = load_weights(root / comp, comp, variant)
+        got = {k: v for k, v in got.items() if k not in IGNORED_KEYS}
         check_state(comp, to_tf(expected, layers), got, root / comp)
         state.update(from_tf(got, layers))
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -42,16 +42,18 @@ import inspect
 import json
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from diffusers import PriorTransformer, UnCLIPScheduler, UNet2DConditionModel, UNet2DModel
 
 from unclip.ar_prior import UnCLIPARPrior
+from unclip.card import read_card_info
 from unclip.clip import CompatTokenizer
 from unclip.config import DiffusionConfig, SamplingConfig
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.diffusion import make_scheduler
+from unclip.hub import is_repo_id, resolve_folder
 from unclip.interop.clip import (
     bpe_vocab,
     check_state,
@@ -166,10 +168,12 @@ def decoder_from_diffusers(parts: dict[str, dict]) -> dict:
     return state
 
 
-def _load_parts(root: Path, expected: dict[str, dict]) -> dict[str, dict]:
+def _load_parts(
+    root: Path, expected: dict[str, dict], variant: Optional[str] = None
+) -> dict[str, dict]:
     parts = {}
     for comp, exp in expected.items():
-        got = load_weights(root / comp, comp)
+        got = load_weights(root / comp, comp, variant)
         check_state(comp, exp, got, root / comp)
         parts[comp] = got
     return parts
@@ -232,7 +236,7 @@ def _check_clip_widths(component: str, key: str, dim: int, clip, why: str) -> No
         )
 
 
-def _load_prior(root: Path, clip) -> UnCLIPPrior:
+def _load_prior(root: Path, clip, variant: Optional[str] = None) -> UnCLIPPrior:
     cfg = _with_defaults(PriorTransformer, read_json(root / "prior" / "config.json", "prior"))
     dim, ctx = int(cfg["embedding_dim"]), int(cfg["num_embeddings"])
     why = "; diffusers' prior consumes the text states at the embedding width"
@@ -252,12 +256,12 @@ def _load_prior(root: Path, clip) -> UnCLIPPrior:
         dropout=cfg["dropout"],
     )
     _check_config("prior", cfg, prior.transformer.config, "UnCLIPPrior")
-    parts = _load_parts(root, {"prior": prior.transformer.state_dict()})
+    parts = _load_parts(root, {"prior": prior.transformer.state_dict()}, variant)
     prior.transformer.load_state_dict(parts["prior"], strict=True)
     return prior
 
 
-def _load_decoder(root: Path, clip) -> UnCLIPDecoder:
+def _load_decoder(root: Path, clip, variant: Optional[str] = None) -> UnCLIPDecoder:
     cfg = _with_defaults(
         UNet2DConditionModel, read_json(root / "decoder" / "config.json", "decoder")
     )
@@ -307,12 +311,14 @@ def _load_decoder(root: Path, clip) -> UnCLIPDecoder:
         },
         "the decoder's glue",
     )
-    parts = _load_parts(root, decoder_to_diffusers(decoder.state_dict()))
+    parts = _load_parts(root, decoder_to_diffusers(decoder.state_dict()), variant)
     decoder.load_state_dict(decoder_from_diffusers(parts), strict=True)
     return decoder
 
 
-def _load_upsampler(root: Path, decoder: UnCLIPDecoder) -> UnCLIPUpsampler:
+def _load_upsampler(
+    root: Path, decoder: UnCLIPDecoder, variant: Optional[str] = None
+) -> UnCLIPUpsampler:
     first = _with_defaults(
         UNet2DModel, read_json(root / "super_res_first" / "config.json", "super_res_first")
     )
@@ -350,6 +356,7 @@ def _load_upsampler(root: Path, decoder: UnCLIPDecoder) -> UnCLIPUpsampler:
     parts = _load_parts(
         root,
         {"super_res_first": up.unet.state_dict(), "super_res_last": up.final_unet.state_dict()},
+        variant,
     )
     up.unet.load_state_dict(parts["super_res_first"], strict=True)
     up.final_unet.load_state_dict(parts["super_res_last"], strict=True)
@@ -387,9 +394,9 @@ def _load_scheduler(root: Path, component: str, stage: str, learned: bool):
     return diffusion, clip_range
 
 
-def load_diffusers_unclip(path: Union[str, Path]) -> UnCLIPPipeline:
+def load_diffusers_unclip(path: Union[str, Path], variant: Optional[str] = None) -> UnCLIPPipeline:
     """A diffusers ``UnCLIPPipeline`` (Karlo) or ``UnCLIPImageVariationPipeline`` folder →
-    :class:`UnCLIPPipeline`.
+    :class:`UnCLIPPipeline` (``variant``: read the ``*.<variant>.safetensors`` weights).
 
     Raises ``ValueError`` naming the component (and config key or weight) when the folder is not an
     unCLIP pipeline, a component is missing or unexpected, or a config/weight cannot be expressed.
@@ -403,10 +410,10 @@ def load_diffusers_unclip(path: Union[str, Path]) -> UnCLIPPipeline:
     if vision:
         fe_file = root / "feature_extractor" / "preprocessor_config.json"
         fe = read_json(fe_file, "feature_extractor")
-    clip = clip_from_transformers(root, vision, fe)
-    prior = _load_prior(root, clip) if "prior" in present else None
-    decoder = _load_decoder(root, clip)
-    up = _load_upsampler(root, decoder)
+    clip = clip_from_transformers(root, vision, fe, variant)
+    prior = _load_prior(root, clip, variant) if "prior" in present else None
+    decoder = _load_decoder(root, clip, variant)
+    up = _load_upsampler(root, decoder, variant)
     sr = f"sr{up.config.sample_size}"
     diffusion, sampling, prior_range = {}, {}, None
     stages = [("decoder", "decoder_scheduler", "decoder"), (sr, "super_res_scheduler", "upsampler")]
@@ -650,20 +657,29 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
 
 # ========================================================================================== convert
 def convert(
-    src: Union[str, Path], dst: Union[str, Path], to: str = "unclip", overwrite: bool = False
+    src: Union[str, Path],
+    dst: Union[str, Path],
+    to: str = "unclip",
+    overwrite: bool = False,
+    *,
+    revision: Optional[str] = None,
+    cache_dir: Union[str, Path, None] = None,
+    local_files_only: Optional[bool] = None,
 ) -> UnCLIPPipeline:
     """Convert the pipeline folder ``src`` into ``dst`` and return the converted pipeline.
 
     ``to="unclip"``: ``src`` is a diffusers/Karlo folder (with ``model_index.json``), ``dst``
     becomes a native unclip pipeline folder. ``to="diffusers"``: ``src`` is any folder
     ``UnCLIPPipeline.from_pretrained`` loads, ``dst`` becomes a diffusers ``UnCLIPPipeline``
-    folder. ``dst`` is created; it must be empty unless ``overwrite``.
+    folder. ``src`` may also be a Hub repo id (``org/name``) of either kind, fetched at
+    ``revision`` into ``cache_dir`` (:func:`unclip.hub.resolve_folder`). ``dst`` is created; it
+    must be empty unless ``overwrite``.
     """
     if to not in ("unclip", "diffusers"):
         raise ValueError(f"to must be 'unclip' or 'diffusers', got {to!r}")
-    src, dst = Path(src), Path(dst)
-    if not src.is_dir():
-        raise FileNotFoundError(f"source folder not found: {src}")
+    hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    repo_id = str(src) if is_repo_id(str(src)) and not Path(src).is_dir() else None
+    src, dst = resolve_folder(src, what="source", **hub), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
         raise ValueError(
             f"output {dst} exists and is not an empty folder; pass --overwrite to write into it"
@@ -680,5 +696,9 @@ def convert(
             f"native unclip folder use --to diffusers"
         )
     pipe = load_diffusers_unclip(src)
+    # the converted folder's model card keeps the source card's license and names the source
+    pipe.card_info = read_card_info(src)
+    if repo_id is not None:
+        pipe.card_info.setdefault("base_model", repo_id)
     pipe.save_pretrained(dst)
     return pipe

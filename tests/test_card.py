@@ -1,0 +1,95 @@
+"""Model cards (unclip/card.py): ``save_pretrained`` writes a README.md that ``huggingface_hub``
+parses, stating the pipeline's real components and settings, keeping the author's fields across a
+load and save; the bundled model ships one with its recorded figures."""
+
+import re
+
+import pytest
+from huggingface_hub import ModelCard
+
+from unclip.card import render_card
+from unclip.io import bundled_model_path
+from unclip.pipeline import UnCLIPPipeline
+
+
+def section(card: ModelCard, heading: str) -> str:
+    match = re.search(rf"^## {heading}\n\n(.*?)(?=^## |\Z)", card.text, re.S | re.M)
+    assert match, heading
+    return match.group(1).strip()
+
+
+def params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_saved_card_parses_with_metadata_and_component_sizes(tiny_pipe, tmp_path):
+    tiny_pipe.save_pretrained(tmp_path / "p")
+    card = ModelCard.load(tmp_path / "p" / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "unclip" and data["pipeline_tag"] == "text-to-image"
+    assert data["tags"] == ["text-to-image", "unclip", "diffusion"]
+    assert data["license"] == "unknown"  # nobody said which
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in section(card, "Components").splitlines()[2:]
+        if line.startswith("| ")
+    }
+    assert list(rows) == ["clip", "prior", "decoder", "sr32", "sr64"]
+    for name, module in tiny_pipe.modules().items():
+        n = params(module)
+        count = f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} k"
+        assert rows[name][2] == count, name
+    assert rows["decoder"][3].startswith("16 px") and rows["sr64"][3].startswith("32 → 64 px")
+    sampling = section(card, "Sampling defaults")
+    assert "| prior | ddim | 4 | 2.0 | 2 | sample, squaredcos_cap_v2, T = 1000 |" in sampling
+    assert section(card, "Training").startswith("Not recorded")
+    assert section(card, "Evaluation").startswith("Not recorded")
+
+
+def test_author_fields_are_written_and_survive_load_and_save(tiny_pipe, tmp_path):
+    fields = {
+        "license": "apache-2.0",
+        "training": "10k steps on my captions",
+        "evaluation": {"FID (COCO 30k)": 12.5},
+        "intended_use": "research only",
+        "datasets": ["me/captions"],
+        "example_prompt": "a red circle",
+    }
+    tiny_pipe.save_pretrained(tmp_path / "a", model_card=fields)
+    card = ModelCard.load(tmp_path / "a" / "README.md")
+    assert card.data.license == "apache-2.0" and card.data.datasets == ["me/captions"]
+    assert section(card, "Training") == "10k steps on my captions"
+    assert "| FID (COCO 30k) | 12.5 |" in section(card, "Evaluation")
+    assert section(card, "Intended use and limitations") == "research only"
+    loaded = UnCLIPPipeline.from_pretrained(tmp_path / "a")
+    assert loaded.card_info["training"] == "10k steps on my captions"
+    loaded.save_pretrained(tmp_path / "b", model_card={"license": "mit"})
+    again = ModelCard.load(tmp_path / "b" / "README.md")
+    assert again.data.license == "mit" and again.data.datasets == ["me/captions"]
+    assert section(again, "Training") == "10k steps on my captions"
+    assert section(again, "Evaluation") == section(card, "Evaluation")
+    assert 'pipe("a red circle", generator' in again.text
+    with pytest.raises(ValueError, match="unknown field.*'fid'"):
+        tiny_pipe.save_pretrained(tmp_path / "c", model_card={"fid": 3})
+    with pytest.raises(TypeError, match=r"model_card\['training'\] must be text"):
+        tiny_pipe.save_pretrained(tmp_path / "c", model_card={"training": 3})
+
+
+def test_bundled_model_card_states_the_shipped_model():
+    folder = bundled_model_path()
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.license == "mit" and card.data.library_name == "unclip"
+    assert card.data.pipeline_tag == "text-to-image"
+    # the recorded held-out figures (docs/shapes_eval.json)
+    evaluation = section(card, "Evaluation")
+    assert "| sr128 (128 px, the output) | 100.0 % | 73.0 % |" in evaluation
+    assert "91.08" in evaluation and "0.025" in evaluation
+    # the components section is what the library states for the shipped pipeline
+    pipe = UnCLIPPipeline.from_pretrained()
+    assert pipe.card_info["license"] == "mit"
+    rendered = render_card(pipe, {**pipe.card_info, "repo_id": "shapes"})
+    assert section(card, "Components") == section(rendered, "Components")
+    assert section(card, "Sampling defaults") == section(rendered, "Sampling defaults")
+    # the whole card is what the library writes from its fields (docs/shapes_model.md says how
+    # to write it again after a change to the card's layout)
+    assert rendered.content == card.content
