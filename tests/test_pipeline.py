@@ -290,7 +290,7 @@ def test_slerp_endpoints_and_norm():
         ({"prompt": []}, ValueError, "empty"),
         ({"prompt": 5}, TypeError, "string"),
         ({"prompt": ["ok", 3]}, TypeError, r"prompt\[1\]"),
-        ({"sampling": {"decoder": {"scheduler": "euler"}}}, ValueError, "unknown sampler 'euler'"),
+        ({"sampling": {"decoder": {"scheduler": "eulr"}}}, ValueError, "unknown sampler 'eulr'"),
         ({"sampling": {"prior": {"guidance_scale": -1}}}, ValueError, "guidance scale must be"),
         ({"sampling": {"sr32": {"steps": 0}}}, ValueError, "steps must be an integer >= 1"),
         (
