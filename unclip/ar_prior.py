@@ -34,6 +34,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from torch import nn
 
 from unclip.clip import TextEncoding
+from unclip.prior import PriorLoading
 
 __all__ = ["UnCLIPARPrior", "ARTransformer", "ARBlock", "quantile_edges"]
 
@@ -187,7 +188,7 @@ class ARTransformer(nn.Module):
         return self._run(x, self._allowed(valid, pos, 1), state["caches"])[:, -1]
 
 
-class UnCLIPARPrior(ModelMixin, ConfigMixin):
+class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):
     """AR prior network (see module doc). ``forward(codes [B,P], text, dot [B]) → logits
     [B, P, K]``; :meth:`encode`/:meth:`decode` map image embeddings ``[B, D]`` to codes and back
     once :meth:`fit_quantizer` has set the PCA and bucket edges."""
@@ -346,22 +347,3 @@ class UnCLIPARPrior(ModelMixin, ConfigMixin):
         """``codes [B, P]``, ``text`` with ``B`` rows, ``dot [B]`` → logits ``[B, P, K]`` of every
         code given the codes before it (teacher forcing)."""
         return self.transformer(codes.to(self.pca_mean.device), text, dot)
-
-    @classmethod
-    def from_clip(cls, clip, **kwargs) -> UnCLIPARPrior:
-        """An AR prior sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
-        return cls(
-            embed_dim=clip.embed_dim,
-            text_width=clip.text_width,
-            context_length=clip.context_length,
-            **kwargs,
-        )
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader restricted to safetensors weights (pickles can run code: refused)."""
-        from unclip.io import safe_model_from_pretrained
-
-        return safe_model_from_pretrained(
-            super().from_pretrained, pretrained_model_name_or_path, "prior", **kwargs
-        )

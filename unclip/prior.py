@@ -31,7 +31,31 @@ from unclip.transformer_blocks import TransformerBlock, check_block_options
 __all__ = ["UnCLIPPrior"]
 
 
-class UnCLIPPrior(KeepFp32Mixin, ModelMixin, ConfigMixin):
+class PriorLoading:
+    """Building and loading shared by both priors (diffusion and autoregressive): sized from a
+    CLIP, loaded from safetensors only."""
+
+    @classmethod
+    def from_clip(cls, clip, **kwargs):
+        """A prior sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
+        return cls(
+            embed_dim=clip.embed_dim,
+            text_width=clip.text_width,
+            context_length=clip.context_length,
+            **kwargs,
+        )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader restricted to safetensors weights (pickles can run code: refused)."""
+        from unclip.io import safe_model_from_pretrained
+
+        return safe_model_from_pretrained(
+            super().from_pretrained, pretrained_model_name_or_path, "prior", **kwargs
+        )
+
+
+class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
     space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`."""
 
@@ -123,22 +147,3 @@ class UnCLIPPrior(KeepFp32Mixin, ModelMixin, ConfigMixin):
             return_dict=False,
         )[0]
         return out
-
-    @classmethod
-    def from_clip(cls, clip, **kwargs) -> UnCLIPPrior:
-        """A prior sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
-        return cls(
-            embed_dim=clip.embed_dim,
-            text_width=clip.text_width,
-            context_length=clip.context_length,
-            **kwargs,
-        )
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader restricted to safetensors weights (pickles can run code: refused)."""
-        from unclip.io import safe_model_from_pretrained
-
-        return safe_model_from_pretrained(
-            super().from_pretrained, pretrained_model_name_or_path, "prior", **kwargs
-        )
