@@ -13,6 +13,9 @@ the same seed and the same data order, with the optimizer (``train.optimizer``) 
 training the raw (non-EMA) weights are scored on a fixed validation set: the x_0-prediction loss
 over ``--eval-batches`` held-out batches (another data seed) with fixed timesteps, noise and
 caption dropout, so the curves differ only by the weights. Evaluation time is not counted.
+At the end of the budget, final faithfulness: the raw weights sample one embedding per validation
+caption with the recipe's sampling settings (DDIM, guidance, best of N; fixed generators) and we
+report the mean cosine to the true CLIP image embedding of the caption's image.
 
 The learning rate is the recipe's for every optimizer (``--lr`` changes it for all) and stays at
 its post-warmup value (the cosine horizon is far beyond the budget): the comparison is at one
@@ -135,6 +138,7 @@ def run_variant(name: str, overrides: list[str], args, shared: dict) -> dict:
                 val = _validation_loss(model, task, shared["eval"], cfg)
                 curve.append([round(wall, 3), round(cpu, 3), loop.state.step, val])
                 next_eval += args.eval_every
+        faithful = _faithfulness(loop.unwrapped, task, shared, cfg)
         loop.finish()
     row = {
         "variant": name,
@@ -143,6 +147,7 @@ def run_variant(name: str, overrides: list[str], args, shared: dict) -> dict:
         "steps": loop.state.step,
         "steps_per_s": loop.state.step / wall,
         "final_loss": curve[-1][3],
+        **faithful,
         "curve": curve,
         "train_losses": losses,
         "load_before": round(load_before, 2),
@@ -150,9 +155,46 @@ def run_variant(name: str, overrides: list[str], args, shared: dict) -> dict:
     }
     common.log(
         f"{name}: {row['steps']} steps in {wall:.1f} s wall / {cpu:.1f} s CPU, "
-        f"validation loss {curve[0][3]:.4f} -> {row['final_loss']:.4f}"
+        f"validation loss {curve[0][3]:.4f} -> {row['final_loss']:.4f}, "
+        f"sampled cosine to the true image embedding {row['cos_to_true_image_embed']:.4f}"
     )
     return row
+
+
+def _faithfulness(model, task, shared, cfg) -> dict:
+    """Final faithfulness of the raw weights: one embedding sampled per held-out caption with the
+    recipe's sampling settings (DDIM, guidance, best of N), one generator per candidate, and its
+    mean cosine to the true CLIP image embedding (and to the caption's text embedding)."""
+    from unclip.sampling import sample_prior
+    from unclip.train.prior import _embed_batch
+
+    model.eval()
+    truth, samples, text_embeds = [], [], []
+    with torch.no_grad():
+        for i, batch in enumerate(shared["eval"]):
+            image_embed, text = _embed_batch(task.clip, batch, task.device)
+            n = len(batch["caption"]) * cfg.sampling.best_of
+            gens = [torch.Generator().manual_seed(EVAL_SEED + i * n + j) for j in range(n)]
+            best, _ = sample_prior(
+                model,
+                text,
+                task.null.repeat_interleave,
+                cfg.sampling,
+                cfg.diffusion,
+                generator=gens,
+                progress=False,
+            )
+            truth.append(image_embed.float())
+            samples.append(best.float())
+            text_embeds.append(text.text_embed.float())
+    model.train()
+    truth, samples, text_embeds = torch.cat(truth), torch.cat(samples), torch.cat(text_embeds)
+    cos = torch.nn.functional.cosine_similarity
+    return {
+        "cos_to_true_image_embed": float(cos(samples, truth).mean()),
+        "cos_to_text_embed": float(cos(samples, text_embeds).mean()),
+        "faithfulness_captions": len(truth),
+    }
 
 
 def _eval_batches(cfg, clip, n: int) -> list[dict]:
@@ -299,6 +341,7 @@ def main(argv=None) -> int:
                     ("steps", "steps"),
                     ("steps/s", "steps_per_s"),
                     ("final validation loss", "final_loss"),
+                    ("cos(sample, true image embed)", "cos_to_true_image_embed"),
                 ],
                 title=f"shapes prior, {args.budget:.0f} s per variant ({args.clock} clock)",
             )
