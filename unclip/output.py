@@ -110,6 +110,7 @@ def generate_to_folder(
     command: Optional[Sequence[str]] = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     negative_prompt: Optional[str] = None,
+    lora: Sequence[tuple[str, float]] = (),
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
@@ -120,7 +121,8 @@ def generate_to_folder(
     reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
     ``batch_size``, ``negative_prompt``, versions, ``command``); it is also returned.
     ``negative_prompt``: one caption that replaces the empty one in guidance for every prompt
-    (see :meth:`UnCLIPPipeline.__call__`).
+    (see :meth:`UnCLIPPipeline.__call__`). ``lora``: ``(adapter folder, scale)`` pairs loaded onto
+    the pipeline first (:meth:`UnCLIPPipeline.load_lora`), recorded in ``generate.json``.
 
     Memory stays bounded however many images are asked for: the images (prompt-major: every image
     of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
@@ -154,6 +156,10 @@ def generate_to_folder(
         pipe, name = model, "in-memory pipeline"
     else:
         pipe, name = UnCLIPPipeline.from_pretrained(model), str(model or DEFAULT_MODEL)
+    adapters = [{"path": str(path), "scale": float(scale), "stage": None} for path, scale in lora]
+    for adapter in adapters:
+        name = pipe.load_lora(adapter["path"], scale=adapter["scale"])
+        adapter["stage"] = pipe.lora_adapters[name].stage
     pipe.to(device)
     settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
     seeds = [seed + i for i in range(len(prompts))]
@@ -198,6 +204,7 @@ def generate_to_folder(
         "seeds": seeds,
         "num_images_per_prompt": n,
         "negative_prompt": negative_prompt,
+        "lora": adapters,
         "batch_size": batch_size,
         "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
         "device": str(device),

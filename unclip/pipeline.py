@@ -14,6 +14,7 @@ Each stage is a public method, and everything else composes from them::
     pipe.interpolate("a red circle", "a blue square", num_steps=5)
     keep = pipe.rerank(small, ["a red circle"] * 4, k=4)  # best of each group of 4 by CLIP score
     pipe.sampling_settings({"decoder": {"steps": 50}})  # {stage: SamplingConfig}, validated
+    pipe.load_lora("runs/x/final/decoder_lora", scale=0.8)  # a LoRA adapter (unclip.lora)
 
 Sampling settings (:class:`~unclip.config.SamplingConfig`: scheduler, steps, guidance_scale,
 best_of) are stored per stage in ``pipe.sampling``; every sampling method takes ``sampling=``
@@ -59,6 +60,7 @@ from unclip.io import (
     write_pipeline_folder,
 )
 from unclip.output import UnCLIPOutput, generate_to_folder
+from unclip.pipeline_lora import LoraMixin
 from unclip.pipeline_utils import (
     check_components,
     check_count,
@@ -114,7 +116,7 @@ def negatives_per_row(negative, rows: int, what: str) -> list[str]:
     return captions
 
 
-class UnCLIPPipeline(EditingMixin):
+class UnCLIPPipeline(EditingMixin, LoraMixin):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
     def __init__(
@@ -251,7 +253,9 @@ class UnCLIPPipeline(EditingMixin):
     def save_pretrained(
         self, path: Union[str, os.PathLike], safe_serialization: bool = True
     ) -> None:
-        """Write the self-describing folder: ``unclip.json`` + one subfolder per component."""
+        """Write the self-describing folder: ``unclip.json`` + one subfolder per component.
+        Refused while LoRA adapters are loaded unmerged (:meth:`merge_lora` them first)."""
+        self._refuse_unmerged_lora("save_pretrained")
         write_pipeline_folder(
             path,
             clip=self.clip,

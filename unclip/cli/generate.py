@@ -3,6 +3,7 @@
     unclip generate "a small red circle on the left" --num-images 4 --seed 0 --out samples/
     unclip generate "a cat" "a dog" --model path/to/pipeline --decoder-steps 50 \\
         --decoder-guidance-scale 5 --decoder-best-of 4
+    unclip generate "a small pink circle on the left" --lora runs/pink/final/decoder_lora:0.8
 
 Writes one PNG per image, ``grid.png`` (the first 64 images) and ``generate.json`` with every
 setting needed to reproduce the result (prompts, per-prompt seeds, model, per-stage sampling
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a negative prompt: replaces the empty caption in the prior's and the decoder's "
         "guidance, steering every image away from it",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a LoRA adapter folder (<output_dir>/final/<stage>_lora of a train.lora run) loaded "
+        "onto the stage it was trained for, with its strength (default 1); repeatable",
+    )
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -136,6 +145,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     prompts = _prompts(p, args)
+    from unclip.lora import parse_lora_spec
     from unclip.pipeline import generate_to_folder
 
     record = generate_to_folder(
@@ -150,6 +160,7 @@ def main(argv=None) -> int:
         tiny=args.tiny,
         batch_size=args.batch_size,
         negative_prompt=args.negative,
+        lora=[parse_lora_spec(spec) for spec in args.lora],
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
     print(
