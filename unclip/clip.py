@@ -195,10 +195,14 @@ class CLIP(torch.nn.Module):
                     f"custom architecture"
                 )
         model = build_open_clip_model(model_cfg)
+        kept = None
         if cfg.pretrained:
-            load_pretrained_weights(model, cfg.model_name, cfg.pretrained)
+            kept = load_pretrained_weights(model, cfg.model_name, cfg.pretrained)
         tokenizer = _make_tokenizer(cfg.model_name, model_cfg)
-        return cls(model, tokenizer, cfg.model_name, model_cfg, cfg.pretrained)
+        clip = cls(model, tokenizer, cfg.model_name, model_cfg, cfg.pretrained)
+        # a closed-vocabulary file: the same CLIP as from_pretrained gives (fingerprint, warnings)
+        clip.kept_token_ids = kept
+        return clip
 
     @classmethod
     def from_pretrained(
@@ -629,9 +633,12 @@ def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None
     return kept
 
 
-def load_pretrained_weights(model: torch.nn.Module, model_name: str, pretrained: str) -> None:
+def load_pretrained_weights(
+    model: torch.nn.Module, model_name: str, pretrained: str
+) -> torch.Tensor | None:
     """Load a local weights file or folder, or an open_clip hub tag (the only path that downloads),
-    into the open_clip ``model`` built for ``model_name``."""
+    into the open_clip ``model`` built for ``model_name``. Returns the kept token ids of a
+    closed-vocabulary file (:meth:`CLIP.save_pretrained`), else None."""
     from unclip.io import pickle_refusal, pickles_in
 
     p = Path(pretrained)
@@ -651,8 +658,7 @@ def load_pretrained_weights(model: torch.nn.Module, model_name: str, pretrained:
     if p.is_file():
         if p.suffix != ".safetensors":  # a pickle (.bin/.pt/.ckpt) or an unknown format
             raise pickle_refusal(p, "clip")
-        _load_safetensors(model, p)
-        return
+        return _load_safetensors(model, p)
     if os.sep in pretrained or pretrained.endswith((".safetensors", ".bin", ".pt", ".pth")):
         raise FileNotFoundError(f"CLIP weights file not found: {pretrained}")
     tags = open_clip.list_pretrained_tags_by_model(model_name)
@@ -678,6 +684,7 @@ def load_pretrained_weights(model: torch.nn.Module, model_name: str, pretrained:
     check_safetensors(ckpt, f"clip ({model_name}/{pretrained})")
     # open_clip's loader (safetensors for this file) converts older and third-party key layouts
     open_clip.load_checkpoint(model, ckpt, weights_only=True)
+    return None
 
 
 def tiny_clip_config(

@@ -436,7 +436,10 @@ def from_dict(cls: type, data: dict, *, source: str = "<dict>", prefix: str = ""
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            close = difflib.get_close_matches(str(key), names, n=3, cutoff=0.5)
+            # a valid key with letters appended ("lrate") means that key, even where another one
+            # shares more letters ("lora")
+            close = [c for c in close if str(key).startswith(c)][:1] or close[:1]
             hint = (
                 f"; did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else ""
             )

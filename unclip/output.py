@@ -112,6 +112,7 @@ def generate_to_folder(
     negative_prompt: Optional[str] = None,
     revision: Optional[str] = None,
     cache_dir: Union[str, os.PathLike, None] = None,
+    lora: Sequence[tuple[str, float]] = (),
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
@@ -123,7 +124,8 @@ def generate_to_folder(
     reproduce the images (prompts, seeds, model, resolved per-stage sampling settings,
     ``batch_size``, ``negative_prompt``, versions, ``command``); it is also returned.
     ``negative_prompt``: one caption that replaces the empty one in guidance for every prompt
-    (see :meth:`UnCLIPPipeline.__call__`).
+    (see :meth:`UnCLIPPipeline.__call__`). ``lora``: ``(adapter folder, scale)`` pairs loaded onto
+    the pipeline first (:meth:`UnCLIPPipeline.load_lora`), recorded in ``generate.json``.
 
     Memory stays bounded however many images are asked for: the images (prompt-major: every image
     of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
@@ -159,6 +161,17 @@ def generate_to_folder(
         hub = {"revision": revision, "cache_dir": cache_dir}
         pipe = UnCLIPPipeline.from_pretrained(model, **hub)
         name = str(model or DEFAULT_MODEL)
+    adapters = []
+    for path, scale in lora:
+        adapter_name = pipe.load_lora(path, scale=float(scale))
+        adapters.append(
+            {
+                "path": str(path),
+                "scale": float(scale),
+                "name": adapter_name,
+                "stage": pipe.lora_adapters[adapter_name].stage,
+            }
+        )
     pipe.to(device)
     settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
     seeds = [seed + i for i in range(len(prompts))]
@@ -204,6 +217,7 @@ def generate_to_folder(
         "seeds": seeds,
         "num_images_per_prompt": n,
         "negative_prompt": negative_prompt,
+        "lora": adapters,
         "batch_size": batch_size,
         "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
         "device": str(device),

@@ -14,6 +14,7 @@ Each stage is a public method, and everything else composes from them::
     pipe.interpolate("a red circle", "a blue square", num_steps=5)
     keep = pipe.rerank(small, ["a red circle"] * 4, k=4)  # best of each group of 4 by CLIP score
     pipe.sampling_settings({"decoder": {"steps": 50}})  # {stage: SamplingConfig}, validated
+    pipe.load_lora("runs/x/final/decoder_lora", scale=0.8)  # a LoRA adapter (unclip.lora)
 
 Sampling settings (:class:`~unclip.config.SamplingConfig`: scheduler, steps, guidance_scale,
 best_of) are stored per stage in ``pipe.sampling``; every sampling method takes ``sampling=``
@@ -62,6 +63,7 @@ from unclip.io import (
 )
 from unclip.memory import MemoryMixin
 from unclip.output import UnCLIPOutput, generate_to_folder
+from unclip.pipeline_lora import LoraMixin
 from unclip.pipeline_utils import (
     check_components,
     check_count,
@@ -119,7 +121,7 @@ def negatives_per_row(negative, rows: int, what: str) -> list[str]:
     return captions
 
 
-class UnCLIPPipeline(EditingMixin, MemoryMixin):
+class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
     def __init__(
@@ -272,7 +274,9 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin):
         """Write the self-describing folder: ``unclip.json`` + one subfolder per component, and
         ``README.md``, a model card in the Hub's format (:mod:`unclip.card`) from the pipeline
         and :attr:`card_info` updated with ``model_card`` (fields in
-        :data:`unclip.card.CARD_FIELDS`: license, training, evaluation, ...)."""
+        :data:`unclip.card.CARD_FIELDS`: license, training, evaluation, ...). Refused while LoRA
+        adapters are loaded unmerged (:meth:`merge_lora` them first)."""
+        self._refuse_unmerged_lora("save_pretrained")
         info = {**self.card_info, **check_card_fields(model_card)}
         write_pipeline_folder(
             path,

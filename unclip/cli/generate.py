@@ -4,6 +4,7 @@
     unclip generate "a cat" "a dog" --model path/to/pipeline --decoder-steps 50 \\
         --decoder-guidance-scale 5 --decoder-best-of 4
     unclip generate "a cat" --model org/name --revision v1.0   # a Hugging Face Hub repo
+    unclip generate "a small pink circle on the left" --lora runs/pink/final/decoder_lora:0.8
 
 Writes one PNG per image, ``grid.png`` (the first 64 images) and ``generate.json`` with every
 setting needed to reproduce the result (prompts, per-prompt seeds, model, per-stage sampling
@@ -152,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a negative prompt: replaces the empty caption in the prior's and the decoder's "
         "guidance, steering every image away from it",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a LoRA adapter folder (<output_dir>/final/<stage>_lora of a train.lora run) loaded "
+        "onto the stage it was trained for, with its strength (default 1); repeatable",
+    )
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--no-progress", action="store_true")
@@ -182,6 +191,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     prompts = _prompts(p, args)
+    from unclip.lora import parse_lora_spec
     from unclip.pipeline import generate_to_folder
 
     record = generate_to_folder(
@@ -198,6 +208,7 @@ def main(argv=None) -> int:
         negative_prompt=args.negative,
         revision=args.revision,
         cache_dir=args.cache_dir,
+        lora=[parse_lora_spec(spec) for spec in args.lora],
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
     print(

@@ -9,9 +9,9 @@ Algorithm (:func:`detect`)
    distance of border pixels to the nearest reference color > ``NOISY_BORDER``, e.g. generated
    samples with grain) are 3x3 median-filtered, unless smaller than 48 px where that erodes the
    shapes (``median=None``: auto; True/False forces it). Detection is reliable from 64 px up.
-2. Every pixel gets the nearest of the 6 palette colors and 3 background colors (Euclidean sRGB
-   distance). A pixel belongs to a palette color if that color is the nearest and closer than
-   ``color_threshold`` (default 70). Anti-aliased edges and noise fall outside.
+2. Every pixel gets the nearest of the 6 palette colors (and any ``extra_colors``) and 3 background
+   colors (Euclidean sRGB distance). A pixel belongs to a palette color if that color is the nearest
+   and closer than ``color_threshold`` (default 70). Anti-aliased edges and noise fall outside.
 3. The background is the majority nearest background color of the border ring of pixels.
 4. Per palette color, 4-connected components smaller than ``min_area`` (default 0.4% of the image)
    or thinner on average than ``min_thickness`` pixels (area / longest bbox side; drops the 1-pixel
@@ -44,13 +44,25 @@ import math
 import numpy as np
 from PIL import Image, ImageFilter
 
-from unclip.shapes.world import BACKGROUNDS, COLORS, POSITIONS, SIZES, parse_caption
+from unclip.shapes.world import BACKGROUNDS, COLORS, POSITIONS, SIZES, palette, parse_caption
 
 _COLOR_NAMES = list(COLORS)
 _BG_NAMES = list(BACKGROUNDS)
 _REFS = np.array(
     [COLORS[c] for c in _COLOR_NAMES] + [BACKGROUNDS[b] for b in _BG_NAMES], dtype=np.float32
 )
+
+
+def _references(extra_colors) -> tuple[list[str], np.ndarray]:
+    """The object color names and the reference colors (object colors, then backgrounds)."""
+    if not extra_colors:
+        return _COLOR_NAMES, _REFS
+    colors = palette(extra_colors)
+    names = list(colors)
+    refs = [colors[c] for c in names] + [BACKGROUNDS[b] for b in _BG_NAMES]
+    return names, np.array(refs, dtype=np.float32)
+
+
 #: (fill ratio of bbox, fraction of mass in the bottom half of bbox) per shape.
 SHAPE_PROTOTYPES: dict[str, tuple[float, float]] = {
     "square": (1.0, 0.5),
@@ -133,14 +145,18 @@ def detect(
     min_area: float = 0.004,
     min_thickness: float = 2.0,
     median: bool | None = None,
+    extra_colors: dict | None = None,
 ) -> dict:
     """Detect background and objects of a shapes image (PIL or uint8 ``[H, W, 3]``, any resolution).
+    ``extra_colors``: named colors beyond the spec's six (:mod:`unclip.shapes.world`) that are also
+    reference colors of step 2.
 
     Returns ``{"background", "relation", "objects": [{"shape", "color", "size", "position",
     "center", "bbox", "extent", "area"}]}`` with geometry in fractions of W and H (as in the ground
     truth).
     """
     arr = _to_array(image)
+    color_names, refs = _references(extra_colors)
     if max(arr.shape[:2]) > max_side:
         h, w = arr.shape[:2]
         scale = max_side / max(h, w)
@@ -148,25 +164,26 @@ def detect(
         arr = np.asarray(Image.fromarray(arr).resize(size, Image.BOX))
     if median is None:  # auto: denoise only if the border (mostly background) is visibly noisy
         border = np.concatenate([arr[0], arr[-1], arr[1:-1, 0], arr[1:-1, -1]]).astype(np.float32)
-        noise = np.sqrt(((border[:, None] - _REFS[None]) ** 2).sum(-1).min(-1))
+        noise = np.sqrt(((border[:, None] - refs[None]) ** 2).sum(-1).min(-1))
         median = (
             bool(np.median(noise) > NOISY_BORDER) and min(arr.shape[:2]) >= 48
         )  # hurts tiny images
     if median:
         arr = np.asarray(Image.fromarray(arr).filter(ImageFilter.MedianFilter(3)))
     h, w = arr.shape[:2]
-    d2 = ((arr[:, :, None, :].astype(np.float32) - _REFS[None, None]) ** 2).sum(-1)  # [H, W, 9]
+    d2 = ((arr[:, :, None, :].astype(np.float32) - refs[None, None]) ** 2).sum(-1)  # [H, W, R]
     near = d2.argmin(-1)
     ring = np.concatenate([near[0], near[-1], near[1:-1, 0], near[1:-1, -1]])
     ring_d2 = np.concatenate([d2[0], d2[-1], d2[1:-1, 0], d2[1:-1, -1]])
-    bg_votes = ring_d2[:, len(_COLOR_NAMES) :].argmin(-1)
-    votes = bg_votes[ring >= len(_COLOR_NAMES)] if (ring >= len(_COLOR_NAMES)).any() else bg_votes
+    k = len(color_names)
+    bg_votes = ring_d2[:, k:].argmin(-1)
+    votes = bg_votes[ring >= k] if (ring >= k).any() else bg_votes
     background = _BG_NAMES[int(np.bincount(votes, minlength=len(_BG_NAMES)).argmax())]
 
     close = d2.min(-1) < color_threshold**2
     min_pixels = max(4, int(min_area * h * w))
     objects = []
-    for ci, cname in enumerate(_COLOR_NAMES):
+    for ci, cname in enumerate(color_names):
         mask = (near == ci) & close
         if mask.sum() < min_pixels:
             continue
@@ -244,8 +261,10 @@ def score(image, expected: dict, **detect_kwargs) -> dict[str, bool]:
     return out
 
 
-def evaluate_images(images, captions, **detect_kwargs) -> dict:
+def evaluate_images(images, captions, extra_colors: dict | None = None, **detect_kwargs) -> dict:
     """Aggregate :func:`score` over images (PIL or uint8 ``[H, W, 3]``) and their captions.
+    ``extra_colors``: named colors beyond the spec's that the captions may name and the detector
+    reads (:mod:`unclip.shapes.world`).
 
     Returns ``{"single": {"count": n, <key>: fraction, "<key>_count": n_scored ...}, "pair": {...},
     "count": total, "all": fraction of all images fully correct}``. Each key's fraction is over the
@@ -260,12 +279,12 @@ def evaluate_images(images, captions, **detect_kwargs) -> dict:
     counts = {"single": 0, "pair": 0}
     for i, (image, caption) in enumerate(zip(images, captions)):
         try:
-            expected = parse_caption(caption)
+            expected = parse_caption(caption, extra_colors)
         except ValueError as e:
             raise ValueError(f"caption {i}: {e}") from None
         kind = "single" if len(expected["objects"]) == 1 else "pair"
         counts[kind] += 1
-        for key, ok in score(image, expected, **detect_kwargs).items():
+        for key, ok in score(image, expected, extra_colors=extra_colors, **detect_kwargs).items():
             sums[kind][key] = sums[kind].get(key, 0) + int(ok)
             scored[kind][key] = scored[kind].get(key, 0) + 1
     report: dict = {}

@@ -19,6 +19,17 @@ Conventions
   most 0.1 off along the other axis, so the relation is unambiguous.
 * A scene is a pure function of ``(seed, split, index)``; the resolution only changes the rendering.
 
+Extra colors (an opt-in extension of the spec)
+----------------------------------------------
+``extra_colors={"pink": (255, 105, 180)}`` (:class:`ShapesWorld`, :func:`sample_truth`,
+:func:`render`, :func:`parse_caption`, :func:`write_shapes`, and the detector) adds named colors to
+the six of the spec: objects draw their color from the extended palette, captions name it, the
+parser and the detector read it. A new name must be one lowercase word that is not already a word of
+the world, and its RGB at least :data:`UNNAMED_COLOR_MIN_DISTANCE` from every color and background
+(so the detector cannot confuse them). Without ``extra_colors`` every output is the spec's, bit for
+bit; with them the random draws differ (the palette is larger), so the scenes of a seed differ too.
+The held-out combinations are unchanged (no extra color is held out).
+
 Held-out split
 --------------
 ``HELDOUT_COMBINATIONS`` lists attribute combinations that never occur in the ``"train"`` split. A
@@ -36,6 +47,7 @@ Files written by :func:`write_shapes`
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -163,12 +175,58 @@ def _pair_applicable(combination: dict) -> bool:
     return "position" not in combination and combination.get("size", "small") == "small"
 
 
-def _sample_attributes(rng: random.Random, split: str, pair: bool) -> list[dict]:
-    """Attribute dicts (shape, color, size, position) for one scene of ``split``."""
+def check_extra_colors(extra_colors) -> dict[str, tuple[int, int, int]]:
+    """Validate ``extra_colors`` (``{name: (r, g, b)}`` or None) and return it as a dict (``{}`` for
+    None); a ``ValueError`` names what is wrong (see the module doc)."""
+    if extra_colors is None:
+        return {}
+    if not isinstance(extra_colors, dict):
+        raise ValueError(
+            f"extra_colors must map color names to RGB triples, got {type(extra_colors).__name__}"
+        )
+    taken = set(caption_vocabulary())
+    out: dict[str, tuple[int, int, int]] = {}
+    for name, rgb in extra_colors.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z]+", name) or name in taken:
+            raise ValueError(
+                f"extra color name {name!r} must be one lowercase word that is not already a word "
+                "of the shapes world (a color, shape, size, position, relation or background word)"
+            )
+        if (
+            not isinstance(rgb, (list, tuple))
+            or len(rgb) != 3
+            or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in rgb
+            )
+        ):
+            raise ValueError(f"extra color {name!r}: RGB must be three integers 0-255, got {rgb!r}")
+        rgb = tuple(rgb)
+        refs = {**COLORS, **BACKGROUNDS, **out}
+        near = min(refs, key=lambda k: math.dist(rgb, refs[k]))
+        if math.dist(rgb, refs[near]) < UNNAMED_COLOR_MIN_DISTANCE:
+            raise ValueError(
+                f"extra color {name!r} {rgb} is {math.dist(rgb, refs[near]):.0f} from {near} "
+                f"{refs[near]}; it must be at least {UNNAMED_COLOR_MIN_DISTANCE:.0f} from every "
+                "color and background so the detector can tell them apart"
+            )
+        out[name] = rgb
+    return out
+
+
+def palette(extra_colors=None) -> dict[str, tuple[int, int, int]]:
+    """The named colors: the spec's :data:`COLORS` plus ``extra_colors`` (validated)."""
+    return {**COLORS, **check_extra_colors(extra_colors)}
+
+
+def _sample_attributes(
+    rng: random.Random, split: str, pair: bool, colors: dict = COLORS
+) -> list[dict]:
+    """Attribute dicts (shape, color, size, position) for one scene of ``split``, colors drawn from
+    ``colors``."""
 
     def draw() -> list[dict]:
         if pair:
-            c1, c2 = rng.sample(sorted(COLORS), 2)
+            c1, c2 = rng.sample(sorted(colors), 2)
             return [
                 {"shape": rng.choice(SHAPES), "color": c, "size": "small", "position": None}
                 for c in (c1, c2)
@@ -176,7 +234,7 @@ def _sample_attributes(rng: random.Random, split: str, pair: bool) -> list[dict]
         return [
             {
                 "shape": rng.choice(SHAPES),
-                "color": rng.choice(sorted(COLORS)),
+                "color": rng.choice(sorted(colors)),
                 "size": rng.choice(sorted(SIZES)),
                 "position": rng.choice(sorted(POSITIONS)),
             }
@@ -198,7 +256,7 @@ def _sample_attributes(rng: random.Random, split: str, pair: bool) -> list[dict]
     objs[k].update(combo)
     if pair and objs[0]["color"] == objs[1]["color"]:
         other = 1 - k
-        objs[other]["color"] = rng.choice(sorted(set(COLORS) - {objs[k]["color"]}))
+        objs[other]["color"] = rng.choice(sorted(set(colors) - {objs[k]["color"]}))
     assert is_heldout({"objects": objs})
     return objs
 
@@ -249,13 +307,17 @@ def _scene(rng: random.Random, objs: list[dict], relation: str | None, backgroun
     return {"background": background, "relation": relation, "objects": placed}
 
 
-def sample_truth(rng: random.Random, split: str = "all", two_object_prob: float = 0.3) -> dict:
-    """Draw one scene's ground truth with ``rng`` (see module docstring for the structure)."""
+def sample_truth(
+    rng: random.Random, split: str = "all", two_object_prob: float = 0.3, extra_colors=None
+) -> dict:
+    """Draw one scene's ground truth with ``rng`` (see module docstring for the structure), object
+    colors from the spec's palette plus ``extra_colors``."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    colors = palette(extra_colors) if extra_colors else COLORS
     background = rng.choice(sorted(BACKGROUNDS))
     pair = rng.random() < two_object_prob
-    objs = _sample_attributes(rng, split, pair)
+    objs = _sample_attributes(rng, split, pair, colors)
     return _scene(rng, objs, rng.choice(RELATIONS) if pair else None, background)
 
 
@@ -320,12 +382,14 @@ def contrast_truth(
     )
 
 
-def render(truth: dict, resolution: int = 64, fills=None) -> Image.Image:
+def render(truth: dict, resolution: int = 64, fills=None, extra_colors=None) -> Image.Image:
     """Draw ``truth`` as a ``resolution x resolution`` RGB image (flat colors, anti-aliased edges).
 
     Drawn at up to 4x the resolution with ``PIL.ImageDraw`` and reduced with a box filter. ``fills``
-    (one RGB triple per object) paints the objects in those colors instead of their named ones.
+    (one RGB triple per object) paints the objects in those colors instead of their named ones;
+    ``extra_colors`` names colors beyond the spec's (module doc).
     """
+    colors = palette(extra_colors) if extra_colors else COLORS
     if not isinstance(resolution, int) or resolution < 8:
         raise ValueError(f"resolution must be an int >= 8, got {resolution!r}")
     if fills is not None and len(fills) != len(truth["objects"]):
@@ -337,7 +401,12 @@ def render(truth: dict, resolution: int = 64, fills=None) -> Image.Image:
     canvas = Image.new("RGB", (side, side), BACKGROUNDS[truth["background"]])
     draw = ImageDraw.Draw(canvas)
     for i, obj in enumerate(truth["objects"]):
-        fill = tuple(fills[i]) if fills is not None else COLORS[obj["color"]]
+        if fills is None and obj["color"] not in colors:
+            raise ValueError(
+                f"unknown color {obj['color']!r}; pass extra_colors to render colors beyond "
+                f"{sorted(COLORS)}"
+            )
+        fill = tuple(fills[i]) if fills is not None else colors[obj["color"]]
         x0, y0, x1, y1 = (v * side for v in obj["bbox"])
         if obj["shape"] == "circle":
             draw.ellipse([x0, y0, x1 - 1, y1 - 1], fill=fill)
@@ -437,55 +506,69 @@ def _alt(words) -> str:
     return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
 
 
-_OBJ = (
-    r"an?\s+(?:(?P<size{i}>"
-    + _alt(_SIZE_OF_WORD)
-    + r")\s+)?(?P<color{i}>"
-    + _alt(COLORS)
-    + r")\s+(?P<shape{i}>"
-    + _alt(SHAPES)
-    + ")"
-)
 _PREFIX = r"(?:(?:there\s+is|an\s+image\s+of)\s+)?"
 _BG = r"(?:\s+on\s+an?\s+(?P<bg>" + _alt(BACKGROUNDS) + r")\s+background)?"
 _POS = "(?P<pos{i}>" + _alt(_POSITION_OF_PHRASE) + ")"
-_SINGLE_RE = re.compile(
-    "^"
-    + _PREFIX
-    + "(?:"
-    + _POS.format(i=1)
-    + r",?\s+)?"
-    + _OBJ.format(i=0)
-    + r"(?:\s+"
-    + _POS.format(i=2)
-    + ")?"
-    + _BG
-    + "$"
-)
-_PAIR_RE = re.compile(
-    "^"
-    + _PREFIX
-    + _OBJ.format(i=0)
-    + r"\s+(?P<rel>"
-    + _alt(RELATIONS)
-    + r")\s+"
-    + _OBJ.format(i=1)
-    + _BG
-    + "$"
-)
 
 
-def parse_caption(text: str) -> dict:
+@functools.lru_cache(maxsize=16)
+def _caption_patterns(color_names: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
+    """The single-object and two-object caption patterns for these color names."""
+    obj = (
+        r"an?\s+(?:(?P<size{i}>"
+        + _alt(_SIZE_OF_WORD)
+        + r")\s+)?(?P<color{i}>"
+        + _alt(color_names)
+        + r")\s+(?P<shape{i}>"
+        + _alt(SHAPES)
+        + ")"
+    )
+    single = re.compile(
+        "^"
+        + _PREFIX
+        + "(?:"
+        + _POS.format(i=1)
+        + r",?\s+)?"
+        + obj.format(i=0)
+        + r"(?:\s+"
+        + _POS.format(i=2)
+        + ")?"
+        + _BG
+        + "$"
+    )
+    pair = re.compile(
+        "^"
+        + _PREFIX
+        + obj.format(i=0)
+        + r"\s+(?P<rel>"
+        + _alt(RELATIONS)
+        + r")\s+"
+        + obj.format(i=1)
+        + _BG
+        + "$"
+    )
+    return single, pair
+
+
+_SINGLE_RE, _PAIR_RE = _caption_patterns(tuple(COLORS))
+
+
+def parse_caption(text: str, extra_colors=None) -> dict:
     """Parse a shapes caption into the attributes it names (the inverse of :func:`make_caption`).
 
     Returns ``{"background": name | None, "relation": None | relation, "objects": [{"shape",
     "color", "size", "position"}]}``; attributes the caption does not name are ``None``. Raises
-    ``ValueError`` for text that is not a shapes caption.
+    ``ValueError`` for text that is not a shapes caption. ``extra_colors``: color names beyond the
+    spec's that the caption may use (module doc).
     """
     if not isinstance(text, str):
         raise TypeError(f"caption must be a str, got {type(text).__name__}")
+    colors = palette(extra_colors) if extra_colors else COLORS
+    single_re, pair_re = (
+        _caption_patterns(tuple(colors)) if extra_colors else (_SINGLE_RE, _PAIR_RE)
+    )
     norm = re.sub(r"\s+", " ", text.strip().lower()).rstrip(".").strip()
-    m = _PAIR_RE.match(norm)
+    m = pair_re.match(norm)
     if m:
         objs = [
             {
@@ -497,7 +580,7 @@ def parse_caption(text: str) -> dict:
             for i in (0, 1)
         ]
         return {"background": m["bg"], "relation": m["rel"], "objects": objs}
-    m = _SINGLE_RE.match(norm)
+    m = single_re.match(norm)
     if m and not (m["pos1"] and m["pos2"]):
         pos = m["pos1"] or m["pos2"]
         obj = {
@@ -510,7 +593,7 @@ def parse_caption(text: str) -> dict:
     raise ValueError(
         f"not a shapes caption: {text!r}. Expected e.g. 'a small red circle on the left "
         f"[on a black background]' or 'a red circle to the left of a blue square'; colors "
-        f"{sorted(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)}"
+        f"{sorted(colors)}, shapes {list(SHAPES)}, relations {list(RELATIONS)}"
     )
 
 
@@ -519,6 +602,7 @@ class ShapesWorld:
 
     ``world[i]`` -> :class:`ShapesSample`, a pure function of ``(seed, split, index, resolution)``
     (the per-index RNG is ``random.Random(f"{seed}:{split}:{index}")``; no global state).
+    ``extra_colors``: named colors beyond the spec's (module doc); default: the spec's world.
     """
 
     def __init__(
@@ -528,7 +612,9 @@ class ShapesWorld:
         split: str = "train",
         two_object_prob: float = 0.3,
         background_phrase_prob: float = 0.5,
+        extra_colors=None,
     ):
+        self.extra_colors = check_extra_colors(extra_colors) or None
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
         if not isinstance(resolution, int) or not 8 <= resolution <= 4096:
@@ -547,7 +633,9 @@ class ShapesWorld:
 
     def truth(self, index: int) -> dict:
         """The ground truth of sample ``index`` without rendering it."""
-        return sample_truth(self.rng(self._check(index)), self.split, self.two_object_prob)
+        return sample_truth(
+            self.rng(self._check(index)), self.split, self.two_object_prob, self.extra_colors
+        )
 
     def _check(self, index) -> int:
         try:
@@ -560,15 +648,18 @@ class ShapesWorld:
 
     def __getitem__(self, index: int) -> ShapesSample:
         rng = self.rng(self._check(index))
-        truth = sample_truth(rng, self.split, self.two_object_prob)
+        truth = sample_truth(rng, self.split, self.two_object_prob, self.extra_colors)
         caption = make_caption(truth, rng, self.background_phrase_prob)
-        return ShapesSample(render(truth, self.resolution), caption, truth)
+        image = render(truth, self.resolution, extra_colors=self.extra_colors)
+        return ShapesSample(image, caption, truth)
 
     def __repr__(self) -> str:
         return (
             f"ShapesWorld(resolution={self.resolution}, seed={self.seed}, split={self.split!r}, "
             f"two_object_prob={self.two_object_prob}, "
-            f"background_phrase_prob={self.background_phrase_prob})"
+            f"background_phrase_prob={self.background_phrase_prob}"
+            + (f", extra_colors={self.extra_colors}" if self.extra_colors else "")
+            + ")"
         )
 
 
@@ -607,6 +698,7 @@ def write_shapes(
     two_object_prob: float = 0.3,
     background_phrase_prob: float = 0.5,
     progress: bool = True,
+    extra_colors=None,
 ) -> list[Path]:
     """Write samples ``start_index .. start_index + num_samples - 1`` of a :class:`ShapesWorld`.
 
@@ -614,7 +706,8 @@ def write_shapes(
     ``{shard:05d}.tar`` shards of ``shard_size`` samples (keys ``{index:08d}``; the shard number is
     ``start_index // shard_size + i``, so ``start_index`` must be a multiple of ``shard_size``) and
     ``{shard:05d}_stats.json``. Every file is written to a temporary name and renamed.
-    Returns the image paths (folder) or the shard paths (webdataset).
+    Returns the image paths (folder) or the shard paths (webdataset). ``extra_colors``: see
+    :class:`ShapesWorld`.
     """
     from tqdm.auto import tqdm
 
@@ -633,7 +726,9 @@ def write_shapes(
             f"start_index ({start_index}) must be a multiple of shard_size ({shard_size}) "
             "so that shard numbers do not collide"
         )
-    world = ShapesWorld(resolution, seed, split, two_object_prob, background_phrase_prob)
+    world = ShapesWorld(
+        resolution, seed, split, two_object_prob, background_phrase_prob, extra_colors
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

@@ -34,6 +34,7 @@ from unclip.train.optimizers import OPTIMIZERS, PRECONDITIONED
 
 __all__ = [
     "DataConfig",
+    "LoraTrainConfig",
     "TrainConfig",
     "UpsamplerTrainConfig",
     "StageConfig",
@@ -122,6 +123,53 @@ class DataConfig:
 
 
 @dataclass
+class LoraTrainConfig:
+    """LoRA fine-tuning (``train.lora``, :mod:`unclip.train.lora`): the stage's network starts from
+    ``train.init_weights`` and stays frozen; a low-rank update ``(alpha / rank) · B A`` beside each
+    layer named by ``target_modules`` is all that trains (needs peft: ``pip install
+    'unclip[lora]'``). The run exports ``<output_dir>/final/<stage>_lora`` (adapter weights only).
+
+    ``rank`` (required): the rank of each update. ``alpha``: its scale numerator (default: the
+    rank, i.e. scale 1). ``dropout``: on the adapters' input during training. ``target_modules``:
+    layer names, each matched against the end of the layers' names (``to_q`` matches every
+    ``....to_q``); default: the attention projections (``to_q``, ``to_k``, ``to_v``, ``to_out.0``,
+    and for the decoder ``add_k_proj``/``add_v_proj``, through which it reads the caption).
+    """
+
+    rank: int
+    alpha: Optional[float] = None
+    dropout: float = 0.0
+    target_modules: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Range-check every value (:class:`ConfigError` naming the key); that the targets name
+        layers of the network is checked when it is built (:mod:`unclip.train.lora`)."""
+        check_at_least("train.lora.rank", self.rank, 1)
+        if self.alpha is not None:
+            check_range(
+                "train.lora.alpha",
+                self.alpha,
+                0 < self.alpha < math.inf,
+                "a positive number (default: the rank)",
+            )
+        check_range("train.lora.dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)")
+        targets = self.target_modules
+        if targets is not None:
+            check_range(
+                "train.lora.target_modules",
+                targets,
+                bool(targets)
+                and all(isinstance(t, str) and t.strip() for t in targets)
+                and len(set(targets)) == len(targets),
+                "a non-empty list of distinct layer names such as [to_q, to_k, to_v, to_out.0] "
+                "(leave it out for the stage's attention projections)",
+            )
+
+
+@dataclass
 class TrainConfig:
     """The optimisation recipe: AdamW, linear warmup then cosine decay to ``min_lr``, clipping, EMA.
 
@@ -147,6 +195,8 @@ class TrainConfig:
     (:mod:`unclip.train.grad_scaling`; docs/training_tricks.md).
     ``powersgd_rank`` applies to DDP launches; an overflowing fp16 step does not disturb its
     error feedback (:func:`unclip.train.distributed.nonfinite_safe_powersgd_hook`).
+    ``lora`` (:class:`LoraTrainConfig`): train a LoRA adapter of ``init_weights`` (required then)
+    instead of every weight.
     """
 
     output_dir: str = "runs/experiment"
@@ -186,6 +236,7 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 20
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     progress: bool = True
+    lora: Optional[LoraTrainConfig] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -257,6 +308,14 @@ class TrainConfig:
         check_at_least("train.log_every", self.log_every, 1)
         check_at_least("train.sample_every", self.sample_every, 0)
         check_at_least("train.max_consecutive_nonfinite", self.max_consecutive_nonfinite, 1)
+        if self.lora is not None:
+            self.lora.validate()
+            if not self.init_weights:
+                raise ConfigError(
+                    "train.lora adapts trained weights: set train.init_weights to the component "
+                    "to adapt (a component folder such as unclip/models/shapes/decoder, or a "
+                    ".safetensors file)"
+                )
 
 
 @dataclass

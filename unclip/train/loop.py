@@ -13,7 +13,8 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
   :mod:`unclip.train.state_files`);
 * AdamW (or 8-bit AdamW, SOAP, KL-Shampoo: ``train.optimizer``, :mod:`unclip.train.optimizers`)
   and a LambdaLR schedule: linear warmup to ``lr`` then cosine decay to the ``min_lr`` floor;
-* optional initial weights (``init_weights``: fine-tune an exported component);
+* optional initial weights (``init_weights``: fine-tune an exported component), and a LoRA adapter
+  of them (``lora``: only the adapter trains and is exported; :mod:`unclip.train.lora`);
 * gradient clipping at ``max_grad_norm``, EMA weights (``diffusers.training_utils.EMAModel``);
 * optionally DALL-E's per-resblock gradient scaling (``resblock_grad_scaling``,
   :mod:`unclip.train.grad_scaling`): each UNet residual block's scale is divided out of its
@@ -358,6 +359,10 @@ class TrainLoop:
         if t.init_weights:
             src = load_initial_weights(model, t.init_weights)
             logger.info("initial weights from %s", src)
+        if getattr(t, "lora", None) is not None:  # freezes the base: the optimizer sees the adapter
+            from unclip.train.lora import add_training_adapter
+
+            add_training_adapter(model, t)
         self.optimizer = self.make_optimizer(model, no_weight_decay)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -818,6 +823,10 @@ class TrainLoop:
         """Export a diffusion stage: ``final/<name>`` (EMA weights, with the stage's diffusion and
         sampling settings) and its conditioning CLIP as ``final/clip``."""
         cfg = self.cfg
+        if getattr(cfg.train, "lora", None) is not None:  # the adapter only: final/<name>_lora
+            from unclip.train.lora import export_adapter
+
+            return export_adapter(self, name, clip)
         meta = stage_meta(cfg.stage, name, to_dict(cfg.diffusion), to_dict(cfg.sampling), clip)
         out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
         if self.accelerator.is_main_process:
