@@ -62,6 +62,7 @@ from unclip.io import (
     write_pipeline_folder,
 )
 from unclip.memory import MemoryMixin
+from unclip.offload import OffloadMixin
 from unclip.output import UnCLIPOutput, generate_to_folder
 from unclip.pipeline_lora import LoraMixin
 from unclip.pipeline_utils import (
@@ -121,7 +122,7 @@ def negatives_per_row(negative, rows: int, what: str) -> list[str]:
     return captions
 
 
-class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
+class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
     def __init__(
@@ -181,6 +182,10 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
 
     @property
     def device(self) -> torch.device:
+        """Where sampling runs: the components' device, or the execution device of
+        :meth:`enable_model_cpu_offload` (the components then wait on the CPU)."""
+        if self._offloader is not None:
+            return self._offloader.device
         return self.decoder.device
 
     @property
@@ -208,9 +213,15 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
         numerics need in float32 (:mod:`unclip.precision`). ``memory_format=torch.channels_last``
         stores the image networks' conv weights NHWC, which makes their activations NHWC too
         (faster convolutions on CPUs with oneDNN, same results to float rounding; see
-        benchmarks/README.md)."""
+        benchmarks/README.md). With model offload on, a device ends it (every component then
+        moves there); a dtype alone casts the waiting components and keeps it."""
         if isinstance(device, torch.dtype):  # pipe.to(torch.float16), as diffusers' pipelines
             device, dtype = None, device if dtype is None else dtype
+        if self._offloader is not None:
+            if device is not None:
+                self.disable_model_cpu_offload()
+            else:
+                self._offloader.offload_all()  # cast the CPU copies, not a device copy
         dtype = parse_dtype(dtype, "dtype")
         kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         for m in self.modules().values():
@@ -477,6 +488,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
         text = self._as_text(text)
         n = check_count(num_images_per_prompt)
         uncond = self._unconditional(negative_prompt, len(text))
+        self._onload("prior")
         best, cands = sample_prior(
             self.prior,
             text.repeat_interleave(n),
@@ -516,6 +528,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
         text, null = self._decoder_captions(text, b)
         if negative_prompt is not None:
             null = self._decoder_negative(negative_prompt, b)
+        self._onload("decoder")
         if len(text) != b:
             raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
         return sample_decoder(
@@ -551,6 +564,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, LoraMixin):
         for name, up in zip(self.upsampler_names, self.upsamplers):
             if stages is not None and name not in stages:
                 continue
+            self._onload(name)
             out = sample_upsampler(
                 up,
                 out,

@@ -7,6 +7,8 @@ memory plan (see :mod:`unclip.train.plan`). Needs no GPU and downloads nothing.
     unclip plan --sample configs/prior_vit_l14.yaml configs/decoder_64.yaml configs/sr256.yaml \
         configs/sr1024.yaml          # the full-scale cascade sampling at fp16 on one GPU
     unclip plan --sample PIPELINE_FOLDER --batch 16
+    unclip plan --sample ... --offload   # with per-stage model offload (enable_model_cpu_offload)
+    unclip plan --sample ... --attention-slicing max   # attention one head at a time
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan sampling at fp16 instead: a pipeline folder, or stage configs forming a cascade",
     )
     p.add_argument("--batch", type=int, default=1, help="--sample: images per prompt (default 1)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="--sample: with per-stage model offload (each component on the GPU while it runs)",
+    )
+    p.add_argument(
+        "--attention-slicing",
+        default=None,
+        metavar="auto|max|N",
+        help="--sample: with attention computed N heads at a time (pipe.enable_attention_slicing)",
+    )
     return p
 
 
@@ -53,6 +66,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if (args.config is None) == (args.sample is None):
         parser.error("give a stage CONFIG to plan training, or --sample to plan sampling")
+    if (args.offload or args.attention_slicing) and not args.sample:
+        parser.error("--offload and --attention-slicing plan sampling: use them with --sample")
     import dataclasses
     import json
 
@@ -69,7 +84,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.sample:
         from unclip.train.plan_sampling import format_sampling, measure_sampling
 
-        sampled = measure_sampling(args.sample, batch=args.batch)
+        slicing = args.attention_slicing
+        sampled = measure_sampling(
+            args.sample,
+            batch=args.batch,
+            offload=args.offload,
+            attention_slicing=int(slicing) if slicing and slicing.isdigit() else slicing,
+        )
         print(format_sampling(sampled, memory))
         if args.json:
             with open(args.json, "w") as f:

@@ -33,6 +33,12 @@ class SampleMeasure:
     batch: int
     dtype: str
     output_shape: list
+    offload: bool = False
+    #: stage → the components with weights on the GPU while it sampled
+    resident: dict = dataclasses.field(default_factory=dict)
+    #: the tensors kept in float32 under a half dtype (:mod:`unclip.precision`'s rule)
+    fp32_tensors: list = dataclasses.field(default_factory=list)
+    attention_slicing: Optional[str] = None
 
 
 def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False) -> None:
@@ -42,13 +48,38 @@ def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False)
     for m in module.modules():
         for key, p in m._parameters.items():
             if p is not None:
-                m._parameters[key] = torch.nn.Parameter(convert(p.detach()), requires_grad=False)
+                with torch.no_grad():  # convert sees the parameter itself (its identity counts)
+                    new = convert(p).detach()
+                m._parameters[key] = torch.nn.Parameter(new, requires_grad=False)
         for key, b in m._buffers.items():
             if b is not None:
                 m._buffers[key] = convert(b)
         for key, v in list(vars(m).items()) if attributes else ():
             if isinstance(v, torch.Tensor):
                 setattr(m, key, convert(v))
+
+
+def _kept_fp32(components: dict, dtype: torch.dtype) -> dict[int, str]:
+    """``id(tensor) → name`` of the tensors :func:`unclip.precision.cast_floating` keeps in
+    float32 when the pipeline is cast to ``dtype`` (each class's ``_keep_in_fp32_modules``)."""
+    from unclip.precision import HALF_DTYPES, _kept
+
+    kept: dict[int, str] = {}
+    if dtype not in HALF_DTYPES:
+        return kept
+    for comp, module in components.items():
+        for prefix, sub in module.named_modules():
+            keep = getattr(type(sub), "_keep_in_fp32_modules", None) or ()
+            for name, t in [*sub.named_parameters(), *sub.named_buffers()]:
+                if keep and _kept(name, keep):
+                    kept[id(t)] = ".".join(x for x in (comp, prefix, name) if x)
+    return kept
+
+
+def _tensor_bytes(modules) -> int:
+    """Bytes of the parameters and buffers of ``modules`` (each tensor once)."""
+    seen = {id(t): t for m in modules for t in [*m.parameters(), *m.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def _pipeline_from_configs(paths):
@@ -89,9 +120,15 @@ def measure_sampling(
     steps: int = 2,
     dtype: torch.dtype = torch.float16,
     prompt: str = "a red circle above a blue square",
+    offload: bool = False,
+    attention_slicing: Union[str, int, None] = None,
 ) -> SampleMeasure:
     """Sample ``batch`` images of ``prompt`` through the pipeline ``sources`` describe (one pipeline
-    folder, or stage configs) on fake ``cuda:0`` tensors in ``dtype``, ``steps`` per stage."""
+    folder, or stage configs) on fake ``cuda:0`` tensors in ``dtype``, ``steps`` per stage.
+    ``offload``: with :meth:`~unclip.pipeline.UnCLIPPipeline.enable_model_cpu_offload` (weights
+    wait on the CPU; each component is on the GPU only while it runs). ``attention_slicing``:
+    :meth:`~unclip.pipeline.UnCLIPPipeline.enable_attention_slicing`'s argument. Floating tensors
+    take ``dtype`` except those the pipeline keeps in float32 (:mod:`unclip.precision`)."""
     from unclip.pipeline import UnCLIPPipeline
 
     sources = [Path(s) for s in sources]
@@ -108,20 +145,35 @@ def measure_sampling(
     with fake, mem:
         if pipe is None:
             pipe = _pipeline_from_configs(sources)
+        home = torch.device("cpu") if offload else device
+        kept = _kept_fp32(pipe.modules(), dtype)
+
+        def convert(t):
+            if not t.is_floating_point():
+                return t.to(home)
+            return t.to(home, torch.float32 if id(t) in kept else dtype)
+
         for m in pipe.modules().values():
-            # on the GPU, floating tensors in the sampling dtype
-            _replace_tensors(
-                m, lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)
-            )
+            # floating tensors in the sampling dtype, on the GPU (or waiting on the CPU)
+            _replace_tensors(m, convert)
         pipe._null_text = None
-        weights = mem.current
+        if attention_slicing is not None:
+            pipe.enable_attention_slicing(attention_slicing)
+        if offload:
+            pipe.enable_model_cpu_offload(device=device)
+        weights = mem.current if not offload else _tensor_bytes(pipe.modules().values())
         stages = list(pipe.stage_names)
         peaks: dict[str, int] = {}
+        resident: dict[str, set] = {}
 
         def record(_pipe, _step, _t, kwargs):
             name = kwargs["stage"]
             peaks[name] = max(peaks.get(name, 0), mem.peak)
             mem.reset_peak()
+            on_gpu = {
+                c for c, m in pipe.modules().items() if any(p.is_cuda for p in m.parameters())
+            }
+            resident[name] = resident.get(name, set()) | on_gpu
             return None
 
         mem.reset_peak()
@@ -139,15 +191,21 @@ def measure_sampling(
         params = {
             name: sum(p.numel() for p in m.parameters()) for name, m in pipe.modules().items()
         }
+        if offload:
+            pipe.disable_model_cpu_offload()
     return SampleMeasure(
         stages=stages,
         params=params,
         weights=weights,
         stage_peaks=peaks,
-        peak=max([weights, *peaks.values()]),
+        peak=max([0 if offload else weights, *peaks.values()]),
         batch=batch,
         dtype=str(dtype).replace("torch.", ""),
         output_shape=list(images.shape),
+        offload=offload,
+        resident={k: sorted(v) for k, v in resident.items()},
+        fp32_tensors=sorted(kept.values()),
+        attention_slicing=None if attention_slicing is None else str(attention_slicing),
     )
 
 
@@ -156,10 +214,13 @@ def format_sampling(m: SampleMeasure, gpu_memory: Optional[int] = None) -> str:
 
     lines = [
         f"fake-CUDA sampling passed: {' → '.join(m.stages)} at {m.dtype}, {m.batch} image(s) of "
-        f"shape {m.output_shape[1:]} on cuda:0, no device or dtype mismatch",
+        f"shape {m.output_shape[1:]} on cuda:0, no device or dtype mismatch"
+        + (", per-stage model offload" if m.offload else "")
+        + (f", attention slicing {m.attention_slicing}" if m.attention_slicing else ""),
         "parameters: "
         + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in m.params.items() if v)
-        + f"; weights on the GPU {m.weights / GiB:.2f} GiB",
+        + f"; weights {m.weights / GiB:.2f} GiB"
+        + (" (on the CPU; one component on the GPU at a time)" if m.offload else " on the GPU"),
         "peak per stage (weights included), GiB: "
         + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.stage_peaks.items()),
         f"peak {m.peak / GiB:.2f} GiB",

@@ -1,0 +1,155 @@
+"""Per-stage model offload (unclip.offload): on fake CUDA tensors each component is on the GPU
+only while its stage runs, and on real CPU tensors the hooks change no image."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny"
+
+
+def _decoder_with_caption_transformer(tmp_path) -> str:
+    """configs/tiny/decoder.yaml with the decoder's own caption transformer (its token ids are
+    made on the CPU, before the decoder runs)."""
+    cfg = yaml.safe_load((TINY / "decoder.yaml").read_text())
+    cfg["decoder"].update(
+        text_encoder="transformer",
+        text_encoder_width=32,
+        text_encoder_layers=1,
+        text_encoder_heads=2,
+        text_context_length=16,
+    )
+    path = tmp_path / "decoder_text.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_offload_keeps_one_component_on_the_gpu(tmp_path, capsys):
+    """Fake CUDA: the cascade (autoregressive prior, a decoder with its own caption transformer, an
+    upsampler) samples with no device mismatch; while each stage runs only its component's weights
+    are on the GPU, and the peak is below that of the whole cascade resident."""
+    from unclip.cli.plan import main
+    from unclip.train.plan_sampling import measure_sampling
+
+    cfgs = [str(TINY / "prior_ar.yaml"), _decoder_with_caption_transformer(tmp_path)]
+    cfgs.append(str(TINY / "sr32.yaml"))
+    resident = measure_sampling(cfgs, batch=2)
+    offload = measure_sampling(cfgs, batch=2, offload=True)
+    assert offload.output_shape == resident.output_shape == [2, 3, 32, 32]
+    assert offload.resident == {"prior": ["prior"], "decoder": ["decoder"], "sr32": ["sr32"]}
+    assert resident.resident["decoder"] == ["clip", "decoder", "prior", "sr32"]
+    assert offload.weights == pytest.approx(resident.weights, rel=0.05)
+    for stage in offload.stages:  # each stage holds one component's weights, not four
+        assert offload.stage_peaks[stage] < resident.stage_peaks[stage]
+    assert offload.peak < resident.peak
+    assert main(["--sample", *cfgs, "--offload"]) == 0
+    assert "per-stage model offload" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(TINY / "prior.yaml"), "--offload"])  # --offload plans sampling only
+
+
+def test_half_precision_rule_and_attention_slicing_on_fake_cuda():
+    """Fake CUDA at fp16: the prior's embedding statistics stay float32 as torch_dtype keeps them
+    (unclip.precision) and the cascade still samples with no dtype mismatch; attention sliced one
+    head at a time runs on CUDA and lowers the attention stages' peaks."""
+    from unclip.train.plan_sampling import measure_sampling
+
+    cfgs = [str(TINY / f"{n}.yaml") for n in ("prior", "decoder", "sr32")]
+    full = measure_sampling(cfgs, batch=2)
+    sliced = measure_sampling(cfgs, batch=2, attention_slicing="max")
+    assert full.fp32_tensors == ["prior.transformer.clip_mean", "prior.transformer.clip_std"]
+    assert sliced.output_shape == full.output_shape == [2, 3, 32, 32]
+    assert sliced.attention_slicing == "max"
+    for stage in ("decoder", "sr32"):  # UNets with attention layers
+        assert sliced.stage_peaks[stage] < full.stage_peaks[stage]
+
+
+def test_offloader_loads_in_stage_order_and_changes_no_image(tiny_pipe):
+    """Real CPU tensors: with the offloader's hooks on every module (execution device = the CPU,
+    so no copy) the images are bit-identical, components are activated in the order the cascade
+    uses them, and removing the offloader removes every hook."""
+    from unclip.offload import ModelOffloader
+
+    kw = dict(num_images_per_prompt=2, output_type="pt", progress=False)
+    sampling = {name: {"steps": 2} for name in tiny_pipe.stage_names}
+    ref = tiny_pipe(
+        "a red circle", generator=torch.Generator().manual_seed(3), sampling=sampling, **kw
+    )
+    tiny_pipe._null_text = None
+    off = ModelOffloader(tiny_pipe.modules(), torch.device("cpu"))
+    order = []
+    activate = off.activate
+    off.activate = lambda name: (order.append(name) if name != off.active else None, activate(name))
+    try:
+        out = tiny_pipe(
+            "a red circle", generator=torch.Generator().manual_seed(3), sampling=sampling, **kw
+        )
+    finally:
+        off.remove()
+    assert torch.equal(out.images, ref.images)
+    assert order[:1] == ["clip"] and order.index("prior") < order.index("decoder")
+    assert [n for n in order if n.startswith("sr")] == tiny_pipe.upsampler_names
+    assert not any(
+        hasattr(m, "_hf_hook") for c in tiny_pipe.modules().values() for m in c.modules()
+    )
+    assert "encode_text" not in vars(tiny_pipe.clip)
+
+
+def test_offloading_puts_back_the_cpu_weights_without_a_copy():
+    """Fake CUDA: going back to the CPU puts back each weight's own CPU parameter (no
+    device-to-host copy) unless it changed on the device, which is copied back; tied weights stay
+    one tensor on the device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unclip.offload import ModelOffloader
+
+    with FakeTensorMode():
+        net = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+        net[1].weight = net[0].weight  # tied, as input and output embeddings often are
+        net.register_buffer("scale", torch.ones(5))
+        originals = dict(net.named_parameters()) | dict(net.named_buffers())
+        off = ModelOffloader({"net": net}, torch.device("cuda", 0))
+        net(torch.zeros(3, dtype=torch.long, device="cuda"))  # the hook brings the weights in
+        assert off.active == "net" and off.loads == {"net": 1}
+        assert net[0].weight.is_cuda and net[1].weight is net[0].weight and net.scale.is_cuda
+        with torch.no_grad():
+            net[1].bias.add_(1.0)  # changed on the device
+        off.offload_all()
+        assert net[0].weight is originals["0.weight"] and net[1].weight is net[0].weight
+        assert net.scale is originals["scale"]
+        assert net[1].bias.device.type == "cpu" and net[1].bias is not originals["1.bias"]
+        off.remove()
+        assert not hasattr(net, "_hf_hook")
+
+
+def test_offload_api_errors_and_to(tiny_pipe):
+    with pytest.raises(ValueError, match="nothing to offload"):
+        tiny_pipe.enable_model_cpu_offload(device="cpu")
+    with pytest.raises(ValueError, match="contradicts"):
+        tiny_pipe.enable_model_cpu_offload(gpu_id=1, device="cuda:0")
+    from unclip.offload import ModelOffloader
+
+    shared = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="share the submodule"):
+        ModelOffloader({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)}, "meta")
+
+
+def test_to_while_offloading():
+    """``pipe.to(dtype)`` casts the waiting CPU weights and keeps offloading; ``pipe.to(device)``
+    ends it (hooks removed, everything on that device)."""
+    from unclip.offload import ModelOffloader
+    from unclip.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(seed=0)
+    pipe._offloader = ModelOffloader(pipe.modules(), torch.device("meta"))
+    pipe._offloader.activate("decoder")
+    assert pipe.device == torch.device("meta") and pipe.decoder.device.type == "meta"
+    pipe.to(torch.float64)
+    assert pipe.model_cpu_offload is not None and pipe.model_cpu_offload.active is None
+    assert {(p.device.type, p.dtype) for p in pipe.decoder.parameters()} == {("cpu", torch.float64)}
+    pipe.to("cpu")
+    assert pipe.model_cpu_offload is None and pipe.device.type == "cpu"
+    assert not any(hasattr(m, "_hf_hook") for c in pipe.modules().values() for m in c.modules())
