@@ -116,6 +116,47 @@ def test_later_codes_do_not_change_earlier_logits(prior, text):
     torch.testing.assert_close(torch.stack(steps, 1), logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_normformer_and_glu_blocks_keep_causality_the_cache_and_save_load(
+    tiny_clip, text, activation, tmp_path
+):
+    """DALL-E Mega's options in the AR prior's blocks: the extra norms and head scales exist, the
+    logits stay causal, the cached decoding computes them too, and a saved prior rebuilds them;
+    without the options a block keeps the plain GELU block's weight names."""
+    cfg = PriorConfig(type="ar", **TINY, normformer=True, ff_activation=activation)
+    cfg.ar = ARPriorOptions(pca_dims=12, num_buckets=32, dot_buckets=8)
+    torch.manual_seed(0)
+    prior = cfg.build(tiny_clip).eval()
+    prior.fit_quantizer(*embeddings(d=tiny_clip.embed_dim))
+    with torch.no_grad():  # away from their initial values, so that a lost one shows
+        for block in prior.transformer.blocks:
+            block.head_scale.copy_(torch.linspace(0.5, 1.5, block.head_scale.numel()))
+    keys = set(prior.transformer.blocks[0].state_dict())
+    assert {"head_scale", "attn_out_norm.weight", "mlp.0.inner_norm.weight"} <= keys
+    assert prior.transformer.blocks[0].mlp[0].proj_in.out_features == 2 * (2 * 4 * 32 // 3)
+    plain = fitted_prior(tiny_clip).transformer.blocks[0].state_dict()
+    assert set(plain) == {
+        f"{m}.{p}"
+        for m in ("norm1", "qkv", "proj", "norm2", "mlp.0", "mlp.2")
+        for p in ("weight", "bias")
+    }
+    codes = prior.encode(torch.randn(4, 32))
+    dot = torch.tensor([1, 2, 3, 7])
+    logits = prior(codes, text, dot)
+    changed = codes.clone()
+    changed[:, 5:] = (changed[:, 5:] + 7) % 32
+    assert torch.equal(logits[:, :6], prior(changed, text, dot)[:, :6])
+    first, state = prior.transformer.start(text, dot)
+    steps = [first] + [prior.transformer.step(codes[:, i], state) for i in range(11)]
+    torch.testing.assert_close(torch.stack(steps, 1), logits, atol=1e-5, rtol=1e-5)
+    prior.save_pretrained(tmp_path / "prior", safe_serialization=True)
+    loaded = load_prior(tmp_path / "prior").eval()
+    assert loaded.config.normformer and loaded.config.ff_activation == activation
+    a, _ = sample(prior, text, no_null, range(8), best_of=2)
+    b, _ = sample(loaded, text, no_null, range(8), best_of=2)
+    assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------ sampling
 def test_sampling_is_deterministic_per_generator_and_independent_of_batching(prior, text):
     settings = dict(guidance_scale=3.0, best_of=2, temperature=1.5)

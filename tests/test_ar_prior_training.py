@@ -61,7 +61,9 @@ def test_a_few_steps_lower_the_loss_on_a_tiny_fixed_set(tiny_clip):
 
 
 def test_resume_is_exact_and_keeps_the_fit(tmp_path):
+    """With DALL-E Mega's block options on (NormFormer + GEGLU), which the export keeps."""
     common = ["train.max_steps=6", "train.checkpoint_every=3", "train.warmup_steps=2"]
+    common += ["prior.normformer=true", "prior.ff_activation=geglu"]
     assert train(tmp_path / "full", *common) == 0
     assert train(tmp_path / "split", *common, args=["--max-steps-this-run", "3"]) == 0
     assert not (tmp_path / "split" / "final").exists()
@@ -92,6 +94,8 @@ def test_resume_is_exact_and_keeps_the_fit(tmp_path):
     meta = json.loads((final / "prior" / "unclip_stage.json").read_text())
     assert meta["stage"] == "prior" and meta["sampling"]["temperature"] == 1.0
     prior = UnCLIPARPrior.from_pretrained(final / "prior")
+    assert prior.config.normformer and prior.config.ff_activation == "geglu"
+    assert "transformer.blocks.0.head_scale" in a
     text = clip.encode_text(["a red circle"])
     s = SamplingConfig(**{k: v for k, v in meta["sampling"].items()})
     best, cands = sample_ar_prior(

@@ -35,6 +35,7 @@ from torch import nn
 
 from unclip.clip import TextEncoding
 from unclip.prior import PriorLoading
+from unclip.transformer_blocks import FeedForward, check_block_options
 
 __all__ = ["UnCLIPARPrior", "ARTransformer", "ARBlock", "quantile_edges"]
 
@@ -61,19 +62,44 @@ def _bucketize(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
 
 class ARBlock(nn.Module):
     """A pre-LayerNorm transformer block (attention, then a 4× GELU MLP) with an optional key/value
-    cache for decoding one position at a time."""
+    cache for decoding one position at a time.
 
-    def __init__(self, width: int, heads: int, dropout: float = 0.0):
+    DALL-E Mega's options (as in :mod:`unclip.transformer_blocks`, whose feed-forward it reuses):
+    ``normformer`` adds a LayerNorm on the attention output, a learned scale per head and a
+    LayerNorm over the feed-forward's hidden units; ``ff_activation`` ``geglu``/``swiglu`` makes
+    the feed-forward a GLU of the same parameter count. With both off the block and its weight
+    names are the plain GELU block's, so priors saved without them load unchanged."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        dropout: float = 0.0,
+        normformer: bool = False,
+        ff_activation: str = "gelu",
+    ):
         super().__init__()
+        check_block_options(normformer, ff_activation)
         self.heads = heads
         self.dropout = dropout
         self.norm1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
+        self.head_scale = nn.Parameter(torch.ones(heads)) if normformer else None
+        self.attn_out_norm = nn.LayerNorm(width) if normformer else None
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
-        )
+        if normformer or ff_activation != "gelu":
+            self.mlp = nn.Sequential(
+                FeedForward(width, ff_activation, 4, dropout=0.0, inner_norm=normformer),
+                nn.Dropout(dropout),
+            )
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+                nn.Dropout(dropout),
+            )
         self.drop = nn.Dropout(dropout)
 
     def forward(
@@ -91,7 +117,12 @@ class ARBlock(nn.Module):
         a = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed[:, None], dropout_p=self.dropout if self.training else 0.0
         )
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, w)))
+        if self.head_scale is not None:
+            a = a * self.head_scale.to(a.dtype).view(1, -1, 1, 1)
+        h = self.proj(a.transpose(1, 2).reshape(b, t, w))
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
+        x = x + self.drop(h)
         return x + self.mlp(self.norm2(x))
 
 
@@ -113,6 +144,8 @@ class ARTransformer(nn.Module):
         heads: int,
         layers: int,
         dropout: float,
+        normformer: bool = False,
+        ff_activation: str = "gelu",
     ):
         super().__init__()
         self.prefix_len = context_length + 2
@@ -121,7 +154,9 @@ class ARTransformer(nn.Module):
         self.dot_embedding = nn.Embedding(dot_buckets + 1, width)  # + "no caption"
         self.code_embedding = nn.Embedding(num_buckets, width)
         self.positional_embedding = nn.Parameter(torch.empty(self.prefix_len + pca_dims - 1, width))
-        self.blocks = nn.ModuleList(ARBlock(width, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            ARBlock(width, heads, dropout, normformer, ff_activation) for _ in range(layers)
+        )
         self.norm_out = nn.LayerNorm(width)
         self.head = nn.Linear(width, num_buckets)
         self.apply(self._init)
@@ -206,8 +241,11 @@ class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):
         pca_dims: Optional[int] = None,
         num_buckets: int = 1024,
         dot_buckets: int = 32,
+        normformer: bool = False,
+        ff_activation: str = "gelu",
     ):
         super().__init__()
+        check_block_options(normformer, ff_activation)
         p = embed_dim if pca_dims is None else pca_dims
         if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= embed_dim:
             raise ValueError(
@@ -230,6 +268,8 @@ class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):
             heads=num_attention_heads,
             layers=num_layers,
             dropout=dropout,
+            normformer=normformer,
+            ff_activation=ff_activation,
         )
         # the fit, set from training embeddings by fit_quantizer; saved with the weights
         self.register_buffer("pca_mean", torch.zeros(embed_dim))

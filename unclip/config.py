@@ -119,13 +119,13 @@ class PriorConfig:
     supplies the widths (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes
     the network.
 
-    DALL-E Mega's transformer recipe for the diffusion prior (:mod:`unclip.transformer_blocks`):
+    DALL-E Mega's transformer recipe for either prior (:mod:`unclip.transformer_blocks`):
     ``normformer`` adds NormFormer's LayerNorms after attention and after the feed-forward's
     activation and a learned scale per attention head (Shleifer et al. 2021); ``ff_activation``
     ``geglu``/``swiglu`` makes the feed-forward a GLU with 2/3 of the hidden width, the same
     parameter count (Shazeer 2020). The defaults (off, ``gelu``) are diffusers'
-    ``PriorTransformer`` exactly; either option makes a prior that diffusers' ``UnCLIPPipeline``
-    cannot load (export refuses it).
+    ``PriorTransformer`` exactly; either option makes a diffusion prior that diffusers'
+    ``UnCLIPPipeline`` cannot load (export refuses it).
     """
 
     type: Literal["diffusion", "ar"] = "diffusion"
@@ -146,20 +146,12 @@ class PriorConfig:
             )
         if self.type == "ar" and self.ar is None:
             self.ar = ARPriorOptions()
-        if self.type == "ar" and (self.normformer or self.ff_activation != "gelu"):
-            raise ConfigError(
-                "prior.normformer and prior.ff_activation are options of the diffusion prior's "
-                "transformer; the autoregressive prior (prior.type: ar) has its own blocks and "
-                "does not take them yet"
-            )
 
     def build(self, clip):
         """The prior this config describes (:class:`~unclip.prior.UnCLIPPrior` or
         :class:`~unclip.ar_prior.UnCLIPARPrior`), sized for ``clip``."""
         arch = {k: v for k, v in to_dict(self).items() if k not in ("type", "ar")}
         if self.type == "ar":
-            for key in ("normformer", "ff_activation"):  # refused above when set
-                arch.pop(key)
             from unclip.ar_prior import UnCLIPARPrior
 
             opts = to_dict(self.ar)
