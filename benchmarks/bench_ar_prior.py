@@ -23,6 +23,13 @@ the caption's text embedding, and seconds per embedding (median of 3 timed batch
 For scale: the mean cosine of the true embeddings to their mean, what a prior that ignores the
 caption would reach.
 
+End to end, with the same decoder: each trained prior replaces the bundled model's prior in the
+bundled pipeline (its CLIP, decoder and settings, one decoder candidate so that reranking does not
+hide a poor embedding), and the shapes evaluator scores the decoder's images of ``--e2e`` held-out
+single-object and as many two-object prompts (the bundled model's own prior is scored the same way,
+as a reference). ``--e2e-only --work DIR`` adds these scores to an existing result from the priors
+trained in ``DIR``.
+
 Writes ``benchmarks/results/bench_ar_prior.json`` (``bench_ar_prior_quick.json`` with ``--quick``).
 """
 
@@ -34,6 +41,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import common
 import torch
@@ -141,16 +149,68 @@ def evaluate(kind: str, folder: Path, clip, captions, truth, text, repeats: int)
     }
 
 
+def end_to_end(folder: Optional[Path], num: int) -> dict:
+    """Faithfulness end to end: the prior exported in ``folder`` (None: the bundled model's own)
+    in the bundled pipeline (its CLIP, decoder and settings; one decoder candidate, so the prior's
+    embedding is not rescued by reranking), the decoder's images of ``num`` + ``num`` held-out
+    prompts scored by the shapes evaluator."""
+    from unclip.config import DiffusionConfig, SamplingConfig, from_dict
+    from unclip.pipeline import UnCLIPPipeline
+    from unclip.priors import load_prior
+    from unclip.shapes.evaluate import evaluate_pipeline
+
+    pipe = UnCLIPPipeline.from_pretrained()
+    if folder is not None:
+        meta = json.loads((folder / "prior" / "unclip_stage.json").read_text())
+        diffusion = {**pipe.diffusion, "prior": from_dict(DiffusionConfig, meta["diffusion"])}
+        sampling = {**pipe.sampling, "prior": from_dict(SamplingConfig, meta["sampling"])}
+        prior = load_prior(folder / "prior").eval()
+        pipe = UnCLIPPipeline(
+            pipe.clip, prior, pipe.decoder, pipe.upsamplers, diffusion=diffusion, sampling=sampling
+        )
+    t0 = time.perf_counter()
+    rep = evaluate_pipeline(
+        pipe, num, sampling={"decoder": {"best_of": 1}}, stages="decoder", batch_size=32
+    )
+    scores = rep["stages"]["decoder"]
+    return {
+        "e2e_single_all": scores["single"]["all"],
+        "e2e_pair_all": scores["pair"]["all"],
+        "e2e_all": scores["all"],
+        "e2e_prompts": 2 * num,
+        "e2e_seconds": time.perf_counter() - t0,
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=1200.0, help="training seconds per prior")
     p.add_argument("--eval", type=int, default=256, help="held-back captions to sample")
     p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp folder)")
     p.add_argument("--quick", action="store_true", help="about a minute: checks the script runs")
+    p.add_argument(
+        "--e2e", type=int, default=48, help="held-out prompts of each kind for end-to-end scoring"
+    )
+    p.add_argument(
+        "--e2e-only",
+        action="store_true",
+        help="add the end-to-end scores of the priors already trained in --work to the results",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.perf_counter()
+    name = "bench_ar_prior_quick" if args.quick else "bench_ar_prior"
+    if args.quick:
+        args.e2e = 4
+    if args.e2e_only:
+        if args.work is None:
+            p.error("--e2e-only needs the --work folder of the run that trained the priors")
+        result = json.loads((common.ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+        for kind in ("diffusion", "ar"):
+            result["priors"][kind].update(end_to_end(args.work / kind / "final", args.e2e))
+        result["bundled_prior_e2e"] = end_to_end(None, args.e2e)
+        return common.finish(name, result, started, report)
     common_ov, ar_ov, calib_steps = [], [], 20
     if args.quick:
         # a few seconds of training each: the numbers mean nothing, the path is exercised
@@ -184,32 +244,37 @@ def main(argv=None) -> int:
             "first_loss": sum(losses[:k]) / k,
             "last_loss": sum(losses[-k:]) / k,
             **evaluate(kind, out / "final", clip, captions, truth, text, 3),
+            **end_to_end(out / "final", args.e2e),
         }
         result["priors"][kind] = row
+    result["bundled_prior_e2e"] = end_to_end(None, args.e2e)
     if tmp is not None:
         tmp.cleanup()
-
-    def report(r):
-        rows = [{"prior": k, **v} for k, v in r["priors"].items()]
-        cols = [
-            ("prior", "prior"),
-            ("steps", "steps"),
-            ("train s", "train_wall_seconds"),
-            ("cos(sample, true image)", "cos_to_true_image_embed"),
-            ("cos(sample, text)", "cos_to_text_embed"),
-            ("s / embedding", "seconds_per_embedding"),
-            ("first loss", "first_loss"),
-            ("last loss", "last_loss"),
-        ]
-        head = (
-            f"budget {r['budget_seconds']:.0f} s per prior; {r['eval_captions']} captions; "
-            f"cos(true, mean true) = {r['baseline_cos_true_to_mean_true']:.4f}\n"
-            + common.machine_line(r["machine"])
-        )
-        return head + common.table(rows, cols, "diffusion vs AR prior on shapes")
-
-    name = "bench_ar_prior_quick" if args.quick else "bench_ar_prior"
     return common.finish(name, result, started, report)
+
+
+def report(r):
+    rows = [{"prior": k, **v} for k, v in r["priors"].items()]
+    cols = [
+        ("prior", "prior"),
+        ("steps", "steps"),
+        ("train s", "train_wall_seconds"),
+        ("cos(sample, true image)", "cos_to_true_image_embed"),
+        ("cos(sample, text)", "cos_to_text_embed"),
+        ("s / embedding", "seconds_per_embedding"),
+        ("first loss", "first_loss"),
+        ("last loss", "last_loss"),
+        ("e2e single", "e2e_single_all"),
+        ("e2e pair", "e2e_pair_all"),
+    ]
+    if "bundled_prior_e2e" in r:
+        rows.append({"prior": "bundled model's prior (reference)", **r["bundled_prior_e2e"]})
+    head = (
+        f"budget {r['budget_seconds']:.0f} s per prior; {r['eval_captions']} captions; "
+        f"cos(true, mean true) = {r['baseline_cos_true_to_mean_true']:.4f}\n"
+        + common.machine_line(r["machine"])
+    )
+    return head + common.table(rows, cols, "diffusion vs AR prior on shapes")
 
 
 if __name__ == "__main__":
