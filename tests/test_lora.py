@@ -221,6 +221,10 @@ def test_load_lora_scale_merge_unload(trained, tmp_path):
     assert torch.equal(images(pipe), adapted)
     with pytest.raises(ValueError, match="merge_lora"):
         pipe.save_pretrained(tmp_path / "refused")
+    from unclip.interop.diffusers import export_diffusers
+
+    with pytest.raises(ValueError, match="export_diffusers: LoRA adapters are loaded"):
+        export_diffusers(pipe, tmp_path / "refused_diffusers")  # peft's names are not diffusers'
     pipe.unload_lora()
     assert not pipe.lora_adapters
     assert torch.equal(images(pipe), base)
@@ -259,6 +263,11 @@ def test_load_lora_refuses_wrong_stage_shape_or_files(trained, tmp_path):
     messages = " | ".join(str(w.message) for w in caught)
     assert "trained on other decoder weights" in messages
     assert "trained with another CLIP" in messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same base weights in bf16: the adapter records theirs
+        tiny_pipeline(seed=0).to(torch.bfloat16).load_lora(dec)
+    with pytest.warns(UserWarning, match="trained on other decoder weights"):
+        tiny_pipeline(seed=1).to(torch.bfloat16).load_lora(dec)
     with pytest.raises(FileNotFoundError, match="LoRA adapter folder not found"):
         pipe.load_lora(tmp_path / "nowhere")
     pickled = tmp_path / "pickled"
@@ -310,6 +319,17 @@ def test_generate_cli_loads_adapters(trained, tmp_path):
         {"path": str(path), "scale": 0.5, "name": path.name, "stage": "decoder"}
     ]
     assert record["model"] == "tiny (random, untrained)"  # the adapter does not rename the model
+    # a caller's pipeline: its own adapter is recorded, the one loaded for the call is unloaded
+    from unclip.output import generate_to_folder
+
+    pipe = tiny_pipeline(seed=0)
+    own = pipe.load_lora(adapter_dir(trained, "prior"), scale=0.25)
+    steps = {"prior": {"steps": 2}, "decoder": {"steps": 2}, "upsampler": {"steps": 1}}
+    rec = generate_to_folder(
+        pipe, ["a red circle"], tmp_path / "mem", sampling=steps, progress=False, lora=[(path, 0.5)]
+    )
+    assert [(a["name"], a["scale"]) for a in rec["lora"]] == [(own, 0.25), (path.name, 0.5)]
+    assert list(pipe.lora_adapters) == [own]
     assert parse_lora_spec("runs/a_lora") == ("runs/a_lora", 1.0)
     assert parse_lora_spec("runs/a_lora:0.25") == ("runs/a_lora", 0.25)
     assert parse_lora_spec("C:/x/a_lora") == ("C:/x/a_lora", 1.0)

@@ -51,6 +51,30 @@ def test_offload_keeps_one_component_on_the_gpu(tmp_path, capsys):
         main([str(TINY / "prior.yaml"), "--offload"])  # --offload plans sampling only
 
 
+def test_edits_and_variations_under_offload_on_fake_cuda():
+    """The edit paths build their denoisers outside the pipeline's own stages: each brings its
+    component in (image-to-image through the decoder and the upsampler; variations through the
+    CLIP's image tower)."""
+    from unittest import mock
+
+    from unclip.train.plan import _FakeCUDA
+    from unclip.train.plan_sampling import _pipeline_from_configs
+
+    cfgs = [TINY / f"{n}.yaml" for n in ("prior", "decoder", "sr32")]
+    with _FakeCUDA(), torch.no_grad(), mock.patch("torch.cuda.synchronize", lambda *a, **k: None):
+        pipe = _pipeline_from_configs(cfgs)
+        pipe.enable_model_cpu_offload(device="cuda:0")
+        steps = {name: {"steps": 2} for name in pipe.stage_names}
+        image = torch.zeros(1, 3, 16, 16)
+        kw = dict(sampling=steps, output_type="pt", progress=False)
+        assert pipe.img2img(image, "a red circle", strength=0.5, **kw).images.shape[-1] == 32
+        assert pipe.variations(image, **kw).images.shape[-1] == 32
+        loads = pipe.model_cpu_offload.loads
+        assert loads["decoder"] == 2 and loads["sr32"] == 2 and loads["clip"] >= 2
+        assert pipe.model_cpu_offload.active is None  # pipe() leaves no weights on the GPU
+        assert not any(p.is_cuda for m in pipe.modules().values() for p in m.parameters())
+
+
 def test_half_precision_rule_and_attention_slicing_on_fake_cuda():
     """Fake CUDA at fp16: the prior's embedding statistics stay float32 as torch_dtype keeps them
     (unclip.precision) and the cascade still samples with no dtype mismatch; attention sliced one
@@ -60,6 +84,7 @@ def test_half_precision_rule_and_attention_slicing_on_fake_cuda():
     cfgs = [str(TINY / f"{n}.yaml") for n in ("prior", "decoder", "sr32")]
     full = measure_sampling(cfgs, batch=2)
     sliced = measure_sampling(cfgs, batch=2, attention_slicing="max")
+    # the dtypes the tensors have on the GPU, read back after the conversion
     assert full.fp32_tensors == ["prior.transformer.clip_mean", "prior.transformer.clip_std"]
     assert sliced.output_shape == full.output_shape == [2, 3, 32, 32]
     assert sliced.attention_slicing == "max"
@@ -67,10 +92,11 @@ def test_half_precision_rule_and_attention_slicing_on_fake_cuda():
         assert sliced.stage_peaks[stage] < full.stage_peaks[stage]
 
 
-def test_offloader_loads_in_stage_order_and_changes_no_image(tiny_pipe):
+def test_offload_hooks_activate_in_stage_order_and_change_no_image(tiny_pipe):
     """Real CPU tensors: with the offloader's hooks on every module (execution device = the CPU,
-    so no copy) the images are bit-identical, components are activated in the order the cascade
-    uses them, and removing the offloader removes every hook."""
+    so nothing is copied: the copies are checked on fake CUDA above) the images are bit-identical,
+    components are activated in the order the cascade uses them, and removing the offloader
+    removes every hook and leaves no instance ``forward`` behind."""
     from unclip.offload import ModelOffloader
 
     kw = dict(num_images_per_prompt=2, output_type="pt", progress=False)
@@ -79,6 +105,9 @@ def test_offloader_loads_in_stage_order_and_changes_no_image(tiny_pipe):
         "a red circle", generator=torch.Generator().manual_seed(3), sampling=sampling, **kw
     )
     tiny_pipe._null_text = None
+    patched = {
+        id(m) for c in tiny_pipe.modules().values() for m in c.modules() if "forward" in vars(m)
+    }
     off = ModelOffloader(tiny_pipe.modules(), torch.device("cpu"))
     order = []
     activate = off.activate
@@ -96,6 +125,10 @@ def test_offloader_loads_in_stage_order_and_changes_no_image(tiny_pipe):
         hasattr(m, "_hf_hook") for c in tiny_pipe.modules().values() for m in c.modules()
     )
     assert "encode_text" not in vars(tiny_pipe.clip)
+    after = {
+        id(m) for c in tiny_pipe.modules().values() for m in c.modules() if "forward" in vars(m)
+    }
+    assert after == patched
 
 
 def test_offloading_puts_back_the_cpu_weights_without_a_copy():
@@ -121,6 +154,16 @@ def test_offloading_puts_back_the_cpu_weights_without_a_copy():
         assert net[0].weight is originals["0.weight"] and net[1].weight is net[0].weight
         assert net.scale is originals["scale"]
         assert net[1].bias.device.type == "cpu" and net[1].bias is not originals["1.bias"]
+        off.activate("net")
+        net.scale.data = torch.full((5,), 2.0, device="cuda")  # .data = (as peft's merge does)
+        off.offload_all()
+        assert net.scale is not originals["scale"] and net.scale.device.type == "cpu"
+        assert net[0].weight is originals["0.weight"]
+        with torch.inference_mode():  # pipelines are often called under it
+            net(torch.zeros(3, dtype=torch.long, device="cuda"))
+            assert off.active == "net" and not net[0].weight.is_inference()
+        off.offload_all()
+        assert net[0].weight is originals["0.weight"]
         off.remove()
         assert not hasattr(net, "_hf_hook")
 

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import open_clip
 import torch
@@ -354,9 +354,10 @@ class CLIP(torch.nn.Module):
             create_pr=create_pr,
         )
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, dtype: Optional[torch.dtype] = None) -> str:
         """Short sha256 (16 hex digits) of this CLIP's model name, config and weights: identifies
-        the CLIP a component was trained with, or that cached features came from.
+        the CLIP a component was trained with, or that cached features came from. ``dtype``: of
+        the floating weights rounded to it first (what a CLIP cast to it holds).
 
         Floating weights are hashed as float32 on the CPU and a closed-vocabulary token table only
         by its kept rows, so a CLIP hashes the same before :meth:`save_pretrained` and after
@@ -370,7 +371,7 @@ class CLIP(torch.nn.Module):
         for key, value in state.items():
             value = value.detach().cpu()
             if value.is_floating_point():
-                value = value.float()
+                value = (value if dtype is None else value.to(dtype)).float()
             if key == table:
                 value = value[torch.unique(self.kept_token_ids.to(torch.int64).cpu())]
             h.update(key.encode())

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from unclip.config import SamplingConfig
 from unclip.diffusion import Generator, denoise_steps, make_scheduler, scheduler_step
 from unclip.images import pil_to_tensor, resize_crop_box, resize_crop_tensor, to_output
+from unclip.offload import releases_gpu
 from unclip.output import UnCLIPOutput
 from unclip.pipeline_utils import check_count, check_output_type, expand_generator, slerp
 from unclip.sampling import (
@@ -245,6 +246,7 @@ class EditingMixin:
     def _ddim_denoiser(self, embeds, caption, settings: SamplingConfig) -> Denoiser:
         b = embeds.shape[0]
         text, null = self._decoder_captions(None if caption is None else [caption] * b, b)
+        self._onload("decoder")
         return decoder_denoiser(
             self.decoder, embeds, text, null, settings, self.diffusion["decoder"]
         )
@@ -261,6 +263,7 @@ class EditingMixin:
             x = step(out, x, a_t, a_s, pred)
         return check_finite(desc, x)
 
+    @releases_gpu
     @torch.no_grad()
     def invert(
         self,
@@ -300,6 +303,7 @@ class EditingMixin:
         )
         return EditOutput(to_output(final, output_type), embeds, **extra)
 
+    @releases_gpu
     @torch.no_grad()
     def text_diff(
         self,
@@ -364,6 +368,7 @@ class EditingMixin:
             info=info,
         )
 
+    @releases_gpu
     @torch.no_grad()
     def interpolate_inverted(
         self,
@@ -448,8 +453,10 @@ class EditingMixin:
         if negative_prompt is not None:
             null = self._decoder_negative(negative_prompt, n)
         s = self._stage_settings("decoder", sampling)
+        self._onload("decoder")
         return decoder_denoiser(self.decoder, embeds, text, null, s, self.diffusion["decoder"])
 
+    @releases_gpu
     @torch.no_grad()
     def img2img(
         self,
@@ -521,6 +528,7 @@ class EditingMixin:
             out.stage_images = {"decoder": small}
         return out
 
+    @releases_gpu
     @torch.no_grad()
     def inpaint(
         self,
@@ -570,6 +578,7 @@ class EditingMixin:
         out = self._masked(d, x, m, "decoder", resample, gen, progress, cb)
         stages = {"decoder": out}
         for name, up in zip(self.upsampler_names, self.upsamplers):
+            self._onload(name)
             du = upsampler_denoiser(up, out, settings[name], self.diffusion[name], gen)
             out = self._masked(du, x, m, name, 1, gen, progress, cb)
             stages[name] = out

@@ -55,6 +55,7 @@ __all__ = [
     "merge_adapters",
     "remove_adapter",
     "base_fingerprint",
+    "HALF_FINGERPRINTS",
     "save_adapter",
     "read_adapter",
     "parse_lora_spec",
@@ -178,9 +179,16 @@ def check_target_modules(
     return targets
 
 
-def base_fingerprint(model: torch.nn.Module, targets: Sequence[str]) -> str:
+#: the half dtypes whose fingerprints an adapter also records (a pipeline loaded or cast in them)
+HALF_FINGERPRINTS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def base_fingerprint(
+    model: torch.nn.Module, targets: Sequence[str], dtype: Optional[torch.dtype] = None
+) -> str:
     """Short sha256 (16 hex digits) of the base weights of the layers ``targets`` match (as float32,
-    by name): identifies the weights an adapter was trained on, with or without adapters loaded."""
+    by name): identifies the weights an adapter was trained on, with or without adapters loaded.
+    ``dtype``: of the weights rounded to it first (what a pipeline cast to it holds)."""
     h = hashlib.sha256()
     for name, layer in sorted(_layers(model).items()):
         if not any(_matches(name, t) for t in targets):
@@ -188,7 +196,8 @@ def base_fingerprint(model: torch.nn.Module, targets: Sequence[str]) -> str:
         h.update(name.encode())
         for p in (layer.weight, getattr(layer, "bias", None)):
             if p is not None:
-                value = p.detach().float().cpu().contiguous().reshape(-1)
+                value = p.detach() if dtype is None else p.detach().to(dtype)
+                value = value.float().cpu().contiguous().reshape(-1)
                 h.update(value.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -390,6 +399,10 @@ def save_adapter(
         "alpha": config.lora_alpha,
         "target_modules": sorted(config.target_modules),
         "base_fingerprint": base_fingerprint(model, sorted(config.target_modules)),
+        "base_fingerprints": {
+            name: base_fingerprint(model, sorted(config.target_modules), dtype)
+            for name, dtype in HALF_FINGERPRINTS.items()
+        },
     }
     (folder / LORA_META).write_text(json.dumps(record, indent=2) + "\n")
 

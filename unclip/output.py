@@ -161,75 +161,86 @@ def generate_to_folder(
         hub = {"revision": revision, "cache_dir": cache_dir}
         pipe = UnCLIPPipeline.from_pretrained(model, **hub)
         name = str(model or DEFAULT_MODEL)
-    adapters = []
-    for path, scale in lora:
-        adapter_name = pipe.load_lora(path, scale=float(scale))
-        adapters.append(
-            {
-                "path": str(path),
-                "scale": float(scale),
-                "name": adapter_name,
-                "stage": pipe.lora_adapters[adapter_name].stage,
-            }
-        )
-    pipe.to(device)
-    settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
-    seeds = [seed + i for i in range(len(prompts))]
-    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    # (prompt index, image index of that prompt) of every image, prompt-major
-    order = [(i, j) for i in range(len(prompts)) for j in range(n)]
-    files: list[dict] = []
-    grid_images: list = []
-    timings: dict[str, float] = {}
-    seconds = 0.0
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        if len(batch) == len(order):  # the whole request: exactly one pipeline call
-            args = (prompts, n, gens)
-        else:  # one prompt per image; a prompt's generator carries on into the next batch
-            args = ([prompts[i] for i, _ in batch], 1, [gens[i] for i, _ in batch])
-        t0 = time.perf_counter()
-        out = pipe(
-            args[0],
-            num_images_per_prompt=args[1],
-            generator=args[2],
-            sampling=sampling,
-            progress=progress,
-            negative_prompt=negative_prompt,
-        )
-        seconds += time.perf_counter() - t0
-        for stage, t in out.timings.items():
-            timings[stage] = timings.get(stage, 0.0) + t
-        folder.mkdir(parents=True, exist_ok=True)
-        for (i, j), image in zip(batch, out.images):
-            f = folder / f"{i:03d}_{j:02d}.png"
-            image.save(f)
-            files.append({"file": f.name, "prompt": prompts[i], "seed": seeds[i], "index": j})
-            if len(grid_images) < GRID_MAX_IMAGES:
-                grid_images.append(image)
-        del out
-    cols = n if len(prompts) > 1 and n < GRID_MAX_IMAGES else None
-    image_grid(grid_images, cols=cols).save(folder / "grid.png")
-    record = {
-        "model": name,
-        "revision": revision,
-        "prompts": prompts,
-        "seeds": seeds,
-        "num_images_per_prompt": n,
-        "negative_prompt": negative_prompt,
-        "lora": adapters,
-        "batch_size": batch_size,
-        "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
-        "device": str(device),
-        "resolution": pipe.resolution,
-        "sampling": {k: to_dict(v) for k, v in settings.items()},
-        "seconds": round(seconds, 3),
-        "seconds_per_stage": {k: round(v, 3) for k, v in timings.items()},
-        "versions": {"unclip": unclip_version, "torch": torch.__version__},
-        "command": list(command) if command is not None else None,
-        "files": files,
-        "grid": "grid.png",
-        "grid_images": len(grid_images),
-    }
-    (folder / "generate.json").write_text(json.dumps(record, indent=2))
+    # adapters already on a caller's pipeline are recorded too; those loaded here are unloaded
+    # at the end, so the caller's pipeline is left as it was given
+    adapters = [
+        {"path": a.path, "scale": a.scale, "name": n, "stage": a.stage}
+        for n, a in getattr(pipe, "lora_adapters", {}).items()
+    ]
+    loaded_here: list[str] = []
+    try:
+        for path, scale in lora:
+            adapter_name = pipe.load_lora(path, scale=float(scale))
+            loaded_here.append(adapter_name)
+            adapters.append(
+                {
+                    "path": str(path),
+                    "scale": float(scale),
+                    "name": adapter_name,
+                    "stage": pipe.lora_adapters[adapter_name].stage,
+                }
+            )
+        pipe.to(device)
+        settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
+        seeds = [seed + i for i in range(len(prompts))]
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        # (prompt index, image index of that prompt) of every image, prompt-major
+        order = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        files: list[dict] = []
+        grid_images: list = []
+        timings: dict[str, float] = {}
+        seconds = 0.0
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            if len(batch) == len(order):  # the whole request: exactly one pipeline call
+                args = (prompts, n, gens)
+            else:  # one prompt per image; a prompt's generator carries on into the next batch
+                args = ([prompts[i] for i, _ in batch], 1, [gens[i] for i, _ in batch])
+            t0 = time.perf_counter()
+            out = pipe(
+                args[0],
+                num_images_per_prompt=args[1],
+                generator=args[2],
+                sampling=sampling,
+                progress=progress,
+                negative_prompt=negative_prompt,
+            )
+            seconds += time.perf_counter() - t0
+            for stage, t in out.timings.items():
+                timings[stage] = timings.get(stage, 0.0) + t
+            folder.mkdir(parents=True, exist_ok=True)
+            for (i, j), image in zip(batch, out.images):
+                f = folder / f"{i:03d}_{j:02d}.png"
+                image.save(f)
+                files.append({"file": f.name, "prompt": prompts[i], "seed": seeds[i], "index": j})
+                if len(grid_images) < GRID_MAX_IMAGES:
+                    grid_images.append(image)
+            del out
+        cols = n if len(prompts) > 1 and n < GRID_MAX_IMAGES else None
+        image_grid(grid_images, cols=cols).save(folder / "grid.png")
+        record = {
+            "model": name,
+            "revision": revision,
+            "prompts": prompts,
+            "seeds": seeds,
+            "num_images_per_prompt": n,
+            "negative_prompt": negative_prompt,
+            "lora": adapters,
+            "batch_size": batch_size,
+            "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
+            "device": str(device),
+            "resolution": pipe.resolution,
+            "sampling": {k: to_dict(v) for k, v in settings.items()},
+            "seconds": round(seconds, 3),
+            "seconds_per_stage": {k: round(v, 3) for k, v in timings.items()},
+            "versions": {"unclip": unclip_version, "torch": torch.__version__},
+            "command": list(command) if command is not None else None,
+            "files": files,
+            "grid": "grid.png",
+            "grid_images": len(grid_images),
+        }
+        (folder / "generate.json").write_text(json.dumps(record, indent=2))
+    finally:
+        for adapter_name in loaded_here:
+            pipe.unload_lora(adapter_name)
     return record

@@ -62,7 +62,7 @@ from unclip.io import (
     write_pipeline_folder,
 )
 from unclip.memory import MemoryMixin
-from unclip.offload import OffloadMixin
+from unclip.offload import OffloadMixin, releases_gpu
 from unclip.output import UnCLIPOutput, generate_to_folder
 from unclip.pipeline_lora import LoraMixin
 from unclip.pipeline_utils import (
@@ -458,6 +458,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         ids = self.decoder.caption_ids(negatives_per_row(negative, b, "images"), b)
         return lambda batch: ids.repeat_interleave(batch // b, dim=0)
 
+    @releases_gpu
     @torch.no_grad()
     def sample_image_embeds(
         self,
@@ -504,6 +505,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         )
         return (best, cands) if return_candidates else best
 
+    @releases_gpu
     @torch.no_grad()
     def decode(
         self,
@@ -545,6 +547,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
             callback=stage_callback(self, "decoder", callback_on_step_end),
         )
 
+    @releases_gpu
     @torch.no_grad()
     def upsample(
         self,
@@ -584,6 +587,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    @releases_gpu
     @torch.no_grad()
     def __call__(
         self,
@@ -690,6 +694,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
             to_output(final, output_type), embeds, text_k.text_embed, stage_images, timings
         )
 
+    @releases_gpu
     @torch.no_grad()
     def rerank(
         self, images: torch.Tensor, prompts: Union[str, Sequence[str]], k: int
@@ -700,12 +705,14 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         group (``B``), or one string for all; ``k = 1`` keeps every image."""
         return rerank_candidates(self.rerank_clip, images, prompts, k)
 
+    @releases_gpu
     @torch.no_grad()
     def clip_scores(self, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
         """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings
         ``[B, D]``."""
         return image_text_cosines(self.clip, images, text_embed)
 
+    @releases_gpu
     @torch.no_grad()
     def variations(
         self,
@@ -733,6 +740,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         final = self.upsample(small, gen, sampling, **cb)
         return UnCLIPOutput(to_output(final, output_type), embeds)
 
+    @releases_gpu
     @torch.no_grad()
     def interpolate(
         self,

@@ -91,6 +91,7 @@ class LoraMixin:
                 f"{type(model).__name__}"
             )
         name = self._unique_adapter_name(name or adapter.path.name)
+        self._offload_all()  # with model offload: inject next to the weights' CPU home
         try:
             add_adapter(model, name, rank=adapter.config.r, config=adapter.config)
             load_adapter_state(model, name, adapter.state, str(adapter.path))
@@ -111,15 +112,18 @@ class LoraMixin:
 
     def _warn_if_other_base(self, adapter: AdapterFolder, model, stage: str) -> None:
         meta = adapter.meta
-        want = meta.get("base_fingerprint")
-        have = base_fingerprint(model, sorted(adapter.config.target_modules))
+        targets = sorted(adapter.config.target_modules)
+        # a pipeline cast to fp16/bf16 is compared with the fingerprint of the base weights cast
+        # the same way (recorded at export), so a correct adapter does not warn
+        want = _fingerprint_for(meta, "base_fingerprint", _weights_dtype(model))
+        have = base_fingerprint(model, targets)
         if want is not None and want != have:
             warnings.warn(
                 f"LoRA adapter {adapter.path} was trained on other {stage} weights (fingerprint "
                 f"{want}; this pipeline's: {have}); its effect may not be the one it learned",
                 stacklevel=3,
             )
-        clip_want = meta.get("clip_fingerprint")
+        clip_want = _fingerprint_for(meta, "clip_fingerprint", self.clip.dtype)
         if clip_want is not None and clip_want != self.clip.fingerprint():
             warnings.warn(
                 f"LoRA adapter {adapter.path} was trained with another CLIP (fingerprint "
@@ -152,6 +156,7 @@ class LoraMixin:
         load the pipeline again.)"""
         if not self.lora_adapters:
             raise ValueError("merge_lora: no LoRA adapter is loaded")
+        self._offload_all()  # with model offload: change the weights where they live, on the CPU
         for stage in {info.stage for info in self.lora_adapters.values()}:
             merge_adapters(self._adaptable_stages()[stage])
         self.lora_adapters.clear()
@@ -159,6 +164,7 @@ class LoraMixin:
     def unload_lora(self, name: Optional[str] = None) -> None:
         """Remove adapter ``name`` (default: every adapter). Without adapters a stage holds its
         original layers again, so the images are the base pipeline's bit for bit."""
+        self._offload_all()
         for n in self._named(name):
             info = self.lora_adapters.pop(n)
             remove_adapter(self._adaptable_stages()[info.stage], n)
@@ -169,3 +175,20 @@ class LoraMixin:
                 f"{action}: LoRA adapters are loaded ({', '.join(self.lora_adapters)}); "
                 "merge_lora() to write them into the weights, or unload_lora() first"
             )
+
+
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype most of ``model``'s floating parameters have (a few may be kept in float32)."""
+    counts: dict = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _fingerprint_for(meta: dict, key: str, dtype: torch.dtype) -> Optional[str]:
+    """The fingerprint ``meta`` records under ``key`` for weights in ``dtype``: float32's, or the
+    per-dtype ones of ``<key>s`` (None when it was not recorded: no check)."""
+    if dtype == torch.float32:
+        return meta.get(key)
+    return (meta.get(key + "s") or {}).get(str(dtype).removeprefix("torch."))

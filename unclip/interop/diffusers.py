@@ -582,6 +582,7 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
     Raises ``ValueError`` listing every part of ``pipe`` that diffusers cannot express (see module
     doc).
     """
+    pipe._refuse_unmerged_lora("export_diffusers")  # peft's layer names are not diffusers'
     problems = export_problems(pipe)
     if problems:
         raise ValueError(

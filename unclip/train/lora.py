@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from unclip.config import to_dict
-from unclip.lora import add_adapter, check_target_modules, save_adapter
+from unclip.lora import HALF_FINGERPRINTS, add_adapter, check_target_modules, save_adapter
 
 __all__ = ["ADAPTER_NAME", "add_training_adapter", "export_adapter", "adapter_folder_name"]
 
@@ -70,10 +70,16 @@ def export_adapter(loop, stage: str, clip) -> Path:
     ``init_weights`` path and fingerprint, the conditioning CLIP's fingerprint (stages that read
     captions), the steps trained and the run's LoRA settings."""
     cfg = loop.cfg
+    reads_captions = cfg.stage in ("prior", "decoder")
     meta = {
         "stage": stage,
         "init_weights": str(cfg.train.init_weights),
-        "clip_fingerprint": clip.fingerprint() if cfg.stage in ("prior", "decoder") else None,
+        "clip_fingerprint": clip.fingerprint() if reads_captions else None,
+        "clip_fingerprints": {
+            name: clip.fingerprint(dtype) for name, dtype in HALF_FINGERPRINTS.items()
+        }
+        if reads_captions
+        else None,
         "steps": loop.state.step,
         "train_lora": to_dict(cfg.train.lora),
     }

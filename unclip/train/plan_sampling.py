@@ -157,6 +157,13 @@ def measure_sampling(
             # floating tensors in the sampling dtype, on the GPU (or waiting on the CPU)
             _replace_tensors(m, convert)
         pipe._null_text = None
+        # read back: the tensors that are float32 under a half dtype
+        fp32_tensors = sorted(
+            f"{comp}.{name}"
+            for comp, m in pipe.modules().items()
+            for name, t in [*m.named_parameters(), *m.named_buffers()]
+            if dtype != torch.float32 and t.dtype == torch.float32
+        )
         if attention_slicing is not None:
             pipe.enable_attention_slicing(attention_slicing)
         if offload:
@@ -204,7 +211,7 @@ def measure_sampling(
         output_shape=list(images.shape),
         offload=offload,
         resident={k: sorted(v) for k, v in resident.items()},
-        fp32_tensors=sorted(kept.values()),
+        fp32_tensors=fp32_tensors,
         attention_slicing=None if attention_slicing is None else str(attention_slicing),
     )
 
