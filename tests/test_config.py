@@ -176,9 +176,16 @@ def test_every_architecture_field_is_a_model_argument_with_the_same_default(conf
 
 
 @pytest.mark.parametrize("option", [{"normformer": True}, {"ff_activation": "swiglu"}])
-def test_the_ar_prior_refuses_the_diffusion_prior_block_options(option):
-    with pytest.raises(ConfigError, match="does not take them"):
-        PriorConfig(type="ar", **option)
+def test_both_priors_build_with_the_block_options(option):
+    """prior.normformer / prior.ff_activation reach the blocks of either prior type."""
+    clip = _tiny_clip()
+    size = dict(num_layers=1, num_attention_heads=2, attention_head_dim=8)
+    for kind in ("diffusion", "ar"):
+        prior = PriorConfig(type=kind, **size, **option).build(clip)
+        for key, value in option.items():
+            assert prior.config[key] == value, (kind, key)
+        names = " ".join(n for n, _ in prior.named_parameters())
+        assert ("head_scale" in names) == bool(option.get("normformer")), kind
 
 
 def _tiny_clip():
