@@ -255,6 +255,27 @@ def load_weights(
     raise ValueError(f"{component}: no safetensors weights in {folder}")
 
 
+def state_mismatch(
+    expected: Mapping[str, tuple], got: Mapping[str, tuple], here: str, examples: int = 3
+) -> str:
+    """What keeps weights of shapes ``got`` (from a file) from loading into a model whose weights
+    have shapes ``expected``: "N missing (e.g. ...); N unexpected (...); N of another shape (...)",
+    or "" when they fit. ``here`` names the model's side in the shape examples."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = [
+        f"{k}: {tuple(got[k])} in the file, {tuple(expected[k])} {here}"
+        for k in expected
+        if k in got and tuple(got[k]) != tuple(expected[k])
+    ]
+    parts = [
+        f"{len(missing)} missing (e.g. {missing[:examples]})" if missing else "",
+        f"{len(unexpected)} unexpected (e.g. {unexpected[:examples]})" if unexpected else "",
+        f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else "",
+    ]
+    return "; ".join(p for p in parts if p)
+
+
 def check_state(component: str, expected: dict, got: dict, folder: Path) -> None:
     """Raise ``ValueError`` naming the component and key on a missing, unexpected or mis-shaped
     weight."""

@@ -287,22 +287,14 @@ def load_adapter_state(
     """Copy ``state`` (peft keys, as saved) into adapter ``name`` of ``model``; every key must be
     there with the same shape (a ``ValueError`` naming ``source`` and the first mismatches)."""
     peft = require_peft()
+    from unclip.io import state_mismatch
+
     want = {k: tuple(v.shape) for k, v in adapter_state_dict(model, name).items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    wrong = [
-        f"{k}: {got[k]} in the file, {want[k]} here" for k in want if k in got and got[k] != want[k]
-    ]
-    if missing or unexpected or wrong:
-        parts = [
-            f"{len(missing)} missing (e.g. {missing[:2]})" if missing else "",
-            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]})" if unexpected else "",
-            f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else "",
-        ]
+    problems = state_mismatch(want, {k: tuple(v.shape) for k, v in state.items()}, "here", 2)
+    if problems:
         raise ValueError(
-            f"LoRA adapter {source} does not fit this {type(model).__name__}: "
-            + "; ".join(p for p in parts if p)
-            + ". It was trained on a stage of another architecture."
+            f"LoRA adapter {source} does not fit this {type(model).__name__}: {problems}"
+            ". It was trained on a stage of another architecture."
         )
     result = peft.set_peft_model_state_dict(model, state, adapter_name=name)
     assert not result.unexpected_keys, result.unexpected_keys

@@ -97,7 +97,7 @@ def load_initial_weights(model: torch.nn.Module, path) -> Path:
     are converted (e.g. fp16 shipped weights into an fp32 model). Returns ``path``."""
     from safetensors.torch import load_file
 
-    from unclip.io import load_weights
+    from unclip.io import load_weights, state_mismatch
 
     path = Path(path)
     if not path.exists():
@@ -106,23 +106,15 @@ def load_initial_weights(model: torch.nn.Module, path) -> Path:
         )
     state = load_weights(path, "init_weights") if path.is_dir() else load_file(str(path))
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = [
-        f"{k}: {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"
-        for k in own
-        if k in state and state[k].shape != own[k].shape
-    ]
-    if missing or unexpected or wrong:
-        parts = [
-            f"{len(missing)} missing (e.g. {missing[:3]})" if missing else "",
-            f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})" if unexpected else "",
-            f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else "",
-        ]
+    problems = state_mismatch(
+        {k: tuple(v.shape) for k, v in own.items()},
+        {k: tuple(v.shape) for k, v in state.items()},
+        "in the model",
+    )
+    if problems:
         raise ValueError(
-            f"init_weights {path} do not fit this model: "
-            + "; ".join(p for p in parts if p)
-            + ". The stage config must describe the same architecture (and CLIP) as the weights."
+            f"init_weights {path} do not fit this model: {problems}"
+            ". The stage config must describe the same architecture (and CLIP) as the weights."
         )
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
     return path
