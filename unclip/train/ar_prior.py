@@ -24,6 +24,7 @@ from unclip.clip import CLIP, TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.loop import TrainLoop
+from unclip.train.text_cache import TextEncodingCache
 
 __all__ = ["ARPriorTask", "ar_prior_loss", "fit_embeddings", "fit_ar_prior", "train_ar_prior"]
 
@@ -69,7 +70,9 @@ def fit_ar_prior(model, cfg: StageConfig, clip: CLIP, device) -> None:
     )
 
 
-def ar_prior_loss(model, batch: dict, clip: CLIP, null: TextEncoding, gens, cfg, device):
+def ar_prior_loss(
+    model, batch: dict, clip: CLIP | TextEncodingCache, null: TextEncoding, gens, cfg, device
+):
     """Cross-entropy of the codes of one micro-batch, with caption dropout."""
     from unclip.train.prior import _embed_batch
 
@@ -99,9 +102,10 @@ class ARPriorTask:
     def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
         self.null = clip.encode_text([""])
+        self.text = TextEncodingCache(clip, cfg.data.batch_size, cfg.train.text_cache_mb)
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
-        return ar_prior_loss(model, batch, self.clip, self.null, generators, self.cfg, self.device)
+        return ar_prior_loss(model, batch, self.text, self.null, generators, self.cfg, self.device)
 
 
 def train_ar_prior(

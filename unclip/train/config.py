@@ -195,6 +195,9 @@ class TrainConfig:
     (:mod:`unclip.train.grad_scaling`; docs/training_tricks.md).
     ``powersgd_rank`` applies to DDP launches; an overflowing fp16 step does not disturb its
     error feedback (:func:`unclip.train.distributed.nonfinite_safe_powersgd_hook`).
+    ``text_cache_mb`` (priors): megabytes of the frozen CLIP's caption encodings kept between steps,
+    so that a caption seen again is not encoded again (exact: :mod:`unclip.train.text_cache`);
+    0 turns it off.
     ``lora`` (:class:`LoraTrainConfig`): train a LoRA adapter of ``init_weights`` (required then)
     instead of every weight.
     """
@@ -225,6 +228,7 @@ class TrainConfig:
     ema_warmup: bool = True
     text_drop_prob: float = 0.1
     image_embed_drop_prob: float = 0.1
+    text_cache_mb: float = 256.0
     gradient_checkpointing: bool = False
     resblock_grad_scaling: bool = False
     powersgd_rank: int = 0
@@ -253,6 +257,12 @@ class TrainConfig:
             self.optimizer in OPTIMIZERS,
             "adamw, adamw8bit (8-bit AdamW from bitsandbytes, for GPUs), soap or kl_shampoo "
             "(heavyball)",
+        )
+        check_range(
+            "train.text_cache_mb",
+            self.text_cache_mb,
+            0 <= self.text_cache_mb < math.inf,
+            "a number of megabytes >= 0 (0: off)",
         )
         check_at_least("train.precondition_frequency", self.precondition_frequency, 1)
         check_range(

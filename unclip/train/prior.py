@@ -23,6 +23,7 @@ from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
 from unclip.train.loop import TrainLoop
+from unclip.train.text_cache import TextEncodingCache
 
 __all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior", "build_prior_model"]
 
@@ -31,7 +32,9 @@ logger = logging.getLogger("unclip.train")
 STATS_SAMPLES = 256
 
 
-def _embed_batch(clip: CLIP, batch: dict, device) -> tuple[torch.Tensor, TextEncoding]:
+def _embed_batch(
+    clip: CLIP | TextEncodingCache, batch: dict, device
+) -> tuple[torch.Tensor, TextEncoding]:
     text = clip.encode_text(batch["caption"]).to(device)
     if "image_embed" in batch:
         image_embed = torch.nn.functional.normalize(batch["image_embed"].float(), dim=-1).to(device)
@@ -64,7 +67,16 @@ def embedding_stats(
     return x.mean(0), x.std(0).clamp_min(1e-4)
 
 
-def prior_loss(model, batch: dict, clip: CLIP, null: TextEncoding, gens, cfg, noise_sched, device):
+def prior_loss(
+    model,
+    batch: dict,
+    clip: CLIP | TextEncodingCache,
+    null: TextEncoding,
+    gens,
+    cfg,
+    noise_sched,
+    device,
+):
     """x_0-prediction loss of one micro-batch with caption dropout."""
     image_embed, text = _embed_batch(clip, batch, device)
     b = image_embed.shape[0]
@@ -97,10 +109,11 @@ class PriorTask:
         self.cfg, self.clip, self.device = cfg, clip, device
         self.null = clip.encode_text([""])
         self.noise_sched = training_scheduler(cfg.diffusion)
+        self.text = TextEncodingCache(clip, cfg.data.batch_size, cfg.train.text_cache_mb)
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
         return prior_loss(
-            model, batch, self.clip, self.null, generators, self.cfg, self.noise_sched, self.device
+            model, batch, self.text, self.null, generators, self.cfg, self.noise_sched, self.device
         )
 
 
