@@ -168,6 +168,8 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
     ):  # learned variance + hybrid loss, as the paper's (and DALLE2's) decoder
         dec = {k: v for k, v in plain(s["decoder"]).items() if k != "cross_attention_dim"}
         data["decoder"] = {**dec, "learned_variance": True}
+        if spec.get("decoder_res"):  # the --sweep's resolutions
+            data["decoder"]["sample_size"] = spec["decoder_res"]
         data["diffusion"] = {"prediction_type": "epsilon", "vlb_weight": 0.001}
     else:
         lo, hi = spec["upsampler_sizes"]
@@ -219,7 +221,7 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
         "shared": {
             "embed_dim": clip.embed_dim,
             "context_length": s["clip"]["context_length"],
-            "decoder_size": s["decoder"]["sample_size"],
+            "decoder_size": spec.get("decoder_res") or s["decoder"]["sample_size"],
         },
     }
 
@@ -454,7 +456,9 @@ class Worker:
 
 
 # ------------------------------------------------------------------------------------------ parent
-def run_stage(stage: str, spec: dict, pythons: dict, rounds: int, top: int, log_dir: Path) -> dict:
+def run_stage(
+    stage: str, spec: dict, pythons: dict, rounds: int, top: int, log_dir: Path, profile=True
+) -> dict:
     workers = {}
     try:
         for lib in LIBS:  # built one after the other: each build has the CPU to itself
@@ -472,7 +476,7 @@ def run_stage(stage: str, spec: dict, pythons: dict, rounds: int, top: int, log_
                 + ", ".join(f"{lib} {steps[lib][-1]['s']:.3f} s" for lib in LIBS)
             )
         memory = {lib: workers[lib].ask("memory") for lib in LIBS}
-        profiles = {lib: workers[lib].ask("profile", top=top) for lib in LIBS}
+        profiles = {lib: workers[lib].ask("profile", top=top) if profile else None for lib in LIBS}
     finally:
         for w in workers.values():
             w.close()
@@ -539,6 +543,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--top", type=int, default=10, help="profiler rows per library")
     parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="samples/s vs batch (prior, decoder) and vs resolution (decoder), 3 rounds per "
+        "point, no profiles: bench_peers_sweep.json and .png",
+    )
+    parser.add_argument(
         "--peers-python",
         default=os.environ.get("UNCLIP_PEERS_PYTHON", sys.executable),
         help="interpreter of the environment with dalle2_pytorch (env UNCLIP_PEERS_PYTHON)",
@@ -580,6 +590,8 @@ def main(argv=None) -> int:
     result["machine"]["threads"] = args.threads
     common.log("machine:", common.machine_line(result["machine"]))
     pythons = {"unclip": sys.executable, "dalle2": args.peers_python}
+    if args.sweep:
+        return sweep(spec, pythons, args, result, started)
     with tempfile.TemporaryDirectory(prefix="bench-peers-logs-") as logs:
         for stage in args.stages:
             stage_spec = {**spec, "batch": setup["batch"][stage]}
@@ -587,6 +599,96 @@ def main(argv=None) -> int:
                 run_stage(stage, stage_spec, pythons, rounds, args.top, Path(logs))
             )
     return common.finish("bench_peers", result, started, report)
+
+
+# the --sweep: (stage, batch, decoder resolution or None)
+SWEEP = (
+    [("prior", b, None) for b in (8, 32, 128)]
+    + [("decoder", b, 64) for b in (1, 2, 4, 8)]
+    + [("decoder", 2, r) for r in (32, 128)]
+)
+SWEEP_QUICK = [("prior", b, None) for b in (4, 16)] + [("decoder", 2, r) for r in (16, 32)]
+
+
+def sweep(spec: dict, pythons: dict, args, result: dict, started: float) -> int:
+    """Samples/s of both trainers vs batch and resolution (``--sweep``)."""
+    points = SWEEP_QUICK if args.quick else SWEEP
+    rounds = args.rounds or (2 if args.quick else 3)
+    result["rounds"], result["sweep"] = rounds, []
+    with tempfile.TemporaryDirectory(prefix="bench-peers-logs-") as logs:
+        for stage, batch, res in points:
+            point = {**spec, "batch": batch, "decoder_res": res}
+            r = run_stage(stage, point, pythons, rounds, args.top, Path(logs), profile=False)
+            result["sweep"].append(
+                {
+                    "stage": stage,
+                    "batch": batch,
+                    "resolution": res,
+                    "unclip_samples_per_s": r["unclip"]["samples_per_s"],
+                    "dalle2_samples_per_s": r["dalle2"]["samples_per_s"],
+                    "speed_ratio": r["speed_ratio"],
+                    "params": [r["unclip"]["params"], r["dalle2"]["params"]],
+                }
+            )
+    name = "bench_peers_sweep_quick" if args.quick else "bench_peers_sweep"
+    result["plot"] = plot_sweep(result["sweep"], common.RESULTS / f"{name}.png")
+    return common.finish(name, result, started, report_sweep)
+
+
+def plot_sweep(rows: list[dict], path: Path) -> str:
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("prior: samples/s vs batch", "batch", lambda r: r["stage"] == "prior"),
+        (
+            "64 px decoder: samples/s vs batch",
+            "batch",
+            lambda r: r["stage"] == "decoder" and r["resolution"] == 64,
+        ),
+        (
+            "decoder, batch 2: samples/s vs resolution",
+            "resolution",
+            lambda r: r["stage"] == "decoder" and r["batch"] == 2,
+        ),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (title, x, keep) in zip(axes, panels):
+        sel = sorted((r for r in rows if keep(r)), key=lambda r: r[x])
+        for lib, label in (("unclip", "unclip"), ("dalle2", "DALLE2-pytorch")):
+            ax.plot(
+                [r[x] for r in sel], [r[f"{lib}_samples_per_s"] for r in sel], "o-", label=label
+            )
+        ax.set(title=title, xlabel=x, ylabel="samples/s (1 thread, fp32)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(common.ROOT))
+
+
+def report_sweep(r: dict) -> str:
+    rows = [{**x, "res": f"{x['resolution']} px" if x["resolution"] else "-"} for x in r["sweep"]]
+    cols = [
+        ("stage", "stage"),
+        ("res", "res"),
+        ("batch", "batch"),
+        ("unclip samples/s", "unclip_samples_per_s"),
+        ("DALLE2 samples/s", "dalle2_samples_per_s"),
+        ("unclip ÷ DALLE2 (median of per-round ratios)", "speed_ratio"),
+    ]
+    title = f"training samples/s vs batch and resolution, fp32, 1 thread, {r['rounds']} rounds"
+    return (
+        f"machine: {common.machine_line(r['machine'])}\n"
+        + common.table(rows, cols, title)
+        + (f"\nplot: {r['plot']}")
+    )
 
 
 def report(r: dict) -> str:

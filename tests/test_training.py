@@ -518,3 +518,42 @@ def test_train_loop_trains_any_task(tmp_path):
     assert len(ls) == 5 and ls[-1] < ls[0]
     assert not (tmp_path / "samples").exists()
     assert (tmp_path / "checkpoints" / "step_00000005").is_dir()
+
+
+def test_the_share_of_time_spent_waiting_for_data_is_logged(tmp_path):
+    """``data_wait_share`` in metrics.jsonl: near 1 when the data source is slower than the step,
+    near 0 when batches are ready."""
+    import time
+
+    from unclip.clip import CLIP
+    from unclip.train.config import load_stage_config
+    from unclip.train.data.loader import make_batches
+    from unclip.train.loop import TrainLoop
+    from unclip.train.prior import PriorTask, build_prior_model
+
+    def run(name, delay):
+        cfg = load_stage_config(
+            CFG["prior"],
+            [f"train.output_dir={tmp_path / name}", "train.max_steps=2", "train.log_every=1"]
+            + ["train.checkpoint_every=0", *QUIET],
+        )
+        loop = TrainLoop(cfg, overwrite=True)
+        clip = CLIP.from_config(cfg.clip)
+        model = build_prior_model(cfg, clip)
+        model.set_embedding_stats(torch.zeros(clip.embed_dim), torch.ones(clip.embed_dim))
+        model = loop.prepare(model)
+        data = make_batches(cfg.data, resolution=clip.image_size, seed=0, rank=0, world_size=1)
+        batch = next(iter(data))
+
+        def source():
+            while True:
+                time.sleep(delay)
+                yield batch
+
+        loop.run(PriorTask(cfg, clip, loop.device), source())
+        loop.finish()
+        return [m["data_wait_share"] for m in metrics(tmp_path / name) if "loss" in m]
+
+    slow, ready = run("slow", 0.5), run("ready", 0.0)
+    assert len(slow) == len(ready) == 2
+    assert min(slow) > 0.6 and max(ready) < 0.3, (slow, ready)

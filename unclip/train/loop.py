@@ -458,7 +458,9 @@ class TrainLoop:
         first = None  # the run's first micro-batch: the sample grids show its captions/images
         with self._progress_bar(task.name) as bar:
             while self.state.step < stop_at:
+                waited = time.perf_counter()
                 micro = self.next_micro_batches(it)
+                self._data_wait += time.perf_counter() - waited
                 first = first or micro[0]
                 loss = self.run_step(task, micro)
                 self.state.step += 1
@@ -557,15 +559,18 @@ class TrainLoop:
         if not (self.state.step % t.log_every == 0 or self.state.step == t.max_steps):
             return
         now = time.perf_counter()
-        rate = (
-            (self.state.samples - self._last_samples) * self.world / max(now - self._last_t, 1e-9)
-        )
-        self._last_t, self._last_samples = now, self.state.samples
+        elapsed = max(now - self._last_t, 1e-9)
+        rate = (self.state.samples - self._last_samples) * self.world / elapsed
+        wait_share = min(1.0, self._data_wait / elapsed)
+        self._last_t, self._last_samples, self._data_wait = now, self.state.samples, 0.0
         self.log(
             {
                 "loss": loss,
                 "lr": self.lr_schedule.get_last_lr()[0],
                 "samples_per_s": rate,
+                # the share of the wall time this process waited for its next batches: near 0
+                # when the data keeps up; raise data.num_workers when it does not
+                "data_wait_share": wait_share,
                 "skipped_data": self.state.skipped_data,
                 "nonfinite_steps": self.state.nonfinite,
             }
@@ -596,6 +601,7 @@ class TrainLoop:
             dynamic_ncols=True,
         )
         self._last_t, self._last_samples = time.perf_counter(), self.state.samples
+        self._data_wait = 0.0
         try:
             yield bar
         finally:

@@ -1,0 +1,367 @@
+"""Prior quality per CPU-minute: this library's trainer vs DALLE2-pytorch's, on the shapes world.
+
+    python benchmarks/bench_peers_quality.py --peers-python /work/venv-peers/bin/python
+    python benchmarks/bench_peers_quality.py --budget 1200 ...   # CPU seconds per trainer
+    python benchmarks/bench_peers_quality.py --quick ...         # about two minutes: runs the path
+
+``bench_peers.py`` compares one training step; this compares what a CPU budget buys. Both trainers
+train a diffusion prior of the same size (the shapes recipe's, ``configs/shapes/prior.yaml``: a
+4-layer transformer of width 128 over the bundled shapes CLIP's 64-d embeddings; DALLE2's
+``DiffusionPriorNetwork`` sized to the same parameter count, reported) on the same rows: ``--rows``
+samples of the shapes world, their CLIP image embeddings precomputed once by ``unclip embed``.
+Same recipe where both libraries have the knob: batch 64, AdamW at 5e-4 with weight decay 0.06,
+25 warmup steps then cosine decay over the run, gradient clipping at 1.0, EMA 0.999, caption
+dropout 0.1, x_0 prediction, 1000-step cosine noise schedule. Each library keeps the rest of its
+own design (unclip: PriorTransformer, embedding statistics normalisation, its caption encoding in
+the step — with its caption cache, the default; DALLE2: its network, embedding scaling by sqrt(d),
+and the caption encodings handed to it precomputed, as its trainer takes them).
+
+"The same budget" is CPU seconds of one single-threaded process per trainer, measured by the
+process itself: unclip's whole ``train_prior`` call (statistics, data, caption encoding, export);
+DALLE2's training steps (its data is already tensors). Each calibrates its seconds per step on a
+short run and then trains the number of steps that fills the budget, so both finish a complete
+warmup-cosine schedule. The two trainers run at the same time, one core each.
+
+Scored on held-out shapes captions (another ``shapes_seed``), with the true CLIP image embedding of
+each caption's rendered scene: each prior samples with its library's sampler (DDIM 25 steps,
+guidance 2, best of 2 by similarity to the caption; DALLE2: its ``p_sample_loop`` with
+``timesteps=25`` and ``cond_scale=2``, its default eta) and we report the mean cosine of the sample
+to the true image embedding and to the caption's text embedding. For scale: the mean cosine of the
+true embeddings to their mean, what a prior that ignores the caption reaches.
+
+Writes ``benchmarks/results/bench_peers_quality.json`` (``_quick`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import torch
+import torch.nn.functional as F
+
+RECIPE = {
+    "batch_size": 64,
+    "lr": 5e-4,
+    "weight_decay": 0.06,
+    "warmup_steps": 25,
+    "max_grad_norm": 1.0,
+    "ema_decay": 0.999,
+    "text_drop_prob": 0.1,
+}
+CALIBRATION_STEPS = 20
+# DALLE2-pytorch network of about the parameter count of configs/shapes/prior.yaml's prior
+DALLE2_NET = dict(depth=6, dim_head=32, heads=8, ff_mult=8)
+
+
+# ----------------------------------------------------------------------------------------- data
+def prepare(work: Path, rows: int, n_eval: int) -> dict:
+    """The training rows (``unclip embed`` of the shapes world, float32), every caption's CLIP
+    encoding for DALLE2 (token states zeroed beyond the caption, as DALLE2 reads padding), and the
+    held-out evaluation set."""
+    from bench_ar_prior import CLIP_FOLDER, eval_set
+
+    from unclip.train.embed import EmbedJob, embed
+
+    emb = work / "emb"
+    embed(
+        EmbedJob(
+            source="shapes",
+            clip_config=str(CLIP_FOLDER),
+            out=str(emb),
+            num=rows,
+            dtype="float32",
+            resolution=32,
+            shard_size=max(1000, rows // 4),
+            progress=False,
+        )
+    )
+    clip, captions, truth, text = eval_set(n_eval)
+    meta = [
+        json.loads(line)
+        for f in sorted((emb / "metadata").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    images = torch.cat(
+        [torch.from_numpy(_np_load(f)) for f in sorted((emb / "img_emb").glob("*.npy"))]
+    )
+    train_captions = [m["caption"] for m in meta]
+    unique = sorted(set(train_captions))
+    index = {c: i for i, c in enumerate(unique)}
+    with torch.no_grad():
+        enc = [clip.encode_text(unique[i : i + 256]) for i in range(0, len(unique), 256)]
+    torch.save(
+        {
+            "image_embed": images.float(),
+            "caption_index": torch.tensor([index[c] for c in train_captions]),
+            "text_embed": torch.cat([e.text_embed for e in enc]),
+            "text_tokens": torch.cat([e.text_tokens * e.text_mask[..., None] for e in enc]),
+            "eval_text_embed": text.text_embed,
+            "eval_text_tokens": text.text_tokens * text.text_mask[..., None],
+            "eval_truth": truth,
+        },
+        work / "dalle2_data.pt",
+    )
+    return {
+        "rows": len(images),
+        "distinct_captions": len(unique),
+        "eval_captions": len(captions),
+        "baseline_cos_true_to_mean_true": float(
+            F.cosine_similarity(truth, truth.mean(0, keepdim=True)).mean()
+        ),
+    }
+
+
+def _np_load(path):
+    import numpy as np
+
+    return np.load(path)
+
+
+# --------------------------------------------------------------------------------------- unclip
+def run_unclip(work: Path, budget: float, calib: int) -> dict:
+    from bench_ar_prior import eval_set, evaluate, steps_for_budget, train
+
+    overrides = [
+        "data.source=embeddings",
+        f"data.path={work / 'emb'}",
+        f"data.batch_size={RECIPE['batch_size']}",
+        f"train.lr={RECIPE['lr']}",
+        f"train.weight_decay={RECIPE['weight_decay']}",
+        f"train.warmup_steps={RECIPE['warmup_steps']}",
+        f"train.max_grad_norm={RECIPE['max_grad_norm']}",
+        f"train.ema_decay={RECIPE['ema_decay']}",
+        f"train.text_drop_prob={RECIPE['text_drop_prob']}",
+    ]
+    plan = steps_for_budget("diffusion", work / "unclip", budget, calib, overrides)
+    out = work / "unclip" / "run"
+    cpu, wall, records = train("diffusion", out, [f"train.max_steps={plan['steps']}", *overrides])
+    clip, captions, truth, text = eval_set(int(os.environ["BENCH_EVAL"]))
+    from unclip.priors import load_prior
+
+    params = sum(
+        p.numel()
+        for n, p in load_prior(out / "final" / "prior").named_parameters()
+        if "clip_mean" not in n and "clip_std" not in n
+    )
+    return {
+        **plan,
+        "params": params,
+        "train_cpu_seconds": cpu,
+        "train_wall_seconds": wall,
+        "loss_curve": [(r["step"], r["loss"]) for r in records if "loss" in r],
+        **evaluate("diffusion", out / "final", clip, captions, truth, text, 1),
+    }
+
+
+# --------------------------------------------------------------------------------------- DALLE2
+def run_dalle2(work: Path, budget: float, calib: int) -> dict:
+    from dalle2_pytorch import DiffusionPrior, DiffusionPriorNetwork, DiffusionPriorTrainer
+
+    data = torch.load(work / "dalle2_data.pt")
+    d = data["image_embed"].shape[1]
+    ctx = data["text_tokens"].shape[1]
+
+    def build(steps: int):
+        random.seed(0)
+        torch.manual_seed(0)
+        net = DiffusionPriorNetwork(dim=d, max_text_len=ctx, **DALLE2_NET)
+        prior = DiffusionPrior(
+            net=net,
+            image_embed_dim=d,
+            timesteps=1000,
+            text_cond_drop_prob=RECIPE["text_drop_prob"],
+            image_cond_drop_prob=0.0,
+            condition_on_text_encodings=True,
+            predict_x_start=True,
+        )
+        trainer = DiffusionPriorTrainer(
+            prior,
+            lr=RECIPE["lr"],
+            wd=RECIPE["weight_decay"],
+            max_grad_norm=RECIPE["max_grad_norm"],
+            warmup_steps=RECIPE["warmup_steps"],
+            cosine_decay_max_steps=steps,
+            ema_beta=RECIPE["ema_decay"],
+            ema_update_after_step=0,
+            ema_update_every=1,
+        )
+        return prior, trainer
+
+    order = torch.Generator().manual_seed(0)
+
+    def batches():
+        n, b = len(data["image_embed"]), RECIPE["batch_size"]
+        while True:
+            perm = torch.randperm(n, generator=order)
+            for i in range(0, n - b + 1, b):
+                idx = perm[i : i + b]
+                cap = data["caption_index"][idx]
+                yield data["image_embed"][idx], data["text_embed"][cap], data["text_tokens"][cap]
+
+    def train(trainer, steps):
+        stream, curve = batches(), []
+        c0 = time.process_time()
+        for step in range(1, steps + 1):
+            image_embed, text_embed, tokens = next(stream)
+            loss = trainer(
+                text_embed=text_embed, image_embed=image_embed.clone(), text_encodings=tokens
+            )
+            trainer.update()
+            curve.append((step, float(loss)))
+        return time.process_time() - c0, curve
+
+    cpu = [train(build(10 * calib)[1], n)[0] for n in (calib, 2 * calib)]
+    step_s = max(1e-6, (cpu[1] - cpu[0]) / calib)
+    fixed = max(0.0, cpu[0] - step_s * calib)
+    steps = max(1, int((budget - fixed) / step_s))
+    prior, trainer = build(steps)
+    t0 = time.perf_counter()
+    cpu_s, curve = train(trainer, steps)
+    wall = time.perf_counter() - t0
+    ema = trainer.ema_diffusion_prior.ema_model.eval()
+    text_embed, tokens, truth = (
+        data["eval_text_embed"],
+        data["eval_text_tokens"],
+        data["eval_truth"],
+    )
+    n, best_of = len(truth), 2
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        cond = {
+            "text_embed": text_embed.repeat_interleave(best_of, 0),
+            "text_encodings": tokens.repeat_interleave(best_of, 0),
+        }
+        emb = ema.p_sample_loop((n * best_of, d), text_cond=cond, cond_scale=2.0, timesteps=25)
+    seconds = time.perf_counter() - t0
+    emb = F.normalize(emb.view(n, best_of, d), dim=-1)
+    pick = (emb @ F.normalize(text_embed, dim=-1)[..., None]).squeeze(-1).argmax(1)
+    emb = emb[torch.arange(n), pick]
+    return {
+        "cpu_seconds_per_step": step_s,
+        "fixed_cpu_seconds": fixed,
+        "steps": steps,
+        "params": sum(p.numel() for p in prior.net.parameters()),
+        "train_cpu_seconds": cpu_s,
+        "train_wall_seconds": wall,
+        "loss_curve": curve[:: max(1, len(curve) // 200)],
+        "cos_to_true_image_embed": float(F.cosine_similarity(emb, truth).mean()),
+        "cos_to_text_embed": float(F.cosine_similarity(emb, text_embed).mean()),
+        "seconds_per_embedding": seconds / n,
+        "sampling": {"timesteps": 25, "cond_scale": 2.0, "best_of": best_of},
+    }
+
+
+def worker(lib: str, work: Path, budget: float, calib: int) -> int:
+    torch.set_num_threads(1)
+    row = (run_unclip if lib == "unclip" else run_dalle2)(work, budget, calib)
+    (work / f"{lib}.json").write_text(json.dumps(row))
+    return 0
+
+
+# --------------------------------------------------------------------------------------- parent
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=600.0, help="training CPU seconds per trainer")
+    p.add_argument("--rows", type=int, default=65536, help="shapes-world training rows")
+    p.add_argument("--eval", type=int, default=256, help="held-out captions to sample")
+    p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp folder)")
+    p.add_argument("--quick", action="store_true", help="a few seconds of training each")
+    p.add_argument(
+        "--peers-python",
+        default=os.environ.get("UNCLIP_PEERS_PYTHON", sys.executable),
+        help="interpreter of the environment with dalle2_pytorch (env UNCLIP_PEERS_PYTHON)",
+    )
+    p.add_argument(
+        "--worker", nargs=4, metavar=("LIB", "WORK", "BUDGET", "CALIB"), help=argparse.SUPPRESS
+    )
+    args = p.parse_args(argv)
+    if args.worker:
+        lib, work, budget, calib = args.worker
+        return worker(lib, Path(work), float(budget), int(calib))
+    from bench_peers import skip_message
+
+    probe = subprocess.run(
+        [args.peers_python, "-c", "import dalle2_pytorch; print(dalle2_pytorch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        print(skip_message(args.peers_python, (probe.stderr.strip().splitlines() or ["?"])[-1]))
+        return 0
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    name = "bench_peers_quality_quick" if args.quick else "bench_peers_quality"
+    calib = CALIBRATION_STEPS
+    if args.quick:
+        args.budget, args.rows, args.eval, calib = 10.0, 2048, 32, 3
+    tmp = None
+    if args.work is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_peers_quality_")
+        args.work = Path(tmp.name)
+    common.log(f"embedding {args.rows} shapes-world rows")
+    result = {
+        "machine": common.machine(),
+        "dalle2_pytorch": probe.stdout.strip(),
+        "budget_cpu_seconds": args.budget,
+        "recipe": RECIPE,
+        "dalle2_network": DALLE2_NET,
+        **prepare(args.work, args.rows, args.eval),
+        "trainers": {},
+    }
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BENCH_EVAL=str(args.eval))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(common.ROOT), str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    procs = {}
+    for lib, python in (("unclip", sys.executable), ("dalle2", args.peers_python)):
+        log = (args.work / f"{lib}.log").open("w")
+        cmd = [python, __file__, "--worker", lib, str(args.work), str(args.budget), str(calib)]
+        procs[lib] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=common.ROOT)
+        common.log(
+            f"training {lib} for {args.budget:.0f} CPU s (log: {args.work / (lib + '.log')})"
+        )
+    for lib, proc in procs.items():
+        if proc.wait() != 0:
+            tail = (args.work / f"{lib}.log").read_text().splitlines()[-30:]
+            raise RuntimeError(f"the {lib} trainer failed:\n" + "\n".join(tail))
+        result["trainers"][lib] = json.loads((args.work / f"{lib}.json").read_text())
+    if tmp is not None:
+        tmp.cleanup()
+    return common.finish(name, result, started, report)
+
+
+def report(r: dict) -> str:
+    rows = [{"trainer": k, **v} for k, v in r["trainers"].items()]
+    for row in rows:
+        row["samples"] = row["steps"] * r["recipe"]["batch_size"]
+    cols = [
+        ("trainer", "trainer"),
+        ("params", "params"),
+        ("CPU s per step", "cpu_seconds_per_step"),
+        ("steps", "steps"),
+        ("samples seen", "samples"),
+        ("training CPU s", "train_cpu_seconds"),
+        ("cos to true image embed", "cos_to_true_image_embed"),
+        ("cos to text embed", "cos_to_text_embed"),
+        ("s per embedding", "seconds_per_embedding"),
+    ]
+    title = (
+        f"diffusion prior on the shapes world, {r['budget_cpu_seconds']:.0f} CPU s each, "
+        f"{r['rows']} rows; scored on {r['eval_captions']} held-out captions (a prior that ignores "
+        f"the caption: cos {r['baseline_cos_true_to_mean_true']:.3f})"
+    )
+    return common.table(rows, cols, title)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
