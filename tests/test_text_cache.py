@@ -33,12 +33,14 @@ def test_cached_encodings_are_what_a_full_batch_of_the_chunk_size_gives(tiny_cli
     for i in range(4):
         assert_rows_equal(rows(got, i), rows(fresh, i))
     assert (cache.served, cache.encoded, len(cache)) == (4, 4, 4)
+    assert cache.encoded_rows == 8  # the batch, and once in reverse to check rows are exact
 
     # a batch in another order with one new caption (twice): only the new one is encoded, padded
     # to the chunk size, and every row is the encoding a fresh full batch gives it
     batch = [CAPTIONS[4], CAPTIONS[2], CAPTIONS[4], CAPTIONS[0]]
     got = cache.encode_text(batch)
     assert (cache.served, cache.encoded, len(cache)) == (8, 5, 5)
+    assert cache.encoded_rows == 12  # one caption missing: a padded batch of 4
     new = tiny_clip.encode_text([CAPTIONS[4], CAPTIONS[1], CAPTIONS[3], CAPTIONS[0]])
     assert_rows_equal(rows(got, 0), rows(new, 0))
     assert_rows_equal(rows(got, 2), rows(new, 0))
@@ -65,12 +67,39 @@ def test_the_cache_keeps_at_most_its_budget_and_drops_the_least_recently_used(ti
     assert list(cache.rows) == [d, b] and cache.encoded == 5
 
 
+def test_the_cache_turns_itself_off_where_rows_depend_on_their_position(tiny_clip, caplog):
+    """On a device whose kernels round a row by its position in the batch, cached rows would not
+    be exact: the first encoding notices, warns and stops caching."""
+    encode = tiny_clip.encode_text
+
+    def by_position(captions):  # a row's last bits depend on its position, as some GEMMs'
+        enc = encode(captions)
+        enc.text_embed = enc.text_embed + 1e-6 * torch.arange(len(enc))[:, None]
+        return enc
+
+    class Shifted:
+        encode_text = staticmethod(by_position)
+
+    cache = TextEncodingCache(Shifted(), chunk=4, max_mb=1)
+    with caplog.at_level("WARNING", logger="unclip.train"):
+        got = cache.encode_text(CAPTIONS[:3])
+    assert "turned off" in caplog.text
+    assert cache.max_bytes == 0 and len(cache) == 0
+    assert torch.equal(got.text_embed, by_position(CAPTIONS[:3]).text_embed)
+    cache.encode_text(CAPTIONS[:3])
+    assert len(cache) == 0 and cache.encoded == 6
+
+
 def test_no_cache_encodes_every_caption(tiny_clip):
     cache = TextEncodingCache(tiny_clip, chunk=2, max_mb=0)
     got = cache.encode_text(CAPTIONS[:3])
     got = cache.encode_text(CAPTIONS[:3])
     assert (cache.encoded, len(cache)) == (6, 0)
     assert_rows_equal(rows(got, 2), rows(tiny_clip.encode_text(CAPTIONS[:3]), 2))
+    # one string is one caption; token ids go to the CLIP uncached
+    assert len(TextEncodingCache(tiny_clip, chunk=2, max_mb=1).encode_text(CAPTIONS[0])) == 1
+    ids = tiny_clip.tokenize(CAPTIONS[:2])
+    assert torch.equal(cache.encode_text(ids).text_embed, tiny_clip.encode_text(ids).text_embed)
     with pytest.raises(ValueError, match="chunk"):
         TextEncodingCache(tiny_clip, chunk=0, max_mb=1)
 

@@ -534,7 +534,7 @@ def test_the_share_of_time_spent_waiting_for_data_is_logged(tmp_path):
     def run(name, delay):
         cfg = load_stage_config(
             CFG["prior"],
-            [f"train.output_dir={tmp_path / name}", "train.max_steps=2", "train.log_every=1"]
+            [f"train.output_dir={tmp_path / name}", "train.max_steps=3", "train.log_every=1"]
             + ["train.checkpoint_every=0", *QUIET],
         )
         loop = TrainLoop(cfg, overwrite=True)
@@ -554,6 +554,8 @@ def test_the_share_of_time_spent_waiting_for_data_is_logged(tmp_path):
         loop.finish()
         return [m["data_wait_share"] for m in metrics(tmp_path / name) if "loss" in m]
 
-    slow, ready = run("slow", 0.5), run("ready", 0.0)
-    assert len(slow) == len(ready) == 2
-    assert min(slow) > 0.6 and max(ready) < 0.3, (slow, ready)
+    # the first steps also carry one-time costs (first forward and backward, lazy set-up):
+    # judged on the last
+    ready, slow = run("ready", 0.0), run("slow", 0.5)
+    assert len(slow) == len(ready) == 3
+    assert slow[-1] > 0.6 and ready[-1] < 0.3, (slow, ready)

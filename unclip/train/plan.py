@@ -206,6 +206,7 @@ class StepMeasure:
     optimizer_peak: int  # the tracker's peak through clipping, the optimizer step and EMA
     param_dtypes: dict
     loss_dtype: str
+    text_cache: int = 0  # the prior's caption-encoding cache at its budget (train.text_cache_mb)
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
     clip_flops: int = 0  # the frozen CLIP's part of it (no backward)
 
@@ -220,7 +221,7 @@ class StepMeasure:
 
     @property
     def static(self) -> int:
-        return self.weights + self.clip + self.ema + self.grads + self.optimizer
+        return self.weights + self.clip + self.text_cache + self.ema + self.grads + self.optimizer
 
     @property
     def peak(self) -> int:
@@ -290,6 +291,10 @@ def measure_step(
     cfg.train.progress = False
     steps = accumulation or min(cfg.train.grad_accum_steps, 2)
     cfg.train.grad_accum_steps = steps
+    # counted at its full budget; measured without it, so that every micro-batch runs the CLIP
+    # (the synthetic batches repeat one caption)
+    text_cache = int(cfg.train.text_cache_mb * 2**20) if cfg.stage == "prior" else 0
+    cfg.train.text_cache_mb = 0
     with (
         _fresh_accelerate_state(),
         torch.random.fork_rng(devices=[]),  # the seed below must not change the caller's RNG
@@ -383,6 +388,7 @@ def measure_step(
                 gradient_checkpointing=bool(cfg.train.gradient_checkpointing),
                 weights=weights,
                 clip=clip_bytes,
+                text_cache=text_cache,
                 ema=ema,
                 grads=grads,
                 optimizer=optimizer,

@@ -237,6 +237,7 @@ def plan_row(
         ),
         "EMA": 0 if strategy.offload_weights else share(m.ema, strategy.shard_ema),
         "frozen CLIP": m.clip,
+        "caption cache": m.text_cache,
         "autocast copies": m.autocast_copies,
         "activations": (m.activations - m.autocast_copies) * scale,
         "recompute": m.recompute * scale,
@@ -338,7 +339,8 @@ def format_plan(
         f"{'on' if m.gradient_checkpointing else 'off'}), {unit}: weights {_gib(m.weights)}, "
         f"gradients "
         f"{_gib(m.grads)}, AdamW state {_gib(m.optimizer)}, EMA {_gib(m.ema)}, frozen CLIP "
-        f"{_gib(m.clip)}, activations {_gib(m.activations)} (of which autocast weight copies "
+        f"{_gib(m.clip)}, caption cache {_gib(m.text_cache)} (train.text_cache_mb), activations "
+        f"{_gib(m.activations)} (of which autocast weight copies "
         f"{_gib(m.autocast_copies)}), recomputed block {_gib(m.recompute)}, transient "
         f"{_gib(m.transient)}",
         "",
