@@ -1,0 +1,144 @@
+"""Where sampling time goes: the mid model's stages under torch.profiler, top operators per stage.
+
+    python benchmarks/bench_sampling_profile.py           # about 2 minutes
+    python benchmarks/bench_sampling_profile.py --quick   # fewer steps
+
+The mid-size model of ``bench_sampling.py`` (its headline comparison with diffusers'
+``UnCLIPPipeline``) samples one image at diffusers' default settings (prior 25 steps × guidance 4,
+decoder 25 × 8, super-res 7, ``UnCLIPScheduler``), one thread, fp32: text encoding, prior, decoder
+and upsampler are each run once untimed (warm-up) and once under ``torch.profiler``, through the
+pipeline's stage methods (``encode_text``, ``sample_image_embeds``, ``decode``, ``upsample``).
+Reported per stage: wall seconds, the share of the whole call, and the operators with the most
+self CPU time. Then the same with the decoder and upsampler in channels-last (``pipe.to(
+memory_format=torch.channels_last)``), the CPU speed option that applies on this machine.
+
+Writes ``benchmarks/results/bench_sampling_profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import common
+import models
+import torch
+
+PROMPT = "a red circle to the left of a blue square"
+
+
+def profile(fn, top: int) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()  # warm-up: oneDNN primitives, allocator
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    wall = time.perf_counter() - t0
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return {
+        "wall_s": wall,
+        "top": [
+            {
+                "op": e.key,
+                "self_ms": e.self_cpu_time_total / 1e3,
+                "share": e.self_cpu_time_total / total,
+            }
+            for e in events[:top]
+        ],
+    }
+
+
+def stages(pipe, steps: dict, top: int) -> dict:
+    sampling = {k: {"steps": v} for k, v in steps.items()}
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    text = pipe.encode_text([PROMPT])
+    embeds = pipe.sample_image_embeds(text, generator=gen(), sampling=sampling, progress=False)
+    image = pipe.decode(embeds, text, generator=gen(), sampling=sampling, progress=False)
+    out = {
+        "text encoding": profile(lambda: pipe.encode_text([PROMPT]), top),
+        "prior": profile(
+            lambda: pipe.sample_image_embeds(
+                text, generator=gen(), sampling=sampling, progress=False
+            ),
+            top,
+        ),
+        "decoder": profile(
+            lambda: pipe.decode(embeds, text, generator=gen(), sampling=sampling, progress=False),
+            top,
+        ),
+        "upsampler": profile(
+            lambda: pipe.upsample(image, generator=gen(), sampling=sampling, progress=False), top
+        ),
+    }
+    total = sum(s["wall_s"] for s in out.values())
+    for s in out.values():
+        s["share_of_call"] = s["wall_s"] / total
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="prior 10, decoder 5, upsampler 3 steps")
+    p.add_argument("--top", type=int, default=8, help="operators per stage")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    steps = (
+        {"prior": 10, "decoder": 5, "upsampler": 3}
+        if args.quick
+        else {"prior": 25, "decoder": 25, "upsampler": 7}
+    )
+    pipe = models.mid_pipeline()
+    result = {"machine": common.machine(), "steps": steps, "variants": {}}
+    result["variants"]["default"] = stages(pipe, steps, args.top)
+    pipe.to(memory_format=torch.channels_last)
+    result["variants"]["channels_last"] = stages(pipe, steps, args.top)
+    name = "bench_sampling_profile_quick" if args.quick else "bench_sampling_profile"
+    return common.finish(name, result, started, report)
+
+
+def report(r: dict) -> str:
+    out = [f"machine: {common.machine_line(r['machine'])}"]
+    default, cl = r["variants"]["default"], r["variants"]["channels_last"]
+    rows = [
+        {
+            "stage": k,
+            "s": v["wall_s"],
+            "share": f"{v['share_of_call']:.1%}",
+            "cl_s": cl[k]["wall_s"],
+            "speedup": v["wall_s"] / cl[k]["wall_s"],
+        }
+        for k, v in default.items()
+    ]
+    cols = [
+        ("stage", "stage"),
+        ("s (profiled)", "s"),
+        ("share of the call", "share"),
+        ("channels-last s", "cl_s"),
+        ("channels-last speedup (one run)", "speedup"),
+    ]
+    steps = r["steps"]
+    out.append(
+        common.table(
+            rows,
+            cols,
+            f"mid model, one image, prior {steps['prior']} / decoder {steps['decoder']} / "
+            f"super-res {steps['upsampler']} steps, fp32, 1 thread",
+        )
+    )
+    for k, v in default.items():
+        prow = [{"op": t["op"], "ms": t["self_ms"], "share": f"{t['share']:.1%}"} for t in v["top"]]
+        out.append(
+            common.table(
+                prow, [("op", "op"), ("self ms", "ms"), ("share", "share")], f"{k}: top ops"
+            )
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
