@@ -120,6 +120,11 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
     }
 
 
+def _thin(curve: list) -> list:
+    """About 200 points of a loss curve (the results file stays small)."""
+    return curve[:: max(1, len(curve) // 200)]
+
+
 def _np_load(path):
     import numpy as np
 
@@ -157,7 +162,7 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
         "params": params,
         "train_cpu_seconds": cpu,
         "train_wall_seconds": wall,
-        "loss_curve": [(r["step"], r["loss"]) for r in records if "loss" in r],
+        "loss_curve": _thin([(r["step"], r["loss"]) for r in records if "loss" in r]),
         **evaluate("diffusion", out / "final", clip, captions, truth, text, 1),
     }
 
@@ -253,7 +258,7 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
         "params": sum(p.numel() for p in prior.net.parameters()),
         "train_cpu_seconds": cpu_s,
         "train_wall_seconds": wall,
-        "loss_curve": curve[:: max(1, len(curve) // 200)],
+        "loss_curve": _thin(curve),
         "cos_to_true_image_embed": float(F.cosine_similarity(emb, truth).mean()),
         "cos_to_text_embed": float(F.cosine_similarity(emb, text_embed).mean()),
         "seconds_per_embedding": seconds / n,
