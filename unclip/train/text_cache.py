@@ -2,8 +2,8 @@
 
 The prior conditions on the CLIP's encoding of each caption (pooled embedding and token states).
 The CLIP is frozen while the prior trains, so a caption seen again — repeated captions, a second
-epoch, the shapes world's finite vocabulary — would be encoded to the same numbers again; on the
-shapes prior the encoding is about a fifth of a training step (benchmarks/README.md).
+epoch, the shapes world's finite vocabulary — would be encoded to the same numbers again; in the
+mid-size prior of ``benchmarks/bench_peers.py`` the encoding was 18 % of a training step.
 
 The cache is exact. Captions it does not hold are encoded in batches of one fixed size (the
 micro-batch size), padded with the empty caption: within a batch of fixed shape a row's encoding
