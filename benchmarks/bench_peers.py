@@ -58,14 +58,6 @@ import torch
 
 LIBS = ("unclip", "dalle2")
 STAGES = ("prior", "decoder", "upsampler")
-CAPTIONS = [
-    "a small red circle on the left",
-    "a big blue square in the center",
-    "a green triangle at the top",
-    "a red circle to the left of a green triangle",
-    "a yellow star",
-    "two blue squares",
-]
 CAPTION_TOKENS = 12  # DALLE2 is fed token encodings this long (the rest zero = padding, as its
 # prior and decoder read it)
 
@@ -200,7 +192,7 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
 
     clip.encode_text = timed_encode
     gen = torch.Generator().manual_seed(1)
-    batch = {"caption": [CAPTIONS[i % len(CAPTIONS)] for i in range(b)]}
+    batch = {"caption": common.captions(b)}
     if stage in ("prior", "decoder"):
         batch["image_embed"] = torch.nn.functional.normalize(
             torch.randn(b, clip.embed_dim, generator=gen), dim=-1
@@ -216,6 +208,7 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
     section = {"prior": "prior", "decoder": "decoder", "upsampler": "upsampler"}[stage]
     return {
         "step": step,
+        "loop": loop,
         "text_encode_s": lambda: clock["s"],
         "params": _count(loop.trainable),
         "config": {**data[section], "diffusion": data["diffusion"], "clip": s["clip"]},
@@ -343,31 +336,6 @@ def build_dalle2(stage: str, spec: dict, workdir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ worker
-def profile_step(step, top: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    wall = time.perf_counter() - t0
-    events = list(prof.key_averages())
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    return {
-        "wall_s_profiled": wall,
-        "self_cpu_ms_total": total / 1e3,
-        "top": [
-            {
-                "op": e.key,
-                "self_cpu_ms": e.self_cpu_time_total / 1e3,
-                "share": e.self_cpu_time_total / total,
-                "calls": e.count,
-            }
-            for e in events[:top]
-        ],
-    }
-
-
 def worker(lib: str, stage: str, spec: dict) -> int:
     """One library, one stage: build, then answer the parent's commands (one JSON line each)."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -413,7 +381,7 @@ def worker(lib: str, stage: str, spec: dict) -> int:
                 peak = _maxrss_mb()
                 send({"rss_peak_mb": peak, "rss_step_increase_mb": peak - rss_built})
             elif cmd["cmd"] == "profile":
-                send(profile_step(built["step"], cmd["top"]))
+                send(common.profile_top(built["step"], cmd["top"]))
             else:
                 break
     finally:

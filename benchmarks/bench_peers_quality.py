@@ -67,6 +67,7 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
     """The training rows (``unclip embed`` of the shapes world, float32), every caption's CLIP
     encoding for DALLE2 (token states zeroed beyond the caption, as DALLE2 reads padding), and the
     held-out evaluation set."""
+    import numpy as np
     from bench_ar_prior import CLIP_FOLDER, eval_set
 
     from unclip.train.embed import EmbedJob, embed
@@ -91,7 +92,7 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
         for line in f.read_text().splitlines()
     ]
     images = torch.cat(
-        [torch.from_numpy(_np_load(f)) for f in sorted((emb / "img_emb").glob("*.npy"))]
+        [torch.from_numpy(np.load(f)) for f in sorted((emb / "img_emb").glob("*.npy"))]
     )
     train_captions = [m["caption"] for m in meta]
     unique = sorted(set(train_captions))
@@ -123,12 +124,6 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
 def _thin(curve: list) -> list:
     """About 200 points of a loss curve (the results file stays small)."""
     return curve[:: max(1, len(curve) // 200)]
-
-
-def _np_load(path):
-    import numpy as np
-
-    return np.load(path)
 
 
 # --------------------------------------------------------------------------------------- unclip

@@ -29,27 +29,8 @@ PROMPT = "a red circle to the left of a blue square"
 
 
 def profile(fn, top: int) -> dict:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     fn()  # warm-up: oneDNN primitives, allocator
-    t0 = time.perf_counter()
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    wall = time.perf_counter() - t0
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    return {
-        "wall_s": wall,
-        "top": [
-            {
-                "op": e.key,
-                "self_ms": e.self_cpu_time_total / 1e3,
-                "share": e.self_cpu_time_total / total,
-            }
-            for e in events[:top]
-        ],
-    }
+    return common.profile_top(fn, top)
 
 
 def stages(pipe, steps: dict, top: int) -> dict:
@@ -74,9 +55,9 @@ def stages(pipe, steps: dict, top: int) -> dict:
             lambda: pipe.upsample(image, generator=gen(), sampling=sampling, progress=False), top
         ),
     }
-    total = sum(s["wall_s"] for s in out.values())
+    total = sum(s["wall_s_profiled"] for s in out.values())
     for s in out.values():
-        s["share_of_call"] = s["wall_s"] / total
+        s["share_of_call"] = s["wall_s_profiled"] / total
     return out
 
 
@@ -107,10 +88,10 @@ def report(r: dict) -> str:
     rows = [
         {
             "stage": k,
-            "s": v["wall_s"],
+            "s": v["wall_s_profiled"],
             "share": f"{v['share_of_call']:.1%}",
-            "cl_s": cl[k]["wall_s"],
-            "speedup": v["wall_s"] / cl[k]["wall_s"],
+            "cl_s": cl[k]["wall_s_profiled"],
+            "speedup": v["wall_s_profiled"] / cl[k]["wall_s_profiled"],
         }
         for k, v in default.items()
     ]
@@ -131,7 +112,9 @@ def report(r: dict) -> str:
         )
     )
     for k, v in default.items():
-        prow = [{"op": t["op"], "ms": t["self_ms"], "share": f"{t['share']:.1%}"} for t in v["top"]]
+        prow = [
+            {"op": t["op"], "ms": t["self_cpu_ms"], "share": f"{t['share']:.1%}"} for t in v["top"]
+        ]
         out.append(
             common.table(
                 prow, [("op", "op"), ("self ms", "ms"), ("share", "share")], f"{k}: top ops"

@@ -40,8 +40,6 @@ VARIANTS = {
 def measure(stage: str, quick: bool, rounds: int, steps: int) -> dict:
     import bench_peers
 
-    from unclip.train.loop import TrainLoop
-
     setup = bench_peers.SETUPS["quick" if quick else "full"]
     spec = {
         "size": setup["size"],
@@ -49,19 +47,8 @@ def measure(stage: str, quick: bool, rounds: int, steps: int) -> dict:
         "upsampler_sizes": list(setup["upsampler_sizes"]),
         "unclip_upsampler": setup["unclip_upsampler"],
     }
-    captured = []
-    real_init = TrainLoop.__init__
-
-    def capture(self, *args, **kwargs):  # the loop bench_peers builds, to switch its options
-        real_init(self, *args, **kwargs)
-        captured.append(self)
-
-    TrainLoop.__init__ = capture
-    try:
-        built = bench_peers.build_unclip(stage, spec, tempfile.mkdtemp(prefix="bench-opts-"))
-    finally:
-        TrainLoop.__init__ = real_init
-    loop = captured[0]
+    built = bench_peers.build_unclip(stage, spec, tempfile.mkdtemp(prefix="bench-opts-"))
+    loop = built["loop"]
     optimizer = getattr(loop.optimizer, "optimizer", loop.optimizer)
 
     def use(variant: str) -> None:

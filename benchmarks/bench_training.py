@@ -35,14 +35,6 @@ import common
 import models
 import torch
 
-CAPTIONS = [
-    "a small red circle on the left",
-    "a big blue square in the center",
-    "a green triangle at the top",
-    "a red circle to the left of a green triangle",
-    "a yellow star",
-    "two blue squares",
-]
 DEFAULT_BATCH = {"tiny": 8, "small": 8, "mid": 2}
 
 
@@ -120,7 +112,7 @@ def build(spec: dict):
     null = clip.encode_text([""])
     sched = training_scheduler(cfg.diffusion)
     gen = torch.Generator().manual_seed(1)
-    captions = [CAPTIONS[i % len(CAPTIONS)] for i in range(b)]
+    captions = common.captions(b)
     embeds = torch.nn.functional.normalize(torch.randn(b, clip.embed_dim, generator=gen), dim=-1)
     if stage == "prior":
         batch = {"caption": captions, "image_embed": embeds}

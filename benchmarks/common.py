@@ -21,6 +21,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
+# the captions of the training benchmarks' fixed batches (shapes-world phrasing)
+CAPTIONS = [
+    "a small red circle on the left",
+    "a big blue square in the center",
+    "a green triangle at the top",
+    "a red circle to the left of a green triangle",
+    "a yellow star",
+    "two blue squares",
+]
+
+
+def captions(n: int) -> list[str]:
+    """``n`` captions for a benchmark batch: :data:`CAPTIONS` over and over."""
+    return [CAPTIONS[i % len(CAPTIONS)] for i in range(n)]
+
 
 # ------------------------------------------------------------------------------------------ machine
 def machine() -> dict:
@@ -260,3 +275,30 @@ def stage_runners(pipe, prompts: list, steps: dict):
         return lambda: p.upsample(small, generator=g(), sampling=sampling, progress=False)
 
     return sampling, stage_fn, {"text": text, "embeds": embeds, "small": small}
+
+
+def profile_top(step: Callable[[], object], top: int) -> dict:
+    """One call of ``step`` under ``torch.profiler`` (CPU): its wall seconds, the total self CPU
+    milliseconds and the ``top`` operators by self CPU time (share of the total, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    wall = time.perf_counter() - t0
+    events = list(prof.key_averages())
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {
+        "wall_s_profiled": wall,
+        "self_cpu_ms_total": total / 1e3,
+        "top": [
+            {
+                "op": e.key,
+                "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                "share": e.self_cpu_time_total / total,
+                "calls": e.count,
+            }
+            for e in events[:top]
+        ],
+    }

@@ -131,14 +131,18 @@ class TextEncodingCache:
         return same
 
     def _keep(self, caption: str, row: Row) -> None:
-        size = sum(t.numel() * t.element_size() for t in row)
+        size = _nbytes(row)
         if size > self.max_bytes:
             return
         self.rows[caption] = row
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, old = self.rows.popitem(last=False)
-            self.bytes -= sum(t.numel() * t.element_size() for t in old)
+            self.bytes -= _nbytes(old)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+def _nbytes(row: Row) -> int:
+    return sum(t.numel() * t.element_size() for t in row)
