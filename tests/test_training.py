@@ -158,6 +158,56 @@ def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
         train("decoder", tmp_path / "bad2", *tiny, f"train.init_weights={tmp_path / 'nowhere'}")
 
 
+def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(trained, tmp_path):
+    """``train.init_weights_partial`` fine-tunes a changed architecture: a decoder given its own
+    caption transformer starts from a CLIP-token decoder's weights — every tensor that fits by name
+    and shape is loaded, the caption transformer keeps its fresh initialisation. Without the flag
+    the mismatch is refused, naming the flag; weights of which nothing fits are an error."""
+    src = trained / "decoder" / "final" / "decoder"
+    tiny = [
+        "train.max_steps=1",
+        "train.lr=1e-9",
+        "train.min_lr=1e-9",
+        "train.warmup_steps=0",
+        "train.ema=false",
+    ]
+    own = [  # width 32 = the tiny CLIP's text width, so the caption projections fit too
+        "decoder.text_encoder=transformer",
+        "decoder.text_encoder_width=32",
+        "decoder.text_encoder_layers=1",
+        "decoder.text_encoder_heads=2",
+        "decoder.text_context_length=16",
+    ]
+    with pytest.raises(ValueError, match="init_weights_partial"):
+        train("decoder", tmp_path / "strict", *tiny, *own, f"train.init_weights={src}")
+    partial = [f"train.init_weights={src}", "train.init_weights_partial=true"]
+    assert train("decoder", tmp_path / "ft", *tiny, *own, *partial) == 0
+    assert train("decoder", tmp_path / "scratch", *tiny, *own) == 0
+    init = weights(src)
+    ft = weights(tmp_path / "ft" / "final" / "decoder")
+    scratch = weights(tmp_path / "scratch" / "final" / "decoder")
+    loaded = [k for k in ft if k in init]
+    fresh = [k for k in ft if k not in init]
+    assert len(loaded) == len(init) and fresh
+    assert all(k.startswith("text_transformer.") for k in fresh), fresh[:3]
+    assert max(float((init[k] - ft[k]).abs().max()) for k in loaded) < 1e-5
+    # the new part is the same fresh initialisation as a run from scratch (same seed)
+    assert max(float((scratch[k] - ft[k]).abs().max()) for k in fresh) < 1e-5
+    from safetensors.torch import save_file
+
+    alien = tmp_path / "alien.safetensors"
+    save_file({"something.else": torch.zeros(3)}, str(alien))
+    with pytest.raises(ValueError, match="no tensor fits"):
+        train(
+            "decoder",
+            tmp_path / "alien",
+            *tiny,
+            *own,
+            f"train.init_weights={alien}",
+            "train.init_weights_partial=true",
+        )
+
+
 def test_checkpoints_keep_last_and_sample_grid(tmp_path):
     assert (
         train(

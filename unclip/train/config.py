@@ -179,7 +179,10 @@ class TrainConfig:
     training stops after that many optimizer steps in a row were skipped for a non-finite loss or
     gradient. ``init_weights``: start from these weights instead of a random initialisation
     (fine-tuning): a component folder (e.g. ``final/decoder`` of an earlier run, or ``decoder/`` of
-    a pipeline folder) or a ``.safetensors`` file; the model config must match. ``--resume`` still
+    a pipeline folder) or a ``.safetensors`` file; the model config must match, unless
+    ``init_weights_partial``: then the tensors that fit by name and shape are loaded and the rest
+    keep their fresh initialisation (e.g. a decoder given its own caption transformer, fine-tuned
+    from one that read CLIP token states; the log lists what was left out). ``--resume`` still
     wins: a checkpoint, when one is found, replaces them. ``sample_every``: write a grid of samples
     from the EMA weights to ``samples/`` every that many steps (stages that have a sample grid; 0:
     never). ``optimizer``: ``adamw`` (torch), ``adamw8bit`` (bitsandbytes' 8-bit AdamW: its
@@ -205,6 +208,7 @@ class TrainConfig:
     output_dir: str = "runs/experiment"
     seed: int = 0
     init_weights: Optional[str] = None
+    init_weights_partial: bool = False
     max_steps: int = 100_000
     optimizer: Literal["adamw", "adamw8bit", "soap", "kl_shampoo"] = "adamw"
     # SOAP's paper and DALL-E Mega's Shampoo refresh the preconditioner every 10 steps; the other

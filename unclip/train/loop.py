@@ -90,11 +90,14 @@ __all__ = [
 logger = logging.getLogger("unclip.train")
 
 
-def load_initial_weights(model: torch.nn.Module, path) -> Path:
+def load_initial_weights(model: torch.nn.Module, path, partial: bool = False) -> Path:
     """Load a component's weights (a component folder, or a ``.safetensors`` file) into ``model``.
 
     Every tensor of the model must be present with the same shape (the configs must match); dtypes
-    are converted (e.g. fp16 shipped weights into an fp32 model). Returns ``path``."""
+    are converted (e.g. fp16 shipped weights into an fp32 model). With ``partial`` the tensors whose
+    name and shape fit are loaded and the model's others keep their fresh initialisation (a changed
+    or added part, e.g. a decoder given its own caption transformer); what was left out is logged,
+    and weights of which nothing fits are an error. Returns ``path``."""
     from safetensors.torch import load_file
 
     from unclip.io import load_weights, state_mismatch
@@ -111,12 +114,30 @@ def load_initial_weights(model: torch.nn.Module, path) -> Path:
         {k: tuple(v.shape) for k, v in state.items()},
         "in the model",
     )
-    if problems:
+    if problems and not partial:
         raise ValueError(
             f"init_weights {path} do not fit this model: {problems}"
-            ". The stage config must describe the same architecture (and CLIP) as the weights."
+            ". The stage config must describe the same architecture (and CLIP) as the weights"
+            " (or set train.init_weights_partial to load only the tensors that fit)."
         )
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+    fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
+    if not fits:
+        raise ValueError(
+            f"init_weights {path}: no tensor fits this model by name and shape ({problems}); "
+            "are they weights of this stage?"
+        )
+    if problems:
+        fresh = sum(own[k].numel() for k in own if k not in fits)
+        logger.warning(
+            "init_weights %s loaded partially: %d of the model's %d tensors; %s parameters keep "
+            "their fresh initialisation (%s)",
+            path,
+            len(fits),
+            len(own),
+            f"{fresh:,}",
+            problems,
+        )
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in fits.items()}, strict=not problems)
     return path
 
 
@@ -349,7 +370,7 @@ class TrainLoop:
         those with fewer than 2 dimensions: biases, norms). Returns the wrapped model."""
         t = self.cfg.train
         if t.init_weights:
-            src = load_initial_weights(model, t.init_weights)
+            src = load_initial_weights(model, t.init_weights, partial=t.init_weights_partial)
             logger.info("initial weights from %s", src)
         if getattr(t, "lora", None) is not None:  # freezes the base: the optimizer sees the adapter
             from unclip.train.lora import add_training_adapter
