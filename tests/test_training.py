@@ -158,7 +158,9 @@ def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
         train("decoder", tmp_path / "bad2", *tiny, f"train.init_weights={tmp_path / 'nowhere'}")
 
 
-def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(trained, tmp_path):
+def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(
+    trained, tmp_path, caplog
+):
     """``train.init_weights_partial`` fine-tunes a changed architecture: a decoder given its own
     caption transformer starts from a CLIP-token decoder's weights — every tensor that fits by name
     and shape is loaded, the caption transformer keeps its fresh initialisation. Without the flag
@@ -181,7 +183,9 @@ def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(train
     with pytest.raises(ValueError, match="init_weights_partial"):
         train("decoder", tmp_path / "strict", *tiny, *own, f"train.init_weights={src}")
     partial = [f"train.init_weights={src}", "train.init_weights_partial=true"]
-    assert train("decoder", tmp_path / "ft", *tiny, *own, *partial) == 0
+    with caplog.at_level("WARNING", logger="unclip.train"):
+        assert train("decoder", tmp_path / "ft", *tiny, *own, *partial) == 0
+    assert "loaded partially" in caplog.text and "text_transformer." in caplog.text
     assert train("decoder", tmp_path / "scratch", *tiny, *own) == 0
     init = weights(src)
     ft = weights(tmp_path / "ft" / "final" / "decoder")
@@ -193,6 +197,16 @@ def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(train
     assert max(float((init[k] - ft[k]).abs().max()) for k in loaded) < 1e-5
     # the new part is the same fresh initialisation as a run from scratch (same seed)
     assert max(float((scratch[k] - ft[k]).abs().max()) for k in fresh) < 1e-5
+    # a caption width unlike the CLIP's: its projections have another shape and stay fresh too
+    caplog.clear()
+    wide = [*own[:1], "decoder.text_encoder_width=48", *own[2:]]
+    assert train("decoder", tmp_path / "wide", *tiny, *wide, *partial) == 0
+    assert "loaded partially" in caplog.text and "of another shape" in caplog.text
+    ft48 = weights(tmp_path / "wide" / "final" / "decoder")
+    reshaped = [k for k in init if ft48[k].shape != init[k].shape]
+    assert reshaped and all(k.startswith(("text_to_time.", "text_tokens_proj.")) for k in reshaped)
+    same = [k for k in init if k not in reshaped]
+    assert max(float((init[k] - ft48[k]).abs().max()) for k in same) < 1e-5
     from safetensors.torch import save_file
 
     alien = tmp_path / "alien.safetensors"
@@ -206,6 +220,38 @@ def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(train
             f"train.init_weights={alien}",
             "train.init_weights_partial=true",
         )
+
+
+def test_partial_init_loads_the_ar_prior_fit_whole_or_not_at_all(tmp_path):
+    """The AR prior's quantiser fit (PCA, bucket edges, the "fitted" flag) is one unit: a partial
+    load that cannot place all of it leaves the prior unfitted, so training refits it instead of
+    using a half-loaded fit; options that cannot work together are refused."""
+    from safetensors.torch import save_file
+
+    from unclip.ar_prior import UnCLIPARPrior
+    from unclip.train.config import ConfigError, LoraTrainConfig, TrainConfig
+    from unclip.train.loop import load_initial_weights
+
+    def prior(pca_dims):
+        torch.manual_seed(0)
+        kw = dict(embed_dim=8, text_width=8, context_length=4, num_layers=1)
+        return UnCLIPARPrior(**kw, num_attention_heads=2, attention_head_dim=4, pca_dims=pca_dims)
+
+    src = prior(4)
+    src.fitted.fill_(1.0)
+    src.pca_mean.normal_()
+    save_file(src.state_dict(), str(tmp_path / "p.safetensors"))
+    same = prior(4)
+    load_initial_weights(same, tmp_path / "p.safetensors", partial=True)
+    assert same.is_fitted and torch.equal(same.pca_mean, src.pca_mean)
+    other = prior(6)  # pca_components / bucket_edges of another shape: the fit cannot load whole
+    load_initial_weights(other, tmp_path / "p.safetensors", partial=True)
+    assert not other.is_fitted and not other.pca_mean.any()
+    with pytest.raises(ConfigError, match="init_weights_partial"):
+        TrainConfig(init_weights_partial=True).validate()
+    lora = LoraTrainConfig(rank=4)
+    with pytest.raises(ConfigError, match="would never train"):
+        TrainConfig(init_weights="w", init_weights_partial=True, lora=lora).validate()
 
 
 def test_checkpoints_keep_last_and_sample_grid(tmp_path):

@@ -228,6 +228,9 @@ class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):
     [B, P, K]``; :meth:`encode`/:meth:`decode` map image embeddings ``[B, D]`` to codes and back
     once :meth:`fit_quantizer` has set the PCA and bucket edges."""
 
+    #: buffers a partial ``train.init_weights`` loads all together or not at all (the fit)
+    _load_together = (("pca_mean", "pca_components", "bucket_edges", "dot_edges", "fitted"),)
+
     @register_to_config
     def __init__(
         self,
@@ -271,7 +274,9 @@ class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):
             normformer=normformer,
             ff_activation=ff_activation,
         )
-        # the fit, set from training embeddings by fit_quantizer; saved with the weights
+        # the fit, set from training embeddings by fit_quantizer; saved with the weights; a partial
+        # train.init_weights loads these buffers together or not at all, so a half-loaded fit is
+        # never taken for a fitted one
         self.register_buffer("pca_mean", torch.zeros(embed_dim))
         self.register_buffer("pca_components", torch.eye(embed_dim)[:p].clone())
         self.register_buffer("bucket_edges", torch.zeros(p, num_buckets + 1))

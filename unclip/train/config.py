@@ -322,6 +322,17 @@ class TrainConfig:
         check_at_least("train.log_every", self.log_every, 1)
         check_at_least("train.sample_every", self.sample_every, 0)
         check_at_least("train.max_consecutive_nonfinite", self.max_consecutive_nonfinite, 1)
+        if self.init_weights_partial and not self.init_weights:
+            raise ConfigError(
+                "train.init_weights_partial applies to train.init_weights, which is not set; set "
+                "both or neither"
+            )
+        if self.lora is not None and self.init_weights_partial:
+            raise ConfigError(
+                "train.lora freezes the loaded weights, so tensors a partial train.init_weights "
+                "leaves fresh would never train; fine-tune with init_weights_partial first, then "
+                "train an adapter of the result"
+            )
         if self.lora is not None:
             self.lora.validate()
             if not self.init_weights:

@@ -121,6 +121,14 @@ def load_initial_weights(model: torch.nn.Module, path, partial: bool = False) ->
             " (or set train.init_weights_partial to load only the tensors that fit)."
         )
     fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
+    for prefix, module in model.named_modules():
+        # tensors that only mean something together (e.g. the AR prior's quantiser fit and its
+        # "fitted" flag): all of them load, or none and the module keeps its fresh state
+        for group in getattr(module, "_load_together", ()):
+            keys = [f"{prefix}.{name}" if prefix else name for name in group]
+            if not all(k in fits for k in keys):
+                for k in keys:
+                    fits.pop(k, None)
     if not fits:
         raise ValueError(
             f"init_weights {path}: no tensor fits this model by name and shape ({problems}); "

@@ -1,0 +1,145 @@
+"""Seconds per image of the bundled shapes model, per stage, at its defaults and at other settings.
+
+    python benchmarks/bench_shapes_speed.py                 # results/bench_shapes_speed.json
+    python benchmarks/bench_shapes_speed.py --quick         # 4 images, 1 round
+    python benchmarks/bench_shapes_speed.py --variant fast='{"decoder": {"steps": 10}}'
+
+Images are sampled as the evaluator samples them (held-out prompts, half single-object and half
+two-object, one generator per image) in batches of ``--batch`` (16: the figure docs/shapes_model.md
+quotes), every variant once per round in alternating order (after one untimed call each), in fp32
+with the default layout and with channels-last (the networks' activations NHWC;
+``--no-channels-last``: default layout only); the figure is the median over rounds of seconds per
+image, per stage and end to end. ``--cli`` also times the README's first command (four images,
+including starting Python and loading the model) as a subprocess. Quality at the same settings is
+measured by ``unclip shapes-eval --sampling`` (docs/shapes_model.md); this script measures time
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+import common
+import torch
+
+from unclip.pipeline import UnCLIPPipeline
+from unclip.shapes.evaluate import heldout_samples
+
+README_COMMAND = ["generate", "a small red circle on the left", "--num-images", "4", "--seed", "0"]
+
+
+def sample(pipe, captions, sampling) -> dict[str, float]:
+    """One batch; the pipeline's per-stage seconds plus the whole call's, per image."""
+    gens = [torch.Generator().manual_seed(i) for i in range(len(captions))]
+    t0 = time.perf_counter()
+    out = pipe(captions, generator=gens, sampling=sampling, output_type="pt", progress=False)
+    total = time.perf_counter() - t0
+    per = {k: v / len(captions) for k, v in out.timings.items()}
+    per["end_to_end"] = total / len(captions)
+    return per
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled model)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="sampling overrides per stage to time beside the defaults (repeatable)",
+    )
+    p.add_argument("--no-channels-last", action="store_true", help="fp32 NCHW only")
+    p.add_argument("--cli", action="store_true", help="also time the README's first command")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="bench_shapes_speed")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.rounds = 4, 1
+    settings = {"defaults": None}
+    for v in args.variant:
+        name, _, text = v.partition("=")
+        try:
+            settings[name] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            p.error(f"--variant {v!r}: the part after '=' must be JSON ({exc})")
+    if args.quick and args.out == "bench_shapes_speed":
+        args.out = "bench_shapes_speed_quick"
+    pipe = (
+        UnCLIPPipeline.from_pretrained(args.model)
+        if args.model
+        else UnCLIPPipeline.from_pretrained()
+    )
+    for name, sampling in settings.items():
+        try:
+            pipe.sampling_settings(sampling)
+        except (TypeError, ValueError) as exc:
+            p.error(f"--variant {name}: {exc}")
+    samples = heldout_samples(args.batch // 2 + args.batch % 2)
+    half = args.batch // 2
+    captions = [s.caption for s in samples[: args.batch - half]]
+    captions += [s.caption for s in samples[len(samples) // 2 :][:half]]
+    formats = [("nchw", torch.contiguous_format)]
+    if not args.no_channels_last:
+        formats.append(("channels_last", torch.channels_last))
+    runs = {
+        f"{name}/{fmt}": (sampling, mf)
+        for name, sampling in settings.items()
+        for fmt, mf in formats
+    }
+    times: dict[str, list[dict]] = {k: [] for k in runs}
+    common.log(f"{len(runs)} variants x {args.rounds} rounds, batch {args.batch}")
+    for sampling, mf in runs.values():  # warm-up: each variant's schedulers, layouts, allocations
+        pipe.to(memory_format=mf)
+        sample(pipe, captions[:2], sampling)
+    for i in range(args.rounds):
+        for key in common.rounds_order(list(runs), i):
+            sampling, mf = runs[key]
+            pipe.to(memory_format=mf)
+            times[key].append(sample(pipe, captions, sampling))
+            common.log(f"round {i} {key}: {times[key][-1]['end_to_end']:.3f} s/image")
+    pipe.to(memory_format=torch.contiguous_format)
+    table = {
+        key: {stage: round(common.median([r[stage] for r in rs]), 4) for stage in rs[0]}
+        for key, rs in times.items()
+    }
+    result = {
+        "machine": common.machine(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "variants": {k: v for k, v in settings.items()},
+        "sampling_defaults": {k: vars(v) for k, v in pipe.sampling_settings(None).items()},
+        "seconds_per_image_median": table,
+        "per_round": times,
+    }
+    if args.cli:
+        walls = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for _ in range(args.rounds):
+                cmd = [sys.executable, "-m", "unclip.cli", *README_COMMAND, "--out", tmp]
+                if args.model:
+                    cmd += ["--model", args.model]
+                t0 = time.perf_counter()
+                subprocess.run(cmd, check=True, capture_output=True)
+                walls.append(time.perf_counter() - t0)
+        result["readme_command_seconds"] = {"median": round(common.median(walls), 2), "runs": walls}
+    print(f"{'variant':32s} " + " ".join(f"{s:>10s}" for s in next(iter(table.values()))))
+    for key, row in table.items():
+        print(f"{key:32s} " + " ".join(f"{v:10.3f}" for v in row.values()))
+    if args.cli:
+        wall = result["readme_command_seconds"]["median"]
+        print(f"README command (4 images, with loading): {wall} s")
+    path = common.write_json(args.out, result)
+    common.log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
