@@ -59,6 +59,18 @@ def test_fake_cuda_step_of_every_tiny_stage(name):
     assert 0 < m.autocast_copies <= m.weights / 2 * 1.1
 
 
+def test_plan_of_a_partial_fine_tune_measures_the_fresh_architecture(tmp_path):
+    """A dry run ignores init_weights (nothing is read); with init_weights_partial set too, it
+    still plans the config's architecture instead of refusing the partial flag alone."""
+    extra = [f"train.init_weights={tmp_path}", "train.init_weights_partial=true"]
+    m = measure_step(tiny("decoder", "train.mixed_precision=no", *extra))
+    assert m.params_trainable == measured_fp32_decoder().params_trainable > 0
+
+
+def measured_fp32_decoder():
+    return measured("decoder", "train.mixed_precision=no")
+
+
 def test_fp32_run_makes_no_autocast_copies():
     m = measure_step(tiny("sr32", "train.mixed_precision=no"))
     assert m.mixed_precision == "no" and m.autocast_copies == 0

@@ -287,6 +287,7 @@ def measure_step(
         cfg.data.batch_size = micro_batch
     cfg.clip.pretrained = None  # shapes only: nothing is downloaded or read
     cfg.train.init_weights = None
+    cfg.train.init_weights_partial = False
     cfg.train.trackers = []
     cfg.train.progress = False
     steps = accumulation or min(cfg.train.grad_accum_steps, 2)
