@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         "machine": common.machine(),
         "batch": args.batch,
         "rounds": args.rounds,
-        "variants": {k: v for k, v in settings.items()},
+        "variants": dict(settings),
         "sampling_defaults": {k: vars(v) for k, v in pipe.sampling_settings(None).items()},
         "seconds_per_image_median": table,
         "per_round": times,

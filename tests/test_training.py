@@ -25,6 +25,15 @@ CFG = {
     "sr64": CONFIGS / "tiny" / "sr64.yaml",
 }
 QUIET = ["train.progress=false"]
+# one optimizer step that barely moves the weights: the exported weights are the initial ones
+STILL_STEP = [
+    "train.max_steps=1",
+    "train.lr=1e-9",
+    "train.min_lr=1e-9",
+    "train.warmup_steps=0",
+    "train.ema=false",
+    "train.log_every=1",
+]
 
 
 def train(stage, out, *overrides, args=()):
@@ -121,14 +130,7 @@ def test_init_weights_starts_from_an_exported_component(trained, tmp_path):
     or a fp16 ``.safetensors`` file as shipped), so its first loss is that of the trained model;
     weights that do not fit the config, or a wrong path, are refused with a clear error."""
     src = trained / "decoder" / "final" / "decoder"
-    tiny = [
-        "train.max_steps=1",
-        "train.lr=1e-9",
-        "train.min_lr=1e-9",
-        "train.warmup_steps=0",
-        "train.ema=false",
-        "train.log_every=1",
-    ]
+    tiny = STILL_STEP
     assert train("decoder", tmp_path / "scratch", *tiny) == 0
     assert train("decoder", tmp_path / "ft", *tiny, f"train.init_weights={src}") == 0
     init, ft, scratch = (
@@ -166,13 +168,7 @@ def test_partial_init_weights_give_the_decoder_its_own_caption_transformer(
     and shape is loaded, the caption transformer keeps its fresh initialisation. Without the flag
     the mismatch is refused, naming the flag; weights of which nothing fits are an error."""
     src = trained / "decoder" / "final" / "decoder"
-    tiny = [
-        "train.max_steps=1",
-        "train.lr=1e-9",
-        "train.min_lr=1e-9",
-        "train.warmup_steps=0",
-        "train.ema=false",
-    ]
+    tiny = STILL_STEP
     own = [  # width 32 = the tiny CLIP's text width, so the caption projections fit too
         "decoder.text_encoder=transformer",
         "decoder.text_encoder_width=32",
