@@ -315,3 +315,49 @@ def test_shapes_eval_recipe_reports_every_stage_and_writes_report_and_grid(
     report = json.loads(oracle.read_text())
     assert list(report["stages"]) == ["decoder"] and report["seconds_per_image"]["prior"] == 0.0
     assert report["prior_cosine_with_true_embed"] > 0.999  # the true embeddings were used
+
+
+def test_shapes_eval_upsamplers_alone_take_the_true_renders(tiny_pipe, tmp_path, one_thread):
+    """``--stages upsamplers``: no prior or decoder runs; the upsamplers get the held-out scenes'
+    true renders at the decoder's resolution (scored as stage ``renders``), and the final images are
+    exactly the upsamplers' output for those renders with the same per-image seeds."""
+    import json
+
+    import torch
+
+    from unclip.cli.shapes_eval import main
+    from unclip.images import pil_to_tensor, to_output
+    from unclip.shapes.evaluate import evaluate_pipeline, heldout_samples
+
+    few = {"upsampler": {"steps": 2}}
+    report = evaluate_pipeline(tiny_pipe, 2, sampling=few, stages="upsamplers", batch_size=3)
+    names = tiny_pipe.upsampler_names
+    assert list(report["stages"]) == ["renders", *names] and report["final_stage"] == names[-1]
+    assert list(report["seconds_per_image"]) == names
+    assert report["prior_cosine_with_true_embed"] is None
+    renders = heldout_samples(2, 1000, tiny_pipe.decoder.config.sample_size)
+    assert report["stages"]["renders"]["resolution"] == tiny_pipe.decoder.config.sample_size
+    assert report["_captions"] == [s.caption for s in renders]
+    x = torch.stack([pil_to_tensor(s.image) for s in renders])
+    gens = [torch.Generator().manual_seed(i) for i in range(len(renders))]
+    with torch.no_grad():  # in the evaluation's batches (3, then 1)
+        expected = to_output(
+            torch.cat(
+                [
+                    tiny_pipe.upsample(x[:3], generator=gens[:3], sampling=few, progress=False),
+                    tiny_pipe.upsample(x[3:], generator=gens[3:], sampling=few, progress=False),
+                ]
+            ),
+            "np",
+        )
+    assert len(report["_images"]) == 4
+    for got, want in zip(report["_images"], expected):
+        assert np.array_equal(got, want)
+
+    with pytest.raises(ValueError, match="upsamplers"):
+        evaluate_pipeline(tiny_pipe, 1, stages="upsamplers", oracle=True)
+    tiny_pipe.save_pretrained(tmp_path / "pipe")
+    out = tmp_path / "up.json"
+    args = ["--model", str(tmp_path / "pipe"), "--num", "1", "--stages", "upsamplers"]
+    assert main([*args, "--sampling", json.dumps(few), "--out", str(out)]) == 0
+    assert list(json.loads(out.read_text())["stages"]) == ["renders", *names]

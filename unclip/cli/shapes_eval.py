@@ -4,6 +4,7 @@
     unclip shapes-eval --model runs/shapes/pipeline --out report.json --grid docs/shapes_grid.png
     unclip shapes-eval --model P --num 60 --stages decoder --sampling '{"decoder": {"steps": 50}}'
     unclip shapes-eval --model P --oracle    # decode from the true renders' CLIP image embeddings
+    unclip shapes-eval --stages upsamplers --sampling '{"sr128": {"steps": 2}}'  # true renders up
 
 See :mod:`unclip.shapes.evaluate` for what is measured.
 """
@@ -33,7 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='JSON overrides per stage, e.g. \'{"decoder": {"guidance_scale": 5}}\'',
     )
-    p.add_argument("--stages", choices=("all", "decoder"), default="all")
+    p.add_argument(
+        "--stages",
+        # unclip.shapes.evaluate.STAGES, written out: importing it would load torch for --help
+        choices=("all", "decoder", "upsamplers"),
+        default="all",
+        help="the whole pipeline, up to the base decoder, or the upsamplers alone on true "
+        "renders at the decoder's resolution",
+    )
     p.add_argument(
         "--oracle", action="store_true", help="decode from the true renders' CLIP image embeddings"
     )

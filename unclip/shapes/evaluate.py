@@ -8,6 +8,8 @@ The command is ``unclip shapes-eval`` (:mod:`unclip.cli.shapes_eval`)::
     unclip shapes-eval --model P --num 60 --stages decoder \\
         --sampling '{"decoder": {"guidance_scale": 5}}'   # one point of a sampler/guidance sweep
     unclip shapes-eval --model P --oracle            # decoder from the true CLIP image embeddings
+    unclip shapes-eval --model P --stages upsamplers \
+        --sampling '{"sr64": {"steps": 2}}'        # the upsamplers alone, on true renders
 
 Prompts: captions of the held-out split (``ShapesWorld(split="heldout")``, seed ``--prompt-seed``),
 ``--num`` single-object and ``--num`` two-object ones. Image ``i`` is sampled with its own generator
@@ -19,6 +21,10 @@ the pipeline CLIP's image features of the samples and of real held-out renders a
 resolution, with :func:`unclip.eval.metrics.frechet_distance`; ``clip_fid_real_vs_real`` is the same
 distance between two independent sets of real renders, the floor for this sample size) and the
 prior's cosine with the true renders' image embeddings.
+
+``stages="upsamplers"`` runs neither the prior nor the decoder: the upsamplers get the true renders
+at the decoder's resolution (scored as stage ``renders``, the ceiling at that resolution), so what
+each upsampler loses, e.g. with fewer sampling steps, is measured apart from the decoder's errors.
 """
 
 from __future__ import annotations
@@ -31,11 +37,16 @@ import torch.nn.functional as F
 
 from unclip.eval.metrics import GaussianStats, clip_cosines, frechet_distance
 from unclip.images import image_grid, pil_to_tensor, to_output
+from unclip.output import UnCLIPOutput
 from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.detector import evaluate_images
 from unclip.shapes.world import ShapesWorld
 
-__all__ = ["heldout_samples", "evaluate_pipeline", "save_grid", "run"]
+__all__ = ["STAGES", "heldout_samples", "evaluate_pipeline", "save_grid", "run"]
+
+#: what ``evaluate_pipeline`` runs: the whole pipeline, up to the base decoder, or the upsamplers
+#: alone on true renders
+STAGES = ("all", "decoder", "upsamplers")
 
 
 def heldout_samples(num: int, seed: int = 1000, resolution: int = 32):
@@ -57,6 +68,19 @@ def _encode_renders(pipe: UnCLIPPipeline, samples, chunk: int = 100) -> torch.Te
             for i in range(0, len(samples), chunk)
         ]
     )
+
+
+def _upsample_renders(pipe: UnCLIPPipeline, renders, gens, sampling, progress) -> UnCLIPOutput:
+    """The pipeline's upsamplers in turn on ``renders`` (PIL, at the decoder's resolution), timed
+    per stage, as a :class:`UnCLIPOutput` like the pipeline's own (no image embeddings)."""
+    x = torch.stack([pil_to_tensor(r) for r in renders]).to(pipe.device)
+    out = UnCLIPOutput(images=None, image_embeds=None, stage_images={"renders": x})
+    for name in pipe.upsampler_names:
+        start = pipe._now()
+        x = pipe.upsample(x, generator=gens, sampling=sampling, stages=[name], progress=progress)
+        out.timings[name] = pipe._now() - start
+        out.stage_images[name] = x
+    return out
 
 
 def _summary(report: dict) -> dict:
@@ -81,39 +105,59 @@ def evaluate_pipeline(
     progress: bool = False,
 ) -> dict:
     """Generate for the held-out prompts and score every stage (see module doc).
-    ``stages="decoder"`` stops after the base decoder; ``oracle`` decodes from the true renders'
-    CLIP image embeddings.
+    ``stages="decoder"`` stops after the base decoder, ``stages="upsamplers"`` upsamples true
+    renders instead of decoding (the report's ``prior_cosine_with_true_embed`` is then None);
+    ``oracle`` decodes from the true renders' CLIP image embeddings.
 
     The report's ``_images`` (uint8 arrays of the final stage) and ``_captions`` are for
     :func:`save_grid`; drop them before writing the report."""
-    if stages not in ("all", "decoder"):
-        raise ValueError(f"stages must be 'all' or 'decoder', got {stages!r}")
+    if stages not in STAGES:
+        raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
+    renders_only = stages == "upsamplers"
+    if renders_only and oracle:
+        raise ValueError(
+            "oracle decodes from true image embeddings; stages='upsamplers' decodes none"
+        )
+    if renders_only and not pipe.upsamplers:
+        raise ValueError("stages='upsamplers': this pipeline has no upsamplers to measure")
     settings = pipe.sampling_settings(sampling)
     samples = heldout_samples(num, prompt_seed, pipe.clip.image_size)
     captions = [s.caption for s in samples]
+    if renders_only:  # the same scenes, rendered at the upsamplers' input size
+        base = heldout_samples(num, prompt_seed, pipe.decoder.config.sample_size)
+        renders = [s.image for s in base]
     per_stage: dict[str, list] = {}
-    timing: dict[str, float] = {"prior": 0.0}  # stays 0 when the prior does not run (oracle)
+    # the prior's time stays 0 when it does not run (oracle); with renders only there is no prior
+    timing: dict[str, float] = {} if renders_only else {"prior": 0.0}
     cos_prior, clip_img, text_emb = [], [], []
     last = "decoder" if stages == "decoder" else None
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
         gens = [torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))]
-        true_embed = pipe.clip.encode_image(torch.stack([pil_to_tensor(s.image) for s in chunk]))
-        out = pipe(
-            [s.caption for s in chunk],
-            generator=gens,
-            sampling=sampling,
-            output_type="pt",
-            return_intermediates=True,
-            progress=progress,
-            image_embeds=true_embed if oracle else None,
-            last_stage=last,
-        )
+        if renders_only:
+            out = _upsample_renders(
+                pipe, renders[start : start + batch_size], gens, sampling, progress
+            )
+            out.text_embeds = pipe.encode_text([s.caption for s in chunk]).text_embed
+        else:
+            true_embed = pipe.clip.encode_image(
+                torch.stack([pil_to_tensor(s.image) for s in chunk])
+            )
+            out = pipe(
+                [s.caption for s in chunk],
+                generator=gens,
+                sampling=sampling,
+                output_type="pt",
+                return_intermediates=True,
+                progress=progress,
+                image_embeds=true_embed if oracle else None,
+                last_stage=last,
+            )
+            cos_prior.append(F.cosine_similarity(out.image_embeds, true_embed, dim=-1))
         for name, seconds in out.timings.items():
             timing[name] = timing.get(name, 0.0) + seconds
         for name, images in out.stage_images.items():
             per_stage.setdefault(name, []).extend(to_output(images, "np"))
-        cos_prior.append(F.cosine_similarity(out.image_embeds, true_embed, dim=-1))
         final = list(out.stage_images.values())[-1]  # [-1, 1], as scored by the CLIP
         clip_img.append(pipe.clip.encode_image(final))
         text_emb.append(out.text_embeds)
@@ -152,7 +196,9 @@ def evaluate_pipeline(
     c = GaussianStats()
     c.update(_encode_renders(pipe, other))
     report["clip_fid_real_vs_real"] = round(frechet_distance(*c.mu_sigma(), *b.mu_sigma()), 3)
-    report["prior_cosine_with_true_embed"] = round(float(torch.cat(cos_prior).mean()), 4)
+    report["prior_cosine_with_true_embed"] = (
+        round(float(torch.cat(cos_prior).mean()), 4) if cos_prior else None
+    )
     report["final_stage"] = names[-1]
     report["_images"] = per_stage[names[-1]]
     report["_captions"] = captions
