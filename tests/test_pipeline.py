@@ -643,3 +643,38 @@ def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocab
                 "reranker",
             ]
         )
+
+
+def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
+    """The decoder's ``rerank_at``: candidates are chosen by the CLIP from their predicted images
+    after that many steps, then only the chosen are denoised (counted in network rows); choosing at
+    the last step keeps what reranking the finished images keeps; bad values are refused."""
+    few = {"prior": {"steps": 2}, "decoder": {"steps": 4, "best_of": 3}, "upsampler": {"steps": 2}}
+    plain = run(tiny_pipe, sampling=few, return_intermediates=True)
+    at_end = {**few, "decoder": {**few["decoder"], "rerank_at": 4}}
+    same = run(tiny_pipe, sampling=at_end, return_intermediates=True)
+    torch.testing.assert_close(same.stage_images["decoder"], plain.stage_images["decoder"])
+    torch.testing.assert_close(same.images, plain.images, atol=1e-5, rtol=0)
+
+    rows = []
+    hook = tiny_pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    try:
+        early = {**few, "decoder": {**few["decoder"], "rerank_at": 1}}
+        out = run(tiny_pipe, sampling=early, return_intermediates=True)
+    finally:
+        hook.remove()
+    # 2 prompts: 6 candidates for step 1, then the 2 chosen for steps 2-4 (decoder guidance 4,
+    # so each call carries the unconditional half too)
+    assert rows == [12, 4, 4, 4]
+    assert out.images.shape == plain.images.shape and torch.isfinite(out.images).all()
+    assert out.image_embeds.shape == plain.image_embeds.shape
+
+    for bad, match in [
+        ({"decoder": {"rerank_at": 0}}, "rerank_at must be an integer from 1 to steps"),
+        ({"decoder": {"steps": 4, "rerank_at": 5}}, r"from 1 to steps \(4\)"),
+        ({"decoder": {"rerank_at": True}}, "rerank_at must be an integer"),
+        ({"prior": {"rerank_at": 2}}, "prior: rerank_at is a decoder setting"),
+        ({"upsampler": {"rerank_at": 2}}, "rerank_at is a decoder setting"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            run(tiny_pipe, sampling=bad)

@@ -167,3 +167,55 @@ def test_learned_variance_samplers_serve_learned_variance_models_only():
     assert sched.config.variance_type == "learned_range"
     with pytest.raises(ValueError, match="variance_type='learned' is not supported"):
         make_scheduler(DDPMScheduler(variance_type="learned"), stage, learned_variance=True)
+
+
+def _candidates(pipe, n=4):
+    text = pipe.encode_text(["a red circle", "a blue square", "a green triangle", "a red circle"])
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.nn.functional.normalize(torch.randn(n, pipe.clip.embed_dim, generator=g), dim=-1)
+    return embeds, text
+
+
+@pytest.mark.parametrize("name", ["ddim", "unipc", "dpm++", "heun", "euler_a"])
+def test_reranking_part_way_finishes_the_kept_candidates_exactly(pipe, name):
+    """``rerank_at``: after step m the chooser sees every candidate's predicted x_0 and only the
+    rows it keeps are denoised on, each finishing as in a run of every candidate (guided, so the
+    doubled conditioning is rebuilt; multistep history, Heun's half step and per-row generators of
+    a stochastic sampler follow the kept rows)."""
+    from unclip.config import SamplingConfig
+    from unclip.sampling import sample_decoder, sample_decoder_reranked
+
+    embeds, text = _candidates(pipe)
+    s = SamplingConfig(scheduler=name, steps=4, guidance_scale=2.0, rerank_at=2)
+    args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
+    full = sample_decoder(*args, generator=gens(0, 1, 2, 3), progress=False)
+    seen = []
+
+    def choose(x0):
+        seen.append(x0)
+        return [3, 1]
+
+    got, keep = sample_decoder_reranked(*args, choose, generator=gens(0, 1, 2, 3), progress=False)
+    assert keep.tolist() == [3, 1] and len(seen) == 1
+    assert seen[0].shape == (4, 3, 16, 16) and seen[0].abs().max() <= 1
+    torch.testing.assert_close(got, full[[3, 1]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["euler", "dpm++", "unipc"])
+def test_reranking_at_the_last_step_sees_the_finished_images(pipe, name):
+    """The chooser's x_0 is the network's prediction from the model input: at the last step of a
+    sampler that ends on its x_0 prediction (final sigma zero) it is the finished image, also for
+    one whose samples are scaled (Euler's sigma space)."""
+    from unclip.config import SamplingConfig
+    from unclip.sampling import sample_decoder, sample_decoder_reranked
+
+    embeds, text = _candidates(pipe)
+    s = SamplingConfig(scheduler=name, steps=3, guidance_scale=1.0, rerank_at=3)
+    args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
+    full = sample_decoder(*args, generator=gens(0, 1, 2, 3), progress=False)
+    seen = []
+    got, keep = sample_decoder_reranked(
+        *args, lambda x0: seen.append(x0) or [0, 2], generator=gens(0, 1, 2, 3), progress=False
+    )
+    torch.testing.assert_close(seen[0], full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, full[[0, 2]], atol=1e-5, rtol=0)

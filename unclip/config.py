@@ -323,6 +323,11 @@ class SamplingConfig:
     highest dot product with the text embedding (paper: 2); for the decoder, that many
     base-resolution images per prompt (each from its own prior sample), keeping the one the CLIP
     scores closest to the prompt before upsampling (CLIP reranking, as DALL-E); upsamplers take 1.
+    ``rerank_at`` (decoder only, with ``best_of > 1``): choose among the candidates after this many
+    of the ``steps``, by the CLIP score of each candidate's predicted final image at that step, and
+    denoise only the chosen ones to the end. The decoder then makes about
+    ``best_of × rerank_at + steps − rerank_at`` network calls per image instead of
+    ``best_of × steps``; ``None`` (default) or ``steps`` chooses among the finished images.
 
     The autoregressive prior (``prior.type: ar``) samples codes, not noise: it ignores
     ``scheduler`` and ``steps`` and takes ``guidance_scale`` (on its logits), ``best_of`` and four
@@ -336,6 +341,7 @@ class SamplingConfig:
     steps: int = 25
     guidance_scale: float = 4.0
     best_of: int = 1
+    rerank_at: Optional[int] = None
     temperature: Optional[float] = None
     top_k: Optional[int] = None
     top_p: Optional[float] = None

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Union
 
 import torch
@@ -87,6 +87,7 @@ from unclip.sampling import (
     rerank_candidates,
     resolve_sampling,
     sample_decoder,
+    sample_decoder_reranked,
     sample_prior,
     sample_upsampler,
     stage_callback,
@@ -524,6 +525,31 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         ids), not a CLIP TextEncoding. ``negative_prompt`` (one caption, or one per image) takes
         the empty caption's place in the unconditional branch of guidance (whose image embedding
         stays the learned null one)."""
+        return self._decode(
+            image_embed,
+            text,
+            generator,
+            sampling,
+            latents,
+            progress,
+            callback_on_step_end,
+            negative_prompt,
+        )
+
+    def _decode(
+        self,
+        image_embed,
+        text,
+        generator,
+        sampling,
+        latents,
+        progress,
+        callback_on_step_end,
+        negative_prompt,
+        choose: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ):
+        """:meth:`decode`; with ``choose``, the decoder's ``rerank_at`` choice among the rows
+        (:func:`~unclip.sampling.sample_decoder_reranked`), returning ``(images, kept rows)``."""
         s = self._stage_settings("decoder", sampling)
         image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
@@ -533,19 +559,17 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         self._onload("decoder")
         if len(text) != b:
             raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
-        return sample_decoder(
-            self.decoder,
-            image_embed,
-            text,
-            null,
-            s,
-            self.diffusion["decoder"],
+        args = (self.decoder, image_embed, text, null, s, self.diffusion["decoder"])
+        kwargs = dict(
             generator=generator,
             latents=latents,
             progress=progress,
             autocast_dtype=self.autocast_dtype,
             callback=stage_callback(self, "decoder", callback_on_step_end),
         )
+        if choose is not None:
+            return sample_decoder_reranked(*args, choose, **kwargs)
+        return sample_decoder(*args, **kwargs)
 
     @releases_gpu
     @torch.no_grad()
@@ -663,17 +687,25 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         else:
             embeds = image_embeds.to(self.device).repeat_interleave(k, dim=0)
         captions_k = [p for p in prompts for _ in range(n * k)]
-        small = self.decode(
+        # rerank_at: choose among the candidates part-way, from their predicted final images
+        early = k > 1 and settings["decoder"].rerank_at is not None
+        small = self._decode(
             embeds,
             captions_k if self.decoder.has_text_encoder else text_k,
             gen,
             sampling,
-            progress=progress,
-            callback_on_step_end=callback_on_step_end,
-            negative_prompt=neg_k,
+            None,
+            progress,
+            callback_on_step_end,
+            neg_k,
+            choose=(lambda x0: self.rerank(x0, captions_k, k)) if early else None,
         )
-        keep = self.rerank(small, captions_k, k)
-        small, embeds, text_k = small[keep], embeds[keep], text_k[keep]
+        if early:
+            small, keep = small
+        else:
+            keep = self.rerank(small, captions_k, k)
+            small = small[keep]
+        embeds, text_k = embeds[keep], text_k[keep]
         timings["decoder"] = self._now() - t0
         gen = gen[::k] if isinstance(gen, list) else gen
         final, inter = small, {}

@@ -31,6 +31,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from unclip.ar_prior import UnCLIPARPrior
 from unclip.ar_sampling import check_ar_sampling, sample_ar_prior
@@ -44,10 +45,12 @@ from unclip.diffusion import (
     is_guided,
     make_scheduler,
     sample_loop,
+    scheduler_step,
     training_scheduler,
 )
 from unclip.pipeline_utils import check_count
 from unclip.prior import UnCLIPPrior
+from unclip.vlb import predicted_x0
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -60,6 +63,8 @@ __all__ = [
     "stage_callback",
     "sample_prior",
     "sample_decoder",
+    "sample_decoder_reranked",
+    "select_scheduler_rows",
     "sample_upsampler",
     "Denoiser",
     "decoder_denoiser",
@@ -150,6 +155,18 @@ def resolve_sampling(
         check_ar_sampling(stage, s, stage in ar_stages)
         if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
             raise ValueError(f"{stage}: best_of must be an integer >= 1, got {s.best_of!r}")
+        if s.rerank_at is not None:
+            if stage_kind(stage) != "decoder":
+                raise ValueError(
+                    f"{stage}: rerank_at is a decoder setting (when to choose among its best_of "
+                    f"candidates); remove it from {stage}'s settings"
+                )
+            r = s.rerank_at
+            if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= s.steps:
+                raise ValueError(
+                    f"{stage}: rerank_at must be an integer from 1 to steps ({s.steps}), or None "
+                    f"to choose among the finished images; got {r!r}"
+                )
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
             raise ValueError(
                 f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "
@@ -460,6 +477,106 @@ def sample_decoder(
         callback=callback,
     )
     return check_finite("decoder", x, autocast_dtype).float().clamp(-1, 1)
+
+
+def select_scheduler_rows(scheduler, rows: torch.Tensor, batch: int, ndim: int) -> None:
+    """Keep only ``rows`` of the per-sample state ``scheduler`` carries from one step to the next
+    (a multistep solver's previous model outputs and sample, Heun's first-order sample, ...), for
+    a batch of ``batch`` samples with ``ndim`` dimensions, in place. Per-sample tensors are told
+    from the noise schedule's tables by their shape (``[batch, ...]`` with ``ndim`` dimensions;
+    schedule tables are 1-D), so a batch as long as the schedule is handled too."""
+
+    def per_sample(v) -> bool:
+        return torch.is_tensor(v) and v.ndim == ndim and v.shape[0] == batch
+
+    for name, value in list(vars(scheduler).items()):
+        if per_sample(value):
+            setattr(scheduler, name, value[rows.to(value.device)])
+        elif isinstance(value, (list, tuple)) and any(per_sample(v) for v in value):
+            kept = [v[rows.to(v.device)] if per_sample(v) else v for v in value]
+            setattr(scheduler, name, type(value)(kept))
+
+
+@torch.no_grad()
+def sample_decoder_reranked(
+    decoder: UnCLIPDecoder,
+    image_embed: torch.Tensor,
+    text: Caption,
+    null_text: Callable[[int], Caption],
+    settings: SamplingConfig,
+    diffusion: DiffusionConfig,
+    choose: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    generator: Generator = None,
+    latents: Optional[torch.Tensor] = None,
+    progress: bool = True,
+    autocast_dtype: Optional[torch.dtype] = None,
+    callback: Optional[LoopCallback] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_decoder` over candidates that keeps only some of them part-way (the
+    decoder's ``rerank_at``; arguments as :func:`sample_decoder`, rows of ``image_embed`` and
+    ``text`` are the candidates). After step ``settings.rerank_at``, ``choose(x0)`` gets every
+    candidate's predicted final image ``[N, 3, s, s]`` in [-1, 1] at that step and returns the
+    indices of the rows to keep; only those are denoised to the end.
+
+    Returns ``(images [M, 3, s, s] in [-1, 1], kept indices [M])``. With one generator per
+    candidate (or ``latents``), each kept row finishes exactly as it would in a run of every
+    candidate: its generator goes with it and the scheduler's per-sample state
+    (:func:`select_scheduler_rows`) is cut to the kept rows."""
+    settings = _checked("decoder", settings)
+    m = settings.rerank_at
+    if m is None:
+        raise ValueError("sample_decoder_reranked needs the decoder's rerank_at (a step number)")
+    d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
+    sched, device = d.scheduler, decoder.device
+    if latents is None:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        latents = randn_tensor(d.shape, generator=generator, device=device, dtype=decoder.dtype)
+    elif tuple(latents.shape) != d.shape:
+        raise ValueError(f"latents must have shape {d.shape}, got {tuple(latents.shape)}")
+    x = latents.to(device=device, dtype=decoder.dtype) * sched.init_noise_sigma
+    n, fn, gen = x.shape[0], d.fn, generator
+    training = training_scheduler(diffusion)
+    keep = torch.arange(n)
+    for i in tqdm(range(len(sched.timesteps)), desc="decoder", disable=not progress, leave=False):
+        t = sched.timesteps[i]
+        out = guided_output(
+            fn,
+            x,
+            t,
+            sched,
+            guidance_scale=settings.guidance_scale,
+            learned_variance=d.learned_variance,
+            autocast_dtype=autocast_dtype,
+        )
+        if i == m - 1:  # x_0 as the network sees it now (the model input, in x_t's scale)
+            t_index = t.round().long() if t.is_floating_point() else t
+            x0 = predicted_x0(
+                training,
+                sched.scale_model_input(x, t).float(),
+                t_index.cpu(),
+                out[:, : x.shape[1]].float(),
+                diffusion.prediction_type,
+            )
+        x = scheduler_step(sched, out, i, x, gen, history=i + 1)
+        if i == m - 1:
+            keep = torch.as_tensor(choose(x0.clamp(-1, 1)), dtype=torch.long).cpu()
+            x = x[keep.to(x.device)]
+            select_scheduler_rows(sched, keep, n, x.ndim)
+            gen = [gen[j] for j in keep.tolist()] if isinstance(gen, list) else gen
+            fn = decoder_denoiser(
+                decoder,
+                image_embed[keep.to(image_embed.device)],
+                text[keep],
+                null_text,
+                settings,
+                diffusion,
+            ).fn
+        if callback is not None:
+            new = callback(i, t, x)
+            x = x if new is None else new
+    return check_finite("decoder", x, autocast_dtype).float().clamp(-1, 1), keep
 
 
 @torch.no_grad()
