@@ -35,6 +35,8 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         "1",
         "--decoder-best-of",
         "2",
+        "--decoder-rerank-at",
+        "2",
         "--upsampler-steps",
         "2",
         "--no-progress",
@@ -54,6 +56,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         and record["sampling"]["prior"]["best_of"] == 1
     )
     assert record["sampling"]["decoder"]["best_of"] == 2
+    assert record["sampling"]["decoder"]["rerank_at"] == 2
     assert record["sampling"]["sr32"]["steps"] == record["sampling"]["sr64"]["steps"] == 2
     assert set(record["seconds_per_stage"]) == {"prior", "decoder", "sr32", "sr64"}
     assert record["rerank_clip"] == "clip"
@@ -76,6 +79,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["", "--tiny"], "empty"),
         (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-best-of", "0"], "best_of must be an integer >= 1"),
+        (["a cat", "--tiny", "--decoder-rerank-at", "0"], "rerank_at must be an integer from 1"),
         (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
         (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),

@@ -70,8 +70,9 @@ def add_hub_args(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """``--{prior,decoder,upsampler}-{scheduler,steps,guidance-scale}``, ``--prior-best-of``,
-    ``--decoder-best-of`` and the autoregressive prior's ``--prior-{temperature,top-k,top-p,
-    dot-product-quantile}``; :func:`sampling_overrides` turns them into ``sampling=``."""
+    ``--decoder-best-of``, ``--decoder-rerank-at`` and the autoregressive prior's
+    ``--prior-{temperature,top-k,top-p,dot-product-quantile}``; :func:`sampling_overrides` turns
+    them into ``sampling=``."""
     for prefix, _, label in STAGES:
         p.add_argument(
             f"--{prefix}-scheduler",
@@ -100,6 +101,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "pipeline's reranker CLIP if it has one); 1 turns reranking off (default: the model's "
         "setting)",
     )
+    p.add_argument(
+        "--decoder-rerank-at",
+        type=int,
+        metavar="STEP",
+        help="choose among the decoder's candidates after this many of its steps, from each "
+        "one's predicted final image, and finish only the chosen (fewer network calls; default: "
+        "choose among the finished images)",
+    )
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
@@ -111,7 +120,10 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
             for flag, field in FIELDS
             if getattr(args, f"{prefix}_{flag}") is not None
         }
-        extra = ["best_of", *(f for _, f, _, _ in AR_FLAGS)] if prefix == "prior" else ["best_of"]
+        extra = {
+            "prior": ["best_of", *(f for _, f, _, _ in AR_FLAGS)],
+            "decoder": ["best_of", "rerank_at"],
+        }.get(prefix, ["best_of"])
         for field in extra:
             value = getattr(args, f"{prefix}_{field}", None)
             if value is not None:
