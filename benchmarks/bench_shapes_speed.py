@@ -3,6 +3,7 @@
     python benchmarks/bench_shapes_speed.py                 # results/bench_shapes_speed.json
     python benchmarks/bench_shapes_speed.py --quick         # 4 images, 1 round
     python benchmarks/bench_shapes_speed.py --variant fast='{"decoder": {"steps": 10}}'
+    python benchmarks/bench_shapes_speed.py --threads 2     # both cores of a 2-core machine
 
 Images are sampled as the evaluator samples them (held-out prompts, half single-object and half
 two-object, one generator per image) in batches of ``--batch`` (16: the figure docs/shapes_model.md
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,11 +60,22 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-channels-last", action="store_true", help="fp32 NCHW only")
     p.add_argument("--cli", action="store_true", help="also time the README's first command")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for sampling and for the --cli command (default: torch's, i.e. "
+        "OMP_NUM_THREADS or every core); the JSON's machine.threads records it",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench_shapes_speed")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.rounds = 4, 1
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     settings = {"defaults": None}
     for v in args.variant:
         name, _, text = v.partition("=")
@@ -126,8 +139,9 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, "-m", "unclip.cli", *README_COMMAND, "--out", tmp]
                 if args.model:
                     cmd += ["--model", args.model]
+                env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
                 t0 = time.perf_counter()
-                subprocess.run(cmd, check=True, capture_output=True)
+                subprocess.run(cmd, check=True, capture_output=True, env=env)
                 walls.append(time.perf_counter() - t0)
         result["readme_command_seconds"] = {"median": round(common.median(walls), 2), "runs": walls}
     print(f"{'variant':32s} " + " ".join(f"{s:>10s}" for s in next(iter(table.values()))))

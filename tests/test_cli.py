@@ -79,7 +79,8 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["", "--tiny"], "empty"),
         (["a cat", "--tiny", "--decoder-steps", "0"], "steps must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-best-of", "0"], "best_of must be an integer >= 1"),
-        (["a cat", "--tiny", "--decoder-rerank-at", "0"], "rerank_at must be an integer from 1"),
+        (["a cat", "--tiny", "--decoder-rerank-at", "0"], "rerank_at must be an integer >= 1"),
+        (["a cat", "--tiny", "--decoder-rerank-at", "half"], "a step number or 'none'"),
         (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
         (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),
@@ -116,3 +117,17 @@ def test_console_script_installed():
         [sys.executable, "-m", "unclip.cli", "--help"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and "train-decoder" in proc.stdout
+
+
+def test_decoder_rerank_at_flag_sets_or_clears_the_models_setting():
+    """``--decoder-rerank-at 7`` overrides the decoder's setting; ``none`` clears a model's saved
+    one (choose among the finished images)."""
+    from unclip.cli.generate import build_parser, sampling_overrides
+
+    p = build_parser()
+    assert sampling_overrides(p.parse_args(["a cat", "--decoder-rerank-at", "7"])) == {
+        "decoder": {"rerank_at": 7}
+    }
+    assert sampling_overrides(p.parse_args(["a cat", "--decoder-rerank-at", "None"])) == {
+        "decoder": {"rerank_at": None}
+    }

@@ -196,3 +196,30 @@ def test_to_while_offloading():
     pipe.to("cpu")
     assert pipe.model_cpu_offload is None and pipe.device.type == "cpu"
     assert not any(hasattr(m, "_hf_hook") for c in pipe.modules().values() for m in c.modules())
+
+
+def test_rerank_at_under_offload_on_fake_cuda(tmp_path):
+    """The decoder's ``rerank_at`` under offload, with a decoder that encodes captions itself and
+    a negative prompt: the reranking CLIP takes the GPU part-way through the decoder, which is
+    brought back for the chosen candidates' remaining steps."""
+    from unittest import mock
+
+    from unclip.train.plan import _FakeCUDA
+    from unclip.train.plan_sampling import _pipeline_from_configs
+
+    cfgs = [TINY / "prior.yaml", _decoder_with_caption_transformer(tmp_path), TINY / "sr32.yaml"]
+    with _FakeCUDA(), torch.no_grad(), mock.patch("torch.cuda.synchronize", lambda *a, **k: None):
+        pipe = _pipeline_from_configs(cfgs)
+        pipe.enable_model_cpu_offload(device="cuda:0")
+        sampling = {"prior": {"steps": 2}, "decoder": {"steps": 3, "best_of": 2, "rerank_at": 1}}
+        sampling["decoder"]["guidance_scale"] = 2.0
+        out = pipe(
+            ["a red circle", "a blue square"],
+            sampling={**sampling, "sr32": {"steps": 2}},
+            negative_prompt="a green square",
+            output_type="pt",
+            progress=False,
+            return_intermediates=True,
+        )
+        assert out.images.shape == (2, 3, 32, 32) and out.stage_images["decoder"].shape[0] == 2
+        assert pipe.model_cpu_offload.loads["decoder"] == 2  # before and after the choice

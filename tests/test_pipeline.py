@@ -646,35 +646,48 @@ def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocab
 
 
 def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
-    """The decoder's ``rerank_at``: candidates are chosen by the CLIP from their predicted images
-    after that many steps, then only the chosen are denoised (counted in network rows); choosing at
-    the last step keeps what reranking the finished images keeps; bad values are refused."""
-    few = {"prior": {"steps": 2}, "decoder": {"steps": 4, "best_of": 3}, "upsampler": {"steps": 2}}
-    plain = run(tiny_pipe, sampling=few, return_intermediates=True)
-    at_end = {**few, "decoder": {**few["decoder"], "rerank_at": 4}}
-    same = run(tiny_pipe, sampling=at_end, return_intermediates=True)
-    torch.testing.assert_close(same.stage_images["decoder"], plain.stage_images["decoder"])
-    torch.testing.assert_close(same.images, plain.images, atol=1e-5, rtol=0)
-
-    rows = []
+    """The decoder's ``rerank_at``: the CLIP chooses among the candidates from their predicted
+    images after that many steps, then only the chosen are denoised (network rows counted), each
+    finishing as that candidate does undecided (guided, with a negative prompt: the conditioning
+    rows follow the choice), with its own image embedding; steps or more means the finished images;
+    bad values are refused."""
+    few = {"prior": {"steps": 2}, "decoder": {"steps": 4}, "upsampler": {"steps": 2}}
+    neg = "a green square"
+    cands = run(tiny_pipe, sampling=few, num_images_per_prompt=3, negative_prompt=neg)
+    cands_small = run(
+        tiny_pipe,
+        sampling=few,
+        num_images_per_prompt=3,
+        negative_prompt=neg,
+        last_stage="decoder",
+        output_type="pt",
+    ).images
+    early = {**few, "decoder": {"steps": 4, "best_of": 3, "rerank_at": 1}}
+    rows, kept = [], []
     hook = tiny_pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    rerank = tiny_pipe.rerank
     try:
-        early = {**few, "decoder": {**few["decoder"], "rerank_at": 1}}
-        out = run(tiny_pipe, sampling=early, return_intermediates=True)
+        with mock.patch.object(tiny_pipe, "rerank", lambda *a: kept.append(rerank(*a)) or kept[-1]):
+            out = run(tiny_pipe, sampling=early, negative_prompt=neg, return_intermediates=True)
     finally:
         hook.remove()
-    # 2 prompts: 6 candidates for step 1, then the 2 chosen for steps 2-4 (decoder guidance 4,
-    # so each call carries the unconditional half too)
-    assert rows == [12, 4, 4, 4]
-    assert out.images.shape == plain.images.shape and torch.isfinite(out.images).all()
-    assert out.image_embeds.shape == plain.image_embeds.shape
+    # 2 prompts: 6 candidates for step 1, then the 2 chosen for steps 2-4; guided (scale 2), so
+    # each call carries the unconditional half too
+    assert rows == [12, 4, 4, 4] and len(kept) == 1 and kept[0].tolist() != [0, 3]
+    torch.testing.assert_close(out.image_embeds, cands.image_embeds[kept[0]])
+    torch.testing.assert_close(
+        out.stage_images["decoder"], cands_small[kept[0]] * 2 - 1, atol=1e-5, rtol=0
+    )
 
+    plain = run(tiny_pipe, sampling={**few, "decoder": {"steps": 4, "best_of": 3}})
+    at_end = run(tiny_pipe, sampling={**few, "decoder": {"steps": 4, "best_of": 3, "rerank_at": 9}})
+    assert torch.equal(at_end.images, plain.images)
     for bad, match in [
-        ({"decoder": {"rerank_at": 0}}, "rerank_at must be an integer from 1 to steps"),
-        ({"decoder": {"steps": 4, "rerank_at": 5}}, r"from 1 to steps \(4\)"),
+        ({"decoder": {"rerank_at": 0}}, "rerank_at must be an integer >= 1"),
         ({"decoder": {"rerank_at": True}}, "rerank_at must be an integer"),
         ({"prior": {"rerank_at": 2}}, "prior: rerank_at is a decoder setting"),
         ({"upsampler": {"rerank_at": 2}}, "rerank_at is a decoder setting"),
+        ({"decoder": {"best_of": 2, "scheduler": "heun", "rerank_at": 1}}, "one network call"),
     ]:
         with pytest.raises(ValueError, match=match):
             run(tiny_pipe, sampling=bad)

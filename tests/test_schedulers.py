@@ -176,12 +176,12 @@ def _candidates(pipe, n=4):
     return embeds, text
 
 
-@pytest.mark.parametrize("name", ["ddim", "unipc", "dpm++", "heun", "euler_a"])
+@pytest.mark.parametrize("name", ["ddim", "unipc", "dpm++", "euler_a", "lms", "ddpm"])
 def test_reranking_part_way_finishes_the_kept_candidates_exactly(pipe, name):
     """``rerank_at``: after step m the chooser sees every candidate's predicted x_0 and only the
     rows it keeps are denoised on, each finishing as in a run of every candidate (guided, so the
-    doubled conditioning is rebuilt; multistep history, Heun's half step and per-row generators of
-    a stochastic sampler follow the kept rows)."""
+    conditioning's [uncond; cond] rows are cut to them; multistep history and the per-row
+    generators of a stochastic sampler follow the kept rows)."""
     from unclip.config import SamplingConfig
     from unclip.sampling import sample_decoder, sample_decoder_reranked
 
@@ -201,21 +201,44 @@ def test_reranking_part_way_finishes_the_kept_candidates_exactly(pipe, name):
     torch.testing.assert_close(got, full[[3, 1]], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["euler", "dpm++", "unipc"])
-def test_reranking_at_the_last_step_sees_the_finished_images(pipe, name):
-    """The chooser's x_0 is the network's prediction from the model input: at the last step of a
-    sampler that ends on its x_0 prediction (final sigma zero) it is the finished image, also for
-    one whose samples are scaled (Euler's sigma space)."""
+@pytest.mark.parametrize("name", ["ddim", "euler", "lms"])
+def test_the_chooser_sees_the_samplers_own_x0_estimate(pipe, name):
+    """The x_0 the candidates are chosen by is the sampler's own estimate at that step, also for a
+    sampler whose samples live in sigma space (Euler, LMS: scaled model input)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
     from unclip.config import SamplingConfig
-    from unclip.sampling import sample_decoder, sample_decoder_reranked
+    from unclip.sampling import decoder_denoiser, sample_decoder_reranked
 
     embeds, text = _candidates(pipe)
-    s = SamplingConfig(scheduler=name, steps=3, guidance_scale=1.0, rerank_at=3)
+    s = SamplingConfig(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
     args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
-    full = sample_decoder(*args, generator=gens(0, 1, 2, 3), progress=False)
     seen = []
-    got, keep = sample_decoder_reranked(
-        *args, lambda x0: seen.append(x0) or [0, 2], generator=gens(0, 1, 2, 3), progress=False
+    sample_decoder_reranked(
+        *args, lambda x0: seen.append(x0) or [0], generator=gens(0, 1, 2, 3), progress=False
     )
-    torch.testing.assert_close(seen[0], full, atol=1e-4, rtol=0)
-    torch.testing.assert_close(got, full[[0, 2]], atol=1e-5, rtol=0)
+    d = decoder_denoiser(*args)
+    x = randn_tensor(d.shape, generator=gens(0, 1, 2, 3)) * d.scheduler.init_noise_sigma
+    with torch.no_grad():
+        for t in d.scheduler.timesteps[:2]:
+            step = d.scheduler.step(d.output(x, t), t, x)
+            x = step.prev_sample
+    torch.testing.assert_close(seen[0], step.pred_original_sample.clamp(-1, 1), atol=1e-5, rtol=0)
+
+
+def test_reranking_part_way_refuses_samplers_it_cannot_stop(pipe):
+    """Two network calls per step (Heun, DPM2): steps are not the loop's iterations, so
+    ``rerank_at`` is refused with what to use instead; so is a step past the end."""
+    from unclip.config import SamplingConfig
+    from unclip.sampling import sample_decoder_reranked
+
+    embeds, text = _candidates(pipe)
+    for name in ("heun", "dpm2"):
+        s = SamplingConfig(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
+        args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
+        with pytest.raises(ValueError, match="one network call per step.*use ddim"):
+            sample_decoder_reranked(*args, lambda x0: [0], progress=False)
+    s = SamplingConfig(scheduler="ddim", steps=4, guidance_scale=1.0, rerank_at=4)
+    args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
+    with pytest.raises(ValueError, match="below steps"):
+        sample_decoder_reranked(*args, lambda x0: [0], progress=False)

@@ -325,9 +325,10 @@ class SamplingConfig:
     scores closest to the prompt before upsampling (CLIP reranking, as DALL-E); upsamplers take 1.
     ``rerank_at`` (decoder only, with ``best_of > 1``): choose among the candidates after this many
     of the ``steps``, by the CLIP score of each candidate's predicted final image at that step, and
-    denoise only the chosen ones to the end. The decoder then makes about
+    denoise only the chosen ones to the end. The decoder then makes
     ``best_of × rerank_at + steps − rerank_at`` network calls per image instead of
-    ``best_of × steps``; ``None`` (default) or ``steps`` chooses among the finished images.
+    ``best_of × steps``; ``None`` (default), or ``steps`` or more, chooses among the finished
+    images. It takes samplers with one network call per step (not Heun or DPM2).
 
     The autoregressive prior (``prior.type: ar``) samples codes, not noise: it ignores
     ``scheduler`` and ``steps`` and takes ``guidance_scale`` (on its logits), ``best_of`` and four

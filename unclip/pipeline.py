@@ -83,6 +83,7 @@ from unclip.sampling import (
     EVERY_UPSAMPLER,
     SAMPLING_FIELDS,
     StepCallback,
+    check_rerank_at,
     image_text_cosines,
     rerank_candidates,
     resolve_sampling,
@@ -633,13 +634,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         per-stage overrides (see :meth:`sampling_settings`), e.g. ``{"prior": {"steps": 10},
         "decoder": {"guidance_scale": 3, "best_of": 4}, "upsampler": {"steps": 5}}``. With the
         decoder's ``best_of = K > 1`` it decodes K base-resolution candidates per image and keeps
-        the one :attr:`rerank_clip` scores closest to the prompt before upsampling (as DALL-E did).
+        the one :attr:`rerank_clip` scores closest to the prompt before upsampling (as DALL-E did);
+        with the decoder's ``rerank_at = m`` below its steps it chooses after step ``m``, from each
+        candidate's predicted final image, and denoises only the chosen ones on.
         ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]``
         in [0, 1]).
 
         ``callback_on_step_end(pipe, step, timestep, callback_kwargs)`` runs after every denoising
         step of every stage, as in diffusers; ``callback_kwargs`` is ``{"stage": name, "latents":
-        x_t}`` (``x_t`` holds every candidate of that stage's batch) and a returned dict's
+        x_t}`` (``x_t`` holds every candidate of that stage's batch; after the decoder's
+        ``rerank_at`` step, the chosen ones) and a returned dict's
         ``"latents"`` replaces ``x_t``. ``image_embeds [N, D]`` (one per output image,
         prompt-major): decode these CLIP image embeddings instead of sampling the prior.
         ``last_stage``: stop after this stage (``"decoder"`` or an upsampler's name; default: the
@@ -665,6 +669,12 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
                     "× "
                     f"{n} images; give one per output image"
                 )
+        # rerank_at: choose among the decoder's candidates part-way, from their predicted images
+        dec = settings["decoder"]
+        early = k > 1 and dec.rerank_at is not None and dec.rerank_at < dec.steps
+        if early:
+            check_rerank_at(dec, self.diffusion["decoder"])
+
         timings: dict[str, float] = {}
         t0 = self._now()
         text = self.encode_text(prompts)
@@ -687,8 +697,6 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         else:
             embeds = image_embeds.to(self.device).repeat_interleave(k, dim=0)
         captions_k = [p for p in prompts for _ in range(n * k)]
-        # rerank_at: choose among the candidates part-way, from their predicted final images
-        early = k > 1 and settings["decoder"].rerank_at is not None
         small = self._decode(
             embeds,
             captions_k if self.decoder.has_text_encoder else text_k,

@@ -50,7 +50,6 @@ from unclip.diffusion import (
 )
 from unclip.pipeline_utils import check_count
 from unclip.prior import UnCLIPPrior
-from unclip.vlb import predicted_x0
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -65,6 +64,7 @@ __all__ = [
     "sample_decoder",
     "sample_decoder_reranked",
     "select_scheduler_rows",
+    "check_rerank_at",
     "sample_upsampler",
     "Denoiser",
     "decoder_denoiser",
@@ -162,10 +162,10 @@ def resolve_sampling(
                     f"candidates); remove it from {stage}'s settings"
                 )
             r = s.rerank_at
-            if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= s.steps:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise ValueError(
-                    f"{stage}: rerank_at must be an integer from 1 to steps ({s.steps}), or None "
-                    f"to choose among the finished images; got {r!r}"
+                    f"{stage}: rerank_at must be an integer >= 1 (a step number; steps or more, "
+                    f"or None, choose among the finished images), got {r!r}"
                 )
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
             raise ValueError(
@@ -362,6 +362,9 @@ class Denoiser:
     shape: tuple
     settings: SamplingConfig
     learned_variance: bool = False
+    #: the decoder's prepared conditioning (tokens, mask, time embedding; ``[uncond; cond]`` rows
+    #: when guided), which :func:`sample_decoder_reranked` cuts to the kept candidates
+    cond: Optional[tuple] = None
 
     def output(self, x: torch.Tensor, t, autocast_dtype=None) -> torch.Tensor:
         """The guided model output at ``x``, as the scheduler's step takes it."""
@@ -402,7 +405,12 @@ def decoder_denoiser(
     )
     sched.set_timesteps(settings.steps, device=device)
     return Denoiser(
-        lambda x_in, t: decoder(x_in, t, cond=cond), sched, (b, 3, size, size), settings, learned
+        lambda x_in, t: decoder(x_in, t, cond=cond),
+        sched,
+        (b, 3, size, size),
+        settings,
+        learned,
+        cond,
     )
 
 
@@ -497,6 +505,42 @@ def select_scheduler_rows(scheduler, rows: torch.Tensor, batch: int, ndim: int) 
             setattr(scheduler, name, type(value)(kept))
 
 
+def check_rerank_at(settings: SamplingConfig, diffusion: DiffusionConfig) -> None:
+    """Refuse a decoder sampler that ``rerank_at`` cannot stop part-way: one that makes two
+    network calls per step (Heun, DPM2), whose steps are not the loop's, or one whose noise is a
+    process over the whole batch (DPM-Solver SDE's Brownian tree), which cannot be cut to rows."""
+    sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=1.0)
+    sched.set_timesteps(settings.steps)
+    name = type(sched).__name__
+    if len(sched.timesteps) != settings.steps or "noise_sampler" in vars(sched):
+        raise ValueError(
+            f"decoder: rerank_at needs a sampler with one network call per step and per-sample "
+            f"noise; {name} does not fit ({len(sched.timesteps)} calls for {settings.steps} "
+            "steps, or batch-wide noise): use ddim, dpm++, unipc, euler or ddpm, or leave "
+            "rerank_at unset"
+        )
+
+
+def _predicted_x0(sched, training, x, t, out, prediction_type: str) -> torch.Tensor:
+    """The network's x_0 at step ``t`` from its output ``out`` for sample ``x``. Samplers in sigma
+    space (Euler, LMS) scale the model input by ``1/sqrt(1+σ²) = sqrt(ᾱ)``, which gives ᾱ at the
+    sampler's own noise level; the others sample in x_t's scale at a training timestep."""
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    c = float(sched.scale_model_input(one, t))
+    x = sched.scale_model_input(x, t).float()
+    if abs(c - 1.0) > 1e-6:
+        ac = torch.tensor(c * c, dtype=torch.float64)
+    else:
+        ac = training.alphas_cumprod.double()[int(torch.as_tensor(t).round().long())]
+    a, s = float(ac.sqrt()), float((1 - ac).sqrt())
+    out = out.float()
+    if prediction_type == "epsilon":
+        return (x - s * out) / a
+    if prediction_type == "v_prediction":
+        return a * x - s * out
+    return out  # "sample"
+
+
 @torch.no_grad()
 def sample_decoder_reranked(
     decoder: UnCLIPDecoder,
@@ -514,19 +558,26 @@ def sample_decoder_reranked(
     callback: Optional[LoopCallback] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_decoder` over candidates that keeps only some of them part-way (the
-    decoder's ``rerank_at``; arguments as :func:`sample_decoder`, rows of ``image_embed`` and
-    ``text`` are the candidates). After step ``settings.rerank_at``, ``choose(x0)`` gets every
-    candidate's predicted final image ``[N, 3, s, s]`` in [-1, 1] at that step and returns the
-    indices of the rows to keep; only those are denoised to the end.
+    decoder's ``rerank_at``, which must be below ``steps``; arguments as :func:`sample_decoder`,
+    the rows of ``image_embed`` and ``text`` are the candidates). After step ``rerank_at``,
+    ``choose(x0)`` gets every candidate's predicted final image ``[N, 3, s, s]`` in [-1, 1] at that
+    step and returns the indices of the rows to keep; only those are denoised to the end, with
+    their own conditioning rows (guidance's unconditional ones included). ``callback`` sees every
+    candidate up to that step and the kept rows after it.
 
-    Returns ``(images [M, 3, s, s] in [-1, 1], kept indices [M])``. With one generator per
-    candidate (or ``latents``), each kept row finishes exactly as it would in a run of every
-    candidate: its generator goes with it and the scheduler's per-sample state
-    (:func:`select_scheduler_rows`) is cut to the kept rows."""
+    Returns ``(images [M, 3, s, s] in [-1, 1], kept indices [M])``. With a distinct generator per
+    candidate (a list), each kept row finishes exactly as it would in a run of every candidate:
+    its generator goes with it and the scheduler's per-sample state
+    (:func:`select_scheduler_rows`) is cut to the kept rows. Samplers that cannot stop part-way
+    are refused (:func:`check_rerank_at`)."""
     settings = _checked("decoder", settings)
     m = settings.rerank_at
-    if m is None:
-        raise ValueError("sample_decoder_reranked needs the decoder's rerank_at (a step number)")
+    if m is None or m >= settings.steps:
+        raise ValueError(
+            f"sample_decoder_reranked needs the decoder's rerank_at below steps ({settings.steps}),"
+            f" got {m!r}; choose among finished images with sample_decoder and rerank_candidates"
+        )
+    check_rerank_at(settings, diffusion)
     d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
     sched, device = d.scheduler, decoder.device
     if latents is None:
@@ -538,6 +589,7 @@ def sample_decoder_reranked(
     x = latents.to(device=device, dtype=decoder.dtype) * sched.init_noise_sigma
     n, fn, gen = x.shape[0], d.fn, generator
     training = training_scheduler(diffusion)
+    guided = is_guided(settings.guidance_scale)
     keep = torch.arange(n)
     for i in tqdm(range(len(sched.timesteps)), desc="decoder", disable=not progress, leave=False):
         t = sched.timesteps[i]
@@ -550,29 +602,21 @@ def sample_decoder_reranked(
             learned_variance=d.learned_variance,
             autocast_dtype=autocast_dtype,
         )
-        if i == m - 1:  # x_0 as the network sees it now (the model input, in x_t's scale)
-            t_index = t.round().long() if t.is_floating_point() else t
-            x0 = predicted_x0(
-                training,
-                sched.scale_model_input(x, t).float(),
-                t_index.cpu(),
-                out[:, : x.shape[1]].float(),
-                diffusion.prediction_type,
-            )
+        if i == m - 1:
+            mean = out[:, : x.shape[1]]
+            x0 = _predicted_x0(sched, training, x, t, mean, diffusion.prediction_type)
         x = scheduler_step(sched, out, i, x, gen, history=i + 1)
         if i == m - 1:
             keep = torch.as_tensor(choose(x0.clamp(-1, 1)), dtype=torch.long).cpu()
             x = x[keep.to(x.device)]
             select_scheduler_rows(sched, keep, n, x.ndim)
             gen = [gen[j] for j in keep.tolist()] if isinstance(gen, list) else gen
-            fn = decoder_denoiser(
-                decoder,
-                image_embed[keep.to(image_embed.device)],
-                text[keep],
-                null_text,
-                settings,
-                diffusion,
-            ).fn
+            rows = torch.cat([keep, keep + n]) if guided else keep  # [uncond; cond] halves
+            cond = tuple(c[rows.to(c.device)] for c in d.cond)
+
+            def fn(x_in, t, cond=cond):
+                return decoder(x_in, t, cond=cond)
+
         if callback is not None:
             new = callback(i, t, x)
             x = x if new is None else new

@@ -103,12 +103,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decoder-rerank-at",
-        type=int,
+        type=_step_or_none,
         metavar="STEP",
-        help="choose among the decoder's candidates after this many of its steps, from each "
-        "one's predicted final image, and finish only the chosen (fewer network calls; default: "
-        "choose among the finished images)",
+        help="with --decoder-best-of > 1: choose among the candidates after this many decoder "
+        "steps, from each one's predicted final image, and finish only the chosen (fewer network "
+        "calls); 'none' chooses among the finished images (default: the model's setting)",
     )
+
+
+def _step_or_none(text: str):
+    """``--decoder-rerank-at``'s value: a step number, or ``none`` to clear a model's setting."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a step number or 'none', got {text!r}"
+        ) from None
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
@@ -127,7 +139,7 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
         for field in extra:
             value = getattr(args, f"{prefix}_{field}", None)
             if value is not None:
-                values[field] = value
+                values[field] = None if value == "none" else value
         if values:
             out[key] = values
     return out

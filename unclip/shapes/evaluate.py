@@ -124,7 +124,7 @@ def evaluate_pipeline(
     samples = heldout_samples(num, prompt_seed, pipe.clip.image_size)
     captions = [s.caption for s in samples]
     if renders_only:  # the same scenes, rendered at the upsamplers' input size
-        base = heldout_samples(num, prompt_seed, pipe.decoder.config.sample_size)
+        base = heldout_samples(num, prompt_seed, pipe.upsamplers[0].config.low_res_size)
         renders = [s.image for s in base]
     per_stage: dict[str, list] = {}
     # the prior's time stays 0 when it does not run (oracle); with renders only there is no prior
@@ -168,7 +168,9 @@ def evaluate_pipeline(
         "seed": seed,
         "prompt_seed": prompt_seed,
         "oracle_image_embeds": oracle,
-        "sampling": {k: vars(v) for k, v in settings.items()},
+        "sampling": {  # the stages that ran
+            k: vars(v) for k, v in settings.items() if not renders_only or k in pipe.upsampler_names
+        },
         "seconds_per_image": {k: round(v / n, 4) for k, v in timing.items()},
         "stages": {},
     }
@@ -233,6 +235,10 @@ def run(
     evaluate it with :func:`evaluate_pipeline` (``settings``: its keyword arguments, e.g. ``seed``,
     ``sampling``, ``oracle``), write the report JSON to ``out`` and a sample grid to ``grid``;
     returns the report."""
+    if settings.get("stages") == "upsamplers" and (decoder_weights or reranker):
+        raise ValueError(
+            "stages='upsamplers' runs no decoder and no reranking; drop decoder_weights/reranker"
+        )
     pipe = UnCLIPPipeline.from_pretrained(model)
     if decoder_weights:
         from safetensors.torch import load_file

@@ -1,0 +1,158 @@
+"""When can the decoder's candidates be chosen? The bundled shapes model's reranking after m steps.
+
+    python benchmarks/bench_rerank_at.py                 # results/bench_rerank_at.json (50 + 50)
+    python benchmarks/bench_rerank_at.py --num 100 --candidates 16 --steps 10
+    python benchmarks/bench_rerank_at.py --quick         # 2 + 2 prompts, 4 candidates
+
+For the held-out prompts (``--num`` single-object and ``--num`` two-object), every prompt gets
+``--candidates`` decoder candidates, each from its own prior sample (as the pipeline's ``best_of``
+makes them; prior UniPC 10 steps), decoded for ``--steps`` steps (DDIM, no guidance). After each
+step ``m`` the reranking CLIP scores every candidate's predicted final image, which is what the
+decoder's ``rerank_at = m`` chooses by (``m = steps``: the prediction at the last step; the row
+"finished images" is the pipeline's reranking without ``rerank_at``). The chosen candidate's
+finished image is then read from this one run of all candidates: a kept row finishes exactly as in
+the run of every candidate (``unclip.sampling.sample_decoder_reranked``; tests/test_schedulers.py
+checks it), so every ``m`` is measured without decoding again. Each ``m`` is scored at the decoder's
+resolution (32 px) with the evaluator, next to the first candidate (no reranking) and the ceiling of
+any reranker over these candidates (a prompt counts when any of its candidates is fully right).
+Network calls per image:
+``candidates × m + steps − m``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import common
+import torch
+
+from unclip.config import SamplingConfig
+from unclip.diffusion import guided_output, scheduler_step, training_scheduler
+from unclip.images import to_output
+from unclip.pipeline import UnCLIPPipeline
+from unclip.sampling import decoder_denoiser, image_text_cosines
+from unclip.shapes.detector import evaluate_images, score
+from unclip.shapes.evaluate import heldout_samples
+from unclip.shapes.world import parse_caption
+from unclip.vlb import predicted_x0
+
+PRIOR = {"prior": {"scheduler": "unipc", "steps": 10}}
+DECODER = {"scheduler": "ddim", "guidance_scale": 1.0}  # the bundled model's decoder guidance
+
+
+@torch.no_grad()
+def decode_all(pipe, captions, k, steps, seed):
+    """Every candidate's finished image ``[N, k, 3, s, s]`` and its predicted final image after
+    each step ``{m: [N, k, 3, s, s]}``."""
+    n = len(captions)
+    gens = [torch.Generator().manual_seed(seed + 1000 * i + j) for i in range(n) for j in range(k)]
+    text = pipe.encode_text(captions).repeat_interleave(k)
+    embeds = pipe.sample_image_embeds(text, 1, gens, PRIOR, progress=False)
+    settings = SamplingConfig(**DECODER, steps=steps)
+    diffusion = pipe.diffusion["decoder"]
+    captions_k = [c for c in captions for _ in range(k)]
+    dec_text, null = pipe._decoder_captions(
+        captions_k if pipe.decoder.has_text_encoder else text, n * k
+    )
+    d = decoder_denoiser(pipe.decoder, embeds, dec_text, null, settings, diffusion)
+    training = training_scheduler(diffusion)
+    x = torch.stack([torch.randn(d.shape[1:], generator=g) for g in gens])
+    x = x * d.scheduler.init_noise_sigma
+    x0s = {}
+    for i, t in enumerate(d.scheduler.timesteps):
+        out = guided_output(
+            d.fn, x, t, d.scheduler, guidance_scale=1.0, learned_variance=d.learned_variance
+        )
+        mean = out[:, : x.shape[1]]
+        pred = predicted_x0(training, x, t, mean, diffusion.prediction_type).clamp(-1, 1)
+        x0s[i + 1] = pred.view(n, k, *x.shape[1:])
+        x = scheduler_step(d.scheduler, out, i, x, gens, history=i + 1)
+    return x.clamp(-1, 1).view(n, k, *x.shape[1:]), x0s
+
+
+def summary(images, captions) -> dict:
+    rep = evaluate_images(to_output(images, "np"), captions)
+    out = {"single_all": rep["single"]["all"], "pair_all": rep["pair"]["all"]}
+    out.update({f"pair_{key}": rep["pair"][key] for key in ("colors", "shapes", "relation")})
+    return {key: round(v, 4) for key, v in out.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled model)")
+    p.add_argument("--num", type=int, default=50, help="prompts per kind (single, two-object)")
+    p.add_argument("--candidates", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--chunk", type=int, default=10, help="prompts decoded together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="bench_rerank_at")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num, args.candidates, args.steps = 2, 4, 4
+        if args.out == "bench_rerank_at":
+            args.out = "bench_rerank_at_quick"
+    if min(args.num, args.candidates, args.steps, args.chunk) < 1:
+        p.error("--num, --candidates, --steps and --chunk must be >= 1")
+    started = time.perf_counter()
+    pipe = UnCLIPPipeline.from_pretrained(args.model)
+    captions = [s.caption for s in heldout_samples(args.num)]
+    k, steps = args.candidates, args.steps
+    finals, x0s = [], {m: [] for m in range(1, steps + 1)}
+    for start in range(0, len(captions), args.chunk):
+        f, x = decode_all(pipe, captions[start : start + args.chunk], k, steps, args.seed + start)
+        finals.append(f)
+        for m in x0s:
+            x0s[m].append(x[m])
+        common.log(f"decoded {start + len(f)} / {len(captions)} prompts")
+    finals = torch.cat(finals)
+    n = finals.shape[0]
+    rows = torch.arange(n)
+    text_embed = pipe.rerank_clip.encode_text(captions).text_embed.repeat_interleave(k, 0)
+    table = {"first candidate (no reranking)": {**summary(finals[:, 0], captions), "calls": steps}}
+    finished = image_text_cosines(pipe.rerank_clip, finals.flatten(0, 1), text_embed).view(n, k)
+    table["finished images (rerank_at None)"] = {
+        **summary(finals[rows, finished.argmax(1)], captions),
+        "calls": k * steps,
+    }
+    for m, parts in x0s.items():
+        pred = torch.cat(parts)
+        scores = image_text_cosines(pipe.rerank_clip, pred.flatten(0, 1), text_embed).view(n, k)
+        row = summary(finals[rows, scores.argmax(1)], captions)
+        table[f"rerank_at {m}"] = {**row, "calls": k * m + steps - m}
+    right = torch.zeros(n, k, dtype=torch.bool)
+    for j in range(k):
+        for i, image in enumerate(to_output(finals[:, j], "np")):
+            right[i, j] = bool(score(image, parse_caption(captions[i]))["all"])
+    half = args.num
+    ceiling = {
+        "single_all": round(right[:half].any(1).float().mean().item(), 4),
+        "pair_all": round(right[half:].any(1).float().mean().item(), 4),
+        "single_mean_candidate": round(right[:half].float().mean().item(), 4),
+        "pair_mean_candidate": round(right[half:].float().mean().item(), 4),
+    }
+    result = {
+        "machine": common.machine(),
+        "prompts_per_kind": args.num,
+        "candidates": k,
+        "steps": steps,
+        "sampling": {**PRIOR, "decoder": {**DECODER, "steps": steps, "best_of": k}},
+        "model": args.model or "bundled:shapes",
+        "resolution": int(finals.shape[-1]),
+        "by_setting": table,
+        "any_candidate_right": ceiling,
+    }
+    return common.finish(args.out, result, started, report)
+
+
+def report(result: dict) -> str:
+    cols = [("setting", "setting"), ("network calls / image", "calls")]
+    cols += [(key, key) for key in next(iter(result["by_setting"].values())) if key != "calls"]
+    rows = [{"setting": name, **row} for name, row in result["by_setting"].items()]
+    ceiling = result["any_candidate_right"]
+    return common.table(rows, cols) + f"\nany candidate right (a reranker's ceiling): {ceiling}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
