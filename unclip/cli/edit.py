@@ -219,7 +219,6 @@ def run(args: argparse.Namespace, argv) -> dict:
                 "steps": args.steps,
                 "guidance_scale": args.guidance_scale,
                 "best_of": 1,
-                "rerank_at": None,
             }
             record["sampling"].pop("prior", None)
     record["resolution"] = images[-1].size[0]
