@@ -652,7 +652,7 @@ def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
     rows follow the choice), with its own image embedding; steps or more means the finished images;
     bad values are refused."""
     few = {"prior": {"steps": 2}, "decoder": {"steps": 4}, "upsampler": {"steps": 2}}
-    neg = "a green square"
+    neg = ["a green square", "a red triangle"]  # one per prompt: the unconditional rows differ
     cands = run(tiny_pipe, sampling=few, num_images_per_prompt=3, negative_prompt=neg)
     cands_small = run(
         tiny_pipe,

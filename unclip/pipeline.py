@@ -673,7 +673,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         dec = settings["decoder"]
         early = k > 1 and dec.rerank_at is not None and dec.rerank_at < dec.steps
         if early:
-            check_rerank_at(dec, self.diffusion["decoder"])
+            check_rerank_at(dec, self.diffusion["decoder"], self.decoder.config.learned_variance)
 
         timings: dict[str, float] = {}
         t0 = self._now()

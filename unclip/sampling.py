@@ -505,11 +505,15 @@ def select_scheduler_rows(scheduler, rows: torch.Tensor, batch: int, ndim: int) 
             setattr(scheduler, name, type(value)(kept))
 
 
-def check_rerank_at(settings: SamplingConfig, diffusion: DiffusionConfig) -> None:
+def check_rerank_at(
+    settings: SamplingConfig, diffusion: DiffusionConfig, learned_variance: bool = False
+) -> None:
     """Refuse a decoder sampler that ``rerank_at`` cannot stop part-way: one that makes two
     network calls per step (Heun, DPM2), whose steps are not the loop's, or one whose noise is a
     process over the whole batch (DPM-Solver SDE's Brownian tree), which cannot be cut to rows."""
-    sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=1.0)
+    sched = make_scheduler(
+        settings.scheduler, diffusion, clip_sample_range=1.0, learned_variance=learned_variance
+    )
     sched.set_timesteps(settings.steps)
     name = type(sched).__name__
     if len(sched.timesteps) != settings.steps or "noise_sampler" in vars(sched):
@@ -524,7 +528,9 @@ def check_rerank_at(settings: SamplingConfig, diffusion: DiffusionConfig) -> Non
 def _predicted_x0(sched, training, x, t, out, prediction_type: str) -> torch.Tensor:
     """The network's x_0 at step ``t`` from its output ``out`` for sample ``x``. Samplers in sigma
     space (Euler, LMS) scale the model input by ``1/sqrt(1+σ²) = sqrt(ᾱ)``, which gives ᾱ at the
-    sampler's own noise level; the others sample in x_t's scale at a training timestep."""
+    sampler's own noise level; the others sample in x_t's scale, and ᾱ is the training schedule's
+    at the (rounded) timestep: exact for the built-in samplers and UniPC/DPM-Solver++ by name, close
+    for a solver given Karras sigmas."""
     one = torch.ones((), device=x.device, dtype=torch.float32)
     c = float(sched.scale_model_input(one, t))
     x = sched.scale_model_input(x, t).float()
@@ -577,7 +583,7 @@ def sample_decoder_reranked(
             f"sample_decoder_reranked needs the decoder's rerank_at below steps ({settings.steps}),"
             f" got {m!r}; choose among finished images with sample_decoder and rerank_candidates"
         )
-    check_rerank_at(settings, diffusion)
+    check_rerank_at(settings, diffusion, decoder.config.learned_variance)
     d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
     sched, device = d.scheduler, decoder.device
     if latents is None:

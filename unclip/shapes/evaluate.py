@@ -257,7 +257,9 @@ def run(
             "model": model or "bundled:shapes",
             "sampling_overrides": settings.get("sampling"),
             "decoder_weights": decoder_weights,
-            "reranker": reranker
+            "reranker": None  # nothing is reranked when only the upsamplers run
+            if settings.get("stages") == "upsamplers"
+            else reranker
             or ("pipeline reranker" if pipe.reranker is not None else "pipeline CLIP"),
         }
     )
