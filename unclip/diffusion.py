@@ -37,6 +37,7 @@ __all__ = [
     "sample_loop",
     "denoise_steps",
     "guided_output",
+    "initial_noise",
     "scheduler_step",
     "check_sampling_args",
     "Generator",
@@ -279,11 +280,7 @@ def sample_loop(
     returns replaces ``x``.
     """
     scheduler.set_timesteps(num_steps, device=device)
-    if latents is None:
-        latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
-    elif tuple(latents.shape) != tuple(shape):
-        raise ValueError(f"latents must have shape {tuple(shape)}, got {tuple(latents.shape)}")
-    x = latents.to(device=device, dtype=dtype) * scheduler.init_noise_sigma
+    x = initial_noise(shape, scheduler, generator, latents, device, dtype)
     return denoise_steps(
         denoise,
         x,
@@ -296,6 +293,24 @@ def sample_loop(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
+
+
+def initial_noise(
+    shape: tuple,
+    scheduler,
+    generator: Generator = None,
+    latents: Optional[torch.Tensor] = None,
+    device: Union[str, torch.device] = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x_T`` of ``shape`` for ``scheduler`` (timesteps set): ``latents`` (checked against
+    ``shape``) or noise drawn by ``generator`` (one, or one per batch element), scaled by the
+    scheduler's initial noise sigma."""
+    if latents is None:
+        latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
+    elif tuple(latents.shape) != tuple(shape):
+        raise ValueError(f"latents must have shape {tuple(shape)}, got {tuple(latents.shape)}")
+    return latents.to(device=device, dtype=dtype) * scheduler.init_noise_sigma
 
 
 def guided_output(

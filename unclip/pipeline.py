@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional, Union
 
 import torch
@@ -526,31 +526,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         ids), not a CLIP TextEncoding. ``negative_prompt`` (one caption, or one per image) takes
         the empty caption's place in the unconditional branch of guidance (whose image embedding
         stays the learned null one)."""
-        return self._decode(
-            image_embed,
-            text,
-            generator,
-            sampling,
-            latents,
-            progress,
-            callback_on_step_end,
-            negative_prompt,
+        return sample_decoder(
+            *self._decoder_inputs(image_embed, text, sampling, negative_prompt),
+            **self._decoder_run(generator, progress, callback_on_step_end),
+            latents=latents,
         )
 
-    def _decode(
-        self,
-        image_embed,
-        text,
-        generator,
-        sampling,
-        latents,
-        progress,
-        callback_on_step_end,
-        negative_prompt,
-        choose: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    ):
-        """:meth:`decode`; with ``choose``, the decoder's ``rerank_at`` choice among the rows
-        (:func:`~unclip.sampling.sample_decoder_reranked`), returning ``(images, kept rows)``."""
+    def _decoder_inputs(self, image_embed, text, sampling, negative_prompt) -> tuple:
+        """The leading arguments of :func:`~unclip.sampling.sample_decoder` (and of
+        :func:`~unclip.sampling.sample_decoder_reranked`) for :meth:`decode`'s inputs, checked,
+        with the decoder brought in."""
         s = self._stage_settings("decoder", sampling)
         image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
@@ -560,17 +545,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         self._onload("decoder")
         if len(text) != b:
             raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
-        args = (self.decoder, image_embed, text, null, s, self.diffusion["decoder"])
-        kwargs = dict(
+        return self.decoder, image_embed, text, null, s, self.diffusion["decoder"]
+
+    def _decoder_run(self, generator, progress, callback_on_step_end) -> dict:
+        """The decoder sampler's run options (keyword arguments)."""
+        return dict(
             generator=generator,
-            latents=latents,
             progress=progress,
             autocast_dtype=self.autocast_dtype,
             callback=stage_callback(self, "decoder", callback_on_step_end),
         )
-        if choose is not None:
-            return sample_decoder_reranked(*args, choose, **kwargs)
-        return sample_decoder(*args, **kwargs)
 
     @releases_gpu
     @torch.no_grad()
@@ -697,20 +681,18 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         else:
             embeds = image_embeds.to(self.device).repeat_interleave(k, dim=0)
         captions_k = [p for p in prompts for _ in range(n * k)]
-        small = self._decode(
-            embeds,
-            captions_k if self.decoder.has_text_encoder else text_k,
-            gen,
-            sampling,
-            None,
-            progress,
-            callback_on_step_end,
-            neg_k,
-            choose=(lambda x0: self.rerank(x0, captions_k, k)) if early else None,
+        inputs = self._decoder_inputs(
+            embeds, captions_k if self.decoder.has_text_encoder else text_k, sampling, neg_k
         )
+        run = self._decoder_run(gen, progress, callback_on_step_end)
         if early:
-            small, keep = small
+
+            def choose(x0):
+                return self.rerank(x0, captions_k, k)
+
+            small, keep = sample_decoder_reranked(*inputs, choose, **run)
         else:
+            small = sample_decoder(*inputs, **run)
             keep = self.rerank(small, captions_k, k)
             small = small[keep]
         embeds, text_k = embeds[keep], text_k[keep]

@@ -42,6 +42,7 @@ from unclip.diffusion import (
     Generator,
     check_sampling_args,
     guided_output,
+    initial_noise,
     is_guided,
     make_scheduler,
     sample_loop,
@@ -585,14 +586,8 @@ def sample_decoder_reranked(
         )
     check_rerank_at(settings, diffusion, decoder.config.learned_variance)
     d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
-    sched, device = d.scheduler, decoder.device
-    if latents is None:
-        from diffusers.utils.torch_utils import randn_tensor
-
-        latents = randn_tensor(d.shape, generator=generator, device=device, dtype=decoder.dtype)
-    elif tuple(latents.shape) != d.shape:
-        raise ValueError(f"latents must have shape {d.shape}, got {tuple(latents.shape)}")
-    x = latents.to(device=device, dtype=decoder.dtype) * sched.init_noise_sigma
+    sched = d.scheduler
+    x = initial_noise(d.shape, sched, generator, latents, decoder.device, decoder.dtype)
     n, fn, gen = x.shape[0], d.fn, generator
     training = training_scheduler(diffusion)
     guided = is_guided(settings.guidance_scale)
