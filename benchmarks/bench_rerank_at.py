@@ -16,7 +16,9 @@ checks it), so every ``m`` is measured without decoding again. Each ``m`` is sco
 resolution (32 px) with the evaluator, next to the first candidate (no reranking) and the ceiling of
 any reranker over these candidates (a prompt counts when any of its candidates is fully right).
 Network calls per image:
-``candidates × m + steps − m``.
+``candidates × m + steps − m``. With ``--contrast NAME`` (default ``shapes``; ``none`` to skip) each
+choice is made a second time by contrastive reranking (the decoder's ``rerank_contrast``: the
+CLIP's log-probability of the prompt among its alternatives), rows marked ``contrast``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from unclip.config import SamplingConfig
 from unclip.diffusion import guided_output, scheduler_step, training_scheduler
 from unclip.images import to_output
 from unclip.pipeline import UnCLIPPipeline
-from unclip.sampling import decoder_denoiser, image_text_cosines
+from unclip.sampling import (
+    RERANK_CONTRASTS,
+    decoder_denoiser,
+    image_text_cosines,
+    rerank_candidates,
+)
 from unclip.shapes.detector import evaluate_images, score
 from unclip.shapes.evaluate import heldout_samples
 from unclip.shapes.world import parse_caption
@@ -86,6 +93,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--chunk", type=int, default=10, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--contrast",
+        default="shapes",
+        choices=[*RERANK_CONTRASTS, "none"],
+        help="also choose by this rerank_contrast (default: %(default)s)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench_rerank_at")
     args = p.parse_args(argv)
@@ -116,11 +129,25 @@ def main(argv=None) -> int:
         **summary(finals[rows, finished.argmax(1)], captions),
         "calls": k * steps,
     }
+    contrast = None if args.contrast == "none" else args.contrast
+    captions_k = [c for c in captions for _ in range(k)]
+
+    def contrast_row(images, name, calls):
+        keep = rerank_candidates(pipe.rerank_clip, images.flatten(0, 1), captions_k, k, contrast)
+        table[f"{name}, contrast {contrast}"] = {
+            **summary(finals.flatten(0, 1)[keep], captions),
+            "calls": calls,
+        }
+
+    if contrast:
+        contrast_row(finals, "finished images", k * steps)
     for m, parts in x0s.items():
         pred = torch.cat(parts)
         scores = image_text_cosines(pipe.rerank_clip, pred.flatten(0, 1), text_embed).view(n, k)
         row = summary(finals[rows, scores.argmax(1)], captions)
         table[f"rerank_at {m}"] = {**row, "calls": k * m + steps - m}
+        if contrast:
+            contrast_row(pred, f"rerank_at {m}", k * m + steps - m)
     right = torch.zeros(n, k, dtype=torch.bool)
     for j in range(k):
         for i, image in enumerate(to_output(finals[:, j], "np")):
@@ -138,6 +165,7 @@ def main(argv=None) -> int:
         "candidates": k,
         "steps": steps,
         "sampling": {**PRIOR, "decoder": {**DECODER, "steps": steps, "best_of": k}},
+        "contrast": contrast,
         "model": args.model or "bundled:shapes",
         "resolution": int(finals.shape[-1]),
         "by_setting": table,

@@ -46,6 +46,21 @@ def test_saved_card_parses_with_metadata_and_component_sizes(tiny_pipe, tmp_path
     assert section(card, "Evaluation").startswith("Not recorded")
 
 
+def test_card_says_how_the_decoder_candidates_are_chosen(tiny_pipe, monkeypatch):
+    from dataclasses import replace
+
+    dec = tiny_pipe.sampling["decoder"]
+    choosing = replace(dec, best_of=8, rerank_at=3, rerank_contrast="shapes")
+    monkeypatch.setitem(tiny_pipe.sampling, "decoder", choosing)
+    text = render_card(tiny_pipe).text
+    cell = "8 (chosen after step 3, scored against the prompt's `shapes` alternatives)"
+    assert f"| decoder | {dec.scheduler} | {dec.steps} | {dec.guidance_scale} | {cell} |" in text
+    monkeypatch.setitem(tiny_pipe.sampling, "decoder", replace(choosing, rerank_at=dec.steps))
+    assert (
+        "| 8 (scored against the prompt's `shapes` alternatives) |" in render_card(tiny_pipe).text
+    )
+
+
 def test_author_fields_are_written_and_survive_load_and_save(tiny_pipe, tmp_path):
     fields = {
         "license": "apache-2.0",

@@ -81,6 +81,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["a cat", "--tiny", "--decoder-best-of", "0"], "best_of must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-rerank-at", "0"], "rerank_at must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-rerank-at", "half"], "a step number or 'none'"),
+        (["a cat", "--tiny", "--decoder-rerank-contrast", "clip"], "one of ['shapes'] or 'none'"),
         (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
         (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),
@@ -130,4 +131,10 @@ def test_decoder_rerank_at_flag_sets_or_clears_the_models_setting():
     }
     assert sampling_overrides(p.parse_args(["a cat", "--decoder-rerank-at", "None"])) == {
         "decoder": {"rerank_at": None}
+    }
+    assert sampling_overrides(p.parse_args(["a cat", "--decoder-rerank-contrast", "shapes"])) == {
+        "decoder": {"rerank_contrast": "shapes"}
+    }
+    assert sampling_overrides(p.parse_args(["a cat", "--decoder-rerank-contrast", "none"])) == {
+        "decoder": {"rerank_contrast": None}
     }

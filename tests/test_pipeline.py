@@ -250,6 +250,72 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
     assert assembled.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
 
 
+def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, monkeypatch):
+    """``rerank_contrast`` keeps the candidate with the highest log-probability of the prompt's
+    caption among its alternatives (softmax of the CLIP's logit scale × cosine), in ``rerank``, in
+    the pipeline's reranking of finished candidates and in the ``rerank_at`` choice; a prompt
+    without alternatives is scored by plain cosine."""
+    from unclip.sampling import RERANK_CONTRASTS, register_rerank_contrast
+
+    prompt = PROMPTS[0]
+    captions = [prompt, "a big blue square in the center", "a green triangle at the top"]
+    asked = []
+
+    def alternatives(p):
+        asked.append(p)
+        return captions if p == prompt else []
+
+    monkeypatch.setitem(RERANK_CONTRASTS, "test", RERANK_CONTRASTS["shapes"])  # restored after
+    register_rerank_contrast("test", alternatives)
+    clip = tiny_pipe.clip
+    txt = torch.nn.functional.normalize(clip.encode_text(captions).text_embed, dim=-1)
+    for seed in range(
+        30
+    ):  # candidates the two rules rank differently, so the test tells them apart
+        cands = run(
+            tiny_pipe,
+            prompts=[prompt],
+            seeds=(seed,),
+            num_images_per_prompt=4,
+            return_intermediates=True,
+            last_stage="decoder",
+        ).stage_images["decoder"]
+        img = torch.nn.functional.normalize(clip.encode_image(cands), dim=-1)
+        logp = (img @ txt.T * clip.logit_scale).log_softmax(-1)[:, 0]
+        best, plain = int(logp.argmax()), int(_cosines(clip, cands, prompt).argmax())
+        if best != plain:
+            break
+    else:
+        pytest.fail("no seed in 30 where the contrast and the cosine pick different candidates")
+    assert tiny_pipe.rerank(cands, prompt, 4, contrast="test").tolist() == [best]
+    assert tiny_pipe.rerank(cands, prompt, 4, contrast=alternatives).tolist() == [best]
+    assert tiny_pipe.rerank(cands, prompt, 4).tolist() == [plain]
+    assert tiny_pipe.rerank(cands, prompt, 4, contrast=lambda p: []).tolist() == [plain]
+    four = {"decoder": {"best_of": 4, "rerank_contrast": "test"}}
+    kept = run(
+        tiny_pipe,
+        prompts=[prompt],
+        seeds=(seed,),
+        sampling=four,
+        return_intermediates=True,
+        last_stage="decoder",
+    )
+    assert torch.equal(kept.stage_images["decoder"][0], cands[best])
+    # the part-way choice scores with it too
+    asked.clear()
+    early = {"decoder": {"best_of": 2, "steps": 3, "rerank_at": 1, "rerank_contrast": "test"}}
+    run(tiny_pipe, prompts=[prompt, PROMPTS[1]], sampling=early, last_stage="decoder")
+    assert asked == [prompt, PROMPTS[1]]
+    with pytest.raises(ValueError, match="rerank_contrast must be one of .*'test'.* got 'nope'"):
+        tiny_pipe.sampling_settings({"decoder": {"rerank_contrast": "nope"}})
+    with pytest.raises(ValueError, match="prior: rerank_contrast is a decoder setting"):
+        tiny_pipe.sampling_settings({"prior": {"rerank_contrast": "test"}})
+    with pytest.raises(TypeError, match="registered name or a function"):
+        tiny_pipe.rerank(cands, prompt, 4, contrast=3)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        register_rerank_contrast("x", "not a function")
+
+
 def test_rerank_refuses_bad_arguments(tiny_pipe):
     images = torch.zeros(6, 3, 16, 16)
     with pytest.raises(TypeError, match="takes the prompts"):

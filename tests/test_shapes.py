@@ -22,6 +22,8 @@ from unclip.shapes.world import (
     SHAPES,
     SIZES,
     ShapesWorld,
+    canonical_caption,
+    caption_alternatives,
     is_heldout,
     make_caption,
     parse_caption,
@@ -265,6 +267,52 @@ def test_parse_caption_examples_and_errors():
             parse_caption(bad)
     with pytest.raises(TypeError):
         parse_caption(None)
+
+
+def _attribute_diff(a: dict, b: dict) -> list[str]:
+    """The attributes two parsed captions name differently (object i's as key{i})."""
+    out = [k for k in ("background", "relation") if a[k] != b[k]]
+    for i, (x, y) in enumerate(zip(a["objects"], b["objects"])):
+        out += [f"{k}{i}" for k in x if x[k] != y[k]]
+    return out
+
+
+@pytest.mark.parametrize(
+    "caption,count",
+    [
+        # 5 other colors, 2 shapes, 1 size, 4 positions, 2 backgrounds
+        ("there is a tiny green triangle on the left on a gray background", 14),
+        ("a yellow square", 7),  # 5 colors, 2 shapes: it names nothing else
+        # per object 4 colors (not the other's) and 2 shapes; 3 relations; 2 swaps
+        ("an image of a red circle to the left of a blue square", 17),
+        ("a red circle above a blue circle", 16),  # same shapes: no shape swap
+    ],
+)
+def test_caption_alternatives_change_one_attribute_or_swap_the_pair(caption, count):
+    first, *others = caption_alternatives(caption)
+    parsed = parse_caption(caption)
+    assert parse_caption(first) == parsed and first == canonical_caption(parsed)
+    assert len(others) == count and len(set(others)) == count and first not in others
+    swaps = 0
+    for alt in others:
+        q = parse_caption(alt)  # every alternative is a caption of the world
+        changed = _attribute_diff(parsed, q)
+        if parsed["relation"] is not None:
+            assert q["objects"][0]["color"] != q["objects"][1]["color"]
+        if changed in (["color0", "color1"], ["shape0", "shape1"]):  # the pair swapped
+            a, b = parsed["objects"]
+            key = changed[0][:-1]
+            assert (q["objects"][0][key], q["objects"][1][key]) == (b[key], a[key])
+            swaps += 1
+        else:
+            assert len(changed) == 1, (alt, changed)
+    pair = parsed["relation"] is not None
+    assert swaps == (pair and len({o["shape"] for o in parsed["objects"]}) == 2) + pair
+    assert canonical_caption(parse_caption("a big blue square in the center")) == (
+        "a large blue square in the center"
+    )
+    with pytest.raises(ValueError, match="not a shapes caption"):
+        caption_alternatives("a cat on a mat")
 
 
 def test_two_object_geometry():

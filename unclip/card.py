@@ -172,7 +172,7 @@ def render_card(pipe, info: Optional[Mapping] = None):
             s.scheduler,
             s.steps,
             s.guidance_scale,
-            s.best_of,
+            _best_of(s),
             f"{d.prediction_type}, {d.beta_schedule}, T = {d.num_train_timesteps}",
         ]
         for stage in pipe.stage_names
@@ -217,6 +217,16 @@ def render_card(pipe, info: Optional[Mapping] = None):
     ]
     text = "\n\n".join(parts) + "\n"
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}")
+
+
+def _best_of(s) -> str:
+    """The "best of" cell: the number of candidates and how the decoder's are chosen."""
+    how = []
+    if s.best_of > 1 and s.rerank_at is not None and s.rerank_at < s.steps:
+        how.append(f"chosen after step {s.rerank_at}")
+    if s.best_of > 1 and s.rerank_contrast is not None:
+        how.append(f"scored against the prompt's `{s.rerank_contrast}` alternatives")
+    return f"{s.best_of} ({', '.join(how)})" if how else str(s.best_of)
 
 
 def write_card(folder, pipe, info: Optional[Mapping] = None) -> Path:

@@ -390,6 +390,13 @@ class CLIP(torch.nn.Module):
         return int(self.model_cfg["text_cfg"].get("width", 512))
 
     @property
+    def logit_scale(self) -> float:
+        """The temperature its contrastive training learnt: image–text logits are this times the
+        cosine (100 for OpenAI's CLIPs; 100 where a converted model has none)."""
+        scale = getattr(self.model, "logit_scale", None)
+        return 100.0 if scale is None else float(scale.detach().float().exp())
+
+    @property
     def context_length(self) -> int:
         """L, the tokenizer's context length."""
         return int(self.tokenizer.context_length)

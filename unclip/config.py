@@ -329,6 +329,10 @@ class SamplingConfig:
     ``best_of × rerank_at + steps − rerank_at`` network calls per image instead of
     ``best_of × steps``; ``None`` (default), or ``steps`` or more, chooses among the finished
     images. It takes samplers with one network call per step (not Heun or DPM2).
+    ``rerank_contrast`` (decoder only): score the candidates by how much the CLIP prefers the
+    prompt over alternatives of it (a name registered in :data:`unclip.sampling.RERANK_CONTRASTS`,
+    e.g. ``"shapes"``: the prompt's one-attribute variants and swaps) instead of by the plain
+    cosine (``None``, default); see :func:`unclip.sampling.rerank_candidates`.
 
     The autoregressive prior (``prior.type: ar``) samples codes, not noise: it ignores
     ``scheduler`` and ``steps`` and takes ``guidance_scale`` (on its logits), ``best_of`` and four
@@ -343,6 +347,7 @@ class SamplingConfig:
     guidance_scale: float = 4.0
     best_of: int = 1
     rerank_at: Optional[int] = None
+    rerank_contrast: Optional[str] = None
     temperature: Optional[float] = None
     top_k: Optional[int] = None
     top_p: Optional[float] = None

@@ -240,7 +240,8 @@ class EditingMixin:
             s.steps = steps
         if guidance_scale is not None:
             s.guidance_scale = guidance_scale
-        s.scheduler, s.best_of, s.rerank_at = "ddim", 1, None  # one DDIM path, no candidates
+        # one DDIM path, no candidates to choose among
+        s.scheduler, s.best_of, s.rerank_at, s.rerank_contrast = "ddim", 1, None, None
         return resolve_sampling({"decoder": s})["decoder"]
 
     def _ddim_denoiser(self, embeds, caption, settings: SamplingConfig) -> Denoiser:

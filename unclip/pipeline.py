@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Union
 
 import torch
@@ -688,12 +688,12 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         if early:
 
             def choose(x0):
-                return self.rerank(x0, captions_k, k)
+                return self.rerank(x0, captions_k, k, contrast=dec.rerank_contrast)
 
             small, keep = sample_decoder_reranked(*inputs, choose, **run)
         else:
             small = sample_decoder(*inputs, **run)
-            keep = self.rerank(small, captions_k, k)
+            keep = self.rerank(small, captions_k, k, contrast=dec.rerank_contrast)
             small = small[keep]
         embeds, text_k = embeds[keep], text_k[keep]
         timings["decoder"] = self._now() - t0
@@ -719,13 +719,19 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
     @releases_gpu
     @torch.no_grad()
     def rerank(
-        self, images: torch.Tensor, prompts: Union[str, Sequence[str]], k: int
+        self,
+        images: torch.Tensor,
+        prompts: Union[str, Sequence[str]],
+        k: int,
+        contrast: Union[str, Callable[[str], list[str]], None] = None,
     ) -> torch.Tensor:
         """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
         (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between :attr:`rerank_clip`'s
         embeddings of the image and of its prompt. ``prompts``: one per image (``B·k``), one per
-        group (``B``), or one string for all; ``k = 1`` keeps every image."""
-        return rerank_candidates(self.rerank_clip, images, prompts, k)
+        group (``B``), or one string for all; ``k = 1`` keeps every image. ``contrast`` (the
+        decoder's ``rerank_contrast``): score by the CLIP's preference for the prompt over its
+        alternatives instead (:func:`~unclip.sampling.rerank_candidates`)."""
+        return rerank_candidates(self.rerank_clip, images, prompts, k, contrast)
 
     @releases_gpu
     @torch.no_grad()

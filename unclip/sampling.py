@@ -73,6 +73,8 @@ __all__ = [
     "check_finite",
     "image_text_cosines",
     "rerank_candidates",
+    "RERANK_CONTRASTS",
+    "register_rerank_contrast",
 ]
 
 DEFAULT_SAMPLING = {
@@ -168,6 +170,7 @@ def resolve_sampling(
                     f"{stage}: rerank_at must be an integer >= 1 (a step number; steps or more, "
                     f"or None, choose among the finished images), got {r!r}"
                 )
+        check_rerank_contrast(stage, s.rerank_contrast)
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
             raise ValueError(
                 f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "
@@ -674,14 +677,85 @@ def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tenso
     return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
 
 
+def _shapes_alternatives(prompt: str) -> list[str]:
+    from unclip.shapes.world import caption_alternatives
+
+    try:
+        return caption_alternatives(prompt)
+    except ValueError:  # not a shapes caption: plain CLIP score
+        return []
+
+
+#: Contrastive reranking (the decoder's ``rerank_contrast``): name → ``fn(prompt) -> captions``,
+#: the first standing for the prompt and the rest for what a wrong image would show instead; an
+#: empty list (e.g. a prompt the function cannot parse) reranks that prompt by plain CLIP score.
+RERANK_CONTRASTS: dict[str, Callable[[str], list[str]]] = {"shapes": _shapes_alternatives}
+
+
+def register_rerank_contrast(name: str, fn: Callable[[str], list[str]]) -> None:
+    """Make ``fn(prompt) -> [caption, *alternatives]`` available as the decoder's
+    ``rerank_contrast = name`` (see :func:`rerank_candidates`)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"rerank_contrast names are non-empty strings, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"register_rerank_contrast({name!r}, fn): fn must be callable")
+    RERANK_CONTRASTS[name] = fn
+
+
+def check_rerank_contrast(stage: str, name) -> None:
+    """A ``ValueError`` unless ``name`` is None or a registered contrast of the decoder."""
+    if name is None:
+        return
+    if stage_kind(stage) != "decoder":
+        raise ValueError(
+            f"{stage}: rerank_contrast is a decoder setting (how its best_of candidates are "
+            f"scored); remove it from {stage}'s settings"
+        )
+    if not isinstance(name, str) or name not in RERANK_CONTRASTS:
+        raise ValueError(
+            f"{stage}: rerank_contrast must be one of {sorted(RERANK_CONTRASTS)} or None, got "
+            f"{name!r} (unclip.sampling.register_rerank_contrast adds one)"
+        )
+
+
+def _contrast_scores(clip: CLIP, images, prompts, contrast) -> torch.Tensor:
+    """Per image, ``log p(caption | image)`` over its prompt's caption set (a softmax of the
+    CLIP's logits, ``logit_scale × cosine``), or the plain cosine where the set is empty."""
+    fn = RERANK_CONTRASTS[contrast] if isinstance(contrast, str) else contrast
+    sets = {p: list(fn(p)) for p in dict.fromkeys(prompts)}  # each distinct prompt once
+    img = F.normalize(clip.encode_image(images), dim=-1)
+    scores = torch.empty(len(prompts), device=img.device)
+    for prompt, captions in sets.items():
+        rows = torch.tensor([i for i, p in enumerate(prompts) if p == prompt], device=img.device)
+        texts = captions if len(captions) > 1 else [prompt]
+        txt = F.normalize(clip.encode_text(texts).text_embed.to(img), dim=-1)
+        cos = img[rows] @ txt.T
+        scores[rows] = (
+            (cos * clip.logit_scale).log_softmax(-1)[:, 0] if len(captions) > 1 else cos[:, 0]
+        )
+    return scores
+
+
 @torch.no_grad()
 def rerank_candidates(
-    clip: CLIP, images: torch.Tensor, prompts: Union[str, Sequence[str]], k: int
+    clip: CLIP,
+    images: torch.Tensor,
+    prompts: Union[str, Sequence[str]],
+    k: int,
+    contrast: Union[str, Callable[[str], list[str]], None] = None,
 ) -> torch.Tensor:
     """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
     (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between ``clip``'s embeddings of the image
     and of its prompt (the decoder's ``best_of``). ``prompts``: one per image (``B·k``), one per
-    group (``B``), or one string for all; ``k = 1`` keeps every image."""
+    group (``B``), or one string for all; ``k = 1`` keeps every image.
+
+    ``contrast`` (the decoder's ``rerank_contrast``; a name in :data:`RERANK_CONTRASTS` or a
+    function ``prompt -> [caption, *alternatives]``): score each candidate instead by how much the
+    CLIP prefers the caption over its alternatives, ``log p(caption | image)`` among them — the
+    CLIP's retrieval task, which it is trained for, rather than how close the image is to the
+    caption in absolute terms (an image close to every caption of its kind scores high on the
+    cosine whatever it shows). ``"shapes"``: the one-attribute variants and color/shape swaps of a
+    shapes caption (:func:`unclip.shapes.world.caption_alternatives`)."""
     k = check_count(k, "k")
     if images.shape[0] % k:
         raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
@@ -700,5 +774,15 @@ def rerank_candidates(
             f"rerank: {len(prompts)} prompts for {images.shape[0]} images in groups of {k}; "
             f"give one prompt per image or one per group"
         )
-    scores = image_text_cosines(clip, images, clip.encode_text(prompts).text_embed).view(-1, k)
+    if contrast is not None:
+        if isinstance(contrast, str):
+            check_rerank_contrast("decoder", contrast)
+        elif not callable(contrast):
+            raise TypeError(
+                f"rerank contrast must be a registered name or a function, got "
+                f"{type(contrast).__name__}"
+            )
+        scores = _contrast_scores(clip, images, prompts, contrast).view(-1, k)
+    else:
+        scores = image_text_cosines(clip, images, clip.encode_text(prompts).text_embed).view(-1, k)
     return torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()

@@ -109,6 +109,28 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "steps, from each one's predicted final image, and finish only the chosen (fewer network "
         "calls); 'none' chooses among the finished images (default: the model's setting)",
     )
+    p.add_argument(
+        "--decoder-rerank-contrast",
+        type=_contrast_or_none,
+        metavar="NAME",
+        help="with --decoder-best-of > 1: score the candidates by how much the CLIP prefers the "
+        "prompt over alternatives of it ('shapes': its one-attribute variants and swaps) instead "
+        "of by plain CLIP score; 'none' turns it off (default: the model's setting)",
+    )
+
+
+def _contrast_or_none(text: str) -> str:
+    """``--decoder-rerank-contrast``'s value: a registered name, or ``none``."""
+    from unclip.sampling import RERANK_CONTRASTS
+
+    name = text.strip()
+    if name.lower() == "none":
+        return "none"
+    if name not in RERANK_CONTRASTS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {sorted(RERANK_CONTRASTS)} or 'none', got {text!r}"
+        )
+    return name
 
 
 def _step_or_none(text: str):
@@ -134,7 +156,7 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
         }
         extra = {
             "prior": ["best_of", *(f for _, f, _, _ in AR_FLAGS)],
-            "decoder": ["best_of", "rerank_at"],
+            "decoder": ["best_of", "rerank_at", "rerank_contrast"],
         }.get(prefix, ["best_of"])
         for field in extra:
             value = getattr(args, f"{prefix}_{field}", None)

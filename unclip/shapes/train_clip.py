@@ -237,23 +237,17 @@ class ClipTask:
 
 
 def _canonical(truth: dict, **change) -> str:
-    """A full caption of ``truth`` (every attribute named), with attributes replaced by
-    ``change``."""
-    from unclip.shapes.world import POSITION_PHRASES, article
+    """A full caption of ``truth`` (every attribute named; a pair's objects without size), with
+    attributes replaced by ``change`` (an object attribute changes the first object)."""
+    from unclip.shapes.world import canonical_caption
 
-    bg = change.get("background", truth["background"])
-    objs = [dict(o) for o in truth["objects"]]
-    for k in ("color", "shape", "size", "position"):
-        if k in change:
-            objs[0][k] = change[k]
-    if truth["relation"] is None:
-        o = objs[0]
-        words = [o["size"], o["color"], o["shape"]]
-        where = POSITION_PHRASES[o["position"]]
-        return f"{article(words[0])} {' '.join(words)} {where} on a {bg} background"
-    rel = change.get("relation", truth["relation"])
-    a, b = (f"{article(o['color'])} {o['color']} {o['shape']}" for o in objs)
-    return f"{a} {rel} {b} on a {bg} background"
+    pair = truth["relation"] is not None
+    objs = [{k: o[k] for k in ("shape", "color", "size", "position")} for o in truth["objects"]]
+    objs[0].update({k: v for k, v in change.items() if k in objs[0]})
+    if pair:
+        objs = [{**o, "size": None, "position": None} for o in objs]
+    scene = {k: change.get(k, truth[k]) for k in ("background", "relation")}
+    return canonical_caption({**scene, "objects": objs})
 
 
 @torch.no_grad()

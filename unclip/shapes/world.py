@@ -597,6 +597,72 @@ def parse_caption(text: str, extra_colors=None) -> dict:
     )
 
 
+def canonical_caption(parsed: dict) -> str:
+    """The caption of a :func:`parse_caption` result in one fixed phrasing (the first template,
+    canonical size words), naming exactly the attributes it names: ``"a small red circle on the
+    left on a black background"``, ``"a red circle to the left of a blue square"``."""
+
+    def phrase(obj: dict) -> str:
+        words = ([obj["size"]] if obj.get("size") else []) + [obj["color"], obj["shape"]]
+        return f"{article(words[0])} {' '.join(words)}"
+
+    bg = f" on a {parsed['background']} background" if parsed.get("background") else ""
+    objs = parsed["objects"]
+    if parsed["relation"] is None:
+        pos = objs[0].get("position")
+        return f"{phrase(objs[0])}{' ' + POSITION_PHRASES[pos] if pos else ''}{bg}"
+    return f"{phrase(objs[0])} {parsed['relation']} {phrase(objs[1])}{bg}"
+
+
+def caption_alternatives(text: str, extra_colors=None) -> list[str]:
+    """``text`` in :func:`canonical_caption`'s phrasing, then every caption that differs from it in
+    one attribute the caption names — another color, shape, size or position of an object, another
+    background, another relation — and, for two objects, the two objects' colors or shapes
+    swapped (how a drawing binds them wrongly: "a blue circle to the left of a red square" for "a
+    red circle to the left of a blue square"). A pair's colors stay different. Contrastive
+    reranking (:func:`unclip.sampling.rerank_candidates`) scores an image by how much a CLIP
+    prefers the first caption over the others. Raises ``ValueError`` for text that is not a
+    shapes caption (:func:`parse_caption`)."""
+    import copy
+
+    parsed = parse_caption(text, extra_colors)
+    colors = list(palette(extra_colors) if extra_colors else COLORS)
+    options = {"color": colors, "shape": SHAPES, "size": SIZES, "position": POSITIONS}
+    objs = parsed["objects"]
+    out = [canonical_caption(parsed)]
+
+    def variant(change) -> None:
+        q = copy.deepcopy(parsed)
+        change(q)
+        out.append(canonical_caption(q))
+
+    for i, obj in enumerate(objs):
+        for key, values in options.items():
+            if obj.get(key) is None:
+                continue
+            taken = {o["color"] for o in objs} if key == "color" else {obj[key]}
+            for v in values:
+                if v not in taken:
+                    variant(lambda q, i=i, key=key, v=v: q["objects"][i].__setitem__(key, v))
+    if parsed["relation"] is not None:
+        for r in RELATIONS:
+            if r != parsed["relation"]:
+                variant(lambda q, r=r: q.__setitem__("relation", r))
+        for key in ("color", "shape"):
+            if objs[0][key] != objs[1][key]:
+                variant(
+                    lambda q, key=key: (
+                        q["objects"][0].__setitem__(key, objs[1][key]),
+                        q["objects"][1].__setitem__(key, objs[0][key]),
+                    )
+                )
+    if parsed["background"] is not None:
+        for b in BACKGROUNDS:
+            if b != parsed["background"]:
+                variant(lambda q, b=b: q.__setitem__("background", b))
+    return out
+
+
 class ShapesWorld:
     """The shapes dataset as an indexable, effectively infinite sequence.
 
