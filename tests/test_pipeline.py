@@ -733,7 +733,9 @@ def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
     hook = tiny_pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
     rerank = tiny_pipe.rerank
     try:
-        with mock.patch.object(tiny_pipe, "rerank", lambda *a: kept.append(rerank(*a)) or kept[-1]):
+        with mock.patch.object(
+            tiny_pipe, "rerank", lambda *a, **kw: kept.append(rerank(*a, **kw)) or kept[-1]
+        ):
             out = run(tiny_pipe, sampling=early, negative_prompt=neg, return_intermediates=True)
     finally:
         hook.remove()
