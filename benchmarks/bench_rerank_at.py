@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rerank_at.py                 # results/bench_rerank_at.json (50 + 50)
     python benchmarks/bench_rerank_at.py --num 100 --candidates 16 --steps 10
+    python benchmarks/bench_rerank_at.py --num 100 --prompt-seed 2000 --out bench_rerank_at_seed2000
     python benchmarks/bench_rerank_at.py --quick         # 2 + 2 prompts, 4 candidates
 
 For the held-out prompts (``--num`` single-object and ``--num`` two-object), every prompt gets
@@ -94,6 +95,12 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=10, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=1000,
+        help="seed of the held-out captions (1000: the evaluation's; another gives a second set)",
+    )
+    p.add_argument(
         "--contrast",
         default="shapes",
         choices=[*RERANK_CONTRASTS, "none"],
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")
     started = time.perf_counter()
     pipe = UnCLIPPipeline.from_pretrained(args.model)
-    captions = [s.caption for s in heldout_samples(args.num)]
+    captions = [s.caption for s in heldout_samples(args.num, seed=args.prompt_seed)]
     k, steps = args.candidates, args.steps
     finals, x0s = [], {m: [] for m in range(1, steps + 1)}
     for start in range(0, len(captions), args.chunk):
@@ -162,6 +169,7 @@ def main(argv=None) -> int:
     result = {
         "machine": common.machine(),
         "prompts_per_kind": args.num,
+        "prompt_seed": args.prompt_seed,
         "candidates": k,
         "steps": steps,
         "sampling": {**PRIOR, "decoder": {**DECODER, "steps": steps, "best_of": k}},
