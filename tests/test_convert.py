@@ -336,6 +336,8 @@ def test_image_variations_layout(tmp_path):
     dpipe = build_diffusers(tmp_path / "var", variations=True)
     pipe = UnCLIPPipeline.from_pretrained(tmp_path / "var")
     assert pipe.prior is None and pipe.clip.has_vision
+    # no temperature in transformers' encoders: OpenAI's trained value, which reranking reads
+    assert pipe.clip.logit_scale == pytest.approx(100.0)
     pixels = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref = dpipe.image_encoder(pixels).image_embeds

@@ -223,8 +223,16 @@ def test_rerank_at_under_offload_on_fake_cuda(tmp_path):
         )
         assert out.images.shape == (2, 3, 32, 32) and out.stage_images["decoder"].shape[0] == 2
         assert pipe.model_cpu_offload.loads["decoder"] == 2  # before and after the choice
-        # contrastive reranking reads the CLIP's logit scale from its GPU copy
-        sampling["decoder"]["rerank_contrast"] = "shapes"
-        text = ["a red circle to the left of a blue square"]
-        out = pipe(text, sampling=sampling, output_type="pt", progress=False)
-        assert out.image_embeds.shape[0] == 1 and out.image_embeds.device.type == "cuda"
+        # contrastive reranking on the reranking CLIP's GPU copy (its logit scale included)
+        from unclip.sampling import RERANK_CONTRASTS, shapes_contrast
+
+        asked, shapes = [], shapes_contrast()
+        RERANK_CONTRASTS["recording"] = lambda p: asked.append(p) or shapes(p)
+        try:
+            sampling["decoder"]["rerank_contrast"] = "recording"
+            text = ["a red circle to the left of a blue square"]
+            out = pipe(text, sampling=sampling, output_type="pt", progress=False)
+        finally:
+            del RERANK_CONTRASTS["recording"]
+        assert asked == text and out.image_embeds.shape[0] == 1
+        assert out.image_embeds.device.type == "cuda"

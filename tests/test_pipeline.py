@@ -311,7 +311,9 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
     with pytest.raises(ValueError, match="prior: rerank_contrast is a decoder setting"):
         tiny_pipe.sampling_settings({"prior": {"rerank_contrast": "test"}})
     with pytest.raises(TypeError, match="registered name or a function"):
-        tiny_pipe.rerank(cands, prompt, 4, contrast=3)
+        tiny_pipe.rerank(cands, prompt, 1, contrast=3)
+    with pytest.raises(ValueError, match="candidates of a group must share one prompt"):
+        tiny_pipe.rerank(cands, [prompt, PROMPTS[1]] * 2, 2, contrast="test")
     with pytest.raises(TypeError, match="fn must be callable"):
         register_rerank_contrast("x", "not a function")
 

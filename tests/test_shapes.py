@@ -315,6 +315,18 @@ def test_caption_alternatives_change_one_attribute_or_swap_the_pair(caption, cou
         caption_alternatives("a cat on a mat")
 
 
+def test_shapes_contrast_reads_extra_colors_and_warns_on_other_prompts():
+    from unclip.sampling import shapes_contrast
+
+    pink = shapes_contrast({"pink": (255, 105, 180)})
+    assert "a pink square" in pink("a yellow square")
+    assert pink("a pink circle to the left of a blue square")[0] == (
+        "a pink circle to the left of a blue square"
+    )
+    with pytest.warns(UserWarning, match="'a cat' is not a shapes caption"):
+        assert shapes_contrast()("a cat") == []
+
+
 def test_two_object_geometry():
     world = ShapesWorld(seed=11, split="all", two_object_prob=1.0)
     for i in range(200):

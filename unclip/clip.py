@@ -392,7 +392,8 @@ class CLIP(torch.nn.Module):
     @property
     def logit_scale(self) -> float:
         """The temperature its contrastive training learnt: image–text logits are this times the
-        cosine (100 for OpenAI's CLIPs; 100 where a converted model has none)."""
+        cosine (100 for OpenAI's CLIPs, and for CLIPs converted from diffusers/Karlo folders, which
+        do not store it)."""
         scale = getattr(self.model, "logit_scale", None)
         return 100.0 if scale is None else float(scale.detach().float().exp())
 

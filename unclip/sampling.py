@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -75,6 +76,7 @@ __all__ = [
     "rerank_candidates",
     "RERANK_CONTRASTS",
     "register_rerank_contrast",
+    "shapes_contrast",
 ]
 
 DEFAULT_SAMPLING = {
@@ -677,19 +679,31 @@ def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tenso
     return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
 
 
-def _shapes_alternatives(prompt: str) -> list[str]:
+def shapes_contrast(extra_colors=None) -> Callable[[str], list[str]]:
+    """A contrast for shapes captions (:func:`unclip.shapes.world.caption_alternatives`), with the
+    world's ``extra_colors`` if it has any (then register it under a name of its own). A prompt
+    that is not a shapes caption gets no alternatives, so the plain CLIP score ranks it (with a
+    warning)."""
     from unclip.shapes.world import caption_alternatives
 
-    try:
-        return caption_alternatives(prompt)
-    except ValueError:  # not a shapes caption: plain CLIP score
-        return []
+    def alternatives(prompt: str) -> list[str]:
+        try:
+            return caption_alternatives(prompt, extra_colors)
+        except ValueError:
+            warnings.warn(
+                f"rerank_contrast 'shapes': {prompt!r} is not a shapes caption, so its "
+                "candidates are ranked by the plain CLIP score",
+                stacklevel=2,
+            )
+            return []
+
+    return alternatives
 
 
 #: Contrastive reranking (the decoder's ``rerank_contrast``): name → ``fn(prompt) -> captions``,
 #: the first standing for the prompt and the rest for what a wrong image would show instead; an
 #: empty list (e.g. a prompt the function cannot parse) reranks that prompt by plain CLIP score.
-RERANK_CONTRASTS: dict[str, Callable[[str], list[str]]] = {"shapes": _shapes_alternatives}
+RERANK_CONTRASTS: dict[str, Callable[[str], list[str]]] = {"shapes": shapes_contrast()}
 
 
 def register_rerank_contrast(name: str, fn: Callable[[str], list[str]]) -> None:
@@ -727,7 +741,7 @@ def _contrast_scores(clip: CLIP, images, prompts, contrast) -> torch.Tensor:
     scores = torch.empty(len(prompts), device=img.device)
     for prompt, captions in sets.items():
         rows = torch.tensor([i for i, p in enumerate(prompts) if p == prompt], device=img.device)
-        texts = captions if len(captions) > 1 else [prompt]
+        texts = captions or [prompt]
         txt = F.normalize(clip.encode_text(texts).text_embed.to(img), dim=-1)
         cos = img[rows] @ txt.T
         scores[rows] = (
@@ -757,6 +771,11 @@ def rerank_candidates(
     cosine whatever it shows). ``"shapes"``: the one-attribute variants and color/shape swaps of a
     shapes caption (:func:`unclip.shapes.world.caption_alternatives`)."""
     k = check_count(k, "k")
+    if isinstance(contrast, str):
+        check_rerank_contrast("decoder", contrast)
+    elif contrast is not None and not callable(contrast):
+        kind = type(contrast).__name__
+        raise TypeError(f"rerank contrast must be a registered name or a function, got {kind}")
     if images.shape[0] % k:
         raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
     if k == 1:
@@ -775,12 +794,11 @@ def rerank_candidates(
             f"give one prompt per image or one per group"
         )
     if contrast is not None:
-        if isinstance(contrast, str):
-            check_rerank_contrast("decoder", contrast)
-        elif not callable(contrast):
-            raise TypeError(
-                f"rerank contrast must be a registered name or a function, got "
-                f"{type(contrast).__name__}"
+        # log-probabilities over different caption sets (or a cosine) do not compare
+        if any(len(set(prompts[i : i + k])) > 1 for i in range(0, len(prompts), k)):
+            raise ValueError(
+                "rerank with a contrast: the k candidates of a group must share one prompt "
+                "(give one prompt per group)"
             )
         scores = _contrast_scores(clip, images, prompts, contrast).view(-1, k)
     else:

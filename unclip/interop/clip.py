@@ -397,7 +397,10 @@ def clip_from_transformers(
                 model_cfg["vision_cfg"]["layers"],
             )
         )
-    state = {k: v for k, v in expected.items() if k.startswith("visual.") or k == "logit_scale"}
+    state = {k: v for k, v in expected.items() if k.startswith("visual.")}
+    # transformers' text and vision encoders carry no temperature; OpenAI's CLIPs (Karlo's
+    # included) trained theirs to the clamp, 100 (contrastive reranking reads it)
+    state["logit_scale"] = torch.tensor(math.log(100.0), dtype=expected["logit_scale"].dtype)
     for comp, to_tf, from_tf, layers in parts:
         got = load_weights(root / comp, comp, variant)
         got = {k: v for k, v in got.items() if k not in IGNORED_KEYS}

@@ -31,10 +31,10 @@ Export writes exactly what diffusers' ``UnCLIPPipeline`` can express: one prior,
 decoder whose text width equals the CLIP embedding size, and exactly ONE upsampling stage without
 noise-level conditioning (``super_res_last`` is the upsampler's ``final_unet``, or a copy of its
 ``unet``). Anything else raises ``ValueError`` listing every part that cannot be expressed. Sampling
-defaults (steps, guidance, ``best_of``, ``rerank_at``) are not part of a diffusers folder. The
-exported tokenizer cleans text like transformers' ``CLIPTokenizer`` (NFC, no ftfy), which differs
-from open_clip's only for rare inputs (curly quotes, HTML entities, mojibake) of natively trained
-pipelines.
+defaults (steps, guidance, ``best_of``, ``rerank_at``, ``rerank_contrast``) are not part of a
+diffusers folder. The exported tokenizer cleans text like transformers' ``CLIPTokenizer`` (NFC, no
+ftfy), which differs from open_clip's only for rare inputs (curly quotes, HTML entities, mojibake)
+of natively trained pipelines.
 """
 
 from __future__ import annotations
