@@ -99,26 +99,10 @@ def test_contrastive_reranking_reads_which_color_goes_with_which_shape(pipe):
     objects, with another relation and with another shape, where the plain CLIP score often takes
     the color swap (the CLIP's text and image embeddings bind color to shape weakly; its
     retrieval among the caption's alternatives reads it)."""
-    import copy
-    import random
+    from unclip.shapes.evaluate import binding_probe
 
-    from unclip.images import pil_to_tensor
-    from unclip.shapes.world import ShapesWorld, contrast_truth, render
-
-    world = ShapesWorld(32, seed=5, split="heldout", two_object_prob=1.0)
-    rng = random.Random(0)
-    picks = {"cosine": [], "contrast": []}
-    for i in range(40):
-        s = world[i]
-        swapped = copy.deepcopy(s.truth)
-        a, b = swapped["objects"]
-        a["color"], b["color"] = b["color"], a["color"]
-        scenes = [s.truth, swapped]
-        scenes += [contrast_truth(s.truth, rng, "all", {k: 1})[0] for k in ("relation", "shape")]
-        images = torch.stack([pil_to_tensor(render(x, 32)) for x in scenes])
-        picks["cosine"].append(int(pipe.rerank(images, s.caption, 4)))
-        picks["contrast"].append(int(pipe.rerank(images, s.caption, 4, contrast="shapes")))
-    right = {k: v.count(0) for k, v in picks.items()}
-    assert right["contrast"] >= 38, right
-    assert right["cosine"] <= right["contrast"] - 5, right
-    assert picks["cosine"].count(1) > picks["contrast"].count(1)  # the swap is what it fixes
+    picks = binding_probe(pipe, num=40)
+    right = {rule: counts[0] for rule, counts in picks.items()}
+    assert right["contrast"] >= 38, picks
+    assert right["cosine"] <= right["contrast"] - 5, picks
+    assert picks["cosine"][1] > picks["contrast"][1]  # the color swap is what it fixes

@@ -42,7 +42,7 @@ from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.detector import evaluate_images
 from unclip.shapes.world import ShapesWorld
 
-__all__ = ["STAGES", "heldout_samples", "evaluate_pipeline", "save_grid", "run"]
+__all__ = ["STAGES", "heldout_samples", "evaluate_pipeline", "binding_probe", "save_grid", "run"]
 
 #: what ``evaluate_pipeline`` runs: the whole pipeline, up to the base decoder, or the upsamplers
 #: alone on true renders
@@ -205,6 +205,41 @@ def evaluate_pipeline(
     report["_images"] = per_stage[names[-1]]
     report["_captions"] = captions
     return report
+
+
+#: the renders :func:`binding_probe` offers for each scene, in order (the first is the true one)
+BINDING_PROBE_RENDERS = ("true scene", "colors swapped", "another relation", "another shape")
+
+
+@torch.no_grad()
+def binding_probe(
+    pipe: UnCLIPPipeline, num: int = 200, seed: int = 5, contrast="shapes"
+) -> dict[str, list[int]]:
+    """Which render does the reranking rule pick? For ``num`` held-out two-object scenes (32 px,
+    world seed ``seed``), the pipeline's :meth:`~UnCLIPPipeline.rerank` chooses among four clean
+    renders (:data:`BINDING_PROBE_RENDERS`: the true scene, the same scene with the objects' colors
+    swapped, another relation, another shape for one object), by the plain cosine and by
+    ``contrast``. Returns ``{"cosine": counts, "contrast": counts}``, how often each render was
+    picked."""
+    import copy
+    import random
+
+    from unclip.shapes.world import contrast_truth, render
+
+    world = ShapesWorld(32, seed=seed, split="heldout", two_object_prob=1.0)
+    rng = random.Random(0)
+    counts = {"cosine": [0] * 4, "contrast": [0] * 4}
+    for i in range(num):
+        s = world[i]
+        swapped = copy.deepcopy(s.truth)
+        a, b = swapped["objects"]
+        a["color"], b["color"] = b["color"], a["color"]
+        scenes = [s.truth, swapped]
+        scenes += [contrast_truth(s.truth, rng, "all", {k: 1})[0] for k in ("relation", "shape")]
+        images = torch.stack([pil_to_tensor(render(x, 32)) for x in scenes])
+        counts["cosine"][int(pipe.rerank(images, s.caption, 4))] += 1
+        counts["contrast"][int(pipe.rerank(images, s.caption, 4, contrast=contrast))] += 1
+    return counts
 
 
 def save_grid(images, captions, path, num: int = 8, cols: int = 8, tile: int = 96) -> None:
