@@ -81,7 +81,10 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["a cat", "--tiny", "--decoder-best-of", "0"], "best_of must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-rerank-at", "0"], "rerank_at must be an integer >= 1"),
         (["a cat", "--tiny", "--decoder-rerank-at", "half"], "a step number or 'none'"),
-        (["a cat", "--tiny", "--decoder-rerank-contrast", "clip"], "one of ['shapes'] or 'none'"),
+        (
+            ["a cat", "--tiny", "--decoder-rerank-contrast", "clip"],
+            "one of ['shapes', 'shapes-pairs'] or 'none'",
+        ),
         (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
         (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),

@@ -316,7 +316,7 @@ def test_caption_alternatives_change_one_attribute_or_swap_the_pair(caption, cou
 
 
 def test_shapes_contrast_reads_extra_colors_and_warns_on_other_prompts():
-    from unclip.sampling import shapes_contrast
+    from unclip.sampling import RERANK_CONTRASTS, shapes_contrast
 
     pink = shapes_contrast({"pink": (255, 105, 180)})
     assert "a pink square" in pink("a yellow square")
@@ -325,6 +325,13 @@ def test_shapes_contrast_reads_extra_colors_and_warns_on_other_prompts():
     )
     with pytest.warns(UserWarning, match="'a cat' is not a shapes caption"):
         assert shapes_contrast()("a cat") == []
+    # "shapes-pairs": single objects are left to the plain cosine, pairs contrasted as "shapes"
+    pairs = RERANK_CONTRASTS["shapes-pairs"]
+    assert (
+        pairs("a yellow square") == [] and len(RERANK_CONTRASTS["shapes"]("a yellow square")) == 8
+    )
+    pair = "a red circle above a blue square"
+    assert pairs(pair) == RERANK_CONTRASTS["shapes"](pair) == caption_alternatives(pair)
 
 
 def test_two_object_geometry():

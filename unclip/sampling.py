@@ -679,23 +679,28 @@ def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tenso
     return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
 
 
-def shapes_contrast(extra_colors=None) -> Callable[[str], list[str]]:
+def shapes_contrast(extra_colors=None, pairs_only: bool = False) -> Callable[[str], list[str]]:
     """A contrast for shapes captions (:func:`unclip.shapes.world.caption_alternatives`), with the
     world's ``extra_colors`` if it has any (then register it under a name of its own). A prompt
     that is not a shapes caption gets no alternatives, so the plain CLIP score ranks it (with a
-    warning)."""
-    from unclip.shapes.world import caption_alternatives
+    warning). ``pairs_only`` (registered as ``"shapes-pairs"``): single-object captions get none
+    either: what the contrast reads better is which of two objects has which color and where,
+    while a single object's attributes the cosine already reads (on the bundled model the contrast
+    picked right single-object candidates as often or less often than the cosine in each of four
+    measurements; docs/shapes_model.md lever 14)."""
+    from unclip.shapes.world import caption_alternatives, parse_caption
 
     def alternatives(prompt: str) -> list[str]:
         try:
-            return caption_alternatives(prompt, extra_colors)
+            single = parse_caption(prompt, extra_colors)["relation"] is None
         except ValueError:
             warnings.warn(
-                f"rerank_contrast 'shapes': {prompt!r} is not a shapes caption, so its "
-                "candidates are ranked by the plain CLIP score",
+                f"rerank_contrast: {prompt!r} is not a shapes caption, so its candidates are "
+                "ranked by the plain CLIP score",
                 stacklevel=2,
             )
             return []
+        return [] if single and pairs_only else caption_alternatives(prompt, extra_colors)
 
     return alternatives
 
@@ -703,7 +708,10 @@ def shapes_contrast(extra_colors=None) -> Callable[[str], list[str]]:
 #: Contrastive reranking (the decoder's ``rerank_contrast``): name → ``fn(prompt) -> captions``,
 #: the first standing for the prompt and the rest for what a wrong image would show instead; an
 #: empty list (e.g. a prompt the function cannot parse) reranks that prompt by plain CLIP score.
-RERANK_CONTRASTS: dict[str, Callable[[str], list[str]]] = {"shapes": shapes_contrast()}
+RERANK_CONTRASTS: dict[str, Callable[[str], list[str]]] = {
+    "shapes": shapes_contrast(),
+    "shapes-pairs": shapes_contrast(pairs_only=True),
+}
 
 
 def register_rerank_contrast(name: str, fn: Callable[[str], list[str]]) -> None:
