@@ -114,8 +114,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         type=_contrast_or_none,
         metavar="NAME",
         help="with --decoder-best-of > 1: score the candidates by how much the CLIP prefers the "
-        "prompt over alternatives of it ('shapes': its one-attribute variants and swaps) instead "
-        "of by plain CLIP score; 'none' turns it off (default: the model's setting)",
+        "prompt over alternatives of it ('shapes': a shapes caption's one-attribute variants and "
+        "swaps; 'shapes-pairs': the same for two-object captions only) instead of by plain CLIP "
+        "score; 'none' turns it off (default: the model's setting)",
     )
 
 
