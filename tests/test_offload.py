@@ -224,7 +224,8 @@ def test_rerank_at_under_offload_on_fake_cuda(tmp_path):
         assert out.images.shape == (2, 3, 32, 32) and out.stage_images["decoder"].shape[0] == 2
         assert pipe.model_cpu_offload.loads["decoder"] == 2  # before and after the choice
         # contrastive reranking on the reranking CLIP's GPU copy (its logit scale included)
-        from unclip.sampling import RERANK_CONTRASTS, shapes_contrast
+        from unclip.sampling import RERANK_CONTRASTS
+        from unclip.shapes.world import shapes_contrast
 
         asked, shapes = [], shapes_contrast()
         RERANK_CONTRASTS["recording"] = lambda p: asked.append(p) or shapes(p)

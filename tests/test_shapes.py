@@ -316,7 +316,8 @@ def test_caption_alternatives_change_one_attribute_or_swap_the_pair(caption, cou
 
 
 def test_shapes_contrast_reads_extra_colors_and_warns_on_other_prompts():
-    from unclip.sampling import RERANK_CONTRASTS, shapes_contrast
+    from unclip.sampling import RERANK_CONTRASTS
+    from unclip.shapes.world import shapes_contrast
 
     pink = shapes_contrast({"pink": (255, 105, 180)})
     assert "a pink square" in pink("a yellow square")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Optional, Union
 
@@ -24,6 +24,7 @@ from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.files import check_output_folder, write_folder
 from unclip.prior import UnCLIPPrior
 from unclip.priors import load_prior
+from unclip.registry import EntryPointRegistry
 from unclip.sampling import stage_kind
 
 PIPELINE_FILE = "unclip.json"
@@ -36,59 +37,8 @@ STAGE_META_FILE = "unclip_stage.json"
 FOLDER_FORMAT_ENTRY_POINTS = "unclip.folder_formats"
 
 
-class FolderFormats(MutableMapping):
-    """marker file name -> reader(folder) returning a pipeline.
-
-    The entry points are listed on first use and each reader is imported only when a folder holds
-    its marker, so the core never imports the layers that extend it (a reader registered in code
-    wins over an entry point for the same marker)."""
-
-    def __init__(self) -> None:
-        self._readers: dict = {}
-        self._listed = False
-
-    def _list(self) -> dict:
-        if not self._listed:
-            self._listed = True
-            from importlib.metadata import entry_points
-
-            for ep in entry_points(group=FOLDER_FORMAT_ENTRY_POINTS):
-                self._readers.setdefault(ep.name, _EntryPointReader(ep))
-        return self._readers
-
-    def __getitem__(self, marker: str) -> Callable:
-        return self._list()[marker]
-
-    def __setitem__(self, marker: str, reader: Callable) -> None:
-        self._readers[marker] = reader
-
-    def __delitem__(self, marker: str) -> None:
-        del self._list()[marker]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._list()))
-
-    def __len__(self) -> int:
-        return len(self._list())
-
-
-class _EntryPointReader:
-    """A folder reader named by an entry point, imported on its first call."""
-
-    def __init__(self, entry_point) -> None:
-        self.entry_point = entry_point
-        self._reader: Callable | None = None
-
-    def __call__(self, folder, **kwargs):
-        if self._reader is None:
-            self._reader = self.entry_point.load()
-        return self._reader(folder, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<folder reader {self.entry_point.value}>"
-
-
-FOLDER_FORMATS = FolderFormats()
+#: marker file name -> reader(folder) returning a pipeline
+FOLDER_FORMATS = EntryPointRegistry(FOLDER_FORMAT_ENTRY_POINTS)
 
 
 def register_folder_format(marker: str, reader: Callable) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -52,6 +51,7 @@ from unclip.diffusion import (
 )
 from unclip.pipeline_utils import check_count
 from unclip.prior import UnCLIPPrior
+from unclip.registry import EntryPointRegistry
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -76,7 +76,6 @@ __all__ = [
     "rerank_candidates",
     "RERANK_CONTRASTS",
     "register_rerank_contrast",
-    "shapes_contrast",
 ]
 
 DEFAULT_SAMPLING = {
@@ -679,44 +678,20 @@ def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tenso
     return (img * F.normalize(text_embed.to(img), dim=-1)).sum(-1)
 
 
-def shapes_contrast(extra_colors=None, pairs_only: bool = False) -> Callable[[str], list[str]]:
-    """A contrast for shapes captions (:func:`unclip.shapes.world.caption_alternatives`), with the
-    world's ``extra_colors`` if it has any (then register it under a name of its own). A prompt
-    that is not a shapes caption gets no alternatives, so the plain CLIP score ranks it (with a
-    warning). ``pairs_only`` (registered as ``"shapes-pairs"``): single-object captions get none
-    either: what the contrast reads better is which of two objects has which color and where,
-    while a single object's attributes the cosine already reads (on the bundled model the contrast
-    picked right single-object candidates as often or less often than the cosine in each of four
-    measurements; docs/shapes_model.md lever 14)."""
-    from unclip.shapes.world import caption_alternatives, parse_caption
-
-    def alternatives(prompt: str) -> list[str]:
-        try:
-            single = parse_caption(prompt, extra_colors)["relation"] is None
-        except ValueError:
-            warnings.warn(
-                f"rerank_contrast: {prompt!r} is not a shapes caption, so its candidates are "
-                "ranked by the plain CLIP score",
-                stacklevel=2,
-            )
-            return []
-        return [] if single and pairs_only else caption_alternatives(prompt, extra_colors)
-
-    return alternatives
-
+#: entry point group of contrasts: name = the ``rerank_contrast`` setting, value = fn(prompt) ->
+#: captions (pyproject.toml: "shapes" and "shapes-pairs" from unclip.shapes.world)
+RERANK_CONTRAST_ENTRY_POINTS = "unclip.rerank_contrasts"
 
 #: Contrastive reranking (the decoder's ``rerank_contrast``): name → ``fn(prompt) -> captions``,
 #: the first standing for the prompt and the rest for what a wrong image would show instead; an
 #: empty list (e.g. a prompt the function cannot parse) reranks that prompt by plain CLIP score.
-RERANK_CONTRASTS: dict[str, Callable[[str], list[str]]] = {
-    "shapes": shapes_contrast(),
-    "shapes-pairs": shapes_contrast(pairs_only=True),
-}
+RERANK_CONTRASTS = EntryPointRegistry(RERANK_CONTRAST_ENTRY_POINTS)
 
 
 def register_rerank_contrast(name: str, fn: Callable[[str], list[str]]) -> None:
     """Make ``fn(prompt) -> [caption, *alternatives]`` available as the decoder's
-    ``rerank_contrast = name`` (see :func:`rerank_candidates`)."""
+    ``rerank_contrast = name`` (see :func:`rerank_candidates`); packages can declare the same as an
+    ``unclip.rerank_contrasts`` entry point instead."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"rerank_contrast names are non-empty strings, got {name!r}")
     if not callable(fn):
@@ -777,7 +752,8 @@ def rerank_candidates(
     CLIP's retrieval task, which it is trained for, rather than how close the image is to the
     caption in absolute terms (an image close to every caption of its kind scores high on the
     cosine whatever it shows). ``"shapes"``: the one-attribute variants and color/shape swaps of a
-    shapes caption (:func:`unclip.shapes.world.caption_alternatives`)."""
+    shapes caption (:func:`unclip.shapes.world.caption_alternatives`); ``"shapes-pairs"``: the same
+    for two-object captions only."""
     k = check_count(k, "k")
     if isinstance(contrast, str):
         check_rerank_contrast("decoder", contrast)

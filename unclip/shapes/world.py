@@ -664,6 +664,39 @@ def caption_alternatives(text: str, extra_colors=None) -> list[str]:
     return out
 
 
+def shapes_contrast(extra_colors=None, pairs_only: bool = False):
+    """A contrast for contrastive reranking (the decoder's ``rerank_contrast``;
+    :func:`unclip.sampling.register_rerank_contrast` it under a name): ``prompt ->``
+    :func:`caption_alternatives`, with the world's ``extra_colors`` if it has any. A prompt that is
+    not a shapes caption gets no alternatives, so the plain CLIP score ranks it (with a warning).
+    ``pairs_only``: single-object captions get none either — what the contrast reads better is
+    which of two objects has which color and where, while a single object's attributes the cosine
+    already reads (on the bundled model the contrast picked right single-object candidates as
+    often or less often than the cosine in each of four measurements; docs/shapes_model.md lever
+    14)."""
+    import warnings
+
+    def alternatives(prompt: str) -> list[str]:
+        try:
+            single = parse_caption(prompt, extra_colors)["relation"] is None
+        except ValueError:
+            warnings.warn(
+                f"rerank_contrast: {prompt!r} is not a shapes caption, so its candidates are "
+                "ranked by the plain CLIP score",
+                stacklevel=2,
+            )
+            return []
+        return [] if single and pairs_only else caption_alternatives(prompt, extra_colors)
+
+    return alternatives
+
+
+#: the ``rerank_contrast`` settings ``"shapes"`` and ``"shapes-pairs"`` (entry points in
+#: pyproject.toml)
+contrast_all = shapes_contrast()
+contrast_pairs = shapes_contrast(pairs_only=True)
+
+
 class ShapesWorld:
     """The shapes dataset as an indexable, effectively infinite sequence.
 
