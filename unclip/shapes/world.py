@@ -620,10 +620,9 @@ def caption_alternatives(text: str, extra_colors=None) -> list[str]:
     background, another relation — and, for two objects, the two objects' colors or shapes
     swapped (how a drawing binds them wrongly: "a blue circle to the left of a red square" for "a
     red circle to the left of a blue square"). A color alternative never gives an object the
-    other object's color. Contrastive
-    reranking (:func:`unclip.sampling.rerank_candidates`) scores an image by how much a CLIP
-    prefers the first caption over the others. Raises ``ValueError`` for text that is not a
-    shapes caption (:func:`parse_caption`)."""
+    other object's color. Contrastive reranking (:func:`unclip.sampling.rerank_candidates`) scores
+    an image by how much a CLIP prefers the first caption over the others. Raises ``ValueError``
+    for text that is not a shapes caption (:func:`parse_caption`)."""
     import copy
 
     parsed = parse_caption(text, extra_colors)
