@@ -169,6 +169,25 @@ def _cosines(clip, images, prompt):
     return img @ clip.encode_text([prompt]).text_embed[0]
 
 
+def _candidates_ranked_apart(pipe, prompt, score_a, score_b, tries, **kw):
+    """``(seed, candidates, (scores_a, scores_b))`` for the first seed below ``tries`` whose 4
+    decoder candidates ``score_a`` and ``score_b`` rank differently, so a test can tell the two
+    rules apart."""
+    for seed in range(tries):
+        cands = run(
+            pipe,
+            prompts=[prompt],
+            seeds=(seed,),
+            num_images_per_prompt=4,
+            return_intermediates=True,
+            **kw,
+        ).stage_images["decoder"]
+        a, b = score_a(cands), score_b(cands)
+        if int(a.argmax()) != int(b.argmax()):
+            return seed, cands, (a, b)
+    pytest.fail(f"no seed in {tries} where the two rules pick different candidates")
+
+
 def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
     """A pipeline's `reranker` CLIP, not the conditioning CLIP, scores the decoder candidates; it is
     saved in reranker/ and loaded back; a folder without one reranks with the conditioning CLIP."""
@@ -176,22 +195,13 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
     assert ranked.rerank_clip is ranked.reranker and tiny_pipe.rerank_clip is tiny_pipe.clip
     prompt = PROMPTS[0]
     # a seed whose 4 candidates the two CLIPs rank differently, so the test tells them apart
-    for seed in range(20):
-        cands = run(
-            tiny_pipe,
-            prompts=[prompt],
-            seeds=(seed,),
-            num_images_per_prompt=4,
-            return_intermediates=True,
-        ).stage_images["decoder"]
-        own, other = (
-            _cosines(tiny_pipe.clip, cands, prompt),
-            _cosines(ranked.reranker, cands, prompt),
-        )
-        if int(own.argmax()) != int(other.argmax()):
-            break
-    else:
-        pytest.fail("no seed in 20 where two random CLIPs pick different candidates")
+    seed, cands, (own, other) = _candidates_ranked_apart(
+        tiny_pipe,
+        prompt,
+        lambda c: _cosines(tiny_pipe.clip, c, prompt),
+        lambda c: _cosines(ranked.reranker, c, prompt),
+        tries=20,
+    )
     four = {"decoder": {"best_of": 4}}
     kept = run(ranked, prompts=[prompt], seeds=(seed,), sampling=four, return_intermediates=True)
     assert torch.equal(kept.stage_images["decoder"][0], cands[int(other.argmax())])
@@ -265,28 +275,25 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
         asked.append(p)
         return captions if p == prompt else []
 
-    monkeypatch.setitem(RERANK_CONTRASTS, "test", RERANK_CONTRASTS["shapes"])  # restored after
+    monkeypatch.setitem(RERANK_CONTRASTS, "test", alternatives)  # removed after the test
     register_rerank_contrast("test", alternatives)
     clip = tiny_pipe.clip
     txt = torch.nn.functional.normalize(clip.encode_text(captions).text_embed, dim=-1)
-    for seed in range(
-        30
-    ):  # candidates the two rules rank differently, so the test tells them apart
-        cands = run(
-            tiny_pipe,
-            prompts=[prompt],
-            seeds=(seed,),
-            num_images_per_prompt=4,
-            return_intermediates=True,
-            last_stage="decoder",
-        ).stage_images["decoder"]
+
+    def contrast(cands):
         img = torch.nn.functional.normalize(clip.encode_image(cands), dim=-1)
-        logp = (img @ txt.T * clip.logit_scale).log_softmax(-1)[:, 0]
-        best, plain = int(logp.argmax()), int(_cosines(clip, cands, prompt).argmax())
-        if best != plain:
-            break
-    else:
-        pytest.fail("no seed in 30 where the contrast and the cosine pick different candidates")
+        return (img @ txt.T * clip.logit_scale).log_softmax(-1)[:, 0]
+
+    # candidates the two rules rank differently, so the test tells them apart
+    seed, cands, (logp, cos) = _candidates_ranked_apart(
+        tiny_pipe,
+        prompt,
+        contrast,
+        lambda c: _cosines(clip, c, prompt),
+        tries=30,
+        last_stage="decoder",
+    )
+    best, plain = int(logp.argmax()), int(cos.argmax())
     assert tiny_pipe.rerank(cands, prompt, 4, contrast="test").tolist() == [best]
     assert tiny_pipe.rerank(cands, prompt, 4, contrast=alternatives).tolist() == [best]
     assert tiny_pipe.rerank(cands, prompt, 4).tolist() == [plain]
