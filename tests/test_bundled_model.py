@@ -106,3 +106,12 @@ def test_contrastive_reranking_reads_which_color_goes_with_which_shape(pipe):
     assert right["contrast"] >= 38, picks
     assert right["cosine"] <= right["contrast"] - 5, picks
     assert picks["cosine"][1] > picks["contrast"][1]  # the color swap is what it fixes
+
+
+def test_a_sampler_that_cannot_stop_part_way_is_refused_naming_the_default_to_clear(pipe):
+    """The shipped defaults choose among the decoder's candidates after step 6 (``rerank_at``);
+    a sampler with two network calls per step cannot stop there, and the error says how to choose
+    among finished candidates instead (before any sampling)."""
+    assert pipe.sampling["decoder"].rerank_at == 6
+    with pytest.raises(ValueError, match=r"rerank_at 6 .*--decoder-rerank-at none"):
+        pipe("a small red circle on the left", sampling={"decoder": {"scheduler": "heun"}})

@@ -2,14 +2,16 @@
 parses, stating the pipeline's real components and settings, keeping the author's fields across a
 load and save; the bundled model ships one with its recorded figures."""
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
 
 from unclip.card import render_card
 from unclip.io import bundled_model_path
-from unclip.pipeline import UnCLIPPipeline
+from unclip.pipeline import PIPELINE_FILE, UnCLIPPipeline
 
 
 def section(card: ModelCard, heading: str) -> str:
@@ -97,8 +99,17 @@ def test_bundled_model_card_states_the_shipped_model():
     assert card.data.pipeline_tag == "text-to-image"
     # the recorded held-out figures (docs/shapes_eval.json)
     evaluation = section(card, "Evaluation")
-    assert "| sr128 (128 px, the output) | 100.0 % | 73.0 % |" in evaluation
-    assert "91.08" in evaluation and "0.025" in evaluation
+    report = json.loads((Path(__file__).parents[1] / "docs" / "shapes_eval.json").read_text())
+    final = report["stages"]["sr128"]
+    single, pair = (100 * final[kind]["all"] for kind in ("single", "pair"))
+    assert f"| sr128 (128 px, the output) | {single:.1f} % | {pair:.1f} % |" in evaluation
+    assert f"{report['clip_score_100']:.2f}" in evaluation
+    assert f"{report['clip_fid']:.3f}" in evaluation
+    # the report is of the defaults the card states
+    assert report["model"] == "bundled:shapes" and not report["sampling_overrides"]
+    defaults = json.loads((folder / PIPELINE_FILE).read_text())["sampling"]
+    for stage, settings in defaults.items():
+        assert {k: report["sampling"][stage][k] for k in settings} == settings, stage
     # the components section is what the library states for the shipped pipeline
     pipe = UnCLIPPipeline.from_pretrained()
     assert pipe.card_info["license"] == "mit"

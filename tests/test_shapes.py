@@ -547,6 +547,40 @@ def test_contrast_truth_errors_and_background():
         shapes.contrast_truth(truth, random.Random(0), weights={"relation": 1.0})
     with pytest.raises(ValueError, match="unknown split"):
         shapes.contrast_truth(truth, random.Random(0), split="test")
+    with pytest.raises(ValueError, match="attributes among"):  # one object: nothing to swap
+        shapes.contrast_truth(truth, random.Random(0), weights={"swap": 1.0})
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_contrast_truth_swap_exchanges_the_two_colors_in_place_and_stays_in_split(split):
+    import random
+
+    world = ShapesWorld(resolution=32, seed=5, split=split, two_object_prob=1.0)
+    swapped = 0
+    for i in range(60):
+        truth = world.truth(i)
+        try:
+            new, attr = shapes.contrast_truth(truth, random.Random(i), split, {"swap": 1.0})
+        except ValueError:
+            # both swapped objects would leave the split (e.g. a held-out pair whose swap
+            # shows no held-out combination); any other scene must swap
+            a, b = truth["objects"]
+            flipped = [{**a, "color": b["color"]}, {**b, "color": a["color"]}]
+            assert is_heldout({"objects": flipped}) != (split == "heldout")
+            continue
+        swapped += 1
+        assert attr == "swap" and is_heldout(new) == (split == "heldout")
+        a, b = truth["objects"]
+        na, nb = new["objects"]
+        assert (na["color"], nb["color"]) == (b["color"], a["color"])
+        # everything else (shapes, sizes, exact boxes, relation, background) is kept
+        for old, nw in ((a, na), (b, nb)):
+            assert {k: v for k, v in nw.items() if k != "color"} == {
+                k: v for k, v in old.items() if k != "color"
+            }
+        assert (new["relation"], new["background"]) == (truth["relation"], truth["background"])
+        assert canonical_caption(new) != canonical_caption(truth)
+    assert swapped >= (30 if split == "train" else 10)  # held-out pairs rarely stay held out
 
 
 def test_color_free_view_repaints_the_same_scene_in_unnamed_colors_and_drops_color_words():

@@ -11,8 +11,8 @@ import yaml
 from unclip.cli.train_clip import main
 from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
-from unclip.shapes.train_clip import ClipDataConfig, make_batch
-from unclip.shapes.world import ShapesWorld, parse_caption
+from unclip.shapes.train_clip import ClipDataConfig, load_clip_train_config, make_batch
+from unclip.shapes.world import ShapesWorld, is_heldout, parse_caption
 
 
 def _named(caption: str) -> dict:
@@ -41,6 +41,58 @@ def test_batch_with_hard_negatives_pairs_each_twin_with_a_one_attribute_sibling(
     # without hard negatives: consecutive samples, as before
     _, plain = make_batch(world, 1, 8, ClipDataConfig(hard_negatives=0.0), random.Random(0))
     assert plain == [world[i].caption for i in range(8, 16)]
+
+
+def test_batch_hard_negative_weights_choose_the_attribute_and_are_checked():
+    world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5)
+    data = ClipDataConfig(
+        hard_negatives=0.5,
+        noise_prob=0.0,
+        blur_prob=0.0,
+        pair_negatives={"swap": 1.0},
+        single_negatives={"size": 1.0},
+    )
+    n = 32
+    x, caps = make_batch(world, 0, n, data, random.Random(0))
+    kinds = set()
+    for base, twin in zip(caps[: n // 2], caps[n // 2 :]):
+        a, b = _named(base), _named(twin)
+        if a["relation"] is None:
+            # a size twin: same shape and color; where both captions name the size, it differs
+            assert (a["shape0"], a["color0"]) == (b["shape0"], b["color0"]), (base, twin)
+            assert None in (a["size0"], b["size0"]) or a["size0"] != b["size0"], (base, twin)
+            kinds.add("single")
+        elif (b["color0"], b["color1"]) == (a["color1"], a["color0"]):
+            # the pair's colors swapped: same shapes and relation, colors exchanged
+            assert (a["shape0"], a["shape1"], a["relation"]) == (
+                b["shape0"],
+                b["shape1"],
+                b["relation"],
+            )
+            kinds.add("pair")
+        else:  # only where the swap would show a held-out combination: a default-weights twin
+            x, y = parse_caption(base)["objects"]
+            flipped = [{**x, "color": y["color"]}, {**y, "color": x["color"]}]
+            assert is_heldout({"objects": flipped}), (base, twin)
+            assert sum(a[k] != b[k] for k in a if a[k] is not None and b.get(k) is not None) == 1
+            kinds.add("fallback")
+    assert {"single", "pair"} <= kinds
+    for bad in ({"size": 1.0}, {}, {"swap": -1.0}, {"swap": 0.0}, {"swap": True}, {"swap": "1"}):
+        with pytest.raises(ValueError, match="data.pair_negatives"):
+            ClipDataConfig(pair_negatives=bad)
+    for bad in ({"swap": 1.0}, {"shape": float("inf")}, [("shape", 1.0)]):
+        with pytest.raises(ValueError, match="data.single_negatives"):
+            ClipDataConfig(single_negatives=bad)
+    # from a config file's dotted overrides, as `unclip train-clip CONFIG key=value` takes them
+    cfg = load_clip_train_config(
+        {"clip": {"model_cfg": tiny_clip_config()}},
+        ["data.hard_negatives=0.25", "data.pair_negatives={swap: 0.6, relation: 0.4}"],
+    )
+    assert cfg.data.pair_negatives == {"swap": 0.6, "relation": 0.4}
+    with pytest.raises(ValueError, match="data.pair_negatives must be a mapping"):
+        load_clip_train_config(
+            {"clip": {"model_cfg": tiny_clip_config()}}, ["data.pair_negatives={size: 1}"]
+        )
 
 
 def test_batch_with_color_free_views_replaces_that_share_of_samples():

@@ -523,10 +523,12 @@ def check_rerank_at(
     name = type(sched).__name__
     if len(sched.timesteps) != settings.steps or "noise_sampler" in vars(sched):
         raise ValueError(
-            f"decoder: rerank_at needs a sampler with one network call per step and per-sample "
-            f"noise; {name} does not fit ({len(sched.timesteps)} calls for {settings.steps} "
-            "steps, or batch-wide noise): use ddim, dpm++, unipc, euler or ddpm, or leave "
-            "rerank_at unset"
+            f"decoder: rerank_at {settings.rerank_at} (choose among candidates after that step; "
+            "a pipeline's sampling defaults may set it) needs a sampler with one network call per "
+            f"step and per-sample noise; {name} does not fit ({len(sched.timesteps)} calls for "
+            f"{settings.steps} steps, or batch-wide noise): use ddim, dpm++, unipc, euler or ddpm, "
+            "or choose among finished candidates with rerank_at None "
+            "(sampling={'decoder': {'rerank_at': None}}, --decoder-rerank-at none)"
         )
 
 

@@ -69,11 +69,16 @@ class ClipDataConfig:
     noise_std: float = 0.08
     blur_prob: float = 0.3
     #: Share of each batch made of hard negatives: scenes that differ from another scene of the
-    # batch
-    #: in one attribute (mostly shape, and relation for two-object scenes; see
-    #: :func:`unclip.shapes.world.contrast_truth`), so the contrastive loss must tell them apart. At
-    #: most 0.5.
+    #: batch in one attribute (mostly shape, and relation for two-object scenes; see
+    #: :func:`unclip.shapes.world.contrast_truth`), so the contrastive loss must tell them apart.
+    #: At most 0.5.
     hard_negatives: float = 0.0
+    #: Which attribute a hard negative changes, with weights (``None``: the defaults of
+    #: :data:`unclip.shapes.world.CONTRAST_SINGLE` / :data:`~unclip.shapes.world.CONTRAST_PAIR`).
+    #: Pairs can also ``swap`` their two colors, which teaches which color goes with which shape.
+    #: A scene that no allowed change keeps in its split gets a twin drawn with the defaults.
+    single_negatives: Optional[dict[str, float]] = None
+    pair_negatives: Optional[dict[str, float]] = None
     #: Probability that a (non-hard-negative) sample is replaced by its color-free view: the same
     #: scene with the objects in unnamed colors and a caption without color words
     #: (:func:`unclip.shapes.world.color_free_view`), so shape features cannot lean on color.
@@ -94,6 +99,31 @@ class ClipDataConfig:
             "in [0, 0.5] (a share of the batch)",
         )
         check_probability("data.color_free_prob", self.color_free_prob)
+        from unclip.shapes.world import CONTRAST_ATTRIBUTES_PAIR, CONTRAST_ATTRIBUTES_SINGLE
+
+        for key, allowed in (
+            ("single_negatives", CONTRAST_ATTRIBUTES_SINGLE),
+            ("pair_negatives", CONTRAST_ATTRIBUTES_PAIR),
+        ):
+            weights = getattr(self, key)
+            if weights is None:
+                continue
+            check_range(
+                f"data.{key}",
+                weights,
+                isinstance(weights, dict)
+                and weights
+                and set(weights) <= set(allowed)
+                and all(
+                    isinstance(w, (int, float))
+                    and not isinstance(w, bool)
+                    and math.isfinite(w)
+                    and w >= 0
+                    for w in weights.values()
+                )
+                and sum(weights.values()) > 0,
+                f"a mapping of attributes among {list(allowed)} to weights >= 0, not all 0",
+            )
 
 
 @dataclass
@@ -172,7 +202,14 @@ def make_batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random
                 imgs[j] = pil_to_tensor(image)
     for i, s in zip(range(start, start + m), samples):
         twin_rng = random.Random(f"contrast:{world.seed}:{world.split}:{i}")
-        truth, _ = contrast_truth(s.truth, twin_rng, world.split)
+        weights = aug.pair_negatives if s.truth["relation"] is not None else aug.single_negatives
+        try:
+            truth, _ = contrast_truth(s.truth, twin_rng, world.split, weights)
+        except ValueError:
+            # no change these weights allow keeps this scene in its split (e.g. swapping the
+            # colors of a red circle and a blue triangle shows two held-out combinations): draw
+            # the twin with the default weights rather than drop it
+            truth, _ = contrast_truth(s.truth, twin_rng, world.split)
         imgs.append(pil_to_tensor(render(truth, world.resolution)))
         caps.append(make_caption(truth, twin_rng, world.background_phrase_prob))
     x = torch.stack(imgs)

@@ -326,29 +326,36 @@ def sample_truth(
 #: background twin's caption would often be the same sentence as its sibling's.)
 CONTRAST_SINGLE: dict[str, float] = {"shape": 0.6, "position": 0.2, "size": 0.1, "color": 0.1}
 CONTRAST_PAIR: dict[str, float] = {"relation": 0.6, "shape": 0.3, "color": 0.1}
+#: Every attribute :func:`contrast_truth` can change: single-object scenes, two-object scenes.
+CONTRAST_ATTRIBUTES_SINGLE = ("shape", "position", "size", "color", "background")
+CONTRAST_ATTRIBUTES_PAIR = ("relation", "shape", "color", "background", "swap")
+
+
+def _in_split(objs: list[dict], split: str) -> bool:
+    held = is_heldout({"objects": objs})
+    return not (split == "train" and held) and not (split == "heldout" and not held)
 
 
 def contrast_truth(
     truth: dict, rng: random.Random, split: str = "train", weights: dict[str, float] | None = None
 ) -> tuple[dict, str]:
-    """A scene that differs from ``truth`` in exactly one attribute, for contrastive hard negatives.
+    """A scene that differs from ``truth`` in one attribute (or, for ``swap``, in which object has
+    which color), for contrastive hard negatives.
 
     Returns ``(new_truth, attribute)``. The attribute is drawn with ``weights`` (default
     :data:`CONTRAST_SINGLE` or :data:`CONTRAST_PAIR`): ``shape``, ``color``, ``size`` and
     ``position`` change one object (the object is placed afresh, so its exact centre moves too);
     ``relation`` places the same two objects in another relation; ``background`` changes only the
-    background. The new scene stays in ``split`` (a change that would make a ``"train"`` scene show
-    a held-out combination is not drawn) and keeps the two objects' colors different.
+    background; ``swap`` (two objects) exchanges the two objects' colors and nothing else, so the
+    same colors and shapes appear bound the other way round. The new scene stays in ``split`` (a
+    change that would make a ``"train"`` scene show a held-out combination is not drawn) and keeps
+    the two objects' colors different.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
     pair = truth["relation"] is not None
     weights = weights or (CONTRAST_PAIR if pair else CONTRAST_SINGLE)
-    allowed = (
-        {"relation", "shape", "color", "background"}
-        if pair
-        else {"shape", "position", "size", "color", "background"}
-    )
+    allowed = set(CONTRAST_ATTRIBUTES_PAIR if pair else CONTRAST_ATTRIBUTES_SINGLE)
     if not weights or set(weights) - allowed:
         raise ValueError(
             f"weights must name attributes among {sorted(allowed)}, got {sorted(weights)}"
@@ -362,6 +369,13 @@ def contrast_truth(
         if attr == "relation":
             rel = rng.choice([r for r in RELATIONS if r != truth["relation"]])
             return _scene(rng, objs, rel, truth["background"]), attr
+        if attr == "swap":
+            a, b = truth["objects"]
+            new = [{**a, "color": b["color"]}, {**b, "color": a["color"]}]
+            if _in_split(new, split):
+                # the layout is kept: only the binding of color to shape changes
+                return {**truth, "objects": new}, attr
+            continue
         k = rng.randrange(len(objs))
         options = {
             "shape": SHAPES,
@@ -372,9 +386,7 @@ def contrast_truth(
         taken = {o["color"] for o in objs} if attr == "color" else {objs[k][attr]}
         new = [dict(o) for o in objs]
         new[k][attr] = rng.choice([v for v in options if v not in taken])
-        if (split == "train" and is_heldout({"objects": new})) or (
-            split == "heldout" and not is_heldout({"objects": new})
-        ):
+        if not _in_split(new, split):
             continue
         return _scene(rng, new, truth["relation"], truth["background"]), attr
     raise ValueError(
