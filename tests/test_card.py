@@ -100,9 +100,19 @@ def test_bundled_model_card_states_the_shipped_model():
     # the recorded held-out figures (docs/shapes_eval.json)
     evaluation = section(card, "Evaluation")
     report = json.loads((Path(__file__).parents[1] / "docs" / "shapes_eval.json").read_text())
-    final = report["stages"]["sr128"]
-    single, pair = (100 * final[kind]["all"] for kind in ("single", "pair"))
-    assert f"| sr128 (128 px, the output) | {single:.1f} % | {pair:.1f} % |" in evaluation
+    for stage, label in (
+        ("decoder", "decoder (32 px)"),
+        ("sr64", "sr64 (64 px)"),
+        ("sr128", "sr128 (128 px, the output)"),
+    ):
+        single, pair = (100 * report["stages"][stage][kind]["all"] for kind in ("single", "pair"))
+        assert f"| {label} | {single:.1f} % | {pair:.1f} % |" in evaluation, stage
+    pair = {k: 100 * v for k, v in report["stages"]["sr128"]["pair"].items() if k != "count"}
+    assert (
+        f"both colors {pair['colors']:.1f} %, both shapes {pair['shapes']:.1f} %, "
+        f"relation {pair['relation']:.1f} %"
+    ) in evaluation
+    assert f"cosine {report['prior_cosine_with_true_embed']:.4f}" in evaluation
     assert f"{report['clip_score_100']:.2f}" in evaluation
     assert f"{report['clip_fid']:.3f}" in evaluation
     # the report is of the defaults the card states
