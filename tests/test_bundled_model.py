@@ -115,3 +115,22 @@ def test_a_sampler_that_cannot_stop_part_way_is_refused_naming_the_default_to_cl
     assert pipe.sampling["decoder"].rerank_at == 6
     with pytest.raises(ValueError, match=r"rerank_at 6 .*--decoder-rerank-at none"):
         pipe("a small red circle on the left", sampling={"decoder": {"scheduler": "heun"}})
+
+
+def test_shipped_sampling_defaults_are_the_recipes_sampling_config(pipe):
+    """``configs/shapes/sampling.yaml`` (what the recipe's ``shapes-finalize`` writes into
+    ``unclip.json``) resolves to exactly the bundled pipeline's defaults, so the recipe reproduces
+    the shipped sampling settings."""
+    from pathlib import Path
+
+    import yaml
+
+    from unclip.sampling import resolve_sampling, stage_settings
+
+    path = Path(__file__).parents[1] / "configs" / "shapes" / "sampling.yaml"
+    # on top of the library's defaults, as on a freshly assembled pipeline
+    library = stage_settings(pipe.stage_names)[1]
+    resolved = resolve_sampling(library, yaml.safe_load(path.read_text()))
+    shipped = {k: vars(v) for k, v in pipe.sampling.items()}
+    assert {k: vars(v) for k, v in resolved.items()} == shipped
+    assert {k: vars(v) for k, v in library.items()} != shipped
