@@ -97,9 +97,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoder-best-of",
         type=int,
-        help="decode K base-resolution candidates per image and keep the best by CLIP score (the "
-        "pipeline's reranker CLIP if it has one); 1 turns reranking off (default: the model's "
-        "setting)",
+        help="decode K base-resolution candidates per image and keep the best by the reranking "
+        "CLIP (the pipeline's reranker CLIP if it has one; scored as --decoder-rerank-contrast "
+        "says); 1 turns reranking off (default: the model's setting)",
     )
     p.add_argument(
         "--decoder-rerank-at",
