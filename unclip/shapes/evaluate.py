@@ -221,7 +221,6 @@ def binding_probe(
     swapped, another relation, another shape for one object), by the plain cosine and by
     ``contrast``. Returns ``{"cosine": counts, "contrast": counts}``, how often each render was
     picked."""
-    import copy
     import random
 
     from unclip.shapes.world import contrast_truth, render
@@ -231,9 +230,9 @@ def binding_probe(
     counts = {"cosine": [0] * 4, "contrast": [0] * 4}
     for i in range(num):
         s = world[i]
-        swapped = copy.deepcopy(s.truth)
-        a, b = swapped["objects"]
-        a["color"], b["color"] = b["color"], a["color"]
+        # the swap draws nothing but its attribute, so it gets its own generator and the
+        # relation and shape variants below see the same draws as ever
+        swapped, _ = contrast_truth(s.truth, random.Random(0), "all", {"swap": 1})
         scenes = [s.truth, swapped]
         scenes += [contrast_truth(s.truth, rng, "all", {k: 1})[0] for k in ("relation", "shape")]
         images = torch.stack([pil_to_tensor(render(x, 32)) for x in scenes])
