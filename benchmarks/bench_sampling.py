@@ -338,18 +338,19 @@ def two_pass_guidance(pipe: UnCLIPPipeline) -> UnCLIPPipeline:
     """A copy whose prior and decoder run the [uncond; cond] batch as two separate forward
     passes."""
     p = copy.deepcopy(pipe)
-    prior_fwd, dec_fwd = p.prior.forward, p.decoder.forward
+    prior_conditioned, dec_fwd = p.prior.conditioned, p.decoder.forward
 
-    def prior_two(x_t, t, text):
-        h = x_t.shape[0] // 2
-        return torch.cat([prior_fwd(x_t[:h], t, text[:h]), prior_fwd(x_t[h:], t, text[h:])])
+    def prior_two(text):  # the sampler's per-step function (UnCLIPPrior.conditioned), per half
+        h = len(text) // 2
+        halves = prior_conditioned(text[:h]), prior_conditioned(text[h:])
+        return lambda x_t, t: torch.cat([halves[0](x_t[:h], t), halves[1](x_t[h:], t)])
 
     def decoder_two(x_t, t, image_embed=None, text=None, drop_image=None, cond=None):
         h = x_t.shape[0] // 2
         halves = [tuple(c[s] for c in cond) for s in (slice(0, h), slice(h, None))]
         return torch.cat([dec_fwd(x_t[:h], t, cond=halves[0]), dec_fwd(x_t[h:], t, cond=halves[1])])
 
-    p.prior.forward, p.decoder.forward = prior_two, decoder_two
+    p.prior.conditioned, p.decoder.forward = prior_two, decoder_two
     return p
 
 
@@ -501,7 +502,11 @@ def verify_work_done_once(
     p.decoder.condition = counted("decoder.condition", cond_fn)
     p.clip.encode_text = counted("clip.encode_text", enc_fn)
     batches = {name: [] for name in p.denoisers()}
-    for name, net in p.denoisers().items():
+    step_nets = p.denoisers()
+    # the prior's sampler runs the transformer's blocks itself (UnCLIPPrior.conditioned): one pass
+    # over the text positions, then one per step over the three positions that change
+    step_nets["prior"] = p.prior.transformer.transformer_blocks[-1]
+    for name, net in step_nets.items():
         net.register_forward_pre_hook(
             lambda m, a, k, name=name: batches[name].append(
                 (a[0] if a else next(iter(k.values()))).shape[0]

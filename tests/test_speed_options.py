@@ -40,14 +40,25 @@ def _images(pipe, **kw):
     )
 
 
+def _step_modules(pipe) -> dict:
+    """The module each stage's sampler calls at every step: the denoising networks, except the
+    prior's, whose sampler runs the transformer's blocks itself (the text positions once, then
+    three positions per step: ``UnCLIPPrior.conditioned``) — its last block stands for it."""
+    nets = pipe.denoisers()
+    nets["prior"] = pipe.prior.transformer.transformer_blocks[-1]
+    return nets
+
+
 def _record_first_outputs(pipe):
-    """Forward hooks on every denoising network: first output and whether autocast was on inside."""
+    """Forward hooks on every stage's step module: first output and whether autocast was on
+    inside."""
     seen, handles = {}, []
-    for name, net in pipe.denoisers().items():
+    for name, net in _step_modules(pipe).items():
 
         def hook(module, args, out, name=name):
             if name not in seen:
-                out = out[0]  # the pipeline calls every network with return_dict=False
+                # the pipeline calls the networks with return_dict=False; a block returns a tensor
+                out = out[0] if isinstance(out, tuple) else out
                 seen[name] = (
                     out.detach().float().clone(),
                     torch.is_autocast_enabled("cpu"),
@@ -66,7 +77,7 @@ def test_full_precision_is_the_default():
     _images(pipe)
     for h in handles:
         h.remove()
-    assert set(seen) == set(pipe.denoisers())
+    assert set(seen) == set(_step_modules(pipe))
     assert all(not enabled and out.dtype == torch.float32 for out, enabled, _ in seen.values())
 
 
@@ -103,7 +114,7 @@ def test_bf16_autocast_within_tolerance():
     pipe.autocast_dtype = torch.bfloat16
     seen, embeds = _stage_first_outputs(pipe)
     out = _images(pipe)
-    assert set(seen) == set(ref_seen) == set(pipe.denoisers())
+    assert set(seen) == set(ref_seen) == set(_step_modules(pipe))
     for name, (o, enabled, dtype) in seen.items():
         assert enabled and dtype == torch.bfloat16, (
             name
@@ -185,6 +196,7 @@ def test_conditioning_once_and_guidance_batched(monkeypatch):
     monkeypatch.setattr(pipe.decoder, "condition", counted_condition)
     monkeypatch.setattr(pipe.clip, "encode_text", counted_encode_text)
     batches = {name: [] for name in pipe.denoisers()}
+    lengths = []  # the prior block's sequence length per call
     handles = [
         net.register_forward_pre_hook(
             lambda m, a, k, name=name: batches[name].append(
@@ -192,17 +204,22 @@ def test_conditioning_once_and_guidance_batched(monkeypatch):
             ),
             with_kwargs=True,
         )
-        for name, net in pipe.denoisers().items()
+        for name, net in _step_modules(pipe).items()
     ]
+    handles.append(
+        pipe.prior.transformer.transformer_blocks[-1].register_forward_pre_hook(
+            lambda m, a: lengths.append(a[0].shape[1])
+        )
+    )
     pipe(PROMPTS, generator=_gen(), sampling=sampling, output_type="pt", progress=False)
     for h in handles:
         h.remove()
     b = len(PROMPTS)
     assert calls["condition"] == 1  # decoder conditioning: once per call, not per step
     assert calls["encode_text"] == 2  # the prompts, and the empty caption once (cached afterwards)
-    assert (
-        batches["prior"] == [2 * b * 2] * steps["prior"]
-    )  # [uncond; cond] × best_of in ONE pass per step
+    # [uncond; cond] × best_of in ONE pass per step, after one pass over the text positions
+    assert batches["prior"] == [2 * b * 2] * (1 + steps["prior"])
+    assert lengths == [pipe.clip.context_length + 1] + [3] * steps["prior"]
     assert batches["decoder"] == [2 * b] * steps["decoder"]
     assert (
         batches["sr32"] == [b] * 3 and batches["sr64"] == [b] * 3

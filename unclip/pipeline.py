@@ -256,8 +256,10 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         self._autocast_dtype = dtype
 
     def denoisers(self) -> dict[str, torch.nn.Module]:
-        """The networks called once per sampling step (prior transformer, decoder UNet, upsampler
-        UNets)."""
+        """The networks of every sampling step (prior transformer, decoder UNet, upsampler UNets),
+        which the speed and memory options act on. The prior's sampler runs its transformer's
+        blocks itself, over the text positions once and three positions per step
+        (:meth:`~unclip.prior.UnCLIPPrior.conditioned`), unless the transformer is compiled."""
         nets = {}
         if self.prior is not None:
             nets["prior"] = self.prior.transformer

@@ -20,13 +20,19 @@ in Karlo and diffusers), so exported weights sample identically elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.attention_processor import Attention
 
 from unclip.clip import TextEncoding
 from unclip.precision import KeepFp32Mixin
-from unclip.transformer_blocks import TransformerBlock, check_block_options
+from unclip.transformer_blocks import SelfAttention, TransformerBlock, check_block_options
 
 __all__ = ["UnCLIPPrior"]
 
@@ -147,3 +153,169 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):
             return_dict=False,
         )[0]
         return out
+
+    def conditioned(
+        self, text: TextEncoding
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``fn(x_t, t)`` computing ``self(x_t, t, text)`` for one ``text`` over a sampling run.
+
+        The transformer's sequence is ``[text tokens, text embedding, time, x_t, prediction]``
+        under a causal mask, so the text's L + 1 positions never see the time or ``x_t``: their
+        keys and values are the same at every step. ``fn`` computes them once and runs only the
+        last three positions per call (:class:`PrefixCache`), with PyTorch's
+        ``scaled_dot_product_attention`` whatever attention processor the transformer has set
+        (the sequences are at most L + 4 positions long, so slicing would save no memory). Where
+        the cache does not apply — a compiled or training-mode prior, blocks or attention of
+        another kind — ``fn`` is the plain forward."""
+        cache = PrefixCache.build(self, text)
+        if cache is None:
+            return lambda x_t, t: self(x_t, t, text)
+        return cache
+
+
+def _attention_of(block) -> Optional[torch.nn.Module]:
+    """The self-attention module a prior block calls, if :class:`PrefixCache` can extend it."""
+    attn = getattr(block, "attn1", None) if not isinstance(block, TransformerBlock) else block.attn
+    if isinstance(attn, SelfAttention):
+        return attn
+    plain = isinstance(attn, Attention) and not attn.is_cross_attention
+    extras = ("norm_q", "norm_k", "spatial_norm", "group_norm")
+    if not plain or any(getattr(attn, e, None) is not None for e in extras):
+        return None
+    if attn.residual_connection or attn.rescale_output_factor != 1.0:
+        return None
+    return attn
+
+
+class PrefixCache:
+    """The prior's forward for a fixed text with the text positions' keys and values computed once
+    (see :meth:`UnCLIPPrior.conditioned`). Calling it with ``(x_t [B, D], t)`` gives the same
+    prediction as ``prior(x_t, t, text)``: the same layers on the same numbers, only the three
+    positions that change are recomputed.
+
+    Each block's attention module is given a forward for the duration of a call (restored after)
+    that projects the new positions' queries, keys and values, puts the cached keys and values of
+    the row's text in front and attends with the mask diffusers' ``PriorTransformer`` builds
+    (text padding and causal, as additive ``-10000``), so the blocks' own norms, feed-forwards and
+    residuals run unchanged."""
+
+    def __init__(self, prior: UnCLIPPrior, text: TextEncoding, attns: list):
+        self.prior, self.attns, self.text = prior, attns, text
+        self.rows = len(text)
+        self.keys: Optional[list] = None  # filled by the first call
+
+    def _run_text(self) -> None:
+        """The blocks over the text positions, recording each attention's keys and values. Run
+        on the first call, so that it runs under the sampler's autocast, like every step."""
+        prior, text = self.prior, self.text
+        tr = prior.transformer
+        dtype = prior.dtype
+        n = text.text_tokens.shape[1] + 1  # the text positions: tokens and the text embedding
+        pos = tr.positional_embedding.to(dtype)
+        self.tail_pos = pos[:, n : n + 3]
+        causal = tr.causal_attention_mask[0].to(dtype)
+        self.tail_causal = causal[n : n + 3, n : n + 3]
+        # additive key bias of the text positions: padding blocked, the text embedding open
+        self.text_bias = F.pad((1 - text.text_mask.to(dtype)) * -10000.0, (0, 1), value=0.0)
+        tokens = prior.text_token_proj(text.text_tokens.to(dtype))
+        if tr.encoder_hidden_states_proj is not None:
+            tokens = tr.encoder_hidden_states_proj(tokens)
+        proj = text.text_embed.to(dtype)
+        if tr.embedding_proj_norm is not None:
+            proj = tr.embedding_proj_norm(proj)
+        h = torch.cat([tokens, tr.embedding_proj(proj)[:, None]], dim=1) + pos[:, :n]
+        if tr.norm_in is not None:
+            h = tr.norm_in(h)
+        mask = (self.text_bias[:, None, :] + causal[:n, :n])[:, None]
+        # every row, repeated texts too: a content-independent batch keeps each row's numbers
+        # independent of the other rows' texts (as the plain forward's are) and runs on fake
+        # tensors; the repeats cost one pass over the text positions per sampling run
+        self._recorded = ([None] * len(self.attns), [None] * len(self.attns))
+        with self._attending(record=True):
+            for block in tr.transformer_blocks:
+                h = block(h, attention_mask=mask)
+        self.keys, self.values = self._recorded  # only once every block has run
+
+    @classmethod
+    def build(cls, prior: UnCLIPPrior, text: TextEncoding) -> Optional[PrefixCache]:
+        """The cache, or None where it does not apply (see :meth:`UnCLIPPrior.conditioned`)."""
+        tr = prior.transformer
+        compiled = (getattr(m, "_compiled_call_impl", None) is not None for m in (prior, tr))
+        if prior.training or any(compiled):  # a compiled network is run as compiled
+            return None
+        if tr.prd_embedding is None or text.text_mask is None:
+            return None
+        # one position each for the text tokens, the text embedding, time, x_t and the prediction
+        if tr.positional_embedding.shape[1] != text.text_tokens.shape[1] + 4:
+            return None
+        attns = [_attention_of(b) for b in tr.transformer_blocks]
+        if any(a is None for a in attns):
+            return None
+        return cls(prior, text, attns)
+
+    @contextlib.contextmanager
+    def _attending(self, record: bool):
+        saved = [a.__dict__.get("forward") for a in self.attns]
+        for i, attn in enumerate(self.attns):
+
+            def forward(hidden_states, *args, attention_mask=None, _i=i, _attn=attn, **kwargs):
+                if args:  # TransformerBlock passes the mask by position
+                    attention_mask = args[0]
+                return self._attend(_i, _attn, hidden_states, attention_mask, record)
+
+            attn.forward = forward
+        try:
+            yield
+        finally:
+            for attn, old in zip(self.attns, saved):
+                if old is None:
+                    del attn.forward
+                else:
+                    attn.forward = old
+
+    def _attend(self, i, attn, x, mask, record: bool) -> torch.Tensor:
+        b, s, _ = x.shape
+        ours = isinstance(attn, SelfAttention)
+        heads = attn.num_heads if ours else attn.heads
+
+        def split(t):
+            return t.view(b, s, heads, -1).transpose(1, 2)
+
+        q, k, v = split(attn.to_q(x)), split(attn.to_k(x)), split(attn.to_v(x))
+        if record:
+            self._recorded[0][i], self._recorded[1][i] = k, v
+        else:
+            k = torch.cat([self.keys[i], k], dim=2)
+            v = torch.cat([self.values[i], v], dim=2)
+        scale = None if ours else attn.scale
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
+        if ours and attn.head_scale is not None:
+            out = out * attn.head_scale.to(out.dtype).view(1, -1, 1, 1)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if ours:
+            return attn.dropout(attn.to_out(out))
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def __call__(self, x_t: torch.Tensor, t) -> torch.Tensor:
+        prior, tr = self.prior, self.prior.transformer
+        b = x_t.shape[0]
+        if b != self.rows:
+            raise ValueError(f"prior: {b} samples for {self.rows} rows of text")
+        if self.keys is None:
+            self._run_text()
+        dtype = prior.dtype
+        t = torch.as_tensor(t, device=x_t.device)
+        t = (t[None] if t.dim() == 0 else t) * torch.ones(b, dtype=t.dtype, device=x_t.device)
+        time = tr.time_embedding(tr.time_proj(t).to(dtype))
+        x = tr.proj_in(x_t.to(dtype))
+        prd = tr.prd_embedding.to(dtype).expand(b, -1, -1)
+        h = torch.cat([time[:, None], x[:, None], prd], dim=1) + self.tail_pos
+        if tr.norm_in is not None:
+            h = tr.norm_in(h)
+        mask = torch.cat(
+            [self.text_bias[:, None, :].expand(b, 3, -1), self.tail_causal.expand(b, 3, 3)], dim=2
+        )[:, None]
+        with self._attending(record=False):
+            for block in tr.transformer_blocks:
+                h = block(h, attention_mask=mask)
+        return tr.proj_to_clip_embeddings(tr.norm_out(h)[:, -1])

@@ -336,7 +336,7 @@ def sample_prior(
         cond = _null_first(null_text(batch).to(device=device), cond)
     sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=clip_range)
     x = _sample(
-        lambda x_in, t: prior(x_in, t, cond),
+        prior.conditioned(cond),
         (batch, prior.config.embed_dim),
         sched,
         settings,

@@ -1,0 +1,130 @@
+"""The prior's text-position cache (``UnCLIPPrior.conditioned``, ``unclip.prior.PrefixCache``):
+the same predictions as the plain forward, used by the sampler, and out of the way afterwards."""
+
+import pytest
+import torch
+
+from unclip.clip import TextEncoding
+from unclip.config import DiffusionConfig
+from unclip.prior import PrefixCache, UnCLIPPrior
+from unclip.sampling import SamplingConfig, sample_prior
+from unclip.tiny import tiny_prior_kwargs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CAPTIONS = ["a red circle", "two blue squares on the left of a big green triangle", "a dot"]
+
+
+def random_prior(tiny_clip, **options) -> UnCLIPPrior:
+    """Every weight random (diffusers starts positions and the prediction token at zero, which
+    would hide a position mix-up)."""
+    prior = UnCLIPPrior.from_clip(tiny_clip, **tiny_prior_kwargs(), **options).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in prior.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        prior.set_embedding_stats(torch.zeros(tiny_clip.embed_dim), torch.ones(tiny_clip.embed_dim))
+    return prior
+
+
+def guided_text(tiny_clip, repeats=2) -> TextEncoding:
+    """``[uncond; cond]`` rows as guidance builds them: captions of different lengths (padding),
+    each repeated, after the empty caption repeated as often."""
+    text = tiny_clip.encode_text(CAPTIONS).repeat_interleave(repeats)
+    assert not text.text_mask.all(), "the captions must leave padding for the mask to matter"
+    return TextEncoding.cat([tiny_clip.encode_text([""] * len(text)), text])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"normformer": True, "ff_activation": "swiglu"}],
+    ids=["diffusers-blocks", "normformer-swiglu"],
+)
+def test_cached_prediction_equals_the_forward(tiny_clip, options):
+    prior = random_prior(tiny_clip, **options)
+    text = guided_text(tiny_clip)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fn = prior.conditioned(text)
+        assert isinstance(fn, PrefixCache)
+        for t in (torch.tensor(999), torch.tensor(3), 500, torch.arange(len(text)) * 40):
+            want = prior(x, t, text)
+            got = fn(x, t)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (t, (got - want).abs().max())
+    # the attention modules have their own forward back (none left on the instance)
+    for block in prior.transformer.transformer_blocks:
+        attn = block.attn if options else block.attn1
+        assert "forward" not in attn.__dict__
+
+
+def test_attention_is_restored_when_a_call_fails(tiny_clip):
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    with torch.no_grad():
+        fn = prior.conditioned(text)
+        with pytest.raises(ValueError, match="rows of text"):
+            fn(torch.randn(2, tiny_clip.embed_dim), 5)
+        x = torch.randn(len(text), tiny_clip.embed_dim)
+        fn(x, 5)  # the first call fills the cache
+        fn.keys[1] = fn.keys[1][..., :1]  # a broken cache: the call fails in the second block
+        with pytest.raises(RuntimeError):
+            fn(x, 5)
+    assert all("forward" not in b.attn1.__dict__ for b in prior.transformer.transformer_blocks)
+    with torch.no_grad():  # and the plain forward still works
+        assert prior(x, torch.tensor(5), text).shape == (len(text), tiny_clip.embed_dim)
+
+
+def test_compiled_transformer_is_run_as_compiled(tiny_clip):
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    assert isinstance(prior.conditioned(text), PrefixCache)
+    prior.transformer.compile()  # compiles lazily, on the first call (none here)
+    assert not isinstance(prior.conditioned(text), PrefixCache)
+
+
+def test_training_mode_uses_the_plain_forward(tiny_clip):
+    prior = random_prior(tiny_clip).train()
+    text = guided_text(tiny_clip)
+    fn = prior.conditioned(text)
+    assert not isinstance(fn, PrefixCache)
+    x = torch.randn(len(text), tiny_clip.embed_dim)
+    with torch.no_grad():
+        assert torch.equal(fn(x, torch.tensor(9)), prior(x, torch.tensor(9), text))
+
+
+def test_sampler_runs_the_three_new_positions_per_step(tiny_clip):
+    prior = random_prior(tiny_clip)
+    text = tiny_clip.encode_text(CAPTIONS)
+    lengths = []
+    hook = prior.transformer.transformer_blocks[0].register_forward_pre_hook(
+        lambda _, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True
+    )
+    settings = SamplingConfig(scheduler="ddim", steps=4, guidance_scale=3.0, best_of=2)
+    with torch.no_grad():
+        best, cands = sample_prior(
+            prior,
+            text,
+            lambda n: tiny_clip.encode_text([""] * n),
+            settings,
+            DiffusionConfig(prediction_type="sample"),
+            generator=torch.Generator().manual_seed(0),
+            progress=False,
+        )
+    hook.remove()
+    # the text positions (tokens + text embedding) once, then three positions per step
+    assert lengths == [tiny_clip.context_length + 1] + [3] * 4
+    assert cands.shape == (len(CAPTIONS), 2, tiny_clip.embed_dim) and torch.isfinite(best).all()
+
+
+def test_a_rows_prediction_does_not_depend_on_the_other_texts(tiny_clip):
+    """Bit for bit, as the plain forward at one batch size: what another row's text is (e.g. a
+    negative prompt instead of the empty caption) does not move this row's numbers."""
+    prior = random_prior(tiny_clip)
+    rows = tiny_clip.encode_text(["", CAPTIONS[0], CAPTIONS[1], CAPTIONS[1]])
+    other = tiny_clip.encode_text(["a green triangle", CAPTIONS[0], CAPTIONS[1], CAPTIONS[2]])
+    x = torch.randn(4, tiny_clip.embed_dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = prior.conditioned(rows)(x, 40)
+        b = prior.conditioned(other)(x, 40)
+    assert torch.equal(a[1:3], b[1:3])
+    assert not torch.allclose(a[0], b[0]) and not torch.allclose(a[3], b[3])
