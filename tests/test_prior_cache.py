@@ -128,3 +128,16 @@ def test_a_rows_prediction_does_not_depend_on_the_other_texts(tiny_clip):
         b = prior.conditioned(other)(x, 40)
     assert torch.equal(a[1:3], b[1:3])
     assert not torch.allclose(a[0], b[0]) and not torch.allclose(a[3], b[3])
+
+
+def test_cached_prediction_under_bf16_autocast_equals_the_forward(tiny_clip):
+    """Under autocast the cache adds positions and the prediction token in the hidden states'
+    dtype, as diffusers does, so both paths round alike."""
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = prior(x, torch.tensor(400), text)
+        got = prior.conditioned(text)(x, torch.tensor(400))
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), atol=1e-6, rtol=0), (got - want).abs().max()

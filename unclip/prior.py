@@ -211,8 +211,7 @@ class PrefixCache:
         tr = prior.transformer
         dtype = prior.dtype
         n = text.text_tokens.shape[1] + 1  # the text positions: tokens and the text embedding
-        pos = tr.positional_embedding.to(dtype)
-        self.tail_pos = pos[:, n : n + 3]
+        pos = tr.positional_embedding
         causal = tr.causal_attention_mask[0].to(dtype)
         self.tail_causal = causal[n : n + 3, n : n + 3]
         # additive key bias of the text positions: padding blocked, the text embedding open
@@ -223,7 +222,10 @@ class PrefixCache:
         proj = text.text_embed.to(dtype)
         if tr.embedding_proj_norm is not None:
             proj = tr.embedding_proj_norm(proj)
-        h = torch.cat([tokens, tr.embedding_proj(proj)[:, None]], dim=1) + pos[:, :n]
+        h = torch.cat([tokens, tr.embedding_proj(proj)[:, None]], dim=1)
+        # positions in the hidden states' dtype (bf16/fp16 under autocast), as diffusers adds them
+        h = h + pos[:, :n].to(h.dtype)
+        self.tail_pos = pos[:, n : n + 3]
         if tr.norm_in is not None:
             h = tr.norm_in(h)
         mask = (self.text_bias[:, None, :] + causal[:n, :n])[:, None]
@@ -308,8 +310,9 @@ class PrefixCache:
         t = (t[None] if t.dim() == 0 else t) * torch.ones(b, dtype=t.dtype, device=x_t.device)
         time = tr.time_embedding(tr.time_proj(t).to(dtype))
         x = tr.proj_in(x_t.to(dtype))
-        prd = tr.prd_embedding.to(dtype).expand(b, -1, -1)
-        h = torch.cat([time[:, None], x[:, None], prd], dim=1) + self.tail_pos
+        prd = tr.prd_embedding.to(x.dtype).expand(b, -1, -1)
+        h = torch.cat([time[:, None].to(x.dtype), x[:, None], prd], dim=1)
+        h = h + self.tail_pos.to(h.dtype)
         if tr.norm_in is not None:
             h = tr.norm_in(h)
         mask = torch.cat(
