@@ -47,7 +47,9 @@ def test_cached_prediction_equals_the_forward(tiny_clip, options):
     with torch.no_grad():
         fn = prior.conditioned(text)
         assert isinstance(fn, PrefixCache)
-        for t in (torch.tensor(999), torch.tensor(3), 500, torch.arange(len(text)) * 40):
+        # a Python float is truncated to a whole step, as diffusers does; a float tensor is not
+        ts = (torch.tensor(999), torch.tensor(3), 500, 2.7, torch.tensor(2.7))
+        for t in (*ts, torch.arange(len(text)) * 40):
             want = prior(x, t, text)
             got = fn(x, t)
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (t, (got - want).abs().max())
@@ -141,3 +143,139 @@ def test_cached_prediction_under_bf16_autocast_equals_the_forward(tiny_clip):
         got = prior.conditioned(text)(x, torch.tensor(400))
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want.float(), atol=1e-6, rtol=0), (got - want).abs().max()
+
+
+def _sample_lengths(prior, tiny_clip, steps=3):
+    """Sequence lengths the last block sees while ``sample_prior`` runs, and the embeddings."""
+    lengths = []
+    block = prior.transformer.transformer_blocks[-1]
+    hook = block.register_forward_pre_hook(
+        lambda _, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True
+    )
+    settings = SamplingConfig(scheduler="ddim", steps=steps, guidance_scale=3.0)
+    try:
+        with torch.no_grad():
+            best, _ = sample_prior(
+                prior,
+                tiny_clip.encode_text(CAPTIONS),
+                lambda n: tiny_clip.encode_text([""] * n),
+                settings,
+                DiffusionConfig(prediction_type="sample"),
+                generator=torch.Generator().manual_seed(0),
+                progress=False,
+            )
+    finally:
+        hook.remove()
+    return lengths, best
+
+
+def test_a_torch_compile_wrapper_runs_compiled(tiny_clip):
+    """``torch.compile(prior)`` hands attribute lookups such as ``conditioned`` to the module it
+    wraps; the sampler calls the wrapper instead, so the compiled forward runs at every step."""
+    prior = random_prior(tiny_clip)
+    full = tiny_clip.context_length + 4
+    assert _sample_lengths(prior, tiny_clip)[0] == [full - 3] + [3] * 3
+    wrapped = torch.compile(prior, backend="eager")  # dynamo traces; eager keeps it cheap
+    lengths, best = _sample_lengths(wrapped, tiny_clip)
+    assert lengths == [full] * 3
+    _, plain = _sample_lengths(random_prior(tiny_clip).train(), tiny_clip)  # the plain forward
+    torch.testing.assert_close(best, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["prior", "transformer"])
+def test_hooks_or_a_replaced_forward_use_the_plain_forward(tiny_clip, where):
+    """The cache never calls the prior or its transformer, so their hooks would be skipped."""
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    module = prior if where == "prior" else prior.transformer
+    calls = []
+    handle = module.register_forward_hook(lambda *_: calls.append(1))
+    assert not isinstance(prior.conditioned(text), PrefixCache)
+    _sample_lengths(prior, tiny_clip, steps=3)
+    assert len(calls) == 3  # the hook ran at every step
+    handle.remove()
+    handle = module.register_forward_pre_hook(lambda *_: None)
+    assert not isinstance(prior.conditioned(text), PrefixCache)
+    handle.remove()
+    module.forward = module.forward  # an instance forward (a user's wrapper)
+    assert not isinstance(prior.conditioned(text), PrefixCache)
+    del module.forward
+    assert isinstance(prior.conditioned(text), PrefixCache)
+
+
+def test_an_accelerate_device_hook_keeps_the_cache(tiny_clip):
+    """Model offload puts an Accelerate hook on every module; its submodules' hooks place the
+    weights, so the cache applies (and gives the forward's numbers)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(4))
+    entered = []
+
+    class Count(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            entered.append(type(module).__name__)
+            return args, kwargs
+
+    for m in prior.modules():
+        add_hook_to_module(m, Count())
+    with torch.no_grad():
+        fn = prior.conditioned(text)
+        assert isinstance(fn, PrefixCache)
+        got = fn(x, 7)
+        assert "BasicTransformerBlock" in entered  # the blocks' hooks ran
+        want = prior(x, 7, text)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    remove_hook_from_module(prior, recurse=True)
+
+
+def test_attention_processors(tiny_clip):
+    """Attention slicing's processor computes plain attention, so the cache applies; a user's own
+    processor must run, so the plain forward is used."""
+    from diffusers.models.attention_processor import AttnProcessor2_0, SlicedAttnProcessor
+
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = prior(x, 9, text)
+        prior.transformer.set_attn_processor(SlicedAttnProcessor(1))
+        fn = prior.conditioned(text)
+        assert isinstance(fn, PrefixCache)
+        torch.testing.assert_close(fn(x, 9), ref, atol=1e-5, rtol=1e-5)
+
+        class Doubled(AttnProcessor2_0):
+            def __call__(self, *args, **kwargs):
+                return 2 * super().__call__(*args, **kwargs)
+
+        prior.transformer.set_attn_processor(Doubled())
+        fn = prior.conditioned(text)
+        assert not isinstance(fn, PrefixCache)
+        doubled = fn(x, 9)
+        assert not torch.allclose(doubled, ref, atol=1e-3)
+        torch.testing.assert_close(doubled, prior(x, 9, text))
+
+
+def test_cached_prediction_with_a_lora_adapter(tiny_clip):
+    """peft wraps the attention projections the cache calls, so an adapter acts on it as on the
+    forward."""
+    pytest.importorskip("peft")
+    from unclip.lora import add_adapter
+
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        base = prior(x, 11, text)
+        add_adapter(prior, "style", rank=2)
+        g = torch.Generator().manual_seed(7)
+        for name, p in prior.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        want = prior(x, 11, text)
+        fn = prior.conditioned(text)
+        assert isinstance(fn, PrefixCache)
+        got = fn(x, 11)
+    assert not torch.allclose(want, base, atol=1e-3)  # the adapter changes the prediction
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

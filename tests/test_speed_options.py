@@ -49,20 +49,29 @@ def _step_modules(pipe) -> dict:
     return nets
 
 
+#: the prior's first per-step pass (three positions), recorded beside its first (text) pass
+PRIOR_STEP = "prior step"
+
+
 def _record_first_outputs(pipe):
-    """Forward hooks on every stage's step module: first output and whether autocast was on
-    inside."""
+    """Forward hooks on every stage's step module: first output (as fp32), whether autocast was
+    on inside, its dtype and the output's own dtype. The prior's last block first runs over the
+    text positions, then over the three per-step positions: both are recorded."""
     seen, handles = {}, []
     for name, net in _step_modules(pipe).items():
 
         def hook(module, args, out, name=name):
-            if name not in seen:
-                # the pipeline calls the networks with return_dict=False; a block returns a tensor
-                out = out[0] if isinstance(out, tuple) else out
-                seen[name] = (
+            # the pipeline calls the networks with return_dict=False; a block returns a tensor
+            out = out[0] if isinstance(out, tuple) else out
+            key = name
+            if name == "prior" and name in seen and out.shape[1] == 3:
+                key = PRIOR_STEP
+            if key not in seen:
+                seen[key] = (
                     out.detach().float().clone(),
                     torch.is_autocast_enabled("cpu"),
                     torch.get_autocast_dtype("cpu"),
+                    out.dtype,
                 )
 
         handles.append(net.register_forward_hook(hook))
@@ -77,8 +86,8 @@ def test_full_precision_is_the_default():
     _images(pipe)
     for h in handles:
         h.remove()
-    assert set(seen) == set(_step_modules(pipe))
-    assert all(not enabled and out.dtype == torch.float32 for out, enabled, _ in seen.values())
+    assert set(seen) == {*_step_modules(pipe), PRIOR_STEP}
+    assert all(not enabled and dtype == torch.float32 for _, enabled, _, dtype in seen.values())
 
 
 def _stage_first_outputs(pipe):
@@ -114,8 +123,8 @@ def test_bf16_autocast_within_tolerance():
     pipe.autocast_dtype = torch.bfloat16
     seen, embeds = _stage_first_outputs(pipe)
     out = _images(pipe)
-    assert set(seen) == set(ref_seen) == set(_step_modules(pipe))
-    for name, (o, enabled, dtype) in seen.items():
+    assert set(seen) == set(ref_seen) == {*_step_modules(pipe), PRIOR_STEP}
+    for name, (o, enabled, dtype, _) in seen.items():
         assert enabled and dtype == torch.bfloat16, (
             name
         )  # the option is in effect inside every network

@@ -21,6 +21,7 @@ in Karlo and diffusers), so exported weights sample identically elsewhere.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Optional
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
 from unclip.clip import TextEncoding
@@ -165,12 +167,47 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):
         last three positions per call (:class:`PrefixCache`), with PyTorch's
         ``scaled_dot_product_attention`` whatever attention processor the transformer has set
         (the sequences are at most L + 4 positions long, so slicing would save no memory). Where
-        the cache does not apply — a compiled or training-mode prior, blocks or attention of
-        another kind — ``fn`` is the plain forward."""
+        the cache does not apply, ``fn`` is the plain forward: a training-mode prior; a compiled
+        one (``.compile()`` in place or ``torch.compile(module)`` anywhere in it); forward hooks or
+        a replaced ``forward`` on the prior or its transformer, which the cache never calls (an
+        Accelerate device hook, as model offload sets, is fine); blocks or attention of another
+        kind, or a diffusers attention processor other than the built-in ones."""
         cache = PrefixCache.build(self, text)
         if cache is None:
             return lambda x_t, t: self(x_t, t, text)
         return cache
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a module in it runs compiled: ``.compile()`` in place, or a
+    ``torch.compile(...)`` wrapper (an ``OptimizedModule``, only defined once dynamo is loaded)."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(frames, "OptimizedModule", ())
+    return any(
+        getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, wrapper)
+        for m in module.modules()
+    )
+
+
+def _calls_as_defined(module: torch.nn.Module) -> bool:
+    """No forward hooks and no replaced ``forward`` on ``module``, apart from an Accelerate hook
+    (device placement: offload, device maps), whose work the submodules' own hooks do too."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks)
+    patched = "forward" in vars(module) and getattr(module, "_hf_hook", None) is None
+    return not any(hooks) and not patched
+
+
+#: diffusers' processors that compute plain attention (the cache's ``_attend`` computes the same)
+_PLAIN_PROCESSORS = tuple(
+    getattr(attn_procs, name)
+    for name in (
+        "AttnProcessor",
+        "AttnProcessor2_0",
+        "SlicedAttnProcessor",
+        "XFormersAttnProcessor",
+    )
+    if hasattr(attn_procs, name)
+)
 
 
 def _attention_of(block) -> Optional[torch.nn.Module]:
@@ -183,6 +220,8 @@ def _attention_of(block) -> Optional[torch.nn.Module]:
     if not plain or any(getattr(attn, e, None) is not None for e in extras):
         return None
     if attn.residual_connection or attn.rescale_output_factor != 1.0:
+        return None
+    if type(attn.processor) not in _PLAIN_PROCESSORS:  # a user's processor must run
         return None
     return attn
 
@@ -242,8 +281,12 @@ class PrefixCache:
     def build(cls, prior: UnCLIPPrior, text: TextEncoding) -> Optional[PrefixCache]:
         """The cache, or None where it does not apply (see :meth:`UnCLIPPrior.conditioned`)."""
         tr = prior.transformer
-        compiled = (getattr(m, "_compiled_call_impl", None) is not None for m in (prior, tr))
-        if prior.training or any(compiled):  # a compiled network is run as compiled
+        if prior.training or is_compiled(prior):  # a compiled network is run as compiled
+            return None
+        global_hooks = torch.nn.modules.module
+        if global_hooks._global_forward_hooks or global_hooks._global_forward_pre_hooks:
+            return None
+        if not (_calls_as_defined(prior) and _calls_as_defined(tr)):
             return None
         if tr.prd_embedding is None or text.text_mask is None:
             return None
@@ -306,7 +349,8 @@ class PrefixCache:
         if self.keys is None:
             self._run_text()
         dtype = prior.dtype
-        t = torch.as_tensor(t, device=x_t.device)
+        # as diffusers: a Python number is a whole timestep, a tensor keeps its dtype
+        t = torch.as_tensor(t, device=x_t.device, dtype=None if torch.is_tensor(t) else torch.long)
         t = (t[None] if t.dim() == 0 else t) * torch.ones(b, dtype=t.dtype, device=x_t.device)
         time = tr.time_embedding(tr.time_proj(t).to(dtype))
         x = tr.proj_in(x_t.to(dtype))
