@@ -178,6 +178,27 @@ def test_sampling_is_deterministic_per_generator_and_independent_of_batching(pri
     assert torch.equal(best, cands[torch.arange(4), scores.argmax(1)])
 
 
+def test_sample_prior_takes_a_torch_compile_wrapper(prior, text):
+    """A ``torch.compile(prior)`` wrapper is not an instance of the AR prior's class; the sampler
+    still sends it to the AR sampler, with the same codes."""
+    from unclip.config import DiffusionConfig
+    from unclip.sampling import sample_prior
+
+    settings = SamplingConfig(guidance_scale=1.0)
+    wrapped = torch.compile(prior, backend="eager")
+    got, _ = sample_prior(
+        wrapped,
+        text,
+        no_null,
+        settings,
+        DiffusionConfig(),
+        generator=gens(0, 1, 2, 3),
+        progress=False,
+    )
+    want, _ = sample(prior, text, no_null, range(4))
+    assert torch.equal(prior.encode(got), prior.encode(want))
+
+
 def teacher_forced_argmax(prior, text, codes, dot, scale=1.0, null=None):
     logits = prior(codes, text, dot)
     if scale != 1.0:

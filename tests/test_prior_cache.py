@@ -197,37 +197,78 @@ def test_hooks_or_a_replaced_forward_use_the_plain_forward(tiny_clip, where):
     handle = module.register_forward_pre_hook(lambda *_: None)
     assert not isinstance(prior.conditioned(text), PrefixCache)
     handle.remove()
-    module.forward = module.forward  # an instance forward (a user's wrapper)
+    own = module.forward
+    module.forward = own  # the class's own method on the instance (Accelerate leaves this)
+    assert isinstance(prior.conditioned(text), PrefixCache)
+    module.forward = lambda *a, **k: own(*a, **k)  # a user's wrapper
     assert not isinstance(prior.conditioned(text), PrefixCache)
     del module.forward
     assert isinstance(prior.conditioned(text), PrefixCache)
 
 
-def test_an_accelerate_device_hook_keeps_the_cache(tiny_clip):
-    """Model offload puts an Accelerate hook on every module; its submodules' hooks place the
-    weights, so the cache applies (and gives the forward's numbers)."""
-    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+def test_model_offload_hooks_keep_the_cache_other_accelerate_hooks_do_not(tiny_clip):
+    """The offloader's hook (on every module) only brings the weights in, so the cache applies
+    and gives the forward's numbers; another Accelerate hook on the prior, e.g. one that changes
+    the output, must run, so the plain forward is used."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from unclip.offload import ModelOffloader
 
     prior = random_prior(tiny_clip)
     text = guided_text(tiny_clip)
     x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(4))
-    entered = []
-
-    class Count(ModelHook):
-        def pre_forward(self, module, *args, **kwargs):
-            entered.append(type(module).__name__)
-            return args, kwargs
-
-    for m in prior.modules():
-        add_hook_to_module(m, Count())
+    offloader = ModelOffloader({"prior": prior}, torch.device("cpu"))
     with torch.no_grad():
         fn = prior.conditioned(text)
         assert isinstance(fn, PrefixCache)
         got = fn(x, 7)
-        assert "BasicTransformerBlock" in entered  # the blocks' hooks ran
+        assert offloader.active == "prior" and offloader.loads["prior"] == 1  # its hooks ran
         want = prior(x, 7, text)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    remove_hook_from_module(prior, recurse=True)
+    offloader.remove()
+    assert isinstance(prior.conditioned(text), PrefixCache)
+
+    class Doubled(ModelHook):
+        def post_forward(self, module, output):
+            return 2 * output
+
+    add_hook_to_module(prior, Doubled())
+    with torch.no_grad():
+        fn = prior.conditioned(text)
+        assert not isinstance(fn, PrefixCache)
+        torch.testing.assert_close(fn(x, 7), 2 * want, atol=1e-5, rtol=1e-5)
+
+
+def test_other_cases_that_use_the_plain_forward(tiny_clip):
+    """A block compiled in place, a global hook, a module left in training mode (dropout), an
+    attention module's forward replaced by the user."""
+    text = guided_text(tiny_clip)
+    prior = random_prior(tiny_clip)
+    prior.transformer.transformer_blocks[1].compile()  # lazily: never called here
+    assert not isinstance(prior.conditioned(text), PrefixCache)
+
+    prior = random_prior(tiny_clip)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+    try:
+        assert not isinstance(prior.conditioned(text), PrefixCache)
+    finally:
+        handle.remove()
+    assert isinstance(prior.conditioned(text), PrefixCache)
+
+    prior.transformer.transformer_blocks[0].train()
+    assert not isinstance(prior.conditioned(text), PrefixCache)
+    prior.eval()
+
+    attn = prior.transformer.transformer_blocks[0].attn1
+    own = attn.forward
+    attn.forward = lambda *a, **k: 2 * own(*a, **k)
+    fn = prior.conditioned(text)
+    assert not isinstance(fn, PrefixCache)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        doubled = fn(x, 5)
+        del attn.forward
+        assert not torch.allclose(doubled, prior(x, 5, text), atol=1e-3)  # the user's forward ran
 
 
 def test_attention_processors(tiny_clip):

@@ -38,14 +38,14 @@ from typing import Optional, Union
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
-__all__ = ["ModelOffloader", "OffloadMixin", "releases_gpu"]
+__all__ = ["Activate", "ModelOffloader", "OffloadMixin", "releases_gpu"]
 
 #: component methods that read weights before any submodule's forward (the CLIP moves token ids
 #: to its device first): each activates its component when called
 ENTRY_METHODS = ("encode_text", "encode_image")
 
 
-class _Activate(ModelHook):
+class Activate(ModelHook):
     """Before a submodule's forward: make sure its component is the one on the device."""
 
     def __init__(self, offloader: ModelOffloader, name: str):
@@ -93,7 +93,7 @@ class ModelOffloader:
         for name, module in self.components.items():
             _move(module, torch.device("cpu"), None)
             for sub in module.modules():
-                add_hook_to_module(sub, _Activate(self, name))
+                add_hook_to_module(sub, Activate(self, name))
             for method in ENTRY_METHODS:
                 if callable(getattr(module, method, None)):
                     setattr(module, method, self._activating(name, getattr(module, method)))

@@ -32,6 +32,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
+from unclip import offload
 from unclip.clip import TextEncoding
 from unclip.precision import KeepFp32Mixin
 from unclip.transformer_blocks import SelfAttention, TransformerBlock, check_block_options
@@ -165,13 +166,20 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):
         under a causal mask, so the text's L + 1 positions never see the time or ``x_t``: their
         keys and values are the same at every step. ``fn`` computes them once and runs only the
         last three positions per call (:class:`PrefixCache`), with PyTorch's
-        ``scaled_dot_product_attention`` whatever attention processor the transformer has set
-        (the sequences are at most L + 4 positions long, so slicing would save no memory). Where
-        the cache does not apply, ``fn`` is the plain forward: a training-mode prior; a compiled
-        one (``.compile()`` in place or ``torch.compile(module)`` anywhere in it); forward hooks or
-        a replaced ``forward`` on the prior or its transformer, which the cache never calls (an
-        Accelerate device hook, as model offload sets, is fine); blocks or attention of another
-        kind, or a diffusers attention processor other than the built-in ones."""
+        ``scaled_dot_product_attention`` in place of diffusers' plain attention processors
+        (``AttnProcessor``, ``AttnProcessor2_0``, ``SlicedAttnProcessor``,
+        ``XFormersAttnProcessor``: the sequences are at most L + 4 positions long, so slicing
+        would save no memory). Forward hooks on the blocks and the modules inside them run, on the
+        inputs the cache gives them: the text positions once, then three positions per step.
+
+        Where the cache would skip or change something, ``fn`` is the plain forward: any module
+        of the prior in training mode (dropout); a module compiled in place (``.compile()``);
+        forward hooks or a replaced ``forward`` on the prior or its transformer, which the cache
+        never calls, or a replaced ``forward`` on an attention module, which it would override
+        (the hooks of :meth:`~unclip.pipeline.UnCLIPPipeline.enable_model_cpu_offload` only bring
+        the weights in, and keep the cache); global module hooks; blocks or attention of another
+        kind, or another attention processor. A ``torch.compile(prior)`` wrapper hands
+        ``conditioned`` to the module it wraps; the sampler calls the wrapper itself instead."""
         cache = PrefixCache.build(self, text)
         if cache is None:
             return lambda x_t, t: self(x_t, t, text)
@@ -189,12 +197,20 @@ def is_compiled(module: torch.nn.Module) -> bool:
     )
 
 
+def _forward_replaced(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has an instance ``forward`` other than its own method or the one model
+    offload installs (:class:`unclip.offload.ModelOffloader`, whose hook only brings the
+    component's weights to the device before any submodule runs)."""
+    forward = vars(module).get("forward")
+    if forward is None or getattr(forward, "__func__", None) is type(module).forward:
+        return False  # none, or the class's own (what Accelerate leaves after removing a hook)
+    return not isinstance(getattr(module, "_hf_hook", None), offload.Activate)
+
+
 def _calls_as_defined(module: torch.nn.Module) -> bool:
-    """No forward hooks and no replaced ``forward`` on ``module``, apart from an Accelerate hook
-    (device placement: offload, device maps), whose work the submodules' own hooks do too."""
+    """No forward hooks on ``module`` and no replaced ``forward`` (:func:`_forward_replaced`)."""
     hooks = (module._forward_hooks, module._forward_pre_hooks)
-    patched = "forward" in vars(module) and getattr(module, "_hf_hook", None) is None
-    return not any(hooks) and not patched
+    return not any(hooks) and not _forward_replaced(module)
 
 
 #: diffusers' processors that compute plain attention (the cache's ``_attend`` computes the same)
@@ -214,7 +230,7 @@ def _attention_of(block) -> Optional[torch.nn.Module]:
     """The self-attention module a prior block calls, if :class:`PrefixCache` can extend it."""
     attn = getattr(block, "attn1", None) if not isinstance(block, TransformerBlock) else block.attn
     if isinstance(attn, SelfAttention):
-        return attn
+        return attn if not _forward_replaced(attn) else None
     plain = isinstance(attn, Attention) and not attn.is_cross_attention
     extras = ("norm_q", "norm_k", "spatial_norm", "group_norm")
     if not plain or any(getattr(attn, e, None) is not None for e in extras):
@@ -223,7 +239,7 @@ def _attention_of(block) -> Optional[torch.nn.Module]:
         return None
     if type(attn.processor) not in _PLAIN_PROCESSORS:  # a user's processor must run
         return None
-    return attn
+    return attn if not _forward_replaced(attn) else None
 
 
 class PrefixCache:
@@ -281,10 +297,11 @@ class PrefixCache:
     def build(cls, prior: UnCLIPPrior, text: TextEncoding) -> Optional[PrefixCache]:
         """The cache, or None where it does not apply (see :meth:`UnCLIPPrior.conditioned`)."""
         tr = prior.transformer
-        if prior.training or is_compiled(prior):  # a compiled network is run as compiled
+        if any(m.training for m in prior.modules()):  # dropout: the plain forward's draws
             return None
-        global_hooks = torch.nn.modules.module
-        if global_hooks._global_forward_hooks or global_hooks._global_forward_pre_hooks:
+        if is_compiled(prior):  # a compiled network is run as compiled
+            return None
+        if torch.nn.modules.module._has_any_global_hook():
             return None
         if not (_calls_as_defined(prior) and _calls_as_defined(tr)):
             return None

@@ -311,7 +311,8 @@ def sample_prior(
     An autoregressive prior (:class:`~unclip.ar_prior.UnCLIPARPrior`) is sampled by
     :func:`~unclip.ar_sampling.sample_ar_prior` (``diffusion`` and ``clip_range`` do not apply to
     it, nor do ``latents``)."""
-    if isinstance(prior, UnCLIPARPrior):
+    # a torch.compile wrapper is not an instance of the class it wraps
+    if isinstance(getattr(prior, "_orig_mod", prior), UnCLIPARPrior):
         if latents is not None:
             raise ValueError(
                 "prior: latents are the diffusion prior's initial noise; the autoregressive "
