@@ -291,6 +291,9 @@ class DiffusionConfig:
 
     ``vlb_weight``: λ of the Improved-DDPM hybrid loss ``L_simple + λ·L_vlb`` (paper: 0.001) that
     trains a decoder's learned variance (``decoder.learned_variance``); 0 trains ``L_simple`` only.
+    ``timestep_shift``: s > 1 draws training timesteps more often at high noise, where the
+    conditioning decides the image (``t/T = s·u / (1 + (s − 1)·u)``, ``u ~ U(0, 1)``, the shift of
+    Stable Diffusion 3); 1 (default) draws them uniformly.
     """
 
     num_train_timesteps: int = 1000
@@ -298,8 +301,14 @@ class DiffusionConfig:
     prediction_type: Literal["epsilon", "sample", "v_prediction"] = "epsilon"
     min_snr_gamma: Optional[float] = None
     vlb_weight: float = 0.0
+    timestep_shift: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (0.0 < self.timestep_shift < float("inf")):
+            raise ConfigError(
+                f"diffusion.timestep_shift must be a finite number > 0 (1 draws timesteps "
+                f"uniformly, > 1 favours high noise), got {self.timestep_shift!r}"
+            )
         if not (0.0 <= self.vlb_weight < float("inf")):
             raise ConfigError(
                 f"diffusion.vlb_weight must be a finite number >= 0 (paper: 0.001), got "

@@ -149,6 +149,18 @@ def _per_sample(
     return torch.stack([fn(g) for g in generators])
 
 
+def shifted_timesteps(u: torch.Tensor, num_train_timesteps: int, shift: float) -> torch.Tensor:
+    """Integer timesteps from uniforms ``u`` in [0, 1) under the shift ``s``.
+
+    ``t/T = s·u / (1 + (s − 1)·u)`` maps the uniform onto one with density rising towards the
+    noisy end for ``s > 1`` (a fraction ``s/(1+s)`` of the draws lands in the noisier half: three
+    quarters for ``s = 3``), and is the identity for ``s = 1``.
+    """
+    s = float(shift)
+    frac = s * u / (1.0 + (s - 1.0) * u)
+    return (frac * num_train_timesteps).long().clamp_(0, num_train_timesteps - 1)
+
+
 def diffusion_loss(
     model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x_0: torch.Tensor,
@@ -162,14 +174,17 @@ def diffusion_loss(
     reduction: str = "mean",
     learned_variance: bool = False,
     vlb_weight: float = 0.0,
+    timestep_shift: float = 1.0,
 ) -> torch.Tensor:
     """Denoising loss ``|| target − model_fn(x_t, t) ||²`` on ``x_0 [B, ...]``.
 
     ``t ~ U{0, T-1}`` and ``eps ~ N(0, I)`` are drawn per sample from ``generators`` (one
     ``torch.Generator`` per sample, so results do not depend on how samples are grouped into
-    batches), or from the global RNG when ``generators`` is None. ``prediction_type``: ``epsilon``
-    (target eps), ``sample`` (target x_0) or ``v_prediction`` (target v = α·eps − σ·x_0).
-    ``min_snr_gamma`` weights each sample by ``min(SNR, γ)`` expressed for the chosen target.
+    batches), or from the global RNG when ``generators`` is None; ``timestep_shift`` s ≠ 1 draws
+    ``t`` from the shifted density instead (:func:`shifted_timesteps`). ``prediction_type``:
+    ``epsilon`` (target eps), ``sample`` (target x_0) or ``v_prediction`` (target
+    v = α·eps − σ·x_0). ``min_snr_gamma`` weights each sample by ``min(SNR, γ)`` expressed for
+    the chosen target.
     ``learned_variance``: the model outputs ``2C`` channels, its mean parameter then the variance
     interpolation ``v`` of :mod:`unclip.vlb`; the loss adds the hybrid loss's variational-bound
     term ``vlb_weight · T · L_t`` (Improved DDPM: ``L_simple + λ·L_vlb``, ``L_t`` in bits/dim, the
@@ -180,7 +195,13 @@ def diffusion_loss(
     b = x_0.shape[0]
     T = scheduler.config.num_train_timesteps
     cpu = torch.device("cpu")
-    if t is None:
+    if t is None and timestep_shift != 1.0:
+        if generators is not None:
+            u = _per_sample(lambda g: torch.rand((), generator=g, device=cpu), generators)
+        else:
+            u = torch.rand((b,), device=cpu)
+        t = shifted_timesteps(u, T, timestep_shift)
+    elif t is None:
         if generators is not None:
             t = _per_sample(lambda g: torch.randint(0, T, (), generator=g, device=cpu), generators)
         else:

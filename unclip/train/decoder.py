@@ -77,6 +77,7 @@ def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched
         noise_sched,
         prediction_type=cfg.diffusion.prediction_type,
         min_snr_gamma=cfg.diffusion.min_snr_gamma,
+        timestep_shift=cfg.diffusion.timestep_shift,
         generators=gens,
         learned_variance=cfg.decoder.learned_variance,
         vlb_weight=cfg.diffusion.vlb_weight,
@@ -131,6 +132,7 @@ def upsampler_loss(model, batch, gens, cfg, noise_sched, device):
         noise_sched,
         prediction_type=cfg.diffusion.prediction_type,
         min_snr_gamma=cfg.diffusion.min_snr_gamma,
+        timestep_shift=cfg.diffusion.timestep_shift,
         generators=gens,
     )
 

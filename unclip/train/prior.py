@@ -96,6 +96,7 @@ def prior_loss(
         noise_sched,
         prediction_type=cfg.diffusion.prediction_type,
         min_snr_gamma=cfg.diffusion.min_snr_gamma,
+        timestep_shift=cfg.diffusion.timestep_shift,
         generators=gens,
     )
 

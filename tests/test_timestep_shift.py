@@ -1,0 +1,61 @@
+"""`diffusion.timestep_shift`: training timesteps drawn more often at high noise
+(t/T = s·u / (1 + (s − 1)·u)), checked against the formula, in the loss, in a training config,
+and the default left exactly as the uniform draw it was."""
+
+import pytest
+import torch
+
+from unclip.config import ConfigError, DiffusionConfig
+from unclip.diffusion import diffusion_loss, shifted_timesteps, training_scheduler
+from unclip.train.config import load_stage_config
+
+
+def test_shifted_timesteps_follow_the_formula():
+    u = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000
+    assert torch.equal(shifted_timesteps(u, 1000, 1.0), (u * 1000).long())
+    t = shifted_timesteps(u, 1000, 3.0)
+    # t >= T/2 exactly when u >= 1/(s+1): three quarters of an even grid for s = 3
+    assert int((t >= 500).sum()) == 750
+    assert bool((t[1:] >= t[:-1]).all()) and int(t.min()) >= 0 and int(t.max()) <= 999
+    expected = [int(3 * x / (1 + 2 * x) * 1000) for x in u[::97].tolist()]
+    assert t[::97].tolist() == expected
+    # s < 1 favours low noise
+    assert int((shifted_timesteps(u, 1000, 1 / 3) >= 500).sum()) == 250
+
+
+def _drawn_t(shift, seeds):
+    seen = {}
+
+    def model_fn(x_t, t):
+        seen["t"] = t.clone()
+        return torch.zeros_like(x_t)
+
+    sched = training_scheduler(DiffusionConfig())
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    loss = diffusion_loss(
+        model_fn, torch.zeros(len(seeds), 3, 4, 4), sched, generators=gens, timestep_shift=shift
+    )
+    return seen["t"], loss
+
+
+def test_the_loss_draws_shifted_timesteps_per_sample_generator():
+    seeds = list(range(64))
+    t, _ = _drawn_t(3.0, seeds)
+    u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(s)) for s in seeds])
+    assert torch.equal(t, shifted_timesteps(u, 1000, 3.0))
+    assert float((t >= 500).float().mean()) > 0.6  # uniform would give about one half
+    # the default keeps the uniform integer draw, so earlier runs reproduce bit for bit
+    t1, _ = _drawn_t(1.0, seeds)
+    ref = torch.stack(
+        [torch.randint(0, 1000, (), generator=torch.Generator().manual_seed(s)) for s in seeds]
+    )
+    assert torch.equal(t1, ref)
+
+
+def test_config_accepts_and_checks_the_shift():
+    cfg = load_stage_config("configs/tiny/decoder.yaml", ["diffusion.timestep_shift=3"])
+    assert cfg.diffusion.timestep_shift == 3.0
+    assert load_stage_config("configs/tiny/decoder.yaml").diffusion.timestep_shift == 1.0
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="timestep_shift"):
+            DiffusionConfig(timestep_shift=bad)
