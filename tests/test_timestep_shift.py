@@ -21,6 +21,9 @@ def test_shifted_timesteps_follow_the_formula():
     assert t[::97].tolist() == expected
     # s < 1 favours low noise
     assert int((shifted_timesteps(u, 1000, 1 / 3) >= 500).sum()) == 250
+    # a float32 u just under 1 with a large shift rounds to t/T = 1: clamped to the last step
+    top = torch.tensor([1 - 2**-24], dtype=torch.float32)
+    assert int(shifted_timesteps(top, 1000, 1e3)) == 999
 
 
 def _drawn_t(shift, seeds):

@@ -292,8 +292,9 @@ class DiffusionConfig:
     ``vlb_weight``: λ of the Improved-DDPM hybrid loss ``L_simple + λ·L_vlb`` (paper: 0.001) that
     trains a decoder's learned variance (``decoder.learned_variance``); 0 trains ``L_simple`` only.
     ``timestep_shift``: s > 1 draws training timesteps more often at high noise, where the
-    conditioning decides the image (``t/T = s·u / (1 + (s − 1)·u)``, ``u ~ U(0, 1)``, the shift of
-    Stable Diffusion 3); 1 (default) draws them uniformly.
+    conditioning decides the image, s < 1 at low noise (``t/T = s·u / (1 + (s − 1)·u)``,
+    ``u ~ U(0, 1)``, Stable Diffusion 3's shift formula); 1 (default) draws them uniformly. The
+    autoregressive prior draws no timesteps and ignores it.
     """
 
     num_train_timesteps: int = 1000
