@@ -62,3 +62,44 @@ def test_config_accepts_and_checks_the_shift():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ConfigError, match="timestep_shift"):
             DiffusionConfig(timestep_shift=bad)
+
+
+def test_every_stage_loss_passes_the_shift_on(tiny_pipe):
+    """The decoder, upsampler and prior losses draw their timesteps with the config's shift: a
+    huge shift puts every draw at the last step."""
+    from unclip.decoder import encode_captions
+    from unclip.train.decoder import decoder_loss, upsampler_loss
+    from unclip.train.prior import prior_loss
+
+    clip, seen = tiny_pipe.clip, []
+
+    class recording:  # the losses reach the network through .module, as under DDP
+        def __init__(self, net):
+            self.module = net
+
+        def __call__(self, x_t, t, *args):
+            seen.append(t.clone())
+            return self.module(x_t, t, *args)
+
+    captions = ["a red circle", "a big blue square"]
+    gens = [torch.Generator().manual_seed(s) for s in range(2)]
+    over = ["diffusion.timestep_shift=1e6"]
+    cfg = load_stage_config("configs/tiny/decoder.yaml", over)
+    sched = training_scheduler(cfg.diffusion)
+    size = tiny_pipe.decoder.config.sample_size
+    batch = {"image": torch.rand(2, 3, size, size) * 2 - 1, "caption": captions}
+    null = encode_captions(cfg.decoder, clip, [""])
+    with torch.no_grad():
+        decoder_loss(recording(tiny_pipe.decoder), batch, clip, null, gens, cfg, sched, "cpu")
+        up = tiny_pipe.upsamplers[0]
+        cfg = load_stage_config("configs/tiny/sr32.yaml", over)
+        size = up.config.sample_size
+        batch = {"image": torch.rand(2, 3, size, size) * 2 - 1, "caption": captions}
+        upsampler_loss(recording(up), batch, gens, cfg, sched, "cpu")
+        cfg = load_stage_config("configs/tiny/prior.yaml", over)
+        batch = {"image_embed": torch.randn(2, clip.embed_dim), "caption": captions}
+        prior_loss(
+            recording(tiny_pipe.prior), batch, clip, clip.encode_text([""]), gens, cfg, sched, "cpu"
+        )
+    assert len(seen) == 3
+    assert all(t.tolist() == [999, 999] for t in seen)
