@@ -21,6 +21,7 @@ in Karlo and diffusers), so exported weights sample identically elsewhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Optional
@@ -181,9 +182,19 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):
         kind, or another attention processor. A ``torch.compile(prior)`` wrapper hands
         ``conditioned`` to the module it wraps; the sampler calls the wrapper itself instead."""
         cache = PrefixCache.build(self, text)
-        if cache is None:
-            return lambda x_t, t: self(x_t, t, text)
-        return cache
+        return PlainForward(self, text) if cache is None else cache
+
+
+@dataclasses.dataclass
+class PlainForward:
+    """``fn(x_t, t)`` calling ``prior`` (or its ``torch.compile`` wrapper) on the whole sequence
+    for a fixed ``text``: where :class:`PrefixCache` does not apply."""
+
+    prior: torch.nn.Module
+    text: TextEncoding
+
+    def __call__(self, x_t: torch.Tensor, t) -> torch.Tensor:
+        return self.prior(x_t, t, self.text)
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

@@ -50,7 +50,7 @@ from unclip.diffusion import (
     training_scheduler,
 )
 from unclip.pipeline_utils import check_count
-from unclip.prior import UnCLIPPrior, is_compiled
+from unclip.prior import PlainForward, UnCLIPPrior
 from unclip.registry import EntryPointRegistry
 
 __all__ = [
@@ -337,7 +337,8 @@ def sample_prior(
         cond = _null_first(null_text(batch).to(device=device), cond)
     sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=clip_range)
     # a torch.compile(prior) wrapper would hand `conditioned` to the uncompiled module it wraps
-    step = prior.conditioned(cond) if not is_compiled(prior) else _PlainPrior(prior, cond)
+    wrapper = getattr(prior, "_orig_mod", None) is not None
+    step = PlainForward(prior, cond) if wrapper else prior.conditioned(cond)
     x = _sample(
         step,
         (batch, prior.config.embed_dim),
@@ -357,17 +358,6 @@ def sample_prior(
     scores = (F.normalize(cands, dim=-1) * text_embed[:, None]).sum(-1)
     best = cands[torch.arange(b), scores.argmax(dim=1)]
     return best, cands
-
-
-@dataclasses.dataclass
-class _PlainPrior:
-    """``fn(x_t, t)`` calling the prior (or its ``torch.compile`` wrapper) on the whole sequence."""
-
-    prior: torch.nn.Module
-    text: TextEncoding
-
-    def __call__(self, x_t: torch.Tensor, t) -> torch.Tensor:
-        return self.prior(x_t, t, self.text)
 
 
 @dataclasses.dataclass
