@@ -103,3 +103,30 @@ def test_every_stage_loss_passes_the_shift_on(tiny_pipe):
         )
     assert len(seen) == 3
     assert all(t.tolist() == [999, 999] for t in seen)
+
+
+def test_saved_settings_leave_out_training_only_keys_at_their_defaults(tiny_pipe, tmp_path):
+    """A pipeline's unclip.json holds no timestep_shift / vlb_weight at their defaults (so older
+    versions, which refuse unknown keys, load it); a non-default value is kept and reloads."""
+    import json
+
+    from unclip import UnCLIPPipeline
+    from unclip.config import diffusion_to_save
+
+    tiny_pipe.save_pretrained(tmp_path / "p")
+    saved = json.loads((tmp_path / "p" / "unclip.json").read_text())["diffusion"]
+    assert saved and all("prediction_type" in d for d in saved.values())
+    assert not any({"timestep_shift", "vlb_weight"} & set(d) for d in saved.values())
+    kept = diffusion_to_save(DiffusionConfig(timestep_shift=3.0, min_snr_gamma=5.0))
+    assert kept["timestep_shift"] == 3.0 and "vlb_weight" not in kept
+    assert kept["min_snr_gamma"] == 5.0  # only the training-only keys are dropped
+    pipe = UnCLIPPipeline(
+        tiny_pipe.clip,
+        tiny_pipe.prior,
+        tiny_pipe.decoder,
+        tiny_pipe.upsamplers,
+        diffusion={"decoder": {**saved["decoder"], "timestep_shift": 2.0}},
+    )
+    pipe.save_pretrained(tmp_path / "q")
+    again = UnCLIPPipeline.from_pretrained(tmp_path / "q")
+    assert again.diffusion["decoder"].timestep_shift == 2.0

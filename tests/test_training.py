@@ -83,6 +83,14 @@ def test_loss_falls_on_shapes(trained, stage):
     assert last < 0.75 * first, (stage, first, last)
 
 
+def test_exported_stage_settings_leave_out_training_only_defaults(trained):
+    # older versions refuse unknown diffusion keys: the ones only training reads are left out
+    # at their defaults, the sampling ones are all there
+    meta = json.loads((trained / "decoder" / "final" / "decoder" / "unclip_stage.json").read_text())
+    assert "timestep_shift" not in meta["diffusion"] and "vlb_weight" not in meta["diffusion"]
+    assert {"prediction_type", "beta_schedule", "num_train_timesteps"} <= set(meta["diffusion"])
+
+
 def test_exported_components_generate(trained, tmp_path):
     from unclip.cli.assemble import main as assemble
 

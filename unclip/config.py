@@ -482,6 +482,26 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+#: DiffusionConfig settings that only training reads: files written for sampling (a pipeline's
+#: unclip.json, a component's unclip_stage.json) leave them out at their defaults, so that a
+#: folder written by this version loads in versions that predate the setting
+TRAINING_ONLY_DIFFUSION = ("vlb_weight", "timestep_shift")
+
+
+def diffusion_to_save(diffusion: Any) -> Any:
+    """``diffusion`` (a :class:`DiffusionConfig` or its dict) as saved with weights: without the
+    :data:`TRAINING_ONLY_DIFFUSION` settings that are at their defaults."""
+    values = to_dict(diffusion)
+    if not isinstance(values, dict):
+        return values
+    defaults = {f.name: f.default for f in dataclasses.fields(DiffusionConfig)}
+    return {
+        k: v
+        for k, v in values.items()
+        if not (k in TRAINING_ONLY_DIFFUSION and k in defaults and v == defaults[k])
+    }
+
+
 def to_yaml(obj: Any) -> str:
     """The resolved config as YAML text."""
     return yaml.safe_dump(to_dict(obj), sort_keys=False)

@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 
 from unclip.clip import CLIP
-from unclip.config import DiffusionConfig, SamplingConfig, to_dict
+from unclip.config import DiffusionConfig, SamplingConfig, diffusion_to_save, to_dict
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.files import check_output_folder, write_folder
 from unclip.prior import UnCLIPPrior
@@ -434,7 +434,7 @@ def write_pipeline_folder(
             "upsamplers": list(upsamplers),
             "reranker": "reranker" if reranker is not None else None,
         },
-        "diffusion": {k: to_dict(v) for k, v in diffusion.items()},
+        "diffusion": {k: diffusion_to_save(v) for k, v in diffusion.items()},
         "sampling": {k: to_dict(v) for k, v in sampling.items()},
         "prior_clip_range": prior_clip_range,
     }

@@ -37,6 +37,7 @@ __all__ = [
     "LoraTrainConfig",
     "TrainConfig",
     "UpsamplerTrainConfig",
+    "RepaConfig",
     "StageConfig",
     "STAGES",
     "load_stage_config",
@@ -377,11 +378,38 @@ class UpsamplerTrainConfig:
 
 
 @dataclass
+class RepaConfig:
+    """Representation alignment of the base decoder to the frozen CLIP's image tower
+    (:mod:`unclip.train.repa`): the loss adds ``weight · (1 − cosine)`` between a projection of
+    the UNet block ``decoder_layer``'s features (computed on ``x_t``) and the CLIP layer
+    ``clip_layer``'s features of the clean image. ``hidden``: width of the 3-layer projection head
+    (trained with the decoder, not exported)."""
+
+    weight: float = 0.5
+    decoder_layer: str = "mid_block"
+    clip_layer: str = "layer2"
+    hidden: int = 256
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_range(
+            "repa.weight", self.weight, 0 < self.weight < math.inf, "a positive finite number"
+        )
+        check_at_least("repa.hidden", self.hidden, 1)
+        for key in ("decoder_layer", "clip_layer"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ConfigError(f"repa.{key} must name a module, got {getattr(self, key)!r}")
+
+
+@dataclass
 class StageConfig:
     """One training run of one stage: ``prior``, ``decoder`` (base) or ``upsampler``.
 
     The section named by ``stage`` describes the network; ``upsampler_train`` applies to the
-    ``upsampler`` stage only (its defaults are used when the section is left out).
+    ``upsampler`` stage only (its defaults are used when the section is left out); ``repa``
+    (:class:`RepaConfig`) to the ``decoder`` stage only (off when left out).
     """
 
     stage: Literal["prior", "decoder", "upsampler"] = "prior"
@@ -390,6 +418,7 @@ class StageConfig:
     decoder: Optional[DecoderConfig] = None
     upsampler: Optional[UpsamplerConfig] = None
     upsampler_train: Optional[UpsamplerTrainConfig] = None
+    repa: Optional[RepaConfig] = None
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -405,6 +434,16 @@ class StageConfig:
             raise ConfigError(
                 f"'upsampler_train:' applies to stage 'upsampler' only, but stage is "
                 f"{self.stage!r}; remove the section"
+            )
+        if self.repa is not None and self.stage != "decoder":
+            raise ConfigError(
+                f"'repa:' aligns the base decoder's features to the CLIP's; stage is "
+                f"{self.stage!r}: remove the section"
+            )
+        if self.repa is not None and self.train.lora is not None:
+            raise ConfigError(
+                "'repa:' trains the decoder's features, which train.lora freezes; use one or the "
+                "other"
             )
         if self.stage == "upsampler" and self.upsampler_train is None:
             self.upsampler_train = UpsamplerTrainConfig()

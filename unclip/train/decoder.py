@@ -41,6 +41,7 @@ from unclip.sampling import sample_upsampler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop, sample_generators
+from unclip.train.repa import RepaDecoder, alignment_loss, clip_features, exported_model
 
 __all__ = [
     "DecoderTask",
@@ -61,9 +62,13 @@ logger = logging.getLogger("unclip.train")
 GRID_SIZE = 8
 
 
-def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched, device):
+def decoder_loss(
+    model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched, device, parts=None
+):
     """Denoising loss of the base decoder on one micro-batch, with condition dropout (``null``:
-    the empty caption as the decoder takes captions, :func:`~unclip.decoder.encode_captions`)."""
+    the empty caption as the decoder takes captions, :func:`~unclip.decoder.encode_captions`);
+    with a ``repa:`` section ``model`` is a :class:`~unclip.train.repa.RepaDecoder` and the
+    alignment loss is added (and its value appended to ``parts["repa"]`` if ``parts`` is given)."""
     images = batch["image"].to(device)
     image_embed = decoder_image_embed(batch, clip, device)
     text = encode_captions(cfg.decoder, clip, batch["caption"]).to(device)
@@ -71,8 +76,22 @@ def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched
     drop_image = coins[:, 0] < cfg.train.image_embed_drop_prob
     drop_text = coins[:, 1] < cfg.train.text_drop_prob
     text = drop_captions(text, null, drop_text)
-    return diffusion_loss(
-        lambda x_t, t: model(x_t, t, image_embed, text, drop_image),
+    projected = []
+
+    def predict(x_t, t):
+        out = model(x_t, t, image_embed, text, drop_image)
+        if cfg.repa is None:
+            return out
+        if not isinstance(out, tuple):
+            raise TypeError(
+                "the config has a 'repa:' section but the model is not a RepaDecoder; build it "
+                "with unclip.train.decoder.build_image_model"
+            )
+        projected.append(out[1])
+        return out[0]
+
+    loss = diffusion_loss(
+        predict,
         images,
         noise_sched,
         prediction_type=cfg.diffusion.prediction_type,
@@ -82,6 +101,13 @@ def decoder_loss(model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched
         learned_variance=cfg.decoder.learned_variance,
         vlb_weight=cfg.diffusion.vlb_weight,
     )
+    if cfg.repa is None:
+        return loss
+    target = clip_features(clip, batch.get("clip_image", batch["image"]), cfg.repa.clip_layer)
+    align = alignment_loss(projected[0], target.to(device)).mean()
+    if parts is not None:
+        parts.setdefault("repa", []).append(float(align.detach()))
+    return loss + cfg.repa.weight * align
 
 
 def decoder_image_embed(batch: dict, clip: CLIP, device) -> torch.Tensor:
@@ -152,13 +178,29 @@ class DecoderTask:
         self.cfg, self.clip, self.device = cfg, clip, device
         self.null = encode_captions(cfg.decoder, clip, [""])
         self.noise_sched = training_scheduler(cfg.diffusion)
+        self.parts: dict[str, list[float]] = {}
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
         return decoder_loss(
-            model, batch, self.clip, self.null, generators, self.cfg, self.noise_sched, self.device
+            model,
+            batch,
+            self.clip,
+            self.null,
+            generators,
+            self.cfg,
+            self.noise_sched,
+            self.device,
+            self.parts,
         )
 
+    def log_metrics(self) -> dict:
+        """The mean alignment loss (``repa_loss``, before ``repa.weight``) since the last call."""
+        out = {f"{k}_loss": sum(v) / len(v) for k, v in self.parts.items() if v}
+        self.parts.clear()
+        return out
+
     def sample_grid(self, model: UnCLIPDecoder, batch: dict) -> Image.Image:
+        model = exported_model(model)
         n = min(GRID_SIZE, len(batch["caption"]))
         images = batch["image"][:n].to(self.device)
         pipe = UnCLIPPipeline(
@@ -211,11 +253,15 @@ def clip_device(cfg: StageConfig, device) -> torch.device:
 
 def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     """The network a ``decoder`` or ``upsampler`` stage config trains (with gradient checkpointing
-    if ``train.gradient_checkpointing``)."""
+    if ``train.gradient_checkpointing``; inside a :class:`~unclip.train.repa.RepaDecoder` with its
+    alignment head if the config has a ``repa:`` section)."""
     model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
     if cfg.train.gradient_checkpointing:
         # the decoder's own: its UNet and, when it has one, its caption transformer
         (model if cfg.stage == "decoder" else model.unet).enable_gradient_checkpointing()
+    if cfg.repa is not None:
+        target = clip_features(clip, torch.zeros(1, 3, 8, 8), cfg.repa.clip_layer)
+        model = RepaDecoder(model, cfg.repa.decoder_layer, target.shape[1], cfg.repa.hidden)
     return model
 
 

@@ -63,7 +63,7 @@ from diffusers.training_utils import EMAModel
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from unclip.config import save_config, to_dict
+from unclip.config import diffusion_to_save, save_config, to_dict
 from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
 from unclip.train import checkpoint as ckpt
@@ -72,6 +72,7 @@ from unclip.train import state_files
 from unclip.train.checkpoint import CheckpointError, DiskFullError
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.optimizers import PRECONDITIONED, make_optimizer
+from unclip.train.repa import exported_model
 
 __all__ = [
     "TrainLoop",
@@ -204,7 +205,8 @@ class Task(Protocol):
     Optional methods: ``sample_grid(model, batch) -> PIL.Image`` (called on the main process with
     the EMA weights in place, in eval mode, every ``train.sample_every`` steps; ``batch`` is the
     first micro-batch of the run) and ``after_optimizer_step(model)`` (after each optimizer step
-    that was taken, before the EMA update).
+    that was taken, before the EMA update) and ``log_metrics() -> dict`` (the task's own
+    figures since the last call, e.g. one term of its loss, logged beside the loss).
     """
 
     name: str
@@ -377,8 +379,10 @@ class TrainLoop:
         if asked. ``no_weight_decay(name, param)``: parameters exempt from weight decay (default:
         those with fewer than 2 dimensions: biases, norms). Returns the wrapped model."""
         t = self.cfg.train
-        if t.init_weights:
-            src = load_initial_weights(model, t.init_weights, partial=t.init_weights_partial)
+        if t.init_weights:  # into the exported network, not a training-only head around it
+            src = load_initial_weights(
+                exported_model(model), t.init_weights, partial=t.init_weights_partial
+            )
             logger.info("initial weights from %s", src)
         if getattr(t, "lora", None) is not None:  # freezes the base: the optimizer sees the adapter
             from unclip.train.lora import add_training_adapter
@@ -494,7 +498,7 @@ class TrainLoop:
                 loss = self.run_step(task, micro)
                 self.state.step += 1
                 bar.update(1)
-                self.log_step(loss, bar)
+                self.log_step(loss, bar, task)
                 if t.sample_every and self.state.step % t.sample_every == 0:
                     self.save_samples(task, first)
                 if t.checkpoint_every and self.state.step % t.checkpoint_every == 0:
@@ -582,8 +586,9 @@ class TrainLoop:
         if self.ema is not None:
             self.ema.step(self.trainable)
 
-    def log_step(self, loss: float, bar) -> None:
-        """Every ``log_every`` steps and at ``max_steps``: loss, LR, throughput and skip counts."""
+    def log_step(self, loss: float, bar, task: Optional[Task] = None) -> None:
+        """Every ``log_every`` steps and at ``max_steps``: loss, LR, throughput, skip counts and
+        the task's ``log_metrics()`` if it has them."""
         t = self.cfg.train
         if not (self.state.step % t.log_every == 0 or self.state.step == t.max_steps):
             return
@@ -602,6 +607,7 @@ class TrainLoop:
                 "data_wait_share": wait_share,
                 "skipped_data": self.state.skipped_data,
                 "nonfinite_steps": self.state.nonfinite,
+                **(task.log_metrics() if hasattr(task, "log_metrics") else {}),
             }
         )
         bar.set_postfix(loss=f"{loss:.4f}", sps=f"{rate:.1f}")
@@ -854,7 +860,8 @@ class TrainLoop:
             from unclip.train.lora import export_adapter
 
             return export_adapter(self, name, clip)
-        meta = stage_meta(cfg.stage, name, to_dict(cfg.diffusion), to_dict(cfg.sampling), clip)
+        diffusion = diffusion_to_save(cfg.diffusion)
+        meta = stage_meta(cfg.stage, name, diffusion, to_dict(cfg.sampling), clip)
         out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
         if self.accelerator.is_main_process:
             self.write_folder(out.parent / "clip", clip.save_pretrained)
