@@ -205,3 +205,35 @@ def test_repa_config_errors():
     clip = CLIP.from_config(cfg.clip)
     with pytest.raises(ValueError, match="'middle' names no module; the top-level ones are"):
         build_image_model(cfg, clip)
+
+
+def test_two_process_training_keeps_the_head_in_sync(tmp_path):
+    """DDP over gloo: the head runs inside the wrapped model's forward, so its gradients are
+    all-reduced with the decoder's and both ranks end with the same weights, head included."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "ddp"
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "train_decoder.py"),
+        str(TINY),
+        f"train.output_dir={out}",
+        "train.max_steps=2",
+        "train.progress=false",
+        "repa.weight=1.0",
+        "repa.clip_layer=transformer.resblocks.0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sums = json.loads((out / "rank_checksums.json").read_text())
+    assert len(sums) == 2 and sums[0] == sums[1]
+    ckpt = load_file(str(out / "checkpoints" / "step_00000002" / "model.safetensors"))
+    assert any(k.startswith("head.") for k in ckpt)
