@@ -12,9 +12,10 @@ from unclip.cli import train_decoder
 from unclip.clip import CLIP
 from unclip.config import ClipConfig
 from unclip.train.config import ConfigError, load_stage_config
-from unclip.train.repa import RepaDecoder, alignment_loss, clip_features
+from unclip.train.repa import RepaDecoder, alignment_loss, clip_features, exported_state
 
 TINY = CONFIGS / "tiny" / "decoder.yaml"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
 RUN = ["train.progress=false", "train.warmup_steps=0", "train.log_every=1", "train.lr=1e-3"]
 
 
@@ -90,17 +91,41 @@ def test_the_decoder_loss_adds_the_weighted_alignment_term(tiny_clip):
     torch.manual_seed(0)
     model = build_image_model(cfg, tiny_clip)
     assert isinstance(model, RepaDecoder)
-    batch = {"image": torch.rand(2, 3, 16, 16) * 2 - 1, "caption": ["a red circle", "two"]}
+    # the target comes from the original at CLIP's size (data.clip_view: full) when given
+    batch = {
+        "image": torch.rand(2, 3, 16, 16) * 2 - 1,
+        "clip_image": torch.rand(2, 3, 32, 32) * 2 - 1,
+        "caption": ["a red circle", "two"],
+    }
+    heads = []
+    model.head.register_forward_hook(lambda _m, _a, out: heads.append(out))
     null = encode_captions(cfg.decoder, tiny_clip, [""])
     sched = training_scheduler(cfg.diffusion)
     parts = {}
     total = decoder_loss(model, batch, tiny_clip, null, gens(1, 2), cfg, sched, "cpu", parts)
     plain_cfg = load_stage_config(TINY)
     plain = decoder_loss(model.decoder, batch, tiny_clip, null, gens(1, 2), plain_cfg, sched, "cpu")
-    with pytest.raises(TypeError, match="not a RepaDecoder"):
+    with pytest.raises(TypeError, match="disagree about alignment"):
         decoder_loss(model.decoder, batch, tiny_clip, null, gens(1, 2), cfg, sched, "cpu")
+    with pytest.raises(TypeError, match="disagree about alignment"):
+        decoder_loss(
+            model, batch, tiny_clip, null, gens(1, 2), load_stage_config(TINY), sched, "cpu"
+        )
     (align,) = parts["repa"]
-    assert 0 < align < 2
+    target = clip_features(tiny_clip, batch["clip_image"], "transformer.resblocks.0")
+    projected = heads[0].detach()
+    assert align == pytest.approx(float(alignment_loss(projected, target).mean()), rel=1e-6)
+    assert (
+        abs(
+            align
+            - float(
+                alignment_loss(
+                    projected, clip_features(tiny_clip, batch["image"], "transformer.resblocks.0")
+                ).mean()
+            )
+        )
+        > 1e-4
+    )
     torch.testing.assert_close(total, plain + 0.3 * align, rtol=1e-5, atol=1e-6)
     # the term trains the head and the UNet up to the aligned block, not the blocks after it
     model.zero_grad()
@@ -147,6 +172,12 @@ def test_training_learns_the_alignment_and_exports_the_decoder_alone(repa_run):
     ckpt = load_file(str(repa_run / "checkpoints" / "step_00000012" / "model.safetensors"))
     assert any(k.startswith("head.") for k in ckpt)
     assert {k.removeprefix("decoder.") for k in ckpt if k.startswith("decoder.")} == set(exported)
+    # the checkpoint's weights read as the decoder's (shapes-eval --decoder-weights,
+    # train.init_weights); any other state dict passes through
+    as_decoder = exported_state(ckpt)
+    assert as_decoder.keys() == exported.keys()
+    assert torch.equal(as_decoder["unet.conv_in.weight"], ckpt["decoder.unet.conv_in.weight"])
+    assert exported_state(exported) is exported
 
 
 def test_a_run_with_alignment_resumes_exactly(repa_run, tmp_path):
@@ -169,8 +200,12 @@ def test_a_run_with_alignment_resumes_exactly(repa_run, tmp_path):
         assert torch.equal(whole[k], split[k]), k
 
 
-def test_initial_weights_load_into_the_decoder_inside(repa_run, tmp_path):
+@pytest.mark.parametrize("source", ["export", "checkpoint"])
+def test_initial_weights_load_into_the_decoder_inside(repa_run, tmp_path, source):
+    # an exported decoder folder, or a repa checkpoint's model.safetensors (decoder and head)
     src = repa_run / "final" / "decoder"
+    if source == "checkpoint":
+        src = repa_run / "checkpoints" / "step_00000012" / "model.safetensors"
     out = tmp_path / "ft"
     args = [
         str(TINY),
@@ -184,7 +219,7 @@ def test_initial_weights_load_into_the_decoder_inside(repa_run, tmp_path):
         "repa.clip_layer=transformer.resblocks.0",
     ]
     assert train_decoder.main(args) == 0
-    before = load_file(str(src / "diffusion_pytorch_model.safetensors"))
+    before = exported_state(load_file(str(src if src.is_file() else src / WEIGHTS)))
     after = load_file(str(out / "final" / "decoder" / "diffusion_pytorch_model.safetensors"))
     for k in before:
         torch.testing.assert_close(after[k], before[k], rtol=0, atol=1e-6)
@@ -195,7 +230,7 @@ def test_repa_config_errors():
         load_stage_config(CONFIGS / "tiny" / "prior.yaml", ["repa.weight=0.5"])
     with pytest.raises(ConfigError, match="repa.weight"):
         load_stage_config(TINY, ["repa.weight=0"])
-    with pytest.raises(ConfigError, match="train.lora freezes"):
+    with pytest.raises(ConfigError, match="not supported together"):
         load_stage_config(TINY, ["repa.weight=0.5", "train.init_weights=x", "train.lora.rank=4"])
     cfg = load_stage_config(
         TINY, ["repa.decoder_layer=middle", "repa.clip_layer=transformer.resblocks.0"]
@@ -205,18 +240,35 @@ def test_repa_config_errors():
     clip = CLIP.from_config(cfg.clip)
     with pytest.raises(ValueError, match="'middle' names no module; the top-level ones are"):
         build_image_model(cfg, clip)
+    # refused when the model is built, not at the first step: a 4 px decoder's 2x2 middle
+    # cannot be pooled to the ViT's 4x4 patch grid
+    small = load_stage_config(
+        TINY,
+        ["decoder.sample_size=4", "data.resolution=4", "repa.clip_layer=transformer.resblocks.0"],
+    )
+    with pytest.raises(ValueError, match=r"features are \(2, 2\), smaller than the CLIP layer's"):
+        build_image_model(small, clip)
+    vit = load_stage_config(TINY, ["repa.weight=0.5"])
+    with pytest.raises(ValueError, match="a ViT image tower: name a block"):
+        build_image_model(vit, clip)
+    clip.has_vision = False  # as a CLIP converted from a text-to-image folder loads
+    good = load_stage_config(TINY, ["repa.clip_layer=transformer.resblocks.0"])
+    with pytest.raises(ValueError, match="has no image-tower weights"):
+        build_image_model(good, clip)
 
 
-def test_two_process_training_keeps_the_head_in_sync(tmp_path):
-    """DDP over gloo: the head runs inside the wrapped model's forward, so its gradients are
-    all-reduced with the decoder's and both ranks end with the same weights, head included."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_process_training_keeps_the_head_in_sync(tmp_path, strategy):
+    """Two gloo processes: the head runs inside the wrapped model's forward, so under DDP its
+    gradients are all-reduced with the decoder's and both ranks end with the same weights; under
+    FSDP the gathered export is the decoder alone (no head, no prefix)."""
     import os
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    out = tmp_path / "ddp"
+    out = tmp_path / strategy
     cmd = [
         str(Path(sys.executable).with_name("torchrun")),
         "--standalone",
@@ -231,9 +283,33 @@ def test_two_process_training_keeps_the_head_in_sync(tmp_path):
         "repa.clip_layer=transformer.resblocks.0",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if strategy == "fsdp":
+        from test_sharding import launch_env
+
+        env.update(launch_env(ROOT / "configs" / "accelerate" / "fsdp_8gpu.yaml"))
+        env["ACCELERATE_MIXED_PRECISION"] = "no"
+        assert env["ACCELERATE_USE_FSDP"] == "true"  # the loop shards the model on CPU too
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sums = json.loads((out / "rank_checksums.json").read_text())
     assert len(sums) == 2 and sums[0] == sums[1]
     ckpt = load_file(str(out / "checkpoints" / "step_00000002" / "model.safetensors"))
     assert any(k.startswith("head.") for k in ckpt)
+    exported = load_file(str(out / "final" / "decoder" / WEIGHTS))
+    assert exported.keys() == exported_state(ckpt).keys()
+
+
+def test_the_logged_alignment_is_the_mean_since_the_last_log(tiny_clip):
+    from unclip.train.decoder import DecoderTask, build_image_model
+
+    cfg = load_stage_config(TINY, ["repa.clip_layer=transformer.resblocks.0"])
+    torch.manual_seed(0)
+    model = build_image_model(cfg, tiny_clip)
+    task = DecoderTask(cfg, tiny_clip, "cpu")
+    batch = {"image": torch.rand(2, 3, 16, 16) * 2 - 1, "caption": ["a red circle", "two"]}
+    task.loss(model, batch, gens(1, 2))
+    task.loss(model, batch, gens(3, 4))
+    first, second = task.parts["repa"]
+    assert first != second
+    assert task.log_metrics() == {"repa_loss": pytest.approx((first + second) / 2)}
+    assert task.log_metrics() == {}

@@ -119,7 +119,7 @@ def test_saved_settings_leave_out_training_only_keys_at_their_defaults(tiny_pipe
     assert not any({"timestep_shift", "vlb_weight"} & set(d) for d in saved.values())
     kept = diffusion_to_save(DiffusionConfig(timestep_shift=3.0, min_snr_gamma=5.0))
     assert kept["timestep_shift"] == 3.0 and "vlb_weight" not in kept
-    assert kept["min_snr_gamma"] == 5.0  # only the training-only keys are dropped
+    assert kept["min_snr_gamma"] == 5.0  # only the listed newer keys are dropped
     pipe = UnCLIPPipeline(
         tiny_pipe.clip,
         tiny_pipe.prior,

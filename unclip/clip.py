@@ -524,6 +524,79 @@ class CLIP(torch.nn.Module):
         feats = self.model.encode_image(pixels.to(self.dtype))
         return F.normalize(feats.float(), dim=-1) if self.normalize_embeds else feats.float()
 
+    @torch.no_grad()
+    def layer_features(self, images: torch.Tensor, layer: str, key: str = "layer") -> torch.Tensor:
+        """The image tower's output at its module ``layer`` for ``images [B, 3, H, W]`` in [-1, 1],
+        as a ``[B, C, h, w]`` float feature map (the tower runs up to that layer only): a
+        ModifiedResNet stage (``layer1``..``layer4``) as it is, a ViT block's
+        (``transformer.resblocks.<i>``) patch tokens laid out on the patch grid. ``key`` names the
+        setting in error messages."""
+        if not self.has_vision:
+            raise ValueError(
+                f"{key}: CLIP {self.model_name!r} has no image-tower weights (it was converted "
+                "from a text-to-image folder without image_encoder/), so it has no image "
+                "features; use a CLIP with its image tower"
+            )
+        module = _visual_module(self.model.visual, layer, key)
+        captured = []
+
+        class _Enough(Exception):
+            pass
+
+        def grab(_module, _args, output):
+            captured.append(output)
+            raise _Enough
+
+        handle = module.register_forward_hook(grab)
+        try:
+            self.model.visual(self.preprocess_tensor(images.to(self.device)).to(self.dtype))
+        except _Enough:
+            pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise ValueError(f"{key}={layer!r} did not run in the CLIP's image tower")
+        out = _feature_map(self.model.visual, captured[0])
+        if out is None:
+            got = captured[0]
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ValueError(
+                f"{key}={layer!r} outputs {shape}, not a feature map; name a convolutional "
+                "stage of a ModifiedResNet (layer1..layer4) or a block of a ViT "
+                "(transformer.resblocks.<i>)"
+            )
+        return out.float()
+
+
+def _visual_module(visual: torch.nn.Module, name: str, key: str) -> torch.nn.Module:
+    modules = dict(visual.named_modules())
+    if name not in modules or not name:
+        top = [n for n, _ in visual.named_children()]
+        hint = ""
+        if "transformer" in top and hasattr(visual, "grid_size"):
+            hint = " (a ViT image tower: name a block, transformer.resblocks.<i>)"
+        raise ValueError(f"{key}={name!r} names no module; the top-level ones are {top}{hint}")
+    return modules[name]
+
+
+def _feature_map(visual: torch.nn.Module, out) -> Optional[torch.Tensor]:
+    """``out`` as ``[B, C, h, w]``: a convolutional map as it is; a ViT block's tokens without
+    the class (and register) tokens in front, laid out on the patch grid."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    if out.ndim == 4:
+        return out
+    grid = getattr(visual, "grid_size", None)
+    if out.ndim != 3 or grid is None:
+        return None
+    if not getattr(getattr(visual, "transformer", None), "batch_first", True):
+        out = out.transpose(0, 1)  # [L, B, D] → [B, L, D]
+    gh, gw = grid
+    if out.shape[1] < gh * gw:
+        return None
+    patches = out[:, out.shape[1] - gh * gw :]
+    return patches.transpose(1, 2).reshape(out.shape[0], out.shape[2], gh, gw)
+
 
 class CompatTokenizer(SimpleTokenizer):
     """open_clip's CLIP BPE with the text handling of transformers' ``CLIPTokenizer`` (for

@@ -482,9 +482,10 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-#: DiffusionConfig settings that only training reads: files written for sampling (a pipeline's
-#: unclip.json, a component's unclip_stage.json) leave them out at their defaults, so that a
-#: folder written by this version loads in versions that predate the setting
+#: training-only DiffusionConfig settings newer than the library versions that refuse unknown
+#: keys: files written for sampling (a pipeline's unclip.json, a component's unclip_stage.json)
+#: leave them out at their defaults, so that a folder written by this version loads there too
+#: (min_snr_gamma, also training-only, is older and always written)
 TRAINING_ONLY_DIFFUSION = ("vlb_weight", "timestep_shift")
 
 

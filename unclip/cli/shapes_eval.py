@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decoder-weights",
         default=None,
         help="load these decoder weights instead (e.g. a training checkpoint's raw, non-EMA "
-        "model.safetensors)",
+        "model.safetensors; a repa run's alignment head is left out)",
     )
     p.add_argument(
         "--reranker",

@@ -265,7 +265,8 @@ def run(
     **settings,
 ) -> dict:
     """Load a pipeline (``model``: a folder, default the bundled shapes model), optionally swap its
-    decoder weights (e.g. a training checkpoint's raw ``model.safetensors``) or its reranker CLIP,
+    decoder weights (e.g. a training checkpoint's raw ``model.safetensors``, a ``repa:`` run's
+    too: its alignment head is left out) or its reranker CLIP,
     evaluate it with :func:`evaluate_pipeline` (``settings``: its keyword arguments, e.g. ``seed``,
     ``sampling``, ``oracle``), write the report JSON to ``out`` and a sample grid to ``grid``;
     returns the report."""
@@ -277,9 +278,11 @@ def run(
     if decoder_weights:
         from safetensors.torch import load_file
 
+        from unclip.train.repa import exported_state
+
         state = load_file(decoder_weights)
         state = {k.removeprefix("module."): v for k, v in state.items()}
-        pipe.decoder.load_state_dict(state)
+        pipe.decoder.load_state_dict(exported_state(state))
     if reranker:
         from unclip.clip import CLIP
 

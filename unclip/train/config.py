@@ -442,8 +442,8 @@ class StageConfig:
             )
         if self.repa is not None and self.train.lora is not None:
             raise ConfigError(
-                "'repa:' trains the decoder's features, which train.lora freezes; use one or the "
-                "other"
+                "'repa:' and train.lora are not supported together (the adapter's training and "
+                "export do not handle the alignment head); use one or the other"
             )
         if self.stage == "upsampler" and self.upsampler_train is None:
             self.upsampler_train = UpsamplerTrainConfig()

@@ -41,7 +41,14 @@ from unclip.sampling import sample_upsampler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop, sample_generators
-from unclip.train.repa import RepaDecoder, alignment_loss, clip_features, exported_model
+from unclip.train.repa import (
+    RepaDecoder,
+    alignment_loss,
+    block_output_shape,
+    check_sizes,
+    clip_features,
+    exported_model,
+)
 
 __all__ = [
     "DecoderTask",
@@ -80,14 +87,15 @@ def decoder_loss(
 
     def predict(x_t, t):
         out = model(x_t, t, image_embed, text, drop_image)
+        if (cfg.repa is None) != (not isinstance(out, tuple)):
+            raise TypeError(
+                "the model and the config disagree about alignment: a RepaDecoder needs a "
+                "'repa:' section and a 'repa:' section a RepaDecoder; build the model from the "
+                "config with unclip.train.decoder.build_image_model"
+            )
         if cfg.repa is None:
             return out
-        if not isinstance(out, tuple):
-            raise TypeError(
-                "the config has a 'repa:' section but the model is not a RepaDecoder; build it "
-                "with unclip.train.decoder.build_image_model"
-            )
-        projected.append(out[1])
+        projected.append(out[1])  # diffusion_loss calls this once per micro-batch
         return out[0]
 
     loss = diffusion_loss(
@@ -199,7 +207,7 @@ class DecoderTask:
         self.parts.clear()
         return out
 
-    def sample_grid(self, model: UnCLIPDecoder, batch: dict) -> Image.Image:
+    def sample_grid(self, model: UnCLIPDecoder | RepaDecoder, batch: dict) -> Image.Image:
         model = exported_model(model)
         n = min(GRID_SIZE, len(batch["caption"]))
         images = batch["image"][:n].to(self.device)
@@ -260,8 +268,16 @@ def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
         # the decoder's own: its UNet and, when it has one, its caption transformer
         (model if cfg.stage == "decoder" else model.unet).enable_gradient_checkpointing()
     if cfg.repa is not None:
-        target = clip_features(clip, torch.zeros(1, 3, 8, 8), cfg.repa.clip_layer)
-        model = RepaDecoder(model, cfg.repa.decoder_layer, target.shape[1], cfg.repa.hidden)
+        # one pass of each at its input size gives the widths the head maps between, and a
+        # decoder block too small for the CLIP map is refused here, before training starts
+        size = clip.image_size
+        target = clip_features(clip, torch.zeros(1, 3, size, size), cfg.repa.clip_layer)
+        null = encode_captions(cfg.decoder, clip, [""])
+        channels, *hw = block_output_shape(model, cfg.repa.decoder_layer, null)
+        check_sizes(tuple(hw), tuple(target.shape[-2:]))
+        model = RepaDecoder(
+            model, cfg.repa.decoder_layer, channels, target.shape[1], cfg.repa.hidden
+        )
     return model
 
 

@@ -72,7 +72,7 @@ from unclip.train import state_files
 from unclip.train.checkpoint import CheckpointError, DiskFullError
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.optimizers import PRECONDITIONED, make_optimizer
-from unclip.train.repa import exported_model
+from unclip.train.repa import exported_model, exported_state
 
 __all__ = [
     "TrainLoop",
@@ -109,6 +109,7 @@ def load_initial_weights(model: torch.nn.Module, path, partial: bool = False) ->
             f"init_weights: {path} does not exist; give a component folder or a .safetensors file"
         )
     state = load_weights(path, "init_weights") if path.is_dir() else load_file(str(path))
+    state = exported_state(state)  # a repa checkpoint's model.safetensors: the decoder's part
     own = model.state_dict()
     problems = state_mismatch(
         {k: tuple(v.shape) for k, v in own.items()},
@@ -694,7 +695,10 @@ class TrainLoop:
         with self.ema_weights(), torch.no_grad(), dist_utils.root_unsharded(model):
             model.eval()
             try:
-                grid = task.sample_grid(model, batch)
+                # a training head around the network (repa) hides the autocast that Accelerate
+                # wraps around the outer forward; the grid samples in the training precision
+                with self.accelerator.autocast():
+                    grid = task.sample_grid(model, batch)
             finally:
                 model.train()
         if not main:
@@ -844,7 +848,7 @@ class TrainLoop:
             with self.ema_weights():
                 state = state_files.full_state_dict(self)
             if acc.is_main_process:
-                full = dist_utils.full_copy(self.unwrapped, state)
+                full = dist_utils.full_copy(exported_model(self.unwrapped), exported_state(state))
                 self.write_folder(target, lambda folder: write(folder, full))
         elif acc.is_main_process:
             with self.ema_weights():

@@ -329,7 +329,7 @@ def measure_step(
             torch.manual_seed(cfg.train.seed)
             with torch.device(clip_device(cfg, device)):
                 clip = CLIP.from_config(cfg.clip)
-            clip_flops = _count_flops_of(clip, ("encode_text", "encode_image"))
+            clip_flops = _count_flops_of(clip, ("encode_text", "encode_image", "layer_features"))
             clip_bytes = mem.current
             model, task = _build(cfg, clip, device)
             weights = mem.current - clip_bytes

@@ -26,7 +26,15 @@ from torch import nn
 if TYPE_CHECKING:
     from unclip.clip import CLIP
 
-__all__ = ["RepaDecoder", "alignment_loss", "clip_features", "exported_model"]
+__all__ = [
+    "RepaDecoder",
+    "alignment_loss",
+    "block_output_shape",
+    "check_sizes",
+    "clip_features",
+    "exported_model",
+    "exported_state",
+]
 
 
 def _block_output(output):
@@ -42,58 +50,21 @@ def _named(root: nn.Module, name: str, key: str) -> nn.Module:
     return modules[name]
 
 
-@torch.no_grad()
 def clip_features(clip: CLIP, images: torch.Tensor, layer: str) -> torch.Tensor:
-    """The CLIP image tower's output at ``layer`` for ``images [B, 3, H, W]`` in [-1, 1], as a
-    ``[B, C, h, w]`` float feature map (the tower runs up to that layer only)."""
-    module = _named(clip.model.visual, layer, "repa.clip_layer")
-    captured = []
+    """The target features: :meth:`CLIP.layer_features <unclip.clip.CLIP.layer_features>` of
+    the clean images at ``repa.clip_layer`` (a CLIP method, so ``unclip plan`` counts the pass
+    as the frozen CLIP's forward)."""
+    return clip.layer_features(images, layer, key="repa.clip_layer")
 
-    class _Enough(Exception):
-        pass
 
-    def grab(_module, _args, output):
-        captured.append(output)
-        raise _Enough
-
-    handle = module.register_forward_hook(grab)
-    try:
-        clip.model.visual(clip.preprocess_tensor(images.to(clip.device)).to(clip.dtype))
-    except _Enough:
-        pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise ValueError(f"repa.clip_layer={layer!r} did not run in the CLIP's image tower")
-    out = _feature_map(clip.model.visual, captured[0])
-    if out is None:
-        got = captured[0]
-        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+def check_sizes(decoder_hw: tuple, clip_hw: tuple) -> None:
+    """The decoder block's map must be at least the CLIP layer's size (it is pooled down to it)."""
+    if decoder_hw[0] < clip_hw[0] or decoder_hw[1] < clip_hw[1]:
         raise ValueError(
-            f"repa.clip_layer={layer!r} outputs {shape}, not a feature map; name a convolutional "
-            "stage of a ModifiedResNet (layer1..layer4) or a block of a ViT "
-            "(transformer.resblocks.<i>)"
+            f"the decoder's repa.decoder_layer features are {tuple(decoder_hw)}, smaller than the "
+            f"CLIP layer's {tuple(clip_hw)}; align a higher-resolution UNet block or a deeper "
+            "CLIP layer"
         )
-    return out.float()
-
-
-def _feature_map(visual: nn.Module, out) -> torch.Tensor | None:
-    """``out`` as ``[B, C, h, w]``: a convolutional map as it is; a ViT block's tokens without
-    the class (and register) tokens in front, laid out on the patch grid."""
-    if not isinstance(out, torch.Tensor):
-        return None
-    if out.ndim == 4:
-        return out
-    grid = getattr(visual, "grid_size", None)
-    if out.ndim != 3 or grid is None:
-        return None
-    if not getattr(getattr(visual, "transformer", None), "batch_first", True):
-        out = out.transpose(0, 1)  # [L, B, D] → [B, L, D]
-    gh, gw = grid
-    if out.shape[1] < gh * gw:
-        return None
-    patches = out[:, out.shape[1] - gh * gw :]
-    return patches.transpose(1, 2).reshape(out.shape[0], out.shape[2], gh, gw)
 
 
 def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -101,12 +72,7 @@ def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     averaged over positions: per sample ``[B]``. ``projected`` is average-pooled to ``target``'s
     size when larger; a smaller one is an error."""
     h, w = target.shape[-2:]
-    if projected.shape[-2] < h or projected.shape[-1] < w:
-        raise ValueError(
-            f"the decoder's repa.decoder_layer features are {tuple(projected.shape[-2:])}, "
-            f"smaller than the CLIP layer's {(h, w)}; align a higher-resolution UNet block or a "
-            "deeper CLIP layer"
-        )
+    check_sizes(tuple(projected.shape[-2:]), (h, w))
     if projected.shape[-2:] != (h, w):
         projected = F.adaptive_avg_pool2d(projected, (h, w))
     cos = F.cosine_similarity(projected.float(), target.float(), dim=1)
@@ -118,12 +84,18 @@ class RepaDecoder(nn.Module):
     arguments and returns ``(prediction, projected features)``; ``save_pretrained`` writes the
     decoder alone."""
 
-    def __init__(self, decoder: nn.Module, decoder_layer: str, clip_channels: int, hidden: int):
+    def __init__(
+        self,
+        decoder: nn.Module,
+        decoder_layer: str,
+        channels: int,
+        clip_channels: int,
+        hidden: int,
+    ):
         super().__init__()
         self.decoder = decoder
         self.decoder_layer = decoder_layer
-        block = _named(decoder.unet, decoder_layer, "repa.decoder_layer")
-        channels = _output_channels(block, decoder_layer)
+        _named(decoder.unet, decoder_layer, "repa.decoder_layer")
         self.head = nn.Sequential(
             nn.Conv2d(channels, hidden, 1),
             nn.SiLU(),
@@ -144,24 +116,52 @@ class RepaDecoder(nn.Module):
             handle.remove()
         if not captured:
             raise RuntimeError(f"repa.decoder_layer={self.decoder_layer!r} did not run")
+        # the block may run in half precision under a model-wide cast; the head's weights set
+        # the dtype (autocast, when on, casts again inside the convolutions)
         return pred, self.head(captured[-1].to(self.head[0].weight.dtype))
 
     def save_pretrained(self, *args, **kwargs):
         return self.decoder.save_pretrained(*args, **kwargs)
 
 
-def _output_channels(block: nn.Module, name: str) -> int:
-    """The channel count of a diffusers UNet block's (or resnet's) output."""
-    channels = getattr(block, "out_channels", None)
-    resnets = getattr(block, "resnets", None)
-    if channels is None and resnets:
-        channels = resnets[-1].out_channels
-    if not isinstance(channels, int):
+def block_output_shape(decoder: nn.Module, name: str, caption) -> tuple[int, int, int]:
+    """``(channels, height, width)`` of the UNet block ``name``'s output at the decoder's sample
+    size, from one forward pass at batch 1 (``caption``: one caption as the decoder takes them)."""
+    block = _named(decoder.unet, name, "repa.decoder_layer")
+    seen = []
+    handle = block.register_forward_hook(lambda _m, _a, out: seen.append(_block_output(out)))
+    param = next(decoder.parameters())
+    size = decoder.config.sample_size
+    try:
+        with torch.no_grad():
+            decoder(
+                torch.zeros(1, 3, size, size, device=param.device, dtype=param.dtype),
+                torch.zeros(1, dtype=torch.long, device=param.device),
+                torch.zeros(1, decoder.config.embed_dim, device=param.device),
+                caption,
+            )
+    finally:
+        handle.remove()
+    if not seen or not isinstance(seen[0], torch.Tensor) or seen[0].ndim != 4:
         raise ValueError(
-            f"repa.decoder_layer={name!r} is not a UNet block with a known output width; name "
-            "one of mid_block, down_blocks.<i>, up_blocks.<i> or a resnet in them"
+            f"repa.decoder_layer={name!r} outputs no [B, C, H, W] feature map; name one of "
+            "mid_block, down_blocks.<i>, up_blocks.<i> or a resnet in them"
         )
-    return channels
+    return tuple(seen[0].shape[1:])
+
+
+def exported_state(state: dict) -> dict:
+    """A state dict of a :class:`RepaDecoder` (a training checkpoint's ``model.safetensors``) as
+    the decoder's own: ``decoder.`` prefixes removed, the head left out; any other state dict is
+    returned as it is."""
+    if not any(k.startswith(_HEAD) for k in state) or not all(
+        k.startswith((_HEAD, _DECODER)) for k in state
+    ):
+        return state
+    return {k.removeprefix(_DECODER): v for k, v in state.items() if k.startswith(_DECODER)}
+
+
+_HEAD, _DECODER = "head.", "decoder."
 
 
 def exported_model(model: nn.Module) -> nn.Module:
