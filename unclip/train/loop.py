@@ -205,9 +205,10 @@ class Task(Protocol):
 
     Optional methods: ``sample_grid(model, batch) -> PIL.Image`` (called on the main process with
     the EMA weights in place, in eval mode, every ``train.sample_every`` steps; ``batch`` is the
-    first micro-batch of the run) and ``after_optimizer_step(model)`` (after each optimizer step
-    that was taken, before the EMA update) and ``log_metrics() -> dict`` (the task's own
-    figures since the last call, e.g. one term of its loss, logged beside the loss).
+    first micro-batch of the run), ``after_optimizer_step(model)`` (after each optimizer step
+    that was taken, before the EMA update) and ``log_metrics() -> dict`` (the task's own figures
+    since the last log, e.g. one term of its loss, logged beside the loss every
+    ``train.log_every`` steps).
     """
 
     name: str
