@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,13 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+#: two local processes (gloo on CPU): the launch every multi-process test uses
+TORCHRUN = [
+    str(Path(sys.executable).with_name("torchrun")),
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+]
 
 
 @pytest.fixture(scope="session")

@@ -6,23 +6,18 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import ROOT, TORCHRUN
 
 from unclip.cli import embed as embed_cli
 from unclip.clip import CLIP, tiny_clip_config
 from unclip.shapes.world import write_shapes
 from unclip.train import embed
 from unclip.train.data.sources import EmbeddingStream, open_rgb
-
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
 
 # Accelerate keeps process-wide state that a later test must not inherit
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
@@ -260,10 +255,7 @@ def test_two_process_torchrun_matches_one_process(folder_out, folder, clip_dir, 
         "OMP_NUM_THREADS": "1",
     }
     cmd = [
-        str(TORCHRUN),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN,
         "-m",
         "unclip.cli.embed",
         "--source",

@@ -264,16 +264,12 @@ def test_two_process_training_keeps_the_head_in_sync(tmp_path, strategy):
     FSDP the gathered export is the decoder alone (no head, no prefix)."""
     import os
     import subprocess
-    import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, TORCHRUN
 
     out = tmp_path / strategy
     cmd = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN,
         str(ROOT / "train_decoder.py"),
         str(TINY),
         f"train.output_dir={out}",

@@ -5,12 +5,11 @@ Accelerate config files, the optimizer choice."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, TORCHRUN
 from safetensors.torch import load_file
 
 from unclip.config import ConfigError
@@ -19,12 +18,6 @@ from unclip.train import distributed as dist_utils
 from unclip.train.config import TrainConfig, load_stage_config
 
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
-TORCHRUN = [
-    str(Path(sys.executable).with_name("torchrun")),
-    "--standalone",
-    "--nproc_per_node",
-    "2",
-]
 
 
 def launch_env(config_file: Path) -> dict:

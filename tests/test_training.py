@@ -4,13 +4,12 @@ export."""
 import json
 import os
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, TORCHRUN
 from safetensors.torch import load_file
 
 from unclip import UnCLIPPipeline
@@ -374,10 +373,7 @@ def test_two_process_torchrun_gloo(tmp_path, powersgd):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *TORCHRUN,
         str(ROOT / "train_decoder.py"),
         str(CFG["decoder"]),
         f"train.output_dir={out}",

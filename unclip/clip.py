@@ -58,6 +58,7 @@ __all__ = [
     "build_open_clip_model",
     "load_pretrained_weights",
     "tiny_clip_config",
+    "named_submodule",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -537,7 +538,7 @@ class CLIP(torch.nn.Module):
                 "from a text-to-image folder without image_encoder/), so it has no image "
                 "features; use a CLIP with its image tower"
             )
-        module = _visual_module(self.model.visual, layer, key)
+        module = named_submodule(self.model.visual, layer, key)
         captured = []
 
         class _Enough(Exception):
@@ -568,12 +569,14 @@ class CLIP(torch.nn.Module):
         return out.float()
 
 
-def _visual_module(visual: torch.nn.Module, name: str, key: str) -> torch.nn.Module:
-    modules = dict(visual.named_modules())
+def named_submodule(root: torch.nn.Module, name: str, key: str) -> torch.nn.Module:
+    """``root``'s submodule ``name`` (dotted); a name that is none is a ``ValueError`` naming the
+    setting ``key`` and listing the top-level modules (with the block names for a ViT tower)."""
+    modules = dict(root.named_modules())
     if name not in modules or not name:
-        top = [n for n, _ in visual.named_children()]
+        top = [n for n, _ in root.named_children()]
         hint = ""
-        if "transformer" in top and hasattr(visual, "grid_size"):
+        if "transformer" in top and hasattr(root, "grid_size"):
             hint = " (a ViT image tower: name a block, transformer.resblocks.<i>)"
         raise ValueError(f"{key}={name!r} names no module; the top-level ones are {top}{hint}")
     return modules[name]

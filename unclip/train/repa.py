@@ -17,14 +17,11 @@ feature map is average-pooled to the CLIP map's size when it is larger.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from unclip.clip import CLIP
+from unclip.clip import CLIP, named_submodule
 
 __all__ = [
     "RepaDecoder",
@@ -40,14 +37,6 @@ __all__ = [
 def _block_output(output):
     # diffusers' down blocks return (hidden_states, residuals)
     return output[0] if isinstance(output, tuple) else output
-
-
-def _named(root: nn.Module, name: str, key: str) -> nn.Module:
-    modules = dict(root.named_modules())
-    if name not in modules or not name:
-        top = [n for n, _ in root.named_children()]
-        raise ValueError(f"{key}={name!r} names no module; the top-level ones are {top}")
-    return modules[name]
 
 
 def clip_features(clip: CLIP, images: torch.Tensor, layer: str) -> torch.Tensor:
@@ -95,7 +84,7 @@ class RepaDecoder(nn.Module):
         super().__init__()
         self.decoder = decoder
         self.decoder_layer = decoder_layer
-        _named(decoder.unet, decoder_layer, "repa.decoder_layer")
+        named_submodule(decoder.unet, decoder_layer, "repa.decoder_layer")
         self.head = nn.Sequential(
             nn.Conv2d(channels, hidden, 1),
             nn.SiLU(),
@@ -127,7 +116,7 @@ class RepaDecoder(nn.Module):
 def block_output_shape(decoder: nn.Module, name: str, caption) -> tuple[int, int, int]:
     """``(channels, height, width)`` of the UNet block ``name``'s output at the decoder's sample
     size, from one forward pass at batch 1 (``caption``: one caption as the decoder takes them)."""
-    block = _named(decoder.unet, name, "repa.decoder_layer")
+    block = named_submodule(decoder.unet, name, "repa.decoder_layer")
     seen = []
     handle = block.register_forward_hook(lambda _m, _a, out: seen.append(_block_output(out)))
     param = next(decoder.parameters())
@@ -150,6 +139,9 @@ def block_output_shape(decoder: nn.Module, name: str, caption) -> tuple[int, int
     return tuple(seen[0].shape[1:])
 
 
+_HEAD, _DECODER = "head.", "decoder."
+
+
 def exported_state(state: dict) -> dict:
     """A state dict of a :class:`RepaDecoder` (a training checkpoint's ``model.safetensors``) as
     the decoder's own: ``decoder.`` prefixes removed, the head left out; any other state dict is
@@ -159,9 +151,6 @@ def exported_state(state: dict) -> dict:
     ):
         return state
     return {k.removeprefix(_DECODER): v for k, v in state.items() if k.startswith(_DECODER)}
-
-
-_HEAD, _DECODER = "head.", "decoder."
 
 
 def exported_model(model: nn.Module) -> nn.Module:
