@@ -347,27 +347,25 @@ class PrefixCache:
                     attn.forward = old
 
     def _attend(self, i, attn, x, mask, record: bool) -> torch.Tensor:
-        b, s, _ = x.shape
         ours = isinstance(attn, SelfAttention)
-        heads = attn.num_heads if ours else attn.heads
+        if ours:
+            q, k, v = attn.project(x)
+        else:  # diffusers' Attention: its projections, heads and scale
+            b, s, _ = x.shape
 
-        def split(t):
-            return t.view(b, s, heads, -1).transpose(1, 2)
+            def split(t):
+                return t.view(b, s, attn.heads, -1).transpose(1, 2)
 
-        q, k, v = split(attn.to_q(x)), split(attn.to_k(x)), split(attn.to_v(x))
+            q, k, v = split(attn.to_q(x)), split(attn.to_k(x)), split(attn.to_v(x))
         if record:
             self._recorded[0][i], self._recorded[1][i] = k, v
         else:
             k = torch.cat([self.keys[i], k], dim=2)
             v = torch.cat([self.values[i], v], dim=2)
-        scale = None if ours else attn.scale
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
-        if ours and attn.head_scale is not None:
-            out = out * attn.head_scale.to(out.dtype).view(1, -1, 1, 1)
-        out = out.transpose(1, 2).reshape(b, s, -1)
         if ours:
-            return attn.dropout(attn.to_out(out))
-        return attn.to_out[1](attn.to_out[0](out))
+            return attn.attend(q, k, v, mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=attn.scale)
+        return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2)))
 
     def __call__(self, x_t: torch.Tensor, t) -> torch.Tensor:
         prior, tr = self.prior, self.prior.transformer

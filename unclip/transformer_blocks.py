@@ -128,15 +128,25 @@ class SelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.head_scale = nn.Parameter(torch.ones(num_heads)) if head_scale else None
 
-    def forward(
-        self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x [B, S, dim]``, each ``[B, heads, S, head_dim]``."""
         b, s, _ = x.shape
 
         def heads(t):
             return t.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        return heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The output ``[B, S_q, dim]`` for projected queries against keys and values, which may
+        hold more positions than the queries (the prior's cached text prefix)."""
+        b, _, s, _ = q.shape
         if attention_mask is not None:
             if attention_mask.dim() == 3:  # [B, S, S] or diffusers' [B * heads, S, S]
                 attention_mask = attention_mask.view(b, -1, *attention_mask.shape[-2:])
@@ -147,6 +157,11 @@ class SelfAttention(nn.Module):
             out = out * self.head_scale.to(out.dtype).view(1, -1, 1, 1)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.dropout(self.to_out(out))
+
+    def forward(
+        self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return self.attend(*self.project(x), attention_mask)
 
 
 class TransformerBlock(nn.Module):
