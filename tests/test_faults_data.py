@@ -292,6 +292,17 @@ def test_components_must_match_the_clip_they_were_trained_with(pipe_copy, tmp_pa
     with pytest.warns(UserWarning, match=f"{loose}: no clip_fingerprint recorded"):
         UnCLIPPipeline.from_components(tmp_path / "other", loose)
 
+    # an upsampler does not read the CLIP: none is recorded, and one an older export recorded
+    # (here another CLIP's) is not held against the pipeline's CLIP
+    assert "clip_fingerprint" not in json.loads((p / "sr32" / "unclip_stage.json").read_text())
+    up = Path(shutil.copytree(p / "sr32", tmp_path / "up" / "sr32"))
+    meta = json.loads((up / "unclip_stage.json").read_text())
+    (up / "unclip_stage.json").write_text(json.dumps({**meta, "clip_fingerprint": other}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = UnCLIPPipeline.from_components(p / "clip", p / "decoder", p / "prior", [up])
+    assert len(pipe.upsamplers) == 1
+
 
 # ----------------------------------------------------------------------------- unclip embed input
 @pytest.mark.parametrize(

@@ -275,17 +275,19 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
     return {}
 
 
+#: the stages conditioned on the CLIP; an upsampler reads only the low-res image and the noise
+CLIP_STAGES = ("prior", "decoder")
+
+
 def stage_meta(stage: str, name: str, diffusion: dict, sampling: dict, clip) -> dict:
     """The ``unclip_stage.json`` of an exported component: its stage kind, name, diffusion and
-    sampling settings (dicts) and the fingerprint of the CLIP it was trained with
-    (:meth:`~unclip.clip.CLIP.fingerprint`), which :func:`load_components` checks."""
-    return {
-        "stage": stage,
-        "name": name,
-        "diffusion": diffusion,
-        "sampling": sampling,
-        "clip_fingerprint": clip.fingerprint(),
-    }
+    sampling settings (dicts) and, for the stages the CLIP conditions (:data:`CLIP_STAGES`), the
+    fingerprint of the CLIP it was trained with (:meth:`~unclip.clip.CLIP.fingerprint`), which
+    :func:`load_components` checks."""
+    meta = {"stage": stage, "name": name, "diffusion": diffusion, "sampling": sampling}
+    if stage in CLIP_STAGES:
+        meta["clip_fingerprint"] = clip.fingerprint()
+    return meta
 
 
 def load_components(
@@ -294,9 +296,10 @@ def load_components(
     """``(clip, prior, decoder, upsamplers, diffusion, sampling)`` loaded from trained component
     folders.
 
-    A component whose ``unclip_stage.json`` records a ``clip_fingerprint`` must have been trained
-    with this ``clip`` (``ValueError`` otherwise); one without it (an older export) loads with a
-    warning, unless it sits in a pipeline folder whose ``clip/`` is this ``clip``."""
+    A prior or decoder whose ``unclip_stage.json`` records a ``clip_fingerprint`` must have been
+    trained with this ``clip`` (``ValueError`` otherwise); one without it (an older export) loads
+    with a warning, unless it sits in a pipeline folder whose ``clip/`` is this ``clip``. An
+    upsampler does not read the CLIP, so it goes with any (older exports recorded one)."""
     diffusion, sampling = {}, {}
     clip_m = CLIP.from_pretrained(clip)
     unchecked = []
@@ -311,6 +314,8 @@ def load_components(
             raise ValueError(
                 f"{folder} holds a {data.get('stage')!r} component, expected {expected!r}"
             )
+        if expected not in CLIP_STAGES:
+            return folder, data
         want = data.get("clip_fingerprint")
         same_pipeline = (folder.parent / PIPELINE_FILE).is_file() and (
             (folder.parent / "clip").resolve() == Path(clip).resolve()

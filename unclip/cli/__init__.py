@@ -7,6 +7,7 @@ unclip make-shapes data/shapes --num 10000 --format webdataset
 unclip embed ... | unclip evaluate ... | unclip convert SRC DST
 unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
 unclip shapes-eval --model PIPELINE | unclip shapes-finalize PIPELINE --sampling YAML
+unclip recipe shapes OUT   (the bundled model's training, every step)
 
 Errors are one line and exit status 1 (argument errors 2); ``--debug`` or ``UNCLIP_DEBUG=1`` shows
 the traceback (see :mod:`unclip.cli.errors`). Only the chosen command's module is imported, and each
@@ -57,6 +58,10 @@ COMMANDS = {
     "shapes-eval": (
         "unclip.cli.shapes_eval",
         "measure a shapes pipeline on the held-out split (per-stage scores, timings)",
+    ),
+    "recipe": (
+        "unclip.cli.recipe",
+        "train the bundled shapes model from scratch, every step (unclip recipe shapes OUT)",
     ),
     "shapes-finalize": (
         "unclip.cli.shapes_finalize",

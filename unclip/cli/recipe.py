@@ -1,0 +1,77 @@
+"""``unclip recipe shapes OUT``: train the bundled shapes model from scratch with one command.
+
+    unclip recipe shapes runs/shapes             # then: unclip generate ... --model OUT/pipeline
+    unclip recipe shapes runs/quick --set all:train.max_steps=200 --set clip:data.batch_size=64
+    unclip recipe shapes runs/shapes --dry-run       # print the steps' commands
+
+The steps, their order and what runs side by side: :mod:`unclip.shapes.recipe`. Run the same
+command again after a failure or an interruption: finished steps are skipped, interrupted training
+resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unclip recipe", description=__doc__.splitlines()[0])
+    p.add_argument("recipe", choices=("shapes",), help="which model's recipe")
+    p.add_argument("out", help="output folder: one folder per step, logs/, timings.tsv, pipeline/")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="folder with the recipe's YAML files (default: configs/shapes of the source checkout)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="STEP:KEY=VALUE",
+        help="a config override for one training step (clip, sr64, sr128, prior, decoder, "
+        "decoder_pairs) or all of them, e.g. all:train.max_steps=100 (repeatable)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="data-parallel processes for the decoder steps (torchrun; default 2, one per core)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print each step's command and exit")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from pathlib import Path
+
+    from unclip.shapes import recipe
+
+    configs = Path(args.configs) if args.configs else recipe.default_configs()
+    overrides = recipe.parse_overrides(args.overrides)
+    out = Path(args.out)
+    steps = recipe.shapes_steps(out, configs, overrides, processes=args.processes)
+    if args.dry_run:
+        for step in steps:
+            after = f"  (after {', '.join(step.after)})" if step.after else ""
+            print(f"{step.name}{after}:\n  {shlex.join(step.argv)}")
+        return 0
+    start = time.monotonic()
+    took = recipe.run_steps(steps, out)
+    minutes = (time.monotonic() - start) / 60
+    print(
+        f"pipeline: {out / 'pipeline'}  ({len(took)} steps in {minutes:.1f} min of wall clock; "
+        f"each step's in {out / 'timings.tsv'})\n"
+        f"evaluate: unclip shapes-eval --model {out / 'pipeline'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    from unclip.cli.errors import run_main
+
+    sys.exit(run_main("unclip recipe", main, sys.argv[1:]))
