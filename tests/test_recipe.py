@@ -2,6 +2,8 @@
 
 unclip/shapes/recipe.py runs the steps; unclip/cli/recipe.py is the command."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +54,8 @@ def test_a_failed_step_stops_what_needs_it_and_the_rest_finishes(tmp_path):
         recipe.run_steps(steps, out, say=lambda _: None, poll=0.05)
     msg = str(err.value)
     assert f"bad: exit status 3; see {out / 'logs' / 'bad'}.log" in msg
-    assert "after_bad: not run: bad failed" in msg and "run the same command again" in msg
+    assert "(broken input)" in msg  # the step's last log line
+    assert "after_bad: not run: bad did not finish" in msg and "run the command again" in msg
     assert "broken input" in (out / "logs" / "bad.log").read_text()
     assert (tmp_path / "slow").exists() and not (tmp_path / "after_bad").exists()
     assert set(recipe.finished_steps(out / "timings.tsv")) == {"slow"}
@@ -62,11 +65,102 @@ def test_a_failed_step_stops_what_needs_it_and_the_rest_finishes(tmp_path):
     assert set(took) == {"bad", "after_bad"}
 
 
+def test_independent_steps_run_side_by_side(tmp_path):
+    span = "import pathlib, time; t = time.time(); time.sleep(0.6); "
+    steps = [
+        _step(
+            n, span + f"pathlib.Path({str(tmp_path)!r}, {n!r}).write_text(f'{{t}} {{time.time()}}')"
+        )
+        for n in ("a", "b")
+    ]
+    recipe.run_steps(steps, tmp_path / "run", say=lambda _: None, poll=0.05)
+    (a0, a1), (b0, b1) = ([float(x) for x in (tmp_path / n).read_text().split()] for n in "ab")
+    assert a0 < b1 and b0 < a1  # the two intervals overlap
+
+
+def test_a_step_with_changed_settings_is_refused_and_what_follows_a_rerun_step_reruns(tmp_path):
+    out = tmp_path / "run"
+    config = tmp_path / "train.yaml"
+    config.write_text("lr: 1\n")
+    first = recipe.Step("first", [sys.executable, "-c", "pass"], trains=True, inputs=(config,))
+    second = _step("second", "pass", after=["first"])
+    recipe.run_steps([first, second], out, say=lambda _: None, poll=0.05)
+    config.write_text("lr: 2\n")  # the config changed since the step finished
+    with pytest.raises(recipe.RecipeError, match="step first finished in .* with other settings"):
+        recipe.run_steps([first, second], out, say=lambda _: None, poll=0.05)
+    config.write_text("lr: 1\n")
+    # the first step's line deleted: it runs again, and the step after it with it
+    lines = (out / "timings.tsv").read_text().splitlines()
+    (out / "timings.tsv").write_text("\n".join(lines[1:]) + "\n")
+    took = recipe.run_steps([first, second], out, say=lambda _: None, poll=0.05)
+    assert set(took) == {"first", "second"}
+    # a training step after one that runs again is refused: its folder holds the earlier run
+    third = recipe.Step("third", [sys.executable, "-c", "pass"], ("first",), trains=True)
+    recipe.run_steps([first, third], out, say=lambda _: None, poll=0.05)
+    lines = (out / "timings.tsv").read_text().splitlines()
+    (out / "timings.tsv").write_text("\n".join(x for x in lines if not x.startswith("first")))
+    with pytest.raises(recipe.RecipeError, match="third finished .* but first, which it was"):
+        recipe.run_steps([first, third], out, say=lambda _: None, poll=0.05)
+
+
+def test_a_malformed_record_a_second_recipe_and_a_missing_output_are_errors(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "timings.tsv").write_text("clip\t12\tabc\nprior\tabc\n")
+    with pytest.raises(recipe.RecipeError, match=r"timings.tsv:2: 'prior\\tabc' is not"):
+        recipe.run_steps([_step("prior", "pass")], out, say=lambda _: None)
+    (out / "timings.tsv").unlink()
+
+    held = recipe._lock(out)
+    try:
+        with pytest.raises(recipe.RecipeError, match="another unclip recipe is running in"):
+            recipe.run_steps([_step("a", "pass")], out, say=lambda _: None)
+    finally:
+        held.close()
+
+    quiet = recipe.Step("quiet", [sys.executable, "-c", "print('stopped early')"])
+    quiet.output = tmp_path / "never"
+    killed = _step("killed", "import os, signal; print('last words'); os.kill(os.getpid(), 9)")
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.run_steps([quiet, killed], out, say=lambda _: None, poll=0.05)
+    msg = str(err.value)
+    assert f"quiet: exit status 0 but no {tmp_path / 'never'}" in msg
+    assert "killed: killed by SIGKILL (out of memory?)" in msg and "(last words)" in msg
+    assert recipe.finished_steps(out / "timings.tsv") == {}
+
+
+def test_an_interrupted_recipe_stops_its_steps_and_records_none_of_them(tmp_path):
+    out, pid_file = tmp_path / "run", tmp_path / "pid"
+    slow = _step(
+        "slow",
+        f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str("
+        "os.getpid())); time.sleep(60)",
+    )
+    trigger = _step(
+        "trigger",
+        f"import pathlib, time\nwhile not pathlib.Path({str(pid_file)!r}).exists(): "
+        "time.sleep(0.05)",
+    )
+
+    def say(line):
+        if line.endswith("done  trigger") or "done  trigger" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        recipe.run_steps([slow, trigger], out, say=say, poll=0.05)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
+    assert set(recipe.finished_steps(out / "timings.tsv")) == {"trigger"}
+    assert "=== " in (out / "logs" / "slow.log").read_text()  # the run's header line
+
+
 @pytest.mark.parametrize(
     "items, message",
     [
         (["decoder:train.lr"], "expected STEP:key=value"),
         (["train.max_steps=5"], "expected STEP:key=value"),
+        (["decoder:--max-steps-this-run=5"], "expected STEP:key=value with a dotted config key"),
         (["upsampler:train.lr=1"], "unknown step 'upsampler'; the training steps are clip,"),
     ],
 )
@@ -79,12 +173,38 @@ def test_overrides_go_to_their_steps_after_the_recipes_own(tmp_path):
     got = recipe.parse_overrides(["all:train.max_steps=2", "prior:train.lr=1e-4"])
     assert got["clip"] == ["train.max_steps=2"]
     assert got["prior"] == ["train.max_steps=2", "train.lr=1e-4"]
-    steps = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), got)}
-    pairs = steps["decoder_pairs"].argv
+    got["decoder"].append("clip.pretrained=mine.safetensors")
+    out = tmp_path / "odd {name} #1"  # braces and a YAML comment sign in the folder's name
+    steps = {s.name: s for s in recipe.shapes_steps(out, recipe.default_configs(), got)}
+    argv = steps["decoder"].argv
     # the user's setting comes after the recipe's own, so it wins
-    assert pairs.index("train.max_steps=2") > pairs.index("train.max_steps=7000")
+    clip = out / "clip" / "final" / "clip" / "model.safetensors"
+    ours = f"clip.pretrained={json.dumps(str(clip))}"
+    assert argv.index("clip.pretrained=mine.safetensors") > argv.index(ours)
+    assert "train.max_steps=2" in argv and "train.lr=1e-4" not in argv
+    assert steps["assemble"].argv[steps["assemble"].argv.index("--decoder") + 1] == str(
+        out / "decoder" / "final" / "decoder"
+    )
+    from unclip.train.config import load_stage_config
+
+    cfg = load_stage_config(recipe.default_configs() / "prior.yaml", [ours])
+    assert cfg.clip.pretrained == str(clip)  # the quoted path reads back whole
     with pytest.raises(recipe.RecipeError, match="pass --configs with the repository's"):
         recipe.shapes_steps(tmp_path, tmp_path / "nowhere")
+
+
+def _run_recipe(cmd, timeout=400):
+    """The command in a session of its own, so that a timeout stops its steps too."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
@@ -96,19 +216,17 @@ def test_the_whole_recipe_runs_resumes_after_a_failure_and_gives_a_pipeline(tmp_
     quick = ["--set", "all:train.max_steps=2", "--set", "clip:data.batch_size=16"]
     quick += ["--set", "clip:output.eval_samples=16"]
     cmd = [sys.executable, "-m", "unclip.cli", "recipe", "shapes", str(out), *quick]
-    first = subprocess.run(
-        [*cmd, "--set", "prior:train.lr=-1"], capture_output=True, text=True, timeout=400
-    )
+    first = _run_recipe([*cmd, "--set", "prior:train.lr=-1"])
     assert first.returncode == 1, first.stdout + first.stderr
-    assert "prior: exit status" in first.stderr and "assemble: not run" in first.stderr
-    assert "train.lr must be a positive" in (out / "logs" / "prior.log").read_text()
+    assert "prior: exit status 1" in first.stderr and "assemble: not run" in first.stderr
+    assert "train.lr must be a positive" in first.stderr  # the step's own error, quoted
     done = recipe.finished_steps(out / "timings.tsv")
-    assert set(done) == {"clip", "sr64", "sr128", "decoder", "decoder_pairs"}
+    assert set(done) == {"clip", "sr64", "sr128", "decoder"}
     assert not (out / "pipeline").exists()
 
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    second = _run_recipe(cmd)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert second.stdout.count("skip") == 5 and "start prior" in second.stdout
+    assert second.stdout.count("skip") == 4 and "start prior" in second.stdout
     assert set(recipe.finished_steps(out / "timings.tsv")) == {
         *done,
         "prior",

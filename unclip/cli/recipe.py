@@ -32,14 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="STEP:KEY=VALUE",
-        help="a config override for one training step (clip, sr64, sr128, prior, decoder, "
-        "decoder_pairs) or all of them, e.g. all:train.max_steps=100 (repeatable)",
+        help="a config override for one training step (clip, sr64, sr128, prior, decoder) or "
+        "all of them, e.g. all:train.max_steps=100 (repeatable)",
     )
     p.add_argument(
         "--processes",
         type=int,
         default=2,
-        help="data-parallel processes for the decoder steps (torchrun; default 2, one per core)",
+        help="data-parallel processes for the decoder (torchrun; default 2, one per core)",
     )
     p.add_argument("--dry-run", action="store_true", help="print each step's command and exit")
     return p
@@ -56,13 +56,27 @@ def main(argv=None) -> int:
     out = Path(args.out)
     steps = recipe.shapes_steps(out, configs, overrides, processes=args.processes)
     if args.dry_run:
+        finished = recipe.plan(steps, out)[0] if out.is_dir() else set()
         for step in steps:
             after = f"  (after {', '.join(step.after)})" if step.after else ""
-            print(f"{step.name}{after}:\n  {shlex.join(step.argv)}")
+            skip = "  [finished: skipped]" if step.name in finished else ""
+            print(f"{step.name}{after}{skip}:\n  {shlex.join(step.argv)}")
         return 0
     start = time.monotonic()
-    took = recipe.run_steps(steps, out)
+    try:
+        took = recipe.run_steps(steps, out)
+    except KeyboardInterrupt:
+        print(
+            "unclip recipe: interrupted; run the same command again to go on "
+            f"({out / 'timings.tsv'} records the finished steps, training resumes from its last "
+            "checkpoint)",
+            file=sys.stderr,
+        )
+        raise
     minutes = (time.monotonic() - start) / 60
+    if not took:
+        print(f"every step had finished in an earlier run; pipeline: {out / 'pipeline'}")
+        return 0
     print(
         f"pipeline: {out / 'pipeline'}  ({len(took)} steps in {minutes:.1f} min of wall clock; "
         f"each step's in {out / 'timings.tsv'})\n"

@@ -5,21 +5,28 @@ Every step is one of the project's own commands, run as a subprocess with its lo
 two lanes run side by side:
 
 - A: CLIP (``train-clip``) → the decoder (``train-decoder``, ``torchrun`` with 2 processes) beside
-  the prior (``train-prior``) → the decoder fine-tuned on mostly two-object scenes;
-- B: the upsamplers 32 → 64 and 64 → 128 (``train-decoder``), which need no CLIP, while the CLIP
+  the prior (``train-prior``);
+- B: the upsampler 32 → 64, then 64 → 128 (``train-decoder``), which need no CLIP, while the CLIP
   trains;
 
 then ``assemble`` and ``shapes-finalize`` (default sampling settings, fp16 weights). Each finished
-step's wall-clock seconds go to ``OUT/timings.tsv``, which is also the record of what is done: the
-same command again skips the finished steps and resumes an interrupted training step from its last
-checkpoint (every training step runs with ``--resume latest``). A failed step stops only the steps
-that need it; the others run to the end, so nothing trained is lost.
+step's wall-clock seconds go to ``OUT/timings.tsv`` with a fingerprint of what it ran (its command
+and the contents of the config files it read). That file is the record of what is done: the same
+command again skips the finished steps and resumes an interrupted training step from its last
+checkpoint (every training step runs with ``--resume latest``); a finished step whose settings
+changed since is an error, not a silent reuse. A failed step stops only the steps that need it;
+the others run to the end, so nothing trained is lost. One recipe at a time may use an ``OUT``
+(a lock file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 #: the steps that train, in the order they are listed; ``--set`` overrides go to their configs
-TRAINING_STEPS = ("clip", "sr64", "sr128", "prior", "decoder", "decoder_pairs")
+TRAINING_STEPS = ("clip", "sr64", "sr128", "prior", "decoder")
 #: what the recipe's configuration folder must hold
 CONFIG_FILES = (
     "clip.yaml",
@@ -38,6 +45,10 @@ CONFIG_FILES = (
     "sr128.yaml",
     "sampling.yaml",
 )
+#: an override's key: a dotted config name (not an option such as ``--max-steps-this-run``)
+_KEY = re.compile(r"^[A-Za-z_][\w.]*$")
+#: seconds a step gets to stop after SIGTERM when the recipe is interrupted, before SIGKILL
+STOP_GRACE = 10.0
 
 
 class RecipeError(ValueError):
@@ -49,6 +60,16 @@ class Step:
     name: str
     argv: list  # the command, from the Python executable on
     after: tuple = ()  # the steps that must finish first
+    inputs: tuple = ()  # files whose contents are part of the step's settings (its configs)
+    output: Optional[Path] = None  # what a successful run leaves; checked before it is recorded
+    trains: bool = False  # a training step: its folder holds a run that --resume continues
+
+    def fingerprint(self) -> str:
+        """A hash of the command and the contents of the ``inputs``."""
+        h = hashlib.sha256(json.dumps([str(a) for a in self.argv]).encode())
+        for path in self.inputs:
+            h.update(Path(path).read_bytes())
+        return h.hexdigest()[:16]
 
 
 def default_configs() -> Path:
@@ -61,10 +82,11 @@ def parse_overrides(items: Sequence[str], steps: Sequence[str] = TRAINING_STEPS)
     out: dict = {name: [] for name in steps}
     for item in items:
         step, sep, setting = item.partition(":")
-        if not sep or "=" not in setting:
+        key = setting.partition("=")[0]
+        if not sep or "=" not in setting or not _KEY.match(key):
             raise RecipeError(
-                f"--set {item!r}: expected STEP:key=value, e.g. all:train.max_steps=100 or "
-                "decoder:train.lr=3e-4"
+                f"--set {item!r}: expected STEP:key=value with a dotted config key, e.g. "
+                "all:train.max_steps=100 or decoder:train.lr=3e-4"
             )
         if step != "all" and step not in out:
             raise RecipeError(
@@ -74,6 +96,11 @@ def parse_overrides(items: Sequence[str], steps: Sequence[str] = TRAINING_STEPS)
         for name in steps if step == "all" else (step,):
             out[name].append(setting)
     return out
+
+
+def _path_setting(key: str, path: Path) -> str:
+    # quoted, so that the override parser (YAML) reads any path as a string
+    return f"{key}={json.dumps(str(path))}"
 
 
 def shapes_steps(
@@ -91,7 +118,11 @@ def shapes_steps(
         raise RecipeError(f"--processes {processes}: the decoder needs at least one process")
     overrides = overrides or {}
     py = sys.executable
-    clip_weights = f"clip.pretrained={out / 'clip' / 'final' / 'clip' / 'model.safetensors'}"
+
+    def final(step: str, name: str) -> Path:
+        return out / step / "final" / name
+
+    clip_weights = _path_setting("clip.pretrained", final("clip", "clip") / "model.safetensors")
 
     def command(name: str) -> list:
         return [py, "-m", "unclip.cli", name]
@@ -99,69 +130,169 @@ def shapes_steps(
     def train(name: str, launcher: list, config: str, *settings: str, after=()) -> Step:
         argv = [*launcher, str(configs / config), *settings, *overrides.get(name, ())]
         argv += ["--output-dir", str(out / name), "--resume", "latest"]
-        return Step(name, argv, tuple(after))
+        # every training command exports to <output_dir>/final/<its component>, named as the step
+        return Step(name, argv, tuple(after), (configs / config,), final(name, name), trains=True)
 
     if processes == 1:
         decoder = command("train-decoder")
     else:  # data-parallel processes on the CPU cores (gloo)
         decoder = [py, "-m", "torch.distributed.run", "--standalone"]
         decoder += ["--nproc_per_node", str(processes), "-m", "unclip.cli.train_decoder"]
-    final = out / "{}" / "final" / "{}"
+    pipeline = out / "pipeline"
     return [
         train("clip", command("train-clip"), "clip.yaml"),
         train("sr64", command("train-decoder"), "sr64.yaml"),
-        train("sr128", command("train-decoder"), "sr128.yaml"),
+        # one after the other, so the CLIP, which the decoder and prior wait for, has a core
+        train("sr128", command("train-decoder"), "sr128.yaml", after=["sr64"]),
         train("prior", command("train-prior"), "prior.yaml", clip_weights, after=["clip"]),
         train("decoder", decoder, "decoder.yaml", clip_weights, after=["clip"]),
-        # the fine-tune on 60 % two-object scenes (docs/shapes_model.md, levers 8 and 11)
-        train(
-            "decoder_pairs",
-            decoder,
-            "decoder.yaml",
-            clip_weights,
-            f"train.init_weights={out / 'decoder' / 'final' / 'decoder'}",
-            "data.shapes_two_object_prob=0.6",
-            "train.max_steps=7000",
-            "train.lr=4e-4",
-            "train.warmup_steps=200",
-            after=["decoder"],
-        ),
         Step(
             "assemble",
             [
                 *command("assemble"),
-                *("--clip", str(final).format("clip", "clip")),
-                *("--prior", str(final).format("prior", "prior")),
-                *("--decoder", str(final).format("decoder_pairs", "decoder")),
-                *("--upsampler", str(final).format("sr64", "sr64")),
-                *("--upsampler", str(final).format("sr128", "sr128")),
-                *("--out", str(out / "pipeline"), "--overwrite"),
+                *("--clip", str(final("clip", "clip"))),
+                *("--prior", str(final("prior", "prior"))),
+                *("--decoder", str(final("decoder", "decoder"))),
+                *("--upsampler", str(final("sr64", "sr64"))),
+                *("--upsampler", str(final("sr128", "sr128"))),
+                *("--out", str(pipeline), "--overwrite"),
             ],
-            after=("clip", "prior", "decoder_pairs", "sr64", "sr128"),
+            after=("clip", "prior", "decoder", "sr64", "sr128"),
+            output=pipeline,
         ),
         Step(
             "finalize",
             [
                 *command("shapes-finalize"),
-                str(out / "pipeline"),
+                str(pipeline),
                 *("--sampling", str(configs / "sampling.yaml")),
                 *("--closed-vocabulary", "clip"),
             ],
             after=("assemble",),
+            inputs=(configs / "sampling.yaml",),
+            output=pipeline,
         ),
     ]
 
 
 def finished_steps(timings: Path) -> dict:
-    """``{step: seconds}`` of the steps ``timings.tsv`` records as finished."""
+    """``{step: (seconds, fingerprint)}`` of the steps ``timings.tsv`` records as finished."""
     if not timings.is_file():
         return {}
     done = {}
-    for line in timings.read_text().splitlines():
-        name, _, seconds = line.partition("\t")
-        if name and seconds.strip():
-            done[name] = float(seconds)
+    for number, line in enumerate(timings.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        try:
+            name, seconds, fingerprint = fields[0], float(fields[1]), fields[2]
+            if not name or len(fields) != 3:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise RecipeError(
+                f"{timings}:{number}: {line!r} is not 'step<TAB>seconds<TAB>fingerprint'; the "
+                "file records the finished steps: fix or delete that line (its step then runs "
+                "again)"
+            ) from None
+        done[name] = (seconds, fingerprint)
     return done
+
+
+def plan(steps: Sequence[Step], out: Path) -> tuple[set, list]:
+    """``(finished, to_run)``: the step names ``out/timings.tsv`` records with the same settings,
+    and the steps still to run. A finished step whose settings changed since, or a finished
+    training step that needs a step that will run again, is a :class:`RecipeError` (its folder
+    holds a run with the earlier settings); ``assemble``-like steps after such a step just run
+    again."""
+    names = [s.name for s in steps]
+    for step in steps:
+        unknown = [d for d in step.after if d not in names]
+        if unknown:
+            raise RecipeError(f"step {step.name} needs unknown steps {unknown}")
+    recorded = finished_steps(out / "timings.tsv")
+    finished: set = set()
+    for step in steps:  # in order: a step's dependencies are decided before it
+        if step.name not in recorded:
+            continue
+        if recorded[step.name][1] != step.fingerprint():
+            raise RecipeError(
+                f"step {step.name} finished in {out} with other settings (its command or config "
+                "changed since); use another output folder, or delete "
+                f"{out / step.name if step.trains else step.output} and the {step.name} line of "
+                f"{out / 'timings.tsv'} to run it again"
+            )
+        rerun = [d for d in step.after if d not in finished]
+        if rerun and step.trains:
+            raise RecipeError(
+                f"step {step.name} finished in {out}, but {', '.join(rerun)}, which it was "
+                f"trained after, runs again; delete {out / step.name} and the {step.name} line "
+                f"of {out / 'timings.tsv'} so that it is trained again too"
+            )
+        if not rerun:
+            finished.add(step.name)
+    return finished, [s for s in steps if s.name not in finished]
+
+
+def _lock(out: Path):
+    """Hold ``out/.recipe.lock`` for this process; a second recipe in ``out`` is refused."""
+    import fcntl
+
+    f = open(out / ".recipe.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RecipeError(
+            f"another unclip recipe is running in {out} (pid {holder}); wait for it to finish or "
+            "stop it, then run this command again"
+        ) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def _why(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (out of memory?)" if returncode == -signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit status {returncode}"
+
+
+def _stop(running: dict) -> None:
+    """SIGTERM to every running step, then SIGKILL to those still up after :data:`STOP_GRACE`."""
+    for proc, _ in running.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for proc, _ in running.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: handled as Ctrl-C is (the steps are stopped, exit status 130)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(signal.Signals(signum).name)
 
 
 def run_steps(
@@ -172,22 +303,38 @@ def run_steps(
 ) -> dict:
     """Run ``steps`` (each when the steps it needs have finished, the others side by side),
     recording each finished one in ``out/timings.tsv``; returns ``{step: seconds}`` of this run's
-    steps. Steps recorded there already are skipped. A failed step's dependents do not start, the
-    rest run to the end, then :class:`RecipeError` names the failures."""
+    steps. Steps recorded there with the same settings are skipped (:func:`plan`). A failed step's
+    dependents do not start, the rest run to the end, then :class:`RecipeError` names the
+    failures. Interrupted (Ctrl-C, SIGTERM, SIGHUP), the running steps are stopped (a training
+    step resumes from its last checkpoint on the next run) and the exception propagates."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)
+    saved = {}
+    if _in_main_thread():  # a plain kill stops the steps too, instead of orphaning them
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, _raise_terminated)
+    try:
+        return _run(steps, out, say, poll)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        lock.close()
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _run(steps, out: Path, say, poll: float) -> dict:
     timings = out / "timings.tsv"
-    done = set(finished_steps(timings))
-    names = {s.name for s in steps}
-    for step in steps:
-        unknown = [d for d in step.after if d not in names]
-        if unknown:
-            raise RecipeError(f"step {step.name} needs unknown steps {unknown}")
+    done, pending = plan(steps, out)
     for step in steps:
         if step.name in done:
             say(f"skip  {step.name} (finished in an earlier run, {timings})")
-    pending = [s for s in steps if s.name not in done]
-    running: dict = {}  # name -> (process, start time, log file)
+    running: dict = {}  # name -> (process, start time)
     failed: dict = {}  # name -> why
     took: dict = {}
     env = dict(os.environ)
@@ -199,42 +346,57 @@ def run_steps(
                 blocked = [d for d in step.after if d in failed]
                 if blocked:
                     pending.remove(step)
-                    failed[step.name] = f"not run: {', '.join(blocked)} failed"
+                    failed[step.name] = f"not run: {', '.join(blocked)} did not finish"
                 elif all(d in done for d in step.after):
                     pending.remove(step)
-                    log = open(out / "logs" / f"{step.name}.log", "a")
-                    proc = subprocess.Popen(
-                        step.argv, stdout=log, stderr=subprocess.STDOUT, env=env
-                    )
-                    running[step.name] = (proc, time.monotonic(), log)
+                    log_path = out / "logs" / f"{step.name}.log"
+                    with open(log_path, "a") as log:  # the child keeps its own handle
+                        log.write(f"=== {time.strftime('%F %T')} {json.dumps(step.argv)}\n")
+                        log.flush()
+                        proc = subprocess.Popen(
+                            step.argv,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                        )
+                    running[step.name] = (proc, time.monotonic())
                     say(f"[{time.strftime('%H:%M:%S')}] start {step.name}")
-            for name, (proc, t0, log) in list(running.items()):
+            if pending and not running:
+                names = ", ".join(s.name for s in pending)
+                raise RecipeError(f"steps {names} wait for each other (a cycle in their order)")
+            for name, (proc, t0) in list(running.items()):
                 if proc.poll() is None:
                     continue
-                log.close()
                 del running[name]
+                step = next(s for s in steps if s.name == name)
                 seconds = time.monotonic() - t0
-                if proc.returncode == 0:
+                log_path = out / "logs" / f"{name}.log"
+                if proc.returncode == 0 and (step.output is None or step.output.exists()):
                     done.add(name)
                     took[name] = seconds
                     with open(timings, "a") as f:
-                        f.write(f"{name}\t{seconds:.0f}\n")
+                        f.write(f"{name}\t{seconds:.0f}\t{step.fingerprint()}\n")
                     say(f"[{time.strftime('%H:%M:%S')}] done  {name} ({seconds:.0f} s)")
+                    continue
+                if proc.returncode == 0:
+                    why = f"exit status 0 but no {step.output}"
                 else:
-                    failed[name] = f"exit status {proc.returncode}; see {out / 'logs' / name}.log"
-                    say(f"[{time.strftime('%H:%M:%S')}] FAILED {name} ({failed[name]})")
+                    why = _why(proc.returncode)
+                last = _last_line(log_path)
+                failed[name] = f"{why}; see {log_path}" + (f" ({last})" if last else "")
+                say(f"[{time.strftime('%H:%M:%S')}] FAILED {name} ({failed[name]})")
             if running:
                 time.sleep(poll)
     finally:
-        for proc, _, log in running.values():  # interrupted: training resumes from checkpoints
-            proc.terminate()
-            proc.wait()
-            log.close()
+        if running:  # interrupted: a training step resumes from its checkpoint next time
+            _stop(running)
     if failed:
         lines = "; ".join(f"{n}: {why}" for n, why in failed.items())
         raise RecipeError(
-            f"{len(failed)} step(s) did not finish ({lines}). Fix the cause and run the same "
-            "command again: finished steps are skipped and interrupted training resumes from its "
-            "last checkpoint"
+            f"{len(failed)} step(s) did not finish ({lines}). Fix the cause (a --set value: "
+            "change it on the command line) and run the command again: finished steps are "
+            "skipped and interrupted training resumes from its last checkpoint (to start a step "
+            "afresh, delete its folder in the output folder)"
         )
     return took
