@@ -183,7 +183,7 @@ def test_overrides_go_to_their_steps_after_the_recipes_own(tmp_path):
     assert argv.index("clip.pretrained=mine.safetensors") > argv.index(ours)
     assert "train.max_steps=2" in argv and "train.lr=1e-4" not in argv
     assert steps["assemble"].argv[steps["assemble"].argv.index("--decoder") + 1] == str(
-        out / "decoder" / "final" / "decoder"
+        out / "decoder_pairs" / "final" / "decoder"
     )
     from unclip.train.config import load_stage_config
 
@@ -191,6 +191,34 @@ def test_overrides_go_to_their_steps_after_the_recipes_own(tmp_path):
     assert cfg.clip.pretrained == str(clip)  # the quoted path reads back whole
     with pytest.raises(recipe.RecipeError, match="pass --configs with the repository's"):
         recipe.shapes_steps(tmp_path, tmp_path / "nowhere")
+
+
+def _stage_config(step):
+    from unclip.train.config import load_stage_config
+
+    i = next(i for i, a in enumerate(step.argv) if a.endswith(".yaml"))
+    return load_stage_config(step.argv[i], step.argv[i + 1 : step.argv.index("--output-dir")])
+
+
+def test_the_two_recipes_decoders(tmp_path):
+    full = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs())}
+    pairs = _stage_config(full["decoder_pairs"])
+    assert pairs.train.init_weights == str(tmp_path / "decoder" / "final" / "decoder")
+    assert pairs.data.shapes_two_object_prob == 0.6 and pairs.train.max_steps == 7000
+    assert full["decoder_pairs"].output == tmp_path / "decoder_pairs" / "final" / "decoder"
+    assert "decoder_pairs" in full["assemble"].after
+    assert _stage_config(full["decoder"]).repa is None
+
+    hour = {
+        s.name: s
+        for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-1h")
+    }
+    assert "decoder_pairs" not in hour and "decoder" in hour["assemble"].after
+    cfg = _stage_config(hour["decoder"])
+    assert (cfg.repa.weight, cfg.repa.clip_layer) == (0.05, "layer1")
+    assert (cfg.data.shapes_two_object_prob, cfg.train.max_steps) == (0.5, 4600)
+    with pytest.raises(recipe.RecipeError, match="unknown recipe 'shapes-2h'; the recipes are"):
+        recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-2h")
 
 
 def _run_recipe(cmd, timeout=400):
@@ -221,12 +249,12 @@ def test_the_whole_recipe_runs_resumes_after_a_failure_and_gives_a_pipeline(tmp_
     assert "prior: exit status 1" in first.stderr and "assemble: not run" in first.stderr
     assert "train.lr must be a positive" in first.stderr  # the step's own error, quoted
     done = recipe.finished_steps(out / "timings.tsv")
-    assert set(done) == {"clip", "sr64", "sr128", "decoder"}
+    assert set(done) == {"clip", "sr64", "sr128", "decoder", "decoder_pairs"}
     assert not (out / "pipeline").exists()
 
     second = _run_recipe(cmd)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert second.stdout.count("skip") == 4 and "start prior" in second.stdout
+    assert second.stdout.count("skip") == 5 and "start prior" in second.stdout
     assert set(recipe.finished_steps(out / "timings.tsv")) == {
         *done,
         "prior",

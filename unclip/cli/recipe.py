@@ -19,7 +19,12 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unclip recipe", description=__doc__.splitlines()[0])
-    p.add_argument("recipe", choices=("shapes",), help="which model's recipe")
+    p.add_argument(
+        "recipe",
+        choices=("shapes", "shapes-1h"),
+        help="shapes: the bundled model's recipe (about 2.5 h on 2 cores); shapes-1h: one "
+        "aligned decoder run instead of two, about an hour (fewer two-object scenes right)",
+    )
     p.add_argument("out", help="output folder: one folder per step, logs/, timings.tsv, pipeline/")
     p.add_argument(
         "--configs",
@@ -32,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="STEP:KEY=VALUE",
-        help="a config override for one training step (clip, sr64, sr128, prior, decoder) or "
-        "all of them, e.g. all:train.max_steps=100 (repeatable)",
+        help="a config override for one training step (clip, sr64, sr128, prior, decoder, "
+        "decoder_pairs) or all of them, e.g. all:train.max_steps=100 (repeatable)",
     )
     p.add_argument(
         "--processes",
@@ -54,7 +59,9 @@ def main(argv=None) -> int:
     configs = Path(args.configs) if args.configs else recipe.default_configs()
     overrides = recipe.parse_overrides(args.overrides)
     out = Path(args.out)
-    steps = recipe.shapes_steps(out, configs, overrides, processes=args.processes)
+    steps = recipe.shapes_steps(
+        out, configs, overrides, processes=args.processes, recipe=args.recipe
+    )
     if args.dry_run:
         finished = recipe.plan(steps, out)[0] if out.is_dir() else set()
         for step in steps:

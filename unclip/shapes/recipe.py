@@ -1,11 +1,12 @@
-"""The bundled shapes model's recipe as one command: ``unclip recipe shapes OUT``.
+"""The bundled shapes model's recipes as one command: ``unclip recipe shapes OUT``.
 
 Every step is one of the project's own commands, run as a subprocess with its log in
 ``OUT/logs/<step>.log``; a step starts as soon as the steps it needs have finished, so on 2 cores
 two lanes run side by side:
 
 - A: CLIP (``train-clip``) → the decoder (``train-decoder``, ``torchrun`` with 2 processes) beside
-  the prior (``train-prior``);
+  the prior (``train-prior``) → in ``shapes``, the decoder fine-tuned on mostly two-object scenes
+  (``shapes-1h`` trains one decoder instead: :data:`RECIPES`);
 - B: the upsampler 32 → 64, then 64 → 128 (``train-decoder``), which need no CLIP, while the CLIP
   trains;
 
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 #: the steps that train, in the order they are listed; ``--set`` overrides go to their configs
-TRAINING_STEPS = ("clip", "sr64", "sr128", "prior", "decoder")
+TRAINING_STEPS = ("clip", "sr64", "sr128", "prior", "decoder", "decoder_pairs")
 #: what the recipe's configuration folder must hold
 CONFIG_FILES = (
     "clip.yaml",
@@ -103,10 +104,43 @@ def _path_setting(key: str, path: Path) -> str:
     return f"{key}={json.dumps(str(path))}"
 
 
+#: the recipes: ``shapes`` trains the decoder, then fine-tunes it on 60 % two-object scenes (the
+#: shipped decoder's recipe, levers 8 and 11); ``shapes-1h`` trains one decoder from scratch with
+#: representation alignment to the CLIP's layer1 (docs/shapes_model.md, levers 18 and 19), about an
+#: hour in all, with far fewer two-object scenes right so far
+RECIPES = {
+    "shapes": {
+        "decoder": (),
+        "decoder_pairs": (
+            "data.shapes_two_object_prob=0.6",
+            "train.max_steps=7000",
+            "train.lr=4e-4",
+            "train.warmup_steps=200",
+        ),
+    },
+    "shapes-1h": {
+        "decoder": (
+            "repa.weight=0.05",
+            "repa.clip_layer=layer1",
+            "data.shapes_two_object_prob=0.5",
+            "train.max_steps=4600",
+        ),
+    },
+}
+
+
 def shapes_steps(
-    out: Path, configs: Path, overrides: Optional[dict] = None, processes: int = 2
+    out: Path,
+    configs: Path,
+    overrides: Optional[dict] = None,
+    processes: int = 2,
+    recipe: str = "shapes",
 ) -> list:
-    """The shapes recipe's steps writing under ``out`` from the YAML files in ``configs``."""
+    """The steps of ``recipe`` (:data:`RECIPES`) writing under ``out`` from the YAML files in
+    ``configs``."""
+    if recipe not in RECIPES:
+        raise RecipeError(f"unknown recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
+    decoders = RECIPES[recipe]
     missing = [f for f in CONFIG_FILES if not (configs / f).is_file()]
     if missing:
         raise RecipeError(
@@ -130,8 +164,10 @@ def shapes_steps(
     def train(name: str, launcher: list, config: str, *settings: str, after=()) -> Step:
         argv = [*launcher, str(configs / config), *settings, *overrides.get(name, ())]
         argv += ["--output-dir", str(out / name), "--resume", "latest"]
-        # every training command exports to <output_dir>/final/<its component>, named as the step
-        return Step(name, argv, tuple(after), (configs / config,), final(name, name), trains=True)
+        # every training command exports to <output_dir>/final/<the component it trains>
+        component = "decoder" if name.startswith("decoder") else name
+        output = final(name, component)
+        return Step(name, argv, tuple(after), (configs / config,), output, trains=True)
 
     if processes == 1:
         decoder = command("train-decoder")
@@ -139,25 +175,39 @@ def shapes_steps(
         decoder = [py, "-m", "torch.distributed.run", "--standalone"]
         decoder += ["--nproc_per_node", str(processes), "-m", "unclip.cli.train_decoder"]
     pipeline = out / "pipeline"
-    return [
+    steps = [
         train("clip", command("train-clip"), "clip.yaml"),
         train("sr64", command("train-decoder"), "sr64.yaml"),
         # one after the other, so the CLIP, which the decoder and prior wait for, has a core
         train("sr128", command("train-decoder"), "sr128.yaml", after=["sr64"]),
         train("prior", command("train-prior"), "prior.yaml", clip_weights, after=["clip"]),
-        train("decoder", decoder, "decoder.yaml", clip_weights, after=["clip"]),
+        train(
+            "decoder", decoder, "decoder.yaml", clip_weights, *decoders["decoder"], after=["clip"]
+        ),
+    ]
+    last = "decoder"
+    if "decoder_pairs" in decoders:
+        init = _path_setting("train.init_weights", final("decoder", "decoder"))
+        pairs = decoders["decoder_pairs"]
+        steps.append(
+            train(
+                "decoder_pairs", decoder, "decoder.yaml", clip_weights, init, *pairs, after=[last]
+            )
+        )
+        last = "decoder_pairs"
+    return steps + [
         Step(
             "assemble",
             [
                 *command("assemble"),
                 *("--clip", str(final("clip", "clip"))),
                 *("--prior", str(final("prior", "prior"))),
-                *("--decoder", str(final("decoder", "decoder"))),
+                *("--decoder", str(final(last, "decoder"))),
                 *("--upsampler", str(final("sr64", "sr64"))),
                 *("--upsampler", str(final("sr128", "sr128"))),
                 *("--out", str(pipeline), "--overwrite"),
             ],
-            after=("clip", "prior", "decoder", "sr64", "sr128"),
+            after=("clip", "prior", last, "sr64", "sr128"),
             output=pipeline,
         ),
         Step(
