@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,17 +66,61 @@ def test_a_failed_step_stops_what_needs_it_and_the_rest_finishes(tmp_path):
     assert set(took) == {"bad", "after_bad"}
 
 
-def test_independent_steps_run_side_by_side(tmp_path):
-    span = "import pathlib, time; t = time.time(); time.sleep(0.6); "
-    steps = [
-        _step(
-            n, span + f"pathlib.Path({str(tmp_path)!r}, {n!r}).write_text(f'{{t}} {{time.time()}}')"
+def test_independent_steps_run_side_by_side_and_an_order_only_wait_survives_a_failure(tmp_path):
+    # each step waits for the other to have started: a runner that ran them one after the other
+    # would time the first out
+    def handshake(me, other):
+        return (
+            f"import pathlib, sys, time; d = pathlib.Path({str(tmp_path)!r}); "
+            f"(d / {me!r}).touch(); t = time.time()\n"
+            f"while not (d / {other!r}).exists():\n"
+            "    time.sleep(0.02)\n"
+            "    if time.time() - t > 60: sys.exit(1)"
         )
-        for n in ("a", "b")
-    ]
-    recipe.run_steps(steps, tmp_path / "run", say=lambda _: None, poll=0.05)
-    (a0, a1), (b0, b1) = ([float(x) for x in (tmp_path / n).read_text().split()] for n in "ab")
-    assert a0 < b1 and b0 < a1  # the two intervals overlap
+
+    bad = _step("bad", "import sys; sys.exit(1)")
+    late = recipe.Step("late", [sys.executable, "-c", _stamp(tmp_path, "late")], wait_for=("bad",))
+    steps = [_step("a", handshake("a", "b")), _step("b", handshake("b", "a")), bad, late]
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.run_steps(steps, tmp_path / "run", say=lambda _: None, poll=0.05)
+    assert "late" not in str(err.value) and (tmp_path / "late").exists()
+    assert set(recipe.finished_steps(tmp_path / "run" / "timings.tsv")) == {"a", "b", "late"}
+
+
+def test_a_hangup_that_nohup_ignores_stays_ignored(tmp_path):
+    import signal
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        hup = _step("hup", "import os, signal; os.kill(os.getppid(), signal.SIGHUP)")
+        took = recipe.run_steps([hup], tmp_path / "run", say=lambda _: None, poll=0.05)
+        assert set(took) == {"hup"} and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def test_sigterm_stops_the_steps_even_one_that_ignores_it(tmp_path):
+    import signal
+
+    pid_file = tmp_path / "pid"
+    child = (
+        "import os, pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(60)"
+    )
+    script = (
+        "import sys; from unclip.shapes import recipe; recipe.STOP_GRACE = 0.5; "
+        f"recipe.run_steps([recipe.Step('stubborn', [sys.executable, '-c', {child!r}])], "
+        f"{str(tmp_path / 'run')!r}, poll=0.05)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not pid_file.exists() and time.time() - t0 < 60:
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) != 0
+    with pytest.raises(ProcessLookupError):  # killed after the grace time and reaped
+        os.kill(int(pid_file.read_text()), 0)
+    assert recipe.finished_steps(tmp_path / "run" / "timings.tsv") == {}
 
 
 def test_a_step_with_changed_settings_is_refused_and_what_follows_a_rerun_step_reruns(tmp_path):
@@ -94,6 +139,17 @@ def test_a_step_with_changed_settings_is_refused_and_what_follows_a_rerun_step_r
     (out / "timings.tsv").write_text("\n".join(lines[1:]) + "\n")
     took = recipe.run_steps([first, second], out, say=lambda _: None, poll=0.05)
     assert set(took) == {"first", "second"}
+    # a step that does not train runs again with new settings, or when its output is gone
+    sampling = tmp_path / "sampling.yaml"
+    sampling.write_text("steps: 1\n")
+    (tmp_path / "made").mkdir()
+    fin = _step("fin", "pass", after=["first"])
+    fin.inputs, fin.output = (sampling,), tmp_path / "made"
+    recipe.run_steps([first, fin], out, say=lambda _: None, poll=0.05)
+    sampling.write_text("steps: 2\n")
+    assert set(recipe.run_steps([first, fin], out, say=lambda _: None, poll=0.05)) == {"fin"}
+    (tmp_path / "made").rmdir()
+    assert recipe.plan([first, fin], out)[0] == {"first"}
     # a training step after one that runs again is refused: its folder holds the earlier run
     third = recipe.Step("third", [sys.executable, "-c", "pass"], ("first",), trains=True)
     recipe.run_steps([first, third], out, say=lambda _: None, poll=0.05)
@@ -217,6 +273,13 @@ def test_the_two_recipes_decoders(tmp_path):
     cfg = _stage_config(hour["decoder"])
     assert (cfg.repa.weight, cfg.repa.clip_layer) == (0.05, "layer1")
     assert (cfg.data.shapes_two_object_prob, cfg.train.max_steps) == (0.5, 4600)
+    for steps in (full, hour):
+        assert steps["sr128"].wait_for == ("sr64",) and steps["sr128"].after == ()
+        assert steps["prior"].after == ("clip",) and steps["decoder"].after == ("clip",)
+        assert steps["finalize"].after == ("assemble",)
+    assert full["decoder_pairs"].after == ("decoder",)
+    with pytest.raises(recipe.RecipeError, match="unknown step 'decoder_pairs'"):
+        recipe.parse_overrides(["decoder_pairs:train.lr=1"], recipe.training_steps("shapes-1h"))
     with pytest.raises(recipe.RecipeError, match="unknown recipe 'shapes-2h'; the recipes are"):
         recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-2h")
 

@@ -60,14 +60,18 @@ class RecipeError(ValueError):
 class Step:
     name: str
     argv: list  # the command, from the Python executable on
-    after: tuple = ()  # the steps that must finish first
+    after: tuple = ()  # the steps whose outputs it reads: they must finish first
     inputs: tuple = ()  # files whose contents are part of the step's settings (its configs)
     output: Optional[Path] = None  # what a successful run leaves; checked before it is recorded
     trains: bool = False  # a training step: its folder holds a run that --resume continues
+    # steps it waits for without reading them (to leave their core to others); one that fails
+    # or runs again does not concern it
+    wait_for: tuple = ()
 
     def fingerprint(self) -> str:
-        """A hash of the command and the contents of the ``inputs``."""
-        h = hashlib.sha256(json.dumps([str(a) for a in self.argv]).encode())
+        """A hash of the command (without the interpreter's path) and the contents of the
+        ``inputs``."""
+        h = hashlib.sha256(json.dumps([str(a) for a in self.argv[1:]]).encode())
         for path in self.inputs:
             h.update(Path(path).read_bytes())
         return h.hexdigest()[:16]
@@ -99,6 +103,13 @@ def parse_overrides(items: Sequence[str], steps: Sequence[str] = TRAINING_STEPS)
     return out
 
 
+def training_steps(recipe: str) -> tuple:
+    """The training steps of ``recipe`` (:data:`RECIPES`), which ``--set`` may name."""
+    if recipe not in RECIPES:
+        raise RecipeError(f"unknown recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
+    return tuple(s for s in TRAINING_STEPS if s != "decoder_pairs" or s in RECIPES[recipe])
+
+
 def _path_setting(key: str, path: Path) -> str:
     # quoted, so that the override parser (YAML) reads any path as a string
     return f"{key}={json.dumps(str(path))}"
@@ -106,8 +117,8 @@ def _path_setting(key: str, path: Path) -> str:
 
 #: the recipes: ``shapes`` trains the decoder, then fine-tunes it on 60 % two-object scenes (the
 #: shipped decoder's recipe, levers 8 and 11); ``shapes-1h`` trains one decoder from scratch with
-#: representation alignment to the CLIP's layer1 (docs/shapes_model.md, levers 18 and 19), about an
-#: hour in all, with far fewer two-object scenes right so far
+#: representation alignment to the CLIP's layer1 (docs/shapes_model.md, levers 18 and 19), 71 min
+#: in its measured run, with far fewer two-object scenes right so far
 RECIPES = {
     "shapes": {
         "decoder": (),
@@ -138,8 +149,7 @@ def shapes_steps(
 ) -> list:
     """The steps of ``recipe`` (:data:`RECIPES`) writing under ``out`` from the YAML files in
     ``configs``."""
-    if recipe not in RECIPES:
-        raise RecipeError(f"unknown recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
+    training_steps(recipe)  # a known recipe
     decoders = RECIPES[recipe]
     missing = [f for f in CONFIG_FILES if not (configs / f).is_file()]
     if missing:
@@ -161,13 +171,14 @@ def shapes_steps(
     def command(name: str) -> list:
         return [py, "-m", "unclip.cli", name]
 
-    def train(name: str, launcher: list, config: str, *settings: str, after=()) -> Step:
+    def train(name: str, launcher: list, config: str, *settings: str, after=(), wait_for=()):
         argv = [*launcher, str(configs / config), *settings, *overrides.get(name, ())]
         argv += ["--output-dir", str(out / name), "--resume", "latest"]
         # every training command exports to <output_dir>/final/<the component it trains>
         component = "decoder" if name.startswith("decoder") else name
         output = final(name, component)
-        return Step(name, argv, tuple(after), (configs / config,), output, trains=True)
+        inputs = (configs / config,)
+        return Step(name, argv, tuple(after), inputs, output, trains=True, wait_for=tuple(wait_for))
 
     if processes == 1:
         decoder = command("train-decoder")
@@ -179,7 +190,7 @@ def shapes_steps(
         train("clip", command("train-clip"), "clip.yaml"),
         train("sr64", command("train-decoder"), "sr64.yaml"),
         # one after the other, so the CLIP, which the decoder and prior wait for, has a core
-        train("sr128", command("train-decoder"), "sr128.yaml", after=["sr64"]),
+        train("sr128", command("train-decoder"), "sr128.yaml", wait_for=["sr64"]),
         train("prior", command("train-prior"), "prior.yaml", clip_weights, after=["clip"]),
         train(
             "decoder", decoder, "decoder.yaml", clip_weights, *decoders["decoder"], after=["clip"]
@@ -255,21 +266,24 @@ def plan(steps: Sequence[Step], out: Path) -> tuple[set, list]:
     holds a run with the earlier settings); ``assemble``-like steps after such a step just run
     again."""
     names = [s.name for s in steps]
-    for step in steps:
-        unknown = [d for d in step.after if d not in names]
+    for i, step in enumerate(steps):
+        unknown = [d for d in (*step.after, *step.wait_for) if d not in names[:i]]
         if unknown:
-            raise RecipeError(f"step {step.name} needs unknown steps {unknown}")
+            raise RecipeError(f"step {step.name} waits for {unknown}, not listed before it")
     recorded = finished_steps(out / "timings.tsv")
     finished: set = set()
     for step in steps:  # in order: a step's dependencies are decided before it
         if step.name not in recorded:
             continue
+        if step.output is not None and not step.output.exists():
+            continue  # its output is gone: it runs again
         if recorded[step.name][1] != step.fingerprint():
+            if not step.trains:  # nothing to lose: it runs again with the new settings
+                continue
             raise RecipeError(
                 f"step {step.name} finished in {out} with other settings (its command or config "
-                "changed since); use another output folder, or delete "
-                f"{out / step.name if step.trains else step.output} and the {step.name} line of "
-                f"{out / 'timings.tsv'} to run it again"
+                f"changed since); use another output folder, or delete {out / step.name} and "
+                f"the {step.name} line of {out / 'timings.tsv'} to train it again"
             )
         rerun = [d for d in step.after if d not in finished]
         if rerun and step.trains:
@@ -323,17 +337,39 @@ def _why(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+def _append(path: Path, line: str) -> None:
+    """Append ``line``, on a line of its own even if the file was edited without a final one."""
+    with open(path, "a+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":
+                line = "\n" + line
+        f.write(line)
+
+
+def _signal_group(proc, sig) -> None:
+    try:  # each step runs in a process group of its own: torchrun's workers get it too
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _stop(running: dict) -> None:
-    """SIGTERM to every running step, then SIGKILL to those still up after :data:`STOP_GRACE`."""
-    for proc, _ in running.values():
-        if proc.poll() is None:
-            proc.terminate()
+    """SIGTERM to every running step's process group, then SIGKILL to those still up after
+    :data:`STOP_GRACE`; a second Ctrl-C meanwhile goes straight to SIGKILL."""
+    for proc, *_ in running.values():
+        _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE
-    for proc, _ in running.values():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    try:
+        for proc, *_ in running.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for proc, *_ in running.values():
+            _signal_group(proc, signal.SIGKILL)
             proc.wait()
 
 
@@ -363,7 +399,8 @@ def run_steps(
     saved = {}
     if _in_main_thread():  # a plain kill stops the steps too, instead of orphaning them
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            saved[sig] = signal.signal(sig, _raise_terminated)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's ignored hangup stays so
+                saved[sig] = signal.signal(sig, _raise_terminated)
     try:
         return _run(steps, out, say, poll)
     finally:
@@ -384,7 +421,7 @@ def _run(steps, out: Path, say, poll: float) -> dict:
     for step in steps:
         if step.name in done:
             say(f"skip  {step.name} (finished in an earlier run, {timings})")
-    running: dict = {}  # name -> (process, start time)
+    running: dict = {}  # name -> (process, start time, fingerprint of what it was started with)
     failed: dict = {}  # name -> why
     took: dict = {}
     env = dict(os.environ)
@@ -397,7 +434,9 @@ def _run(steps, out: Path, say, poll: float) -> dict:
                 if blocked:
                     pending.remove(step)
                     failed[step.name] = f"not run: {', '.join(blocked)} did not finish"
-                elif all(d in done for d in step.after):
+                elif all(d in done for d in step.after) and all(
+                    d in done or d in failed for d in step.wait_for
+                ):
                     pending.remove(step)
                     log_path = out / "logs" / f"{step.name}.log"
                     with open(log_path, "a") as log:  # the child keeps its own handle
@@ -409,13 +448,14 @@ def _run(steps, out: Path, say, poll: float) -> dict:
                             stdout=log,
                             stderr=subprocess.STDOUT,
                             env=env,
+                            start_new_session=True,
                         )
-                    running[step.name] = (proc, time.monotonic())
+                    running[step.name] = (proc, time.monotonic(), step.fingerprint())
                     say(f"[{time.strftime('%H:%M:%S')}] start {step.name}")
             if pending and not running:
                 names = ", ".join(s.name for s in pending)
                 raise RecipeError(f"steps {names} wait for each other (a cycle in their order)")
-            for name, (proc, t0) in list(running.items()):
+            for name, (proc, t0, fingerprint) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[name]
@@ -425,8 +465,7 @@ def _run(steps, out: Path, say, poll: float) -> dict:
                 if proc.returncode == 0 and (step.output is None or step.output.exists()):
                     done.add(name)
                     took[name] = seconds
-                    with open(timings, "a") as f:
-                        f.write(f"{name}\t{seconds:.0f}\t{step.fingerprint()}\n")
+                    _append(timings, f"{name}\t{seconds:.0f}\t{fingerprint}\n")
                     say(f"[{time.strftime('%H:%M:%S')}] done  {name} ({seconds:.0f} s)")
                     continue
                 if proc.returncode == 0:
