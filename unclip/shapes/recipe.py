@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
 
-#: the steps that train, in the order they are listed; ``--set`` overrides go to their configs
-TRAINING_STEPS = ("clip", "sr64", "sr128", "prior", "decoder", "decoder_pairs")
+#: the training steps every recipe has before its decoder steps (the keys of :data:`RECIPES`)
+BASE_STEPS = ("clip", "sr64", "sr128", "prior")
 #: what the recipe's configuration folder must hold
 CONFIG_FILES = (
     "clip.yaml",
@@ -82,8 +82,10 @@ def default_configs() -> Path:
     return Path(__file__).resolve().parents[2] / "configs" / "shapes"
 
 
-def parse_overrides(items: Sequence[str], steps: Sequence[str] = TRAINING_STEPS) -> dict:
-    """``STEP:key=value`` (``all:`` for every training step) → ``{step: [key=value, ...]}``."""
+def parse_overrides(items: Sequence[str], steps: Optional[Sequence[str]] = None) -> dict:
+    """``STEP:key=value`` (``all:`` for every training step) → ``{step: [key=value, ...]}``;
+    ``steps``: the training steps that may be named (default: every recipe's)."""
+    steps = TRAINING_STEPS if steps is None else steps
     out: dict = {name: [] for name in steps}
     for item in items:
         step, sep, setting = item.partition(":")
@@ -101,13 +103,6 @@ def parse_overrides(items: Sequence[str], steps: Sequence[str] = TRAINING_STEPS)
         for name in steps if step == "all" else (step,):
             out[name].append(setting)
     return out
-
-
-def training_steps(recipe: str) -> tuple:
-    """The training steps of ``recipe`` (:data:`RECIPES`), which ``--set`` may name."""
-    if recipe not in RECIPES:
-        raise RecipeError(f"unknown recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
-    return tuple(s for s in TRAINING_STEPS if s != "decoder_pairs" or s in RECIPES[recipe])
 
 
 def _path_setting(key: str, path: Path) -> str:
@@ -140,6 +135,22 @@ RECIPES = {
 }
 
 
+def _decoder_steps(recipe: str) -> dict:
+    """``RECIPES[recipe]``: its decoder steps and their settings."""
+    if recipe not in RECIPES:
+        raise RecipeError(f"unknown recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
+    return RECIPES[recipe]
+
+
+def training_steps(recipe: str) -> tuple:
+    """The training steps of ``recipe``, which ``--set`` may name."""
+    return (*BASE_STEPS, *_decoder_steps(recipe))
+
+
+#: every recipe's training steps, in order
+TRAINING_STEPS = tuple(dict.fromkeys(s for r in RECIPES for s in training_steps(r)))
+
+
 def shapes_steps(
     out: Path,
     configs: Path,
@@ -149,8 +160,7 @@ def shapes_steps(
 ) -> list:
     """The steps of ``recipe`` (:data:`RECIPES`) writing under ``out`` from the YAML files in
     ``configs``."""
-    training_steps(recipe)  # a known recipe
-    decoders = RECIPES[recipe]
+    decoders = _decoder_steps(recipe)
     missing = [f for f in CONFIG_FILES if not (configs / f).is_file()]
     if missing:
         raise RecipeError(
@@ -358,17 +368,17 @@ def _signal_group(proc, sig) -> None:
 def _stop(running: dict) -> None:
     """SIGTERM to every running step's process group, then SIGKILL to those still up after
     :data:`STOP_GRACE`; a second Ctrl-C meanwhile goes straight to SIGKILL."""
-    for proc, *_ in running.values():
+    for _, proc, *_ in running.values():
         _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE
     try:
-        for proc, *_ in running.values():
+        for _, proc, *_ in running.values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        for proc, *_ in running.values():
+        for _, proc, *_ in running.values():
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
 
@@ -421,7 +431,8 @@ def _run(steps, out: Path, say, poll: float) -> dict:
     for step in steps:
         if step.name in done:
             say(f"skip  {step.name} (finished in an earlier run, {timings})")
-    running: dict = {}  # name -> (process, start time, fingerprint of what it was started with)
+    # name -> (step, process, start time, fingerprint of what it was started with)
+    running: dict = {}
     failed: dict = {}  # name -> why
     took: dict = {}
     env = dict(os.environ)
@@ -450,16 +461,15 @@ def _run(steps, out: Path, say, poll: float) -> dict:
                             env=env,
                             start_new_session=True,
                         )
-                    running[step.name] = (proc, time.monotonic(), step.fingerprint())
+                    running[step.name] = (step, proc, time.monotonic(), step.fingerprint())
                     say(f"[{time.strftime('%H:%M:%S')}] start {step.name}")
             if pending and not running:
                 names = ", ".join(s.name for s in pending)
                 raise RecipeError(f"steps {names} wait for each other (a cycle in their order)")
-            for name, (proc, t0, fingerprint) in list(running.items()):
+            for name, (step, proc, t0, fingerprint) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[name]
-                step = next(s for s in steps if s.name == name)
                 seconds = time.monotonic() - t0
                 log_path = out / "logs" / f"{name}.log"
                 if proc.returncode == 0 and (step.output is None or step.output.exists()):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from unclip.config import to_dict
+from unclip.io import CLIP_STAGES
 from unclip.lora import HALF_FINGERPRINTS, add_adapter, check_target_modules, save_adapter
 
 __all__ = ["ADAPTER_NAME", "add_training_adapter", "export_adapter", "adapter_folder_name"]
@@ -70,7 +71,7 @@ def export_adapter(loop, stage: str, clip) -> Path:
     ``init_weights`` path and fingerprint, the conditioning CLIP's fingerprint (stages that read
     captions), the steps trained and the run's LoRA settings."""
     cfg = loop.cfg
-    reads_captions = cfg.stage in ("prior", "decoder")
+    reads_captions = cfg.stage in CLIP_STAGES
     meta = {
         "stage": stage,
         "init_weights": str(cfg.train.init_weights),
