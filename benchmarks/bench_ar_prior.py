@@ -163,7 +163,7 @@ def end_to_end(folder: Optional[Path], num: int) -> dict:
     from unclip.priors import load_prior
     from unclip.shapes.evaluate import evaluate_pipeline
 
-    pipe = UnCLIPPipeline.from_pretrained()
+    pipe = common.fp32_pipeline()
     if folder is not None:
         meta = json.loads((folder / "prior" / "unclip_stage.json").read_text())
         diffusion = {**pipe.diffusion, "prior": from_dict(DiffusionConfig, meta["diffusion"])}

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 import unclip.sampling
 from unclip.diffusion import sample_loop
-from unclip.pipeline import UnCLIPPipeline
 from unclip.precision import cast_floating
 
 PROMPTS = [
@@ -71,7 +70,7 @@ def rel(a, b):
 def main() -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
-    base = UnCLIPPipeline.from_pretrained()
+    base = common.fp32_pipeline()
     ref_text, ref_embeds = measure(base)
     original_sample = unclip.sampling._sample
     rows = []

@@ -21,12 +21,12 @@ import random
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 import torch
 from PIL import Image
 
 from unclip.images import image_grid, pil_to_tensor
-from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.detector import detect, score
 from unclip.shapes.world import COLORS, SHAPES, parse_caption, render, sample_truth
 
@@ -199,7 +199,7 @@ def main() -> None:
     n = 2 if args.quick else args.scenes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pipe = UnCLIPPipeline.from_pretrained()
+    pipe = common.fp32_pipeline()
     parts = args.parts.split(",")
     path = out / "editing.json"
     report = json.loads(path.read_text()) if path.is_file() else {}

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, machine_line  # noqa: E402
+from common import ROOT, fp32_pipeline, machine, machine_line  # noqa: E402
 
 from unclip.images import image_grid  # noqa: E402
 from unclip.io import bundled_model_path  # noqa: E402
@@ -290,9 +290,7 @@ def main(argv=None) -> int:
         "probe": [x.caption.replace(name, args.probe_word) for x in new["single"]],
     }
 
-    from unclip import UnCLIPPipeline
-
-    pipe = UnCLIPPipeline.from_pretrained()
+    pipe = fp32_pipeline()
     results, rows = {}, []
     conditions = [("base", []), ("decoder LoRA", ["decoder"]), ("prior + decoder LoRA", ["prior"])]
     for label, load in conditions:

@@ -26,7 +26,6 @@ import common
 import models
 import torch
 
-from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.evaluate import heldout_samples
 
 
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
         args.rounds, args.batch = 1, 4
     started = time.perf_counter()
     result = {"machine": common.machine(), "rounds": args.rounds}
-    shapes = UnCLIPPipeline.from_pretrained()
+    shapes = common.fp32_pipeline()
     samples = heldout_samples(args.batch)
     half = args.batch // 2
     prompts = [s.caption for s in samples[: args.batch - half]]

@@ -33,7 +33,6 @@ import torch
 from unclip.config import SamplingConfig
 from unclip.diffusion import guided_output, scheduler_step, training_scheduler
 from unclip.images import to_output
-from unclip.pipeline import UnCLIPPipeline
 from unclip.sampling import (
     RERANK_CONTRASTS,
     decoder_denoiser,
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")
     started = time.perf_counter()
-    pipe = UnCLIPPipeline.from_pretrained(args.model)
+    pipe = common.fp32_pipeline(args.model)
     captions = [s.caption for s in heldout_samples(args.num, seed=args.prompt_seed)]
     k, steps = args.candidates, args.steps
     finals, x0s = [], {m: [] for m in range(1, steps + 1)}

@@ -20,7 +20,6 @@ import time
 import common
 import torch
 
-from unclip.pipeline import UnCLIPPipeline
 from unclip.sampling import RERANK_CONTRASTS
 from unclip.shapes.evaluate import BINDING_PROBE_RENDERS, binding_probe, heldout_samples
 
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
         p.error("--num, --candidates and --repeats must be >= 1")
     started = time.perf_counter()
     torch.set_num_threads(1)
-    pipe = UnCLIPPipeline.from_pretrained()
+    pipe = common.fp32_pipeline()
     counts = binding_probe(pipe, args.num, args.seed, args.contrast)
     picked = {
         rule: dict(zip(BINDING_PROBE_RENDERS, row, strict=True)) for rule, row in counts.items()

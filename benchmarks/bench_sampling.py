@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from unclip.clip import TextEncoding
 from unclip.pipeline import UnCLIPPipeline, bundled_model_path
+from unclip.precision import dtype_name
 
 PROMPTS = ["a red circle to the left of a blue square"]
 
@@ -125,21 +126,23 @@ def medians(runs: list[dict]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------ 1.
 # bundled
 def bench_bundled(args) -> dict:
-    """The bundled (or ``--model``) trained pipeline: fp32 vs bf16 autocast / bf16 weights /
-    channels-last."""
+    """The bundled (or ``--model``) trained pipeline: fp32 vs the loaded defaults / bf16 autocast /
+    bf16 weights / channels-last."""
     try:
         path = Path(args.model) if args.model else bundled_model_path("shapes")
     except FileNotFoundError as exc:
         common.log(f"[bundled] skipped: {exc}")
         return {"skipped": str(exc)}
     common.log(f"[bundled] {path}")
-    pipe = UnCLIPPipeline.from_pretrained(path)
+    pipe = UnCLIPPipeline.from_pretrained(path, autocast_dtype=None, memory_format=None)
     sampling = {}
     if args.quick:
         sampling = {"prior": {"steps": 10}, "decoder": {"steps": 10}, "upsampler": {"steps": 5}}
     n = args.batch
     variants = {
-        "fp32 (default)": pipe,
+        "fp32": pipe,
+        # what from_pretrained gives: channels-last, autocast "auto" (bf16 where native)
+        "defaults": UnCLIPPipeline.from_pretrained(path),
         "bf16 autocast": with_autocast(pipe),
         "bf16 weights": copy.deepcopy(pipe).to(dtype=torch.bfloat16),
         "channels-last": copy.deepcopy(pipe).to(memory_format=torch.channels_last),
@@ -168,17 +171,18 @@ def bench_bundled(args) -> dict:
     from unclip.interop.diffusers import export_problems
 
     med = {k: medians(v) for k, v in runs.items()}
-    ref = images["fp32 (default)"]
+    ref = images["fp32"]
     settings = {s: vars(c) for s, c in pipe.sampling_settings(sampling).items()}
     return {
         "path": str(path),
         "stages": pipe.stage_names,
         "settings": settings,
         "images_per_call": n,
+        "defaults_autocast_dtype": dtype_name(variants["defaults"].autocast_dtype),
         "seconds_per_image": med,
         "speedup_vs_fp32": {
             k: {
-                s: common.paired_ratio([x[s] for x in runs["fp32 (default)"]], [x[s] for x in v])
+                s: common.paired_ratio([x[s] for x in runs["fp32"]], [x[s] for x in v])
                 for s in v[0]
             }
             for k, v in runs.items()
@@ -199,6 +203,10 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
 
     export_diffusers(pipe, tmp / "diffusers")
     dpipe = DiffusersUnCLIP.from_pretrained(str(tmp / "diffusers"))
+    # the same weights as a user loads them: from_pretrained's defaults (channels-last, autocast
+    # "auto": bf16 where the CPU runs it natively); `pipe` is the fp32 NCHW pipeline
+    pipe.save_pretrained(tmp / "unclip")
+    fast = UnCLIPPipeline.from_pretrained(tmp / "unclip")
     dpipe.set_progress_bar_config(disable=True)
     steps = (
         {"prior": 25, "decoder": 25, "upsampler": 7}
@@ -213,23 +221,28 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     }
     n = args.batch
     prompts = PROMPTS * n
-    u_clock = unclip_clock(pipe)
     d_clock = StageClock("prior", [("decoder", dpipe.decoder), (sr, dpipe.super_res_first)])
     captured = {}
 
-    def unclip_call():
-        times, out = u_clock(
-            lambda: pipe(
-                prompts,
-                generator=torch.Generator().manual_seed(0),
-                sampling=sampling,
-                output_type="pt",
-                progress=False,
-                return_intermediates=True,
+    def unclip_caller(name, p):
+        clock = unclip_clock(p)
+
+        def call():
+            times, out = clock(
+                lambda: p(
+                    prompts,
+                    generator=torch.Generator().manual_seed(0),
+                    sampling=sampling,
+                    output_type="pt",
+                    progress=False,
+                    return_intermediates=True,
+                )
             )
-        )
-        captured["unclip"] = out
-        return {k: v / n for k, v in times.items()}
+            captured[name] = out
+            return {k: v / n for k, v in times.items()}
+
+        call.clock = clock
+        return call
 
     def diffusers_call():
         times, out = d_clock(
@@ -256,8 +269,13 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
 
     h1 = dpipe.text_proj.register_forward_hook(grab_embeds, with_kwargs=True)
     h2 = dpipe.super_res_first.register_forward_pre_hook(grab_low_res, with_kwargs=True)
-    runs = run_rounds({"unclip": unclip_call, "diffusers": diffusers_call}, args.repeats)
-    for h in (h1, h2, u_clock, d_clock):
+    calls = {
+        "unclip": unclip_caller("unclip", pipe),
+        "unclip defaults": unclip_caller("unclip defaults", fast),
+        "diffusers": diffusers_call,
+    }
+    runs = run_rounds(calls, args.repeats)
+    for h in (h1, h2, d_clock, calls["unclip"].clock, calls["unclip defaults"].clock):
         h.remove()
     ours = captured["unclip"]
     size = pipe.upsamplers[0].config.sample_size
@@ -295,6 +313,21 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
         for s in med["unclip"]
     }
     ratio_of_medians = {s: med["unclip"][s] / med["diffusers"][s] for s in med["unclip"]}
+    # speedup (> 1: faster) of what a user gets from from_pretrained over diffusers' pipeline
+    speedup = {
+        s: common.paired_ratio(
+            [x[s] for x in runs["diffusers"]], [x[s] for x in runs["unclip defaults"]]
+        )
+        for s in med["unclip"]
+    }
+    d = captured["unclip defaults"].images - captured["diffusers"]
+    defaults = {
+        "autocast_dtype": dtype_name(fast.autocast_dtype),
+        "memory_format": "channels_last",
+        "speedup_over_diffusers": speedup,
+        "final_image_max_abs_diff_vs_diffusers": float(d.abs().max()),
+        "final_image_mean_abs_diff_vs_diffusers": float(d.abs().mean()),
+    }
     return {
         "steps": steps,
         "guidance": {"prior": 4.0, "decoder": 8.0, "upsampler": 1.0},
@@ -303,6 +336,7 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
         "ratio_unclip_over_diffusers": ratio,
         "ratio_of_medians": ratio_of_medians,
         "equal_outputs": equal,
+        "unclip_defaults": defaults,
         "runs": runs,
         "stage_boundaries": (
             "prior = text encoding + prior loop (until the first decoder UNet call); decoder = "
@@ -715,6 +749,29 @@ def report(r: dict) -> str:
         e = v["equal_outputs"]
         out.append(
             "equal outputs (same seed): " + ", ".join(f"{k} = {val:.3g}" for k, val in e.items())
+        )
+        f = v["unclip_defaults"]
+        rows = [
+            {
+                "stage": s,
+                "u": v["seconds_per_image"]["unclip defaults"][s],
+                "d": v["seconds_per_image"]["diffusers"][s],
+                "x": f["speedup_over_diffusers"][s],
+            }
+            for s in f["speedup_over_diffusers"]
+        ]
+        out.append(
+            common.table(
+                rows,
+                [
+                    ("stage", "stage"),
+                    ("unclip defaults s/image", "u"),
+                    ("diffusers s/image", "d"),
+                    ("speedup over diffusers (median of per-round ratios)", "x"),
+                ],
+                f"mid model: from_pretrained's defaults (autocast {f['autocast_dtype']}, "
+                "channels-last) vs diffusers UnCLIPPipeline (fp32)",
+            )
         )
     o = r.get("options")
     if o is not None:

@@ -10,7 +10,9 @@ and upsampler are each run once untimed (warm-up) and once under ``torch.profile
 pipeline's stage methods (``encode_text``, ``sample_image_embeds``, ``decode``, ``upsample``).
 Reported per stage: wall seconds, the share of the whole call, and the operators with the most
 self CPU time. Then the same with the decoder and upsampler in channels-last (``pipe.to(
-memory_format=torch.channels_last)``), the CPU speed option that applies on this machine.
+memory_format=torch.channels_last)``), the CPU speed option that applies on every machine, and,
+where the CPU runs bf16 natively, at ``from_pretrained``'s defaults (channels-last and autocast
+``"auto"``, i.e. bf16): where the time goes in what a user gets.
 
 Writes ``benchmarks/results/bench_sampling_profile.json``.
 """
@@ -24,6 +26,8 @@ import time
 import common
 import models
 import torch
+
+from unclip.precision import dtype_name
 
 PROMPT = "a red circle to the left of a blue square"
 
@@ -78,6 +82,10 @@ def main(argv=None) -> int:
     result["variants"]["default"] = stages(pipe, steps, args.top)
     pipe.to(memory_format=torch.channels_last)
     result["variants"]["channels_last"] = stages(pipe, steps, args.top)
+    pipe.autocast_dtype = "auto"  # from_pretrained's default
+    result["defaults_autocast_dtype"] = dtype_name(pipe.autocast_dtype)
+    if pipe.autocast_dtype is not None:
+        result["variants"]["defaults"] = stages(pipe, steps, args.top)
     name = "bench_sampling_profile_quick" if args.quick else "bench_sampling_profile"
     return common.finish(name, result, started, report)
 
@@ -85,6 +93,7 @@ def main(argv=None) -> int:
 def report(r: dict) -> str:
     out = [f"machine: {common.machine_line(r['machine'])}"]
     default, cl = r["variants"]["default"], r["variants"]["channels_last"]
+    fast = r["variants"].get("defaults")
     rows = [
         {
             "stage": k,
@@ -92,6 +101,15 @@ def report(r: dict) -> str:
             "share": f"{v['share_of_call']:.1%}",
             "cl_s": cl[k]["wall_s_profiled"],
             "speedup": v["wall_s_profiled"] / cl[k]["wall_s_profiled"],
+            **(
+                {
+                    "d_s": fast[k]["wall_s_profiled"],
+                    "d_share": f"{fast[k]['share_of_call']:.1%}",
+                    "d_speedup": v["wall_s_profiled"] / fast[k]["wall_s_profiled"],
+                }
+                if fast
+                else {}
+            ),
         }
         for k, v in default.items()
     ]
@@ -102,6 +120,12 @@ def report(r: dict) -> str:
         ("channels-last s", "cl_s"),
         ("channels-last speedup (one run)", "speedup"),
     ]
+    if fast:
+        cols += [
+            ("defaults s", "d_s"),
+            ("defaults share", "d_share"),
+            (f"defaults ({r['defaults_autocast_dtype']}) speedup (one run)", "d_speedup"),
+        ]
     steps = r["steps"]
     out.append(
         common.table(
@@ -111,15 +135,19 @@ def report(r: dict) -> str:
             f"super-res {steps['upsampler']} steps, fp32, 1 thread",
         )
     )
-    for k, v in default.items():
-        prow = [
-            {"op": t["op"], "ms": t["self_cpu_ms"], "share": f"{t['share']:.1%}"} for t in v["top"]
-        ]
-        out.append(
-            common.table(
-                prow, [("op", "op"), ("self ms", "ms"), ("share", "share")], f"{k}: top ops"
+    for variant, stages_ in (("fp32", default), ("defaults", fast or {})):
+        for k, v in stages_.items():
+            prow = [
+                {"op": t["op"], "ms": t["self_cpu_ms"], "share": f"{t['share']:.1%}"}
+                for t in v["top"]
+            ]
+            out.append(
+                common.table(
+                    prow,
+                    [("op", "op"), ("self ms", "ms"), ("share", "share")],
+                    f"{k}, {variant}: top ops",
+                )
             )
-        )
     return "\n".join(out)
 
 

@@ -16,9 +16,9 @@ import json
 import time
 from pathlib import Path
 
+import common
 import torch
 
-from unclip.pipeline import UnCLIPPipeline
 from unclip.shapes.evaluate import evaluate_pipeline
 
 SCHEDULERS = ("ddim", "dpm++", "unipc", "euler", "heun")
@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     num = 4 if args.quick else args.num
     steps_list = (5, 10) if args.quick else (5, 10, 25)
-    pipe = UnCLIPPipeline.from_pretrained()
+    pipe = common.fp32_pipeline()
     rows = []
     for steps in steps_list:
         for name in SCHEDULERS:

@@ -8,9 +8,11 @@
 Images are sampled as the evaluator samples them (held-out prompts, half single-object and half
 two-object, one generator per image) in batches of ``--batch`` (16: the figure docs/shapes_model.md
 quotes), every variant once per round in alternating order (after one untimed call each), in fp32
-with the default layout and with channels-last (the networks' activations NHWC;
-``--no-channels-last``: default layout only); the figure is the median over rounds of seconds per
-image, per stage and end to end. ``--cli`` also times the README's first command (four images,
+with the default layout, in fp32 channels-last (the networks' activations NHWC) and at the loaded
+pipeline's defaults (``defaults``: channels-last and ``autocast_dtype="auto"``, i.e. bf16 autocast
+on a CPU that runs it natively, as the JSON's ``autocast_dtype`` records; ``--no-channels-last``:
+fp32 NCHW only); the figure is the median over rounds of seconds per image, per stage and end to
+end. ``--cli`` also times the README's first command (four images,
 including starting Python and loading the model) as a subprocess. Quality at the same settings is
 measured by ``unclip shapes-eval --sampling`` (docs/shapes_model.md); this script measures time
 only.
@@ -30,6 +32,7 @@ import common
 import torch
 
 from unclip.pipeline import UnCLIPPipeline
+from unclip.precision import dtype_name
 from unclip.shapes.evaluate import heldout_samples
 
 README_COMMAND = ["generate", "a small red circle on the left", "--num-images", "4", "--seed", "0"]
@@ -85,11 +88,7 @@ def main(argv=None) -> int:
             p.error(f"--variant {v!r}: the part after '=' must be JSON ({exc})")
     if args.quick and args.out == "bench_shapes_speed":
         args.out = "bench_shapes_speed_quick"
-    pipe = (
-        UnCLIPPipeline.from_pretrained(args.model)
-        if args.model
-        else UnCLIPPipeline.from_pretrained()
-    )
+    pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=None, memory_format=None)
     for name, sampling in settings.items():
         try:
             pipe.sampling_settings(sampling)
@@ -99,26 +98,33 @@ def main(argv=None) -> int:
     half = args.batch // 2
     captions = [s.caption for s in samples[: args.batch - half]]
     captions += [s.caption for s in samples[len(samples) // 2 :][:half]]
-    formats = [("nchw", torch.contiguous_format)]
+    # (label, autocast setting, memory format)
+    formats = [("nchw", None, torch.contiguous_format)]
     if not args.no_channels_last:
-        formats.append(("channels_last", torch.channels_last))
+        formats.append(("channels_last", None, torch.channels_last))
+        formats.append(("defaults", "auto", torch.channels_last))
     runs = {
-        f"{name}/{fmt}": (sampling, mf)
+        f"{name}/{fmt}": (sampling, ac, mf)
         for name, sampling in settings.items()
-        for fmt, mf in formats
+        for fmt, ac, mf in formats
     }
     times: dict[str, list[dict]] = {k: [] for k in runs}
     common.log(f"{len(runs)} variants x {args.rounds} rounds, batch {args.batch}")
-    for sampling, mf in runs.values():  # warm-up: each variant's schedulers, layouts, allocations
+    for sampling, ac, mf in runs.values():  # warm-up: schedulers, layouts, allocations
         pipe.to(memory_format=mf)
+        pipe.autocast_dtype = ac
         sample(pipe, captions[:2], sampling)
     for i in range(args.rounds):
         for key in common.rounds_order(list(runs), i):
-            sampling, mf = runs[key]
+            sampling, ac, mf = runs[key]
             pipe.to(memory_format=mf)
+            pipe.autocast_dtype = ac
             times[key].append(sample(pipe, captions, sampling))
             common.log(f"round {i} {key}: {times[key][-1]['end_to_end']:.3f} s/image")
     pipe.to(memory_format=torch.contiguous_format)
+    pipe.autocast_dtype = "auto"
+    autocast = pipe.autocast_dtype  # what the defaults resolved to on this machine
+    pipe.autocast_dtype = None
     table = {
         key: {stage: round(common.median([r[stage] for r in rs]), 4) for stage in rs[0]}
         for key, rs in times.items()
@@ -128,6 +134,7 @@ def main(argv=None) -> int:
         "batch": args.batch,
         "rounds": args.rounds,
         "variants": dict(settings),
+        "autocast_dtype": dtype_name(autocast),
         "sampling_defaults": {k: vars(v) for k, v in pipe.sampling_settings(None).items()},
         "seconds_per_image_median": table,
         "per_round": times,

@@ -32,6 +32,17 @@ CAPTIONS = [
 ]
 
 
+def fp32_pipeline(model=None):
+    """A trained pipeline (``model``: a folder, default the bundled shapes model) in full
+    precision and the default memory layout, which the benchmarks that study something else (a
+    sampler, a prior, editing, adapters) measure on, so that their figures do not depend on
+    whether the CPU runs bf16 natively. The loaded defaults (bf16 autocast where native,
+    channels-last) are measured in bench_sampling.py and bench_shapes_speed.py."""
+    from unclip.pipeline import UnCLIPPipeline
+
+    return UnCLIPPipeline.from_pretrained(model, autocast_dtype=None, memory_format=None)
+
+
 def captions(n: int) -> list[str]:
     """``n`` captions for a benchmark batch: :data:`CAPTIONS` over and over."""
     return [CAPTIONS[i % len(CAPTIONS)] for i in range(n)]

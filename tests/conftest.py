@@ -8,6 +8,10 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+#: from_pretrained's arguments for a pipeline that computes exactly as the one saved (full
+#: precision, default layout): its defaults sample in bf16 on CPUs that run it natively and store
+#: the image networks channels-last, both of which change results beyond bit equality
+EXACT = {"autocast_dtype": None, "memory_format": None}
 #: two local processes (gloo on CPU): the launch every multi-process test uses
 TORCHRUN = [
     str(Path(sys.executable).with_name("torchrun")),

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 
 from unclip import cli
@@ -60,6 +61,9 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
     assert record["sampling"]["sr32"]["steps"] == record["sampling"]["sr64"]["steps"] == 2
     assert set(record["seconds_per_stage"]) == {"prior", "decoder", "sr32", "sr64"}
     assert record["rerank_clip"] == "clip"
+    # the default ("auto") as it resolved on this machine, since bf16 changes the images
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert record["autocast_dtype"] == ("bfloat16" if native else None)
     assert record["batch_size"] == 16 and record["grid_images"] == 4
     for f in files:
         assert Image.open(out / f).size == (64, 64)
@@ -88,6 +92,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
         (["a cat", "--tiny", "--sr-steps", "2"], "unrecognized arguments: --sr-steps"),
+        (["a cat", "--tiny", "--autocast", "int8"], "invalid choice: 'int8'"),
     ],
 )
 def test_generate_bad_input(args, match, capsys, tmp_path):
@@ -95,6 +100,14 @@ def test_generate_bad_input(args, match, capsys, tmp_path):
         generate(args + ["--out", str(tmp_path)])
     text = str(e.value) + capsys.readouterr().err
     assert match in text
+
+
+@pytest.mark.parametrize("flag,recorded", [("none", None), ("bf16", "bfloat16")])
+def test_generate_autocast_flag(flag, recorded, tmp_path):
+    out = tmp_path / flag
+    args = ["a red circle", "--tiny", "--autocast", flag, "--no-progress", "--out", str(out)]
+    assert generate(args + ["--decoder-steps", "2", "--upsampler-steps", "1"]) == 0
+    assert json.loads((out / "generate.json").read_text())["autocast_dtype"] == recorded
 
 
 def test_generate_prompts_file_errors(tmp_path, capsys):

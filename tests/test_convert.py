@@ -223,8 +223,10 @@ def reference(karlo):
 
 @pytest.fixture(scope="module")
 def loaded(karlo):
-    """The tiny Karlo folder loaded directly by ``UnCLIPPipeline.from_pretrained``."""
-    return UnCLIPPipeline.from_pretrained(karlo[0])
+    """The tiny Karlo folder loaded directly by ``UnCLIPPipeline.from_pretrained``, in full
+    precision (diffusers' arithmetic; the default autocast is bf16 on CPUs that run it natively)
+    and the default channels-last layout."""
+    return UnCLIPPipeline.from_pretrained(karlo[0], autocast_dtype=None)
 
 
 @pytest.fixture
@@ -297,7 +299,7 @@ def test_load_samples_like_diffusers(karlo, loaded, reference, tmp_path, capsys)
 
     assert main([str(root), str(tmp_path / "native")]) == 0
     assert "wrote unclip pipeline" in capsys.readouterr().out
-    native = UnCLIPPipeline.from_pretrained(tmp_path / "native")
+    native = UnCLIPPipeline.from_pretrained(tmp_path / "native", autocast_dtype=None)
     assert native.prior_clip_range == 5.0 and native.clip.has_vision is False
     assert _max_diff(_unclip_images(native), reference) <= 1e-4
 
@@ -311,7 +313,7 @@ def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):
     assert exported.prior_scheduler.config.clip_sample_range == 5.0
     assert exported.decoder_scheduler.config.variance_type == "learned_range"
     assert _max_diff(_diffusers_images(exported), reference) <= 1e-4
-    again = UnCLIPPipeline.from_pretrained(tmp_path / "exported")  # and back into unclip
+    again = UnCLIPPipeline.from_pretrained(tmp_path / "exported", autocast_dtype=None)  # back
     assert _max_diff(_unclip_images(again), reference) <= 1e-4
 
 
@@ -320,7 +322,7 @@ def test_a_karlo_repo_loads_and_converts_by_hub_id(karlo, reference, hub_cache, 
     card = "---\nlicense: creativeml-openrail-m\ntags:\n- text-to-image\n---\n\n# Karlo\n"
     (repo / "README.md").write_text(card)
     hub_cache("kakaobrain/karlo-tiny", repo)  # offline: from the Hub cache only
-    pipe = UnCLIPPipeline.from_pretrained("kakaobrain/karlo-tiny")
+    pipe = UnCLIPPipeline.from_pretrained("kakaobrain/karlo-tiny", autocast_dtype=None)
     assert _max_diff(_unclip_images(pipe), reference) <= 1e-4
     assert main(["kakaobrain/karlo-tiny", str(tmp_path / "native")]) == 0
     assert "wrote unclip pipeline" in capsys.readouterr().out
@@ -334,7 +336,7 @@ def test_a_karlo_repo_loads_and_converts_by_hub_id(karlo, reference, hub_cache, 
 
 def test_image_variations_layout(tmp_path):
     dpipe = build_diffusers(tmp_path / "var", variations=True)
-    pipe = UnCLIPPipeline.from_pretrained(tmp_path / "var")
+    pipe = UnCLIPPipeline.from_pretrained(tmp_path / "var", autocast_dtype=None)
     assert pipe.prior is None and pipe.clip.has_vision
     # no temperature in transformers' encoders: OpenAI's trained value, which reranking reads
     assert pipe.clip.logit_scale == pytest.approx(100.0)

@@ -251,6 +251,9 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
             "--resolution",
             "64",
             "--save-samples",
+            # full precision: the batch-size comparison below is of float summation order only
+            "--autocast",
+            "none",
             "--out",
             str(out),
         ]
@@ -267,6 +270,7 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
         math.isfinite(r["clip_fid"]["value"]) and "pipeline's own CLIP" in r["clip_score"]["model"]
     )
     assert r["shapes"]["count"] == 4 and 0 <= r["shapes"]["all"] <= 1
+    assert r["autocast_dtype"] is None  # what the samples were computed in
     md = (out / "report.md").read_text()
     assert (
         "| metric | value | details |" in md
@@ -303,6 +307,8 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
             "--resolution",
             "64",
             "--save-samples",
+            "--autocast",
+            "none",
             "--out",
             str(out2),
         ]

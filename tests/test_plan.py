@@ -264,6 +264,26 @@ def test_sampling_dry_run_of_a_tiny_cascade(capsys):
     assert "fits on one GPU" in capsys.readouterr().out
 
 
+def test_sampling_dry_run_runs_the_networks_under_the_pipelines_autocast(capsys):
+    """fp32 weights on a GPU with a loaded pipeline's default autocast ("auto": fp16), the
+    combination `from_pretrained(...).to("cuda")` gives, runs every network under fp16 autocast
+    without a dtype mismatch; autocast "none" runs them in the weights' dtype."""
+    from unclip.cli.plan import main
+    from unclip.train.plan_sampling import measure_sampling
+
+    tiny_cfgs = [str(ROOT / "configs" / "tiny" / f"{n}.yaml") for n in ("prior", "decoder", "sr32")]
+    m = measure_sampling(tiny_cfgs, dtype=torch.float32)
+    assert m.dtype == "float32" and m.autocast == "float16"
+    assert m.network_autocast == {"prior": "float16", "decoder": "float16", "sr32": "float16"}
+    m = measure_sampling(tiny_cfgs, dtype=torch.float32, autocast_dtype=None)
+    assert m.autocast is None and set(m.network_autocast.values()) == {None}
+    assert main(["--sample", *tiny_cfgs, "--dtype", "float32", "--autocast", "none"]) == 0
+    assert "autocast inside the networks: prior off, decoder off" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([tiny_cfgs[1], "--dtype", "float32"])  # a sampling option without --sample
+    assert "use them with --sample" in capsys.readouterr().err
+
+
 def test_sampling_dry_run_of_a_pipeline_folder(tmp_path, tiny_pipe):
     from unclip.train.plan_sampling import measure_sampling
 

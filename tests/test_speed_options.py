@@ -8,6 +8,8 @@ Tolerances:
   convolutions).
 * ``pipe.compile()`` (inductor): prior embeddings within 1e-5 (only the prior is compiled here:
   compiling the UNets takes minutes on a CPU; benchmarks/bench_compile.py measures them).
+* ``from_pretrained``'s defaults (channels-last, autocast ``"auto"``): bf16 in every network exactly
+  where the CPU runs it natively, else the fp32 images; one keyword away, bit-identical fp32.
 * ``pipe.autocast_dtype = torch.bfloat16``: every network's first output (same input) within 3%
   relative L2 error, prior embeddings within 0.05 absolute. End-to-end images of *random* networks
   are not compared: an epsilon-predicting step at t = T divides the error by sqrt(alpha_bar_T), so
@@ -142,11 +144,80 @@ def test_bf16_autocast_within_tolerance():
 
 def test_autocast_dtype_is_validated():
     pipe = tiny_pipeline(seed=0)
-    with pytest.raises(ValueError, match="bfloat16"):
-        pipe.autocast_dtype = torch.float32
-    with pytest.raises(TypeError, match="torch.dtype"):
-        pipe.autocast_dtype = "bf16"
+    for bad, error, match in (
+        (torch.int8, ValueError, "bfloat16"),
+        ("bf17", ValueError, "auto, bf16, fp16 or none"),
+        (16, TypeError, "torch.dtype"),
+    ):
+        with pytest.raises(error, match=match):
+            pipe.autocast_dtype = bad
+        assert pipe.autocast_dtype is None and pipe.autocast_setting is None  # left as it was
+    # names and float32 (full precision) are read as the dtypes they name
+    for value, setting in (
+        ("bf16", torch.bfloat16),
+        ("float16", torch.float16),
+        (torch.float32, None),
+        ("none", None),
+        ("AUTO", "auto"),
+    ):
+        pipe.autocast_dtype = value
+        assert pipe.autocast_setting == setting, value
+
+
+def test_auto_autocast_follows_the_device_and_the_cpu(monkeypatch):
+    from unclip import precision
+
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)
+    assert precision.resolve_autocast("auto", "cpu") == torch.bfloat16
+    assert precision.resolve_autocast("auto", "cuda:1") == torch.float16
+    assert precision.resolve_autocast("auto", "meta") is None
+    assert precision.resolve_autocast(torch.float16, "cpu") == torch.float16
+    assert precision.resolve_autocast(None, "cuda") is None
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: False)
+    assert precision.resolve_autocast("auto", "cpu") is None  # emulated bf16 is slower than fp32
+    pipe = tiny_pipeline(seed=0)
+    pipe.autocast_dtype = "auto"
+    assert pipe.autocast_setting == "auto" and pipe.autocast_dtype is None
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)
+    assert pipe.autocast_dtype == torch.bfloat16  # resolved when read, not when set
+    # half-precision weights set the arithmetic themselves
+    assert precision.resolve_autocast("auto", "cuda", torch.float16) is None
+    pipe.to(torch.bfloat16)
     assert pipe.autocast_dtype is None
+    assert _images(pipe).images.isfinite().all()  # (bf16 autocast here: a mixed-dtype error)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_loaded_pipeline_samples_with_the_fast_defaults(native, monkeypatch, tmp_path):
+    """from_pretrained's defaults: channels-last image networks and autocast "auto", which on a
+    CPU that runs bf16 natively is bf16 in every network (the same images as asking for bf16),
+    and elsewhere full precision (the same images as fp32 channels-last)."""
+    from unclip import precision
+
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: native)
+    saved = tiny_pipeline(seed=0)
+    saved.save_pretrained(tmp_path / "p")
+    pipe = UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    assert pipe.autocast_setting == "auto"
+    assert pipe.autocast_dtype == (torch.bfloat16 if native else None)
+    for net in [pipe.decoder.unet, *(u.unet for u in pipe.upsamplers)]:
+        assert net.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    seen, handles = _record_first_outputs(pipe)
+    out = _images(pipe)
+    for h in handles:
+        h.remove()
+    assert set(seen) == {*_step_modules(pipe), PRIOR_STEP}
+    for name, (_, enabled, dtype, _) in seen.items():
+        assert enabled == native and (not native or dtype == torch.bfloat16), name
+    same = UnCLIPPipeline.from_pretrained(tmp_path / "p", autocast_dtype="bf16" if native else None)
+    torch.testing.assert_close(_images(same).images, out.images, atol=0, rtol=0)
+    # and one keyword away, the saved pipeline's own full-precision images, bit for bit
+    exact = UnCLIPPipeline.from_pretrained(tmp_path / "p", autocast_dtype=None, memory_format=None)
+    assert exact.autocast_dtype is None
+    assert exact.decoder.unet.conv_in.weight.is_contiguous()
+    torch.testing.assert_close(_images(exact).images, _images(saved).images, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="auto, bf16, fp16 or none"):
+        UnCLIPPipeline.from_pretrained(tmp_path / "p", autocast_dtype="half-ish")
 
 
 # ------------------------------------------------------------------------------------ channels-last
@@ -162,7 +233,7 @@ def test_channels_last_same_images():
         assert float((out.stage_images[stage] - img).abs().max()) <= 1e-4, stage
     with tempfile.TemporaryDirectory() as tmp:  # saving channels-last weights round-trips
         pipe.save_pretrained(tmp)
-        again = _images(UnCLIPPipeline.from_pretrained(tmp))
+        again = _images(UnCLIPPipeline.from_pretrained(tmp, autocast_dtype=None))
     assert float((again.images - ref.images).abs().max()) <= 1e-4
 
 

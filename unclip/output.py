@@ -113,6 +113,7 @@ def generate_to_folder(
     revision: Optional[str] = None,
     cache_dir: Union[str, os.PathLike, None] = None,
     lora: Sequence[tuple[str, float]] = (),
+    autocast_dtype="auto",
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
@@ -126,6 +127,10 @@ def generate_to_folder(
     ``negative_prompt``: one caption that replaces the empty one in guidance for every prompt
     (see :meth:`UnCLIPPipeline.__call__`). ``lora``: ``(adapter folder, scale)`` pairs loaded onto
     the pipeline first (:meth:`UnCLIPPipeline.load_lora`), recorded in ``generate.json``.
+    ``autocast_dtype``: the arithmetic of a pipeline loaded here (``"auto"``, ``"bf16"``,
+    ``"fp16"`` or None for full precision: see :attr:`UnCLIPPipeline.autocast_dtype`); a pipeline
+    passed in keeps its own. ``generate.json`` records the dtype the images were sampled in,
+    since reduced precision changes them slightly.
 
     Memory stays bounded however many images are asked for: the images (prompt-major: every image
     of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
@@ -142,8 +147,10 @@ def generate_to_folder(
 
     # imported here: unclip.pipeline imports this module for UnCLIPOutput
     from unclip.pipeline import UnCLIPPipeline
+    from unclip.precision import dtype_name, parse_autocast
 
     prompts = check_prompts(prompts)
+    autocast = parse_autocast(autocast_dtype)  # a bad value fails before anything loads
     n = check_count(num_images_per_prompt)
     batch_size = check_count(batch_size, "batch_size")
     folder = check_output_folder(folder)  # before loading a model or sampling anything
@@ -155,11 +162,12 @@ def generate_to_folder(
         from unclip.tiny import tiny_pipeline
 
         pipe, name = tiny_pipeline(), "tiny (random, untrained)"
+        pipe.autocast_dtype = autocast
     elif isinstance(model, UnCLIPPipeline):
         pipe, name = model, "in-memory pipeline"
     else:
         hub = {"revision": revision, "cache_dir": cache_dir}
-        pipe = UnCLIPPipeline.from_pretrained(model, **hub)
+        pipe = UnCLIPPipeline.from_pretrained(model, **hub, autocast_dtype=autocast)
         name = str(model or DEFAULT_MODEL)
     # adapters already on a caller's pipeline are recorded too; those loaded here are unloaded
     # at the end, so the caller's pipeline is left as it was given
@@ -229,6 +237,8 @@ def generate_to_folder(
             "batch_size": batch_size,
             "rerank_clip": "reranker" if pipe.reranker is not None else "clip",
             "device": str(device),
+            # resolved on the device: "auto" is bfloat16 on some CPUs and float32 on others
+            "autocast_dtype": dtype_name(pipe.autocast_dtype),
             "resolution": pipe.resolution,
             "sampling": {k: to_dict(v) for k, v in settings.items()},
             "seconds": round(seconds, 3),

@@ -74,7 +74,7 @@ from unclip.pipeline_utils import (
     slerp,
     stages_until,
 )
-from unclip.precision import parse_dtype
+from unclip.precision import parse_autocast, parse_dtype, resolve_autocast
 from unclip.prior import UnCLIPPrior
 from unclip.priors import prior_type
 from unclip.sampling import (
@@ -237,23 +237,28 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
-        """``None`` (default: full precision) or ``torch.bfloat16``/``torch.float16``: run every
-        denoising network call under ``torch.autocast`` in that dtype. Weights, latents, guidance
-        and the scheduler stay in the pipeline's dtype. On CPUs with native bf16 (AVX512-BF16/AMX)
-        this is faster and changes images slightly (see benchmarks/README.md)."""
-        return self._autocast_dtype
+        """The dtype every denoising network call runs in under ``torch.autocast`` on the
+        pipeline's device, or ``None`` (full precision). Weights, latents, guidance and the
+        scheduler stay in the pipeline's dtype.
+
+        Set it to ``None``, ``torch.bfloat16``/``torch.float16`` (or their names) or ``"auto"``:
+        float16 on a GPU, bfloat16 on a CPU that runs it natively (AVX512-BF16/AMX), else
+        ``None``, and ``None`` with float16/bfloat16 weights
+        (:func:`unclip.precision.resolve_autocast`); ``"auto"`` follows the pipeline when it moves
+        or is cast. A constructed pipeline starts at ``None``; :meth:`from_pretrained` and
+        :meth:`from_components` start at ``"auto"``. Reduced precision is faster and changes
+        images slightly (benchmarks/README.md measures both, docs/shapes_model.md the shapes
+        evaluator's figures); :attr:`autocast_setting` is what was set."""
+        return resolve_autocast(self._autocast_dtype, self.device, self.dtype)
 
     @autocast_dtype.setter
-    def autocast_dtype(self, dtype: Optional[torch.dtype]) -> None:
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(
-                f"autocast_dtype must be None or a torch.dtype, got {type(dtype).__name__}"
-            )
-        if dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {dtype}"
-            )
-        self._autocast_dtype = dtype
+    def autocast_dtype(self, dtype) -> None:
+        self._autocast_dtype = parse_autocast(dtype)
+
+    @property
+    def autocast_setting(self):
+        """What :attr:`autocast_dtype` was set to: ``None``, ``"auto"`` or a dtype."""
+        return self._autocast_dtype
 
     def denoisers(self) -> dict[str, torch.nn.Module]:
         """The networks of every sampling step (prior transformer, decoder UNet, upsampler UNets),
@@ -348,6 +353,8 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         local_files_only: Optional[bool] = None,
         torch_dtype: Union[torch.dtype, str, None] = None,
         variant: Optional[str] = None,
+        autocast_dtype="auto",
+        memory_format: Optional[torch.memory_format] = torch.channels_last,
     ) -> UnCLIPPipeline:
         """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
         folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
@@ -358,8 +365,15 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         (:mod:`unclip.hub`); ``local_files_only=True`` or ``HF_HUB_OFFLINE=1`` use the cache only.
         ``torch_dtype`` (``torch.float16``/``bfloat16``/``float32`` or its name): cast the weights
         as :meth:`to` does. ``variant`` (e.g. ``"fp16"``): read ``*.fp16.safetensors`` weights.
+
+        The defaults sample fast: ``autocast_dtype="auto"`` runs the denoising networks in
+        float16 on a GPU and bfloat16 on a CPU that runs it natively (:attr:`autocast_dtype`;
+        ``None``: full precision, the same images on every machine), and the image networks
+        store their weights channels-last (``memory_format``; ``None`` keeps the default
+        layout; results equal to float rounding). benchmarks/README.md measures what each buys.
         """
         dtype = parse_dtype(torch_dtype)
+        autocast = parse_autocast(autocast_dtype)
         hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
         path = resolve_pipeline_folder(path, variant=variant, **hub)
         reader = folder_format_reader(path)
@@ -368,7 +382,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         else:
             pipe = cls._frozen(**read_pipeline_folder(path, variant=variant))
         pipe.card_info = read_card_info(path)
-        return pipe.to(dtype=dtype) if dtype is not None else pipe
+        return pipe._loaded_defaults(autocast, memory_format, dtype)
 
     @classmethod
     def from_components(
@@ -378,17 +392,32 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         prior: Union[str, os.PathLike, None] = None,
         upsamplers: Sequence[Union[str, os.PathLike]] = (),
         reranker: Union[str, os.PathLike, None] = None,
+        *,
+        autocast_dtype="auto",
+        memory_format: Optional[torch.memory_format] = torch.channels_last,
     ) -> UnCLIPPipeline:
         """Assemble a pipeline from component folders exported by the training commands
         (``<output_dir>/final/<name>``, each with ``config.json``, weights and
         ``unclip_stage.json``); ``reranker``: a CLIP folder (e.g. ``unclip train-clip``'s
-        ``<output_dir>/clip``) that scores decoder candidates instead of the conditioning CLIP."""
+        ``<output_dir>/clip``) that scores decoder candidates instead of the conditioning CLIP.
+        ``autocast_dtype``, ``memory_format``: as in :meth:`from_pretrained`."""
+        autocast = parse_autocast(autocast_dtype)
         parts = load_components(
             clip, decoder, prior, upsamplers, DEFAULT_DIFFUSION, DEFAULT_SAMPLING
         )
-        return cls._frozen(
+        pipe = cls._frozen(
             *parts, reranker=CLIP.from_pretrained(reranker) if reranker is not None else None
         )
+        return pipe._loaded_defaults(autocast, memory_format)
+
+    def _loaded_defaults(self, autocast, memory_format, dtype=None) -> UnCLIPPipeline:
+        """The sampling defaults of a pipeline that was loaded (it owns its modules, so changing
+        their layout changes nothing outside it): the autocast setting, the image networks'
+        memory format, the weights' dtype."""
+        self._autocast_dtype = autocast
+        if dtype is not None or memory_format is not None:
+            self.to(dtype=dtype, memory_format=memory_format)
+        return self
 
     @classmethod
     def _frozen(cls, *args, **kwargs) -> UnCLIPPipeline:

@@ -19,6 +19,11 @@ floating tensor.
 
 Everything else follows the requested dtype; benchmarks/README.md (``bench_dtype.py``) shows what
 keeping more in float32 (the CLIP's LayerNorms and embeddings, the sampler's arithmetic) changes.
+
+Autocast (the arithmetic, not the weights): :func:`resolve_autocast` turns a pipeline's
+``autocast_dtype`` setting into the dtype its denoising networks run in on a device. ``"auto"``
+(the default of a loaded pipeline) is float16 on a GPU, bfloat16 on a CPU that runs it natively
+(:func:`native_cpu_bf16`) and full precision elsewhere, where emulated bfloat16 would be slower.
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["HALF_DTYPES", "KeepFp32Mixin", "cast_floating", "parse_dtype"]
+__all__ = [
+    "HALF_DTYPES",
+    "KeepFp32Mixin",
+    "cast_floating",
+    "dtype_name",
+    "native_cpu_bf16",
+    "parse_autocast",
+    "parse_dtype",
+    "resolve_autocast",
+]
 
 #: dtypes in which the tensors a component keeps in float32 are not cast
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -60,6 +74,73 @@ def parse_dtype(value: Union[str, torch.dtype, None], what: str = "torch_dtype")
             f"{what} must be a floating dtype (float16, bfloat16, float32), got {dtype}"
         )
     return dtype
+
+
+def native_cpu_bf16() -> bool:
+    """True iff oneDNN runs bf16 natively on this CPU (AVX-512 with bf16 support or AMX). Without
+    it, bf16 autocast is emulated and much slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+#: the names :func:`parse_autocast` reads for "no autocast"
+_NO_AUTOCAST = ("none", "no", "off", "fp32", "float32")
+
+
+def parse_autocast(value, what: str = "autocast_dtype"):
+    """A pipeline's autocast setting: ``None`` (full precision), ``"auto"``, ``torch.bfloat16``
+    or ``torch.float16``, from those or their names (``"bf16"``, ``"fp16"``, ``"none"``/``"fp32"``
+    for None). Anything else is a ``ValueError``/``TypeError`` naming ``what``."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name == "auto":
+            return "auto"
+        if name in _NO_AUTOCAST:
+            return None
+        try:
+            value = parse_dtype(name, what)
+        except ValueError:
+            raise ValueError(
+                f"{what}: unknown setting {value!r}; use auto, bf16, fp16 or none"
+            ) from None
+    elif value is not None and not isinstance(value, torch.dtype):
+        raise TypeError(f"{what} must be None, 'auto' or a torch.dtype, got {type(value).__name__}")
+    if value == torch.float32:
+        return None
+    if value not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"{what} must be None, 'auto', torch.bfloat16 or torch.float16, got {value}"
+        )
+    return value
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    """``"bfloat16"`` for ``torch.bfloat16``, None for None: how reports and JSON record a dtype."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def resolve_autocast(
+    setting, device: Union[str, torch.device], weights: torch.dtype = torch.float32
+) -> Optional[torch.dtype]:
+    """The dtype the denoising networks run in under the autocast ``setting`` (as
+    :func:`parse_autocast` returns it) on ``device`` with weights of dtype ``weights``:
+    ``"auto"`` is float16 on CUDA, bfloat16 on a CPU that runs it natively, else None (full
+    precision: emulated bfloat16 is slower than float32, and other devices' autocast support
+    varies); with half-precision weights it is None, since the weights already set the
+    arithmetic (and CPU autocast would run normalisation layers in float32 against their half
+    weights)."""
+    if setting != "auto":
+        return setting
+    if weights in HALF_DTYPES:
+        return None
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.float16
+    if kind == "cpu" and native_cpu_bf16():
+        return torch.bfloat16
+    return None
 
 
 def _kept(name: str, keep: Sequence[str]) -> bool:

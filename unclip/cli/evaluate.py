@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from unclip.cli.errors import seed_type
-from unclip.cli.generate import add_hub_args
+from unclip.cli.generate import add_autocast_arg, add_hub_args
 
 
 def _positive(text: str) -> int:
@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_hub_args(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    add_autocast_arg(p)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
             save_samples=args.save_samples,
             device=device,
             progress=not args.no_progress,
+            autocast_dtype=args.autocast,
         )
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))

@@ -25,7 +25,14 @@ from unclip.config import SCHEDULERS
 #: diffusers for ``--help``)
 SAMPLER_NAMES = (*SCHEDULERS, "euler", "euler_a", "heun", "unipc", "deis", "dpm2", "dpm++2s", "lms")
 
-__all__ = ["main", "build_parser", "add_hub_args", "add_sampling_args", "sampling_overrides"]
+__all__ = [
+    "main",
+    "build_parser",
+    "add_autocast_arg",
+    "add_hub_args",
+    "add_sampling_args",
+    "sampling_overrides",
+]
 
 #: ``--batch-size`` default; equals ``unclip.output.DEFAULT_BATCH_SIZE`` (kept here so that
 #: ``--help`` imports no torch)
@@ -65,6 +72,22 @@ def add_hub_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face Hub cache folder (default: HF_HUB_CACHE, ~/.cache/huggingface/hub); "
         "HF_HUB_OFFLINE=1 loads from it without the network",
+    )
+
+
+#: ``--autocast`` choices (unclip.precision.parse_autocast reads them)
+AUTOCAST_CHOICES = ("auto", "bf16", "fp16", "none")
+
+
+def add_autocast_arg(p: argparse.ArgumentParser) -> None:
+    """``--autocast``: the arithmetic of the denoising networks (UnCLIPPipeline.autocast_dtype)."""
+    p.add_argument(
+        "--autocast",
+        choices=AUTOCAST_CHOICES,
+        default="auto",
+        help="arithmetic of the denoising networks: auto (fp16 on a GPU, bf16 on a CPU that runs "
+        "it natively, else full precision), bf16, fp16, or none (full precision: the same images "
+        "on every machine). Default: %(default)s",
     )
 
 
@@ -210,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_autocast_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_sampling_args(p)
     return p
@@ -256,6 +280,7 @@ def main(argv=None) -> int:
         revision=args.revision,
         cache_dir=args.cache_dir,
         lora=[parse_lora_spec(spec) for spec in args.lora],
+        autocast_dtype=args.autocast,
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
     print(

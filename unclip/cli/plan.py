@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from unclip.cli.generate import add_autocast_arg
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample",
         nargs="+",
         metavar="PIPELINE_OR_CONFIG",
-        help="plan sampling at fp16 instead: a pipeline folder, or stage configs forming a cascade",
+        help="plan sampling instead (fp16 weights, fp16 autocast): a pipeline folder, or stage "
+        "configs forming a cascade",
     )
     p.add_argument("--batch", type=int, default=1, help="--sample: images per prompt (default 1)")
     p.add_argument(
@@ -52,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--sample: with per-stage model offload (each component on the GPU while it runs)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default=None,
+        help="--sample: the weights' dtype (default float16)",
+    )
+    add_autocast_arg(p)
     p.add_argument(
         "--attention-slicing",
         default=None,
@@ -66,10 +76,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if (args.config is None) == (args.sample is None):
         parser.error("give a stage CONFIG to plan training, or --sample to plan sampling")
-    if (args.offload or args.attention_slicing) and not args.sample:
-        parser.error("--offload and --attention-slicing plan sampling: use them with --sample")
+    if (args.offload or args.attention_slicing or args.dtype) and not args.sample:
+        parser.error(
+            "--offload, --attention-slicing and --dtype plan sampling: use them with --sample"
+        )
     import dataclasses
     import json
+
+    import torch
 
     from unclip.train.config import load_stage_config
     from unclip.train.plan import measure_step
@@ -90,6 +104,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             batch=args.batch,
             offload=args.offload,
             attention_slicing=int(slicing) if slicing and slicing.isdigit() else slicing,
+            dtype=getattr(torch, args.dtype or "float16"),
+            autocast_dtype=args.autocast,
         )
         print(format_sampling(sampled, memory))
         if args.json:

@@ -16,6 +16,7 @@ import json
 import sys
 
 from unclip.cli.errors import seed_type
+from unclip.cli.generate import add_autocast_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CLIP folder that scores the decoder candidates instead of the pipeline's own "
         "reranker/CLIP",
     )
+    add_autocast_arg(p)
     p.add_argument("--out", default=None, help="write the report JSON here")
     p.add_argument("--grid", default=None, help="write a small sample grid PNG here")
     return p
@@ -84,6 +86,7 @@ def main(argv=None) -> int:
         reranker=args.reranker,
         out=args.out,
         grid=args.grid,
+        autocast_dtype=args.autocast,
     )
     print(json.dumps(report, indent=2))
     return 0

@@ -340,6 +340,7 @@ def evaluate(
     save_samples: bool = False,
     device="cpu",
     progress: bool = True,
+    autocast_dtype="auto",
 ) -> dict:
     """Sample the pipeline folder or Hub repo id ``model`` (at ``revision``, cached in
     ``cache_dir``; or read the captioned images in ``samples``), score them and write
@@ -399,11 +400,15 @@ def evaluate(
     pipe = None
     if model:
         from unclip.pipeline import UnCLIPPipeline
+        from unclip.precision import dtype_name
 
         hub = {"revision": revision, "cache_dir": cache_dir}
-        pipe = UnCLIPPipeline.from_pretrained(model, **hub).to(device)
+        pipe = UnCLIPPipeline.from_pretrained(model, **hub, autocast_dtype=autocast_dtype)
+        pipe.to(device)
         settings = pipe.sampling_settings(sampling)  # a bad override fails before any work
         report["sampling"] = {k: vars(v) for k, v in settings.items()}
+        # resolved on the device ("auto" is bfloat16 on some CPUs, float32 on others)
+        report["autocast_dtype"] = dtype_name(pipe.autocast_dtype)
         if pipe.resolution < resolution:
             warn.append(
                 f"samples are {pipe.resolution}px, upsampled to {resolution}px for evaluation"

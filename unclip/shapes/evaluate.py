@@ -39,6 +39,7 @@ from unclip.eval.metrics import GaussianStats, clip_cosines, frechet_distance
 from unclip.images import image_grid, pil_to_tensor, to_output
 from unclip.output import UnCLIPOutput
 from unclip.pipeline import UnCLIPPipeline
+from unclip.precision import dtype_name
 from unclip.shapes.detector import evaluate_images
 from unclip.shapes.world import ShapesWorld
 
@@ -172,6 +173,8 @@ def evaluate_pipeline(
             k: vars(v) for k, v in settings.items() if not renders_only or k in pipe.upsampler_names
         },
         "seconds_per_image": {k: round(v / n, 4) for k, v in timing.items()},
+        # the arithmetic the networks ran in: "auto" resolves per machine
+        "autocast_dtype": dtype_name(pipe.autocast_dtype),
         "stages": {},
     }
     for name in names:
@@ -262,6 +265,7 @@ def run(
     reranker: str | None = None,
     out: str | None = None,
     grid: str | None = None,
+    autocast_dtype="auto",
     **settings,
 ) -> dict:
     """Load a pipeline (``model``: a folder, default the bundled shapes model), optionally swap its
@@ -269,12 +273,13 @@ def run(
     too: its alignment head is left out) or its reranker CLIP,
     evaluate it with :func:`evaluate_pipeline` (``settings``: its keyword arguments, e.g. ``seed``,
     ``sampling``, ``oracle``), write the report JSON to ``out`` and a sample grid to ``grid``;
-    returns the report."""
+    returns the report. ``autocast_dtype``: as in :meth:`UnCLIPPipeline.from_pretrained` (the
+    report records what it resolved to)."""
     if settings.get("stages") == "upsamplers" and (decoder_weights or reranker):
         raise ValueError(
             "stages='upsamplers' runs no decoder and no reranking; drop decoder_weights/reranker"
         )
-    pipe = UnCLIPPipeline.from_pretrained(model)
+    pipe = UnCLIPPipeline.from_pretrained(model, autocast_dtype=autocast_dtype)
     if decoder_weights:
         from safetensors.torch import load_file
 

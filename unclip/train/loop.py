@@ -66,6 +66,7 @@ from tqdm.auto import tqdm
 from unclip.config import diffusion_to_save, save_config, to_dict
 from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
+from unclip.precision import native_cpu_bf16
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train import state_files
@@ -164,15 +165,6 @@ def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr:
     progress = min(1.0, (step - warmup) / span)
     lr = min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))
     return lr / base_lr
-
-
-def native_cpu_bf16() -> bool:
-    """True iff oneDNN runs bf16 natively on this CPU (AVX-512 with bf16 support or AMX). Without
-    it, bf16 autocast is emulated and much slower than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:

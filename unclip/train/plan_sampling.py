@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from unclip.precision import dtype_name
 from unclip.train.plan import MemoryTracker, _FakeCUDA
 
 __all__ = ["SampleMeasure", "measure_sampling", "format_sampling"]
@@ -39,6 +40,10 @@ class SampleMeasure:
     #: the tensors kept in float32 under a half dtype (:mod:`unclip.precision`'s rule)
     fp32_tensors: list = dataclasses.field(default_factory=list)
     attention_slicing: Optional[str] = None
+    #: the autocast setting and, per denoising network, the CUDA autocast dtype it ran under
+    #: (None: autocast off), read inside its forward
+    autocast: Optional[str] = None
+    network_autocast: dict = dataclasses.field(default_factory=dict)
 
 
 def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False) -> None:
@@ -122,13 +127,17 @@ def measure_sampling(
     prompt: str = "a red circle above a blue square",
     offload: bool = False,
     attention_slicing: Union[str, int, None] = None,
+    autocast_dtype="auto",
 ) -> SampleMeasure:
     """Sample ``batch`` images of ``prompt`` through the pipeline ``sources`` describe (one pipeline
     folder, or stage configs) on fake ``cuda:0`` tensors in ``dtype``, ``steps`` per stage.
     ``offload``: with :meth:`~unclip.pipeline.UnCLIPPipeline.enable_model_cpu_offload` (weights
     wait on the CPU; each component is on the GPU only while it runs). ``attention_slicing``:
     :meth:`~unclip.pipeline.UnCLIPPipeline.enable_attention_slicing`'s argument. Floating tensors
-    take ``dtype`` except those the pipeline keeps in float32 (:mod:`unclip.precision`)."""
+    take ``dtype`` except those the pipeline keeps in float32 (:mod:`unclip.precision`).
+    ``autocast_dtype``: the pipeline's :attr:`~unclip.pipeline.UnCLIPPipeline.autocast_dtype`
+    (``"auto"``, a loaded pipeline's default, is float16 on a GPU); the measure records the
+    autocast state each network saw."""
     from unclip.pipeline import UnCLIPPipeline
 
     sources = [Path(s) for s in sources]
@@ -164,6 +173,7 @@ def measure_sampling(
             for name, t in [*m.named_parameters(), *m.named_buffers()]
             if dtype != torch.float32 and t.dtype == torch.float32
         )
+        pipe.autocast_dtype = autocast_dtype
         if attention_slicing is not None:
             pipe.enable_attention_slicing(attention_slicing)
         if offload:
@@ -183,9 +193,29 @@ def measure_sampling(
             resident[name] = resident.get(name, set()) | on_gpu
             return None
 
+        network_autocast: dict[str, Optional[str]] = {}
+
+        def seen(name):
+            def hook(module, args):
+                on = torch.is_autocast_enabled("cuda")
+                dt = dtype_name(torch.get_autocast_dtype("cuda")) if on else None
+                network_autocast.setdefault(name, dt)
+
+            return hook
+
+        hooks = [net.register_forward_pre_hook(seen(n)) for n, net in pipe.denoisers().items()]
+        if pipe.prior is not None:  # its sampler runs the blocks itself (UnCLIPPrior.conditioned)
+            block = pipe.prior.transformer.transformer_blocks[0]
+            hooks.append(block.register_forward_pre_hook(seen("prior")))
         mem.reset_peak()
-        # the pipeline times each stage, waiting for the GPU: there is no GPU to wait for
-        with torch.no_grad(), mock.patch("torch.cuda.synchronize", lambda *a, **k: None):
+        # the pipeline times each stage, waiting for the GPU: there is no GPU to wait for; and
+        # torch.autocast("cuda") turns itself off where no CUDA is available, which here only
+        # means that the tensors are fake
+        with (
+            torch.no_grad(),
+            mock.patch("torch.cuda.synchronize", lambda *a, **k: None),
+            mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False),
+        ):
             out = pipe(
                 prompt,
                 num_images_per_prompt=batch,
@@ -194,6 +224,8 @@ def measure_sampling(
                 progress=False,
                 callback_on_step_end=record,
             )
+        for h in hooks:
+            h.remove()
         images = out.images
         params = {
             name: sum(p.numel() for p in m.parameters()) for name, m in pipe.modules().items()
@@ -213,6 +245,8 @@ def measure_sampling(
         resident={k: sorted(v) for k, v in resident.items()},
         fp32_tensors=fp32_tensors,
         attention_slicing=None if attention_slicing is None else str(attention_slicing),
+        autocast=dtype_name(pipe.autocast_dtype),
+        network_autocast=network_autocast,
     )
 
 
@@ -220,8 +254,10 @@ def format_sampling(m: SampleMeasure, gpu_memory: Optional[int] = None) -> str:
     from unclip.train.strategies import CUDA_CONTEXT, FRAGMENTATION, GiB
 
     lines = [
-        f"fake-CUDA sampling passed: {' → '.join(m.stages)} at {m.dtype}, {m.batch} image(s) of "
-        f"shape {m.output_shape[1:]} on cuda:0, no device or dtype mismatch"
+        f"fake-CUDA sampling passed: {' → '.join(m.stages)} at {m.dtype}"
+        + (f" with {m.autocast} autocast" if m.autocast else "")
+        + f", {m.batch} image(s) of shape {m.output_shape[1:]} on cuda:0, no device or dtype "
+        "mismatch"
         + (", per-stage model offload" if m.offload else "")
         + (f", attention slicing {m.attention_slicing}" if m.attention_slicing else ""),
         "parameters: "
@@ -231,6 +267,8 @@ def format_sampling(m: SampleMeasure, gpu_memory: Optional[int] = None) -> str:
         "peak per stage (weights included), GiB: "
         + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.stage_peaks.items()),
         f"peak {m.peak / GiB:.2f} GiB",
+        "autocast inside the networks: "
+        + ", ".join(f"{k} {v or 'off'}" for k, v in m.network_autocast.items()),
     ]
     if gpu_memory is not None:
         budget = (gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION)
