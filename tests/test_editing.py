@@ -203,10 +203,11 @@ def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(tiny_pipe,
     code = unclip_main(
         ["edit", "text-diff", str(tmp_path / "a.png"), "--source", "a red circle", "--target",
          "a blue circle", "--frames", "2", "--steps", "2", "--out", str(out), "--model",
-         str(model), "--no-progress", "--upsampler-steps", "2"]
+         str(model), "--no-progress", "--upsampler-steps", "2", "--autocast", "bf16"]
     )  # fmt: skip
     assert code == 0
     rec = json.loads((out / "edit.json").read_text())
+    assert rec["autocast_dtype"] == "bfloat16"  # what it computed in, as asked
     assert rec["theta"] == [0.0, 0.5] and rec["inversion_error"] > 0
     assert len(rec["files"]) == 2
     # the decoder ran the inversion's DDIM at --steps, and the record says so

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from unclip.cli.errors import seed_type
-from unclip.cli.generate import add_sampling_args, sampling_overrides
+from unclip.cli.generate import add_autocast_arg, add_sampling_args, sampling_overrides
 
 __all__ = ["main", "build_parser"]
 
@@ -36,6 +36,7 @@ def _common(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("--seed", type=seed_type, default=0, help="random seed")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_autocast_arg(p)
     p.add_argument("--no-progress", action="store_true")
     if sampling:
         add_sampling_args(p)
@@ -119,12 +120,13 @@ def run(args: argparse.Namespace, argv) -> dict:
     from unclip.files import check_output_folder
     from unclip.images import to_output
     from unclip.pipeline import UnCLIPPipeline
+    from unclip.precision import dtype_name
 
     folder = check_output_folder(args.out)  # before loading a model
     for name in ("num_images", "frames", "steps"):
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    pipe = UnCLIPPipeline.from_pretrained(args.model).to(args.device)
+    pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(args.device)
     gen = torch.Generator().manual_seed(args.seed)
     progress = not args.no_progress
     sampling = sampling_overrides(args) if hasattr(args, "prior_steps") else None
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace, argv) -> dict:
         "edit": args.edit,
         "model": str(args.model or "shapes"),
         "seed": args.seed,
+        "autocast_dtype": dtype_name(pipe.autocast_dtype),  # as resolved on this machine
         "command": ["unclip", "edit", *argv],
     }
     t0 = time.perf_counter()

@@ -15,6 +15,8 @@ import argparse
 import importlib.util
 import sys
 
+from unclip.cli.generate import add_autocast_arg
+
 __all__ = ["main", "build_parser", "start", "MISSING_GRADIO"]
 
 MISSING_GRADIO = "the web demo needs gradio, which is not installed: pip install 'unclip[demo]'"
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=_port, default=7860, help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_autocast_arg(p)
     return p
 
 
@@ -65,7 +68,7 @@ def start(args: argparse.Namespace, block: bool = True):
         device = torch.device(args.device)
     except RuntimeError as exc:
         raise ValueError(f"--device {args.device!r}: {exc}") from None
-    pipe = UnCLIPPipeline.from_pretrained(args.model).to(device)
+    pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(device)
     bundled = args.model in (None, "shapes")
     name = "shapes (bundled)" if bundled else str(args.model)
     demo = build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())
