@@ -144,7 +144,9 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
         "stage": stage,
         "clip": {"model_name": f"bench-{size}", "model_cfg": clip.model_cfg},
         "train": {
-            "mixed_precision": "no",
+            # fp32 like DALLE2-pytorch's trainer by default; --mixed-precision auto: the default
+            # a user of unclip gets (bf16 on a CPU that runs it natively)
+            "mixed_precision": spec.get("mixed_precision", "no"),
             "max_grad_norm": 1.0,
             "grad_accum_steps": 1,  # one micro-batch per step, as DALLE2's trainer call
             "ema": True,
@@ -152,6 +154,7 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
             "text_drop_prob": 0.1,
             "image_embed_drop_prob": 0.1,
             **({"text_cache_mb": 0} if spec.get("no_text_cache") else {}),
+            **spec.get("train", {}),  # other settings (bench_mixed_precision.py: lr, warmup)
         },
     }
     plain = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # noqa: E731
@@ -209,6 +212,8 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
     return {
         "step": step,
         "loop": loop,
+        "task": task,
+        "clip": clip,
         "text_encode_s": lambda: clock["s"],
         "params": _count(loop.trainable),
         "config": {**data[section], "diffusion": data["diffusion"], "clip": s["clip"]},
@@ -520,6 +525,14 @@ def main(argv=None) -> int:
         "captions never repeat",
     )
     parser.add_argument(
+        "--mixed-precision",
+        choices=("no", "auto"),
+        default="no",
+        help="unclip's train.mixed_precision: no (fp32, as DALLE2-pytorch's trainer; default) or "
+        "auto (unclip's default: bf16 autocast on a CPU that runs it natively; results go to "
+        "bench_peers_auto.json)",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="samples/s vs batch (prior, decoder) and vs resolution (decoder), 3 rounds per "
@@ -555,6 +568,7 @@ def main(argv=None) -> int:
         "unclip_upsampler": setup["unclip_upsampler"],
         "dalle2": setup["dalle2"],
         "no_text_cache": args.no_text_cache,
+        "mixed_precision": args.mixed_precision,
     }
     result = {
         "machine": common.machine(),
@@ -576,7 +590,12 @@ def main(argv=None) -> int:
             result["stages"].append(
                 run_stage(stage, stage_spec, pythons, rounds, args.top, Path(logs))
             )
-    return common.finish("bench_peers", result, started, report)
+    if args.mixed_precision == "auto":
+        from unclip.train.loop import auto_mixed_precision
+
+        result["unclip_mixed_precision"] = auto_mixed_precision("auto", gpu=False)
+    name = "bench_peers" if args.mixed_precision == "no" else "bench_peers_auto"
+    return common.finish(name, result, started, report)
 
 
 # the --sweep: (stage, batch, decoder resolution or None)
