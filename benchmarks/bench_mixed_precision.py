@@ -102,6 +102,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", nargs="+", choices=list(PLAN), default=list(PLAN))
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results/<OUT>.json (default bench_mixed_precision, _quick with --quick); e.g. one "
+        "file per stage when the stages run side by side",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -141,7 +147,7 @@ def main(argv=None) -> int:
             "seconds_per_step": {k: r["seconds_per_step"] for k, r in runs.items()},
             "runs": runs,
         }
-    name = "bench_mixed_precision_quick" if args.quick else "bench_mixed_precision"
+    name = args.out or ("bench_mixed_precision_quick" if args.quick else "bench_mixed_precision")
     return common.finish(name, result, started, report)
 
 

@@ -530,7 +530,7 @@ def main(argv=None) -> int:
         default="no",
         help="unclip's train.mixed_precision: no (fp32, as DALLE2-pytorch's trainer; default) or "
         "auto (unclip's default: bf16 autocast on a CPU that runs it natively; results go to "
-        "bench_peers_auto.json)",
+        "bench_peers_auto.json, bench_peers_sweep_auto.json)",
     )
     parser.add_argument(
         "--sweep",
@@ -581,6 +581,10 @@ def main(argv=None) -> int:
     }
     result["machine"]["threads"] = args.threads
     common.log("machine:", common.machine_line(result["machine"]))
+    if args.mixed_precision == "auto":
+        from unclip.train.loop import auto_mixed_precision
+
+        result["unclip_mixed_precision"] = auto_mixed_precision("auto", gpu=False)
     pythons = {"unclip": sys.executable, "dalle2": args.peers_python}
     if args.sweep:
         return sweep(spec, pythons, args, result, started)
@@ -590,10 +594,6 @@ def main(argv=None) -> int:
             result["stages"].append(
                 run_stage(stage, stage_spec, pythons, rounds, args.top, Path(logs))
             )
-    if args.mixed_precision == "auto":
-        from unclip.train.loop import auto_mixed_precision
-
-        result["unclip_mixed_precision"] = auto_mixed_precision("auto", gpu=False)
     name = "bench_peers" if args.mixed_precision == "no" else "bench_peers_auto"
     return common.finish(name, result, started, report)
 
@@ -628,11 +628,21 @@ def sweep(spec: dict, pythons: dict, args, result: dict, started: float) -> int:
                 }
             )
     name = "bench_peers_sweep_quick" if args.quick else "bench_peers_sweep"
-    result["plot"] = plot_sweep(result["sweep"], common.RESULTS / f"{name}.png")
+    if args.mixed_precision == "auto":
+        name += "_auto"
+    result["plot"] = plot_sweep(
+        result["sweep"], common.RESULTS / f"{name}.png", precision_label(result)
+    )
     return common.finish(name, result, started, report_sweep)
 
 
-def plot_sweep(rows: list[dict], path: Path) -> str:
+def precision_label(r: dict) -> str:
+    """How each library trained: fp32 both, or unclip's resolved ``auto`` against DALLE2's fp32."""
+    mp = r.get("unclip_mixed_precision", "no")
+    return "fp32" if mp == "no" else f"unclip {mp} autocast, DALLE2 fp32"
+
+
+def plot_sweep(rows: list[dict], path: Path, precision: str = "fp32") -> str:
     try:
         import matplotlib
     except ImportError:
@@ -660,7 +670,7 @@ def plot_sweep(rows: list[dict], path: Path) -> str:
             ax.plot(
                 [r[x] for r in sel], [r[f"{lib}_samples_per_s"] for r in sel], "o-", label=label
             )
-        ax.set(title=title, xlabel=x, ylabel="samples/s (1 thread, fp32)")
+        ax.set(title=title, xlabel=x, ylabel=f"samples/s (1 thread, {precision})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.legend()
@@ -680,7 +690,10 @@ def report_sweep(r: dict) -> str:
         ("DALLE2 samples/s", "dalle2_samples_per_s"),
         ("unclip ÷ DALLE2 (median of per-round ratios)", "speed_ratio"),
     ]
-    title = f"training samples/s vs batch and resolution, fp32, 1 thread, {r['rounds']} rounds"
+    title = (
+        f"training samples/s vs batch and resolution, {precision_label(r)}, 1 thread, "
+        f"{r['rounds']} rounds"
+    )
     return (
         f"machine: {common.machine_line(r['machine'])}\n"
         + common.table(rows, cols, title)
@@ -726,7 +739,9 @@ def report(r: dict) -> str:
         ("peak RSS MB unclip / DALLE2", "rss"),
         ("RSS increase in steps MB", "inc"),
     ]
-    out.append(common.table(rows, cols, "one training step, fp32 (> 1: unclip faster)"))
+    out.append(
+        common.table(rows, cols, f"one training step, {precision_label(r)} (> 1: unclip faster)")
+    )
     for s in r["stages"]:
         tops = [s[lib]["profile"]["top"] for lib in LIBS]
         prow = []

@@ -666,6 +666,12 @@ def main(argv=None) -> int:
         default=None,
         help="a trained pipeline folder for section 1 (default: the bundled shapes model)",
     )
+    parser.add_argument(
+        "--out",
+        default="bench_sampling",
+        help="results/<OUT>.json (default %(default)s; the defaults against diffusers were run "
+        "with --skip options and stored as bench_sampling_defaults)",
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.repeats < 3:
@@ -690,7 +696,7 @@ def main(argv=None) -> int:
     if "options" not in args.skip:
         result["options"] = bench_options(args, pipe)
         result["bf16_end_to_end"] = bench_end_to_end_bf16(args, pipe)
-    return common.finish("bench_sampling", result, started, report)
+    return common.finish(args.out, result, started, report)
 
 
 def report(r: dict) -> str:
