@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from PIL import Image
 
 from unclip import cli
 from unclip.cli.generate import main as generate
+from unclip.precision import native_cpu_bf16
 
 
 def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
@@ -62,8 +62,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
     assert set(record["seconds_per_stage"]) == {"prior", "decoder", "sr32", "sr64"}
     assert record["rerank_clip"] == "clip"
     # the default ("auto") as it resolved on this machine, since bf16 changes the images
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert record["autocast_dtype"] == ("bfloat16" if native else None)
+    assert record["autocast_dtype"] == ("bfloat16" if native_cpu_bf16() else None)
     assert record["batch_size"] == 16 and record["grid_images"] == 4
     for f in files:
         assert Image.open(out / f).size == (64, 64)
@@ -103,11 +102,25 @@ def test_generate_bad_input(args, match, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag,recorded", [("none", None), ("bf16", "bfloat16")])
-def test_generate_autocast_flag(flag, recorded, tmp_path):
+def test_generate_autocast_flag(flag, recorded, tmp_path, monkeypatch):
+    # a CPU on which auto would have given the other answer: the flag is what counts
+    monkeypatch.setattr("unclip.precision.native_cpu_bf16", lambda: recorded is None)
     out = tmp_path / flag
     args = ["a red circle", "--tiny", "--autocast", flag, "--no-progress", "--out", str(out)]
     assert generate(args + ["--decoder-steps", "2", "--upsampler-steps", "1"]) == 0
     assert json.loads((out / "generate.json").read_text())["autocast_dtype"] == recorded
+
+
+def test_generate_to_folder_keeps_a_passed_pipelines_autocast(tiny_pipe, tmp_path):
+    from unclip.output import generate_to_folder
+
+    few = {"prior": {"steps": 2}, "decoder": {"steps": 2}, "upsampler": {"steps": 1}}
+    kw = dict(sampling=few, progress=False)
+    assert tiny_pipe.autocast_setting is None
+    assert generate_to_folder(tiny_pipe, ["a cat"], tmp_path / "a", **kw)["autocast_dtype"] is None
+    rec = generate_to_folder(tiny_pipe, ["a cat"], tmp_path / "b", autocast_dtype="bf16", **kw)
+    assert rec["autocast_dtype"] == "bfloat16"  # asked for, so applied for the call
+    assert tiny_pipe.autocast_setting is None  # and the caller's pipeline given back as it was
 
 
 def test_generate_prompts_file_errors(tmp_path, capsys):

@@ -10,6 +10,7 @@ from conftest import gens
 from diffusers import DDIMScheduler
 from PIL import Image
 
+from unclip import precision
 from unclip.cli import main as unclip_main
 from unclip.editing import ddim_invert_step, ddim_step, read_mask
 from unclip.tiny import tiny_pipeline
@@ -177,7 +178,9 @@ def test_img2img_strength_sets_how_much_of_the_image_survives(base_pipe):
         base_pipe.img2img(x, "a blue square", strength=0.0)
 
 
-def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(tiny_pipe, tmp_path):
+def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(
+    tiny_pipe, tmp_path, monkeypatch
+):
     model = tmp_path / "model"
     tiny_pipe.save_pretrained(model)
     Image.fromarray((np.ones((64, 64, 3)) * [200, 30, 30]).astype(np.uint8)).save(
@@ -196,9 +199,13 @@ def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(tiny_pipe,
     rec = json.loads((out / "edit.json").read_text())
     assert rec["edit"] == "inpaint" and rec["files"] == ["000.png", "001.png"]
     assert rec["resample"] == 2 and rec["sampling"]["decoder"]["steps"] == 3
+    # --autocast's default, auto, as this machine resolves it
+    assert rec["autocast_dtype"] == ("bfloat16" if precision.native_cpu_bf16() else None)
     kept = np.asarray(Image.open(out / "000.png"))[40:, 40:]
     assert (kept == [200, 30, 30]).all()  # the unmasked corner is the input's pixels
     assert (out / "grid.png").is_file()
+    # a CPU without native bf16, where auto is full precision: --autocast bf16 is what counts
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: False)
     out = tmp_path / "diff"
     code = unclip_main(
         ["edit", "text-diff", str(tmp_path / "a.png"), "--source", "a red circle", "--target",
@@ -207,7 +214,7 @@ def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(tiny_pipe,
     )  # fmt: skip
     assert code == 0
     rec = json.loads((out / "edit.json").read_text())
-    assert rec["autocast_dtype"] == "bfloat16"  # what it computed in, as asked
+    assert rec["autocast_dtype"] == "bfloat16"
     assert rec["theta"] == [0.0, 0.5] and rec["inversion_error"] > 0
     assert len(rec["files"]) == 2
     # the decoder ran the inversion's DDIM at --steps, and the record says so

@@ -398,21 +398,25 @@ def test_a_diffusers_folder_loads_through_the_entry_point(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("prior,decoder,sr")
 
 
-def test_register_folder_format_still_works(tiny_pipe, tmp_path):
+def test_register_folder_format_still_works(tmp_path):
     from unclip.io import FOLDER_FORMATS, register_folder_format
+    from unclip.tiny import tiny_pipeline
 
     folder = tmp_path / "other"
     folder.mkdir()
     (folder / "other_index.json").write_text(json.dumps({"kind": "other"}))
     seen = []
 
-    def read_other(path):
+    made = []
+
+    def read_other(path):  # a reader builds the pipeline from the folder
         seen.append(Path(path))
-        return tiny_pipe
+        made.append(tiny_pipeline(seed=0))
+        return made[-1]
 
     register_folder_format("other_index.json", read_other)
     try:
-        assert unclip.UnCLIPPipeline.from_pretrained(folder) is tiny_pipe
+        assert unclip.UnCLIPPipeline.from_pretrained(folder) is made[-1]
         assert seen == [folder]
     finally:
         del FOLDER_FORMATS["other_index.json"]

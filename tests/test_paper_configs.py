@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import CONFIGS
+from conftest import CONFIGS, EXACT
 from diffusers.models.attention_processor import Attention
 
 from unclip import UnCLIPPipeline
@@ -48,7 +48,9 @@ def test_decoder_with_own_text_encoder_trains_saves_loads_and_generates(tmp_path
     assert train_tiny(CONFIGS / "tiny" / "decoder.yaml", run, *enc, *steps) == 0
     losses = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum("loss" in m for m in losses) == 3
-    before = UnCLIPPipeline.from_components(run / "final" / "clip", run / "final" / "decoder")
+    before = UnCLIPPipeline.from_components(
+        run / "final" / "clip", run / "final" / "decoder", **EXACT
+    )
     assert before.decoder.has_text_encoder
 
     def generate(pipe):
@@ -64,7 +66,7 @@ def test_decoder_with_own_text_encoder_trains_saves_loads_and_generates(tmp_path
     saved = json.loads((tmp_path / "pipe" / "decoder" / "config.json").read_text())
     assert saved["text_encoder"] == "transformer" and saved["text_tokenizer"] == "open_clip_bpe"
     assert saved["text_context_length"] == 16
-    after = UnCLIPPipeline.from_pretrained(tmp_path / "pipe")
+    after = UnCLIPPipeline.from_pretrained(tmp_path / "pipe", **EXACT)
     b = generate(after)
     assert a.shape == (2, 3, 16, 16) and torch.isfinite(a).all()
     assert torch.equal(a, b)

@@ -279,9 +279,10 @@ def test_sampling_dry_run_runs_the_networks_under_the_pipelines_autocast(capsys)
     assert m.autocast is None and set(m.network_autocast.values()) == {None}
     assert main(["--sample", *tiny_cfgs, "--dtype", "float32", "--autocast", "none"]) == 0
     assert "autocast inside the networks: prior off, decoder off" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main([tiny_cfgs[1], "--dtype", "float32"])  # a sampling option without --sample
-    assert "use them with --sample" in capsys.readouterr().err
+    for option in (["--dtype", "float32"], ["--autocast", "bf16"]):
+        with pytest.raises(SystemExit):
+            main([tiny_cfgs[1], *option])  # a sampling option without --sample
+        assert "use them with --sample" in capsys.readouterr().err
 
 
 def test_sampling_dry_run_of_a_pipeline_folder(tmp_path, tiny_pipe):

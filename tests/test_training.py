@@ -496,6 +496,45 @@ def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
     )
 
 
+def test_prior_trains_with_plain_attention_in_bf16_on_a_cpu(monkeypatch):
+    """In bf16 on a CPU the prior's attention runs as matmul + softmax, not the fused kernel
+    (slower there over few positions); in fp32 the fused kernel stays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from unclip.clip import CLIP
+    from unclip.train import loop as training
+    from unclip.train.config import load_stage_config
+    from unclip.train.data.loader import make_batches
+    from unclip.train.loop import sample_generators
+    from unclip.train.prior import PriorTask, build_prior_model
+
+    def step_ops(precision):
+        cfg = load_stage_config(
+            CONFIGS / "tiny" / "prior.yaml", [f"train.mixed_precision={precision}"]
+        )
+        torch.manual_seed(0)
+        clip = CLIP.from_config(cfg.clip)
+        task, model = PriorTask(cfg, clip, "cpu"), build_prior_model(cfg, clip)
+        batch = next(
+            iter(make_batches(cfg.data, resolution=clip.image_size, seed=0, rank=0, world_size=1))
+        )
+        gens = sample_generators(0, 0, 0, len(batch["caption"]))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision != "no"):
+                loss = task.loss(model, batch, gens)  # as Accelerate runs it
+            loss.backward()
+        return task, {e.key for e in prof.key_averages()}, float(loss.detach())
+
+    fused = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    task, ops, loss32 = step_ops("no")
+    assert not task.plain_attention and fused in ops
+    task, ops, loss16 = step_ops("bf16")
+    assert task.plain_attention and fused not in ops and "aten::_softmax" in ops
+    assert loss16 == pytest.approx(loss32, rel=0.05)  # the same loss, to bf16's rounding
+    monkeypatch.setattr(training, "native_cpu_bf16", lambda: True)
+    assert step_ops("auto")[0].plain_attention  # what auto picks where bf16 is native
+
+
 def test_warmup_cosine_schedule():
     kw = dict(warmup=10, total=110, base_lr=1e-3, min_lr=1e-6)
     assert warmup_cosine(0, **kw) == pytest.approx(0.1)

@@ -44,7 +44,8 @@ FOLDER_FORMATS = EntryPointRegistry(FOLDER_FORMAT_ENTRY_POINTS)
 def register_folder_format(marker: str, reader: Callable) -> None:
     """Let ``UnCLIPPipeline.from_pretrained`` read folders that hold ``marker`` (e.g.
     ``model_index.json``); packages can declare the same as an ``unclip.folder_formats`` entry
-    point instead."""
+    point instead. ``reader(path)`` returns a new pipeline built from the folder:
+    ``from_pretrained`` then applies its own settings to it (autocast, memory format, dtype)."""
     FOLDER_FORMATS[marker] = reader
 
 

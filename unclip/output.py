@@ -96,6 +96,10 @@ class UnCLIPOutput:
         return out
 
 
+#: ``generate_to_folder``'s ``autocast_dtype`` when not given
+_UNSET = object()
+
+
 def generate_to_folder(
     model: Union[str, os.PathLike, UnCLIPPipeline, None],
     prompts: Sequence[str],
@@ -113,7 +117,7 @@ def generate_to_folder(
     revision: Optional[str] = None,
     cache_dir: Union[str, os.PathLike, None] = None,
     lora: Sequence[tuple[str, float]] = (),
-    autocast_dtype="auto",
+    autocast_dtype=_UNSET,
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
@@ -127,10 +131,11 @@ def generate_to_folder(
     ``negative_prompt``: one caption that replaces the empty one in guidance for every prompt
     (see :meth:`UnCLIPPipeline.__call__`). ``lora``: ``(adapter folder, scale)`` pairs loaded onto
     the pipeline first (:meth:`UnCLIPPipeline.load_lora`), recorded in ``generate.json``.
-    ``autocast_dtype``: the arithmetic of a pipeline loaded here (``"auto"``, ``"bf16"``,
-    ``"fp16"`` or None for full precision: see :attr:`UnCLIPPipeline.autocast_dtype`); a pipeline
-    passed in keeps its own. ``generate.json`` records the dtype the images were sampled in,
-    since reduced precision changes them slightly.
+    ``autocast_dtype``: the arithmetic (``"auto"``, ``"bf16"``, ``"fp16"`` or None for full
+    precision: see :attr:`UnCLIPPipeline.autocast_dtype`); default ``"auto"`` for a pipeline loaded
+    here and its own setting for a pipeline passed in, which is given back with that setting.
+    ``generate.json`` records the dtype the images were sampled in, since reduced precision
+    changes them slightly.
 
     Memory stays bounded however many images are asked for: the images (prompt-major: every image
     of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
@@ -150,7 +155,9 @@ def generate_to_folder(
     from unclip.precision import dtype_name, parse_autocast
 
     prompts = check_prompts(prompts)
-    autocast = parse_autocast(autocast_dtype)  # a bad value fails before anything loads
+    given = autocast_dtype is not _UNSET
+    # a bad value fails before anything loads
+    autocast = parse_autocast(autocast_dtype if given else "auto")
     n = check_count(num_images_per_prompt)
     batch_size = check_count(batch_size, "batch_size")
     folder = check_output_folder(folder)  # before loading a model or sampling anything
@@ -162,9 +169,10 @@ def generate_to_folder(
         from unclip.tiny import tiny_pipeline
 
         pipe, name = tiny_pipeline(), "tiny (random, untrained)"
-        pipe.autocast_dtype = autocast
     elif isinstance(model, UnCLIPPipeline):
         pipe, name = model, "in-memory pipeline"
+        if not given:
+            autocast = pipe.autocast_setting
     else:
         hub = {"revision": revision, "cache_dir": cache_dir}
         pipe = UnCLIPPipeline.from_pretrained(model, **hub, autocast_dtype=autocast)
@@ -175,6 +183,8 @@ def generate_to_folder(
         {"path": a.path, "scale": a.scale, "name": n, "stage": a.stage}
         for n, a in getattr(pipe, "lora_adapters", {}).items()
     ]
+    own_autocast = pipe.autocast_setting  # a caller's pipeline gets its setting back
+    pipe.autocast_dtype = autocast
     loaded_here: list[str] = []
     try:
         for path, scale in lora:
@@ -251,6 +261,7 @@ def generate_to_folder(
         }
         (folder / "generate.json").write_text(json.dumps(record, indent=2))
     finally:
+        pipe.autocast_dtype = own_autocast
         for adapter_name in loaded_here:
             pipe.unload_lora(adapter_name)
     return record

@@ -368,7 +368,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
 
         The defaults sample fast: ``autocast_dtype="auto"`` runs the denoising networks in
         float16 on a GPU and bfloat16 on a CPU that runs it natively (:attr:`autocast_dtype`;
-        ``None``: full precision, the same images on every machine), and the image networks
+        ``None``: full precision, as diffusers computes), and the image networks
         store their weights channels-last (``memory_format``; ``None`` keeps the default
         layout; results equal to float rounding). benchmarks/README.md measures what each buys.
         """

@@ -279,7 +279,10 @@ def check_finite(stage: str, x: torch.Tensor, autocast_dtype: Optional[torch.dty
         return x
     hint = "its weights or inputs hold NaN/inf; check the model folder"
     if autocast_dtype == torch.float16 or x.dtype == torch.float16:
-        hint += " (or float16 overflowed: try bfloat16 or float32)"
+        hint += (
+            " (or float16 overflowed: try bfloat16 or full precision, autocast_dtype=None / "
+            "--autocast none)"
+        )
     raise ValueError(f"{stage} produced NaN/inf values: {hint}")
 
 

@@ -79,15 +79,14 @@ def add_hub_args(p: argparse.ArgumentParser) -> None:
 AUTOCAST_CHOICES = ("auto", "bf16", "fp16", "none")
 
 
-def add_autocast_arg(p: argparse.ArgumentParser) -> None:
+def add_autocast_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
     """``--autocast``: the arithmetic of the denoising networks (UnCLIPPipeline.autocast_dtype)."""
     p.add_argument(
         "--autocast",
         choices=AUTOCAST_CHOICES,
-        default="auto",
+        default=default,
         help="arithmetic of the denoising networks: auto (fp16 on a GPU, bf16 on a CPU that runs "
-        "it natively, else full precision), bf16, fp16, or none (full precision: the same images "
-        "on every machine). Default: %(default)s",
+        "it natively, else full precision), bf16, fp16, or none (full precision). Default: auto",
     )
 
 

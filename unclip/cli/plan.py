@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample",
         nargs="+",
         metavar="PIPELINE_OR_CONFIG",
-        help="plan sampling instead (fp16 weights, fp16 autocast): a pipeline folder, or stage "
-        "configs forming a cascade",
+        help="plan sampling instead (fp16 weights; see --dtype, --autocast): a pipeline folder, "
+        "or stage configs forming a cascade",
     )
     p.add_argument("--batch", type=int, default=1, help="--sample: images per prompt (default 1)")
     p.add_argument(
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--sample: the weights' dtype (default float16)",
     )
-    add_autocast_arg(p)
+    add_autocast_arg(p, default=None)  # None: not given (auto), so that it needs --sample
     p.add_argument(
         "--attention-slicing",
         default=None,
@@ -76,9 +76,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if (args.config is None) == (args.sample is None):
         parser.error("give a stage CONFIG to plan training, or --sample to plan sampling")
-    if (args.offload or args.attention_slicing or args.dtype) and not args.sample:
+    if (args.offload or args.attention_slicing or args.dtype or args.autocast) and not args.sample:
         parser.error(
-            "--offload, --attention-slicing and --dtype plan sampling: use them with --sample"
+            "--offload, --attention-slicing, --dtype and --autocast plan sampling: use them with "
+            "--sample"
         )
     import dataclasses
     import json
@@ -105,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             offload=args.offload,
             attention_slicing=int(slicing) if slicing and slicing.isdigit() else slicing,
             dtype=getattr(torch, args.dtype or "float16"),
-            autocast_dtype=args.autocast,
+            autocast_dtype=args.autocast or "auto",
         )
         print(format_sampling(sampled, memory))
         if args.json:

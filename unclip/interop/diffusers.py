@@ -1,6 +1,7 @@
 """Karlo / diffusers unCLIP interop: import a diffusers ``UnCLIPPipeline`` folder, export to one.
 
-    pipe = load_diffusers_unclip("karlo-v1-alpha")  # or UnCLIPPipeline.from_pretrained(...)
+    pipe = load_diffusers_unclip("karlo-v1-alpha")  # fp32, as diffusers computes it
+    pipe = UnCLIPPipeline.from_pretrained("karlo-v1-alpha")  # the same, with the fast defaults
     export_diffusers(pipe, "out/karlo-diffusers")   # diffusers' UnCLIPPipeline loads it
     convert("karlo-v1-alpha", "karlo-unclip")       # both in one call, as `unclip convert` does
 

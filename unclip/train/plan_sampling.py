@@ -136,8 +136,9 @@ def measure_sampling(
     :meth:`~unclip.pipeline.UnCLIPPipeline.enable_attention_slicing`'s argument. Floating tensors
     take ``dtype`` except those the pipeline keeps in float32 (:mod:`unclip.precision`).
     ``autocast_dtype``: the pipeline's :attr:`~unclip.pipeline.UnCLIPPipeline.autocast_dtype`
-    (``"auto"``, a loaded pipeline's default, is float16 on a GPU); the measure records the
-    autocast state each network saw."""
+    (``"auto"``, a loaded pipeline's default, is float16 autocast over float32 weights on a GPU
+    and none over half-precision ones); the measure records the autocast state each network
+    saw."""
     from unclip.pipeline import UnCLIPPipeline
 
     sources = [Path(s) for s in sources]

@@ -11,18 +11,20 @@ the unconditional input of classifier-free guidance), and regress x_0 (paper §2
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from unclip.clip import CLIP, TextEncoding
 from unclip.diffusion import diffusion_loss, training_scheduler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
-from unclip.train.loop import TrainLoop
+from unclip.train.loop import TrainLoop, auto_mixed_precision
 from unclip.train.text_cache import TextEncodingCache
 
 __all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior", "build_prior_model"]
@@ -111,11 +113,29 @@ class PriorTask:
         self.null = clip.encode_text([""])
         self.noise_sched = training_scheduler(cfg.diffusion)
         self.text = TextEncodingCache(clip, cfg.data.batch_size, cfg.train.text_cache_mb)
+        device = torch.device(device)
+        self.plain_attention = device.type == "cpu" and (
+            auto_mixed_precision(cfg.train.mixed_precision, gpu=False) == "bf16"
+        )
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
-        return prior_loss(
-            model, batch, self.text, self.null, generators, self.cfg, self.noise_sched, self.device
+        # on a CPU in bf16, PyTorch's fused attention kernel is slower over the prior's few
+        # positions than the plain matmul + softmax path, mostly in its backward
+        # (benchmarks/README.md); the kernel chosen here also sets the backward's
+        context = (
+            sdpa_kernel([SDPBackend.MATH]) if self.plain_attention else contextlib.nullcontext()
         )
+        with context:
+            return prior_loss(
+                model,
+                batch,
+                self.text,
+                self.null,
+                generators,
+                self.cfg,
+                self.noise_sched,
+                self.device,
+            )
 
 
 def build_prior_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
