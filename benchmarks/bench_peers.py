@@ -670,10 +670,11 @@ def plot_sweep(rows: list[dict], path: Path, precision: str = "fp32") -> str:
             ax.plot(
                 [r[x] for r in sel], [r[f"{lib}_samples_per_s"] for r in sel], "o-", label=label
             )
-        ax.set(title=title, xlabel=x, ylabel=f"samples/s (1 thread, {precision})")
+        ax.set(title=title, xlabel=x, ylabel="samples/s (1 thread)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.legend()
+    fig.suptitle(f"training step, {precision}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
