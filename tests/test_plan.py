@@ -277,6 +277,9 @@ def test_sampling_dry_run_runs_the_networks_under_the_pipelines_autocast(capsys)
     assert m.network_autocast == {"prior": "float16", "decoder": "float16", "sr32": "float16"}
     m = measure_sampling(tiny_cfgs, dtype=torch.float32, autocast_dtype=None)
     assert m.autocast is None and set(m.network_autocast.values()) == {None}
+    ar = [str(ROOT / "configs" / "tiny" / n) for n in ("prior_ar.yaml", "decoder.yaml")]
+    m = measure_sampling(ar, dtype=torch.float32)  # the autoregressive prior's start and step
+    assert m.network_autocast == {"prior": "float16", "decoder": "float16"}
     assert main(["--sample", *tiny_cfgs, "--dtype", "float32", "--autocast", "none"]) == 0
     assert "autocast inside the networks: prior off, decoder off" in capsys.readouterr().out
     for option in (["--dtype", "float32"], ["--autocast", "bf16"]):

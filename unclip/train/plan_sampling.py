@@ -204,10 +204,17 @@ def measure_sampling(
 
             return hook
 
-        hooks = [net.register_forward_pre_hook(seen(n)) for n, net in pipe.denoisers().items()]
-        if pipe.prior is not None:  # its sampler runs the blocks itself (UnCLIPPrior.conditioned)
-            block = pipe.prior.transformer.transformer_blocks[0]
-            hooks.append(block.register_forward_pre_hook(seen("prior")))
+        nets = pipe.denoisers()
+        hooks = [net.register_forward_pre_hook(seen(n)) for n, net in nets.items() if n != "prior"]
+        if pipe.prior is not None:
+            # the priors' samplers call parts of the transformer (a diffusion prior its blocks,
+            # UnCLIPPrior.conditioned; an autoregressive one its start and step), not its forward:
+            # the first of its linear layers to run reports
+            hooks += [
+                m.register_forward_pre_hook(seen("prior"))
+                for m in nets["prior"].modules()
+                if isinstance(m, torch.nn.Linear)
+            ]
         mem.reset_peak()
         # the pipeline times each stage, waiting for the GPU: there is no GPU to wait for; and
         # torch.autocast("cuda") turns itself off where no CUDA is available, which here only
