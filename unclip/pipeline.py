@@ -159,7 +159,8 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         for m in self.modules().values():
             m.eval()
         self._null_text: Optional[TextEncoding] = None
-        self._autocast_dtype: Optional[torch.dtype] = None
+        # None, "auto" or a dtype (autocast_dtype resolves it); from_pretrained sets "auto"
+        self._autocast_dtype: Union[str, torch.dtype, None] = None
         # the model card fields save_pretrained writes (unclip.card.CARD_FIELDS); from_pretrained
         # reads them from the folder's README.md
         self.card_info: dict = {}
