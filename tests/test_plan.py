@@ -275,6 +275,8 @@ def test_sampling_dry_run_runs_the_networks_under_the_pipelines_autocast(capsys)
     m = measure_sampling(tiny_cfgs, dtype=torch.float32)
     assert m.dtype == "float32" and m.autocast == "float16"
     assert m.network_autocast == {"prior": "float16", "decoder": "float16", "sr32": "float16"}
+    m = measure_sampling(tiny_cfgs, dtype=torch.float32, offload=True)
+    assert m.autocast == "float16"  # the execution device's, not the CPU's where offload leaves it
     m = measure_sampling(tiny_cfgs, dtype=torch.float32, autocast_dtype=None)
     assert m.autocast is None and set(m.network_autocast.values()) == {None}
     ar = [str(ROOT / "configs" / "tiny" / n) for n in ("prior_ar.yaml", "decoder.yaml")]

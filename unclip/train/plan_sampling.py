@@ -235,6 +235,8 @@ def measure_sampling(
         for h in hooks:
             h.remove()
         images = out.images
+        # what the sampling ran under, read before offload ends and the pipeline is on the CPU
+        autocast = dtype_name(pipe.autocast_dtype)
         params = {
             name: sum(p.numel() for p in m.parameters()) for name, m in pipe.modules().items()
         }
@@ -247,13 +249,13 @@ def measure_sampling(
         stage_peaks=peaks,
         peak=max([0 if offload else weights, *peaks.values()]),
         batch=batch,
-        dtype=str(dtype).replace("torch.", ""),
+        dtype=dtype_name(dtype),
         output_shape=list(images.shape),
         offload=offload,
         resident={k: sorted(v) for k, v in resident.items()},
         fp32_tensors=fp32_tensors,
         attention_slicing=None if attention_slicing is None else str(attention_slicing),
-        autocast=dtype_name(pipe.autocast_dtype),
+        autocast=autocast,
         network_autocast=network_autocast,
     )
 
