@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import unclip.sampling
 from unclip.diffusion import sample_loop
-from unclip.precision import cast_floating
+from unclip.precision import cast_floating, dtype_name
 
 PROMPTS = [
     "a small red circle on the left",
@@ -89,7 +89,7 @@ def main() -> int:
                 common.log(dtype, rule)
                 rows.append(
                     {
-                        "dtype": str(dtype).replace("torch.", ""),
+                        "dtype": dtype_name(dtype),
                         "rule": rule,
                         "text_1_minus_cos": float(
                             1 - F.cosine_similarity(text.text_embed, ref_text.text_embed).min()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from unclip.precision import dtype_name
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -169,7 +171,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> dict:
     share = (time.process_time() - cpu0) / sum(ts) / torch.get_num_threads()
     med = median(ts)
     return {
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "n": n,
         "median_s": med,
         "tflops": 2 * n**3 / med / 1e12,
@@ -215,7 +217,7 @@ def conv_peak(dtype: torch.dtype = torch.float32, repeats: int = 7) -> dict:
         ts.append(time.perf_counter() - t0)
     med = median(ts)
     return {
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "median_s": med,
         "tflops": flops / med / 1e12,
         "best_tflops": flops / min(ts) / 1e12,

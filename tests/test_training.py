@@ -476,6 +476,7 @@ def test_bf16_mixed_precision_on_cpu(tmp_path):
 
 
 def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
+    from unclip import precision
     from unclip.train import loop as training
 
     assert (
@@ -484,9 +485,9 @@ def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     expected = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
-    assert training.native_cpu_bf16() == (expected == "bf16")
+    assert precision.native_cpu_bf16() == (expected == "bf16")
     assert training.auto_mixed_precision("auto") == expected
-    monkeypatch.setattr(training, "native_cpu_bf16", lambda: not (expected == "bf16"))
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: not (expected == "bf16"))
     assert training.auto_mixed_precision("auto") == ("no" if expected == "bf16" else "bf16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert training.auto_mixed_precision("auto") == "fp16"
@@ -501,8 +502,8 @@ def test_prior_trains_with_plain_attention_in_bf16_on_a_cpu(monkeypatch):
     (slower there over few positions); in fp32 the fused kernel stays."""
     from torch.profiler import ProfilerActivity, profile
 
+    from unclip import precision
     from unclip.clip import CLIP
-    from unclip.train import loop as training
     from unclip.train.config import load_stage_config
     from unclip.train.data.loader import make_batches
     from unclip.train.loop import sample_generators
@@ -531,7 +532,7 @@ def test_prior_trains_with_plain_attention_in_bf16_on_a_cpu(monkeypatch):
     task, ops, loss16 = step_ops("bf16")
     assert task.plain_attention and fused not in ops and "aten::_softmax" in ops
     assert loss16 == pytest.approx(loss32, rel=0.05)  # the same loss, to bf16's rounding
-    monkeypatch.setattr(training, "native_cpu_bf16", lambda: True)
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)
     assert step_ops("auto")[0].plain_attention  # what auto picks where bf16 is native
 
 

@@ -175,7 +175,7 @@ def generate_to_folder(
             autocast = pipe.autocast_setting
     else:
         hub = {"revision": revision, "cache_dir": cache_dir}
-        pipe = UnCLIPPipeline.from_pretrained(model, **hub, autocast_dtype=autocast)
+        pipe = UnCLIPPipeline.from_pretrained(model, **hub)
         name = str(model or DEFAULT_MODEL)
     # adapters already on a caller's pipeline are recorded too; those loaded here are unloaded
     # at the end, so the caller's pipeline is left as it was given

@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 from unclip.config import diffusion_to_save, save_config, to_dict
 from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
-from unclip.precision import native_cpu_bf16
+from unclip.precision import resolve_autocast
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train import state_files
@@ -169,13 +169,14 @@ def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr:
 
 def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
     """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs
-    it natively (:func:`native_cpu_bf16`), else ``no`` (fp32). ``gpu``: whether the training runs on
-    a GPU (default: whether one is available). Other values are returned unchanged."""
+    it natively, else ``no`` (fp32): the rule of :func:`unclip.precision.resolve_autocast`, which
+    sampling follows too. ``gpu``: whether the training runs on a GPU (default: whether one is
+    available). Other values are returned unchanged."""
     if requested != "auto":
         return requested
-    if torch.cuda.is_available() if gpu is None else gpu:
-        return "fp16"
-    return "bf16" if native_cpu_bf16() else "no"
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    dtype = resolve_autocast("auto", "cuda" if gpu else "cpu")
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "no"}[dtype]
 
 
 def sample_generators(seed: int, rank: int, start: int, count: int) -> list[torch.Generator]:

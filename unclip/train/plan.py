@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from unclip.precision import dtype_name
 from unclip.train.decoder import clip_device
 from unclip.train.distributed import fsdp_units
 from unclip.train.loop import TrainLoop
@@ -365,7 +366,7 @@ def measure_step(
                     largest = max(largest, mem.largest)
                     fwd_peak = max(fwd_peak, mem.peak)
                     copies = max(copies, _count([c() for c in casts if c() is not None]))
-                    loss_dtype = str(loss.dtype).replace("torch.", "")
+                    loss_dtype = dtype_name(loss.dtype)
                     loop.backward(loss)
                     del loss
             grads = _count([p.grad for p in trainable if p.grad is not None])
@@ -401,7 +402,7 @@ def measure_step(
                 root_weights=_bytes(model) - sum(_bytes(u) for u in units),
                 forward_peak=fwd_peak,
                 optimizer_peak=opt_peak,
-                param_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                param_dtypes=sorted({dtype_name(p.dtype) for p in params}),
                 loss_dtype=loss_dtype,
                 forward_flops=forward_flops,
                 clip_flops=frozen_flops,
