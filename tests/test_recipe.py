@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from unclip.shapes import recipe
+from unclip.shapes.train_clip import load_clip_train_config
 
 
 def _step(name, code, after=()):
@@ -249,30 +250,53 @@ def test_overrides_go_to_their_steps_after_the_recipes_own(tmp_path):
         recipe.shapes_steps(tmp_path, tmp_path / "nowhere")
 
 
-def _stage_config(step):
+def _stage_config(step, load=None):
+    """The config ``step`` trains with: its YAML file and overrides read by ``load`` (default: the
+    stage configs' loader)."""
     from unclip.train.config import load_stage_config
 
     i = next(i for i, a in enumerate(step.argv) if a.endswith(".yaml"))
-    return load_stage_config(step.argv[i], step.argv[i + 1 : step.argv.index("--output-dir")])
+    load = load or load_stage_config
+    return load(step.argv[i], step.argv[i + 1 : step.argv.index("--output-dir")])
 
 
 def test_the_two_recipes_decoders(tmp_path):
     full = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs())}
     pairs = _stage_config(full["decoder_pairs"])
     assert pairs.train.init_weights == str(tmp_path / "decoder" / "final" / "decoder")
-    assert pairs.data.shapes_two_object_prob == 0.6 and pairs.train.max_steps == 7000
+    assert pairs.data.shapes_two_object_prob == 0.6 and pairs.train.max_steps == 4000
+    assert pairs.repa is None  # a fresh alignment head would pull a trained decoder back (lever 18)
     assert full["decoder_pairs"].output == tmp_path / "decoder_pairs" / "final" / "decoder"
     assert "decoder_pairs" in full["assemble"].after
-    assert _stage_config(full["decoder"]).repa is None
+    # the reranking CLIP: hard negatives, on the upsamplers' core, assembled as the reranker
+    rank = full["reranker"]
+    rank_cfg = _stage_config(rank, load_clip_train_config)
+    assert rank.argv[rank.argv.index("unclip.cli") + 1] == "train-clip"
+    assert rank_cfg.data.hard_negatives == 0.25
+    assert rank_cfg.data.pair_negatives == {"swap": 0.5, "relation": 0.5}
+    assert rank.wait_for == ("sr128",) and rank.after == ()
+    assert rank.output == tmp_path / "reranker" / "final" / "clip"
+    argv = full["assemble"].argv
+    assert argv[argv.index("--reranker") + 1] == str(rank.output)
+    assert "reranker" in full["assemble"].after
+    assert full["finalize"].argv[-4:] == [
+        "--closed-vocabulary",
+        "clip",
+        "--closed-vocabulary",
+        "reranker",
+    ]
 
     hour = {
         s.name: s
         for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-1h")
     }
     assert "decoder_pairs" not in hour and "decoder" in hour["assemble"].after
-    cfg = _stage_config(hour["decoder"])
-    assert (cfg.repa.weight, cfg.repa.clip_layer) == (0.05, "layer1")
-    assert (cfg.data.shapes_two_object_prob, cfg.train.max_steps) == (0.5, 4600)
+    assert "reranker" not in hour and "--reranker" not in hour["assemble"].argv
+    assert hour["finalize"].argv[-2:] == ["--closed-vocabulary", "clip"]
+    for steps in (full, hour):  # both recipes' first decoder run is lever 19's aligned one
+        cfg = _stage_config(steps["decoder"])
+        assert (cfg.repa.weight, cfg.repa.clip_layer) == (0.05, "layer1")
+        assert (cfg.data.shapes_two_object_prob, cfg.train.max_steps) == (0.5, 4600)
     for steps in (full, hour):
         assert steps["sr128"].wait_for == ("sr64",) and steps["sr128"].after == ()
         assert steps["prior"].after == ("clip",) and steps["decoder"].after == ("clip",)
@@ -306,18 +330,19 @@ def test_the_whole_recipe_runs_resumes_after_a_failure_and_gives_a_pipeline(tmp_
     out = tmp_path / "shapes"
     quick = ["--set", "all:train.max_steps=2", "--set", "clip:data.batch_size=16"]
     quick += ["--set", "clip:output.eval_samples=16"]
+    quick += ["--set", "reranker:data.batch_size=16", "--set", "reranker:output.eval_samples=16"]
     cmd = [sys.executable, "-m", "unclip.cli", "recipe", "shapes", str(out), *quick]
     first = _run_recipe([*cmd, "--set", "prior:train.lr=-1"])
     assert first.returncode == 1, first.stdout + first.stderr
     assert "prior: exit status 1" in first.stderr and "assemble: not run" in first.stderr
     assert "train.lr must be a positive" in first.stderr  # the step's own error, quoted
     done = recipe.finished_steps(out / "timings.tsv")
-    assert set(done) == {"clip", "sr64", "sr128", "decoder", "decoder_pairs"}
+    assert set(done) == {"clip", "sr64", "sr128", "decoder", "decoder_pairs", "reranker"}
     assert not (out / "pipeline").exists()
 
     second = _run_recipe(cmd)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert second.stdout.count("skip") == 5 and "start prior" in second.stdout
+    assert second.stdout.count("skip") == 6 and "start prior" in second.stdout
     assert set(recipe.finished_steps(out / "timings.tsv")) == {
         *done,
         "prior",
@@ -327,6 +352,7 @@ def test_the_whole_recipe_runs_resumes_after_a_failure_and_gives_a_pipeline(tmp_
     from unclip.pipeline import UnCLIPPipeline
 
     pipe = UnCLIPPipeline.from_pretrained(out / "pipeline")
+    assert pipe.reranker is not None  # the recipe's reranking CLIP chooses the candidates
     images = pipe(
         "a small red circle on the left",
         sampling={"prior": {"steps": 2}, "decoder": {"steps": 2, "best_of": 1}},

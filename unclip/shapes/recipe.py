@@ -8,7 +8,8 @@ two lanes run side by side:
   the prior (``train-prior``) → in ``shapes``, the decoder fine-tuned on mostly two-object scenes
   (``shapes-1h`` trains one decoder instead: :data:`RECIPES`);
 - B: the upsampler 32 → 64, then 64 → 128 (``train-decoder``), which need no CLIP, while the CLIP
-  trains;
+  trains; then, in ``shapes``, the reranking CLIP (``train-clip`` with hard negatives), which
+  chooses among the decoder's candidates;
 
 then ``assemble`` and ``shapes-finalize`` (default sampling settings, fp16 weights). Each finished
 step's wall-clock seconds go to ``OUT/timings.tsv`` with a fingerprint of what it ran (its command
@@ -110,33 +111,34 @@ def _path_setting(key: str, path: Path) -> str:
     return f"{key}={json.dumps(str(path))}"
 
 
-#: the recipes: ``shapes`` trains the decoder, then fine-tunes it on 60 % two-object scenes (the
-#: shipped decoder's recipe, levers 8 and 11); ``shapes-1h`` trains one decoder from scratch with
-#: representation alignment to the CLIP's layer1 (docs/shapes_model.md, levers 18 and 19), 71 min
-#: in its measured run, with far fewer two-object scenes right so far
+#: the recipes' own training steps after :data:`BASE_STEPS`, with their settings. ``shapes`` trains
+#: the decoder from scratch with representation alignment to the CLIP's layer1, fine-tunes it on
+#: 60 % two-object scenes, and trains a second CLIP with relation and colour-swap hard negatives
+#: that reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19 and 21);
+#: ``shapes-1h`` is the first decoder run alone (lever 19), with far fewer two-object scenes right
+_ALIGNED_DECODER = (
+    "repa.weight=0.05",
+    "repa.clip_layer=layer1",
+    "data.shapes_two_object_prob=0.5",
+    "train.max_steps=4600",
+)
 RECIPES = {
     "shapes": {
-        "decoder": (),
+        "decoder": _ALIGNED_DECODER,
         "decoder_pairs": (
             "data.shapes_two_object_prob=0.6",
-            "train.max_steps=7000",
+            "train.max_steps=4000",
             "train.lr=4e-4",
             "train.warmup_steps=200",
         ),
+        "reranker": ("data.hard_negatives=0.25", "data.pair_negatives={swap: 0.5, relation: 0.5}"),
     },
-    "shapes-1h": {
-        "decoder": (
-            "repa.weight=0.05",
-            "repa.clip_layer=layer1",
-            "data.shapes_two_object_prob=0.5",
-            "train.max_steps=4600",
-        ),
-    },
+    "shapes-1h": {"decoder": _ALIGNED_DECODER},
 }
 
 
-def _decoder_steps(recipe: str) -> dict:
-    """``RECIPES[recipe]``: its decoder steps and their settings."""
+def _own_steps(recipe: str) -> dict:
+    """``RECIPES[recipe]``: its own training steps and their settings."""
     if recipe not in RECIPES:
         raise RecipeError(f"unknown recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
     return RECIPES[recipe]
@@ -144,7 +146,7 @@ def _decoder_steps(recipe: str) -> dict:
 
 def training_steps(recipe: str) -> tuple:
     """The training steps of ``recipe``, which ``--set`` may name."""
-    return (*BASE_STEPS, *_decoder_steps(recipe))
+    return (*BASE_STEPS, *_own_steps(recipe))
 
 
 #: every recipe's training steps, in order
@@ -160,7 +162,7 @@ def shapes_steps(
 ) -> list:
     """The steps of ``recipe`` (:data:`RECIPES`) writing under ``out`` from the YAML files in
     ``configs``."""
-    decoders = _decoder_steps(recipe)
+    own = _own_steps(recipe)
     missing = [f for f in CONFIG_FILES if not (configs / f).is_file()]
     if missing:
         raise RecipeError(
@@ -186,6 +188,7 @@ def shapes_steps(
         argv += ["--output-dir", str(out / name), "--resume", "latest"]
         # every training command exports to <output_dir>/final/<the component it trains>
         component = "decoder" if name.startswith("decoder") else name
+        component = "clip" if name == "reranker" else component  # a CLIP, as train-clip names it
         output = final(name, component)
         inputs = (configs / config,)
         return Step(name, argv, tuple(after), inputs, output, trains=True, wait_for=tuple(wait_for))
@@ -202,20 +205,27 @@ def shapes_steps(
         # one after the other, so the CLIP, which the decoder and prior wait for, has a core
         train("sr128", command("train-decoder"), "sr128.yaml", wait_for=["sr64"]),
         train("prior", command("train-prior"), "prior.yaml", clip_weights, after=["clip"]),
-        train(
-            "decoder", decoder, "decoder.yaml", clip_weights, *decoders["decoder"], after=["clip"]
-        ),
+        train("decoder", decoder, "decoder.yaml", clip_weights, *own["decoder"], after=["clip"]),
     ]
     last = "decoder"
-    if "decoder_pairs" in decoders:
+    if "decoder_pairs" in own:
         init = _path_setting("train.init_weights", final("decoder", "decoder"))
-        pairs = decoders["decoder_pairs"]
+        pairs = own["decoder_pairs"]
         steps.append(
             train(
                 "decoder_pairs", decoder, "decoder.yaml", clip_weights, init, *pairs, after=[last]
             )
         )
         last = "decoder_pairs"
+    ranks = []  # assemble's arguments for a reranking CLIP
+    if "reranker" in own:
+        # after the upsamplers, on their core, so the CLIP that the decoder waits for has the other
+        steps.append(
+            train(
+                "reranker", command("train-clip"), "clip.yaml", *own["reranker"], wait_for=["sr128"]
+            )
+        )
+        ranks = ["--reranker", str(final("reranker", "clip"))]
     return steps + [
         Step(
             "assemble",
@@ -226,9 +236,10 @@ def shapes_steps(
                 *("--decoder", str(final(last, "decoder"))),
                 *("--upsampler", str(final("sr64", "sr64"))),
                 *("--upsampler", str(final("sr128", "sr128"))),
+                *ranks,
                 *("--out", str(pipeline), "--overwrite"),
             ],
-            after=("clip", "prior", last, "sr64", "sr128"),
+            after=("clip", "prior", last, "sr64", "sr128", *(["reranker"] if ranks else [])),
             output=pipeline,
         ),
         Step(
@@ -238,6 +249,7 @@ def shapes_steps(
                 str(pipeline),
                 *("--sampling", str(configs / "sampling.yaml")),
                 *("--closed-vocabulary", "clip"),
+                *(("--closed-vocabulary", "reranker") if ranks else ()),
             ],
             after=("assemble",),
             inputs=(configs / "sampling.yaml",),
