@@ -304,6 +304,11 @@ def test_the_two_recipes_decoders(tmp_path):
     assert full["decoder_pairs"].after == ("decoder",)
     with pytest.raises(recipe.RecipeError, match="unknown step 'decoder_pairs'"):
         recipe.parse_overrides(["decoder_pairs:train.lr=1"], recipe.training_steps("shapes-1h"))
+    with pytest.raises(recipe.RecipeError, match="unknown step 'reranker'"):
+        recipe.parse_overrides(["reranker:train.lr=1"], recipe.training_steps("shapes-1h"))
+    mine = recipe.parse_overrides(["reranker:train.max_steps=7"], recipe.training_steps("shapes"))
+    ranked = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), mine)}
+    assert _stage_config(ranked["reranker"], load_clip_train_config).train.max_steps == 7
     with pytest.raises(recipe.RecipeError, match="unknown recipe 'shapes-2h'; the recipes are"):
         recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-2h")
 

@@ -1,4 +1,4 @@
-"""``unclip recipe shapes OUT``: train the bundled shapes model from scratch with one command.
+"""``unclip recipe shapes OUT``: train the shapes model from scratch with one command.
 
     unclip recipe shapes runs/shapes             # then: unclip generate ... --model OUT/pipeline
     unclip recipe shapes runs/quick --set all:train.max_steps=200 --set clip:data.batch_size=64
@@ -24,9 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "recipe",
         choices=tuple(RECIPES),
-        help="shapes: the bundled model's recipe (about 2.5 h on 2 cores); shapes-1h: one "
-        "aligned decoder run instead of two (71 min in its one run; far fewer two-object "
-        "scenes right)",
+        help="shapes: the shapes model's recipe (an estimated 100-115 min on 2 cores: an aligned "
+        "decoder, its fine-tune on two-object scenes and a reranking CLIP); shapes-1h: its "
+        "first decoder run alone (71 min in its one run; far fewer two-object scenes right)",
     )
     p.add_argument("out", help="output folder: one folder per step, logs/, timings.tsv, pipeline/")
     p.add_argument(
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="STEP:KEY=VALUE",
         help="a config override for one training step (clip, sr64, sr128, prior, decoder, "
-        "decoder_pairs) or all of them, e.g. all:train.max_steps=100 (repeatable)",
+        "decoder_pairs, reranker) or all of them, e.g. all:train.max_steps=100 (repeatable)",
     )
     p.add_argument(
         "--processes",

@@ -1,4 +1,4 @@
-"""The bundled shapes model's recipes as one command: ``unclip recipe shapes OUT``.
+"""The shapes model's recipes as one command: ``unclip recipe shapes OUT``.
 
 Every step is one of the project's own commands, run as a subprocess with its log in
 ``OUT/logs/<step>.log``; a step starts as soon as the steps it needs have finished, so on 2 cores
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
 
-#: the training steps every recipe has before its decoder steps (the keys of :data:`RECIPES`)
+#: the training steps every recipe has before its own (the keys of :data:`RECIPES`)
 BASE_STEPS = ("clip", "sr64", "sr128", "prior")
 #: what the recipe's configuration folder must hold
 CONFIG_FILES = (
@@ -111,17 +111,18 @@ def _path_setting(key: str, path: Path) -> str:
     return f"{key}={json.dumps(str(path))}"
 
 
-#: the recipes' own training steps after :data:`BASE_STEPS`, with their settings. ``shapes`` trains
-#: the decoder from scratch with representation alignment to the CLIP's layer1, fine-tunes it on
-#: 60 % two-object scenes, and trains a second CLIP with relation and colour-swap hard negatives
-#: that reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19 and 21);
-#: ``shapes-1h`` is the first decoder run alone (lever 19), with far fewer two-object scenes right
+#: lever 19's decoder run: from scratch, aligned to the CLIP's layer1 (REPA)
 _ALIGNED_DECODER = (
     "repa.weight=0.05",
     "repa.clip_layer=layer1",
     "data.shapes_two_object_prob=0.5",
     "train.max_steps=4600",
 )
+#: the recipes' own training steps after :data:`BASE_STEPS`, with their settings. ``shapes`` trains
+#: the decoder from scratch with representation alignment to the CLIP's layer1, fine-tunes it on
+#: 60 % two-object scenes, and trains a second CLIP with relation and colour-swap hard negatives
+#: that reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19 and 21);
+#: ``shapes-1h`` is the first decoder run alone (lever 19), with far fewer two-object scenes right
 RECIPES = {
     "shapes": {
         "decoder": _ALIGNED_DECODER,
