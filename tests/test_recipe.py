@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from unclip.shapes import recipe
-from unclip.shapes.train_clip import load_clip_train_config
 
 
 def _step(name, code, after=()):
@@ -261,6 +260,8 @@ def _stage_config(step, load=None):
 
 
 def test_the_two_recipes_decoders(tmp_path):
+    from unclip.shapes.train_clip import load_clip_train_config
+
     full = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs())}
     pairs = _stage_config(full["decoder_pairs"])
     assert pairs.train.init_weights == str(tmp_path / "decoder" / "final" / "decoder")

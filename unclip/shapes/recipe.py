@@ -187,9 +187,10 @@ def shapes_steps(
     def train(name: str, launcher: list, config: str, *settings: str, after=(), wait_for=()):
         argv = [*launcher, str(configs / config), *settings, *overrides.get(name, ())]
         argv += ["--output-dir", str(out / name), "--resume", "latest"]
-        # every training command exports to <output_dir>/final/<the component it trains>
-        component = "decoder" if name.startswith("decoder") else name
-        component = "clip" if name == "reranker" else component  # a CLIP, as train-clip names it
+        # every training command exports to <output_dir>/final/<the component it trains>; a
+        # CLIP config trains a CLIP whatever the step's name (the reranker)
+        clip_config = config == "clip.yaml"
+        component = "clip" if clip_config else "decoder" if name.startswith("decoder") else name
         output = final(name, component)
         inputs = (configs / config,)
         return Step(name, argv, tuple(after), inputs, output, trains=True, wait_for=tuple(wait_for))
