@@ -28,18 +28,21 @@ def test_bundled_folder_is_small_safetensors_only():
     assert sum(f.stat().st_size for f in files) < 30e6
     index = json.loads((root / PIPELINE_FILE).read_text())
     assert index["components"]["upsamplers"] == ["sr64", "sr128"]
-    # one CLIP conditions the prior and decoder and reranks the candidates (no separate reranker):
-    # the convolutional image tower, its token table kept for the shapes vocabulary only (small)
-    assert index["components"]["reranker"] is None
-    clip_config = json.loads((root / "clip" / "config.json").read_text())
-    assert clip_config["kept_tokens"] > 0 and isinstance(
-        clip_config["model_cfg"]["vision_cfg"]["layers"], list
-    )
+    # one CLIP conditions the prior and decoder, a second one trained with relation and colour-swap
+    # hard negatives reranks the candidates: both the convolutional image tower, their token tables
+    # kept for the shapes vocabulary only (small)
+    assert index["components"]["reranker"] == "reranker"
+    for name in ("clip", "reranker"):
+        clip_config = json.loads((root / name / "config.json").read_text())
+        assert clip_config["kept_tokens"] > 0 and isinstance(
+            clip_config["model_cfg"]["vision_cfg"]["layers"], list
+        ), name
 
 
 def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
     assert pipe.stage_names == ["prior", "decoder", "sr64", "sr128"]
     assert pipe.resolution == RESOLUTION
+    assert pipe.reranker is not None and pipe.rerank_clip is pipe.reranker
     for name, module in pipe.modules().items():  # weights are stored in fp16 and upcast on load
         assert {p.dtype for p in module.parameters()} == {torch.float32}, name
     few = {"prior": {"steps": 5}, "decoder": {"steps": 8}, "upsampler": {"steps": 3}}
@@ -96,16 +99,26 @@ def test_simple_prompts_fully_right_with_default_settings(default_images):
 def test_contrastive_reranking_reads_which_color_goes_with_which_shape(pipe):
     """The shapes contrast (``rerank_contrast: shapes``) picks the true render of held-out
     two-object scenes from among renders of the same scene with the colors swapped between the
-    objects, with another relation and with another shape, where the plain CLIP score often takes
-    the color swap (the CLIP's text and image embeddings bind color to shape weakly; its
-    retrieval among the caption's alternatives reads it)."""
+    objects, with another relation and with another shape. The conditioning CLIP, trained without
+    hard negatives, binds color to shape weakly: its plain score often takes the color swap, and
+    its retrieval among the caption's alternatives (the contrast) fixes most of that. The shipped
+    reranker, trained with color-swap and relation hard negatives, reads the binding by either
+    rule."""
+    import copy
+
     from unclip.shapes.evaluate import binding_probe
 
     picks = binding_probe(pipe, num=40)
-    right = {rule: counts[0] for rule, counts in picks.items()}
-    assert right["contrast"] >= 38, picks
-    assert right["cosine"] <= right["contrast"] - 5, picks
-    assert picks["cosine"][1] > picks["contrast"][1]  # the color swap is what it fixes
+    assert pipe.rerank_clip is pipe.reranker
+    assert picks["contrast"][0] >= 38 and picks["cosine"][0] >= 35, picks
+    conditioning = copy.copy(pipe)
+    conditioning.reranker = None  # rerank with the CLIP that conditions the prior and decoder
+    base = binding_probe(conditioning, num=40)
+    right = {rule: counts[0] for rule, counts in base.items()}
+    assert right["cosine"] <= right["contrast"] - 5, base
+    assert base["cosine"][1] > base["contrast"][1]  # the color swap is what it fixes
+    # the hard negatives teach the reranker what the contrast recovers for the plain CLIP
+    assert picks["cosine"][0] >= right["cosine"] + 8, (picks, base)
 
 
 def test_a_sampler_that_cannot_stop_part_way_is_refused_naming_the_default_to_clear(pipe):

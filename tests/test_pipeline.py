@@ -59,6 +59,13 @@ def test_save_load_identical(tiny_pipe, tmp_path):
     again = UnCLIPPipeline.from_pretrained(tmp_path / "p", **EXACT)
     assert again.sampling == tiny_pipe.sampling
     assert torch.equal(run(tiny_pipe).images, run(again).images)
+    # saved again, a loaded pipeline's component configs name their subfolder, not the folder
+    # they were loaded from (no path of the machine that wrote them)
+    again.save_pretrained(tmp_path / "q")
+    for name in ("prior", "decoder", "sr32", "sr64"):
+        config = json.loads((tmp_path / "q" / name / "config.json").read_text())
+        assert config["_name_or_path"] == name, config["_name_or_path"]
+    assert str(tmp_path) not in "".join(f.read_text() for f in (tmp_path / "q").rglob("*.json"))
 
 
 @pytest.fixture(scope="module")

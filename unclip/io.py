@@ -425,9 +425,12 @@ def write_pipeline_folder(
     clip.save_pretrained(path / "clip")
     if prior is not None:
         prior.save_pretrained(path / "prior", safe_serialization=True)
+        _name_component(path / "prior")
     decoder.save_pretrained(path / "decoder", safe_serialization=True)
+    _name_component(path / "decoder")
     for name, up in upsamplers.items():
         up.save_pretrained(path / name, safe_serialization=True)
+        _name_component(path / name)
     if reranker is not None:
         reranker.save_pretrained(path / "reranker")
     index = {
@@ -445,6 +448,19 @@ def write_pipeline_folder(
         "prior_clip_range": prior_clip_range,
     }
     (path / PIPELINE_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _name_component(folder: Path) -> None:
+    """diffusers writes the folder a model was loaded from into its config's ``_name_or_path``: a
+    pipeline folder names each component by its subfolder instead, so a saved or shared folder
+    carries no path of the machine that wrote it."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return
+    data = json.loads(config.read_text())
+    if "_name_or_path" in data:
+        data["_name_or_path"] = folder.name
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_pipeline_folder(path: Union[str, os.PathLike], variant: Optional[str] = None) -> dict:

@@ -24,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "recipe",
         choices=tuple(RECIPES),
-        help="shapes: the shapes model's recipe (an estimated 100-115 min on 2 cores: an aligned "
-        "decoder, its fine-tune on two-object scenes and a reranking CLIP); shapes-1h: its "
-        "first decoder run alone (71 min in its one run; far fewer two-object scenes right)",
+        help="shapes: the bundled shapes model's recipe (91.5 min on 2 idle cores in the run "
+        "that produced the bundled weights: an aligned decoder, its fine-tune on two-object "
+        "scenes and a reranking CLIP); shapes-1h: its first decoder run alone (71 min in its "
+        "one run; far fewer two-object scenes right)",
     )
     p.add_argument("out", help="output folder: one folder per step, logs/, timings.tsv, pipeline/")
     p.add_argument(
