@@ -682,9 +682,9 @@ def shapes_contrast(extra_colors=None, pairs_only: bool = False):
     not a shapes caption gets no alternatives, so the plain CLIP score ranks it (with a warning).
     ``pairs_only``: single-object captions get none either — what the contrast reads better is
     which of two objects has which color and where, while a single object's attributes the cosine
-    already reads (on the bundled model the contrast picked right single-object candidates as
-    often or less often than the cosine in each of four measurements; docs/shapes_model.md lever
-    14)."""
+    already reads (on the earlier bundled model the contrast picked right single-object candidates
+    as often or less often than the cosine in each of four measurements; docs/shapes_model.md
+    lever 14)."""
     import warnings
 
     def alternatives(prompt: str) -> list[str]:
