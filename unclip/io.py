@@ -424,13 +424,10 @@ def write_pipeline_folder(
     path.mkdir(parents=True, exist_ok=True)
     clip.save_pretrained(path / "clip")
     if prior is not None:
-        prior.save_pretrained(path / "prior", safe_serialization=True)
-        _name_component(path / "prior")
-    decoder.save_pretrained(path / "decoder", safe_serialization=True)
-    _name_component(path / "decoder")
+        _save_component(prior, path / "prior")
+    _save_component(decoder, path / "decoder")
     for name, up in upsamplers.items():
-        up.save_pretrained(path / name, safe_serialization=True)
-        _name_component(path / name)
+        _save_component(up, path / name)
     if reranker is not None:
         reranker.save_pretrained(path / "reranker")
     index = {
@@ -450,10 +447,11 @@ def write_pipeline_folder(
     (path / PIPELINE_FILE).write_text(json.dumps(index, indent=2))
 
 
-def _name_component(folder: Path) -> None:
-    """diffusers writes the folder a model was loaded from into its config's ``_name_or_path``: a
-    pipeline folder names each component by its subfolder instead, so a saved or shared folder
-    carries no path of the machine that wrote it."""
+def _save_component(model, folder: Path) -> None:
+    """Save a diffusers component (safetensors). diffusers writes the folder a model was loaded
+    from into its config's ``_name_or_path``: a pipeline folder names each component by its
+    subfolder instead, so a saved or shared folder carries no path of the machine that wrote it."""
+    model.save_pretrained(folder, safe_serialization=True)
     config = folder / "config.json"
     if not config.is_file():
         return
