@@ -308,6 +308,8 @@ def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):
     root, _ = karlo  # diffusers folder → unclip → diffusers folder
     assert main([str(root), str(tmp_path / "exported"), "--to", "diffusers"]) == 0
     assert "wrote diffusers UnCLIPPipeline" in capsys.readouterr().out
+    for config in (tmp_path / "exported").rglob("*.json"):  # no path of the writing machine
+        assert str(root) not in config.read_text() and str(tmp_path) not in config.read_text()
     exported = DiffusersUnCLIP.from_pretrained(str(tmp_path / "exported"))  # diffusers' own loader
     exported.set_progress_bar_config(disable=True)
     assert exported.prior_scheduler.config.clip_sample_range == 5.0

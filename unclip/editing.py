@@ -13,10 +13,12 @@ overrides per stage, ``output_type``, ``progress``; results are :class:`EditOutp
 
 DDIM here is the deterministic update written out (:func:`ddim_step`, :func:`ddim_invert_step`):
 the step from ``x_t`` to ``x_s`` is affine in ``x_t`` for a fixed model output, so the inverse step
-solves it exactly, and inversion's only approximation is evaluating the model at ``x_s`` instead
-of the unknown ``x_t`` (Song et al. 2021; Dhariwal & Nichol 2021). Neither clips ``x̂_0``, so a
-decode is the exact mirror of its inversion. Images are resized to each stage's resolution
-(shorter side, centre crop).
+solves it exactly for that output. Plain DDIM inversion evaluates the model at ``x_s`` instead of
+the unknown ``x_t`` (Song et al. 2021; Dhariwal & Nichol 2021); :meth:`EditingMixin.invert` then
+refines each step's ``x_t`` by damped fixed-point iteration (``fixed_point``; the idea of
+Pan et al. 2023 and Garibi et al. 2024), re-evaluating the model at the current estimate, so that
+the decode's step from it lands on ``x_s``. Neither direction clips ``x̂_0``. Images are resized
+to each stage's resolution (shorter side, centre crop).
 
 Inpainting keeps the unmasked pixels of every stage's output equal to the image resized to that
 stage (bit for bit) and regenerates the masked ones: at every step the known region is replaced by
@@ -69,6 +71,9 @@ __all__ = [
 
 #: samplers whose step keeps no history, so a step may be taken again (RePaint's resampling)
 RESAMPLING_SCHEDULERS = ("ddim", "ddpm", "unclip")
+#: how far each fixed-point iteration of an inversion step moves towards its new solution: the
+#: undamped iteration (1.0) oscillates away on some images (docs/editing.md), half a step converges
+FIXED_POINT_DAMPING = 0.5
 
 
 @dataclass
@@ -84,7 +89,8 @@ class EditOutput(UnCLIPOutput):
 @dataclass
 class Inversion:
     """Result of :meth:`EditingMixin.invert`: ``latents [B, 3, s, s]`` (the decoder's ``x_T``),
-    the ``image_embeds [B, D]`` and captions it was inverted with, the ``image`` at the decoder's
+    the ``image_embeds [B, D]``, caption and fixed-point iterations it was inverted with, the
+    ``image`` at the decoder's
     resolution in [-1, 1], its ``reconstruction`` (decoded back from ``latents``, when asked) and
     ``error``, the root-mean-square difference of the two in [-1, 1] units (None without a
     reconstruction)."""
@@ -95,6 +101,7 @@ class Inversion:
     steps: int
     guidance_scale: float
     caption: Optional[str] = None
+    fixed_point: int = 0
     reconstruction: Optional[torch.Tensor] = None
     error: Optional[float] = None
 
@@ -252,7 +259,15 @@ class EditingMixin:
             self.decoder, embeds, text, null, settings, self.diffusion["decoder"]
         )
 
-    def _ddim_run(self, d: Denoiser, x: torch.Tensor, invert: bool, progress: bool, desc: str):
+    def _ddim_run(
+        self,
+        d: Denoiser,
+        x: torch.Tensor,
+        invert: bool,
+        progress: bool,
+        desc: str,
+        fixed_point: int = 0,
+    ):
         pred = self.diffusion["decoder"].prediction_type
         ts, levels = list(d.scheduler.timesteps), _levels(d)
         order = range(len(ts) - 1, -1, -1) if invert else range(len(ts))
@@ -260,8 +275,17 @@ class EditingMixin:
         for i in tqdm(order, desc=desc, disable=not progress, leave=False):
             out = d.output(x, ts[i], self.autocast_dtype).float()
             a_t, a_s = levels[i]
-            step = ddim_invert_step if invert else ddim_step
-            x = step(out, x, a_t, a_s, pred)
+            if not invert:
+                x = ddim_step(out, x, a_t, a_s, pred)
+                continue
+            x_t = ddim_invert_step(out, x, a_t, a_s, pred)
+            for _ in range(fixed_point):
+                # the decode evaluates the model at x_t, not at x_s: solve the step again with
+                # the output at the current estimate of x_t
+                out = d.output(x_t, ts[i], self.autocast_dtype).float()
+                solved = ddim_invert_step(out, x, a_t, a_s, pred)
+                x_t = x_t + FIXED_POINT_DAMPING * (solved - x_t)
+            x = x_t
         return check_finite(desc, x)
 
     @releases_gpu
@@ -275,11 +299,14 @@ class EditingMixin:
         image_embeds: Optional[torch.Tensor] = None,
         reconstruct: bool = True,
         progress: bool = True,
+        fixed_point: int = 2,
     ) -> Inversion:
         """DDIM inversion of the decoder: image(s) → the ``x_T`` from which the decoder's
         deterministic DDIM (``steps`` steps, ``guidance_scale``, conditioned on the images' CLIP
         embeddings, or ``image_embeds``, and ``caption``, default the empty one) decodes them back.
-        Guidance 1 inverts best (guided updates are not the gradient of one model). With
+        Guidance 1 inverts best (guided updates are not the gradient of one model).
+        ``fixed_point``: damped fixed-point iterations that refine each inverted step, one more
+        decoder evaluation each (0: plain DDIM inversion, which can diverge at few steps). With
         ``reconstruct`` the round trip is decoded and its RMSE reported (``Inversion.error``)."""
         x = read_image(image)
         small = at_size(x, self.decoder.config.sample_size).to(self.device)
@@ -288,10 +315,12 @@ class EditingMixin:
         embeds = image_embeds.to(self.device).float()
         if embeds.shape[0] != small.shape[0]:
             raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
+        if isinstance(fixed_point, bool) or not isinstance(fixed_point, int) or fixed_point < 0:
+            raise ValueError(f"invert: fixed_point must be an integer >= 0, got {fixed_point!r}")
         s = self._edit_settings(None, check_count(steps, "steps"), guidance_scale)
         d = self._ddim_denoiser(embeds, caption, s)
-        latents = self._ddim_run(d, small, True, progress, "invert")
-        inv = Inversion(latents, embeds, small, s.steps, s.guidance_scale, caption)
+        latents = self._ddim_run(d, small, True, progress, "invert", fixed_point)
+        inv = Inversion(latents, embeds, small, s.steps, s.guidance_scale, caption, fixed_point)
         if reconstruct:
             rec = self._ddim_run(d, latents, False, progress, "reconstruct").clamp(-1, 1)
             inv.reconstruction = rec
@@ -321,14 +350,15 @@ class EditingMixin:
         output_type: str = "pil",
         progress: bool = True,
         callback_on_step_end=None,
+        fixed_point: int = 2,
     ) -> EditOutput:
         """A text diff (paper §3.3): the image's CLIP embedding ``z_i`` rotated towards
         ``z_d = norm(z_t − z_t0)``, the difference of the target and source captions' text
         embeddings, ``slerp(z_i, z_d, θ)`` for ``num_steps`` values of θ from 0 to ``max_theta``,
         each decoded from the image's inverted ``x_T`` (:meth:`invert` with ``steps``,
-        ``guidance_scale`` and the decoder ``caption``) and upsampled from the same seed. θ = 0
-        reproduces the inversion's reconstruction; ``info["theta"]`` lists the θ values and
-        ``info["inversion_error"]`` the round trip's RMSE."""
+        ``guidance_scale``, the decoder ``caption`` and ``fixed_point``) and upsampled from the
+        same seed. θ = 0 reproduces the inversion's reconstruction; ``info["theta"]`` lists the
+        θ values and ``info["inversion_error"]`` the round trip's RMSE."""
         check_output_type(output_type)
         n = check_count(num_steps, "num_steps")
         if not 0 < float(max_theta) <= 1:
@@ -338,7 +368,9 @@ class EditingMixin:
                 raise ValueError(f"text_diff: {name} must be a non-empty string")
         if read_image(image).shape[0] != 1:
             raise ValueError("text_diff takes one image; call it once per image")
-        inv = self.invert(image, caption, steps, guidance_scale, progress=progress)
+        inv = self.invert(
+            image, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point
+        )
         z = self.clip.encode_text([source_caption, target_caption]).text_embed.float()
         diff = z[1] - z[0]
         if float(diff.norm()) < 1e-6:
@@ -383,16 +415,22 @@ class EditingMixin:
         output_type: str = "pil",
         progress: bool = True,
         callback_on_step_end=None,
+        caption: Optional[str] = None,
+        fixed_point: int = 2,
     ) -> EditOutput:
         """Interpolation between two images that keeps each image's inverted latent (paper §3.2,
-        figure 4): both are inverted (:meth:`invert`); frame ``w`` decodes ``slerp`` of the two
-        CLIP embeddings from ``slerp`` of the two ``x_T``, so the end frames reconstruct the
-        images. ``info["weight"]`` lists the weights."""
+        figure 4): both are inverted (:meth:`invert` with ``steps``, ``guidance_scale``, the
+        decoder ``caption``, default the empty one, and ``fixed_point``); frame ``w`` decodes
+        ``slerp`` of the two CLIP embeddings from ``slerp`` of the two ``x_T`` with that caption,
+        so the end frames reconstruct the images. ``info["weight"]`` lists the weights."""
         check_output_type(output_type)
         if check_count(num_steps, "num_steps") < 2:
             raise ValueError("interpolate_inverted: num_steps must be >= 2")
         invs = [
-            self.invert(x, None, steps, guidance_scale, progress=progress) for x in (start, end)
+            self.invert(
+                x, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point
+            )
+            for x in (start, end)
         ]
         if any(i.latents.shape[0] != 1 for i in invs):
             raise ValueError("interpolate_inverted takes one start and one end image")
@@ -401,7 +439,7 @@ class EditingMixin:
         lat = [i.latents.flatten(1) for i in invs]
         shape = invs[0].latents.shape[1:]
         latents = torch.cat([slerp(lat[0], lat[1], w).view(1, *shape) for w in ws])
-        d = self._ddim_denoiser(embeds, None, self._edit_settings(None, steps, guidance_scale))
+        d = self._ddim_denoiser(embeds, caption, self._edit_settings(None, steps, guidance_scale))
         small = self._ddim_run(d, latents, False, progress, "interpolate")
         info = {"weight": ws, "inversion_error": [i.error for i in invs]}
         return self._finish(

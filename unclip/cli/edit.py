@@ -50,6 +50,12 @@ def _ddim(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="decoder guidance of inversion and decoding (1 inverts best)",
     )
+    p.add_argument(
+        "--fixed-point",
+        type=int,
+        default=2,
+        help="fixed-point iterations refining each inversion step (0: plain DDIM inversion)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("start")
     q.add_argument("end")
     q.add_argument("--frames", type=int, default=5)
+    q.add_argument("--caption", default=None, help="decoder caption (default: the empty one)")
     _ddim(q)
     _common(q)
 
@@ -126,6 +133,8 @@ def run(args: argparse.Namespace, argv) -> dict:
     for name in ("num_images", "frames", "steps"):
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "fixed_point", 0) < 0:
+        raise ValueError("--fixed-point must be >= 0 (0: plain DDIM inversion)")
     pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(args.device)
     gen = torch.Generator().manual_seed(args.seed)
     progress = not args.no_progress
@@ -148,13 +157,19 @@ def run(args: argparse.Namespace, argv) -> dict:
     t0 = time.perf_counter()
     if args.edit == "invert":
         inv = pipe.invert(
-            args.image, args.caption, args.steps, args.guidance_scale, progress=progress
+            args.image,
+            args.caption,
+            args.steps,
+            args.guidance_scale,
+            progress=progress,
+            fixed_point=args.fixed_point,
         )
         images = to_output(torch.cat([inv.image, inv.reconstruction]), "pil")
         record.update(
             image=args.image,
             steps=inv.steps,
             guidance_scale=inv.guidance_scale,
+            fixed_point=inv.fixed_point,
             inversion_error=inv.error,
             images=["input at the decoder's resolution", "reconstruction"],
         )
@@ -176,6 +191,7 @@ def run(args: argparse.Namespace, argv) -> dict:
                 args.guidance_scale,
                 args.caption,
                 generator=gen,
+                fixed_point=args.fixed_point,
                 **common,
             )
             record.update(image=args.image, source=args.source, target=args.target)
@@ -187,6 +203,8 @@ def run(args: argparse.Namespace, argv) -> dict:
                 args.steps,
                 args.guidance_scale,
                 generator=gen,
+                caption=args.caption,
+                fixed_point=args.fixed_point,
                 **common,
             )
             record.update(start=args.start, end=args.end)
@@ -224,6 +242,7 @@ def run(args: argparse.Namespace, argv) -> dict:
                 "best_of": 1,
             }
             record["sampling"].pop("prior", None)
+            record["fixed_point"] = args.fixed_point
     record["resolution"] = images[-1].size[0]
     record["seconds"] = round(time.perf_counter() - t0, 3)
     return _save(images, folder, record)
