@@ -42,17 +42,18 @@ def scenes(n: int, seed: int, want) -> list[dict]:
     return out
 
 
-def inversion(pipe, n: int, steps_list) -> list[dict]:
+def inversion(pipe, n: int, steps_list, fixed_point: int) -> list[dict]:
     truths = scenes(n, 1, lambda o: True)
     x = torch.cat([pil_to_tensor(render(t, RES))[None] for t in truths])
     rows = []
     for steps in steps_list:
         t0 = time.perf_counter()
-        inv = pipe.invert(x, steps=steps, progress=False)
+        inv = pipe.invert(x, steps=steps, fixed_point=fixed_point, progress=False)
         per = (inv.reconstruction - inv.image).pow(2).flatten(1).mean(1).sqrt()
         rows.append(
             {
                 "steps": steps,
+                "fixed_point": fixed_point,
                 "rmse_mean": round(float(per.mean()), 4),
                 "rmse_max": round(float(per.max()), 4),
                 "psnr_db": round(float((20 * torch.log10(2 / per)).mean()), 2),
@@ -63,7 +64,7 @@ def inversion(pipe, n: int, steps_list) -> list[dict]:
     return rows
 
 
-def text_diff(pipe, n: int, frames: int, steps: int, pictures: Path):
+def text_diff(pipe, n: int, frames: int, steps: int, fixed_point: int, pictures: Path):
     src, dst = "a red circle on the left", "a blue circle on the left"
     truths = scenes(
         n, 2, lambda o: (o["color"], o["shape"], o["position"]) == ("red", "circle", "left")
@@ -73,7 +74,7 @@ def text_diff(pipe, n: int, frames: int, steps: int, pictures: Path):
     rows, errors, thetas = [], [], None
     for i, t in enumerate(truths):
         out = pipe.text_diff(
-            render(t, RES), src, dst, num_steps=frames, steps=steps,
+            render(t, RES), src, dst, num_steps=frames, steps=steps, fixed_point=fixed_point,
             generator=torch.Generator().manual_seed(i), progress=False,
         )  # fmt: skip
         thetas, errors = out.info["theta"], errors + [out.info["inversion_error"]]
@@ -92,6 +93,7 @@ def text_diff(pipe, n: int, frames: int, steps: int, pictures: Path):
         "target": dst,
         "scenes": n,
         "steps": steps,
+        "fixed_point": fixed_point,
         "theta": thetas,
         "target_kept_position_background": [round(float(h) / n, 3) for h in hits],
         "target_color_shape": [round(float(h) / n, 3) for h in target_only],
@@ -190,6 +192,13 @@ def main() -> None:
     p.add_argument("--scenes", type=int, default=16, help="scenes per table")
     p.add_argument("--text-diff-steps", type=int, default=50, help="DDIM steps of the text diff")
     p.add_argument(
+        "--fixed-point",
+        type=int,
+        default=2,
+        help="fixed-point iterations of each inversion step (0: plain DDIM inversion, which the "
+        "tables in docs/editing.md were measured with)",
+    )
+    p.add_argument(
         "--parts",
         default="inversion,text_diff,inpainting,img2img",
         help="tables to measure (comma-separated); others are kept from an existing editing.json",
@@ -205,8 +214,12 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.is_file() else {}
     report.update(model="bundled shapes model", resolution=RES)
     runs = {
-        "inversion": lambda: inversion(pipe, n, [10, 25] if args.quick else [10, 25, 50, 100]),
-        "text_diff": lambda: text_diff(pipe, n, 6, 25 if args.quick else args.text_diff_steps, out),
+        "inversion": lambda: inversion(
+            pipe, n, [10, 25] if args.quick else [10, 25, 50, 100], args.fixed_point
+        ),
+        "text_diff": lambda: text_diff(
+            pipe, n, 6, 25 if args.quick else args.text_diff_steps, args.fixed_point, out
+        ),
         "inpainting": lambda: inpainting(pipe, n, [1, 4], out),
         "img2img": lambda: img2img(pipe, n, [0.2, 0.4, 0.6, 0.8, 1.0], out),
     }

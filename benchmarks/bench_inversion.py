@@ -21,6 +21,7 @@ import time
 import common
 import torch
 
+from unclip import editing
 from unclip.pipeline import UnCLIPPipeline
 from unclip.precision import dtype_name
 from unclip.shapes.world import ShapesWorld
@@ -33,10 +34,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, nargs="+", default=[10, 20, 50])
     p.add_argument("--fixed-point", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--caption-steps", type=int, nargs="*", default=[20])
+    p.add_argument(
+        "--damping",
+        type=float,
+        default=editing.FIXED_POINT_DAMPING,
+        help="how far each iteration moves towards its new solution (the library's: 0.5)",
+    )
     p.add_argument("--out", default="inversion_fixed_point")
     args = p.parse_args(argv)
     started = time.perf_counter()
     torch.set_num_threads(1)
+    editing.FIXED_POINT_DAMPING = args.damping  # a benchmark knob, not a library setting
     pipe = UnCLIPPipeline.from_pretrained(args.model)
     spec = "ShapesWorld(128, seed=5, split='heldout', two_object_prob=0.5)"
     world = ShapesWorld(128, seed=5, split="heldout", two_object_prob=0.5)
@@ -80,6 +88,7 @@ def main(argv=None) -> int:
         "test_image": "ShapesWorld(128, seed=5, split='heldout', two_object_prob=0.0)[0]",
         "autocast_dtype": dtype_name(pipe.autocast_dtype),
         "guidance_scale": 1.0,
+        "damping": args.damping,
         "machine": common.machine(),
         "rows": rows,
     }

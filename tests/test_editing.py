@@ -231,6 +231,7 @@ def test_cli_edit_inpaint_and_text_diff_write_images_grid_and_sidecar(
     assert code == 0
     rec = json.loads((out / "edit.json").read_text())
     assert rec["autocast_dtype"] == "bfloat16" and rec["fixed_point"] == 1
+    assert rec["caption"] is None  # the decoder caption of the inversion and the decode
     assert rec["theta"] == [0.0, 0.5] and rec["inversion_error"] > 0
     assert len(rec["files"]) == 2
     # the decoder ran the inversion's DDIM at --steps, and the record says so

@@ -30,6 +30,7 @@ inpainted lower-resolution image as their condition.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -89,11 +90,10 @@ class EditOutput(UnCLIPOutput):
 @dataclass
 class Inversion:
     """Result of :meth:`EditingMixin.invert`: ``latents [B, 3, s, s]`` (the decoder's ``x_T``),
-    the ``image_embeds [B, D]``, caption and fixed-point iterations it was inverted with, the
-    ``image`` at the decoder's
+    the ``image_embeds [B, D]`` and caption it was inverted with, the ``image`` at the decoder's
     resolution in [-1, 1], its ``reconstruction`` (decoded back from ``latents``, when asked) and
     ``error``, the root-mean-square difference of the two in [-1, 1] units (None without a
-    reconstruction)."""
+    reconstruction), and the ``fixed_point`` iterations of each inverted step."""
 
     latents: torch.Tensor
     image_embeds: torch.Tensor
@@ -101,9 +101,9 @@ class Inversion:
     steps: int
     guidance_scale: float
     caption: Optional[str] = None
-    fixed_point: int = 0
     reconstruction: Optional[torch.Tensor] = None
     error: Optional[float] = None
+    fixed_point: int = 0
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -225,6 +225,19 @@ def ddim_invert_step(out, x_s, a_t: float, a_s: float, prediction_type: str) -> 
     return (x_s - b) / a
 
 
+def _check_fixed_point(value) -> int:
+    """``value`` as the number of fixed-point iterations, or a ValueError naming it."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"invert: fixed_point must be an integer >= 0, got {value!r}")
+    return count
+
+
 def _levels(d: Denoiser) -> list[tuple[float, float]]:
     """``(a_t, a_s)`` of each DDIM step of ``d``'s timesteps: from ``t`` to the next timestep, and
     after the last to the fully denoised level."""
@@ -308,6 +321,7 @@ class EditingMixin:
         ``fixed_point``: damped fixed-point iterations that refine each inverted step, one more
         decoder evaluation each (0: plain DDIM inversion, which can diverge at few steps). With
         ``reconstruct`` the round trip is decoded and its RMSE reported (``Inversion.error``)."""
+        fixed_point = _check_fixed_point(fixed_point)
         x = read_image(image)
         small = at_size(x, self.decoder.config.sample_size).to(self.device)
         if image_embeds is None:
@@ -315,12 +329,12 @@ class EditingMixin:
         embeds = image_embeds.to(self.device).float()
         if embeds.shape[0] != small.shape[0]:
             raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
-        if isinstance(fixed_point, bool) or not isinstance(fixed_point, int) or fixed_point < 0:
-            raise ValueError(f"invert: fixed_point must be an integer >= 0, got {fixed_point!r}")
         s = self._edit_settings(None, check_count(steps, "steps"), guidance_scale)
         d = self._ddim_denoiser(embeds, caption, s)
         latents = self._ddim_run(d, small, True, progress, "invert", fixed_point)
-        inv = Inversion(latents, embeds, small, s.steps, s.guidance_scale, caption, fixed_point)
+        inv = Inversion(
+            latents, embeds, small, s.steps, s.guidance_scale, caption, fixed_point=fixed_point
+        )
         if reconstruct:
             rec = self._ddim_run(d, latents, False, progress, "reconstruct").clamp(-1, 1)
             inv.reconstruction = rec

@@ -1,6 +1,6 @@
 """``unclip edit``: edit images with a pipeline (default: the bundled shapes model).
 
-    unclip edit invert photo.png --steps 50 --out inv/
+    unclip edit invert photo.png --steps 20 --out inv/
     unclip edit text-diff photo.png --source "a red circle on the left" \\
         --target "a blue circle on the left" --frames 5 --out diff/
     unclip edit interpolate a.png b.png --frames 5 --out interp/
@@ -167,6 +167,7 @@ def run(args: argparse.Namespace, argv) -> dict:
         images = to_output(torch.cat([inv.image, inv.reconstruction]), "pil")
         record.update(
             image=args.image,
+            caption=args.caption,
             steps=inv.steps,
             guidance_scale=inv.guidance_scale,
             fixed_point=inv.fixed_point,
@@ -243,6 +244,7 @@ def run(args: argparse.Namespace, argv) -> dict:
             }
             record["sampling"].pop("prior", None)
             record["fixed_point"] = args.fixed_point
+            record["caption"] = args.caption
     record["resolution"] = images[-1].size[0]
     record["seconds"] = round(time.perf_counter() - t0, 3)
     return _save(images, folder, record)
