@@ -259,57 +259,80 @@ def _stage_config(step, load=None):
     return load(step.argv[i], step.argv[i + 1 : step.argv.index("--output-dir")])
 
 
-def test_the_two_recipes_decoders(tmp_path):
+def test_the_recipes_steps(tmp_path):
     from unclip.shapes.train_clip import load_clip_train_config
 
-    full = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs())}
-    pairs = _stage_config(full["decoder_pairs"])
-    assert pairs.train.init_weights == str(tmp_path / "decoder" / "final" / "decoder")
-    assert pairs.data.shapes_two_object_prob == 0.6 and pairs.train.max_steps == 4000
-    assert pairs.repa is None  # a fresh alignment head would pull a trained decoder back (lever 18)
-    assert full["decoder_pairs"].output == tmp_path / "decoder_pairs" / "final" / "decoder"
-    assert "decoder_pairs" in full["assemble"].after
-    # the reranking CLIP: hard negatives, on the upsamplers' core, assembled as the reranker
-    rank = full["reranker"]
+    def steps(name):
+        got = recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe=name)
+        return {s.name: s for s in got}
+
+    full, ranked, hour = steps("shapes-one-clip"), steps("shapes"), steps("shapes-1h")
+    for each in (full, ranked):
+        pairs = _stage_config(each["decoder_pairs"])
+        assert pairs.train.init_weights == str(tmp_path / "decoder" / "final" / "decoder")
+        assert pairs.data.shapes_two_object_prob == 0.6 and pairs.train.max_steps == 4000
+        assert pairs.repa is None  # a fresh alignment head would pull a trained decoder back
+        assert each["decoder_pairs"].output == tmp_path / "decoder_pairs" / "final" / "decoder"
+        assert each["decoder_pairs"].after == ("decoder",)
+        assert "decoder_pairs" in each["assemble"].after
+    # shapes-one-clip: one CLIP with relation and colour-swap hard negatives conditions and
+    # reranks; both decoder runs in bf16 where the CPU runs it natively
+    clip_cfg = _stage_config(full["clip"], load_clip_train_config)
+    assert clip_cfg.data.hard_negatives == 0.25
+    assert clip_cfg.data.pair_negatives == {"swap": 0.5, "relation": 0.5}
+    assert "reranker" not in full and "--reranker" not in full["assemble"].argv
+    assert full["finalize"].argv[-2:] == ["--closed-vocabulary", "clip"]
+    for name in ("decoder", "decoder_pairs"):
+        assert _stage_config(full[name]).train.mixed_precision == "auto"
+        assert _stage_config(ranked[name]).train.mixed_precision == "no"  # the config's
+    # shapes (lever 22): the CLIP without hard negatives conditions, a second CLIP with
+    # them, on the upsamplers' core, is assembled as the reranker
+    assert _stage_config(ranked["clip"], load_clip_train_config).data.hard_negatives == 0.0
+    rank = ranked["reranker"]
     rank_cfg = _stage_config(rank, load_clip_train_config)
     assert rank.argv[rank.argv.index("unclip.cli") + 1] == "train-clip"
     assert rank_cfg.data.hard_negatives == 0.25
     assert rank_cfg.data.pair_negatives == {"swap": 0.5, "relation": 0.5}
     assert rank.wait_for == ("sr128",) and rank.after == ()
     assert rank.output == tmp_path / "reranker" / "final" / "clip"
-    argv = full["assemble"].argv
+    argv = ranked["assemble"].argv
     assert argv[argv.index("--reranker") + 1] == str(rank.output)
-    assert "reranker" in full["assemble"].after
-    assert full["finalize"].argv[-4:] == [
+    assert "reranker" in ranked["assemble"].after
+    assert ranked["finalize"].argv[-4:] == [
         "--closed-vocabulary",
         "clip",
         "--closed-vocabulary",
         "reranker",
     ]
-
-    hour = {
-        s.name: s
-        for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-1h")
-    }
     assert "decoder_pairs" not in hour and "decoder" in hour["assemble"].after
     assert "reranker" not in hour and "--reranker" not in hour["assemble"].argv
     assert hour["finalize"].argv[-2:] == ["--closed-vocabulary", "clip"]
-    for steps in (full, hour):  # both recipes' first decoder run is lever 19's aligned one
-        cfg = _stage_config(steps["decoder"])
+    assert _stage_config(hour["clip"], load_clip_train_config).data.hard_negatives == 0.0
+    for each in (full, ranked, hour):  # every recipe's first decoder run is lever 19's aligned one
+        cfg = _stage_config(each["decoder"])
         assert (cfg.repa.weight, cfg.repa.clip_layer) == (0.05, "layer1")
         assert (cfg.data.shapes_two_object_prob, cfg.train.max_steps) == (0.5, 4600)
-    for steps in (full, hour):
-        assert steps["sr128"].wait_for == ("sr64",) and steps["sr128"].after == ()
-        assert steps["prior"].after == ("clip",) and steps["decoder"].after == ("clip",)
-        assert steps["finalize"].after == ("assemble",)
-    assert full["decoder_pairs"].after == ("decoder",)
+        assert each["sr128"].wait_for == ("sr64",) and each["sr128"].after == ()
+        assert each["prior"].after == ("clip",) and each["decoder"].after == ("clip",)
+        assert each["finalize"].after == ("assemble",)
+    one = recipe.training_steps("shapes-one-clip")
+    assert one == (*recipe.BASE_STEPS, "decoder", "decoder_pairs")  # the CLIP once
     with pytest.raises(recipe.RecipeError, match="unknown step 'decoder_pairs'"):
         recipe.parse_overrides(["decoder_pairs:train.lr=1"], recipe.training_steps("shapes-1h"))
     with pytest.raises(recipe.RecipeError, match="unknown step 'reranker'"):
-        recipe.parse_overrides(["reranker:train.lr=1"], recipe.training_steps("shapes-1h"))
-    mine = recipe.parse_overrides(["reranker:train.max_steps=7"], recipe.training_steps("shapes"))
-    ranked = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), mine)}
-    assert _stage_config(ranked["reranker"], load_clip_train_config).train.max_steps == 7
+        recipe.parse_overrides(["reranker:train.lr=1"], one)
+    mine = recipe.parse_overrides(
+        ["reranker:train.max_steps=7", "clip:data.hard_negatives=0.5"],
+        recipe.training_steps("shapes"),
+    )
+    got = {s.name: s for s in recipe.shapes_steps(tmp_path, recipe.default_configs(), mine)}
+    assert _stage_config(got["reranker"], load_clip_train_config).train.max_steps == 7
+    assert _stage_config(got["clip"], load_clip_train_config).data.hard_negatives == 0.5
+    mine = recipe.parse_overrides(["clip:data.hard_negatives=0.5"], one)
+    got = recipe.shapes_steps(tmp_path, recipe.default_configs(), mine, recipe="shapes-one-clip")
+    got = {s.name: s for s in got}
+    # the user's setting comes after the recipe's own, so it wins
+    assert _stage_config(got["clip"], load_clip_train_config).data.hard_negatives == 0.5
     with pytest.raises(recipe.RecipeError, match="unknown recipe 'shapes-2h'; the recipes are"):
         recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-2h")
 

@@ -5,11 +5,11 @@ Every step is one of the project's own commands, run as a subprocess with its lo
 two lanes run side by side:
 
 - A: CLIP (``train-clip``) → the decoder (``train-decoder``, ``torchrun`` with 2 processes) beside
-  the prior (``train-prior``) → in ``shapes``, the decoder fine-tuned on mostly two-object scenes
-  (``shapes-1h`` trains one decoder instead: :data:`RECIPES`);
+  the prior (``train-prior``) → in ``shapes`` and ``shapes-one-clip``, the decoder fine-tuned on
+  mostly two-object scenes (``shapes-1h`` trains one decoder instead: :data:`RECIPES`);
 - B: the upsampler 32 → 64, then 64 → 128 (``train-decoder``), which need no CLIP, while the CLIP
-  trains; then, in ``shapes``, the reranking CLIP (``train-clip`` with hard negatives), which
-  chooses among the decoder's candidates;
+  trains; then, in ``shapes``, a second CLIP (``train-clip`` with hard negatives), which chooses
+  among the decoder's candidates;
 
 then ``assemble`` and ``shapes-finalize`` (default sampling settings, fp16 weights). Each finished
 step's wall-clock seconds go to ``OUT/timings.tsv`` with a fingerprint of what it ran (its command
@@ -118,21 +118,36 @@ _ALIGNED_DECODER = (
     "data.shapes_two_object_prob=0.5",
     "train.max_steps=4600",
 )
-#: the recipes' own training steps after :data:`BASE_STEPS`, with their settings. ``shapes`` trains
-#: the decoder from scratch with representation alignment to the CLIP's layer1, fine-tunes it on
-#: 60 % two-object scenes, and trains a second CLIP with relation and colour-swap hard negatives
-#: that reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19 and 21);
-#: ``shapes-1h`` is the first decoder run alone (lever 19), with far fewer two-object scenes right
+#: the relation-reading CLIP of lever 21: a quarter of each batch hard negatives, two-object scenes
+#: with the colours swapped or another relation
+_RELATION_CLIP = ("data.hard_negatives=0.25", "data.pair_negatives={swap: 0.5, relation: 0.5}")
+#: lever 21's fine-tune of the aligned decoder on 60 % two-object scenes
+_PAIRS_FINE_TUNE = (
+    "data.shapes_two_object_prob=0.6",
+    "train.max_steps=4000",
+    "train.lr=4e-4",
+    "train.warmup_steps=200",
+)
+#: bf16 autocast where the CPU runs it natively, fp32 elsewhere (about 1.2x per decoder sample)
+_BF16 = ("train.mixed_precision=auto",)
+#: the recipes' own training steps and their settings (a base step's settings come before the
+#: config overrides of ``--set``). ``shapes`` (the bundled weights) trains the decoder from
+#: scratch aligned to the CLIP's layer1, fine-tunes it on 60 % two-object scenes, and trains a
+#: second CLIP with relation and colour-swap hard negatives that reranks the decoder's candidates
+#: (docs/shapes_model.md, levers 18, 19, 21 and 22); ``shapes-one-clip`` trains only that second
+#: CLIP, which then conditions the prior and decoder too, and both decoder runs in bf16 where
+#: native (lever 23: 12 minutes less, fewer prompts right); ``shapes-1h`` is lever 19's first
+#: decoder run alone, with far fewer two-object scenes right
 RECIPES = {
     "shapes": {
         "decoder": _ALIGNED_DECODER,
-        "decoder_pairs": (
-            "data.shapes_two_object_prob=0.6",
-            "train.max_steps=4000",
-            "train.lr=4e-4",
-            "train.warmup_steps=200",
-        ),
-        "reranker": ("data.hard_negatives=0.25", "data.pair_negatives={swap: 0.5, relation: 0.5}"),
+        "decoder_pairs": _PAIRS_FINE_TUNE,
+        "reranker": _RELATION_CLIP,
+    },
+    "shapes-one-clip": {
+        "clip": _RELATION_CLIP,
+        "decoder": (*_ALIGNED_DECODER, *_BF16),
+        "decoder_pairs": (*_PAIRS_FINE_TUNE, *_BF16),
     },
     "shapes-1h": {"decoder": _ALIGNED_DECODER},
 }
@@ -147,7 +162,7 @@ def _own_steps(recipe: str) -> dict:
 
 def training_steps(recipe: str) -> tuple:
     """The training steps of ``recipe``, which ``--set`` may name."""
-    return (*BASE_STEPS, *_own_steps(recipe))
+    return (*BASE_STEPS, *(s for s in _own_steps(recipe) if s not in BASE_STEPS))
 
 
 #: every recipe's training steps, in order
@@ -202,7 +217,7 @@ def shapes_steps(
         decoder += ["--nproc_per_node", str(processes), "-m", "unclip.cli.train_decoder"]
     pipeline = out / "pipeline"
     steps = [
-        train("clip", command("train-clip"), "clip.yaml"),
+        train("clip", command("train-clip"), "clip.yaml", *own.get("clip", ())),
         train("sr64", command("train-decoder"), "sr64.yaml"),
         # one after the other, so the CLIP, which the decoder and prior wait for, has a core
         train("sr128", command("train-decoder"), "sr128.yaml", wait_for=["sr64"]),
