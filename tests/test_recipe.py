@@ -259,7 +259,7 @@ def _stage_config(step, load=None):
     return load(step.argv[i], step.argv[i + 1 : step.argv.index("--output-dir")])
 
 
-def test_the_recipes_steps(tmp_path):
+def test_the_recipes_steps(tmp_path, monkeypatch):
     from unclip.shapes.train_clip import load_clip_train_config
 
     def steps(name):
@@ -319,8 +319,9 @@ def test_the_recipes_steps(tmp_path):
     assert one == (*recipe.BASE_STEPS, "decoder", "decoder_pairs")  # the CLIP once
     with pytest.raises(recipe.RecipeError, match="unknown step 'decoder_pairs'"):
         recipe.parse_overrides(["decoder_pairs:train.lr=1"], recipe.training_steps("shapes-1h"))
-    with pytest.raises(recipe.RecipeError, match="unknown step 'reranker'"):
-        recipe.parse_overrides(["reranker:train.lr=1"], one)
+    for steps in (one, recipe.training_steps("shapes-1h")):
+        with pytest.raises(recipe.RecipeError, match="unknown step 'reranker'"):
+            recipe.parse_overrides(["reranker:train.lr=1"], steps)
     mine = recipe.parse_overrides(
         ["reranker:train.max_steps=7", "clip:data.hard_negatives=0.5"],
         recipe.training_steps("shapes"),
@@ -335,6 +336,13 @@ def test_the_recipes_steps(tmp_path):
     assert _stage_config(got["clip"], load_clip_train_config).data.hard_negatives == 0.5
     with pytest.raises(recipe.RecipeError, match="unknown recipe 'shapes-2h'; the recipes are"):
         recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-2h")
+    # a recipe's settings reach every base step it names
+    own = {name: ("train.max_steps=3",) for name in recipe.BASE_STEPS}
+    monkeypatch.setitem(recipe.RECIPES, "shapes-test", {**own, "decoder": ()})
+    got = recipe.shapes_steps(tmp_path, recipe.default_configs(), recipe="shapes-test")
+    for step in got:
+        if step.name in recipe.BASE_STEPS:
+            assert "train.max_steps=3" in step.argv, step.name
 
 
 def _run_recipe(cmd, timeout=400):

@@ -218,10 +218,23 @@ def shapes_steps(
     pipeline = out / "pipeline"
     steps = [
         train("clip", command("train-clip"), "clip.yaml", *own.get("clip", ())),
-        train("sr64", command("train-decoder"), "sr64.yaml"),
+        train("sr64", command("train-decoder"), "sr64.yaml", *own.get("sr64", ())),
         # one after the other, so the CLIP, which the decoder and prior wait for, has a core
-        train("sr128", command("train-decoder"), "sr128.yaml", wait_for=["sr64"]),
-        train("prior", command("train-prior"), "prior.yaml", clip_weights, after=["clip"]),
+        train(
+            "sr128",
+            command("train-decoder"),
+            "sr128.yaml",
+            *own.get("sr128", ()),
+            wait_for=["sr64"],
+        ),
+        train(
+            "prior",
+            command("train-prior"),
+            "prior.yaml",
+            clip_weights,
+            *own.get("prior", ()),
+            after=["clip"],
+        ),
         train("decoder", decoder, "decoder.yaml", clip_weights, *own["decoder"], after=["clip"]),
     ]
     last = "decoder"
