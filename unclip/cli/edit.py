@@ -155,15 +155,12 @@ def run(args: argparse.Namespace, argv) -> dict:
         "command": ["unclip", "edit", *argv],
     }
     t0 = time.perf_counter()
+    # the decoder's DDIM of the inversion-based edits: the inversion and the decode from it
+    ddim = {}
+    if args.edit in ("invert", "text-diff", "interpolate"):
+        ddim = {k: getattr(args, k) for k in ("steps", "guidance_scale", "caption", "fixed_point")}
     if args.edit == "invert":
-        inv = pipe.invert(
-            args.image,
-            args.caption,
-            args.steps,
-            args.guidance_scale,
-            progress=progress,
-            fixed_point=args.fixed_point,
-        )
+        inv = pipe.invert(args.image, progress=progress, **ddim)
         images = to_output(torch.cat([inv.image, inv.reconstruction]), "pil")
         record.update(
             image=args.image,
@@ -188,25 +185,14 @@ def run(args: argparse.Namespace, argv) -> dict:
                 args.target,
                 args.frames,
                 args.max_theta,
-                args.steps,
-                args.guidance_scale,
-                args.caption,
                 generator=gen,
-                fixed_point=args.fixed_point,
+                **ddim,
                 **common,
             )
             record.update(image=args.image, source=args.source, target=args.target)
         elif args.edit == "interpolate":
             out = pipe.interpolate_inverted(
-                args.start,
-                args.end,
-                args.frames,
-                args.steps,
-                args.guidance_scale,
-                generator=gen,
-                caption=args.caption,
-                fixed_point=args.fixed_point,
-                **common,
+                args.start, args.end, args.frames, generator=gen, **ddim, **common
             )
             record.update(start=args.start, end=args.end)
         elif args.edit == "inpaint":
@@ -243,8 +229,7 @@ def run(args: argparse.Namespace, argv) -> dict:
                 "best_of": 1,
             }
             record["sampling"].pop("prior", None)
-            record["fixed_point"] = args.fixed_point
-            record["caption"] = args.caption
+            record.update(fixed_point=ddim["fixed_point"], caption=ddim["caption"])
     record["resolution"] = images[-1].size[0]
     record["seconds"] = round(time.perf_counter() - t0, 3)
     return _save(images, folder, record)

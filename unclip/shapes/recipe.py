@@ -200,7 +200,9 @@ def shapes_steps(
         return [py, "-m", "unclip.cli", name]
 
     def train(name: str, launcher: list, config: str, *settings: str, after=(), wait_for=()):
-        argv = [*launcher, str(configs / config), *settings, *overrides.get(name, ())]
+        # the step's paths, then the recipe's own settings for it, then the user's --set
+        mine = (*settings, *own.get(name, ()), *overrides.get(name, ()))
+        argv = [*launcher, str(configs / config), *mine]
         argv += ["--output-dir", str(out / name), "--resume", "latest"]
         # every training command exports to <output_dir>/final/<the component it trains>; a
         # CLIP config trains a CLIP whatever the step's name (the reranker)
@@ -217,44 +219,24 @@ def shapes_steps(
         decoder += ["--nproc_per_node", str(processes), "-m", "unclip.cli.train_decoder"]
     pipeline = out / "pipeline"
     steps = [
-        train("clip", command("train-clip"), "clip.yaml", *own.get("clip", ())),
-        train("sr64", command("train-decoder"), "sr64.yaml", *own.get("sr64", ())),
+        train("clip", command("train-clip"), "clip.yaml"),
+        train("sr64", command("train-decoder"), "sr64.yaml"),
         # one after the other, so the CLIP, which the decoder and prior wait for, has a core
-        train(
-            "sr128",
-            command("train-decoder"),
-            "sr128.yaml",
-            *own.get("sr128", ()),
-            wait_for=["sr64"],
-        ),
-        train(
-            "prior",
-            command("train-prior"),
-            "prior.yaml",
-            clip_weights,
-            *own.get("prior", ()),
-            after=["clip"],
-        ),
-        train("decoder", decoder, "decoder.yaml", clip_weights, *own["decoder"], after=["clip"]),
+        train("sr128", command("train-decoder"), "sr128.yaml", wait_for=["sr64"]),
+        train("prior", command("train-prior"), "prior.yaml", clip_weights, after=["clip"]),
+        train("decoder", decoder, "decoder.yaml", clip_weights, after=["clip"]),
     ]
     last = "decoder"
     if "decoder_pairs" in own:
         init = _path_setting("train.init_weights", final("decoder", "decoder"))
-        pairs = own["decoder_pairs"]
         steps.append(
-            train(
-                "decoder_pairs", decoder, "decoder.yaml", clip_weights, init, *pairs, after=[last]
-            )
+            train("decoder_pairs", decoder, "decoder.yaml", clip_weights, init, after=[last])
         )
         last = "decoder_pairs"
     ranks = []  # assemble's arguments for a reranking CLIP
     if "reranker" in own:
         # after the upsamplers, on their core, so the CLIP that the decoder waits for has the other
-        steps.append(
-            train(
-                "reranker", command("train-clip"), "clip.yaml", *own["reranker"], wait_for=["sr128"]
-            )
-        )
+        steps.append(train("reranker", command("train-clip"), "clip.yaml", wait_for=["sr128"]))
         ranks = ["--reranker", str(final("reranker", "clip"))]
     return steps + [
         Step(
