@@ -267,8 +267,8 @@ def test_cli_edit_reports_a_mask_of_the_wrong_size_in_one_line(tiny_pipe, tmp_pa
 
 def test_bundled_model_inverts_a_shapes_image():
     """DDIM inversion through the bundled decoder reconstructs a held-out image closely at 20
-    steps from the empty caption, thanks to the default fixed-point refinement: plain DDIM
-    inversion diverges on this image (docs/editing.md)."""
+    steps from the empty caption, and still well at 10, thanks to the default fixed-point
+    refinement: plain DDIM inversion diverges on this image at 10 steps (docs/editing.md)."""
     from unclip.pipeline import UnCLIPPipeline
     from unclip.shapes.world import ShapesWorld
 
@@ -277,4 +277,6 @@ def test_bundled_model_inverts_a_shapes_image():
     # RMSE in [-1, 1] units; a decode from noise is far off
     assert pipe.invert(sample.image, steps=20, progress=False).error < 0.05
     assert pipe.invert(sample.image, sample.caption, steps=20, progress=False).error < 0.05
-    assert pipe.invert(sample.image, steps=20, fixed_point=0, progress=False).error > 0.5
+    # measured 0.045 refined and 1.55 plain, in bf16 and in fp32
+    assert pipe.invert(sample.image, steps=10, progress=False).error < 0.1
+    assert pipe.invert(sample.image, steps=10, fixed_point=0, progress=False).error > 0.5

@@ -276,15 +276,18 @@ def test_the_recipes_steps(tmp_path, monkeypatch):
         assert each["decoder_pairs"].after == ("decoder",)
         assert "decoder_pairs" in each["assemble"].after
     # shapes-one-clip: one CLIP with relation and colour-swap hard negatives conditions and
-    # reranks; both decoder runs in bf16 where the CPU runs it natively
+    # reranks
     clip_cfg = _stage_config(full["clip"], load_clip_train_config)
     assert clip_cfg.data.hard_negatives == 0.25
     assert clip_cfg.data.pair_negatives == {"swap": 0.5, "relation": 0.5}
     assert "reranker" not in full and "--reranker" not in full["assemble"].argv
     assert full["finalize"].argv[-2:] == ["--closed-vocabulary", "clip"]
+    # both decoder runs in bf16 where the CPU runs it natively (levers 23 and 24); the first
+    # decoder run alone (shapes-1h) keeps the config's fp32
     for name in ("decoder", "decoder_pairs"):
         assert _stage_config(full[name]).train.mixed_precision == "auto"
-        assert _stage_config(ranked[name]).train.mixed_precision == "no"  # the config's
+        assert _stage_config(ranked[name]).train.mixed_precision == "auto"
+    assert _stage_config(hour["decoder"]).train.mixed_precision == "no"
     # shapes (lever 22): the CLIP without hard negatives conditions, a second CLIP with
     # them, on the upsamplers' core, is assembled as the reranker
     assert _stage_config(ranked["clip"], load_clip_train_config).data.hard_negatives == 0.0

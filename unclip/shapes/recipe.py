@@ -132,16 +132,16 @@ _PAIRS_FINE_TUNE = (
 _BF16 = ("train.mixed_precision=auto",)
 #: the recipes' own training steps and their settings (a base step's settings come before the
 #: config overrides of ``--set``). ``shapes`` (the bundled weights) trains the decoder from
-#: scratch aligned to the CLIP's layer1, fine-tunes it on 60 % two-object scenes, and trains a
-#: second CLIP with relation and colour-swap hard negatives that reranks the decoder's candidates
-#: (docs/shapes_model.md, levers 18, 19, 21 and 22); ``shapes-one-clip`` trains only that second
-#: CLIP, which then conditions the prior and decoder too, and both decoder runs in bf16 where
-#: native (lever 23: 12 minutes less, fewer prompts right); ``shapes-1h`` is lever 19's first
-#: decoder run alone, with far fewer two-object scenes right
+#: scratch aligned to the CLIP's layer1, fine-tunes it on 60 % two-object scenes, both in bf16
+#: where native, and trains a second CLIP with relation and colour-swap hard negatives that
+#: reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19, 21, 22 and 24);
+#: ``shapes-one-clip`` trains only that second CLIP, which then conditions the prior and decoder
+#: too (lever 23: no faster, fewer prompts right); ``shapes-1h`` is lever 19's first decoder run
+#: alone, in fp32, with far fewer two-object scenes right
 RECIPES = {
     "shapes": {
-        "decoder": _ALIGNED_DECODER,
-        "decoder_pairs": _PAIRS_FINE_TUNE,
+        "decoder": (*_ALIGNED_DECODER, *_BF16),
+        "decoder_pairs": (*_PAIRS_FINE_TUNE, *_BF16),
         "reranker": _RELATION_CLIP,
     },
     "shapes-one-clip": {
