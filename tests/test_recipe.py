@@ -288,7 +288,7 @@ def test_the_recipes_steps(tmp_path, monkeypatch):
         assert _stage_config(full[name]).train.mixed_precision == "auto"
         assert _stage_config(ranked[name]).train.mixed_precision == "auto"
     assert _stage_config(hour["decoder"]).train.mixed_precision == "no"
-    # shapes (lever 22): the CLIP without hard negatives conditions, a second CLIP with
+    # shapes (levers 22 and 24): the CLIP without hard negatives conditions, a second CLIP with
     # them, on the upsamplers' core, is assembled as the reranker
     assert _stage_config(ranked["clip"], load_clip_train_config).data.hard_negatives == 0.0
     rank = ranked["reranker"]

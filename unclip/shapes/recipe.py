@@ -136,7 +136,7 @@ _BF16 = ("train.mixed_precision=auto",)
 #: where native, and trains a second CLIP with relation and colour-swap hard negatives that
 #: reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19, 21, 22 and 24);
 #: ``shapes-one-clip`` trains only that second CLIP, which then conditions the prior and decoder
-#: too (lever 23: no faster, fewer prompts right); ``shapes-1h`` is lever 19's first decoder run
+#: too (lever 23: 79.7 min, fewer prompts right); ``shapes-1h`` is lever 19's first decoder run
 #: alone, in fp32, with far fewer two-object scenes right
 RECIPES = {
     "shapes": {
