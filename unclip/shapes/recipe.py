@@ -130,6 +130,11 @@ _PAIRS_FINE_TUNE = (
 )
 #: bf16 autocast where the CPU runs it natively, fp32 elsewhere (about 1.2x per decoder sample)
 _BF16 = ("train.mixed_precision=auto",)
+#: the aligned decoder and its two-object fine-tune, both in bf16 where native (levers 23 and 24)
+_BF16_DECODERS = {
+    "decoder": (*_ALIGNED_DECODER, *_BF16),
+    "decoder_pairs": (*_PAIRS_FINE_TUNE, *_BF16),
+}
 #: the recipes' own training steps and their settings (a base step's settings come before the
 #: config overrides of ``--set``). ``shapes`` (the bundled weights) trains the decoder from
 #: scratch aligned to the CLIP's layer1, fine-tunes it on 60 % two-object scenes, both in bf16
@@ -139,16 +144,8 @@ _BF16 = ("train.mixed_precision=auto",)
 #: too (lever 23: 79.7 min, fewer prompts right); ``shapes-1h`` is lever 19's first decoder run
 #: alone, in fp32, with far fewer two-object scenes right
 RECIPES = {
-    "shapes": {
-        "decoder": (*_ALIGNED_DECODER, *_BF16),
-        "decoder_pairs": (*_PAIRS_FINE_TUNE, *_BF16),
-        "reranker": _RELATION_CLIP,
-    },
-    "shapes-one-clip": {
-        "clip": _RELATION_CLIP,
-        "decoder": (*_ALIGNED_DECODER, *_BF16),
-        "decoder_pairs": (*_PAIRS_FINE_TUNE, *_BF16),
-    },
+    "shapes": {**_BF16_DECODERS, "reranker": _RELATION_CLIP},
+    "shapes-one-clip": {"clip": _RELATION_CLIP, **_BF16_DECODERS},
     "shapes-1h": {"decoder": _ALIGNED_DECODER},
 }
 
