@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune on two-object scenes, in bf16 where native, and a reranking CLIP); "
         "shapes-one-clip: the reranking CLIP conditions too (79.7 min in its one run, on the "
         "Zen 4; fewer prompts right); shapes-1h: the first decoder run alone, in fp32 (71 min in "
-        "its one run, on an earlier host; far fewer two-object scenes right)",
+        "its one run, on the Zen 4; far fewer two-object scenes right)",
     )
     p.add_argument("out", help="output folder: one folder per step, logs/, timings.tsv, pipeline/")
     p.add_argument(
