@@ -20,6 +20,17 @@ Network calls per image:
 ``candidates × m + steps − m``. With ``--contrast NAME`` (default ``shapes``; ``none`` to skip) each
 choice is made a second time by contrastive reranking (the decoder's ``rerank_contrast``: the
 CLIP's log-probability of the prompt among its alternatives), rows marked ``contrast``.
+
+Pruning (the decoder's ``prune_at`` / ``prune_keep``): ``--prune P:R`` adds a row per
+``--choose-at M`` that keeps each prompt's ``R`` best candidates after step ``P`` and chooses one
+of them after step ``M`` (``candidates × P + R × (M − P) + steps − M`` calls), read from the same
+run.
+``--subsets K`` adds rows for the first ``K`` candidates alone, chosen after each ``--choose-at``
+step: the same draws a run with ``best_of = K`` makes, so settings of equal cost compare on one
+set of candidates.
+
+    python benchmarks/bench_rerank_at.py --num 200 --candidates 32 --contrast shapes-pairs \
+        --prune 4:8 --prune 3:12 --subsets 16 24 --choose-at 6 --out bench_rerank_prune
 """
 
 from __future__ import annotations
@@ -78,6 +89,20 @@ def decode_all(pipe, captions, k, steps, seed):
     return x.clamp(-1, 1).view(n, k, *x.shape[1:]), x0s
 
 
+def parse_prune(parser, spec: str, args) -> tuple[int, int]:
+    """``--prune P:R`` → ``(P, R)``, checked against the run's steps and candidates."""
+    try:
+        at, r = (int(v) for v in spec.split(":"))
+    except ValueError:
+        parser.error(f"--prune takes STEP:KEEP (e.g. 4:8), got {spec!r}")
+    if not (1 <= at < args.steps and 1 <= r < args.candidates):
+        parser.error(
+            f"--prune {spec}: the step must be below --steps ({args.steps}) and the number kept "
+            f"below --candidates ({args.candidates})"
+        )
+    return at, r
+
+
 def summary(images, captions) -> dict:
     rep = evaluate_images(to_output(images, "np"), captions)
     out = {"single_all": rep["single"]["all"], "pair_all": rep["pair"]["all"]}
@@ -105,6 +130,22 @@ def main(argv=None) -> int:
         choices=[*RERANK_CONTRASTS, "none"],
         help="also choose by this rerank_contrast (default: %(default)s)",
     )
+    p.add_argument(
+        "--prune",
+        action="append",
+        default=[],
+        metavar="P:R",
+        help="also keep the R best candidates after step P, then choose after each --choose-at",
+    )
+    p.add_argument(
+        "--subsets",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="K",
+        help="also choose among the first K candidates alone after each --choose-at step",
+    )
+    p.add_argument("--choose-at", type=int, nargs="*", default=[6], metavar="M")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench_rerank_at")
     args = p.parse_args(argv)
@@ -114,6 +155,11 @@ def main(argv=None) -> int:
             args.out = "bench_rerank_at_quick"
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")
+    prunes = [parse_prune(p, spec, args) for spec in args.prune]
+    if any(not 1 <= m <= args.steps for m in args.choose_at):
+        p.error(f"--choose-at: steps from 1 to --steps ({args.steps})")
+    if any(not 1 < sub < args.candidates for sub in args.subsets):
+        p.error(f"--subsets: counts between 2 and --candidates ({args.candidates}) exclusive")
     started = time.perf_counter()
     pipe = common.fp32_pipeline(args.model)
     captions = [s.caption for s in heldout_samples(args.num, seed=args.prompt_seed)]
@@ -154,6 +200,29 @@ def main(argv=None) -> int:
         table[f"rerank_at {m}"] = {**row, "calls": k * m + steps - m}
         if contrast:
             contrast_row(pred, f"rerank_at {m}", k * m + steps - m)
+    flat = finals.flatten(0, 1)
+    for m in args.choose_at:
+        pred = torch.cat(x0s[m])
+        for sub in args.subsets:
+            keep = rerank_candidates(
+                pipe.rerank_clip, pred[:, :sub].flatten(0, 1), captions, sub, contrast
+            )
+            table[f"first {sub} candidates, rerank_at {m}"] = {
+                **summary(finals[:, :sub].flatten(0, 1)[keep], captions),
+                "calls": sub * m + steps - m,
+            }
+        for at, r in prunes:
+            if at >= m:
+                continue
+            early = torch.cat(x0s[at]).flatten(0, 1)
+            kept = rerank_candidates(pipe.rerank_clip, early, captions, k, contrast, keep=r)
+            chosen = kept[
+                rerank_candidates(pipe.rerank_clip, pred.flatten(0, 1)[kept], captions, r, contrast)
+            ]
+            table[f"prune_at {at} to {r}, rerank_at {m}"] = {
+                **summary(flat[chosen], captions),
+                "calls": k * at + r * (m - at) + steps - m,
+            }
     right = torch.zeros(n, k, dtype=torch.bool)
     for j in range(k):
         for i, image in enumerate(to_output(finals[:, j], "np")):

@@ -167,3 +167,9 @@ def test_decoder_rerank_at_flag_sets_or_clears_the_models_setting():
     assert sampling_overrides(p.parse_args(["a cat", "--decoder-rerank-contrast", "none"])) == {
         "decoder": {"rerank_contrast": None}
     }
+    args = ["a cat", "--decoder-prune-at", "3", "--decoder-prune-keep", "8"]
+    assert sampling_overrides(p.parse_args(args)) == {"decoder": {"prune_at": 3, "prune_keep": 8}}
+    # 'none' turns pruning off as a whole, so the model's prune_keep is not left alone
+    assert sampling_overrides(p.parse_args(["a cat", "--decoder-prune-at", "none"])) == {
+        "decoder": {"prune_at": None, "prune_keep": None}
+    }

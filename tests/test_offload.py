@@ -223,6 +223,15 @@ def test_rerank_at_under_offload_on_fake_cuda(tmp_path):
         )
         assert out.images.shape == (2, 3, 32, 32) and out.stage_images["decoder"].shape[0] == 2
         assert pipe.model_cpu_offload.loads["decoder"] == 2  # before and after the choice
+        # pruning first: the decoder comes back after each of the two choices
+        pruned = {**sampling["decoder"], "best_of": 3, "prune_at": 1, "prune_keep": 2}
+        out = pipe(
+            ["a red circle"],
+            sampling={**sampling, "decoder": {**pruned, "rerank_at": 2}, "sr32": {"steps": 2}},
+            output_type="pt",
+            progress=False,
+        )
+        assert out.images.shape == (1, 3, 32, 32) and pipe.model_cpu_offload.loads["decoder"] == 5
         # contrastive reranking on the reranking CLIP's GPU copy (its logit scale included)
         from unclip.sampling import RERANK_CONTRASTS
         from unclip.shapes.world import shapes_contrast

@@ -66,6 +66,15 @@ def test_save_load_identical(tiny_pipe, tmp_path):
         config = json.loads((tmp_path / "q" / name / "config.json").read_text())
         assert config["_name_or_path"] == name, config["_name_or_path"]
     assert str(tmp_path) not in "".join(f.read_text() for f in (tmp_path / "q").rglob("*.json"))
+    # pruning is left out of the file while off, so the folder loads where it is not known; set,
+    # it is saved and loaded back
+    assert all("prune_at" not in s and "prune_keep" not in s for s in index["sampling"].values())
+    again.sampling["decoder"].prune_at, again.sampling["decoder"].prune_keep = 1, 2
+    again.save_pretrained(tmp_path / "r")
+    saved = json.loads((tmp_path / "r" / "unclip.json").read_text())["sampling"]["decoder"]
+    assert (saved["prune_at"], saved["prune_keep"]) == (1, 2)
+    loaded = UnCLIPPipeline.from_pretrained(tmp_path / "r", **EXACT).sampling["decoder"]
+    assert (loaded.prune_at, loaded.prune_keep) == (1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +158,13 @@ def test_rerank_keeps_best_clip_candidate(tiny_pipe):
     assert torch.equal(run(stored, prompts=prompt, seeds=(7,)).images, kept.images)
     assert tiny_pipe.rerank(small, prompt * 3, 1).tolist() == [0, 1, 2]
     assert tiny_pipe.rerank(small, prompt[0], 3).tolist() == [int(scores.argmax())]
+    # keep: each group's best two, in their original order, so they form groups again
+    top2 = sorted(scores.topk(2).indices.tolist())
+    assert tiny_pipe.rerank(torch.cat([small, small]), prompt[0], 3, keep=2).tolist() == [
+        *top2,
+        *(i + 3 for i in top2),
+    ]
+    assert tiny_pipe.rerank(small, prompt[0], 3, keep=3).tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="sr32: best_of must be 1 for an upsampler"):
         run(tiny_pipe, sampling={"upsampler": {"best_of": 2}})
 
@@ -772,6 +788,55 @@ def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
         ({"prior": {"rerank_at": 2}}, "prior: rerank_at is a decoder setting"),
         ({"upsampler": {"rerank_at": 2}}, "rerank_at is a decoder setting"),
         ({"decoder": {"best_of": 2, "scheduler": "heun", "rerank_at": 1}}, "one network call"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            run(tiny_pipe, sampling=bad)
+
+
+def test_pruning_keeps_the_best_candidates_then_chooses_among_them(tiny_pipe):
+    """The decoder's ``prune_at`` / ``prune_keep``: after step 1 the reranking CLIP keeps each
+    image's 2 best of 4 candidates by their predicted images (network rows counted), after step 2
+    it chooses one of those 2, and that candidate finishes as it does undecided, with its own
+    image embedding. A ``best_of`` at or below ``prune_keep`` prunes nothing; bad values are
+    refused with the fix."""
+    few = {"prior": {"steps": 2}, "decoder": {"steps": 3}, "upsampler": {"steps": 2}}
+    cands = run(tiny_pipe, sampling=few, num_images_per_prompt=4, last_stage="decoder")
+    dec = {"steps": 3, "best_of": 4, "rerank_at": 2, "prune_at": 1, "prune_keep": 2}
+    rows, kept = [], []
+    hook = tiny_pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    rerank = tiny_pipe.rerank
+    try:
+        with mock.patch.object(
+            tiny_pipe, "rerank", lambda *a, **kw: kept.append(rerank(*a, **kw)) or kept[-1]
+        ):
+            out = run(
+                tiny_pipe,
+                sampling={**few, "decoder": dec},
+                return_intermediates=True,
+                last_stage="decoder",
+            )
+    finally:
+        hook.remove()
+    # 2 prompts: 8 candidates for step 1, the 4 kept for step 2, the 2 chosen for step 3 (each
+    # call carries guidance's unconditional half too when the decoder is guided)
+    per = rows[0] // 8
+    assert rows == [8 * per, 4 * per, 2 * per]
+    pruned, chosen = kept  # pruned: 2 of each prompt's 4; chosen: 1 of each prompt's 2 survivors
+    assert [int(i) // 4 for i in pruned] == [0, 0, 1, 1]
+    assert [int(i) // 2 for i in chosen] == [0, 1]
+    final = pruned[chosen]
+    torch.testing.assert_close(out.image_embeds, cands.image_embeds[final])
+    torch.testing.assert_close(out.images, cands.images[final], atol=1e-5, rtol=0)
+
+    plain = {"steps": 3, "best_of": 2, "rerank_at": 2}
+    same = run(tiny_pipe, sampling={**few, "decoder": {**plain, "prune_at": 1, "prune_keep": 2}})
+    assert torch.equal(same.images, run(tiny_pipe, sampling={**few, "decoder": plain}).images)
+    for bad, match in [
+        ({"decoder": {**dec, "prune_keep": None}}, "prune_at needs prune_keep too"),
+        ({"decoder": {**dec, "prune_at": 0}}, "prune_at must be an integer >= 1"),
+        ({"decoder": {**dec, "prune_at": 2}}, "needs the final choice later.*stop pruning"),
+        ({"decoder": {**dec, "rerank_at": None}}, "needs the final choice later"),
+        ({"prior": {"prune_at": 1, "prune_keep": 2}}, "prior: prune_at and prune_keep are decoder"),
     ]:
         with pytest.raises(ValueError, match=match):
             run(tiny_pipe, sampling=bad)

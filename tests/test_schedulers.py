@@ -201,6 +201,40 @@ def test_reranking_part_way_finishes_the_kept_candidates_exactly(pipe, name):
     torch.testing.assert_close(got, full[[3, 1]], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["ddim", "unipc", "ddpm"])
+def test_pruning_then_choosing_finishes_the_kept_candidates_exactly(pipe, name):
+    """``prune_at`` / ``prune_keep``: after the pruning step the candidates the prune function
+    keeps go on (multistep history, per-row generators and guidance's [uncond; cond] rows cut to
+    them), the chooser sees only those, and the indices returned are into the candidates given."""
+    from unclip.config import SamplingConfig
+    from unclip.sampling import sample_decoder, sample_decoder_reranked
+
+    embeds, text = _candidates(pipe)
+    s = SamplingConfig(
+        scheduler=name, steps=4, guidance_scale=2.0, best_of=4, rerank_at=3, prune_at=1
+    )
+    s.prune_keep = 3
+    args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
+    full = sample_decoder(*args, generator=gens(0, 1, 2, 3), progress=False)
+    seen = []
+
+    def prune(x0):
+        seen.append(x0)
+        return [3, 0, 2]
+
+    def choose(x0):
+        seen.append(x0)
+        return [2, 0]  # rows of the pruned set: candidates 2 and 3
+
+    got, keep = sample_decoder_reranked(
+        *args, choose, generator=gens(0, 1, 2, 3), progress=False, prune=prune
+    )
+    assert keep.tolist() == [2, 3] and [x.shape[0] for x in seen] == [4, 3]
+    torch.testing.assert_close(got, full[[2, 3]], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="give sample_decoder_reranked the prune function"):
+        sample_decoder_reranked(*args, choose, progress=False)
+
+
 @pytest.mark.parametrize("name", ["ddim", "euler", "lms"])
 def test_the_chooser_sees_the_samplers_own_x0_estimate(pipe, name):
     """The x_0 the candidates are chosen by is the sampler's own estimate at that step, also for a

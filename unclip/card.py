@@ -223,6 +223,8 @@ def _best_of(s) -> str:
     """The "best of" cell: the number of candidates and how the decoder's are chosen."""
     how = []
     if s.best_of > 1 and s.rerank_at is not None and s.rerank_at < s.steps:
+        if s.prune_at is not None and s.best_of > s.prune_keep:
+            how.append(f"the best {s.prune_keep} kept after step {s.prune_at}")
         how.append(f"chosen after step {s.rerank_at}")
     if s.best_of > 1 and s.rerank_contrast is not None:
         how.append(f"scored against the prompt's `{s.rerank_contrast}` alternatives")

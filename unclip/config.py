@@ -339,6 +339,12 @@ class SamplingConfig:
     ``best_of × rerank_at + steps − rerank_at`` network calls per image instead of
     ``best_of × steps``; ``None`` (default), or ``steps`` or more, chooses among the finished
     images. It takes samplers with one network call per step (not Heun or DPM2).
+    ``prune_at`` and ``prune_keep`` (decoder only, with ``rerank_at`` below ``steps``): after step
+    ``prune_at`` (below ``rerank_at``) keep only each image's ``prune_keep`` best candidates by the
+    same score, and choose one of them after ``rerank_at`` — successive halving of the candidates,
+    ``best_of × prune_at + prune_keep × (rerank_at − prune_at) + steps − rerank_at`` network
+    calls per image. With ``best_of`` at or below ``prune_keep`` nothing is pruned. Both or
+    neither are set (default: neither).
     ``rerank_contrast`` (decoder only): score the candidates by how much the CLIP prefers the
     prompt over alternatives of it (a name registered in :data:`unclip.sampling.RERANK_CONTRASTS`,
     e.g. ``"shapes"``: the prompt's one-attribute variants and swaps) instead of by the plain
@@ -358,6 +364,8 @@ class SamplingConfig:
     best_of: int = 1
     rerank_at: Optional[int] = None
     rerank_contrast: Optional[str] = None
+    prune_at: Optional[int] = None
+    prune_keep: Optional[int] = None
     temperature: Optional[float] = None
     top_k: Optional[int] = None
     top_p: Optional[float] = None
@@ -489,18 +497,31 @@ def to_dict(obj: Any) -> Any:
 TRAINING_ONLY_DIFFUSION = ("vlb_weight", "timestep_shift")
 
 
+#: SamplingConfig settings newer than the library versions that refuse unknown keys: saved files
+#: leave them out at their defaults for the same reason
+NEWER_SAMPLING = ("prune_at", "prune_keep")
+
+
+def _without_defaults(obj: Any, cls: type, names: tuple[str, ...]) -> Any:
+    values = to_dict(obj)
+    if not isinstance(values, dict):
+        return values
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    return {
+        k: v for k, v in values.items() if not (k in names and k in defaults and v == defaults[k])
+    }
+
+
 def diffusion_to_save(diffusion: Any) -> Any:
     """``diffusion`` (a :class:`DiffusionConfig` or its dict) as saved with weights: without the
     :data:`TRAINING_ONLY_DIFFUSION` settings that are at their defaults."""
-    values = to_dict(diffusion)
-    if not isinstance(values, dict):
-        return values
-    defaults = {f.name: f.default for f in dataclasses.fields(DiffusionConfig)}
-    return {
-        k: v
-        for k, v in values.items()
-        if not (k in TRAINING_ONLY_DIFFUSION and k in defaults and v == defaults[k])
-    }
+    return _without_defaults(diffusion, DiffusionConfig, TRAINING_ONLY_DIFFUSION)
+
+
+def sampling_to_save(sampling: Any) -> Any:
+    """``sampling`` (a :class:`SamplingConfig` or its dict) as saved with weights: without the
+    :data:`NEWER_SAMPLING` settings that are at their defaults."""
+    return _without_defaults(sampling, SamplingConfig, NEWER_SAMPLING)
 
 
 def to_yaml(obj: Any) -> str:

@@ -19,7 +19,12 @@ from typing import Optional, Union
 import torch
 
 from unclip.clip import CLIP
-from unclip.config import DiffusionConfig, SamplingConfig, diffusion_to_save, to_dict
+from unclip.config import (
+    DiffusionConfig,
+    SamplingConfig,
+    diffusion_to_save,
+    sampling_to_save,
+)
 from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.files import check_output_folder, write_folder
 from unclip.prior import UnCLIPPrior
@@ -441,7 +446,7 @@ def write_pipeline_folder(
             "reranker": "reranker" if reranker is not None else None,
         },
         "diffusion": {k: diffusion_to_save(v) for k, v in diffusion.items()},
-        "sampling": {k: to_dict(v) for k, v in sampling.items()},
+        "sampling": {k: sampling_to_save(v) for k, v in sampling.items()},
         "prior_clip_range": prior_clip_range,
     }
     (path / PIPELINE_FILE).write_text(json.dumps(index, indent=2))

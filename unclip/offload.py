@@ -9,7 +9,8 @@ memory; the one that is about to run is copied to the execution device and the o
 it goes back, so the accelerator holds one component's weights at a time plus the activations of
 the stage running. A full-scale cascade's weights no longer have to fit at once, for the price of
 one host-to-device copy of each component per stage it runs in (the CLIP twice when candidates are
-reranked after the decoder, and the decoder twice when they are chosen part-way, ``rerank_at``).
+reranked after the decoder, and the decoder twice when they are chosen part-way, ``rerank_at``,
+three times when they are pruned before that, ``prune_at``).
 
 How a component is brought in: an Accelerate hook (:class:`accelerate.hooks.ModelHook`) on every
 submodule of every component runs before the submodule's ``forward`` and activates its component,

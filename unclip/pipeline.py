@@ -85,6 +85,7 @@ from unclip.sampling import (
     StepCallback,
     check_rerank_at,
     image_text_cosines,
+    pruning,
     rerank_candidates,
     resolve_sampling,
     sample_decoder,
@@ -652,7 +653,9 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         decoder's ``best_of = K > 1`` it decodes K base-resolution candidates per image and keeps
         the one :attr:`rerank_clip` scores closest to the prompt before upsampling (as DALL-E did);
         with the decoder's ``rerank_at = m`` below its steps it chooses after step ``m``, from each
-        candidate's predicted final image, and denoises only the chosen ones on.
+        candidate's predicted final image, and denoises only the chosen ones on; with its
+        ``prune_at = p`` and ``prune_keep = r`` as well, only each image's ``r`` best candidates
+        go on after step ``p`` and the choice after step ``m`` is among them.
         ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]``
         in [0, 1]).
 
@@ -718,11 +721,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         )
         run = self._decoder_run(gen, progress, callback_on_step_end)
         if early:
+            # with pruning, the final choice is among each image's prune_keep survivors
+            group = dec.prune_keep if pruning(dec) else k
+
+            def prune(x0):
+                return self.rerank(x0, captions_k, k, dec.rerank_contrast, keep=group)
 
             def choose(x0):
-                return self.rerank(x0, captions_k, k, contrast=dec.rerank_contrast)
+                return self.rerank(x0, captions_k[::k], group, contrast=dec.rerank_contrast)
 
-            small, keep = sample_decoder_reranked(*inputs, choose, **run)
+            small, keep = sample_decoder_reranked(*inputs, choose, **run, prune=prune)
         else:
             small = sample_decoder(*inputs, **run)
             keep = self.rerank(small, captions_k, k, contrast=dec.rerank_contrast)
@@ -756,14 +764,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         prompts: Union[str, Sequence[str]],
         k: int,
         contrast: Union[str, Callable[[str], list[str]], None] = None,
+        keep: int = 1,
     ) -> torch.Tensor:
         """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
         (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between :attr:`rerank_clip`'s
         embeddings of the image and of its prompt. ``prompts``: one per image (``B·k``), one per
         group (``B``), or one string for all; ``k = 1`` keeps every image. ``contrast`` (the
         decoder's ``rerank_contrast``): score by the CLIP's preference for the prompt over its
-        alternatives instead (:func:`~unclip.sampling.rerank_candidates`)."""
-        return rerank_candidates(self.rerank_clip, images, prompts, k, contrast)
+        alternatives instead; ``keep``: each group's ``keep`` best, ``[B·keep]``
+        (:func:`~unclip.sampling.rerank_candidates`)."""
+        return rerank_candidates(self.rerank_clip, images, prompts, k, contrast, keep)
 
     @releases_gpu
     @torch.no_grad()

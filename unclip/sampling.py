@@ -64,8 +64,10 @@ __all__ = [
     "stage_callback",
     "sample_prior",
     "sample_decoder",
+    "pruning",
     "sample_decoder_reranked",
     "select_scheduler_rows",
+    "check_prune",
     "check_rerank_at",
     "sample_upsampler",
     "Denoiser",
@@ -172,6 +174,7 @@ def resolve_sampling(
                     f"or None, choose among the finished images), got {r!r}"
                 )
         check_rerank_contrast(stage, s.rerank_contrast)
+        check_prune(stage, s)
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
             raise ValueError(
                 f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "
@@ -179,6 +182,42 @@ def resolve_sampling(
             )
         out[stage] = s
     return out
+
+
+def check_prune(stage: str, s: SamplingConfig) -> None:
+    """Refuse ``prune_at`` / ``prune_keep`` outside the decoder, one without the other, or a
+    pruning step that is not before the decoder's part-way choice (``rerank_at``)."""
+    given = {f: getattr(s, f) for f in ("prune_at", "prune_keep") if getattr(s, f) is not None}
+    if not given:
+        return
+    clear = "sampling={'decoder': {'prune_at': None, 'prune_keep': None}}, --decoder-prune-at none"
+    if stage_kind(stage) != "decoder":
+        raise ValueError(
+            f"{stage}: {' and '.join(given)} are decoder settings (pruning its best_of "
+            f"candidates part-way); remove them from {stage}'s settings"
+        )
+    for field, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{stage}: {field} must be an integer >= 1, got {value!r}")
+    if len(given) == 1:
+        missing = "prune_keep" if "prune_at" in given else "prune_at"
+        raise ValueError(
+            f"{stage}: {next(iter(given))} needs {missing} too (after step prune_at keep each "
+            f"image's prune_keep best candidates), or neither ({clear})"
+        )
+    if s.best_of <= s.prune_keep:
+        return  # nothing to prune: a smaller best_of than the model's defaults keeps working
+    if s.rerank_at is None or s.rerank_at >= s.steps or s.prune_at >= s.rerank_at:
+        raise ValueError(
+            f"{stage}: prune_at {s.prune_at} needs the final choice later, part-way: rerank_at "
+            f"above it and below steps ({s.steps}), got rerank_at {s.rerank_at!r}; set rerank_at, "
+            f"or stop pruning ({clear})"
+        )
+
+
+def pruning(s: SamplingConfig) -> bool:
+    """Whether the decoder settings ``s`` (checked) prune candidates before the final choice."""
+    return s.prune_at is not None and s.best_of > s.prune_keep
 
 
 def _check_overrides(sampling: Optional[Mapping], stages: list[str]) -> dict[str, dict]:
@@ -576,6 +615,7 @@ def sample_decoder_reranked(
     progress: bool = True,
     autocast_dtype: Optional[torch.dtype] = None,
     callback: Optional[LoopCallback] = None,
+    prune: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_decoder` over candidates that keeps only some of them part-way (the
     decoder's ``rerank_at``, which must be below ``steps``; arguments as :func:`sample_decoder`,
@@ -583,9 +623,12 @@ def sample_decoder_reranked(
     ``choose(x0)`` gets every candidate's predicted final image ``[N, 3, s, s]`` in [-1, 1] at that
     step and returns the indices of the rows to keep; only those are denoised to the end, with
     their own conditioning rows (guidance's unconditional ones included). ``callback`` sees every
-    candidate up to that step and the kept rows after it.
+    candidate up to that step and the kept rows after it. ``prune(x0)``: the same, earlier, after
+    the decoder's ``prune_at`` step (used when :func:`pruning`); ``choose`` then gets the rows it
+    kept.
 
-    Returns ``(images [M, 3, s, s] in [-1, 1], kept indices [M])``. With a distinct generator per
+    Returns ``(images [M, 3, s, s] in [-1, 1], kept indices [M])``, the indices into the
+    candidates given (through both choices when pruning). With a distinct generator per
     candidate (a list), each kept row finishes exactly as it would in a run of every candidate:
     its generator goes with it and the scheduler's per-sample state
     (:func:`select_scheduler_rows`) is cut to the kept rows. Samplers that cannot stop part-way
@@ -604,7 +647,15 @@ def sample_decoder_reranked(
     n, fn, gen = x.shape[0], d.fn, generator
     training = training_scheduler(diffusion)
     guided = is_guided(settings.guidance_scale)
-    keep = torch.arange(n)
+    choices = {m - 1: choose}
+    if pruning(settings):
+        if prune is None:
+            raise ValueError(
+                f"decoder: prune_at {settings.prune_at} is set; give sample_decoder_reranked the "
+                "prune function that keeps each image's prune_keep best candidates"
+            )
+        choices[settings.prune_at - 1] = prune
+    keep, cond = torch.arange(n), d.cond  # keep: indices into the candidates given
     for i in tqdm(range(len(sched.timesteps)), desc="decoder", disable=not progress, leave=False):
         t = sched.timesteps[i]
         out = guided_output(
@@ -616,17 +667,18 @@ def sample_decoder_reranked(
             learned_variance=d.learned_variance,
             autocast_dtype=autocast_dtype,
         )
-        if i == m - 1:
+        if i in choices:
             mean = out[:, : x.shape[1]]
             x0 = _predicted_x0(sched, training, x, t, mean, diffusion.prediction_type)
         x = scheduler_step(sched, out, i, x, gen, history=i + 1)
-        if i == m - 1:
-            keep = torch.as_tensor(choose(x0.clamp(-1, 1)), dtype=torch.long).cpu()
-            x = x[keep.to(x.device)]
-            select_scheduler_rows(sched, keep, n, x.ndim)
-            gen = [gen[j] for j in keep.tolist()] if isinstance(gen, list) else gen
-            rows = torch.cat([keep, keep + n]) if guided else keep  # [uncond; cond] halves
-            cond = tuple(c[rows.to(c.device)] for c in d.cond)
+        if i in choices:
+            rows = torch.as_tensor(choices[i](x0.clamp(-1, 1)), dtype=torch.long).cpu()
+            now = x.shape[0]
+            x, keep = x[rows.to(x.device)], keep[rows]
+            select_scheduler_rows(sched, rows, now, x.ndim)
+            gen = [gen[j] for j in rows.tolist()] if isinstance(gen, list) else gen
+            both = torch.cat([rows, rows + now]) if guided else rows  # [uncond; cond] halves
+            cond = tuple(c[both.to(c.device)] for c in cond)
 
             def fn(x_in, t, cond=cond):
                 return decoder(x_in, t, cond=cond)
@@ -749,11 +801,15 @@ def rerank_candidates(
     prompts: Union[str, Sequence[str]],
     k: int,
     contrast: Union[str, Callable[[str], list[str]], None] = None,
+    keep: int = 1,
 ) -> torch.Tensor:
     """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
     (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between ``clip``'s embeddings of the image
     and of its prompt (the decoder's ``best_of``). ``prompts``: one per image (``B·k``), one per
-    group (``B``), or one string for all; ``k = 1`` keeps every image.
+    group (``B``), or one string for all; ``k = 1`` keeps every image. ``keep``: the indices
+    ``[B·keep]`` of each group's ``keep`` best instead, group by group and in their original order
+    within a group, so they form consecutive groups of ``keep`` again (the decoder's
+    ``prune_keep``); ``keep >= k`` keeps every image.
 
     ``contrast`` (the decoder's ``rerank_contrast``; a name in :data:`RERANK_CONTRASTS` or a
     function ``prompt -> [caption, *alternatives]``): score each candidate instead by how much the
@@ -764,6 +820,7 @@ def rerank_candidates(
     shapes caption (:func:`unclip.shapes.world.caption_alternatives`); ``"shapes-pairs"``: the same
     for two-object captions only."""
     k = check_count(k, "k")
+    keep = check_count(keep, "keep")
     if isinstance(contrast, str):
         check_rerank_contrast("decoder", contrast)
     elif contrast is not None and not callable(contrast):
@@ -771,7 +828,7 @@ def rerank_candidates(
         raise TypeError(f"rerank contrast must be a registered name or a function, got {kind}")
     if images.shape[0] % k:
         raise ValueError(f"rerank: {images.shape[0]} images are not groups of {k} candidates")
-    if k == 1:
+    if k == 1 or keep >= k:
         return torch.arange(images.shape[0])
     if isinstance(prompts, torch.Tensor):
         raise TypeError(
@@ -796,4 +853,9 @@ def rerank_candidates(
         scores = _contrast_scores(clip, images, prompts, contrast).view(-1, k)
     else:
         scores = image_text_cosines(clip, images, clip.encode_text(prompts).text_embed).view(-1, k)
-    return torch.arange(scores.shape[0]) * k + scores.argmax(1).cpu()
+    scores = scores.float().cpu()
+    first = torch.arange(scores.shape[0]) * k
+    if keep == 1:
+        return first + scores.argmax(1)
+    best = scores.topk(keep, dim=1).indices.sort(dim=1).values
+    return (first[:, None] + best).flatten()

@@ -92,7 +92,8 @@ def add_autocast_arg(p: argparse.ArgumentParser, default: str | None = "auto") -
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """``--{prior,decoder,upsampler}-{scheduler,steps,guidance-scale}``, ``--prior-best-of``,
-    ``--decoder-best-of``, ``--decoder-rerank-at`` and the autoregressive prior's
+    ``--decoder-best-of``, ``--decoder-rerank-at``, ``--decoder-prune-{at,keep}`` and the
+    autoregressive prior's
     ``--prior-{temperature,top-k,top-p,dot-product-quantile}``; :func:`sampling_overrides` turns
     them into ``sampling=``."""
     for prefix, _, label in STAGES:
@@ -140,6 +141,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "swaps; 'shapes-pairs': the same for two-object captions only) instead of by plain CLIP "
         "score; 'none' turns it off (default: the model's setting)",
     )
+    p.add_argument(
+        "--decoder-prune-at",
+        type=_step_or_none,
+        metavar="STEP",
+        help="with --decoder-rerank-at: keep only each image's --decoder-prune-keep best "
+        "candidates after this earlier step, then choose among them (fewer network calls); "
+        "'none' turns pruning off (default: the model's setting)",
+    )
+    p.add_argument(
+        "--decoder-prune-keep",
+        type=int,
+        metavar="N",
+        help="candidates per image kept at --decoder-prune-at (default: the model's setting)",
+    )
 
 
 def _contrast_or_none(text: str) -> str:
@@ -179,12 +194,14 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
         }
         extra = {
             "prior": ["best_of", *(f for _, f, _, _ in AR_FLAGS)],
-            "decoder": ["best_of", "rerank_at", "rerank_contrast"],
+            "decoder": ["best_of", "rerank_at", "rerank_contrast", "prune_at", "prune_keep"],
         }.get(prefix, ["best_of"])
         for field in extra:
             value = getattr(args, f"{prefix}_{field}", None)
             if value is not None:
                 values[field] = None if value == "none" else value
+        if "prune_at" in values and values["prune_at"] is None:
+            values.setdefault("prune_keep", None)  # 'none' turns pruning off as a whole
         if values:
             out[key] = values
     return out

@@ -63,7 +63,7 @@ from diffusers.training_utils import EMAModel
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from unclip.config import diffusion_to_save, save_config, to_dict
+from unclip.config import diffusion_to_save, sampling_to_save, save_config, to_dict
 from unclip.io import STAGE_META_FILE, stage_meta
 from unclip.pipeline_utils import sample_seed
 from unclip.precision import resolve_autocast
@@ -859,7 +859,7 @@ class TrainLoop:
 
             return export_adapter(self, name, clip)
         diffusion = diffusion_to_save(cfg.diffusion)
-        meta = stage_meta(cfg.stage, name, diffusion, to_dict(cfg.sampling), clip)
+        meta = stage_meta(cfg.stage, name, diffusion, sampling_to_save(cfg.sampling), clip)
         out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
         if self.accelerator.is_main_process:
             self.write_folder(out.parent / "clip", clip.save_pretrained)
