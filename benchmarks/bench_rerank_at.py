@@ -146,6 +146,13 @@ def main(argv=None) -> int:
         help="also choose among the first K candidates alone after each --choose-at step",
     )
     p.add_argument("--choose-at", type=int, nargs="*", default=[6], metavar="M")
+    p.add_argument(
+        "--save-candidates",
+        metavar="PATH",
+        help="also save the finished candidates, their predicted images after steps 3-8 and the "
+        "captions to PATH (torch.save; about 1 GB for 400 prompts x 32), which "
+        "bench_rerank_rules.py reads",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench_rerank_at")
     args = p.parse_args(argv)
@@ -172,6 +179,9 @@ def main(argv=None) -> int:
             x0s[m].append(x[m])
         common.log(f"decoded {start + len(f)} / {len(captions)} prompts")
     finals = torch.cat(finals)
+    if args.save_candidates:
+        keep = {m: torch.cat(x0s[m]) for m in range(3, min(8, steps) + 1)}
+        torch.save({"finals": finals, "x0s": keep, "captions": captions}, args.save_candidates)
     n = finals.shape[0]
     rows = torch.arange(n)
     text_embed = pipe.rerank_clip.encode_text(captions).text_embed.repeat_interleave(k, 0)

@@ -1,0 +1,263 @@
+"""Other ways to choose among the bundled shapes model's decoder candidates, on saved candidates.
+
+    python benchmarks/bench_rerank_at.py --num 200 --candidates 32 --contrast shapes-pairs \\
+        --save-candidates cands.pt --out bench_rerank_prune
+    python benchmarks/bench_rerank_rules.py cands.pt                      # scoring rules only
+    python benchmarks/bench_rerank_rules.py cands.pt --finetune 300 --degrade 0.5 --t-steps 5
+
+The candidates (every prompt's finished 32 px images and their predicted images after steps 3-8,
+from ``bench_rerank_at.py --save-candidates``) are decoded once; each rule chooses one per prompt
+from the first ``K`` of them (what ``best_of = K`` draws) after step ``--at``, and the chosen
+candidate's finished image is scored by the evaluator (a prompt counts when every attribute is
+right). Rules: the reranking CLIP's score (the shipped one, with the decoder's ``rerank_contrast``
+``shapes-pairs``), the conditioning CLIP's, their sum (raw and standardised per prompt), the
+reranker's scores after two steps summed, and the ``shapes`` contrast for single objects too.
+
+``--finetune N`` then trains a copy of the reranking CLIP for ``N`` steps on the views it ranks:
+batches as the recipe's reranker step draws them (training split, relation and colour-swap hard
+negatives, colour-free views), a share ``--degrade`` of each batch replaced by the decoder's
+predicted clean image of that render noised to the timestep of a DDIM-10 step in ``--t-steps``
+(conditioned on the render's CLIP image embedding and its caption), contrastive loss, AdamW with
+warm-up and cosine decay, bf16 autocast; the copy is scored on the saved candidates every
+``--eval-every`` steps. Nothing here is shipped: it measures whether such a reranker would choose
+better (docs/shapes_model.md, lever 28).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import random
+import time
+
+import common
+import torch
+
+from unclip.config import SamplingConfig
+from unclip.diffusion import training_scheduler
+from unclip.images import to_output
+from unclip.sampling import decoder_denoiser
+from unclip.shapes.detector import score
+from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch
+from unclip.shapes.world import ShapesWorld, parse_caption
+from unclip.vlb import predicted_x0
+
+CONTRAST = "shapes-pairs"  # the bundled model's rerank_contrast
+#: the recipe's reranker step (configs/shapes/clip.yaml with its overrides in unclip.shapes.recipe)
+RERANKER_DATA = dict(
+    resolution=32,
+    two_object_prob=0.45,
+    hard_negatives=0.25,
+    pair_negatives={"swap": 0.5, "relation": 0.5},
+    color_free_prob=0.4,
+)
+
+
+def contrast_scores(clip, images, captions, contrast, chunk=20):
+    """``[n, k]`` scores of ``images [n, k, 3, s, s]`` for their prompt ``captions [n]``."""
+    from unclip.sampling import _contrast_scores
+
+    n, k = images.shape[:2]
+    out = []
+    with torch.no_grad():
+        for a in range(0, n, chunk):
+            rows = images[a : a + chunk]
+            caps = [c for c in captions[a : a + chunk] for _ in range(k)]
+            out.append(_contrast_scores(clip, rows.flatten(0, 1), caps, contrast).view(-1, k))
+    return torch.cat(out).float().cpu()
+
+
+def right_matrix(finals, captions) -> torch.Tensor:
+    """``[n, k]``: candidate j of prompt i fully right at its resolution."""
+    n, k = finals.shape[:2]
+    right = torch.zeros(n, k, dtype=torch.bool)
+    for j in range(k):
+        for i, image in enumerate(to_output(finals[:, j], "np")):
+            right[i, j] = bool(score(image, parse_caption(captions[i]))["all"])
+    return right
+
+
+def chosen_right(right, scores, k) -> dict:
+    n = right.shape[0]
+    r = right[torch.arange(n), scores[:, :k].argmax(1)].float()
+    half = n // 2
+    return {
+        "single_all": round(r[:half].mean().item(), 4),
+        "pair_all": round(r[half:].mean().item(), 4),
+    }
+
+
+def standardised(s):
+    return (s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + 1e-6)
+
+
+class Degrader:
+    """The decoder's predicted clean image of renders noised to a DDIM-10 step's timestep."""
+
+    def __init__(self, pipe, t_steps):
+        self.pipe, self.t_steps = pipe, t_steps
+        self.diffusion = pipe.diffusion["decoder"]
+        self.training = training_scheduler(self.diffusion)
+        self.settings = SamplingConfig(scheduler="ddim", steps=10, guidance_scale=1.0)
+
+    @torch.no_grad()
+    def __call__(self, images, captions, g: torch.Generator):
+        pipe, b = self.pipe, images.shape[0]
+        text = pipe.encode_text(captions)
+        dtext, null = pipe._decoder_captions(captions if pipe.decoder.has_text_encoder else text, b)
+        embeds = pipe.clip.encode_image(images)
+        d = decoder_denoiser(pipe.decoder, embeds, dtext, null, self.settings, self.diffusion)
+        pick = torch.randint(len(self.t_steps), (b,), generator=g)
+        t = d.scheduler.timesteps[torch.tensor(self.t_steps)[pick]].long()
+        x_t = self.training.add_noise(images, torch.randn(images.shape, generator=g), t)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = pipe.decoder(x_t, t, cond=d.cond)
+        mean = out.float()[:, : images.shape[1]]
+        return predicted_x0(self.training, x_t, t, mean, self.diffusion.prediction_type).clamp(
+            -1, 1
+        )
+
+
+def finetune(pipe, args, evaluate) -> list:
+    """Train a copy of the reranking CLIP on partly degraded reranker batches; ``evaluate(clip)``
+    every ``--eval-every`` steps. Returns ``[[step, single_all, pair_all], ...]``."""
+    clip = copy.deepcopy(pipe.rerank_clip)
+    model = clip.model.train().requires_grad_(True)
+    task = ClipTask(clip, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    data = ClipDataConfig(batch_size=args.batch, seed=args.seed, **RERANKER_DATA)
+    world = ShapesWorld(32, seed=args.seed, split="train", two_object_prob=data.two_object_prob)
+    degrade = Degrader(pipe, args.t_steps)
+    history = [[0, *evaluate(clip).values()]]
+    started = time.perf_counter()
+    for step in range(args.finetune):
+        images, captions = make_batch(world, step, args.batch, data, random.Random(step))
+        g = torch.Generator().manual_seed(args.seed * 100_003 + step)
+        rows = torch.randperm(args.batch, generator=g)[: round(args.degrade * args.batch)]
+        images = images.clone()
+        images[rows] = degrade(images[rows], [captions[i] for i in rows.tolist()], g)
+        warm = min(1.0, (step + 1) / 20)
+        for group in opt.param_groups:
+            group["lr"] = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.finetune))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = task.loss(model, {"image": images, "caption": captions}, None)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        task.after_optimizer_step(model)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.finetune:
+            model.eval()
+            history.append([step + 1, *evaluate(clip).values()])
+            model.train()
+            elapsed = time.perf_counter() - started
+            common.log(
+                f"step {step + 1}: loss {loss.item():.4f}, {history[-1][1:]}, {elapsed:.0f} s"
+            )
+    return history
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("candidates", help="a file of bench_rerank_at.py --save-candidates")
+    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled model)")
+    p.add_argument("--at", type=int, default=6, help="the step the rules choose after")
+    p.add_argument("--counts", type=int, nargs="*", default=[16, 24, 32], metavar="K")
+    p.add_argument("--finetune", type=int, default=0, metavar="STEPS")
+    p.add_argument(
+        "--fine-tune-count", type=int, default=24, help="K the fine-tuned CLIP chooses from"
+    )
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--degrade", type=float, default=0.5, help="share of each batch degraded")
+    p.add_argument("--t-steps", type=int, nargs="+", default=[5], help="DDIM-10 step indices")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default="bench_rerank_rules")
+    args = p.parse_args(argv)
+    saved = torch.load(args.candidates)
+    finals, x0s, captions = saved["finals"], saved["x0s"], saved["captions"]
+    k_max = finals.shape[1]
+    if args.at not in x0s or args.at - 1 not in x0s:
+        p.error(
+            f"--at: the file holds the predicted images after steps {sorted(x0s)}; give one "
+            "whose previous step is there too"
+        )
+    if any(not 1 < k <= k_max for k in [*args.counts, args.fine_tune_count]):
+        p.error(f"--counts / --fine-tune-count: between 2 and the {k_max} candidates saved")
+    if not 0 < args.degrade <= 1 or any(not 0 <= t < 10 for t in args.t_steps):
+        p.error("--degrade in (0, 1]; --t-steps among 0-9")
+    started = time.perf_counter()
+    pipe = common.fp32_pipeline(args.model)
+    right = right_matrix(finals, captions)
+    at = x0s[args.at]
+    rr = contrast_scores(pipe.rerank_clip, at, captions, CONTRAST)
+    cc = contrast_scores(pipe.clip, at, captions, CONTRAST)
+    before = contrast_scores(pipe.rerank_clip, x0s[args.at - 1], captions, CONTRAST)
+    every = contrast_scores(pipe.rerank_clip, at, captions, "shapes")
+    half = right.shape[0] // 2
+    rules = {}
+    for k in args.counts:
+        rules[f"{k} candidates"] = {
+            "reranker": chosen_right(right, rr, k),
+            "conditioning CLIP": chosen_right(right, cc, k),
+            "sum of both": chosen_right(right, rr + cc, k),
+            "sum of both, standardised per prompt": chosen_right(
+                right, standardised(rr[:, :k]) + standardised(cc[:, :k]), k
+            ),
+            f"reranker after steps {args.at - 1} and {args.at} summed": chosen_right(
+                right, rr + before, k
+            ),
+            "reranker, shapes contrast for single objects too": chosen_right(right, every, k),
+            "any candidate right": {
+                "single_all": round(right[:half, :k].any(1).float().mean().item(), 4),
+                "pair_all": round(right[half:, :k].any(1).float().mean().item(), 4),
+            },
+        }
+    result = {
+        "machine": common.machine(),
+        "candidates_file_prompts": int(finals.shape[0]),
+        "candidates": k_max,
+        "contrast": CONTRAST,
+        "choose_after_step": args.at,
+        "resolution": int(finals.shape[-1]),
+        "model": args.model or "bundled:shapes",
+        "by_rule": rules,
+    }
+    if args.finetune:
+        k = args.fine_tune_count
+
+        def evaluate(clip):
+            clip.model.eval()
+            return chosen_right(right, contrast_scores(clip, at, captions, CONTRAST), k)
+
+        result["finetune"] = {
+            "steps": args.finetune,
+            "lr": args.lr,
+            "degrade": args.degrade,
+            "t_steps": args.t_steps,
+            "batch": args.batch,
+            "seed": args.seed,
+            "candidates": k,
+            "single_pair_by_step": finetune(pipe, args, evaluate),
+        }
+    return common.finish(args.out, result, started, report)
+
+
+def report(result: dict) -> str:
+    rows = [
+        {"count": count, "rule": rule, **figures}
+        for count, by in result["by_rule"].items()
+        for rule, figures in by.items()
+    ]
+    cols = [("candidates", "count"), ("rule", "rule"), ("single all", "single_all")]
+    text = common.table(rows, cols + [("pair all", "pair_all")])
+    if "finetune" in result:
+        history = result["finetune"]["single_pair_by_step"]
+        text += f"\nfine-tuned reranker [step, single, pair]: {history}"
+    return text
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
