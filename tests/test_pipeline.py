@@ -743,6 +743,22 @@ def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocab
         )
 
 
+def _run_recording_choices(pipe, **kw):
+    """``run(pipe, **kw)`` with the decoder's batch rows of every network call and every
+    ``pipe.rerank`` result recorded: ``(output, rows, kept)``."""
+    rows, kept = [], []
+    hook = pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    rerank = pipe.rerank
+    try:
+        with mock.patch.object(
+            pipe, "rerank", lambda *a, **k: kept.append(rerank(*a, **k)) or kept[-1]
+        ):
+            out = run(pipe, **kw)
+    finally:
+        hook.remove()
+    return out, rows, kept
+
+
 def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
     """The decoder's ``rerank_at``: the CLIP chooses among the candidates from their predicted
     images after that many steps, then only the chosen are denoised (network rows counted), each
@@ -761,16 +777,9 @@ def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
         output_type="pt",
     ).images
     early = {**few, "decoder": {"steps": 4, "best_of": 3, "rerank_at": 1}}
-    rows, kept = [], []
-    hook = tiny_pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
-    rerank = tiny_pipe.rerank
-    try:
-        with mock.patch.object(
-            tiny_pipe, "rerank", lambda *a, **kw: kept.append(rerank(*a, **kw)) or kept[-1]
-        ):
-            out = run(tiny_pipe, sampling=early, negative_prompt=neg, return_intermediates=True)
-    finally:
-        hook.remove()
+    out, rows, kept = _run_recording_choices(
+        tiny_pipe, sampling=early, negative_prompt=neg, return_intermediates=True
+    )
     # 2 prompts: 6 candidates for step 1, then the 2 chosen for steps 2-4; guided (scale 2), so
     # each call carries the unconditional half too
     assert rows == [12, 4, 4, 4] and len(kept) == 1 and kept[0].tolist() != [0, 3]
@@ -802,21 +811,9 @@ def test_pruning_keeps_the_best_candidates_then_chooses_among_them(tiny_pipe):
     few = {"prior": {"steps": 2}, "decoder": {"steps": 3}, "upsampler": {"steps": 2}}
     cands = run(tiny_pipe, sampling=few, num_images_per_prompt=4, last_stage="decoder")
     dec = {"steps": 3, "best_of": 4, "rerank_at": 2, "prune_at": 1, "prune_keep": 2}
-    rows, kept = [], []
-    hook = tiny_pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
-    rerank = tiny_pipe.rerank
-    try:
-        with mock.patch.object(
-            tiny_pipe, "rerank", lambda *a, **kw: kept.append(rerank(*a, **kw)) or kept[-1]
-        ):
-            out = run(
-                tiny_pipe,
-                sampling={**few, "decoder": dec},
-                return_intermediates=True,
-                last_stage="decoder",
-            )
-    finally:
-        hook.remove()
+    out, rows, kept = _run_recording_choices(
+        tiny_pipe, sampling={**few, "decoder": dec}, return_intermediates=True, last_stage="decoder"
+    )
     # 2 prompts: 8 candidates for step 1, the 4 kept for step 2, the 2 chosen for step 3 (each
     # call carries guidance's unconditional half too when the decoder is guided)
     per = rows[0] // 8
