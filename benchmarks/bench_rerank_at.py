@@ -89,6 +89,17 @@ def decode_all(pipe, captions, k, steps, seed):
     return x.clamp(-1, 1).view(n, k, *x.shape[1:]), x0s
 
 
+def right_matrix(finals, captions) -> torch.Tensor:
+    """``[n, k]``: candidate j of prompt i (``finals [n, k, 3, s, s]``) fully right at its
+    resolution."""
+    n, k = finals.shape[:2]
+    right = torch.zeros(n, k, dtype=torch.bool)
+    for j in range(k):
+        for i, image in enumerate(to_output(finals[:, j], "np")):
+            right[i, j] = bool(score(image, parse_caption(captions[i]))["all"])
+    return right
+
+
 def parse_prune(parser, spec: str, args) -> tuple[int, int]:
     """``--prune P:R`` → ``(P, R)``, checked against the run's steps and candidates."""
     try:
@@ -145,7 +156,14 @@ def main(argv=None) -> int:
         metavar="K",
         help="also choose among the first K candidates alone after each --choose-at step",
     )
-    p.add_argument("--choose-at", type=int, nargs="*", default=[6], metavar="M")
+    p.add_argument(
+        "--choose-at",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="M",
+        help="the final choice's steps for --prune and --subsets (default: 6, or --steps if fewer)",
+    )
     p.add_argument(
         "--save-candidates",
         metavar="PATH",
@@ -162,6 +180,8 @@ def main(argv=None) -> int:
             args.out = "bench_rerank_at_quick"
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")
+    if args.choose_at is None:
+        args.choose_at = [min(6, args.steps)]
     prunes = [parse_prune(p, spec, args) for spec in args.prune]
     if any(not 1 <= m <= args.steps for m in args.choose_at):
         p.error(f"--choose-at: steps from 1 to --steps ({args.steps})")
@@ -233,10 +253,7 @@ def main(argv=None) -> int:
                 **summary(flat[chosen], captions),
                 "calls": k * at + r * (m - at) + steps - m,
             }
-    right = torch.zeros(n, k, dtype=torch.bool)
-    for j in range(k):
-        for i, image in enumerate(to_output(finals[:, j], "np")):
-            right[i, j] = bool(score(image, parse_caption(captions[i]))["all"])
+    right = right_matrix(finals, captions)
     half = args.num
     ceiling = {
         "single_all": round(right[:half].any(1).float().mean().item(), 4),

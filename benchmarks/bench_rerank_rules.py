@@ -33,14 +33,13 @@ import time
 
 import common
 import torch
+from bench_rerank_at import right_matrix
 
 from unclip.config import SamplingConfig
 from unclip.diffusion import training_scheduler
-from unclip.images import to_output
 from unclip.sampling import decoder_denoiser
-from unclip.shapes.detector import score
 from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch
-from unclip.shapes.world import ShapesWorld, parse_caption
+from unclip.shapes.world import ShapesWorld
 from unclip.vlb import predicted_x0
 
 CONTRAST = "shapes-pairs"  # the bundled model's rerank_contrast
@@ -66,16 +65,6 @@ def contrast_scores(clip, images, captions, contrast, chunk=20):
             caps = [c for c in captions[a : a + chunk] for _ in range(k)]
             out.append(_contrast_scores(clip, rows.flatten(0, 1), caps, contrast).view(-1, k))
     return torch.cat(out).float().cpu()
-
-
-def right_matrix(finals, captions) -> torch.Tensor:
-    """``[n, k]``: candidate j of prompt i fully right at its resolution."""
-    n, k = finals.shape[:2]
-    right = torch.zeros(n, k, dtype=torch.bool)
-    for j in range(k):
-        for i, image in enumerate(to_output(finals[:, j], "np")):
-            right[i, j] = bool(score(image, parse_caption(captions[i]))["all"])
-    return right
 
 
 def chosen_right(right, scores, k) -> dict:
@@ -184,7 +173,8 @@ def main(argv=None) -> int:
             f"--at: the file holds the predicted images after steps {sorted(x0s)}; give one "
             "whose previous step is there too"
         )
-    if any(not 1 < k <= k_max for k in [*args.counts, args.fine_tune_count]):
+    counts = [*args.counts, *([args.fine_tune_count] if args.finetune else [])]
+    if any(not 1 < k <= k_max for k in counts):
         p.error(f"--counts / --fine-tune-count: between 2 and the {k_max} candidates saved")
     if not 0 < args.degrade <= 1 or any(not 0 <= t < 10 for t in args.t_steps):
         p.error("--degrade in (0, 1]; --t-steps among 0-9")
