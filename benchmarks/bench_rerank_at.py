@@ -7,19 +7,20 @@
 
 For the held-out prompts (``--num`` single-object and ``--num`` two-object), every prompt gets
 ``--candidates`` decoder candidates, each from its own prior sample (as the pipeline's ``best_of``
-makes them; prior UniPC 10 steps), decoded for ``--steps`` steps (DDIM, no guidance). After each
-step ``m`` the reranking CLIP scores every candidate's predicted final image, which is what the
-decoder's ``rerank_at = m`` chooses by (``m = steps``: the prediction at the last step; the row
-"finished images" is the pipeline's reranking without ``rerank_at``). The chosen candidate's
-finished image is then read from this one run of all candidates: a kept row finishes exactly as in
-the run of every candidate (``unclip.sampling.sample_decoder_reranked``; tests/test_schedulers.py
-checks it), so every ``m`` is measured without decoding again. Each ``m`` is scored at the decoder's
-resolution (32 px) with the evaluator, next to the first candidate (no reranking) and the ceiling of
-any reranker over these candidates (a prompt counts when any of its candidates is fully right).
-Network calls per image:
-``candidates × m + steps − m``. With ``--contrast NAME`` (default ``shapes``; ``none`` to skip) each
-choice is made a second time by contrastive reranking (the decoder's ``rerank_contrast``: the
-CLIP's log-probability of the prompt among its alternatives), rows marked ``contrast``.
+makes them; prior UniPC 10 steps), decoded for ``--steps`` steps (DDIM, or the sampler
+``--scheduler`` names; no guidance). After each step ``m`` the reranking CLIP scores every
+candidate's predicted final image, which is what the decoder's ``rerank_at = m`` chooses by (``m =
+steps``: the prediction at the last step; the row "finished images" is the pipeline's reranking
+without ``rerank_at``). The chosen candidate's finished image is then read from this one run of all
+candidates: a kept row finishes exactly as in the run of every candidate
+(``unclip.sampling.sample_decoder_reranked``; tests/test_schedulers.py checks it), so every ``m``
+is measured without decoding again. Each ``m`` is scored at the decoder's resolution (32 px) with
+the evaluator, next to the first candidate (no reranking) and the ceiling of any reranker over
+these candidates (a prompt counts when any of its candidates is fully right). Network calls per
+image: ``candidates × m + steps − m``. With ``--contrast NAME`` (default ``shapes``; ``none`` to
+skip) each choice is made a second time by contrastive reranking (the decoder's
+``rerank_contrast``: the CLIP's log-probability of the prompt among its alternatives), rows marked
+``contrast``.
 
 Pruning (the decoder's ``prune_at`` / ``prune_keep``): ``--prune P:R`` adds a row per
 ``--choose-at M`` that keeps each prompt's ``R`` best candidates after step ``P`` and chooses one
@@ -50,6 +51,7 @@ from unclip.sampling import (
     image_text_cosines,
     rerank_candidates,
 )
+from unclip.schedulers import check_scheduler_spec
 from unclip.shapes.detector import evaluate_images, score
 from unclip.shapes.evaluate import heldout_samples
 from unclip.shapes.world import parse_caption
@@ -60,14 +62,15 @@ DECODER = {"scheduler": "ddim", "guidance_scale": 1.0}  # the bundled model's de
 
 
 @torch.no_grad()
-def decode_all(pipe, captions, k, steps, seed):
+def decode_all(pipe, captions, k, steps, seed, decoder=None):
     """Every candidate's finished image ``[N, k, 3, s, s]`` and its predicted final image after
-    each step ``{m: [N, k, 3, s, s]}``."""
+    each step ``{m: [N, k, 3, s, s]}``. ``decoder``: the decoder's settings (default
+    :data:`DECODER`)."""
     n = len(captions)
     gens = [torch.Generator().manual_seed(seed + 1000 * i + j) for i in range(n) for j in range(k)]
     text = pipe.encode_text(captions).repeat_interleave(k)
     embeds = pipe.sample_image_embeds(text, 1, gens, PRIOR, progress=False)
-    settings = SamplingConfig(**DECODER, steps=steps)
+    settings = SamplingConfig(**(decoder or DECODER), steps=steps)
     diffusion = pipe.diffusion["decoder"]
     captions_k = [c for c in captions for _ in range(k)]
     dec_text, null = pipe._decoder_captions(
@@ -127,6 +130,11 @@ def main(argv=None) -> int:
     p.add_argument("--num", type=int, default=50, help="prompts per kind (single, two-object)")
     p.add_argument("--candidates", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--scheduler",
+        default=DECODER["scheduler"],
+        help="the decoder's sampler (default: %(default)s; e.g. ddpm, unipc, dpm++)",
+    )
     p.add_argument("--chunk", type=int, default=10, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -180,6 +188,10 @@ def main(argv=None) -> int:
             args.out = "bench_rerank_at_quick"
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")
+    try:
+        check_scheduler_spec(args.scheduler)
+    except ValueError as exc:
+        p.error(f"--scheduler: {exc}")
     if args.choose_at is None:
         args.choose_at = [min(6, args.steps)]
     prunes = [parse_prune(p, spec, args) for spec in args.prune]
@@ -191,9 +203,12 @@ def main(argv=None) -> int:
     pipe = common.fp32_pipeline(args.model)
     captions = [s.caption for s in heldout_samples(args.num, seed=args.prompt_seed)]
     k, steps = args.candidates, args.steps
+    decoder = {**DECODER, "scheduler": args.scheduler}
     finals, x0s = [], {m: [] for m in range(1, steps + 1)}
     for start in range(0, len(captions), args.chunk):
-        f, x = decode_all(pipe, captions[start : start + args.chunk], k, steps, args.seed + start)
+        f, x = decode_all(
+            pipe, captions[start : start + args.chunk], k, steps, args.seed + start, decoder
+        )
         finals.append(f)
         for m in x0s:
             x0s[m].append(x[m])
@@ -267,7 +282,7 @@ def main(argv=None) -> int:
         "prompt_seed": args.prompt_seed,
         "candidates": k,
         "steps": steps,
-        "sampling": {**PRIOR, "decoder": {**DECODER, "steps": steps, "best_of": k}},
+        "sampling": {**PRIOR, "decoder": {**decoder, "steps": steps, "best_of": k}},
         "contrast": contrast,
         "model": args.model or "bundled:shapes",
         "resolution": int(finals.shape[-1]),

@@ -11,7 +11,20 @@ from the first ``K`` of them (what ``best_of = K`` draws) after step ``--at``, a
 candidate's finished image is scored by the evaluator (a prompt counts when every attribute is
 right). Rules: the reranking CLIP's score (the shipped one, with the decoder's ``rerank_contrast``
 ``shapes-pairs``), the conditioning CLIP's, their sum (raw and standardised per prompt), the
-reranker's scores after two steps summed, and the ``shapes`` contrast for single objects too.
+reranker's scores after two steps summed, and the ``shapes`` contrast for single objects too; the
+reranker after later steps and on the finished images; test-time views summed with the shipped
+score (the image mirrored left to right, scored against the prompt with left and right swapped;
+four one-pixel shifts); a colour-free contrast for two objects (the prompt without its colors
+against its shape and relation variants, which the reranker learned from its colour-free views)
+added with weights ``--colour-free-weights``; and the mirrored candidates as further candidates
+(each candidate and its mirror image scored against the prompt; a mirror costs no decoder call).
+
+``--upsample-top N`` then upsamples each prompt's ``N`` best candidates by the shipped rule (sr64
+and sr128, DDIM 2 steps each, one generator per 25 prompts) and scores them at 128 px: the shipped
+choice, how often any of the first ``n <= N`` is right, and choosing among them by the reranker on
+the upsampled images resized back to 32 px (area) or on their finished 32 px images. That is what a
+reranker reading the candidates after upsampling would buy (about 11 min for ``N = 6`` on 400
+prompts on 2 cores).
 
 ``--finetune N`` then trains a copy of the reranking CLIP for ``N`` steps on the views it ranks:
 batches as the recipe's reranker step draws them (training split, relation and colour-swap hard
@@ -39,7 +52,14 @@ from unclip.config import SamplingConfig
 from unclip.diffusion import training_scheduler
 from unclip.sampling import decoder_denoiser
 from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch
-from unclip.shapes.world import ShapesWorld
+from unclip.shapes.world import (
+    RELATIONS,
+    SHAPES,
+    ShapesWorld,
+    article,
+    canonical_caption,
+    parse_caption,
+)
 from unclip.vlb import predicted_x0
 
 CONTRAST = "shapes-pairs"  # the bundled model's rerank_contrast
@@ -77,6 +97,46 @@ def chosen_right(right, scores, k) -> dict:
     }
 
 
+_MIRROR = {"to the left of": "to the right of", "left": "right"}
+_MIRROR.update({v: k for k, v in _MIRROR.items()})
+
+
+def mirrored_caption(caption: str) -> str:
+    """``caption`` for the image mirrored left to right: left and right swapped."""
+    p = parse_caption(caption)
+    p["relation"] = _MIRROR.get(p["relation"], p["relation"])
+    for obj in p["objects"]:
+        obj["position"] = _MIRROR.get(obj.get("position"), obj.get("position"))
+    return canonical_caption(p)
+
+
+def colour_free_contrast(caption: str) -> list[str]:
+    """A two-object caption without its colors, then its shape and relation variants (``[]`` for one
+    object: no colour-free score)."""
+    p = parse_caption(caption)
+    if p["relation"] is None:
+        return []
+    (a, b), rel = (o["shape"] for o in p["objects"]), p["relation"]
+
+    def cap(x, r, y):
+        return f"{article(x)} {x} {r} {article(y)} {y}"
+
+    return [
+        cap(a, rel, b),
+        *(cap(x, rel, b) for x in SHAPES if x != a),
+        *(cap(a, rel, y) for y in SHAPES if y != b),
+        *(cap(a, r, b) for r in RELATIONS if r != rel),
+    ]
+
+
+def shifted(images, dx: int, dy: int):
+    """``images [..., 3, s, s]`` moved by ``(dx, dy)`` pixels, the edges repeated."""
+    flat = images.flatten(0, -4)
+    s = flat.shape[-1]
+    pad = torch.nn.functional.pad(flat, (1, 1, 1, 1), mode="replicate")
+    return pad[..., 1 - dy : 1 - dy + s, 1 - dx : 1 - dx + s].reshape(images.shape)
+
+
 def standardised(s):
     return (s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + 1e-6)
 
@@ -106,6 +166,55 @@ class Degrader:
         return predicted_x0(self.training, x_t, t, mean, self.diffusion.prediction_type).clamp(
             -1, 1
         )
+
+
+def upsampled_top(pipe, finals, scores, captions, args) -> dict:
+    """The ``--upsample-top N`` figures for the first ``--fine-tune-count`` candidates (see the
+    module doc)."""
+    n, top = finals.shape[0], args.upsample_top
+    order = scores[:, : finals.shape[1]].argsort(1, descending=True)[:, :top]
+    best = finals[torch.arange(n)[:, None], order]
+    x64, x128 = [], []
+    for a in range(0, n, 25):
+        g = torch.Generator().manual_seed(args.seed + a)
+        out, inter = pipe.upsample(
+            best[a : a + 25].flatten(0, 1), generator=g, return_intermediates=True, progress=False
+        )
+        x64.append(inter["sr64"].view(-1, top, *inter["sr64"].shape[1:]))
+        x128.append(out.view(-1, top, *out.shape[1:]))
+        common.log(f"upsampled {min(a + 25, n)} / {n} prompts")
+    x64, x128 = torch.cat(x64), torch.cat(x128)
+    right = right_matrix(x128, captions)
+    half = n // 2
+
+    def among(view, first: int) -> dict:
+        if view is None:
+            return chosen_right(right, torch.zeros(n, 1), 1)
+        small = (
+            torch.nn.functional.interpolate(
+                view.flatten(0, 1).float(), size=finals.shape[-1], mode="area"
+            ).view(best.shape)
+            if view.shape[-1] != finals.shape[-1]
+            else view
+        )
+        return chosen_right(
+            right, contrast_scores(pipe.rerank_clip, small[:, :first], captions, CONTRAST), first
+        )
+
+    rows = {"shipped choice (the best at the chosen step)": among(None, 1)}
+    for first in range(2, top + 1):
+        rows[f"any of the best {first} right"] = {
+            "single_all": round(right[:half, :first].any(1).float().mean().item(), 4),
+            "pair_all": round(right[half:, :first].any(1).float().mean().item(), 4),
+        }
+        for name, view in (("64 px", x64), ("128 px", x128), ("finished 32 px", best)):
+            rows[f"best {first}, reranked on the {name} images"] = among(view, first)
+    return {
+        "candidates": int(finals.shape[1]),
+        "top": top,
+        "resolution": int(x128.shape[-1]),
+        "by_rule": rows,
+    }
 
 
 def finetune(pipe, args, evaluate) -> list:
@@ -155,7 +264,10 @@ def main(argv=None) -> int:
     p.add_argument("--counts", type=int, nargs="*", default=[16, 24, 32], metavar="K")
     p.add_argument("--finetune", type=int, default=0, metavar="STEPS")
     p.add_argument(
-        "--fine-tune-count", type=int, default=24, help="K the fine-tuned CLIP chooses from"
+        "--fine-tune-count",
+        type=int,
+        default=24,
+        help="K the fine-tuned CLIP and --upsample-top choose from",
     )
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--degrade", type=float, default=0.5, help="share of each batch degraded")
@@ -163,6 +275,16 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--colour-free-weights", type=float, nargs="*", default=[0.25, 1.0, 4.0], metavar="W"
+    )
+    p.add_argument(
+        "--upsample-top",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also upsample each prompt's N best candidates and score them at 128 px",
+    )
     p.add_argument("--out", default="bench_rerank_rules")
     args = p.parse_args(argv)
     saved = torch.load(args.candidates)
@@ -173,9 +295,11 @@ def main(argv=None) -> int:
             f"--at: the file holds the predicted images after steps {sorted(x0s)}; give one "
             "whose previous step is there too"
         )
-    counts = [*args.counts, *([args.fine_tune_count] if args.finetune else [])]
+    counts = [*args.counts, *([args.fine_tune_count] if args.finetune or args.upsample_top else [])]
     if any(not 1 < k <= k_max for k in counts):
         p.error(f"--counts / --fine-tune-count: between 2 and the {k_max} candidates saved")
+    if args.upsample_top and not 1 < args.upsample_top <= args.fine_tune_count:
+        p.error("--upsample-top: between 2 and --fine-tune-count")
     if not 0 < args.degrade <= 1 or any(not 0 <= t < 10 for t in args.t_steps):
         p.error("--degrade in (0, 1]; --t-steps among 0-9")
     started = time.perf_counter()
@@ -186,9 +310,31 @@ def main(argv=None) -> int:
     cc = contrast_scores(pipe.clip, at, captions, CONTRAST)
     before = contrast_scores(pipe.rerank_clip, x0s[args.at - 1], captions, CONTRAST)
     every = contrast_scores(pipe.rerank_clip, at, captions, "shapes")
+    later = {
+        m: contrast_scores(pipe.rerank_clip, x0s[m], captions, CONTRAST) for m in x0s if m > args.at
+    }
+    finished = contrast_scores(pipe.rerank_clip, finals, captions, CONTRAST)
+    mirrored = contrast_scores(
+        pipe.rerank_clip, at.flip(-1), [mirrored_caption(c) for c in captions], CONTRAST
+    )
+    shifts = sum(
+        contrast_scores(pipe.rerank_clip, shifted(at, dx, dy), captions, CONTRAST)
+        for dx, dy in ((1, 0), (-1, 0), (0, 1), (0, -1))
+    )
+    pairs = torch.tensor([parse_caption(c)["relation"] is not None for c in captions])
+    colour_free = contrast_scores(pipe.rerank_clip, at, captions, colour_free_contrast)
+    colour_free[~pairs] = 0.0
+    right_mirrors = right_matrix(finals.flip(-1), captions)
+    mirror_candidates = contrast_scores(pipe.rerank_clip, at.flip(-1), captions, CONTRAST)
     half = right.shape[0] // 2
     rules = {}
     for k in args.counts:
+        both = torch.cat([torch.arange(k), k_max + torch.arange(k)])
+        with_mirrors = chosen_right(
+            torch.cat([right, right_mirrors], 1)[:, both],
+            torch.cat([rr, mirror_candidates], 1)[:, both],
+            2 * k,
+        )
         rules[f"{k} candidates"] = {
             "reranker": chosen_right(right, rr, k),
             "conditioning CLIP": chosen_right(right, cc, k),
@@ -200,9 +346,28 @@ def main(argv=None) -> int:
                 right, rr + before, k
             ),
             "reranker, shapes contrast for single objects too": chosen_right(right, every, k),
+            **{f"reranker after step {m}": chosen_right(right, later[m], k) for m in sorted(later)},
+            "reranker on the finished images": chosen_right(right, finished, k),
+            "reranker + its score of the mirrored view": chosen_right(right, rr + mirrored, k),
+            "reranker + four one-pixel shifts": chosen_right(right, rr + shifts, k),
+            **{
+                f"reranker + {w} x colour-free contrast": chosen_right(
+                    right, rr + w * colour_free, k
+                )
+                for w in args.colour_free_weights
+            },
+            "mirrored candidates too (2K images)": with_mirrors,
             "any candidate right": {
                 "single_all": round(right[:half, :k].any(1).float().mean().item(), 4),
                 "pair_all": round(right[half:, :k].any(1).float().mean().item(), 4),
+            },
+            "any candidate or mirror right": {
+                "single_all": round(
+                    (right | right_mirrors)[:half, :k].any(1).float().mean().item(), 4
+                ),
+                "pair_all": round(
+                    (right | right_mirrors)[half:, :k].any(1).float().mean().item(), 4
+                ),
             },
         }
     result = {
@@ -215,6 +380,10 @@ def main(argv=None) -> int:
         "model": args.model or "bundled:shapes",
         "by_rule": rules,
     }
+    if args.upsample_top:
+        result["upsampled"] = upsampled_top(
+            pipe, finals[:, : args.fine_tune_count], rr, captions, args
+        )
     if args.finetune:
         k = args.fine_tune_count
 
@@ -243,6 +412,15 @@ def report(result: dict) -> str:
     ]
     cols = [("candidates", "count"), ("rule", "rule"), ("single all", "single_all")]
     text = common.table(rows, cols + [("pair all", "pair_all")])
+    if "upsampled" in result:
+        up = result["upsampled"]
+        text += (
+            f"\n\nthe best {up['top']} of {up['candidates']} upsampled, at {up['resolution']} px:\n"
+        )
+        rows = [{"rule": rule, **figures} for rule, figures in up["by_rule"].items()]
+        text += common.table(
+            rows, [("rule", "rule"), ("single all", "single_all"), ("pair all", "pair_all")]
+        )
     if "finetune" in result:
         history = result["finetune"]["single_pair_by_step"]
         text += f"\nfine-tuned reranker [step, single, pair]: {history}"
