@@ -51,7 +51,6 @@ from unclip.sampling import (
     image_text_cosines,
     rerank_candidates,
 )
-from unclip.schedulers import check_scheduler_spec
 from unclip.shapes.detector import evaluate_images, score
 from unclip.shapes.evaluate import heldout_samples
 from unclip.shapes.world import parse_caption
@@ -59,6 +58,9 @@ from unclip.vlb import predicted_x0
 
 PRIOR = {"prior": {"scheduler": "unipc", "steps": 10}}
 DECODER = {"scheduler": "ddim", "guidance_scale": 1.0}  # the bundled model's decoder guidance
+#: samplers decode_all can follow: one network call per step at whole-number training timesteps on
+#: unscaled samples, which its predicted images (the training schedule's x_0 formula) assume
+SAMPLERS = ("ddim", "ddpm", "dpm++", "unipc", "deis")
 
 
 @torch.no_grad()
@@ -133,7 +135,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--scheduler",
         default=DECODER["scheduler"],
-        help="the decoder's sampler (default: %(default)s; e.g. ddpm, unipc, dpm++)",
+        choices=SAMPLERS,
+        help="the decoder's sampler (default: %(default)s)",
     )
     p.add_argument("--chunk", type=int, default=10, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
@@ -188,10 +191,6 @@ def main(argv=None) -> int:
             args.out = "bench_rerank_at_quick"
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")
-    try:
-        check_scheduler_spec(args.scheduler)
-    except ValueError as exc:
-        p.error(f"--scheduler: {exc}")
     if args.choose_at is None:
         args.choose_at = [min(6, args.steps)]
     prunes = [parse_prune(p, spec, args) for spec in args.prune]

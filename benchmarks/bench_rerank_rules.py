@@ -13,18 +13,19 @@ right). Rules: the reranking CLIP's score (the shipped one, with the decoder's `
 ``shapes-pairs``), the conditioning CLIP's, their sum (raw and standardised per prompt), the
 reranker's scores after two steps summed, and the ``shapes`` contrast for single objects too; the
 reranker after later steps and on the finished images; test-time views summed with the shipped
-score (the image mirrored left to right, scored against the prompt with left and right swapped;
-four one-pixel shifts); a colour-free contrast for two objects (the prompt without its colors
-against its shape and relation variants, which the reranker learned from its colour-free views)
-added with weights ``--colour-free-weights``; and the mirrored candidates as further candidates
-(each candidate and its mirror image scored against the prompt; a mirror costs no decoder call).
+score (the image mirrored left to right, scored against the prompt with left and right swapped; the
+scores of four one-pixel shifts, so the unshifted image counts once among five); a colour-free
+contrast for two objects (the prompt without its colors against its shape variants and, for two
+shapes, its relation variants, which the reranker learned from its colour-free views) added with
+weights ``--colour-free-weights``; and the mirrored candidates as further candidates (each
+candidate and its mirror image scored against the prompt; a mirror costs no decoder call).
 
 ``--upsample-top N`` then upsamples each prompt's ``N`` best candidates by the shipped rule (sr64
 and sr128, DDIM 2 steps each, one generator per 25 prompts) and scores them at 128 px: the shipped
 choice, how often any of the first ``n <= N`` is right, and choosing among them by the reranker on
-the upsampled images resized back to 32 px (area) or on their finished 32 px images. That is what a
-reranker reading the candidates after upsampling would buy (about 11 min for ``N = 6`` on 400
-prompts on 2 cores).
+the upsampled images resized back to 32 px (area) or on their finished 32 px images: how often a
+right scene is among them (the ceiling of a reranker that reads them after upsampling), and what
+the shipped reranker makes of them.
 
 ``--finetune N`` then trains a copy of the reranking CLIP for ``N`` steps on the views it ranks:
 batches as the recipe's reranker step draws them (training split, relation and colour-swap hard
@@ -102,7 +103,9 @@ _MIRROR.update({v: k for k, v in _MIRROR.items()})
 
 
 def mirrored_caption(caption: str) -> str:
-    """``caption`` for the image mirrored left to right: left and right swapped."""
+    """``caption`` for the image mirrored left to right: left and right swapped, in
+    :func:`canonical_caption`'s phrasing (which the ``shapes-pairs`` contrast scores two objects in
+    anyway; a single object's plain cosine then reads that phrasing rather than the prompt's)."""
     p = parse_caption(caption)
     p["relation"] = _MIRROR.get(p["relation"], p["relation"])
     for obj in p["objects"]:
@@ -111,12 +114,15 @@ def mirrored_caption(caption: str) -> str:
 
 
 def colour_free_contrast(caption: str) -> list[str]:
-    """A two-object caption without its colors, then its shape and relation variants (``[]`` for one
-    object: no colour-free score)."""
+    """A two-object caption without its colors, then its shape variants and, when the two shapes
+    differ, its relation variants (``[]`` for one object: no colour-free score). Two objects of one
+    shape have no relation variant: without colors "a circle above a circle" is the same scene as
+    "a circle below a circle"."""
     p = parse_caption(caption)
     if p["relation"] is None:
         return []
     (a, b), rel = (o["shape"] for o in p["objects"]), p["relation"]
+    relations = [r for r in RELATIONS if r != rel] if a != b else []
 
     def cap(x, r, y):
         return f"{article(x)} {x} {r} {article(y)} {y}"
@@ -125,7 +131,7 @@ def colour_free_contrast(caption: str) -> list[str]:
         cap(a, rel, b),
         *(cap(x, rel, b) for x in SHAPES if x != a),
         *(cap(a, rel, y) for y in SHAPES if y != b),
-        *(cap(a, r, b) for r in RELATIONS if r != rel),
+        *(cap(a, r, b) for r in relations),
     ]
 
 
