@@ -98,11 +98,22 @@ def right_matrix(finals, captions) -> torch.Tensor:
     """``[n, k]``: candidate j of prompt i (``finals [n, k, 3, s, s]``) fully right at its
     resolution."""
     n, k = finals.shape[:2]
+    expected = [parse_caption(c) for c in captions]
     right = torch.zeros(n, k, dtype=torch.bool)
     for j in range(k):
         for i, image in enumerate(to_output(finals[:, j], "np")):
-            right[i, j] = bool(score(image, parse_caption(captions[i]))["all"])
+            right[i, j] = bool(score(image, expected[i])["all"])
     return right
+
+
+def by_kind(hit: torch.Tensor) -> dict:
+    """The share of prompts with ``hit [n]`` true, single-object prompts (the first half) and
+    two-object prompts (the second) apart: ``{"single_all", "pair_all"}``."""
+    half = hit.shape[0] // 2
+    return {
+        "single_all": round(hit[:half].float().mean().item(), 4),
+        "pair_all": round(hit[half:].float().mean().item(), 4),
+    }
 
 
 def parse_prune(parser, spec: str, args) -> tuple[int, int]:
@@ -270,8 +281,7 @@ def main(argv=None) -> int:
     right = right_matrix(finals, captions)
     half = args.num
     ceiling = {
-        "single_all": round(right[:half].any(1).float().mean().item(), 4),
-        "pair_all": round(right[half:].any(1).float().mean().item(), 4),
+        **by_kind(right.any(1)),
         "single_mean_candidate": round(right[:half].float().mean().item(), 4),
         "pair_mean_candidate": round(right[half:].float().mean().item(), 4),
     }

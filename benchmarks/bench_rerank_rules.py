@@ -47,7 +47,7 @@ import time
 
 import common
 import torch
-from bench_rerank_at import right_matrix
+from bench_rerank_at import by_kind, right_matrix
 
 from unclip.config import SamplingConfig
 from unclip.diffusion import training_scheduler
@@ -89,13 +89,7 @@ def contrast_scores(clip, images, captions, contrast, chunk=20):
 
 
 def chosen_right(right, scores, k) -> dict:
-    n = right.shape[0]
-    r = right[torch.arange(n), scores[:, :k].argmax(1)].float()
-    half = n // 2
-    return {
-        "single_all": round(r[:half].mean().item(), 4),
-        "pair_all": round(r[half:].mean().item(), 4),
-    }
+    return by_kind(right[torch.arange(right.shape[0]), scores[:, :k].argmax(1)])
 
 
 _MIRROR = {"to the left of": "to the right of", "left": "right"}
@@ -191,11 +185,8 @@ def upsampled_top(pipe, finals, scores, captions, args) -> dict:
         common.log(f"upsampled {min(a + 25, n)} / {n} prompts")
     x64, x128 = torch.cat(x64), torch.cat(x128)
     right = right_matrix(x128, captions)
-    half = n // 2
 
     def among(view, first: int) -> dict:
-        if view is None:
-            return chosen_right(right, torch.zeros(n, 1), 1)
         small = (
             torch.nn.functional.interpolate(
                 view.flatten(0, 1).float(), size=finals.shape[-1], mode="area"
@@ -207,12 +198,9 @@ def upsampled_top(pipe, finals, scores, captions, args) -> dict:
             right, contrast_scores(pipe.rerank_clip, small[:, :first], captions, CONTRAST), first
         )
 
-    rows = {"shipped choice (the best at the chosen step)": among(None, 1)}
+    rows = {"shipped choice (the best at the chosen step)": by_kind(right[:, 0])}
     for first in range(2, top + 1):
-        rows[f"any of the best {first} right"] = {
-            "single_all": round(right[:half, :first].any(1).float().mean().item(), 4),
-            "pair_all": round(right[half:, :first].any(1).float().mean().item(), 4),
-        }
+        rows[f"any of the best {first} right"] = by_kind(right[:, :first].any(1))
         for name, view in (("64 px", x64), ("128 px", x128), ("finished 32 px", best)):
             rows[f"best {first}, reranked on the {name} images"] = among(view, first)
     return {
@@ -332,7 +320,6 @@ def main(argv=None) -> int:
     colour_free[~pairs] = 0.0
     right_mirrors = right_matrix(finals.flip(-1), captions)
     mirror_candidates = contrast_scores(pipe.rerank_clip, at.flip(-1), captions, CONTRAST)
-    half = right.shape[0] // 2
     rules = {}
     for k in args.counts:
         both = torch.cat([torch.arange(k), k_max + torch.arange(k)])
@@ -363,18 +350,8 @@ def main(argv=None) -> int:
                 for w in args.colour_free_weights
             },
             "mirrored candidates too (2K images)": with_mirrors,
-            "any candidate right": {
-                "single_all": round(right[:half, :k].any(1).float().mean().item(), 4),
-                "pair_all": round(right[half:, :k].any(1).float().mean().item(), 4),
-            },
-            "any candidate or mirror right": {
-                "single_all": round(
-                    (right | right_mirrors)[:half, :k].any(1).float().mean().item(), 4
-                ),
-                "pair_all": round(
-                    (right | right_mirrors)[half:, :k].any(1).float().mean().item(), 4
-                ),
-            },
+            "any candidate right": by_kind(right[:, :k].any(1)),
+            "any candidate or mirror right": by_kind((right | right_mirrors)[:, :k].any(1)),
         }
     result = {
         "machine": common.machine(),
