@@ -25,7 +25,8 @@ and sr128, DDIM 2 steps each, one generator per 25 prompts) and scores them at 1
 choice, how often any of the first ``n <= N`` is right, and choosing among them by the reranker on
 the upsampled images resized back to 32 px (area) or on their finished 32 px images: how often a
 right scene is among them (the ceiling of a reranker that reads them after upsampling), and what
-the shipped reranker makes of them.
+the shipped reranker makes of them. ``--save-upsampled FILE`` keeps the 64 px images and which
+are right at 128 px for ``bench_reranker_reading.py --upsampled``.
 
 ``--finetune N`` then trains a copy of the reranking CLIP for ``N`` steps on the views it ranks:
 batches as the recipe's reranker step draws them (training split, relation and colour-swap hard
@@ -185,6 +186,12 @@ def upsampled_top(pipe, finals, scores, captions, args) -> dict:
         common.log(f"upsampled {min(a + 25, n)} / {n} prompts")
     x64, x128 = torch.cat(x64), torch.cat(x128)
     right = right_matrix(x128, captions)
+    if args.save_upsampled:
+        # what bench_reranker_reading.py --upsampled reads: the 64 px images, in the shipped
+        # reranker's order, and which are right at 128 px
+        torch.save(
+            {"x64": x64.half(), "right": right, "captions": list(captions)}, args.save_upsampled
+        )
 
     def among(view, first: int) -> dict:
         small = (
@@ -211,27 +218,28 @@ def upsampled_top(pipe, finals, scores, captions, args) -> dict:
     }
 
 
-def finetune(pipe, args, evaluate) -> list:
-    """Train a copy of the reranking CLIP on partly degraded reranker batches; ``evaluate(clip)``
-    every ``--eval-every`` steps. Returns ``[[step, single_all, pair_all], ...]``."""
-    clip = copy.deepcopy(pipe.rerank_clip)
+def train_copy(clip, steps: int, lr: float, batches, evaluate, eval_every: int) -> list:
+    """Train ``clip`` (a copy: its weights change) for ``steps`` on ``batches(step) -> (images,
+    captions)``: the CLIP's contrastive loss, AdamW, 20 warm-up steps then cosine decay, bf16
+    autocast, gradients clipped at 1.0; ``evaluate(clip)`` (a dict of figures) before the first step
+    and every ``eval_every`` steps. Returns ``[[step, *figures], ...]``."""
     model = clip.model.train().requires_grad_(True)
     task = ClipTask(clip, "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    data = ClipDataConfig(batch_size=args.batch, seed=args.seed, **RERANKER_DATA)
-    world = ShapesWorld(32, seed=args.seed, split="train", two_object_prob=data.two_object_prob)
-    degrade = Degrader(pipe, args.t_steps)
-    history = [[0, *evaluate(clip).values()]]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def figures():
+        model.eval()
+        out = list(evaluate(clip).values())
+        model.train()
+        return out
+
+    history = [[0, *figures()]]
     started = time.perf_counter()
-    for step in range(args.finetune):
-        images, captions = make_batch(world, step, args.batch, data, random.Random(step))
-        g = torch.Generator().manual_seed(args.seed * 100_003 + step)
-        rows = torch.randperm(args.batch, generator=g)[: round(args.degrade * args.batch)]
-        images = images.clone()
-        images[rows] = degrade(images[rows], [captions[i] for i in rows.tolist()], g)
+    for step in range(steps):
+        images, captions = batches(step)
         warm = min(1.0, (step + 1) / 20)
         for group in opt.param_groups:
-            group["lr"] = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.finetune))
+            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = task.loss(model, {"image": images, "caption": captions}, None)
         opt.zero_grad()
@@ -239,15 +247,32 @@ def finetune(pipe, args, evaluate) -> list:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         task.after_optimizer_step(model)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.finetune:
-            model.eval()
-            history.append([step + 1, *evaluate(clip).values()])
-            model.train()
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            history.append([step + 1, *figures()])
             elapsed = time.perf_counter() - started
-            common.log(
-                f"step {step + 1}: loss {loss.item():.4f}, {history[-1][1:]}, {elapsed:.0f} s"
-            )
+            figures_now = history[-1][1:]
+            common.log(f"step {step + 1}: loss {loss.item():.4f}, {figures_now}, {elapsed:.0f} s")
+    model.eval().requires_grad_(False)
     return history
+
+
+def finetune(pipe, args, evaluate) -> list:
+    """Train a copy of the reranking CLIP on partly degraded reranker batches; ``evaluate(clip)``
+    every ``--eval-every`` steps. Returns ``[[step, single_all, pair_all], ...]``."""
+    data = ClipDataConfig(batch_size=args.batch, seed=args.seed, **RERANKER_DATA)
+    world = ShapesWorld(32, seed=args.seed, split="train", two_object_prob=data.two_object_prob)
+    degrade = Degrader(pipe, args.t_steps)
+
+    def batches(step):
+        images, captions = make_batch(world, step, args.batch, data, random.Random(step))
+        g = torch.Generator().manual_seed(args.seed * 100_003 + step)
+        rows = torch.randperm(args.batch, generator=g)[: round(args.degrade * args.batch)]
+        images = images.clone()
+        images[rows] = degrade(images[rows], [captions[i] for i in rows.tolist()], g)
+        return images, captions
+
+    clip = copy.deepcopy(pipe.rerank_clip)
+    return train_copy(clip, args.finetune, args.lr, batches, evaluate, args.eval_every)
 
 
 def main(argv=None) -> int:
@@ -279,6 +304,12 @@ def main(argv=None) -> int:
         metavar="N",
         help="also upsample each prompt's N best candidates and score them at 128 px",
     )
+    p.add_argument(
+        "--save-upsampled",
+        metavar="FILE",
+        help="with --upsample-top: save the 64 px images and which are right at 128 px (for "
+        "bench_reranker_reading.py --upsampled)",
+    )
     p.add_argument("--out", default="bench_rerank_rules")
     args = p.parse_args(argv)
     saved = torch.load(args.candidates)
@@ -294,6 +325,8 @@ def main(argv=None) -> int:
         p.error(f"--counts / --fine-tune-count: between 2 and the {k_max} candidates saved")
     if args.upsample_top and not 1 < args.upsample_top <= args.fine_tune_count:
         p.error("--upsample-top: between 2 and --fine-tune-count")
+    if args.save_upsampled and not args.upsample_top:
+        p.error("--save-upsampled saves what --upsample-top computes: give both")
     if not 0 < args.degrade <= 1 or any(not 0 <= t < 10 for t in args.t_steps):
         p.error("--degrade in (0, 1]; --t-steps among 0-9")
     started = time.perf_counter()

@@ -11,7 +11,12 @@ import yaml
 from unclip.cli.train_clip import main
 from unclip.clip import CLIP, tiny_clip_config
 from unclip.config import ClipConfig
-from unclip.shapes.train_clip import ClipDataConfig, load_clip_train_config, make_batch
+from unclip.shapes.train_clip import (
+    ClipDataConfig,
+    clip_batches,
+    load_clip_train_config,
+    make_batch,
+)
 from unclip.shapes.world import ShapesWorld, is_heldout, parse_caption
 
 
@@ -130,6 +135,31 @@ def test_batch_with_color_free_views_replaces_that_share_of_samples():
         random.Random(0),
     )
     assert again[1] == caps and torch.equal(again[0], x)
+
+
+def test_batch_with_extra_colors_names_and_draws_them_hard_negatives_too():
+    extra = {"pink": [255, 105, 180], "cyan": [40, 210, 220]}
+    data = ClipDataConfig(
+        hard_negatives=0.5, noise_prob=0.0, blur_prob=0.0, two_object_prob=0.5, extra_colors=extra
+    )
+    world = ShapesWorld(32, seed=0, split="train", two_object_prob=0.5, extra_colors=extra)
+    x, caps = make_batch(world, 0, 64, data, random.Random(0))
+    assert caps[:32] == [world[i].caption for i in range(32)]
+    pixels = ((x.permute(0, 2, 3, 1) + 1) * 127.5).round()
+    for name, rgb in extra.items():
+        named = [i for i, c in enumerate(caps) if name in c.split()]
+        # the extra colors appear among the scenes and among their hard negatives (rendered with
+        # the extra palette: without it those could not be drawn)
+        assert any(i < 32 for i in named) and any(i >= 32 for i in named), (name, caps)
+        for i in named:  # each image whose caption names the color shows it
+            assert (pixels[i] - torch.tensor(rgb, dtype=torch.float32)).abs().amax(-1).min() < 2
+    # the training loop's batches come from a world with the same palette
+    first = next(clip_batches(data, seed=0, rank=0, world_size=1))
+    assert any(name in c.split() for c in first["caption"] for name in extra)
+    with pytest.raises(ValueError, match="data.extra_colors: extra color name 'red2'"):
+        ClipDataConfig(extra_colors={"red2": [230, 40, 41]})
+    with pytest.raises(ValueError, match="data.extra_colors"):
+        ClipDataConfig(extra_colors={"pink": [250, 40, 40]})  # too close to red
 
 
 def _config(tmp_path, **data) -> str:

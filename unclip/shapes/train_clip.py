@@ -28,7 +28,7 @@ from typing import Literal, Optional
 import torch
 
 from unclip.clip import CLIP
-from unclip.config import ClipConfig
+from unclip.config import ClipConfig, ConfigError
 from unclip.images import pil_to_tensor
 from unclip.pipeline_utils import sample_seed
 from unclip.train.checkpoint import disk_full_is_an_error
@@ -83,6 +83,11 @@ class ClipDataConfig:
     #: scene with the objects in unnamed colors and a caption without color words
     #: (:func:`unclip.shapes.world.color_free_view`), so shape features cannot lean on color.
     color_free_prob: float = 0.0
+    #: Named colors beyond the spec's six (``{name: [r, g, b]}``, the world's ``extra_colors``):
+    #: objects draw their color from the larger palette and captions name it, so more color words
+    #: are seen with every shape. The held-out combinations stay held out; a ``color`` hard
+    #: negative still changes a color to one of the spec's six.
+    extra_colors: Optional[dict[str, list[int]]] = None
 
     def __post_init__(self) -> None:
         """Range-check every number (:class:`~unclip.config.ConfigError` naming the key)."""
@@ -99,6 +104,13 @@ class ClipDataConfig:
             "in [0, 0.5] (a share of the batch)",
         )
         check_probability("data.color_free_prob", self.color_free_prob)
+        if self.extra_colors is not None:
+            from unclip.shapes.world import check_extra_colors
+
+            try:
+                check_extra_colors(self.extra_colors)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"data.extra_colors: {e}") from None
         from unclip.shapes.world import CONTRAST_ATTRIBUTES_PAIR, CONTRAST_ATTRIBUTES_SINGLE
 
         for key, allowed in (
@@ -210,7 +222,7 @@ def make_batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random
             # colors of a red circle and a blue triangle shows two held-out combinations): draw
             # the twin with the default weights rather than drop it
             truth, _ = contrast_truth(s.truth, twin_rng, world.split)
-        imgs.append(pil_to_tensor(render(truth, world.resolution)))
+        imgs.append(pil_to_tensor(render(truth, world.resolution, extra_colors=world.extra_colors)))
         caps.append(make_caption(truth, twin_rng, world.background_phrase_prob))
     x = torch.stack(imgs)
     if aug is not None:
@@ -235,7 +247,11 @@ def clip_batches(data: ClipDataConfig, seed: int, rank: int, world_size: int, st
     from unclip.shapes.world import ShapesWorld
 
     world = ShapesWorld(
-        data.resolution, seed=data.seed, split=data.split, two_object_prob=data.two_object_prob
+        data.resolution,
+        seed=data.seed,
+        split=data.split,
+        two_object_prob=data.two_object_prob,
+        extra_colors=data.extra_colors,
     )
     index = start // data.batch_size
     while True:
