@@ -256,15 +256,24 @@ def train_copy(clip, steps: int, lr: float, batches, evaluate, eval_every: int) 
     return history
 
 
+def reranker_batches(batch: int, seed: int, **changes):
+    """``step -> (images, captions)``: the recipe's reranker batches (:data:`RERANKER_DATA` with
+    ``changes``, e.g. another resolution or other hard-negative kinds) from the training split."""
+    data = ClipDataConfig(**{**RERANKER_DATA, **changes}, batch_size=batch, seed=seed)
+    world = ShapesWorld(
+        data.resolution, seed=seed, split="train", two_object_prob=data.two_object_prob
+    )
+    return lambda step: make_batch(world, step, batch, data, random.Random(step))
+
+
 def finetune(pipe, args, evaluate) -> list:
     """Train a copy of the reranking CLIP on partly degraded reranker batches; ``evaluate(clip)``
     every ``--eval-every`` steps. Returns ``[[step, single_all, pair_all], ...]``."""
-    data = ClipDataConfig(batch_size=args.batch, seed=args.seed, **RERANKER_DATA)
-    world = ShapesWorld(32, seed=args.seed, split="train", two_object_prob=data.two_object_prob)
+    clean = reranker_batches(args.batch, args.seed)
     degrade = Degrader(pipe, args.t_steps)
 
     def batches(step):
-        images, captions = make_batch(world, step, args.batch, data, random.Random(step))
+        images, captions = clean(step)
         g = torch.Generator().manual_seed(args.seed * 100_003 + step)
         rows = torch.randperm(args.batch, generator=g)[: round(args.degrade * args.batch)]
         images = images.clone()

@@ -42,19 +42,24 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import time
 from collections import Counter
 
 import common
 import torch
 import torch.nn.functional as F
-from bench_rerank_at import by_kind, right_matrix
-from bench_rerank_rules import CONTRAST, RERANKER_DATA, contrast_scores, train_copy
+from bench_rerank_at import right_matrix
+from bench_rerank_rules import (
+    CONTRAST,
+    RERANKER_DATA,
+    chosen_right,
+    contrast_scores,
+    reranker_batches,
+    train_copy,
+)
 
 from unclip.clip import CLIP, build_open_clip_model
 from unclip.images import pil_to_tensor
-from unclip.shapes.train_clip import ClipDataConfig, make_batch
 from unclip.shapes.world import ShapesWorld, caption_alternatives, parse_caption
 
 KINDS = {"single": 0.0, "pair": 1.0}
@@ -217,7 +222,7 @@ def choosing(clip, choices) -> dict:
     figures = {}
     for name, (views, right, captions) in choices.items():
         scores = contrast_scores(clip, views, captions, CONTRAST)
-        figures[name] = by_kind(right[torch.arange(right.shape[0]), scores.argmax(1)])["pair_all"]
+        figures[name] = chosen_right(right, scores, right.shape[1])["pair_all"]
     return figures
 
 
@@ -229,23 +234,14 @@ def finetune(pipe, args, sets, choices) -> dict:
         figures = {f"held-out {kind} read": reading(clip, s)["first"] for kind, s in held.items()}
         return {**figures, **choosing(clip, choices)}
 
-    data = ClipDataConfig(
-        **{
-            **RERANKER_DATA,
-            "resolution": args.resolution,
-            "pair_negatives": args.pair_negatives,
-            "single_negatives": args.single_negatives,
-            "color_free_prob": args.colour_free,
-        },
-        batch_size=args.batch,
-        seed=args.seed,
+    batches = reranker_batches(
+        args.batch,
+        args.seed,
+        resolution=args.resolution,
+        pair_negatives=args.pair_negatives,
+        single_negatives=args.single_negatives,
+        color_free_prob=args.colour_free,
     )
-    world = ShapesWorld(
-        args.resolution, seed=args.seed, split="train", two_object_prob=data.two_object_prob
-    )
-
-    def batches(step):
-        return make_batch(world, step, args.batch, data, random.Random(step))
 
     clip = (
         widened(pipe.rerank_clip, args.resolution)
