@@ -9,10 +9,12 @@ The candidates (every prompt's finished 32 px images and their predicted images 
 from ``bench_rerank_at.py --save-candidates``) are decoded once; each rule chooses one per prompt
 from the first ``K`` of them (what ``best_of = K`` draws) after step ``--at``, and the chosen
 candidate's finished image is scored by the evaluator (a prompt counts when every attribute is
-right). Rules: the reranking CLIP's score (the shipped one, with the decoder's ``rerank_contrast``
-``shapes-pairs``), the conditioning CLIP's, their sum (raw and standardised per prompt), the
+right). "The shipped rule" below is the bundled model's until lever 31: the reranking CLIP's score
+with the decoder's ``rerank_contrast`` ``shapes-pairs``. Rules: that score, the conditioning CLIP's, their sum (raw and standardised per prompt), the
 reranker's scores after two steps summed, and the ``shapes`` contrast for single objects too; the
-reranker after later steps and on the finished images; test-time views summed with the shipped
+reranker after later steps and on the finished images; the reranker with ``shapes-pairs-regions``
+(each object of a pair also read on its own side of the image, the other side painted over: lever
+31); test-time views summed with the shipped
 score (the image mirrored left to right, scored against the prompt with left and right swapped; the
 scores of four one-pixel shifts, so the unshifted image counts once among five); a colour-free
 contrast for two objects (the prompt without its colors against its shape variants and, for two
@@ -64,7 +66,10 @@ from unclip.shapes.world import (
 )
 from unclip.vlb import predicted_x0
 
-CONTRAST = "shapes-pairs"  # the bundled model's rerank_contrast
+#: the whole-image contrast the rules build on (the bundled model's ``rerank_contrast`` until lever
+#: 31 added each object's reading on its own side of the image: :data:`REGIONS`)
+CONTRAST = "shapes-pairs"
+REGIONS = "shapes-pairs-regions"
 #: the recipe's reranker step (configs/shapes/clip.yaml with its overrides in unclip.shapes.recipe)
 RERANKER_DATA = dict(
     resolution=32,
@@ -346,6 +351,7 @@ def main(argv=None) -> int:
     cc = contrast_scores(pipe.clip, at, captions, CONTRAST)
     before = contrast_scores(pipe.rerank_clip, x0s[args.at - 1], captions, CONTRAST)
     every = contrast_scores(pipe.rerank_clip, at, captions, "shapes")
+    regions = contrast_scores(pipe.rerank_clip, at, captions, REGIONS)
     later = {
         m: contrast_scores(pipe.rerank_clip, x0s[m], captions, CONTRAST) for m in x0s if m > args.at
     }
@@ -381,6 +387,9 @@ def main(argv=None) -> int:
                 right, rr + before, k
             ),
             "reranker, shapes contrast for single objects too": chosen_right(right, every, k),
+            "reranker, each object on its side too (shapes-pairs-regions)": chosen_right(
+                right, regions, k
+            ),
             **{f"reranker after step {m}": chosen_right(right, later[m], k) for m in sorted(later)},
             "reranker on the finished images": chosen_right(right, finished, k),
             "reranker + its score of the mirrored view": chosen_right(right, rr + mirrored, k),

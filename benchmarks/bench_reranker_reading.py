@@ -24,8 +24,10 @@ With ``--candidates`` (``bench_rerank_at.py --save-candidates``; 32 px) each CLI
 among ``--count`` saved decoder candidates after step ``--at`` by the shipped contrast, and the
 share of two-object prompts whose chosen candidate the evaluator finds fully right is reported;
 with ``--upsampled`` (``bench_rerank_rules.py --save-upsampled``; 64 px) it chooses among the best
-2, 3, 4 and 6 upsampled candidates on their 64 px images. ``--reranker NAME=DIR`` reads another
-CLIP folder too (e.g. one from ``unclip train-clip``).
+2, 3, 4 and 6 upsampled candidates on their 64 px images. ``--contrast NAME`` (repeatable) chooses
+by those contrasts instead, e.g. ``shapes-pairs-regions``, which also reads each object on its own
+side of the image (lever 31). ``--reranker NAME=DIR`` reads another CLIP folder too (e.g. one from
+``unclip train-clip``).
 
 ``--finetune N`` then trains a copy of the reranker for ``N`` steps on the recipe's reranker batches
 (training split, colour-free views, a quarter hard negatives) with the hard-negative kinds of
@@ -60,6 +62,7 @@ from bench_rerank_rules import (
 
 from unclip.clip import CLIP, build_open_clip_model
 from unclip.images import pil_to_tensor
+from unclip.sampling import RERANK_CONTRASTS
 from unclip.shapes.world import ShapesWorld, caption_alternatives, parse_caption
 
 KINDS = {"single": 0.0, "pair": 1.0}
@@ -150,6 +153,13 @@ def main(argv=None) -> int:
     p.add_argument("--count", type=int, default=24)
     p.add_argument("--upsampled", help="bench_rerank_rules.py --save-upsampled file (64 px)")
     p.add_argument(
+        "--contrast",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help=f"a registered rerank contrast to choose by (default: {CONTRAST})",
+    )
+    p.add_argument(
         "--reranker",
         action="append",
         default=[],
@@ -158,6 +168,10 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default="bench_reranker_reading")
     args = p.parse_args(argv)
+    args.contrast = args.contrast or [CONTRAST]
+    unknown = [c for c in args.contrast if c not in RERANK_CONTRASTS]
+    if unknown:
+        p.error(f"--contrast {unknown}: registered ones are {sorted(RERANK_CONTRASTS)}")
     if args.candidates and args.resolution != 32 or args.upsampled and args.resolution != 64:
         p.error("--candidates are read at --resolution 32, --upsampled at 64")
     started = time.perf_counter()
@@ -191,7 +205,7 @@ def main(argv=None) -> int:
             name: {which: reading(clip, samples) for which, samples in sets.items()}
             for name, clip in clips.items()
         },
-        "choosing": {name: choosing(clip, choices) for name, clip in clips.items()},
+        "choosing": {name: choosing(clip, choices, args.contrast) for name, clip in clips.items()},
     }
     if args.finetune:
         result["finetune"] = finetune(pipe, args, sets, choices)
@@ -217,12 +231,15 @@ def choice_sets(args) -> dict:
     return out
 
 
-def choosing(clip, choices) -> dict:
-    """The two-object prompts whose candidate chosen by ``clip`` (the shipped contrast) is right."""
+def choosing(clip, choices, contrasts=(CONTRAST,)) -> dict:
+    """The two-object prompts whose candidate chosen by ``clip`` is right, by each of
+    ``contrasts`` (named in the key unless it is the ``shapes-pairs`` baseline)."""
     figures = {}
     for name, (views, right, captions) in choices.items():
-        scores = contrast_scores(clip, views, captions, CONTRAST)
-        figures[name] = chosen_right(right, scores, right.shape[1])["pair_all"]
+        for contrast in contrasts:
+            scores = contrast_scores(clip, views, captions, contrast)
+            key = name if contrast == CONTRAST else f"{name}, {contrast}"
+            figures[key] = chosen_right(right, scores, right.shape[1])["pair_all"]
     return figures
 
 
@@ -232,7 +249,7 @@ def finetune(pipe, args, sets, choices) -> dict:
 
     def evaluate(clip) -> dict:
         figures = {f"held-out {kind} read": reading(clip, s)["first"] for kind, s in held.items()}
-        return {**figures, **choosing(clip, choices)}
+        return {**figures, **choosing(clip, choices, args.contrast)}
 
     batches = reranker_batches(
         args.batch,
@@ -256,7 +273,11 @@ def finetune(pipe, args, sets, choices) -> dict:
         "pair_negatives": args.pair_negatives,
         "single_negatives": args.single_negatives,
         "colour_free": args.colour_free,
-        "columns": ["step", *(f"held-out {kind} read" for kind in held), *choices],
+        "columns": [
+            "step",
+            *(f"held-out {kind} read" for kind in held),
+            *(k if c == CONTRAST else f"{k}, {c}" for k in choices for c in args.contrast),
+        ],
         "by_step": history,
     }
 

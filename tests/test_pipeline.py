@@ -283,6 +283,101 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
     assert assembled.rerank(cands, [prompt], 4).tolist() == [int(other.argmax())]
 
 
+def test_region_views_paint_the_far_side_of_each_split_in_the_border_median():
+    """Each view keeps the pixels whose centres lie on the part's side of a split and paints the
+    rest in the per-channel median of the image's border, per image."""
+    from unclip.sampling import region_views
+
+    images = torch.rand(2, 3, 10, 10) * 2 - 1
+    images[0, :, 0, :] = images[0, :, -1, :] = images[0, :, :, 0] = images[0, :, :, -1] = 0.25
+    images[0, 1, 0, :] = -0.5  # 10 of the 36 border pixels differ in one channel: not the median
+    left = region_views(images, "x", True, splits=(0.3, 0.5))
+    below = region_views(images, "y", False, splits=(0.5,))
+    assert left.shape == (2, 2, 3, 10, 10) and below.shape == (1, 2, 3, 10, 10)
+    assert torch.equal(left[0, :, :, :, :3], images[..., :3])  # centres 0.05-0.25 < 0.3
+    assert (left[0, 0, :, :, 3:] == 0.25).all()
+    assert torch.equal(left[1, :, :, :, :5], images[..., :5])
+    border = torch.cat(
+        [images[1, :, 0], images[1, :, -1], images[1, :, :, 0], images[1, :, :, -1]], -1
+    )
+    assert torch.equal(
+        left[1, 1, :, :, 5:], border.median(-1).values[:, None, None].expand(3, 10, 5)
+    )
+    assert torch.equal(below[0, :, :, 5:], images[:, :, 5:])  # the lower half of the rows
+    assert (below[0, 0, :, :5] == 0.25).all()
+
+
+def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, monkeypatch):
+    """A contrast function carrying ``regions`` scores each candidate by its whole-image contrast
+    plus, at the split that suits it best, the sum over the parts of ``log p(part's caption | the
+    image masked to the part's side)``; ``rerank`` keeps the best by that sum, and a prompt whose
+    ``regions`` are empty is scored by the whole-image contrast alone."""
+    from unclip.sampling import (
+        REGION_SPLITS,
+        RERANK_CONTRASTS,
+        RegionPart,
+        _contrast_scores,
+    )
+
+    prompt, other = PROMPTS[0], "a big blue square in the center"
+    whole = [prompt, other, "a green triangle at the top"]
+    parts = [
+        RegionPart(
+            "x", True, ("a small red circle on the left", "a small blue circle on the left")
+        ),
+        RegionPart(
+            "x", False, ("a small blue square on the right", "a small red square on the right")
+        ),
+    ]
+
+    def contrast(p):
+        return whole
+
+    contrast.regions = lambda p: parts if p == prompt else []
+    monkeypatch.setitem(RERANK_CONTRASTS, "test-regions", contrast)
+    clip = tiny_pipe.clip
+    torch.manual_seed(0)
+    cands = torch.rand(4, 3, 32, 32) * 2 - 1
+
+    def logp(images, captions):
+        img = torch.nn.functional.normalize(clip.encode_image(images), dim=-1)
+        txt = torch.nn.functional.normalize(clip.encode_text(list(captions)).text_embed, dim=-1)
+        return (img @ txt.T * clip.logit_scale).log_softmax(-1)[:, 0]
+
+    # the masks written out pixel by pixel: the border median, columns by their centres
+    per_split = []
+    for split in REGION_SPLITS:
+        total = torch.zeros(4)
+        for part in parts:
+            views = cands.clone()
+            for i in range(4):
+                c = cands[i]
+                fill = torch.cat([c[:, 0], c[:, -1], c[:, :, 0], c[:, :, -1]], -1).median(-1).values
+                for col in range(32):
+                    if ((col + 0.5) / 32 < split) != part.low:
+                        views[i, :, :, col] = fill[:, None]
+            total += logp(views, part.captions)
+        per_split.append(total)
+    regions = torch.stack(per_split).max(0).values
+    expected = logp(cands, whole) + regions
+    with torch.no_grad():
+        got = _contrast_scores(clip, cands, [prompt] * 4, "test-regions")
+        plain = _contrast_scores(clip, cands, [other] * 4, "test-regions")
+    assert regions.abs().min() > 1e-3  # the term is there to be missed
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(plain, logp(cands, whole), rtol=1e-4, atol=1e-5)
+    assert tiny_pipe.rerank(cands, prompt, 4, contrast="test-regions").tolist() == [
+        int(expected.argmax())
+    ]
+    assert RegionPart("y", False, ["a", "b"]).captions == ("a", "b")
+    with pytest.raises(ValueError, match="axis must be 'x' or 'y'"):
+        RegionPart("z", True, ("a", "b"))
+    with pytest.raises(ValueError, match="at least one alternative"):
+        RegionPart("x", True, ("a",))
+    with pytest.raises(TypeError, match="not one string"):
+        RegionPart("x", True, "ab")
+
+
 def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, monkeypatch):
     """``rerank_contrast`` keeps the candidate with the highest log-probability of the prompt's
     caption among its alternatives (softmax of the CLIP's logit scale × cosine), in ``rerank``, in

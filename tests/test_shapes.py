@@ -335,6 +335,43 @@ def test_shapes_contrast_reads_extra_colors_and_warns_on_other_prompts():
     assert pairs(pair) == RERANK_CONTRASTS["shapes"](pair) == caption_alternatives(pair)
 
 
+def test_region_parts_put_each_object_on_its_side_against_its_other_colors_and_shapes():
+    """``shapes-pairs-regions``: a two-object caption's objects as region parts, ordered along the
+    relation's axis (the first object of "A to the right of B" on the high side), each a
+    single-object caption with the prompt's background against every other color (extra colors
+    too) and shape of that object; a single object has none."""
+    from unclip.sampling import RERANK_CONTRASTS
+    from unclip.shapes.world import region_parts, shapes_contrast
+
+    regions = RERANK_CONTRASTS["shapes-pairs-regions"]
+    pair = "a red circle to the right of a blue square on a gray background"
+    assert regions(pair) == RERANK_CONTRASTS["shapes-pairs"](pair)
+    assert regions.regions("a yellow square") == [] and regions("a yellow square") == []
+    low, high = regions.regions(pair)
+    assert (low.axis, low.low, high.axis, high.low) == ("x", True, "x", False)
+    assert low.captions[0] == "a small blue square on the left on a gray background"
+    assert high.captions[0] == "a small red circle on the right on a gray background"
+    assert len(low.captions) == len(set(low.captions)) == 1 + 5 + 2
+    assert "a small red square on the left on a gray background" in low.captions
+    assert "a small blue triangle on the left on a gray background" in low.captions
+    above = region_parts("a green triangle above an orange circle")
+    assert [(p.axis, p.low, p.captions[0]) for p in above] == [
+        ("y", True, "a small green triangle at the top"),
+        ("y", False, "a small orange circle at the bottom"),
+    ]
+    assert region_parts("a green triangle below an orange circle")[0].captions[0] == (
+        "a small orange circle at the top"
+    )
+    pink = shapes_contrast({"pink": (255, 105, 180)}, pairs_only=True, regions=True)
+    assert (
+        "a small pink circle at the top"
+        in pink.regions("a red circle above a blue square")[0].captions
+    )
+    assert not hasattr(RERANK_CONTRASTS["shapes-pairs"], "regions")
+    with pytest.raises(ValueError, match="not a shapes caption"):
+        region_parts("a cat to the left of a dog")
+
+
 def test_two_object_geometry():
     world = ShapesWorld(seed=11, split="all", two_object_prob=1.0)
     for i in range(200):

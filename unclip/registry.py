@@ -54,10 +54,20 @@ class _EntryPointCallable:
         self.entry_point = entry_point
         self._fn: Callable | None = None
 
-    def __call__(self, *args, **kwargs):
+    def _load(self) -> Callable:
         if self._fn is None:
             self._fn = self.entry_point.load()
-        return self._fn(*args, **kwargs)
+        return self._fn
+
+    def __call__(self, *args, **kwargs):
+        return self._load()(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        # attributes the callable carries (e.g. a rerank contrast's ``regions``) read through;
+        # dunder lookups (copy, pickle) must not import the entry point
+        if name.startswith("__") or name in ("entry_point", "_fn"):
+            raise AttributeError(name)
+        return getattr(self._load(), name)
 
     def __repr__(self) -> str:
         return f"<{self.entry_point.group} entry point {self.entry_point.value}>"

@@ -77,6 +77,10 @@ __all__ = [
     "image_text_cosines",
     "rerank_candidates",
     "RERANK_CONTRASTS",
+    "REGION_SPLITS",
+    "RegionPart",
+    "region_views",
+    "region_scores",
     "register_rerank_contrast",
 ]
 
@@ -776,11 +780,74 @@ def check_rerank_contrast(stage: str, name) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RegionPart:
+    """One phrase of a prompt, read on one side of the image (a contrast's ``regions``; see
+    :func:`rerank_candidates`): ``axis`` ``"x"`` (columns) or ``"y"`` (rows); ``low``: the side
+    before the split (left or top) rather than after it; ``captions``: the phrase as a caption of
+    its own first, then its alternatives."""
+
+    axis: str
+    low: bool
+    captions: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.axis not in ("x", "y"):
+            raise ValueError(f"RegionPart.axis must be 'x' or 'y', got {self.axis!r}")
+        if isinstance(self.captions, str):
+            raise TypeError("RegionPart.captions: a sequence of captions, not one string")
+        object.__setattr__(self, "captions", tuple(self.captions))
+        if len(self.captions) < 2:
+            raise ValueError(
+                "RegionPart.captions: the part's caption and at least one alternative, got "
+                f"{list(self.captions)!r}"
+            )
+
+
+#: where a contrast's region parts split the image (fractions of its width or height); each
+#: candidate counts at its best split, since a prompt such as "a circle to the left of a square"
+#: fixes the order of its objects, not where between them the boundary lies
+REGION_SPLITS = (0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7)
+
+
+def region_views(images: torch.Tensor, axis: str, low: bool, splits=REGION_SPLITS) -> torch.Tensor:
+    """``[len(splits), B, 3, H, W]``: ``images [B, 3, H, W]`` with everything on the other side of
+    each split painted in the image's background, taken as the per-channel median of its border
+    pixels (the regions are meant for flat backgrounds, as in the shapes world)."""
+    size = images.shape[-1] if axis == "x" else images.shape[-2]
+    border = torch.cat(
+        [images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1
+    )
+    fill = border.median(-1).values[..., None, None]
+    centres = (torch.arange(size, device=images.device) + 0.5) / size
+    shape = (1, 1, 1, size) if axis == "x" else (1, 1, size, 1)
+    views = []
+    for split in splits:
+        keep = ((centres < split) == low).view(shape)
+        views.append(torch.where(keep, images, fill))
+    return torch.stack(views)
+
+
+def region_scores(clip: CLIP, images, parts: Sequence[RegionPart]) -> torch.Tensor:
+    """``[B]``: at the split that suits each image best, the sum over ``parts`` of ``log p(part's
+    caption | the image masked to the part's side)`` among the part's captions."""
+    total = 0.0
+    for part in parts:
+        views = region_views(images, part.axis, part.low)
+        img = F.normalize(clip.encode_image(views.flatten(0, 1)), dim=-1)
+        txt = F.normalize(clip.encode_text(list(part.captions)).text_embed.to(img), dim=-1)
+        logp = ((img @ txt.T) * clip.logit_scale).log_softmax(-1)[:, 0]
+        total = total + logp.view(views.shape[0], images.shape[0])
+    return total.max(0).values
+
+
 def _contrast_scores(clip: CLIP, images, prompts, contrast) -> torch.Tensor:
     """Per image, ``log p(caption | image)`` over its prompt's caption set (a softmax of the
-    CLIP's logits, ``logit_scale × cosine``), or the plain cosine where the set is empty."""
+    CLIP's logits, ``logit_scale × cosine``), or the plain cosine where the set is empty; plus the
+    contrast's region term where it has ``regions`` for the prompt (:func:`rerank_candidates`)."""
     fn = RERANK_CONTRASTS[contrast] if isinstance(contrast, str) else contrast
     sets = {p: list(fn(p)) for p in dict.fromkeys(prompts)}  # each distinct prompt once
+    regions = getattr(fn, "regions", None)
     img = F.normalize(clip.encode_image(images), dim=-1)
     scores = torch.empty(len(prompts), device=img.device)
     for prompt, captions in sets.items():
@@ -791,6 +858,9 @@ def _contrast_scores(clip: CLIP, images, prompts, contrast) -> torch.Tensor:
         scores[rows] = (
             (cos * clip.logit_scale).log_softmax(-1)[:, 0] if len(captions) > 1 else cos[:, 0]
         )
+        parts = list(regions(prompt)) if regions is not None and len(captions) > 1 else []
+        if parts:
+            scores[rows] += region_scores(clip, images[rows], parts).to(scores)
     return scores
 
 
@@ -818,7 +888,16 @@ def rerank_candidates(
     caption in absolute terms (an image close to every caption of its kind scores high on the
     cosine whatever it shows). ``"shapes"``: the one-attribute variants and color/shape swaps of a
     shapes caption (:func:`unclip.shapes.world.caption_alternatives`); ``"shapes-pairs"``: the same
-    for two-object captions only."""
+    for two-object captions only.
+
+    A contrast function may also carry ``regions``, a function ``prompt -> [RegionPart, ...]``
+    (empty: none for that prompt): each part is a phrase of the prompt read on one side of the
+    image, the other side painted in the background (:func:`region_views`), and a candidate's score
+    gains the parts' summed ``log p(caption | side)`` at the split that suits it best
+    (:data:`REGION_SPLITS`). A CLIP that reads one object well but binds two objects' attributes
+    less surely (which color or shape goes with which object) is then asked the easier question
+    once per object. ``"shapes-pairs-regions"``: ``"shapes-pairs"`` with each object of a
+    two-object caption as a part (:func:`unclip.shapes.world.region_parts`)."""
     k = check_count(k, "k")
     keep = check_count(keep, "keep")
     if isinstance(contrast, str):

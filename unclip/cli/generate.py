@@ -138,8 +138,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="with --decoder-best-of > 1: score the candidates by how much the CLIP prefers the "
         "prompt over alternatives of it ('shapes': a shapes caption's one-attribute variants and "
-        "swaps; 'shapes-pairs': the same for two-object captions only) instead of by plain CLIP "
-        "score; 'none' turns it off (default: the model's setting)",
+        "swaps; 'shapes-pairs': the same for two-object captions only; 'shapes-pairs-regions': "
+        "'shapes-pairs' plus each object read on its own side of the image) instead of by plain "
+        "CLIP score; 'none' turns it off (default: the model's setting)",
     )
     p.add_argument(
         "--decoder-prune-at",

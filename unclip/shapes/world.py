@@ -675,7 +675,46 @@ def caption_alternatives(text: str, extra_colors=None) -> list[str]:
     return out
 
 
-def shapes_contrast(extra_colors=None, pairs_only: bool = False):
+def region_parts(text: str, extra_colors=None) -> list:
+    """The two objects of a two-object shapes caption as :class:`unclip.sampling.RegionPart` s
+    (``[]`` for one object): along the relation's axis, the object that comes first (left or top)
+    on the low side, as the single-object caption "a small red circle on the left" (with the
+    prompt's background, if it names one), against the same object in each other color and each
+    other shape. The CLIP that reranks reads one object's color and shape far more surely than it
+    binds two objects' (docs/shapes_model.md, lever 31), and a drawing with the objects' colors or
+    shapes swapped, or on the wrong sides, reads wrong on both sides. Raises ``ValueError`` for
+    text that is not a shapes caption."""
+    from unclip.sampling import RegionPart
+
+    parsed = parse_caption(text, extra_colors)
+    relation = parsed["relation"]
+    if relation is None:
+        return []
+    horizontal = relation in ("to the left of", "to the right of")
+    first_low = relation in ("to the left of", "above")
+    objs = parsed["objects"] if first_low else parsed["objects"][::-1]
+    colors = list(palette(extra_colors) if extra_colors else COLORS)
+
+    def caption(color: str, shape: str, position: str) -> str:
+        obj = {"shape": shape, "color": color, "size": "small", "position": position}
+        return canonical_caption(
+            {"background": parsed["background"], "relation": None, "objects": [obj]}
+        )
+
+    parts = []
+    for obj, low in zip(objs, (True, False)):
+        position = ("left" if low else "right") if horizontal else ("top" if low else "bottom")
+        c, sh = obj["color"], obj["shape"]
+        captions = [
+            caption(c, sh, position),
+            *(caption(o, sh, position) for o in colors if o != c),
+            *(caption(c, o, position) for o in SHAPES if o != sh),
+        ]
+        parts.append(RegionPart("x" if horizontal else "y", low, tuple(captions)))
+    return parts
+
+
+def shapes_contrast(extra_colors=None, pairs_only: bool = False, regions: bool = False):
     """A contrast for contrastive reranking (the decoder's ``rerank_contrast``;
     :func:`unclip.sampling.register_rerank_contrast` it under a name): ``prompt ->``
     :func:`caption_alternatives`, with the world's ``extra_colors`` if it has any. A prompt that is
@@ -684,7 +723,9 @@ def shapes_contrast(extra_colors=None, pairs_only: bool = False):
     which of two objects has which color and where, while a single object's attributes the cosine
     already reads (on the earlier bundled model the contrast picked right single-object candidates
     as often or less often than the cosine in each of four measurements; docs/shapes_model.md
-    lever 14)."""
+    lever 14). ``regions``: the function also carries :func:`region_parts` as its ``regions``, so
+    reranking reads each object of a two-object caption on its own side of the image too
+    (:func:`unclip.sampling.rerank_candidates`)."""
     import warnings
 
     def alternatives(prompt: str) -> list[str]:
@@ -699,13 +740,17 @@ def shapes_contrast(extra_colors=None, pairs_only: bool = False):
             return []
         return [] if single and pairs_only else caption_alternatives(prompt, extra_colors)
 
+    if regions:
+        # only prompts that parse reach it: unparsable ones get no alternatives, hence no regions
+        alternatives.regions = lambda prompt: region_parts(prompt, extra_colors)
     return alternatives
 
 
-#: the ``rerank_contrast`` settings ``"shapes"`` and ``"shapes-pairs"`` (entry points in
-#: pyproject.toml)
+#: the ``rerank_contrast`` settings ``"shapes"``, ``"shapes-pairs"`` and ``"shapes-pairs-regions"``
+#: (entry points in pyproject.toml)
 contrast_all = shapes_contrast()
 contrast_pairs = shapes_contrast(pairs_only=True)
+contrast_pairs_regions = shapes_contrast(pairs_only=True, regions=True)
 
 
 class ShapesWorld:
