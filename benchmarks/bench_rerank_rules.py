@@ -9,17 +9,17 @@ The candidates (every prompt's finished 32 px images and their predicted images 
 from ``bench_rerank_at.py --save-candidates``) are decoded once; each rule chooses one per prompt
 from the first ``K`` of them (what ``best_of = K`` draws) after step ``--at``, and the chosen
 candidate's finished image is scored by the evaluator (a prompt counts when every attribute is
-right). "The shipped rule" below is the bundled model's until lever 31: the reranking CLIP's score
-with the decoder's ``rerank_contrast`` ``shapes-pairs``. Rules: that score, the conditioning CLIP's, their sum (raw and standardised per prompt), the
-reranker's scores after two steps summed, and the ``shapes`` contrast for single objects too; the
-reranker after later steps and on the finished images; the reranker with ``shapes-pairs-regions``
-(each object of a pair also read on its own side of the image, the other side painted over: lever
-31); test-time views summed with the shipped
-score (the image mirrored left to right, scored against the prompt with left and right swapped; the
-scores of four one-pixel shifts, so the unshifted image counts once among five); a colour-free
-contrast for two objects (the prompt without its colors against its shape variants and, for two
-shapes, its relation variants, which the reranker learned from its colour-free views) added with
-weights ``--colour-free-weights``; and the mirrored candidates as further candidates (each
+right). "The shipped rule" below is the reranking CLIP's score with the whole-image contrast
+``shapes-pairs`` (the bundled model's ``rerank_contrast`` of levers 14-30). Rules: that score, the
+conditioning CLIP's, their sum (raw and standardised per prompt), the reranker's scores after two
+steps summed, and the ``shapes`` contrast for single objects too; the reranker after later steps and
+on the finished images; the reranker with ``shapes-pairs-regions`` (each object of a pair also read
+on its own side of the image, the other side painted over: lever 31); test-time views summed with
+the shipped score (the image mirrored left to right, scored against the prompt with left and right
+swapped; the scores of four one-pixel shifts, so the unshifted image counts once among five); a
+colour-free contrast for two objects (the prompt without its colors against its shape variants and,
+for two shapes, its relation variants, which the reranker learned from its colour-free views) added
+with weights ``--colour-free-weights``; and the mirrored candidates as further candidates (each
 candidate and its mirror image scored against the prompt; a mirror costs no decoder call).
 
 ``--upsample-top N`` then upsamples each prompt's ``N`` best candidates by the shipped rule (sr64
@@ -66,9 +66,9 @@ from unclip.shapes.world import (
 )
 from unclip.vlb import predicted_x0
 
-#: the whole-image contrast the rules build on (the bundled model's ``rerank_contrast`` until lever
-#: 31 added each object's reading on its own side of the image: :data:`REGIONS`)
+#: the whole-image contrast the rules build on
 CONTRAST = "shapes-pairs"
+#: the same plus each object of a pair read on its own side of the image (the bundled model's)
 REGIONS = "shapes-pairs-regions"
 #: the recipe's reranker step (configs/shapes/clip.yaml with its overrides in unclip.shapes.recipe)
 RERANKER_DATA = dict(

@@ -144,3 +144,25 @@ def test_the_rule_catches_an_upward_import(module, line):
     sources[key] = sources[key] + "\n\ndef _f():\n" + ("    " + line.strip()) + "\n"
     found = violations(sources)
     assert len(found) == 1 and found[0].startswith(module), found
+
+
+def test_an_entry_point_callable_imports_on_call_or_attribute_lookup_only():
+    """The registries' entry-point callables stay unimported when copied or probed for private
+    names (copy, pickle and display hooks do that), and import on the first call or on the lookup
+    of an attribute the callable carries (a rerank contrast's ``regions``)."""
+    import copy
+    from importlib.metadata import EntryPoint
+
+    from unclip.registry import _EntryPointCallable
+
+    ep = EntryPoint("x", "unclip.shapes.world:contrast_pairs_regions", "unclip.rerank_contrasts")
+    lazy = _EntryPointCallable(ep)
+    copied = copy.copy(lazy)
+    assert not hasattr(lazy, "_repr_html_") and not hasattr(lazy, "__wrapped__")
+    assert lazy._fn is None and copied._fn is None
+    assert [p.axis for p in lazy.regions("a red circle above a blue square")] == ["y", "y"]
+    assert lazy._fn is not None
+    with pytest.raises(AttributeError):
+        _ = lazy.no_such_attribute
+    called = _EntryPointCallable(ep)
+    assert called("a yellow square") == [] and called._fn is not None

@@ -290,7 +290,7 @@ def test_region_views_paint_the_far_side_of_each_split_in_the_border_median():
 
     images = torch.rand(2, 3, 10, 10) * 2 - 1
     images[0, :, 0, :] = images[0, :, -1, :] = images[0, :, :, 0] = images[0, :, :, -1] = 0.25
-    images[0, 1, 0, :] = -0.5  # 10 of the 36 border pixels differ in one channel: not the median
+    images[0, 1, 0, :] = -0.5  # 12 of the 40 border entries differ in one channel: not the median
     left = region_views(images, "x", True, splits=(0.3, 0.5))
     below = region_views(images, "y", False, splits=(0.5,))
     assert left.shape == (2, 2, 3, 10, 10) and below.shape == (1, 2, 3, 10, 10)
@@ -305,6 +305,8 @@ def test_region_views_paint_the_far_side_of_each_split_in_the_border_median():
     )
     assert torch.equal(below[0, :, :, 5:], images[:, :, 5:])  # the lower half of the rows
     assert (below[0, 0, :, :5] == 0.25).all()
+    with pytest.raises(ValueError, match="axis must be 'x' or 'y'"):
+        region_views(images, "z", True)
 
 
 def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, monkeypatch):
@@ -363,9 +365,14 @@ def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, m
     with torch.no_grad():
         got = _contrast_scores(clip, cands, [prompt] * 4, "test-regions")
         plain = _contrast_scores(clip, cands, [other] * 4, "test-regions")
+        # prompts interleaved: each image gets its own prompt's terms
+        mixed = _contrast_scores(clip, cands, [prompt, other, other, prompt], "test-regions")
     assert regions.abs().min() > 1e-3  # the term is there to be missed
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(plain, logp(cands, whole), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        mixed, torch.where(torch.tensor([1, 0, 0, 1]).bool(), got, plain), rtol=1e-4, atol=1e-5
+    )
     assert tiny_pipe.rerank(cands, prompt, 4, contrast="test-regions").tolist() == [
         int(expected.argmax())
     ]
@@ -376,6 +383,11 @@ def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, m
         RegionPart("x", True, ("a",))
     with pytest.raises(TypeError, match="not one string"):
         RegionPart("x", True, "ab")
+    with pytest.raises(TypeError, match="low must be True"):
+        RegionPart("x", "left", ("a", "b"))
+    contrast.regions = lambda p: ["a small red circle on the left"]
+    with pytest.raises(TypeError, match="RegionPart objects, got str"):
+        tiny_pipe.rerank(cands, prompt, 4, contrast="test-regions")
 
 
 def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, monkeypatch):

@@ -1,7 +1,8 @@
 """Registries of callables that other layers or packages extend through entry points.
 
 The core looks a name up here and never imports the module that provides it: the entry point is
-imported on the callable's first call (``pyproject.toml`` declares the project's own)."""
+imported on the callable's first call, or the first lookup of an attribute it carries
+(``pyproject.toml`` declares the project's own)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ __all__ = ["EntryPointRegistry"]
 class EntryPointRegistry(MutableMapping):
     """name -> callable, registered in code or named by the entry points of ``group``.
 
-    The entry points are listed on first use and each callable is imported only on its first call,
-    so the core never imports the layers that extend it (one registered in code wins over an entry
-    point of the same name)."""
+    The entry points are listed on first use and each callable is imported only on its first call
+    (or attribute lookup), so the core never imports the layers that extend it (one registered in
+    code wins over an entry point of the same name)."""
 
     def __init__(self, group: str) -> None:
         self.group = group
@@ -48,7 +49,8 @@ class EntryPointRegistry(MutableMapping):
 
 
 class _EntryPointCallable:
-    """A callable named by an entry point, imported on its first call."""
+    """A callable named by an entry point, imported on its first call or on the first lookup of
+    an attribute it carries."""
 
     def __init__(self, entry_point) -> None:
         self.entry_point = entry_point
@@ -64,8 +66,8 @@ class _EntryPointCallable:
 
     def __getattr__(self, name: str):
         # attributes the callable carries (e.g. a rerank contrast's ``regions``) read through;
-        # dunder lookups (copy, pickle) must not import the entry point
-        if name.startswith("__") or name in ("entry_point", "_fn"):
+        # private and dunder lookups (copy, pickle, IPython's display hooks) must not import it
+        if name.startswith("_") or name == "entry_point":
             raise AttributeError(name)
         return getattr(self._load(), name)
 

@@ -744,7 +744,8 @@ def image_text_cosines(clip: CLIP, images: torch.Tensor, text_embed: torch.Tenso
 
 
 #: entry point group of contrasts: name = the ``rerank_contrast`` setting, value = fn(prompt) ->
-#: captions (pyproject.toml: "shapes" and "shapes-pairs" from unclip.shapes.world)
+#: captions (pyproject.toml: "shapes", "shapes-pairs" and "shapes-pairs-regions" from
+#: unclip.shapes.world)
 RERANK_CONTRAST_ENTRY_POINTS = "unclip.rerank_contrasts"
 
 #: Contrastive reranking (the decoder's ``rerank_contrast``): name → ``fn(prompt) -> captions``,
@@ -794,6 +795,8 @@ class RegionPart:
     def __post_init__(self):
         if self.axis not in ("x", "y"):
             raise ValueError(f"RegionPart.axis must be 'x' or 'y', got {self.axis!r}")
+        if not isinstance(self.low, bool):
+            raise TypeError(f"RegionPart.low must be True (left/top) or False, got {self.low!r}")
         if isinstance(self.captions, str):
             raise TypeError("RegionPart.captions: a sequence of captions, not one string")
         object.__setattr__(self, "captions", tuple(self.captions))
@@ -814,6 +817,8 @@ def region_views(images: torch.Tensor, axis: str, low: bool, splits=REGION_SPLIT
     """``[len(splits), B, 3, H, W]``: ``images [B, 3, H, W]`` with everything on the other side of
     each split painted in the image's background, taken as the per-channel median of its border
     pixels (the regions are meant for flat backgrounds, as in the shapes world)."""
+    if axis not in ("x", "y"):
+        raise ValueError(f"region_views: axis must be 'x' or 'y', got {axis!r}")
     size = images.shape[-1] if axis == "x" else images.shape[-2]
     border = torch.cat(
         [images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1
@@ -831,13 +836,19 @@ def region_views(images: torch.Tensor, axis: str, low: bool, splits=REGION_SPLIT
 def region_scores(clip: CLIP, images, parts: Sequence[RegionPart]) -> torch.Tensor:
     """``[B]``: at the split that suits each image best, the sum over ``parts`` of ``log p(part's
     caption | the image masked to the part's side)`` among the part's captions."""
-    total = 0.0
+    if not parts:
+        raise ValueError("region_scores: no parts to read (a prompt without regions has none)")
+    total = torch.zeros(len(REGION_SPLITS), images.shape[0], device=clip.device)
     for part in parts:
-        views = region_views(images, part.axis, part.low)
-        img = F.normalize(clip.encode_image(views.flatten(0, 1)), dim=-1)
-        txt = F.normalize(clip.encode_text(list(part.captions)).text_embed.to(img), dim=-1)
-        logp = ((img @ txt.T) * clip.logit_scale).log_softmax(-1)[:, 0]
-        total = total + logp.view(views.shape[0], images.shape[0])
+        if not isinstance(part, RegionPart):
+            raise TypeError(f"region parts are RegionPart objects, got {type(part).__name__}")
+        txt = F.normalize(clip.encode_text(list(part.captions)).text_embed.float(), dim=-1)
+        for i, split in enumerate(REGION_SPLITS):
+            # one split at a time: B views per encoding, as many as the candidates themselves
+            view = region_views(images, part.axis, part.low, (split,))[0]
+            img = F.normalize(clip.encode_image(view).float(), dim=-1)
+            logp = ((img @ txt.to(img).T) * clip.logit_scale).log_softmax(-1)[:, 0]
+            total[i] += logp.to(total.device)
     return total.max(0).values
 
 
@@ -856,11 +867,16 @@ def _contrast_scores(clip: CLIP, images, prompts, contrast) -> torch.Tensor:
         txt = F.normalize(clip.encode_text(texts).text_embed.to(img), dim=-1)
         cos = img[rows] @ txt.T
         scores[rows] = (
-            (cos * clip.logit_scale).log_softmax(-1)[:, 0] if len(captions) > 1 else cos[:, 0]
+            (cos.float() * clip.logit_scale).log_softmax(-1)[:, 0].to(scores)
+            if len(captions) > 1
+            else cos[:, 0]
         )
+        # a prompt scored by the plain cosine gets no region term: log-probabilities added to a
+        # cosine would not compare across its candidates' scale
         parts = list(regions(prompt)) if regions is not None and len(captions) > 1 else []
         if parts:
-            scores[rows] += region_scores(clip, images[rows], parts).to(scores)
+            mine = images[rows.to(images.device)]
+            scores[rows] += region_scores(clip, mine, parts).to(scores)
     return scores
 
 
@@ -897,7 +913,9 @@ def rerank_candidates(
     (:data:`REGION_SPLITS`). A CLIP that reads one object well but binds two objects' attributes
     less surely (which color or shape goes with which object) is then asked the easier question
     once per object. ``"shapes-pairs-regions"``: ``"shapes-pairs"`` with each object of a
-    two-object caption as a part (:func:`unclip.shapes.world.region_parts`)."""
+    two-object caption as a part (:func:`unclip.shapes.world.region_parts`). A prompt whose
+    contrast has fewer than two captions (scored by the plain cosine) gets no region term; with
+    pruning (``keep > 1``) the region term counts at both choices."""
     k = check_count(k, "k")
     keep = check_count(keep, "keep")
     if isinstance(contrast, str):
