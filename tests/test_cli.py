@@ -86,7 +86,7 @@ def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
         (["a cat", "--tiny", "--decoder-rerank-at", "half"], "a step number or 'none'"),
         (
             ["a cat", "--tiny", "--decoder-rerank-contrast", "clip"],
-            "one of ['shapes', 'shapes-pairs'] or 'none'",
+            "one of ['shapes', 'shapes-pairs', 'shapes-pairs-regions'] or 'none'",
         ),
         (["a cat", "--tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["a cat", "--tiny", "--rerank", "2"], "unrecognized arguments: --rerank"),
