@@ -231,15 +231,21 @@ def choice_sets(args) -> dict:
     return out
 
 
+def choice_key(name: str, contrast: str) -> str:
+    """A choice figure's name: the contrast is named unless it is the ``shapes-pairs`` baseline."""
+    return name if contrast == CONTRAST else f"{name}, {contrast}"
+
+
 def choosing(clip, choices, contrasts=(CONTRAST,)) -> dict:
     """The two-object prompts whose candidate chosen by ``clip`` is right, by each of
-    ``contrasts`` (named in the key unless it is the ``shapes-pairs`` baseline)."""
+    ``contrasts`` (:func:`choice_key`)."""
     figures = {}
     for name, (views, right, captions) in choices.items():
         for contrast in contrasts:
             scores = contrast_scores(clip, views, captions, contrast)
-            key = name if contrast == CONTRAST else f"{name}, {contrast}"
-            figures[key] = chosen_right(right, scores, right.shape[1])["pair_all"]
+            figures[choice_key(name, contrast)] = chosen_right(right, scores, right.shape[1])[
+                "pair_all"
+            ]
     return figures
 
 
@@ -276,7 +282,7 @@ def finetune(pipe, args, sets, choices) -> dict:
         "columns": [
             "step",
             *(f"held-out {kind} read" for kind in held),
-            *(k if c == CONTRAST else f"{k}, {c}" for k in choices for c in args.contrast),
+            *(choice_key(k, c) for k in choices for c in args.contrast),
         ],
         "by_step": history,
     }

@@ -843,9 +843,8 @@ def region_scores(clip: CLIP, images, parts: Sequence[RegionPart]) -> torch.Tens
         if not isinstance(part, RegionPart):
             raise TypeError(f"region parts are RegionPart objects, got {type(part).__name__}")
         txt = F.normalize(clip.encode_text(list(part.captions)).text_embed.float(), dim=-1)
-        for i, split in enumerate(REGION_SPLITS):
-            # one split at a time: B views per encoding, as many as the candidates themselves
-            view = region_views(images, part.axis, part.low, (split,))[0]
+        # encoded one split at a time: B views per encoding, as many as the candidates themselves
+        for i, view in enumerate(region_views(images, part.axis, part.low)):
             img = F.normalize(clip.encode_image(view).float(), dim=-1)
             logp = ((img @ txt.to(img).T) * clip.logit_scale).log_softmax(-1)[:, 0]
             total[i] += logp.to(total.device)
