@@ -149,6 +149,38 @@ def test_console_script_installed():
     assert proc.returncode == 0 and "train-decoder" in proc.stdout
 
 
+_CONSOLE = """
+import atexit, sys
+atexit.register(lambda: print("teardown ran", flush=True))
+sys.argv = ["unclip", *sys.argv[1:]]
+from unclip.cli import console
+console()
+"""
+
+
+def test_console_ends_generate_without_teardown_and_keeps_its_output(tmp_path):
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-c", _CONSOLE, *args], capture_output=True, text=True, timeout=300
+        )
+
+    out = tmp_path / "out"
+    small = ["--decoder-steps", "2", "--prior-steps", "2", "--upsampler-steps", "1"]
+    proc = run("generate", "a red circle", "--tiny", "--no-progress", "--out", str(out), *small)
+    assert proc.returncode == 0, proc.stderr
+    # stdout is a pipe, so block-buffered: its lines arrive only if it is flushed before the exit
+    assert "wrote 1 images" in proc.stdout and "teardown ran" not in proc.stdout
+    assert Image.open(out / "000_00.png").size == (64, 64)
+    assert json.loads((out / "generate.json").read_text())["files"]
+    # a failure keeps its status and its one error line
+    proc = run("generate", "a red circle", "--model", str(tmp_path / "missing"), *small)
+    assert proc.returncode == 1 and "unclip generate: error:" in proc.stderr
+    assert "teardown ran" not in proc.stdout
+    # every other command exits normally
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("teardown ran")
+
+
 def test_decoder_rerank_at_flag_sets_or_clears_the_models_setting():
     """``--decoder-rerank-at 7`` overrides the decoder's setting; ``none`` clears a model's saved
     one (choose among the finished images)."""

@@ -1,5 +1,3 @@
-import sys
+from unclip.cli import console
 
-from unclip.cli import main
-
-sys.exit(main())
+console()
