@@ -64,6 +64,11 @@ def test_card_says_how_the_decoder_candidates_are_chosen(tiny_pipe, monkeypatch)
     monkeypatch.setitem(tiny_pipe.sampling, "decoder", replace(choosing, prune_at=2, prune_keep=4))
     cell = "8 (the best 4 kept after step 2, chosen after step 3, scored against the prompt's"
     assert cell in render_card(tiny_pipe).text
+    # more candidates for the prompts the contrast has alternatives for; pruning applies to them
+    more = replace(choosing, best_of=2, best_of_contrasted=8, prune_at=2, prune_keep=4)
+    monkeypatch.setitem(tiny_pipe.sampling, "decoder", more)
+    cell = "| 2, or 8 for a prompt with alternatives (the best 4 kept after step 2, chosen after"
+    assert cell in render_card(tiny_pipe).text
 
 
 def test_author_fields_are_written_and_survive_load_and_save(tiny_pipe, tmp_path):

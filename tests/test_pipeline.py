@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from unittest import mock
 
@@ -68,13 +69,16 @@ def test_save_load_identical(tiny_pipe, tmp_path):
     assert str(tmp_path) not in "".join(f.read_text() for f in (tmp_path / "q").rglob("*.json"))
     # pruning is left out of the file while off, so the folder loads where it is not known; set,
     # it is saved and loaded back
-    assert all("prune_at" not in s and "prune_keep" not in s for s in index["sampling"].values())
-    again.sampling["decoder"].prune_at, again.sampling["decoder"].prune_keep = 1, 2
+    # (and so is best_of_contrasted)
+    newer = ("prune_at", "prune_keep", "best_of_contrasted")
+    assert all(not set(newer) & set(s) for s in index["sampling"].values())
+    dec = again.sampling["decoder"]
+    dec.prune_at, dec.prune_keep, dec.best_of_contrasted = 1, 2, 3
     again.save_pretrained(tmp_path / "r")
     saved = json.loads((tmp_path / "r" / "unclip.json").read_text())["sampling"]["decoder"]
-    assert (saved["prune_at"], saved["prune_keep"]) == (1, 2)
+    assert [saved[f] for f in newer] == [1, 2, 3]
     loaded = UnCLIPPipeline.from_pretrained(tmp_path / "r", **EXACT).sampling["decoder"]
-    assert (loaded.prune_at, loaded.prune_keep) == (1, 2)
+    assert [getattr(loaded, f) for f in newer] == [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +457,90 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
         tiny_pipe.rerank(cands, [prompt, PROMPTS[1]] * 2, 2, contrast="test")
     with pytest.raises(TypeError, match="fn must be callable"):
         register_rerank_contrast("x", "not a function")
+
+
+def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pipe, monkeypatch):
+    """With the decoder's ``best_of_contrasted``, prompts its ``rerank_contrast`` has alternatives
+    for draw that many candidates and the others ``best_of``: each group is sampled as a call with
+    its own count, and the outputs come back in prompt order."""
+    from unclip.sampling import RERANK_CONTRASTS, candidate_counts
+
+    hard = "a red circle above a blue square"
+    monkeypatch.setitem(
+        RERANK_CONTRASTS, "test-hard", lambda p: [p, p.replace("red", "green")] if p == hard else []
+    )
+    prompts = [PROMPTS[0], hard, PROMPTS[1]]
+    short = {"prior": {"steps": 2}, "decoder": {"steps": 2, "rerank_contrast": "test-hard"}}
+    mixed = {**short, "decoder": {**short["decoder"], "best_of": 2, "best_of_contrasted": 3}}
+
+    def fixed(count):
+        return {**short, "decoder": {**short["decoder"], "best_of": count}}
+
+    settings = tiny_pipe.sampling_settings(mixed)["decoder"]
+    assert candidate_counts(settings, prompts) == [2, 3, 2]
+    rows = []
+
+    def count_rows(pipe, step, t, kw):
+        if kw["stage"] == "decoder" and step == 0:
+            rows.append(kw["latents"].shape[0])
+
+    out = run(
+        tiny_pipe,
+        prompts=prompts,
+        seeds=(0, 1, 2),
+        sampling=mixed,
+        num_images_per_prompt=2,
+        return_intermediates=True,
+        last_stage="sr32",
+        callback_on_step_end=count_rows,
+    )
+    # the one-object prompts' 2 × 2 candidates each, then the contrasted prompt's 2 × 3
+    assert rows == [8, 6]
+    easy = run(
+        tiny_pipe,
+        prompts=[PROMPTS[0], PROMPTS[1]],
+        seeds=(0, 2),
+        sampling=fixed(2),
+        num_images_per_prompt=2,
+        return_intermediates=True,
+        last_stage="sr32",
+    )
+    alone = run(
+        tiny_pipe,
+        prompts=[hard],
+        seeds=(1,),
+        sampling=fixed(3),
+        num_images_per_prompt=2,
+        return_intermediates=True,
+        last_stage="sr32",
+    )
+    order = [0, 1, 4, 5, 2, 3]  # easy's rows, then alone's, back in prompt order
+    for got, a, b in [
+        (out.images, easy.images, alone.images),
+        (out.image_embeds, easy.image_embeds, alone.image_embeds),
+        (out.text_embeds, easy.text_embeds, alone.text_embeds),
+        (out.stage_images["decoder"], easy.stage_images["decoder"], alone.stage_images["decoder"]),
+    ]:
+        assert torch.equal(got, torch.cat([a, b])[order])
+    assert set(out.timings) == set(easy.timings) and out.timings["decoder"] > 0
+    few = dict(prompts=prompts, seeds=(0, 1, 2), sampling=mixed, last_stage="decoder")
+    pil, arr = run(tiny_pipe, **few, output_type="pil"), run(tiny_pipe, **few, output_type="np")
+    assert len(pil.images) == len(arr.images) == 3
+    assert all(np.array_equal(np.asarray(im), a) for im, a in zip(pil.images, arr.images))
+    # a model's setting: kept by other overrides, reset by a count given alone
+    dec = dataclasses.replace(tiny_pipe.sampling["decoder"], **mixed["decoder"])
+    monkeypatch.setitem(tiny_pipe.sampling, "decoder", dec)
+    assert candidate_counts(tiny_pipe.sampling_settings()["decoder"], prompts) == [2, 3, 2]
+    steps = tiny_pipe.sampling_settings({"decoder": {"steps": 3}})["decoder"]
+    assert candidate_counts(steps, prompts) == [2, 3, 2]
+    alone4 = tiny_pipe.sampling_settings({"decoder": {"best_of": 4}})["decoder"]
+    assert alone4.best_of_contrasted is None and candidate_counts(alone4, prompts) == [4, 4, 4]
+    with pytest.raises(ValueError, match="prior: best_of_contrasted is a decoder setting"):
+        tiny_pipe.sampling_settings({"prior": {"best_of_contrasted": 3}})
+    with pytest.raises(ValueError, match="best_of_contrasted must be an integer >= 1, got 0"):
+        tiny_pipe.sampling_settings({"decoder": {"best_of_contrasted": 0}})
+    with pytest.raises(ValueError, match="one generator per prompt or a single one"):
+        tiny_pipe(prompts, generator=gens(*range(3 * 2)), sampling=mixed, progress=False)
 
 
 def test_rerank_refuses_bad_arguments(tiny_pipe):

@@ -222,13 +222,17 @@ def render_card(pipe, info: Optional[Mapping] = None):
 def _best_of(s) -> str:
     """The "best of" cell: the number of candidates and how the decoder's are chosen."""
     how = []
-    if s.best_of > 1 and s.rerank_at is not None and s.rerank_at < s.steps:
-        if s.prune_at is not None and s.best_of > s.prune_keep:
+    most = max(s.best_of, s.best_of_contrasted or 0)
+    count = str(s.best_of)
+    if s.best_of_contrasted is not None and s.rerank_contrast is not None:
+        count = f"{s.best_of}, or {s.best_of_contrasted} for a prompt with alternatives"
+    if most > 1 and s.rerank_at is not None and s.rerank_at < s.steps:
+        if s.prune_at is not None and most > s.prune_keep:
             how.append(f"the best {s.prune_keep} kept after step {s.prune_at}")
         how.append(f"chosen after step {s.rerank_at}")
-    if s.best_of > 1 and s.rerank_contrast is not None:
+    if most > 1 and s.rerank_contrast is not None:
         how.append(f"scored against the prompt's `{s.rerank_contrast}` alternatives")
-    return f"{s.best_of} ({', '.join(how)})" if how else str(s.best_of)
+    return f"{count} ({', '.join(how)})" if how else count
 
 
 def write_card(folder, pipe, info: Optional[Mapping] = None) -> Path:

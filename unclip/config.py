@@ -349,6 +349,12 @@ class SamplingConfig:
     prompt over alternatives of it (a name registered in :data:`unclip.sampling.RERANK_CONTRASTS`,
     e.g. ``"shapes"``: the prompt's one-attribute variants and swaps) instead of by the plain
     cosine (``None``, default); see :func:`unclip.sampling.rerank_candidates`.
+    ``best_of_contrasted`` (decoder only): candidates per image for a prompt that
+    ``rerank_contrast`` has alternatives for (under ``"shapes-pairs"``: a two-object prompt), while
+    the other prompts take ``best_of``; ``None`` (default): ``best_of`` for every prompt. Prompts
+    that are harder to get right can draw more candidates than the rest: the bundled shapes model
+    draws 24 for two objects and 12 for one. An override that sets ``best_of`` alone resets it, so
+    ``{"decoder": {"best_of": 4}}`` draws 4 for every prompt.
 
     The autoregressive prior (``prior.type: ar``) samples codes, not noise: it ignores
     ``scheduler`` and ``steps`` and takes ``guidance_scale`` (on its logits), ``best_of`` and four
@@ -364,6 +370,7 @@ class SamplingConfig:
     best_of: int = 1
     rerank_at: Optional[int] = None
     rerank_contrast: Optional[str] = None
+    best_of_contrasted: Optional[int] = None
     prune_at: Optional[int] = None
     prune_keep: Optional[int] = None
     temperature: Optional[float] = None
@@ -499,7 +506,7 @@ TRAINING_ONLY_DIFFUSION = ("vlb_weight", "timestep_shift")
 
 #: SamplingConfig settings newer than the library versions that refuse unknown keys: saved files
 #: leave them out at their defaults for the same reason
-NEWER_SAMPLING = ("prune_at", "prune_keep")
+NEWER_SAMPLING = ("prune_at", "prune_keep", "best_of_contrasted")
 
 
 def _without_defaults(obj: Any, cls: type, names: tuple[str, ...]) -> Any:

@@ -37,11 +37,13 @@ folders in :mod:`unclip.io`, and :class:`UnCLIPOutput` with :func:`generate_to_f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from unclip.card import check_card_fields, read_card_info, write_card
@@ -71,6 +73,7 @@ from unclip.pipeline_utils import (
     check_embeds,
     check_output_type,
     expand_generator,
+    rows_of,
     slerp,
     stages_until,
 )
@@ -83,6 +86,7 @@ from unclip.sampling import (
     EVERY_UPSAMPLER,
     SAMPLING_FIELDS,
     StepCallback,
+    candidate_counts,
     check_rerank_at,
     image_text_cosines,
     pruning,
@@ -688,6 +692,23 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
                     "× "
                     f"{n} images; give one per output image"
                 )
+        if settings["decoder"].best_of_contrasted is not None:
+            return self._call_by_candidate_count(
+                prompts,
+                candidate_counts(settings["decoder"], prompts),
+                settings,
+                n,
+                generator,
+                image_embeds,
+                negatives,
+                dict(
+                    output_type=output_type,
+                    return_intermediates=return_intermediates,
+                    progress=progress,
+                    callback_on_step_end=callback_on_step_end,
+                    last_stage=last_stage,
+                ),
+            )
         # rerank_at: choose among the decoder's candidates part-way, from their predicted images
         dec = settings["decoder"]
         early = k > 1 and dec.rerank_at is not None and dec.rerank_at < dec.steps
@@ -754,6 +775,81 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         stage_images = {"decoder": small, **inter} if return_intermediates else {}
         return UnCLIPOutput(
             to_output(final, output_type), embeds, text_k.text_embed, stage_images, timings
+        )
+
+    def _call_by_candidate_count(
+        self, prompts, counts, settings, n, generator, image_embeds, negatives, options
+    ) -> UnCLIPOutput:
+        """:meth:`__call__` for the decoder's ``best_of_contrasted``: the prompts drawing one
+        count of candidates are sampled together (each group as a call with that ``best_of``,
+        groups in order of first appearance, a shared generator drawn on in that order); the
+        outputs are put back in prompt order."""
+        groups: dict[int, list[int]] = {}
+        for i, count in enumerate(counts):
+            groups.setdefault(count, []).append(i)
+        if isinstance(generator, torch.Generator) or generator is None:
+            gens = None
+        else:
+            gens = list(generator)
+            if len(gens) != len(prompts) and len(groups) > 1:
+                raise ValueError(
+                    f"generator: got {len(gens)} generators for {len(prompts)} prompts whose "
+                    f"decoder candidates differ in number (best_of {settings['decoder'].best_of}, "
+                    f"best_of_contrasted {settings['decoder'].best_of_contrasted}); pass one "
+                    "generator per prompt or a single one"
+                )
+        parts, order = [], []
+        for count, rows in groups.items():
+            fixed = dict(settings)
+            fixed["decoder"] = dataclasses.replace(
+                settings["decoder"], best_of=count, best_of_contrasted=None
+            )
+            if len(groups) == 1:
+                return self(
+                    prompts,
+                    n,
+                    generator,
+                    fixed,
+                    image_embeds=image_embeds,
+                    negative_prompt=negatives,
+                    **options,
+                )
+            images = rows_of(image_embeds, rows, n)
+            parts.append(
+                self(
+                    [prompts[i] for i in rows],
+                    n,
+                    generator if gens is None else [gens[i] for i in rows],
+                    fixed,
+                    image_embeds=images,
+                    negative_prompt=None if negatives is None else [negatives[i] for i in rows],
+                    **options,
+                )
+            )
+            order += [i * n + j for i in rows for j in range(n)]
+        back = torch.tensor(order).argsort()
+        timings: dict[str, float] = {}
+        for part in parts:
+            for stage, seconds in part.timings.items():
+                timings[stage] = timings.get(stage, 0.0) + seconds
+
+        def joined(values):
+            if isinstance(values[0], list):
+                flat = [v for value in values for v in value]
+                return [flat[i] for i in back.tolist()]
+            if isinstance(values[0], torch.Tensor):
+                return torch.cat(values)[back.to(values[0].device)]
+            return np.concatenate(values)[back.numpy()]
+
+        return UnCLIPOutput(
+            joined([part.images for part in parts]),
+            joined([part.image_embeds for part in parts]),
+            joined([part.text_embeds for part in parts]),
+            {
+                stage: joined([part.stage_images[stage] for part in parts])
+                for stage in parts[0].stage_images
+            },
+            timings,
         )
 
     @releases_gpu

@@ -43,6 +43,13 @@ def expand_generator(generator: Generator, batch: int, repeat: int, what: str) -
     )
 
 
+def rows_of(embeds: Optional[torch.Tensor], prompts: list[int], n: int):
+    """The rows of ``embeds`` (``n`` per prompt, prompt-major; or None) of these prompts."""
+    if embeds is None:
+        return None
+    return torch.cat([embeds[i * n : (i + 1) * n] for i in prompts])
+
+
 def check_count(n, what="num_images_per_prompt") -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what} must be an integer >= 1, got {n!r}")

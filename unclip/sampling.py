@@ -68,6 +68,8 @@ __all__ = [
     "sample_decoder_reranked",
     "select_scheduler_rows",
     "check_prune",
+    "check_best_of_contrasted",
+    "candidate_counts",
     "check_rerank_at",
     "sample_upsampler",
     "Denoiser",
@@ -161,6 +163,8 @@ def resolve_sampling(
         merged.update(over.get(stage, {}))
         for k, v in merged.items():
             setattr(s, k, v)
+        if "best_of" in merged and "best_of_contrasted" not in merged:
+            s.best_of_contrasted = None  # a count given alone is every prompt's count
         check_sampling_args(stage, s.scheduler, s.steps, s.guidance_scale)
         check_ar_sampling(stage, s, stage in ar_stages)
         if isinstance(s.best_of, bool) or not isinstance(s.best_of, int) or s.best_of < 1:
@@ -178,7 +182,10 @@ def resolve_sampling(
                     f"or None, choose among the finished images), got {r!r}"
                 )
         check_rerank_contrast(stage, s.rerank_contrast)
+        check_best_of_contrasted(stage, s)
         check_prune(stage, s)
+        if s.best_of_contrasted is not None:
+            check_prune(stage, dataclasses.replace(s, best_of=s.best_of_contrasted))
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
             raise ValueError(
                 f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "
@@ -186,6 +193,32 @@ def resolve_sampling(
             )
         out[stage] = s
     return out
+
+
+def check_best_of_contrasted(stage: str, s: SamplingConfig) -> None:
+    """Refuse ``best_of_contrasted`` outside the decoder or other than an integer >= 1."""
+    value = s.best_of_contrasted
+    if value is None:
+        return
+    if stage_kind(stage) != "decoder":
+        raise ValueError(
+            f"{stage}: best_of_contrasted is a decoder setting (the candidates of prompts its "
+            f"rerank_contrast has alternatives for); remove it from {stage}'s settings"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{stage}: best_of_contrasted must be an integer >= 1, got {value!r}")
+
+
+def candidate_counts(s: SamplingConfig, prompts: Sequence[str]) -> list[int]:
+    """The decoder's candidates per image for each of ``prompts`` under its settings ``s``
+    (checked): ``best_of_contrasted`` where ``rerank_contrast`` has alternatives for the prompt
+    (the prompts :func:`rerank_candidates` scores by ``log p(caption | image)``), ``best_of``
+    for the others (scored by the plain cosine)."""
+    if s.best_of_contrasted is None or s.rerank_contrast is None:
+        return [s.best_of] * len(prompts)
+    fn = RERANK_CONTRASTS[s.rerank_contrast]
+    alternatives = {p: len(list(fn(p))) > 1 for p in dict.fromkeys(prompts)}
+    return [s.best_of_contrasted if alternatives[p] else s.best_of for p in prompts]
 
 
 def check_prune(stage: str, s: SamplingConfig) -> None:

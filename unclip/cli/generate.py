@@ -122,7 +122,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="decode K base-resolution candidates per image and keep the best by the reranking "
         "CLIP (the pipeline's reranker CLIP if it has one; scored as --decoder-rerank-contrast "
-        "says); 1 turns reranking off (default: the model's setting)",
+        "says); 1 turns reranking off; given alone, every prompt draws K (default: the model's "
+        "setting)",
+    )
+    p.add_argument(
+        "--decoder-best-of-contrasted",
+        type=_count_or_none,
+        metavar="K",
+        help="candidates per image for prompts --decoder-rerank-contrast has alternatives for "
+        "(the bundled model: 24 for two-object prompts, 12 for the rest); 'none': "
+        "--decoder-best-of for every prompt (default: the model's setting)",
     )
     p.add_argument(
         "--decoder-rerank-at",
@@ -172,16 +181,24 @@ def _contrast_or_none(text: str) -> str:
     return name
 
 
-def _step_or_none(text: str):
-    """``--decoder-rerank-at``'s value: a step number, or ``none`` to clear a model's setting."""
-    if text.strip().lower() == "none":
-        return "none"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a step number or 'none', got {text!r}"
-        ) from None
+def _int_or_none(what: str):
+    """An argparse ``type=`` taking an integer (``what``), or ``none`` to clear a model's
+    setting."""
+
+    def parse(text: str):
+        if text.strip().lower() == "none":
+            return "none"
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} or 'none', got {text!r}") from None
+
+    return parse
+
+
+#: ``--decoder-rerank-at`` / ``--decoder-prune-at`` and ``--decoder-best-of-contrasted``
+_step_or_none = _int_or_none("a step number")
+_count_or_none = _int_or_none("a number of candidates")
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
@@ -195,7 +212,14 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
         }
         extra = {
             "prior": ["best_of", *(f for _, f, _, _ in AR_FLAGS)],
-            "decoder": ["best_of", "rerank_at", "rerank_contrast", "prune_at", "prune_keep"],
+            "decoder": [
+                "best_of",
+                "best_of_contrasted",
+                "rerank_at",
+                "rerank_contrast",
+                "prune_at",
+                "prune_keep",
+            ],
         }.get(prefix, ["best_of"])
         for field in extra:
             value = getattr(args, f"{prefix}_{field}", None)
