@@ -182,6 +182,27 @@ def test_untouched_form_samples_as_the_pipeline(tiny_pipe):
     assert settings["sr32"] == tiny_pipe.sampling["sr32"]
 
 
+@needs_gradio
+def test_untouched_form_keeps_the_decoders_count_for_contrasted_prompts(tiny_pipe, monkeypatch):
+    """A pipeline whose decoder draws more candidates for prompts with alternatives (the bundled
+    model's ``best_of_contrasted``) gets a slider for that count: the form sends ``best_of``
+    anyway, which alone would reset it."""
+    from dataclasses import replace
+
+    dec = replace(
+        tiny_pipe.sampling["decoder"], best_of=2, best_of_contrasted=5, rerank_contrast="shapes"
+    )
+    monkeypatch.setitem(tiny_pipe.sampling, "decoder", dec)
+    with gr.Blocks():
+        form = SamplingForm(tiny_pipe)
+    values = {c: c.value for c in form.components}
+    assert tiny_pipe.sampling_settings(form.read(values))["decoder"].best_of_contrasted == 5
+    assert tiny_pipe.sampling_settings(form.read(values)) == tiny_pipe.sampling_settings()
+    slider = {c.label: c for c in form.components}["decoder best of, prompts with alternatives"]
+    values[slider] = 7.0
+    assert tiny_pipe.sampling_settings(form.read(values))["decoder"].best_of_contrasted == 7
+
+
 def test_serve_without_gradio_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gradio", None)  # what find_spec sees when it is absent
     assert cli.main(["serve", "--port", "9"]) == 1

@@ -71,6 +71,19 @@ class SamplingForm:
                             1, max(32, s.best_of), value=s.best_of, step=1, label=f"{stage} best of"
                         ),
                     )
+                # a best_of sent alone would reset it, so a model that sets it gets its own slider
+                if s.best_of_contrasted is not None:
+                    self._add(
+                        stage,
+                        "best_of_contrasted",
+                        gr.Slider(
+                            1,
+                            max(32, s.best_of_contrasted),
+                            value=s.best_of_contrasted,
+                            step=1,
+                            label=f"{stage} best of, prompts with alternatives",
+                        ),
+                    )
 
     def _add(self, stage: str, field: str, component) -> None:
         self.fields.append((stage, field, component))

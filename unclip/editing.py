@@ -262,7 +262,7 @@ class EditingMixin:
             s.guidance_scale = guidance_scale
         # one DDIM path, no candidates to choose among
         s.scheduler, s.best_of, s.rerank_at, s.rerank_contrast = "ddim", 1, None, None
-        s.prune_at = s.prune_keep = None
+        s.prune_at = s.prune_keep = s.best_of_contrasted = None
         return resolve_sampling({"decoder": s})["decoder"]
 
     def _ddim_denoiser(self, embeds, caption, settings: SamplingConfig) -> Denoiser:
