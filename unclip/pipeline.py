@@ -659,7 +659,11 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         with the decoder's ``rerank_at = m`` below its steps it chooses after step ``m``, from each
         candidate's predicted final image, and denoises only the chosen ones on; with its
         ``prune_at = p`` and ``prune_keep = r`` as well, only each image's ``r`` best candidates
-        go on after step ``p`` and the choice after step ``m`` is among them.
+        go on after step ``p`` and the choice after step ``m`` is among them. With its
+        ``best_of_contrasted = K2``, prompts its ``rerank_contrast`` has alternatives for draw K2
+        candidates: the prompts of each count are sampled as one call, in order of first
+        appearance (a shared generator is drawn on in that order), and the outputs come back in
+        prompt order.
         ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]``
         in [0, 1]).
 
