@@ -1,6 +1,7 @@
 """The `unclip` command and `unclip generate`."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -179,6 +180,51 @@ def test_console_ends_generate_without_teardown_and_keeps_its_output(tmp_path):
     # every other command exits normally
     proc = run("--version")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("teardown ran")
+    # so does generate under a profiler (which writes its results at exit) or when opted out
+    profiled = tmp_path / "p.prof"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cProfile",
+            "-o",
+            str(profiled),
+            "-m",
+            "unclip.cli",
+            "generate",
+            "a red circle",
+            "--tiny",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "o2"),
+            *small,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert profiled.stat().st_size > 0
+    env = {**os.environ, "UNCLIP_NO_FAST_EXIT": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CONSOLE,
+            "generate",
+            "a red circle",
+            "--tiny",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "o3"),
+            *small,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("teardown ran"), proc.stderr
 
 
 def test_decoder_rerank_at_flag_sets_or_clears_the_models_setting():

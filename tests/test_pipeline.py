@@ -541,6 +541,18 @@ def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pi
         tiny_pipe.sampling_settings({"decoder": {"best_of_contrasted": 0}})
     with pytest.raises(ValueError, match="one generator per prompt or a single one"):
         tiny_pipe(prompts, generator=gens(*range(3 * 2)), sampling=mixed, progress=False)
+    # every group's settings are checked before the first group samples
+    calls = []
+    heun = {**mixed, "decoder": {**mixed["decoder"], "best_of": 1, "scheduler": "heun"}}
+    heun["decoder"].update(rerank_at=1)
+    with pytest.raises(ValueError, match="rerank_at 1"):
+        tiny_pipe(prompts, sampling=heun, progress=False, callback_on_step_end=calls.append)
+    assert calls == []
+    # pruning is checked for the contrasted count too, and the error says so
+    pruned = {"decoder": {**mixed["decoder"], "best_of": 2, "best_of_contrasted": 8}}
+    pruned["decoder"].update(prune_at=1, prune_keep=4)
+    with pytest.raises(ValueError, match="for the 8 candidates of best_of_contrasted"):
+        tiny_pipe.sampling_settings(pruned)
 
 
 def test_rerank_refuses_bad_arguments(tiny_pipe):

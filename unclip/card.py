@@ -222,9 +222,11 @@ def render_card(pipe, info: Optional[Mapping] = None):
 def _best_of(s) -> str:
     """The "best of" cell: the number of candidates and how the decoder's are chosen."""
     how = []
-    most = max(s.best_of, s.best_of_contrasted or 0)
+    # best_of_contrasted counts only where a contrast says which prompts draw it
+    more = s.best_of_contrasted if s.rerank_contrast is not None else None
+    most = max(s.best_of, more or 0)
     count = str(s.best_of)
-    if s.best_of_contrasted is not None and s.rerank_contrast is not None:
+    if more is not None:
         count = f"{s.best_of}, or {s.best_of_contrasted} for a prompt with alternatives"
     if most > 1 and s.rerank_at is not None and s.rerank_at < s.steps:
         if s.prune_at is not None and most > s.prune_keep:

@@ -139,8 +139,9 @@ def generate_to_folder(
 
     Memory stays bounded however many images are asked for: the images (prompt-major: every image
     of prompt 0, then of prompt 1, ...) are sampled in batches of at most ``batch_size`` images
-    (each decoded from ``best_of`` candidates), and each batch's PNGs are written before the next
-    batch starts. ``grid.png`` shows the first :data:`GRID_MAX_IMAGES` images only.
+    (each decoded from the decoder's ``best_of`` or ``best_of_contrasted`` candidates), and each
+    batch's PNGs are written before the next batch starts. ``grid.png`` shows the first
+    :data:`GRID_MAX_IMAGES` images only.
 
     Seeds: prompt ``i`` draws from one generator seeded ``seed + i``. A request of at most
     ``batch_size`` images is one pipeline call (the same images as ``pipe(prompts,

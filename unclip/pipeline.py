@@ -697,9 +697,16 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
                     f"{n} images; give one per output image"
                 )
         if settings["decoder"].best_of_contrasted is not None:
+            counts = candidate_counts(settings["decoder"], prompts)
+            dec = settings["decoder"]
+            if max(counts) > 1 and dec.rerank_at is not None and dec.rerank_at < dec.steps:
+                # every group's sampler check before the first group samples
+                check_rerank_at(
+                    dec, self.diffusion["decoder"], self.decoder.config.learned_variance
+                )
             return self._call_by_candidate_count(
                 prompts,
-                candidate_counts(settings["decoder"], prompts),
+                counts,
                 settings,
                 n,
                 generator,

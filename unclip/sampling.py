@@ -184,8 +184,13 @@ def resolve_sampling(
         check_rerank_contrast(stage, s.rerank_contrast)
         check_best_of_contrasted(stage, s)
         check_prune(stage, s)
-        if s.best_of_contrasted is not None:
-            check_prune(stage, dataclasses.replace(s, best_of=s.best_of_contrasted))
+        if s.best_of_contrasted is not None and s.rerank_contrast is not None:
+            try:
+                check_prune(stage, dataclasses.replace(s, best_of=s.best_of_contrasted))
+            except ValueError as exc:
+                raise ValueError(
+                    f"{exc} (for the {s.best_of_contrasted} candidates of best_of_contrasted)"
+                ) from None
         if stage_kind(stage) == "upsampler" and s.best_of != 1:
             raise ValueError(
                 f"{stage}: best_of must be 1 for an upsampler (candidates are chosen by the "

@@ -75,8 +75,11 @@ COMMANDS = {
 # commands whose process has nothing left to do once their main returns: every file they write is
 # closed by then and they start no thread that must finish. The console script ends them with
 # os._exit, skipping the interpreter's teardown of torch, open_clip and diffusers, which takes about
-# a second (docs/shapes_model.md, "The cold command"); called in-process, main() just returns.
+# a second (docs/shapes_model.md, lever 32); called in-process, main() just returns. Under a
+# profiler or tracer (cProfile, coverage), which write their results at exit, or with
+# UNCLIP_NO_FAST_EXIT=1, the process exits normally.
 FAST_EXIT = frozenset({"generate"})
+NO_FAST_EXIT_ENV = "UNCLIP_NO_FAST_EXIT"
 
 
 def usage() -> str:
@@ -124,7 +127,9 @@ def console() -> None:
     the interpreter's teardown, after a command in :data:`FAST_EXIT`)."""
     argv, _ = debug_requested(sys.argv[1:])
     status = main()
-    if argv and argv[0] in FAST_EXIT:
+    observed = sys.gettrace() is not None or sys.getprofile() is not None
+    opted_out = os.environ.get(NO_FAST_EXIT_ENV, "").strip() not in ("", "0")
+    if argv and argv[0] in FAST_EXIT and not observed and not opted_out:
         exit_now(status)
     sys.exit(status)
 

@@ -92,8 +92,8 @@ def add_autocast_arg(p: argparse.ArgumentParser, default: str | None = "auto") -
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """``--{prior,decoder,upsampler}-{scheduler,steps,guidance-scale}``, ``--prior-best-of``,
-    ``--decoder-best-of``, ``--decoder-rerank-at``, ``--decoder-prune-{at,keep}`` and the
-    autoregressive prior's
+    ``--decoder-best-of[-contrasted]``, ``--decoder-rerank-at``, ``--decoder-prune-{at,keep}``
+    and the autoregressive prior's
     ``--prior-{temperature,top-k,top-p,dot-product-quantile}``; :func:`sampling_overrides` turns
     them into ``sampling=``."""
     for prefix, _, label in STAGES:
@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         type=int,
         default=DEFAULT_BATCH_SIZE,
-        help="images sampled at once (each from --decoder-best-of candidates); more images are "
+        help="images sampled at once (each from --decoder-best-of or --decoder-best-of-contrasted "
+        "candidates); more images are "
         "sampled and written batch by batch, so memory stays bounded; a prompt whose images span "
         "batches continues its seed's random stream, so such images depend on the batch size "
         "(default: %(default)s)",
