@@ -64,26 +64,15 @@ class SamplingForm:
                     ),
                 )
                 if stage in BEST_OF_STAGES:
-                    self._add(
-                        stage,
-                        "best_of",
-                        gr.Slider(
-                            1, max(32, s.best_of), value=s.best_of, step=1, label=f"{stage} best of"
-                        ),
-                    )
+                    self._add_count(stage, "best_of", s.best_of, f"{stage} best of")
                 # a best_of sent alone would reset it, so a model that sets it gets its own slider
                 if s.best_of_contrasted is not None:
-                    self._add(
-                        stage,
-                        "best_of_contrasted",
-                        gr.Slider(
-                            1,
-                            max(32, s.best_of_contrasted),
-                            value=s.best_of_contrasted,
-                            step=1,
-                            label=f"{stage} best of, prompts with alternatives",
-                        ),
-                    )
+                    label = f"{stage} best of, prompts with alternatives"
+                    self._add_count(stage, "best_of_contrasted", s.best_of_contrasted, label)
+
+    def _add_count(self, stage: str, field: str, value: int, label: str) -> None:
+        """A slider for a number of candidates, from 1 to at least 32."""
+        self._add(stage, field, gr.Slider(1, max(32, value), value=value, step=1, label=label))
 
     def _add(self, stage: str, field: str, component) -> None:
         self.fields.append((stage, field, component))
