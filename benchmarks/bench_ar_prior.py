@@ -6,7 +6,7 @@
 
 Both priors are trained by ``unclip train-prior``'s own function from ``configs/shapes/prior.yaml``
 and ``configs/shapes/prior_ar.yaml``, conditioned on the bundled shapes model's CLIP
-(``unclip/models/shapes/clip``), with the same data stream, batch size, learning rate and EMA.
+(``unclip/bundled/shapes/clip``), with the same data stream, batch size, learning rate and EMA.
 "The same CPU budget" is CPU seconds of one single-threaded process per prior (no data workers),
 everything included (the AR prior's PCA and bucket fit, the diffusion prior's embedding
 statistics, data rendering, CLIP encoding, checkpoints). CPU time, not wall time: on a shared
@@ -52,7 +52,7 @@ CONFIGS = {
     "diffusion": common.ROOT / "configs" / "shapes" / "prior.yaml",
     "ar": common.ROOT / "configs" / "shapes" / "prior_ar.yaml",
 }
-CLIP_FOLDER = common.ROOT / "unclip" / "models" / "shapes" / "clip"
+CLIP_FOLDER = common.ROOT / "unclip" / "bundled" / "shapes" / "clip"
 EVAL_SEED = 977  # a shapes_seed the training stream (shapes_seed 0) does not use
 
 
@@ -105,9 +105,9 @@ def steps_for_budget(kind: str, work: Path, budget: float, calib_steps: int, ove
 
 def eval_set(n: int):
     """``(captions, true image embeddings [n, D], text encoding)`` of ``n`` held-back scenes."""
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.data.loader import batches, make_stream
-    from unclip.train.prior import _embed_batch
+    from unclip.train.prior_batches import embed_batch
 
     cfg = stage_config("diffusion", Path(tempfile.gettempdir()) / "unused", [])
     cfg.data.shapes_seed = EVAL_SEED
@@ -115,14 +115,16 @@ def eval_set(n: int):
     stream = make_stream(cfg.data, resolution=clip.image_size, seed=0, rank=0, world_size=1)
     batch = next(iter(batches(stream, n)))
     with torch.no_grad():
-        image_embed, text = _embed_batch(clip, batch, "cpu")
+        image_embed, text = embed_batch(clip, batch, "cpu")
     return clip, batch["caption"], image_embed.float(), text
 
 
 def evaluate(kind: str, folder: Path, clip, captions, truth, text, repeats: int) -> dict:
-    from unclip.config import DiffusionConfig, SamplingConfig, from_dict
-    from unclip.priors import load_prior
-    from unclip.sampling import sample_prior
+    from unclip.diffusion.config import DiffusionConfig
+    from unclip.nets.priors import load_prior
+    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.stages import sample_prior
+    from unclip.utils.config import from_dict
 
     prior = load_prior(folder / "prior").eval()
     meta = json.loads((folder / "prior" / "unclip_stage.json").read_text())
@@ -158,10 +160,12 @@ def end_to_end(folder: Optional[Path], num: int) -> dict:
     in the bundled pipeline (its CLIP, decoder and settings; one decoder candidate, so the prior's
     embedding is not rescued by reranking), the decoder's images of ``num`` + ``num`` held-out
     prompts scored by the shapes evaluator."""
-    from unclip.config import DiffusionConfig, SamplingConfig, from_dict
-    from unclip.pipeline import UnCLIPPipeline
-    from unclip.priors import load_prior
+    from unclip.diffusion.config import DiffusionConfig
+    from unclip.nets.priors import load_prior
+    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.sampling.settings import SamplingConfig
     from unclip.shapes.evaluate import evaluate_pipeline
+    from unclip.utils.config import from_dict
 
     pipe = common.fp32_pipeline()
     if folder is not None:

@@ -23,9 +23,9 @@ import open_clip.model
 import torch
 import torch.nn.functional as F
 
-import unclip.sampling
-from unclip.diffusion import sample_loop
-from unclip.precision import cast_floating, dtype_name
+import unclip.sampling.stages
+from unclip.diffusion.loop import sample_loop
+from unclip.utils.precision import cast_floating, dtype_name
 
 PROMPTS = [
     "a small red circle on the left",

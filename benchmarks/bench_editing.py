@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unclip.images import image_grid, pil_to_tensor
+from unclip.shapes.captions import parse_caption
 from unclip.shapes.detector import detect, score
-from unclip.shapes.world import COLORS, SHAPES, parse_caption, render, sample_truth
+from unclip.shapes.world import COLORS, SHAPES, render, sample_truth
+from unclip.utils.images import image_grid, pil_to_tensor
 
 RES = 128
 

@@ -21,10 +21,10 @@ import time
 import common
 import torch
 
-from unclip import editing
-from unclip.pipeline import UnCLIPPipeline
-from unclip.precision import dtype_name
+from unclip.pipeline import editing
+from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.shapes.world import ShapesWorld
+from unclip.utils.precision import dtype_name
 
 
 def main(argv=None) -> int:

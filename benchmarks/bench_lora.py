@@ -46,11 +46,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, fp32_pipeline, machine, machine_line  # noqa: E402
 
-from unclip.images import image_grid  # noqa: E402
-from unclip.io import bundled_model_path  # noqa: E402
+from unclip.pipeline.folders import bundled_model_path  # noqa: E402
 from unclip.shapes.detector import detect, evaluate_images  # noqa: E402
 from unclip.shapes.evaluate import heldout_samples  # noqa: E402
 from unclip.shapes.world import ShapesWorld  # noqa: E402
+from unclip.utils.images import image_grid  # noqa: E402
 
 #: the run's settings; ``--quick`` replaces them with QUICK's
 FULL = dict(

@@ -39,8 +39,8 @@ import models
 import torch
 import torch.nn.functional as F
 
-from unclip.images import pil_to_tensor
 from unclip.shapes.world import ShapesWorld
+from unclip.utils.images import pil_to_tensor
 
 #: per stage: batch, steps, learning rate (warmup 10 % of the steps, then cosine to 1e-6)
 PLAN = {"prior": (32, 300, 3e-4), "decoder": (4, 150, 2e-4)}

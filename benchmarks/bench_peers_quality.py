@@ -145,7 +145,7 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
     out = work / "unclip" / "run"
     cpu, wall, records = train("diffusion", out, [f"train.max_steps={plan['steps']}", *overrides])
     clip, captions, truth, text = eval_set(int(os.environ["BENCH_EVAL"]))
-    from unclip.priors import load_prior
+    from unclip.nets.priors import load_prior
 
     params = sum(
         p.numel()

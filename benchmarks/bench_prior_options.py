@@ -49,7 +49,7 @@ BLOCKS = {
     "normformer_swiglu": ["prior.normformer=true", "prior.ff_activation=swiglu"],
 }
 CONFIG = common.ROOT / "configs" / "shapes" / "prior.yaml"
-CLIP_WEIGHTS = common.ROOT / "unclip" / "models" / "shapes" / "clip" / "model.safetensors"
+CLIP_WEIGHTS = common.ROOT / "unclip" / "bundled" / "shapes" / "clip" / "model.safetensors"
 EVAL_SEED = 10_007  # the validation batches' data seed and their generators' seed
 
 
@@ -92,7 +92,7 @@ def _validation_loss(model, task, batches, cfg) -> float:
 
 
 def run_variant(name: str, overrides: list[str], args, shared: dict) -> dict:
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.data.loader import make_batches
     from unclip.train.loop import TrainLoop
     from unclip.train.prior import PriorTask, build_prior_model
@@ -165,14 +165,14 @@ def _faithfulness(model, task, shared, cfg) -> dict:
     """Final faithfulness of the raw weights: one embedding sampled per held-out caption with the
     recipe's sampling settings (DDIM, guidance, best of N), one generator per candidate, and its
     mean cosine to the true CLIP image embedding (and to the caption's text embedding)."""
-    from unclip.sampling import sample_prior
-    from unclip.train.prior import _embed_batch
+    from unclip.sampling.stages import sample_prior
+    from unclip.train.prior_batches import embed_batch
 
     model.eval()
     truth, samples, text_embeds = [], [], []
     with torch.no_grad():
         for i, batch in enumerate(shared["eval"]):
-            image_embed, text = _embed_batch(task.clip, batch, task.device)
+            image_embed, text = embed_batch(task.clip, batch, task.device)
             n = len(batch["caption"]) * cfg.sampling.best_of
             gens = [torch.Generator().manual_seed(EVAL_SEED + i * n + j) for j in range(n)]
             best, _ = sample_prior(
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     result = {"machine": common.machine(), "args": vars(args), "rows": []}
     common.log("machine:", common.machine_line(result["machine"]))
 
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.prior import embedding_stats
 
     with tempfile.TemporaryDirectory(prefix="unclip-bench-") as tmp:

@@ -42,19 +42,16 @@ import time
 import common
 import torch
 
-from unclip.config import SamplingConfig
-from unclip.diffusion import guided_output, scheduler_step, training_scheduler
-from unclip.images import to_output
-from unclip.sampling import (
-    RERANK_CONTRASTS,
-    decoder_denoiser,
-    image_text_cosines,
-    rerank_candidates,
-)
+from unclip.diffusion.loop import guided_output, scheduler_step, training_scheduler
+from unclip.diffusion.vlb import predicted_x0
+from unclip.sampling.candidates import rerank_candidates
+from unclip.sampling.scorers import RERANK_CONTRASTS, image_text_cosines
+from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.stages import decoder_denoiser
+from unclip.shapes.captions import parse_caption
 from unclip.shapes.detector import evaluate_images, score
 from unclip.shapes.evaluate import heldout_samples
-from unclip.shapes.world import parse_caption
-from unclip.vlb import predicted_x0
+from unclip.utils.images import to_output
 
 PRIOR = {"prior": {"scheduler": "unipc", "steps": 10}}
 DECODER = {"scheduler": "ddim", "guidance_scale": 1.0}  # the bundled model's decoder guidance

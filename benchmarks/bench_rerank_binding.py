@@ -20,7 +20,7 @@ import time
 import common
 import torch
 
-from unclip.sampling import RERANK_CONTRASTS
+from unclip.sampling.scorers import RERANK_CONTRASTS
 from unclip.shapes.evaluate import BINDING_PROBE_RENDERS, binding_probe, heldout_samples
 
 

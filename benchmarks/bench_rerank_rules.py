@@ -52,19 +52,13 @@ import common
 import torch
 from bench_rerank_at import by_kind, right_matrix
 
-from unclip.config import SamplingConfig
-from unclip.diffusion import training_scheduler
-from unclip.sampling import decoder_denoiser
+from unclip.diffusion.loop import training_scheduler
+from unclip.diffusion.vlb import predicted_x0
+from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.stages import decoder_denoiser
+from unclip.shapes.captions import canonical_caption, parse_caption
 from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch
-from unclip.shapes.world import (
-    RELATIONS,
-    SHAPES,
-    ShapesWorld,
-    article,
-    canonical_caption,
-    parse_caption,
-)
-from unclip.vlb import predicted_x0
+from unclip.shapes.world import RELATIONS, SHAPES, ShapesWorld, article
 
 #: the whole-image contrast the rules build on
 CONTRAST = "shapes-pairs"
@@ -82,7 +76,7 @@ RERANKER_DATA = dict(
 
 def contrast_scores(clip, images, captions, contrast, chunk=20):
     """``[n, k]`` scores of ``images [n, k, 3, s, s]`` for their prompt ``captions [n]``."""
-    from unclip.sampling import _contrast_scores
+    from unclip.sampling.candidates import _contrast_scores
 
     n, k = images.shape[:2]
     out = []

@@ -60,10 +60,12 @@ from bench_rerank_rules import (
     train_copy,
 )
 
-from unclip.clip import CLIP, build_open_clip_model
-from unclip.images import pil_to_tensor
-from unclip.sampling import RERANK_CONTRASTS
-from unclip.shapes.world import ShapesWorld, caption_alternatives, parse_caption
+from unclip.nets.clip import CLIP, build_open_clip_model
+from unclip.sampling.scorers import RERANK_CONTRASTS
+from unclip.shapes.captions import parse_caption
+from unclip.shapes.contrasts import caption_alternatives
+from unclip.shapes.world import ShapesWorld
+from unclip.utils.images import pil_to_tensor
 
 KINDS = {"single": 0.0, "pair": 1.0}
 

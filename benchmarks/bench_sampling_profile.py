@@ -27,7 +27,7 @@ import common
 import models
 import torch
 
-from unclip.precision import dtype_name
+from unclip.utils.precision import dtype_name
 
 PROMPT = "a red circle to the left of a blue square"
 

@@ -31,9 +31,9 @@ import time
 import common
 import torch
 
-from unclip.pipeline import UnCLIPPipeline
-from unclip.precision import dtype_name
+from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.shapes.evaluate import heldout_samples
+from unclip.utils.precision import dtype_name
 
 README_COMMAND = ["generate", "a small red circle on the left", "--num-images", "4", "--seed", "0"]
 

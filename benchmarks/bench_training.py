@@ -80,8 +80,8 @@ def build(spec: dict):
     """Model, optimizer, EMA, one batch and the step function for ``spec``."""
     from diffusers.training_utils import EMAModel
 
-    from unclip.decoder import UnCLIPDecoder
-    from unclip.diffusion import training_scheduler
+    from unclip.diffusion.loop import training_scheduler
+    from unclip.nets.decoder import UnCLIPDecoder
     from unclip.train.decoder import decoder_loss, upsampler_loss
     from unclip.train.loop import sample_generators
     from unclip.train.prior import prior_loss

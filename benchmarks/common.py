@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from unclip.precision import dtype_name
+from unclip.utils.precision import dtype_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -40,7 +40,7 @@ def fp32_pipeline(model=None):
     sampler, a prior, editing, adapters) measure on, so that their figures do not depend on
     whether the CPU runs bf16 natively. The loaded defaults (bf16 autocast where native,
     channels-last) are measured in bench_sampling.py and bench_shapes_speed.py."""
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     return UnCLIPPipeline.from_pretrained(model, autocast_dtype=None, memory_format=None)
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from unclip.clip import CLIP, tiny_clip_config
-from unclip.config import ClipConfig
-from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
-from unclip.pipeline import UnCLIPPipeline
-from unclip.prior import UnCLIPPrior
-from unclip.tiny import tiny_decoder_kwargs, tiny_prior_kwargs, tiny_upsampler_kwargs
+from unclip.nets.clip import CLIP, ClipConfig, tiny_clip_config
+from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
+from unclip.nets.prior import UnCLIPPrior
+from unclip.pipeline.pipeline import UnCLIPPipeline
+from unclip.pipeline.tiny import tiny_decoder_kwargs, tiny_prior_kwargs, tiny_upsampler_kwargs
 
 # the three-level decoder UNet: attention below the full resolution
 DOWN_3 = ("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D", "SimpleCrossAttnDownBlock2D")

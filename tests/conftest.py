@@ -23,7 +23,7 @@ TORCHRUN = [
 
 @pytest.fixture(scope="session")
 def tiny_pipe():
-    from unclip.tiny import tiny_pipeline
+    from unclip.pipeline.tiny import tiny_pipeline
 
     return tiny_pipeline(seed=0)
 
@@ -58,8 +58,7 @@ def reset_accelerate():
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
     """A tiny random CLIP saved as a component folder."""
-    from unclip.clip import CLIP, tiny_clip_config
-    from unclip.config import ClipConfig
+    from unclip.nets.clip import CLIP, ClipConfig, tiny_clip_config
 
     torch.manual_seed(0)
     clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))

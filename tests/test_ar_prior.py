@@ -6,11 +6,13 @@ import torch
 from conftest import EXACT, gens
 
 from unclip import UnCLIPPipeline
-from unclip.ar_prior import UnCLIPARPrior
-from unclip.ar_sampling import filter_logits, sample_ar_prior
-from unclip.clip import TextEncoding
-from unclip.config import ARPriorOptions, ConfigError, PriorConfig, SamplingConfig
-from unclip.priors import load_prior
+from unclip.nets.ar_prior import UnCLIPARPrior
+from unclip.nets.clip import TextEncoding
+from unclip.nets.config import ARPriorOptions, PriorConfig
+from unclip.nets.priors import load_prior
+from unclip.sampling.ar import filter_logits, sample_ar_prior
+from unclip.sampling.settings import SamplingConfig
+from unclip.utils.config import ConfigError
 
 CAPTIONS = ["a small red circle on the left", "a big blue square", "a green triangle", "two stars"]
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16)
@@ -181,8 +183,8 @@ def test_sampling_is_deterministic_per_generator_and_independent_of_batching(pri
 def test_sample_prior_takes_a_torch_compile_wrapper(prior, text):
     """A ``torch.compile(prior)`` wrapper is not an instance of the AR prior's class; the sampler
     still sends it to the AR sampler, with the same codes."""
-    from unclip.config import DiffusionConfig
-    from unclip.sampling import sample_prior
+    from unclip.diffusion.config import DiffusionConfig
+    from unclip.sampling.stages import sample_prior
 
     settings = SamplingConfig(guidance_scale=1.0)
     wrapped = torch.compile(prior, backend="eager")
@@ -302,9 +304,11 @@ def test_ar_settings_are_checked_and_refused_where_they_do_not_apply(ar_pipe, ti
     ]:
         with pytest.raises(ValueError, match=match):
             ar_pipe.sampling_settings({"prior": bad})
-    with pytest.raises(ValueError, match="the diffusion prior does not take"):
+    with pytest.raises(
+        ValueError, match="prior: temperature is not a setting of the diffusion prior"
+    ):
         tiny_pipe.sampling_settings({"prior": {"temperature": 0.5}})
-    with pytest.raises(ValueError, match="stage 'decoder' does not take"):
+    with pytest.raises(ValueError, match="decoder: top_k is not a setting of the decoder"):
         ar_pipe.sampling_settings({"decoder": {"top_k": 5}})
 
 
@@ -324,7 +328,7 @@ def test_config_values_are_checked(tiny_clip):
     assert PriorConfig(type="ar", **TINY).build(tiny_clip).pca_dims == 32  # null: every dimension
     with pytest.raises(ValueError, match=r"pca_dims must be in \[1, 32\]"):
         PriorConfig(type="ar", **TINY, ar=ARPriorOptions(pca_dims=33)).build(tiny_clip)
-    from unclip.config import from_dict
+    from unclip.utils.config import from_dict
 
     for ar, match in [
         ({"pca_dims": 0}, "prior.ar.pca_dims must be an integer >= 1"),

@@ -9,13 +9,13 @@ from conftest import CONFIGS, gens
 from safetensors.torch import load_file
 
 from unclip import UnCLIPPipeline
-from unclip.ar_prior import UnCLIPARPrior
-from unclip.ar_sampling import sample_ar_prior
 from unclip.cli import train_prior
-from unclip.clip import CLIP
-from unclip.config import SamplingConfig
-from unclip.decoder import UnCLIPDecoder
-from unclip.tiny import tiny_decoder_kwargs
+from unclip.nets.ar_prior import UnCLIPARPrior
+from unclip.nets.clip import CLIP
+from unclip.nets.decoder import UnCLIPDecoder
+from unclip.pipeline.tiny import tiny_decoder_kwargs
+from unclip.sampling.ar import sample_ar_prior
+from unclip.sampling.settings import SamplingConfig
 from unclip.train.ar_prior import ar_prior_loss, fit_embeddings
 from unclip.train.config import load_stage_config
 from unclip.train.loop import sample_generators

@@ -1,5 +1,5 @@
-"""The bundled shapes model (unclip/models/shapes): loads offline with no arguments, runs in fp32 on
-the CPU, generates at its stated resolution, and gets the color, size and background of simple
+"""The bundled shapes model (unclip/bundled/shapes): loads offline with no arguments, runs in fp32
+on the CPU, generates at its stated resolution, and gets the color, size and background of simple
 prompts right — and for most simple prompts every attribute — (scored by the pixel evaluator) with
 the default sampling settings."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from unclip import UnCLIPPipeline
-from unclip.pipeline import PIPELINE_FILE, bundled_model_path
+from unclip.pipeline.folders import PIPELINE_FILE, bundled_model_path
+from unclip.shapes.captions import parse_caption
 from unclip.shapes.detector import score
-from unclip.shapes.world import parse_caption
 
 RESOLUTION = 128
 
@@ -129,9 +129,10 @@ def test_region_reading_tells_the_true_scene_from_swapped_moved_and_reshaped_one
     to the wrong objects, would read the swapped or moved scene as well or better."""
     import random
 
-    from unclip.images import pil_to_tensor
-    from unclip.sampling import region_scores
-    from unclip.shapes.world import ShapesWorld, contrast_truth, region_parts, render
+    from unclip.shapes.contrasts import region_parts
+    from unclip.shapes.regions import region_scores
+    from unclip.shapes.world import ShapesWorld, contrast_truth, render
+    from unclip.utils.images import pil_to_tensor
 
     world = ShapesWorld(32, seed=5, split="heldout", two_object_prob=1.0)
     rng, picks, margins = random.Random(0), [0] * 4, []
@@ -167,7 +168,7 @@ def test_shipped_sampling_defaults_are_the_recipes_sampling_config(pipe):
 
     import yaml
 
-    from unclip.sampling import resolve_sampling, stage_settings
+    from unclip.sampling.settings import resolve_sampling, stage_settings
 
     path = Path(__file__).parents[1] / "configs" / "shapes" / "sampling.yaml"
     # on top of the library's defaults, as on a freshly assembled pipeline

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from unclip.card import render_card
-from unclip.io import bundled_model_path
-from unclip.pipeline import PIPELINE_FILE, UnCLIPPipeline
+from unclip.io.card import render_card
+from unclip.pipeline.folders import PIPELINE_FILE, bundled_model_path
+from unclip.pipeline.pipeline import UnCLIPPipeline
 
 
 def section(card: ModelCard, heading: str) -> str:

@@ -10,7 +10,7 @@ from PIL import Image
 
 from unclip import cli
 from unclip.cli.generate import main as generate
-from unclip.precision import native_cpu_bf16
+from unclip.utils.precision import native_cpu_bf16
 
 
 def test_generate_writes_what_it_claims(tiny_pipe, tmp_path):
@@ -105,7 +105,7 @@ def test_generate_bad_input(args, match, capsys, tmp_path):
 @pytest.mark.parametrize("flag,recorded", [("none", None), ("bf16", "bfloat16")])
 def test_generate_autocast_flag(flag, recorded, tmp_path, monkeypatch):
     # a CPU on which auto would have given the other answer: the flag is what counts
-    monkeypatch.setattr("unclip.precision.native_cpu_bf16", lambda: recorded is None)
+    monkeypatch.setattr("unclip.utils.precision.native_cpu_bf16", lambda: recorded is None)
     out = tmp_path / flag
     args = ["a red circle", "--tiny", "--autocast", flag, "--no-progress", "--out", str(out)]
     assert generate(args + ["--decoder-steps", "2", "--upsampler-steps", "1"]) == 0
@@ -113,7 +113,7 @@ def test_generate_autocast_flag(flag, recorded, tmp_path, monkeypatch):
 
 
 def test_generate_to_folder_keeps_a_passed_pipelines_autocast(tiny_pipe, tmp_path):
-    from unclip.output import generate_to_folder
+    from unclip.pipeline.jobs import generate_to_folder
 
     few = {"prior": {"steps": 2}, "decoder": {"steps": 2}, "upsampler": {"steps": 1}}
     kw = dict(sampling=few, progress=False)

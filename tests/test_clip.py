@@ -5,8 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unclip.clip import CLIP, TextEncoding, tiny_clip_config
-from unclip.config import ClipConfig
+from unclip.nets.clip import CLIP, ClipConfig, TextEncoding, tiny_clip_config
 
 
 def test_text_shapes_norms_and_masks(tiny_clip):
@@ -103,7 +102,7 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
 ):
     from safetensors.torch import load_file
 
-    from unclip.clip import KEPT_TOKENS_KEY, closed_vocabulary_ids
+    from unclip.nets.clip import KEPT_TOKENS_KEY, closed_vocabulary_ids
     from unclip.shapes.world import ShapesWorld, caption_vocabulary
 
     ids = closed_vocabulary_ids(tiny_clip, caption_vocabulary())
@@ -148,7 +147,7 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
 
 
 def test_frozen_clip_is_another_name_of_clip():
-    import unclip.clip as clip_module
+    import unclip.nets.clip as clip_module
 
     assert clip_module.FrozenCLIP is CLIP
     import unclip

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from conftest import CONFIGS
 from PIL import Image
 
-from unclip.clip import CLIP
-from unclip.images import pil_to_tensor
-from unclip.shapes.world import ShapesWorld, write_shapes
+from unclip.nets.clip import CLIP
+from unclip.shapes.export import write_shapes
+from unclip.shapes.world import ShapesWorld
 from unclip.train.config import load_stage_config
 from unclip.train.data.loader import ShapesStream
 from unclip.train.data.sources import iter_tar_samples, open_rgb
 from unclip.train.decoder import decoder_batches, decoder_image_embed
+from unclip.utils.images import pil_to_tensor
 
 ORIGINAL, TRAIN, CLIP_SIZE = 128, 32, 64
 #: one original of the folder source is this wide (random pixels, so any other crop differs)

@@ -6,15 +6,14 @@ import torch
 import yaml
 from conftest import CONFIGS
 
-from unclip.ar_prior import UnCLIPARPrior
-from unclip.clip import CLIP, tiny_clip_config
-from unclip.config import (
-    ARPriorOptions,
-    ClipConfig,
+from unclip.nets.ar_prior import UnCLIPARPrior
+from unclip.nets.clip import CLIP, ClipConfig, tiny_clip_config
+from unclip.nets.config import ARPriorOptions, DecoderConfig, PriorConfig, UpsamplerConfig
+from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
+from unclip.nets.prior import UnCLIPPrior
+from unclip.train.config import StageConfig, TrainConfig, load_stage_config
+from unclip.utils.config import (
     ConfigError,
-    DecoderConfig,
-    PriorConfig,
-    UpsamplerConfig,
     apply_overrides,
     from_dict,
     load_config,
@@ -22,9 +21,6 @@ from unclip.config import (
     to_dict,
     to_yaml,
 )
-from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
-from unclip.prior import UnCLIPPrior
-from unclip.train.config import StageConfig, TrainConfig, load_stage_config
 
 
 def write(tmp_path, data, name="c.yaml"):

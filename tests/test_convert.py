@@ -44,8 +44,8 @@ from transformers import (
 from unclip.cli.convert import main
 from unclip.interop.clip import bpe_vocab
 from unclip.interop.diffusers import convert, export_diffusers, load_diffusers_unclip
-from unclip.pipeline import UnCLIPPipeline
-from unclip.tiny import tiny_pipeline
+from unclip.pipeline.pipeline import UnCLIPPipeline
+from unclip.pipeline.tiny import tiny_pipeline
 
 L, W, D = 16, 32, 32  # context length, text width, CLIP embedding size
 STEPS = 3

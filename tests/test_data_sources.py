@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unclip.shapes.world import write_shapes
+from unclip.shapes.export import write_shapes
 from unclip.train.data.sources import (
     EmbeddingStream,
     FolderStream,

@@ -16,7 +16,7 @@ try:
     import gradio as gr
 
     from unclip import demo_handlers as h
-    from unclip.demo import SamplingForm
+    from unclip.demo.app import SamplingForm
 except ImportError:
     if REQUIRED:
         raise

@@ -29,7 +29,7 @@ MISSING = [
 ]
 if not MISSING:
     # gradio takes seconds to import: once at collection (shared with test_demo.py), not per test
-    import unclip.demo  # noqa: F401
+    import unclip.demo.app  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     bool(MISSING) and not REQUIRED,
@@ -66,7 +66,7 @@ def served(tmp_path):
     if MISSING:
         pytest.fail(f"UNCLIP_REQUIRE_BROWSER is set but this machine lacks {', '.join(MISSING)}")
     from unclip.cli import serve
-    from unclip.tiny import tiny_pipeline
+    from unclip.pipeline.tiny import tiny_pipeline
 
     pipe = tiny_pipeline(seed=0)
     for stage, steps in FEW.items():

@@ -10,10 +10,10 @@ from conftest import gens
 from diffusers import DDIMScheduler
 from PIL import Image
 
-from unclip import precision
 from unclip.cli import main as unclip_main
-from unclip.editing import ddim_invert_step, ddim_step, read_mask
-from unclip.tiny import tiny_pipeline
+from unclip.pipeline.edit_ops import ddim_invert_step, ddim_step, read_mask
+from unclip.pipeline.tiny import tiny_pipeline
+from unclip.utils import precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAST = {"prior": {"steps": 3, "best_of": 1}, "decoder": {"steps": 4}, "upsampler": {"steps": 2}}
@@ -269,7 +269,7 @@ def test_bundled_model_inverts_a_shapes_image():
     """DDIM inversion through the bundled decoder reconstructs a held-out image closely at 20
     steps from the empty caption, and still well at 10, thanks to the default fixed-point
     refinement: plain DDIM inversion diverges on this image at 10 steps (docs/editing.md)."""
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
     from unclip.shapes.world import ShapesWorld
 
     pipe = UnCLIPPipeline.from_pretrained()

@@ -14,8 +14,8 @@ import yaml
 from conftest import ROOT, TORCHRUN
 
 from unclip.cli import embed as embed_cli
-from unclip.clip import CLIP, tiny_clip_config
-from unclip.shapes.world import write_shapes
+from unclip.nets.clip import CLIP, tiny_clip_config
+from unclip.shapes.export import write_shapes
 from unclip.train import embed
 from unclip.train.data.sources import EmbeddingStream, open_rgb
 

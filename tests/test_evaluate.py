@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from PIL import Image
 
 from unclip.cli.evaluate import main
-from unclip.clip import CLIP
 from unclip.eval import metrics as M
 from unclip.eval.evaluate import read_coco_captions, read_prompts
-from unclip.pipeline_utils import sample_seed
-from unclip.shapes.world import ShapesWorld, write_shapes
-from unclip.tiny import tiny_pipeline
+from unclip.nets.clip import CLIP
+from unclip.pipeline.tiny import tiny_pipeline
+from unclip.sampling.utils import sample_seed
+from unclip.shapes.export import write_shapes
+from unclip.shapes.world import ShapesWorld
 
 FAST_FID = [
     "--inception",

@@ -339,7 +339,7 @@ def test_the_facade_imports_on_first_use():
         if name != "__version__":
             assert value.__module__.startswith("unclip.") and value.__module__.count(".") == 1
     from unclip import CLIP, UnCLIPPipeline
-    from unclip.pipeline import UnCLIPPipeline as defined
+    from unclip.pipeline.pipeline import UnCLIPPipeline as defined
 
     assert UnCLIPPipeline is defined and unclip.FrozenCLIP is CLIP
     assert "UnCLIPPipeline" in dir(unclip)
@@ -399,8 +399,8 @@ def test_a_diffusers_folder_loads_through_the_entry_point(tmp_path):
 
 
 def test_register_folder_format_still_works(tmp_path):
-    from unclip.io import FOLDER_FORMATS, register_folder_format
-    from unclip.tiny import tiny_pipeline
+    from unclip.pipeline.folders import FOLDER_FORMATS, register_folder_format
+    from unclip.pipeline.tiny import tiny_pipeline
 
     folder = tmp_path / "other"
     folder.mkdir()
@@ -425,7 +425,7 @@ def test_register_folder_format_still_works(tmp_path):
 
 
 def test_a_diffusers_folder_without_an_installed_reader_says_to_reinstall(tmp_path, monkeypatch):
-    import unclip.io as io
+    import unclip.pipeline.folders as io
 
     folder = tmp_path / "karlo"
     folder.mkdir()

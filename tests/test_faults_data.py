@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unclip.clip import CLIP, tiny_clip_config
-from unclip.config import ClipConfig
-from unclip.shapes.world import write_shapes
+from unclip.nets.clip import CLIP, ClipConfig, tiny_clip_config
+from unclip.shapes.export import write_shapes
 from unclip.train import embed
 from unclip.train.data.sources import WebDatasetStream
 
@@ -98,7 +97,7 @@ def test_the_malicious_pickle_is_live(tmp_path):
 
 @pytest.fixture(scope="module")
 def pipe_dir(tmp_path_factory):
-    from unclip.tiny import tiny_pipeline
+    from unclip.pipeline.tiny import tiny_pipeline
 
     path = tmp_path_factory.mktemp("pipe")
     tiny_pipeline(seed=0, sizes=(16, 32)).save_pretrained(path)
@@ -118,7 +117,7 @@ def pipe_copy(pipe_dir, tmp_path):
 )
 def test_component_folders_refuse_pickles_without_running_them(pipe_copy, component, cls_name):
     import unclip
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     folder = pipe_copy / component
     (folder / "diffusion_pytorch_model.safetensors").unlink()
@@ -138,7 +137,7 @@ def test_component_folders_refuse_pickles_without_running_them(pipe_copy, compon
 
 @pytest.mark.parametrize("name", ["model.bin", "open_clip_pytorch_model.bin", "clip.pt", "c.ckpt"])
 def test_clip_weights_refuse_pickles_without_running_them(pipe_copy, tmp_path, name):
-    from unclip.clip import load_pretrained_weights
+    from unclip.nets.clip import load_pretrained_weights
 
     folder = pipe_copy / "clip"
     (folder / "model.safetensors").unlink()
@@ -155,7 +154,7 @@ def test_clip_weights_refuse_pickles_without_running_them(pipe_copy, tmp_path, n
 
 
 def test_diffusers_loads_are_told_to_use_safetensors_only(pipe_dir):
-    from unclip.decoder import UnCLIPDecoder
+    from unclip.nets.decoder import UnCLIPDecoder
 
     with pytest.raises(ValueError, match="never loads pickle weights"):
         UnCLIPDecoder.from_pretrained(pipe_dir / "decoder", use_safetensors=False)
@@ -163,7 +162,7 @@ def test_diffusers_loads_are_told_to_use_safetensors_only(pipe_dir):
 
 # ----------------------------------------------------------------- broken JSON, truncated weights
 def test_broken_pipeline_index_names_the_file(pipe_copy):
-    from unclip.io import read_pipeline_index
+    from unclip.pipeline.folders import read_pipeline_index
 
     assert read_pipeline_index(pipe_copy)["components"]["decoder"] == "decoder"
     (pipe_copy / "unclip.json").write_text('{"components": {')
@@ -174,7 +173,7 @@ def test_broken_pipeline_index_names_the_file(pipe_copy):
 
 
 def test_broken_stage_meta_names_the_file(pipe_copy):
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     p = pipe_copy
     (p / "decoder" / "unclip_stage.json").write_text("{oops")
@@ -189,8 +188,8 @@ def truncate(file: Path, keep: float = 0.5) -> None:
 
 @pytest.mark.parametrize("component", ["clip", "prior", "decoder", "sr32"])
 def test_truncated_safetensors_names_the_file(pipe_copy, component):
-    from unclip.io import load_weights
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.io.weights import load_weights
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     name = "model.safetensors" if component == "clip" else "diffusion_pytorch_model.safetensors"
     file = pipe_copy / component / name
@@ -256,8 +255,8 @@ def test_clip_fingerprint_survives_save_and_load_and_tells_clips_apart(pipe_dir,
 
 
 def test_components_must_match_the_clip_they_were_trained_with(pipe_copy, tmp_path):
-    from unclip.io import stage_meta
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.folders import stage_meta
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     p = pipe_copy
     clip = CLIP.from_pretrained(p / "clip")

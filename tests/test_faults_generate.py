@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from unclip.cli.errors import format_error
-from unclip.output import GRID_MAX_IMAGES, check_output_folder, generate_to_folder
-from unclip.tiny import tiny_pipeline
+from unclip.pipeline.jobs import GRID_MAX_IMAGES, generate_to_folder
+from unclip.pipeline.tiny import tiny_pipeline
+from unclip.utils.files import check_output_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +279,7 @@ def test_cli_batch_size(tmp_path):
 
 
 def test_cli_default_batch_size_matches_library():
-    from unclip.cli.generate import DEFAULT_BATCH_SIZE as cli_default
-    from unclip.output import DEFAULT_BATCH_SIZE
+    from unclip.pipeline.jobs import DEFAULT_BATCH_SIZE
+    from unclip.pipeline.jobs import DEFAULT_BATCH_SIZE as cli_default
 
     assert cli_default == DEFAULT_BATCH_SIZE

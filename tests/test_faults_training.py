@@ -24,9 +24,9 @@ from conftest import CONFIGS, ROOT
 from safetensors.torch import load, load_file
 
 from unclip.cli import train_clip, train_decoder, train_prior
-from unclip.config import ConfigError
 from unclip.train.checkpoint import MANIFEST, CheckpointError, verify
 from unclip.train.config import TrainConfig, load_stage_config
+from unclip.utils.config import ConfigError
 
 PRIOR = CONFIGS / "tiny" / "prior.yaml"
 QUIET = ["train.progress=false", "train.warmup_steps=1", "train.log_every=1"]
@@ -341,7 +341,7 @@ def test_resume_and_overwrite_together_is_a_usage_error(tmp_path, capsys):
 
 
 def test_every_train_command_refuses_a_folder_holding_files(tmp_path):
-    from unclip.clip import tiny_clip_config
+    from unclip.nets.clip import tiny_clip_config
 
     out = tmp_path / "out"
     out.mkdir()

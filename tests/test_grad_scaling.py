@@ -10,10 +10,10 @@ from conftest import CONFIGS
 from safetensors.torch import load_file
 
 from unclip.cli import train_decoder
-from unclip.config import ConfigError
-from unclip.tiny import tiny_pipeline
+from unclip.pipeline.tiny import tiny_pipeline
 from unclip.train.config import load_stage_config
 from unclip.train.grad_scaling import GROWTH, MAX_SCALE, ResblockGradScaler
+from unclip.utils.config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

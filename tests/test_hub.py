@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 from unclip.cli.errors import run_main
 from unclip.cli.evaluate import main as evaluate
 from unclip.cli.generate import main as generate
-from unclip.clip import CLIP
-from unclip.decoder import UnCLIPDecoder
-from unclip.hub import ModelNotFoundError, upload_folder_of
-from unclip.pipeline import UnCLIPPipeline
-from unclip.prior import UnCLIPPrior
+from unclip.io.hub import ModelNotFoundError, upload_folder_of
+from unclip.nets.clip import CLIP
+from unclip.nets.decoder import UnCLIPDecoder
+from unclip.nets.prior import UnCLIPPrior
+from unclip.pipeline.pipeline import UnCLIPPipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

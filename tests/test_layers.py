@@ -1,16 +1,25 @@
-"""The package is layered: each module imports only from lower layers or its own group.
+"""The package is layered: each module imports only from lower layers or its own group, and no
+modules import each other in a loop, inside a group included.
 
-    0 core      unclip/*.py: configs, CLIP, prior, decoder, diffusion, pipeline, folders, images
-    1 interop   unclip/interop/       diffusers/Karlo folders, transformers CLIP
-      shapes    unclip/shapes/{world,detector}.py: the procedural dataset and its pixel evaluator
-    2 train     unclip/train/         the training loop, stage tasks, data sources, embeddings
-      eval      unclip/eval/          metrics and the evaluation job
-    3 tools     unclip/shapes/ (the rest): the shapes CLIP trainer, held-out evaluation, finalize
-    4 cli       unclip/cli/           argument parsing only
+    0 utils      unclip/utils/, unclip/_compat.py: files, images, precision, registries, configs
+    1 io         unclip/io/          safetensors weights, Hub, model cards
+    2 diffusion  unclip/diffusion/   noise schedules, the training loss, the denoising loop, VLB
+    3 nets       unclip/nets/        CLIP, priors, decoder, upsamplers, blocks, LoRA layers, configs
+    4 sampling   unclip/sampling/    per-stage settings and samplers, AR sampling, candidate choice
+    5 pipeline   unclip/pipeline/    UnCLIPPipeline, folders, editing, offload, LoRA, outputs
+    6 facade     unclip/__init__.py  the public names, imported on first use
+    7 interop    unclip/interop/     diffusers/Karlo folders, transformers CLIP
+      shapes     unclip/shapes/{world,captions,contrasts,regions,detector}.py: the procedural world,
+                 its captions, rerank contrasts and region scorers, and its pixel evaluator
+    8 train      unclip/train/       the training loop, stage tasks, data sources, embeddings, plan
+      eval       unclip/eval/        metrics and the evaluation job
+    9 tools      unclip/shapes/ (the rest): the shapes CLIP trainer, held-out evaluation, recipe
+      demo       unclip/demo/        the web demo
+   10 cli        unclip/cli/         argument parsing only
 
-Imports inside functions count. The package facade ``unclip/__init__.py`` is core: it names core
-classes only (imported on first use), and the interop folder readers reach
-``UnCLIPPipeline.from_pretrained`` through entry points, not through an import.
+Imports inside functions count, and so do imports under ``if TYPE_CHECKING:``. The interop folder
+readers and the shapes contrasts reach the core through entry points, not through an import; the
+old import paths of moved names resolve by name at run time (:mod:`unclip._compat`).
 """
 
 import ast
@@ -22,28 +31,44 @@ ROOT = Path(__file__).resolve().parents[1] / "unclip"
 
 # group -> layer; a module of group g may import group h iff layer(h) < layer(g) or h == g
 LAYERS = {
-    "core": 0,
-    "interop": 1,
-    "shapes": 1,
-    "train": 2,
-    "eval": 2,
-    "tools": 3,
-    "cli": 4,
+    "utils": 0,
+    "io": 1,
+    "diffusion": 2,
+    "nets": 3,
+    "sampling": 4,
+    "pipeline": 5,
+    "facade": 6,
+    "interop": 7,
+    "shapes": 7,
+    "train": 8,
+    "eval": 8,
+    "tools": 9,
+    "demo": 9,
+    "cli": 10,
 }
-SHAPES_DATA = {"unclip.shapes.world", "unclip.shapes.detector", "unclip.shapes"}
+SUBPACKAGES = {"utils", "io", "diffusion", "nets", "sampling", "pipeline", "interop", "train"}
+SUBPACKAGES |= {"eval", "demo", "cli"}
+SHAPES_DATA = {
+    "unclip.shapes",
+    "unclip.shapes.world",
+    "unclip.shapes.captions",
+    "unclip.shapes.contrasts",
+    "unclip.shapes.regions",
+    "unclip.shapes.detector",
+}
 
 
 def group_of(module: str) -> str:
     parts = module.split(".")
     if module == "unclip":
-        return "core"  # the facade
+        return "facade"
     sub = parts[1]
-    if sub in ("interop", "train", "eval", "cli"):
+    if sub == "_compat":
+        return "utils"
+    if sub in SUBPACKAGES:
         return sub
     if sub == "shapes":
         return "shapes" if module in SHAPES_DATA else "tools"
-    if len(parts) == 2:
-        return "core"
     raise ValueError(f"module {module} is in no layer; add its package to tests/test_layers.py")
 
 
@@ -68,15 +93,72 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.add(target)
-            # `from unclip.x import y` may name a submodule y
-            found.update(f"{target}.{a.name}" for a in node.names)
+            # `from unclip.x import y` may name a submodule y: then y is meant, not unclip.x
+            named = {f"{target}.{a.name}" for a in node.names}
+            found.update(module_targets({target} | named))
     return {m for m in found if m == "unclip" or m.startswith("unclip.")}
 
 
 def known(module: str) -> bool:
     path = ROOT.parent / Path(*module.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def module_targets(targets: set[str]) -> set[str]:
+    """The modules among one statement's ``targets``: `from unclip.shapes import world` names both
+    the package and the module (the module is meant); `from unclip.x import name` names no module
+    ``unclip.x.name``."""
+    return {
+        m
+        for m in targets
+        if (m == "unclip" or known(m))
+        and not any(o.startswith(m + ".") and known(o) for o in targets)
+    }
+
+
+def import_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in its source)."""
+    graph = {}
+    for name, source in files.items():
+        module = name.removesuffix(".__init__")
+        found = imported_modules(source, module, name.endswith(".__init__"))
+        graph[module] = found - {module}
+    return graph
+
+
+def cycles(files: dict[str, str]) -> list[list[str]]:
+    """Every set of modules that import each other in a loop (Tarjan's strongly connected
+    components of more than one module), sorted."""
+    graph = import_graph(files)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
 
 
 def violations(files: dict[str, str]) -> list[str]:
@@ -87,15 +169,7 @@ def violations(files: dict[str, str]) -> list[str]:
         module = name.removesuffix(".__init__")
         mine = group_of(module)
         targets = imported_modules(source, module, is_package)
-        # `from unclip.shapes import world` names both; report the module, not its package too
-        targets = {
-            m
-            for m in targets
-            if m == "unclip" or not any(o.startswith(m + ".") and known(o) for o in targets)
-        }
         for target in sorted(targets):
-            if target != "unclip" and not known(target):
-                continue  # `from unclip.x import name`: name is not a module
             theirs = group_of(target)
             if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
                 bad.append(
@@ -119,6 +193,38 @@ def test_every_module_imports_only_lower_layers():
     assert violations(sources) == []
 
 
+def test_no_modules_import_each_other_in_a_loop():
+    assert cycles(package_sources()) == []
+
+
+@pytest.mark.parametrize(
+    "module, line, loop",
+    [
+        (
+            "unclip.sampling.settings",
+            "from unclip.sampling.stages import sample_prior",
+            {"unclip.sampling.settings", "unclip.sampling.stages"},
+        ),
+        (
+            "unclip.nets.clip",
+            "    from unclip.nets.decoder import UnCLIPDecoder  # inside a function",
+            {"unclip.nets.clip", "unclip.nets.decoder"},
+        ),
+        (
+            "unclip.train.prior_batches",
+            "from unclip.train import prior",
+            {"unclip.train.prior_batches", "unclip.train.prior"},
+        ),
+    ],
+)
+def test_the_rule_catches_a_loop_inside_a_group(module, line, loop):
+    sources = package_sources()
+    sources[module] = sources[module] + "\n\ndef _f():\n" + ("    " + line.strip()) + "\n"
+    assert violations(sources) == []  # same group: the layer rule alone would let it pass
+    found = cycles(sources)
+    assert len(found) == 1 and set(found[0]) >= loop, found
+
+
 def test_every_module_has_a_layer():
     for name in package_sources():
         group_of(name.removesuffix(".__init__"))  # raises for a module outside every layer
@@ -127,9 +233,18 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize(
     "module, line",
     [
-        ("unclip.pipeline", "from unclip.interop.diffusers import load_diffusers_unclip"),
-        ("unclip.decoder", "    from unclip.train.loop import TrainingRun  # inside a function"),
-        ("unclip.clip", "from .shapes import world"),
+        ("unclip.pipeline.pipeline", "from unclip.interop.diffusers import load_diffusers_unclip"),
+        (
+            "unclip.nets.decoder",
+            "    from unclip.train.loop import TrainingRun  # inside a function",
+        ),
+        ("unclip.nets.clip", "from ..shapes import world"),
+        ("unclip.nets.prior", "from unclip.sampling.stages import sample_prior"),
+        ("unclip.sampling.candidates", "from unclip.pipeline.pipeline import UnCLIPPipeline"),
+        ("unclip.io.weights", "from unclip.nets.clip import CLIP"),
+        ("unclip.utils.images", "from unclip.io import hub"),
+        ("unclip.diffusion.loop", "from unclip import UnCLIPPipeline"),
+        ("unclip.sampling.scorers", "from unclip.shapes.world import contrast_pairs"),
         ("unclip.train.loop", "import unclip.eval.metrics"),
         ("unclip.shapes.world", "from unclip.train.data.loader import make_batches"),
         ("unclip.eval.metrics", "from unclip.cli import generate"),
@@ -153,9 +268,11 @@ def test_an_entry_point_callable_imports_on_call_or_attribute_lookup_only():
     import copy
     from importlib.metadata import EntryPoint
 
-    from unclip.registry import _EntryPointCallable
+    from unclip.utils.registry import _EntryPointCallable
 
-    ep = EntryPoint("x", "unclip.shapes.world:contrast_pairs_regions", "unclip.rerank_contrasts")
+    ep = EntryPoint(
+        "x", "unclip.shapes.contrasts:contrast_pairs_regions", "unclip.rerank_contrasts"
+    )
     lazy = _EntryPointCallable(ep)
     copied = copy.copy(lazy)
     assert not hasattr(lazy, "_repr_html_") and not hasattr(lazy, "__wrapped__")

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from unclip import UnCLIPPipeline
 from unclip.cli import generate, train_decoder, train_prior
-from unclip.decoder import UnCLIPDecoder
-from unclip.lora import parse_lora_spec, read_adapter
-from unclip.tiny import tiny_pipeline
+from unclip.nets.decoder import UnCLIPDecoder
+from unclip.nets.lora import parse_lora_spec, read_adapter
+from unclip.pipeline.tiny import tiny_pipeline
 from unclip.train.loop import sample_generators
 
 pytest.importorskip("peft")
@@ -41,7 +41,7 @@ def bases(tmp_path_factory):
     pipe = tiny_pipeline(seed=0)
     pipe.prior.save_pretrained(root / "prior")
     pipe.decoder.save_pretrained(root / "decoder")
-    from unclip.shapes.world import write_shapes
+    from unclip.shapes.export import write_shapes
 
     write_shapes(root / "batch", 8, resolution=32, progress=False)
     return root
@@ -119,9 +119,9 @@ def test_training_changes_only_the_adapter_and_exports_it_small(trained, bases, 
 def fixed_loss(stage, bases, adapter=None) -> float:
     """The stage's training loss on the fixed batch, with fixed noise and timesteps, of the base
     weights (plus ``adapter``)."""
-    from unclip.clip import CLIP
-    from unclip.diffusion import training_scheduler
-    from unclip.lora import add_adapter, load_adapter_state
+    from unclip.diffusion.loop import training_scheduler
+    from unclip.nets.clip import CLIP
+    from unclip.nets.lora import add_adapter, load_adapter_state
     from unclip.train.config import load_stage_config
     from unclip.train.data.loader import make_batches
 
@@ -142,7 +142,7 @@ def fixed_loss(stage, bases, adapter=None) -> float:
         for rep in range(4):
             gens = sample_generators(100 + rep, 0, 0, 8)
             if stage == "decoder":
-                from unclip.decoder import encode_captions
+                from unclip.nets.decoder import encode_captions
                 from unclip.train.decoder import decoder_loss
 
                 null = encode_captions(cfg.decoder, clip, [""])
@@ -158,7 +158,7 @@ def fixed_loss(stage, bases, adapter=None) -> float:
 
 
 def _prior_class():
-    from unclip.prior import UnCLIPPrior
+    from unclip.nets.prior import UnCLIPPrior
 
     return UnCLIPPrior
 
@@ -320,7 +320,7 @@ def test_generate_cli_loads_adapters(trained, tmp_path):
     ]
     assert record["model"] == "tiny (random, untrained)"  # the adapter does not rename the model
     # a caller's pipeline: its own adapter is recorded, the one loaded for the call is unloaded
-    from unclip.output import generate_to_folder
+    from unclip.pipeline.jobs import generate_to_folder
 
     pipe = tiny_pipeline(seed=0)
     own = pipe.load_lora(adapter_dir(trained, "prior"), scale=0.25)
@@ -338,8 +338,9 @@ def test_generate_cli_loads_adapters(trained, tmp_path):
 def test_shapes_world_extra_colors():
     """An opt-in extra color: drawn, captioned, parsed and detected; the spec's world is unchanged
     without it; names and colors that would clash are refused."""
+    from unclip.shapes.captions import parse_caption
     from unclip.shapes.detector import detect, evaluate_images
-    from unclip.shapes.world import COLORS, ShapesWorld, parse_caption
+    from unclip.shapes.world import COLORS, ShapesWorld
 
     pink = {"pink": (255, 105, 180)}
     plain, same = ShapesWorld(32, seed=5), ShapesWorld(32, seed=5, extra_colors=None)

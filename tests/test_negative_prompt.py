@@ -82,8 +82,8 @@ def test_cli_negative_is_recorded(tmp_path):
 
 def test_negative_prompt_with_a_decoder_that_has_its_own_caption_encoder(tiny_pipe):
     from unclip import UnCLIPPipeline
-    from unclip.decoder import UnCLIPDecoder
-    from unclip.tiny import TINY_TEXT_ENCODER, tiny_decoder_kwargs
+    from unclip.nets.decoder import UnCLIPDecoder
+    from unclip.pipeline.tiny import TINY_TEXT_ENCODER, tiny_decoder_kwargs
 
     torch.manual_seed(0)
     decoder = UnCLIPDecoder(

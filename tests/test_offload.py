@@ -97,7 +97,7 @@ def test_offload_hooks_activate_in_stage_order_and_change_no_image(tiny_pipe):
     so nothing is copied: the copies are checked on fake CUDA above) the images are bit-identical,
     components are activated in the order the cascade uses them, and removing the offloader
     removes every hook and leaves no instance ``forward`` behind."""
-    from unclip.offload import ModelOffloader
+    from unclip.utils.offload import ModelOffloader
 
     kw = dict(num_images_per_prompt=2, output_type="pt", progress=False)
     sampling = {name: {"steps": 2} for name in tiny_pipe.stage_names}
@@ -137,7 +137,7 @@ def test_offloading_puts_back_the_cpu_weights_without_a_copy():
     one tensor on the device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from unclip.offload import ModelOffloader
+    from unclip.utils.offload import ModelOffloader
 
     with FakeTensorMode():
         net = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
@@ -173,7 +173,7 @@ def test_offload_api_errors_and_to(tiny_pipe):
         tiny_pipe.enable_model_cpu_offload(device="cpu")
     with pytest.raises(ValueError, match="contradicts"):
         tiny_pipe.enable_model_cpu_offload(gpu_id=1, device="cuda:0")
-    from unclip.offload import ModelOffloader
+    from unclip.utils.offload import ModelOffloader
 
     shared = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="share the submodule"):
@@ -183,8 +183,8 @@ def test_offload_api_errors_and_to(tiny_pipe):
 def test_to_while_offloading():
     """``pipe.to(dtype)`` casts the waiting CPU weights and keeps offloading; ``pipe.to(device)``
     ends it (hooks removed, everything on that device)."""
-    from unclip.offload import ModelOffloader
-    from unclip.tiny import tiny_pipeline
+    from unclip.pipeline.tiny import tiny_pipeline
+    from unclip.utils.offload import ModelOffloader
 
     pipe = tiny_pipeline(seed=0)
     pipe._offloader = ModelOffloader(pipe.modules(), torch.device("meta"))
@@ -233,8 +233,8 @@ def test_rerank_at_under_offload_on_fake_cuda(tmp_path):
         )
         assert out.images.shape == (1, 3, 32, 32) and pipe.model_cpu_offload.loads["decoder"] == 5
         # contrastive reranking on the reranking CLIP's GPU copy (its logit scale included)
-        from unclip.sampling import RERANK_CONTRASTS
-        from unclip.shapes.world import shapes_contrast
+        from unclip.sampling.scorers import RERANK_CONTRASTS
+        from unclip.shapes.contrasts import shapes_contrast
 
         asked, shapes = [], shapes_contrast()
         RERANK_CONTRASTS["recording"] = lambda p: asked.append(p) or shapes(p)

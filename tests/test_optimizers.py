@@ -11,11 +11,11 @@ from conftest import CONFIGS
 from safetensors.torch import load_file
 
 from unclip.cli import train_prior
-from unclip.config import ConfigError
 from unclip.train import checkpoint as ckpt
 from unclip.train.config import TrainConfig, load_stage_config
 from unclip.train.loop import TrainLoop
 from unclip.train.optimizers import checkpoint_state, make_optimizer
+from unclip.utils.config import ConfigError
 
 pytest.importorskip("heavyball")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,19 +11,20 @@ from diffusers.models.attention_processor import Attention
 
 from unclip import UnCLIPPipeline
 from unclip.cli import train_decoder
-from unclip.config import ConfigError, DecoderConfig, UpsamplerConfig, load_config
-from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler, encode_captions
-from unclip.diffusion import make_scheduler, training_scheduler
-from unclip.sampling import sample_upsampler
-from unclip.tiny import (
+from unclip.diffusion.loop import make_scheduler, training_scheduler
+from unclip.nets.config import DecoderConfig, UpsamplerConfig
+from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler, encode_captions
+from unclip.pipeline.tiny import (
     TINY_TEXT_ENCODER,
     tiny_decoder_kwargs,
     tiny_pipeline,
     tiny_upsampler_kwargs,
 )
+from unclip.sampling.stages import sample_upsampler
 from unclip.train.config import load_stage_config
 from unclip.train.decoder import decoder_loss
 from unclip.train.params import count_parameters
+from unclip.utils.config import ConfigError, load_config
 
 QUIET = ["train.progress=false", "train.trackers=[]"]
 
@@ -275,8 +276,8 @@ def test_linear_schedule_upsampler_trains_and_samples(tmp_path):
 def test_decoder_checkpointing_covers_attention_and_keeps_gradients(tmp_path):
     """The decoder's checkpointing adds its attention layers to diffusers' (resnets only): less
     memory saved for backward, the same gradients."""
-    from unclip.clip import TextEncoding
-    from unclip.tiny import tiny_decoder_kwargs
+    from unclip.nets.clip import TextEncoding
+    from unclip.pipeline.tiny import tiny_decoder_kwargs
     from unclip.train.plan import MemoryTracker
 
     def grads_and_saved(which):

@@ -8,9 +8,9 @@ import torch
 from conftest import EXACT, gens
 from PIL import Image
 
-import unclip.diffusion as diffusion
+import unclip.diffusion.loop as diffusion
 from unclip import UnCLIPPipeline, slerp
-from unclip.tiny import tiny_pipeline
+from unclip.pipeline.tiny import tiny_pipeline
 
 PROMPTS = [
     "a small red circle on the left",
@@ -109,7 +109,7 @@ def test_guidance_one_is_the_unguided_path(pipe64):
     # force the batched [uncond; cond] path at scale 1: eps_u + 1·(eps_c − eps_u) must equal eps_c
     with (
         mock.patch.object(diffusion, "is_guided", lambda scale: True),
-        mock.patch("unclip.sampling.is_guided", lambda scale: True),
+        mock.patch("unclip.sampling.stages.is_guided", lambda scale: True),
     ):
         forced = run(tiny_pipe, sampling=s).images
     assert torch.allclose(plain, forced, atol=1e-7)
@@ -169,14 +169,13 @@ def test_rerank_keeps_best_clip_candidate(tiny_pipe):
         *(i + 3 for i in top2),
     ]
     assert tiny_pipe.rerank(small, prompt[0], 3, keep=3).tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="sr32: best_of must be 1 for an upsampler"):
+    with pytest.raises(ValueError, match="sr32: best_of is not a setting of an upsampler"):
         run(tiny_pipe, sampling={"upsampler": {"best_of": 2}})
 
 
 def _with_reranker(pipe, seed=1):
     from unclip import CLIP
-    from unclip.clip import tiny_clip_config
-    from unclip.config import ClipConfig
+    from unclip.nets.clip import ClipConfig, tiny_clip_config
 
     torch.manual_seed(seed)
     other = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
@@ -290,7 +289,7 @@ def test_reranker_clip_chooses_the_candidates(tiny_pipe, tmp_path):
 def test_region_views_paint_the_far_side_of_each_split_in_the_border_median():
     """Each view keeps the pixels whose centres lie on the part's side of a split and paints the
     rest in the per-channel median of the image's border, per image."""
-    from unclip.sampling import region_views
+    from unclip.shapes.regions import region_views
 
     images = torch.rand(2, 3, 10, 10) * 2 - 1
     images[0, :, 0, :] = images[0, :, -1, :] = images[0, :, :, 0] = images[0, :, :, -1] = 0.25
@@ -313,17 +312,13 @@ def test_region_views_paint_the_far_side_of_each_split_in_the_border_median():
         region_views(images, "z", True)
 
 
-def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, monkeypatch):
-    """A contrast function carrying ``regions`` scores each candidate by its whole-image contrast
-    plus, at the split that suits it best, the sum over the parts of ``log p(part's caption | the
-    image masked to the part's side)``; ``rerank`` keeps the best by that sum, and a prompt whose
+def test_a_region_contrast_scorer_adds_each_parts_best_split_reading(tiny_pipe, monkeypatch):
+    """A :class:`RegionContrastScorer` scores each candidate by its whole-image contrast plus, at
+    the split that suits it best, the sum over the parts of ``log p(part's caption | the image
+    masked to the part's side)``; ``rerank`` keeps the best by that sum, and a prompt whose
     ``regions`` are empty is scored by the whole-image contrast alone."""
-    from unclip.sampling import (
-        REGION_SPLITS,
-        RERANK_CONTRASTS,
-        RegionPart,
-        _contrast_scores,
-    )
+    from unclip.sampling.scorers import RERANK_CONTRASTS
+    from unclip.shapes.regions import REGION_SPLITS, RegionContrastScorer, RegionPart
 
     prompt, other = PROMPTS[0], "a big blue square in the center"
     whole = [prompt, other, "a green triangle at the top"]
@@ -336,10 +331,10 @@ def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, m
         ),
     ]
 
-    def contrast(p):
-        return whole
+    def parts_of(p):
+        return parts if p == prompt else []
 
-    contrast.regions = lambda p: parts if p == prompt else []
+    contrast = RegionContrastScorer(lambda p: whole, parts_of)
     monkeypatch.setitem(RERANK_CONTRASTS, "test-regions", contrast)
     clip = tiny_pipe.clip
     torch.manual_seed(0)
@@ -367,10 +362,10 @@ def test_a_contrast_with_regions_adds_each_parts_best_split_reading(tiny_pipe, m
     regions = torch.stack(per_split).max(0).values
     expected = logp(cands, whole) + regions
     with torch.no_grad():
-        got = _contrast_scores(clip, cands, [prompt] * 4, "test-regions")
-        plain = _contrast_scores(clip, cands, [other] * 4, "test-regions")
+        got = contrast.score(clip, cands, [prompt] * 4)
+        plain = contrast.score(clip, cands, [other] * 4)
         # prompts interleaved: each image gets its own prompt's terms
-        mixed = _contrast_scores(clip, cands, [prompt, other, other, prompt], "test-regions")
+        mixed = contrast.score(clip, cands, [prompt, other, other, prompt])
     assert regions.abs().min() > 1e-3  # the term is there to be missed
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(plain, logp(cands, whole), rtol=1e-4, atol=1e-5)
@@ -399,7 +394,7 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
     caption among its alternatives (softmax of the CLIP's logit scale × cosine), in ``rerank``, in
     the pipeline's reranking of finished candidates and in the ``rerank_at`` choice; a prompt
     without alternatives is scored by plain cosine."""
-    from unclip.sampling import RERANK_CONTRASTS, register_rerank_contrast
+    from unclip.sampling.scorers import RERANK_CONTRASTS, register_rerank_contrast
 
     prompt = PROMPTS[0]
     captions = [prompt, "a big blue square in the center", "a green triangle at the top"]
@@ -449,7 +444,9 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
     assert asked == [prompt, PROMPTS[1]]
     with pytest.raises(ValueError, match="rerank_contrast must be one of .*'test'.* got 'nope'"):
         tiny_pipe.sampling_settings({"decoder": {"rerank_contrast": "nope"}})
-    with pytest.raises(ValueError, match="prior: rerank_contrast is a decoder setting"):
+    with pytest.raises(
+        ValueError, match="prior: rerank_contrast is not a setting of the diffusion prior"
+    ):
         tiny_pipe.sampling_settings({"prior": {"rerank_contrast": "test"}})
     with pytest.raises(TypeError, match="registered name or a function"):
         tiny_pipe.rerank(cands, prompt, 1, contrast=3)
@@ -463,7 +460,8 @@ def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pi
     """With the decoder's ``best_of_contrasted``, prompts its ``rerank_contrast`` has alternatives
     for draw that many candidates and the others ``best_of``: each group is sampled as a call with
     its own count, and the outputs come back in prompt order."""
-    from unclip.sampling import RERANK_CONTRASTS, candidate_counts
+    from unclip.sampling.scorers import RERANK_CONTRASTS
+    from unclip.sampling.settings import candidate_counts
 
     hard = "a red circle above a blue square"
     monkeypatch.setitem(
@@ -535,7 +533,9 @@ def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pi
     assert candidate_counts(steps, prompts) == [2, 3, 2]
     alone4 = tiny_pipe.sampling_settings({"decoder": {"best_of": 4}})["decoder"]
     assert alone4.best_of_contrasted is None and candidate_counts(alone4, prompts) == [4, 4, 4]
-    with pytest.raises(ValueError, match="prior: best_of_contrasted is a decoder setting"):
+    with pytest.raises(
+        ValueError, match="prior: best_of_contrasted is not a setting of the diffusion prior"
+    ):
         tiny_pipe.sampling_settings({"prior": {"best_of_contrasted": 3}})
     with pytest.raises(ValueError, match="best_of_contrasted must be an integer >= 1, got 0"):
         tiny_pipe.sampling_settings({"decoder": {"best_of_contrasted": 0}})
@@ -635,7 +635,7 @@ def test_sampling_settings_resolve_and_validate_every_stage(tiny_pipe):
     assert (s["sr32"].steps, s["sr64"].steps) == (4, 2)
     assert s["prior"] == tiny_pipe.sampling["prior"]
     assert s["sr32"].scheduler == tiny_pipe.sampling["sr32"].scheduler  # untouched fields kept
-    from unclip.config import SamplingConfig
+    from unclip.sampling.settings import SamplingConfig
 
     given = SamplingConfig(scheduler="ddpm", steps=3, guidance_scale=2.0, best_of=1)
     assert tiny_pipe.sampling_settings({"decoder": given})["decoder"] == given
@@ -784,7 +784,7 @@ def test_every_sampler_runs_every_stage(tiny_pipe, sampler):
 
 
 def test_coordinate_channels():
-    from unclip.decoder import coordinate_grid
+    from unclip.nets.decoder import coordinate_grid
 
     grid = coordinate_grid(torch.zeros(2, 3, 4, 8))
     assert grid.shape == (2, 2, 4, 8)
@@ -814,7 +814,7 @@ def test_coordinate_channels():
 
 
 def test_embed_scale_scales_the_conditioning_embeddings():
-    from unclip.clip import TextEncoding
+    from unclip.nets.clip import TextEncoding
 
     pipe = tiny_pipeline(decoder_kwargs=dict(embed_scale=8.0))
     plain = tiny_pipeline(decoder_kwargs=dict(embed_scale=1.0)).decoder
@@ -881,7 +881,7 @@ def test_sample_upsampler_is_the_pipeline_upsample_step():
     """`unclip.sampling.sample_upsampler` runs one upsampler without a pipeline and gives exactly
     what `UnCLIPPipeline.upsample` gives for that stage (noise-level step and guidance included);
     it refuses input of the wrong size and an upsampler best_of."""
-    from unclip.sampling import sample_upsampler
+    from unclip.sampling.stages import sample_upsampler
 
     pipe = tiny_pipeline(seed=0)
     up = pipe.upsamplers[0]
@@ -895,9 +895,10 @@ def test_sample_upsampler_is_the_pipeline_upsample_step():
     assert torch.equal(alone, piped)
     with pytest.raises(ValueError, match="sr32 expects 16px input, got 32px"):
         sample_upsampler(up, alone, settings, pipe.diffusion["sr32"])
-    settings.best_of = 2
-    with pytest.raises(ValueError, match="best_of must be 1 for an upsampler"):
-        sample_upsampler(up, low, settings, pipe.diffusion["sr32"])
+    with pytest.raises(AttributeError, match="best_of"):
+        settings.best_of = 2  # an upsampler's settings have no candidates to set
+    with pytest.raises(ValueError, match="sr32: best_of is not a setting of an upsampler"):
+        sample_upsampler(up, low, {"best_of": 2}, pipe.diffusion["sr32"])
 
 
 def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocabulary(

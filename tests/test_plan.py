@@ -111,7 +111,7 @@ def test_plan_estimate_bounds_a_real_cpu_step():
 def test_fsdp_units_and_root_group_of_the_decoder():
     """FULL_SHARD gathers one unit (a resnet or attention layer) at a time, not a UNet level."""
     m = measured("decoder")
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
 
     cfg = tiny("decoder")
     dec = cfg.decoder.build(CLIP.from_config(cfg.clip))

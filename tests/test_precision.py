@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-from unclip.pipeline import UnCLIPPipeline
-from unclip.precision import parse_dtype
-from unclip.prior import UnCLIPPrior
-from unclip.tiny import tiny_pipeline
+from unclip.nets.prior import UnCLIPPrior
+from unclip.pipeline.pipeline import UnCLIPPipeline
+from unclip.pipeline.tiny import tiny_pipeline
+from unclip.utils.precision import parse_dtype
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention import BasicTransformerBlock
 
-from unclip.config import ConfigError, PriorConfig, load_config
 from unclip.interop.diffusers import export_problems
-from unclip.prior import UnCLIPPrior
-from unclip.tiny import tiny_pipeline, tiny_prior_kwargs
-from unclip.transformer_blocks import TransformerBlock, ff_hidden_width
+from unclip.nets.blocks import TransformerBlock, ff_hidden_width
+from unclip.nets.config import PriorConfig
+from unclip.nets.prior import UnCLIPPrior
+from unclip.pipeline.tiny import tiny_pipeline, tiny_prior_kwargs
+from unclip.utils.config import ConfigError, load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,11 +4,12 @@ the same predictions as the plain forward, used by the sampler, and out of the w
 import pytest
 import torch
 
-from unclip.clip import TextEncoding
-from unclip.config import DiffusionConfig
-from unclip.prior import PrefixCache, UnCLIPPrior
-from unclip.sampling import SamplingConfig, sample_prior
-from unclip.tiny import tiny_prior_kwargs
+from unclip.diffusion.config import DiffusionConfig
+from unclip.nets.clip import TextEncoding
+from unclip.nets.prior import PrefixCache, UnCLIPPrior
+from unclip.pipeline.tiny import tiny_prior_kwargs
+from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.stages import sample_prior
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,7 +213,7 @@ def test_model_offload_hooks_keep_the_cache_other_accelerate_hooks_do_not(tiny_c
     the output, must run, so the plain forward is used."""
     from accelerate.hooks import ModelHook, add_hook_to_module
 
-    from unclip.offload import ModelOffloader
+    from unclip.utils.offload import ModelOffloader
 
     prior = random_prior(tiny_clip)
     text = guided_text(tiny_clip)
@@ -302,7 +303,7 @@ def test_cached_prediction_with_a_lora_adapter(tiny_clip):
     """peft wraps the attention projections the cache calls, so an adapter acts on it as on the
     forward."""
     pytest.importorskip("peft")
-    from unclip.lora import add_adapter
+    from unclip.nets.lora import add_adapter
 
     prior = random_prior(tiny_clip)
     text = guided_text(tiny_clip)

@@ -389,7 +389,7 @@ def test_the_whole_recipe_runs_resumes_after_a_failure_and_gives_a_pipeline(tmp_
         "assemble",
         "finalize",
     }
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     pipe = UnCLIPPipeline.from_pretrained(out / "pipeline")
     assert pipe.reranker is not None  # the recipe's reranking CLIP chooses the candidates

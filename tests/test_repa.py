@@ -9,10 +9,10 @@ from conftest import CONFIGS, gens
 from safetensors.torch import load_file
 
 from unclip.cli import train_decoder
-from unclip.clip import CLIP
-from unclip.config import ClipConfig
-from unclip.train.config import ConfigError, load_stage_config
+from unclip.nets.clip import CLIP, ClipConfig
+from unclip.train.config import load_stage_config
 from unclip.train.repa import RepaDecoder, alignment_loss, clip_features, exported_state
+from unclip.utils.config import ConfigError
 
 TINY = CONFIGS / "tiny" / "decoder.yaml"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -83,8 +83,8 @@ def test_alignment_loss_is_one_minus_cosine_per_position():
 
 
 def test_the_decoder_loss_adds_the_weighted_alignment_term(tiny_clip):
-    from unclip.decoder import encode_captions
-    from unclip.diffusion import training_scheduler
+    from unclip.diffusion.loop import training_scheduler
+    from unclip.nets.decoder import encode_captions
     from unclip.train.decoder import build_image_model, decoder_loss
 
     cfg = load_stage_config(TINY, ["repa.weight=0.3", "repa.clip_layer=transformer.resblocks.0"])

@@ -9,9 +9,9 @@ from conftest import gens
 from diffusers import DDPMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
 from unclip.cli import main as unclip_main
-from unclip.config import DiffusionConfig
-from unclip.diffusion import make_scheduler
-from unclip.tiny import tiny_pipeline
+from unclip.diffusion.config import DiffusionConfig
+from unclip.diffusion.loop import make_scheduler
+from unclip.pipeline.tiny import tiny_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +93,7 @@ def test_generate_records_the_sampler_and_refuses_an_unknown_one(tmp_path, capsy
 
 
 def test_a_pipeline_saved_with_an_alias_loads_it(pipe, tmp_path):
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     pipe.sampling["decoder"].scheduler = "heun"
     try:
@@ -128,7 +128,7 @@ def test_attention_slicing_changes_memory_layout_not_results(pipe):
 
 
 def test_xformers_is_refused_with_what_to_do_off_cuda(pipe):
-    from unclip.memory import xformers_available
+    from unclip.pipeline.memory import xformers_available
 
     msg = "runs on CUDA only" if xformers_available() else "pip install 'unclip\\[xformers\\]'"
     with pytest.raises(ValueError, match=msg):
@@ -139,7 +139,7 @@ def test_xformers_is_refused_with_what_to_do_off_cuda(pipe):
 def test_a_sampler_started_mid_schedule_lands_on_x0_for_an_exact_model(name):
     """Image-to-image starts the sampler at a later step: with a model that predicts the true x_0
     every sampler must end on it (a wrong begin index, order or history would not)."""
-    from unclip.diffusion import denoise_steps
+    from unclip.diffusion.loop import denoise_steps
 
     sched = make_scheduler(name, DiffusionConfig(prediction_type="sample"), clip_sample_range=None)
     sched.set_timesteps(6)
@@ -182,8 +182,9 @@ def test_reranking_part_way_finishes_the_kept_candidates_exactly(pipe, name):
     rows it keeps are denoised on, each finishing as in a run of every candidate (guided, so the
     conditioning's [uncond; cond] rows are cut to them; multistep history and the per-row
     generators of a stochastic sampler follow the kept rows)."""
-    from unclip.config import SamplingConfig
-    from unclip.sampling import sample_decoder, sample_decoder_reranked
+    from unclip.sampling.candidates import sample_decoder_reranked
+    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.stages import sample_decoder
 
     embeds, text = _candidates(pipe)
     s = SamplingConfig(scheduler=name, steps=4, guidance_scale=2.0, rerank_at=2)
@@ -206,8 +207,9 @@ def test_pruning_then_choosing_finishes_the_kept_candidates_exactly(pipe, name):
     """``prune_at`` / ``prune_keep``: after the pruning step the candidates the prune function
     keeps go on (multistep history, per-row generators and guidance's [uncond; cond] rows cut to
     them), the chooser sees only those, and the indices returned are into the candidates given."""
-    from unclip.config import SamplingConfig
-    from unclip.sampling import sample_decoder, sample_decoder_reranked
+    from unclip.sampling.candidates import sample_decoder_reranked
+    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.stages import sample_decoder
 
     embeds, text = _candidates(pipe)
     s = SamplingConfig(
@@ -241,8 +243,9 @@ def test_the_chooser_sees_the_samplers_own_x0_estimate(pipe, name):
     sampler whose samples live in sigma space (Euler, LMS: scaled model input)."""
     from diffusers.utils.torch_utils import randn_tensor
 
-    from unclip.config import SamplingConfig
-    from unclip.sampling import decoder_denoiser, sample_decoder_reranked
+    from unclip.sampling.candidates import sample_decoder_reranked
+    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.stages import decoder_denoiser
 
     embeds, text = _candidates(pipe)
     s = SamplingConfig(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
@@ -263,8 +266,8 @@ def test_the_chooser_sees_the_samplers_own_x0_estimate(pipe, name):
 def test_reranking_part_way_refuses_samplers_it_cannot_stop(pipe):
     """Two network calls per step (Heun, DPM2): steps are not the loop's iterations, so
     ``rerank_at`` is refused with what to use instead; so is a step past the end."""
-    from unclip.config import SamplingConfig
-    from unclip.sampling import sample_decoder_reranked
+    from unclip.sampling.candidates import sample_decoder_reranked
+    from unclip.sampling.settings import SamplingConfig
 
     embeds, text = _candidates(pipe)
     for name in ("heun", "dpm2"):

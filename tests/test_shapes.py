@@ -13,6 +13,9 @@ from PIL import Image
 
 from unclip.cli import make_shapes
 from unclip.shapes import world as shapes
+from unclip.shapes.captions import canonical_caption, parse_caption
+from unclip.shapes.contrasts import caption_alternatives
+from unclip.shapes.export import write_shapes
 from unclip.shapes.world import (
     BACKGROUNDS,
     COLORS,
@@ -22,13 +25,9 @@ from unclip.shapes.world import (
     SHAPES,
     SIZES,
     ShapesWorld,
-    canonical_caption,
-    caption_alternatives,
     is_heldout,
     make_caption,
-    parse_caption,
     render,
-    write_shapes,
 )
 
 
@@ -316,8 +315,8 @@ def test_caption_alternatives_change_one_attribute_or_swap_the_pair(caption, cou
 
 
 def test_shapes_contrast_reads_extra_colors_and_warns_on_other_prompts():
-    from unclip.sampling import RERANK_CONTRASTS
-    from unclip.shapes.world import shapes_contrast
+    from unclip.sampling.scorers import RERANK_CONTRASTS
+    from unclip.shapes.contrasts import shapes_contrast
 
     pink = shapes_contrast({"pink": (255, 105, 180)})
     assert "a pink square" in pink("a yellow square")
@@ -340,8 +339,8 @@ def test_region_parts_put_each_object_on_its_side_against_its_other_colors_and_s
     relation's axis (the first object of "A to the right of B" on the high side), each a
     single-object caption with the prompt's background against every other color (extra colors
     too) and shape of that object; a single object has none."""
-    from unclip.sampling import RERANK_CONTRASTS
-    from unclip.shapes.world import region_parts, shapes_contrast
+    from unclip.sampling.scorers import RERANK_CONTRASTS
+    from unclip.shapes.contrasts import region_parts, shapes_contrast
 
     regions = RERANK_CONTRASTS["shapes-pairs-regions"]
     pair = "a red circle to the right of a blue square on a gray background"

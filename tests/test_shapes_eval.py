@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from unclip.shapes.captions import parse_caption
 from unclip.shapes.detector import classify_shape, detect, evaluate_images, relation_between, score
-from unclip.shapes.world import COLORS, ShapesWorld, _object, parse_caption, render
+from unclip.shapes.world import COLORS, ShapesWorld, _object, render
 
 
 @pytest.fixture(scope="module")
@@ -326,8 +327,8 @@ def test_shapes_eval_upsamplers_alone_take_the_true_renders(tiny_pipe, tmp_path,
     import torch
 
     from unclip.cli.shapes_eval import main
-    from unclip.images import pil_to_tensor, to_output
     from unclip.shapes.evaluate import evaluate_pipeline, heldout_samples
+    from unclip.utils.images import pil_to_tensor, to_output
 
     few = {"upsampler": {"steps": 2}}
     report = evaluate_pipeline(tiny_pipe, 2, sampling=few, stages="upsamplers", batch_size=3)

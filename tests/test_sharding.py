@@ -12,10 +12,10 @@ import torch
 from conftest import CONFIGS, ROOT, TORCHRUN
 from safetensors.torch import load_file
 
-from unclip.config import ConfigError
-from unclip.tiny import TINY_TEXT_ENCODER
+from unclip.pipeline.tiny import TINY_TEXT_ENCODER
 from unclip.train import distributed as dist_utils
 from unclip.train.config import TrainConfig, load_stage_config
+from unclip.utils.config import ConfigError
 
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 
@@ -85,7 +85,7 @@ def test_fsdp_blocks_fit_every_stage():
     """The block classes FSDP shards exist in each stage's model (Accelerate refuses a named class
     the model lacks): the prior's transformer blocks, the UNets' resnet and attention blocks, and
     the caption transformer's blocks of a decoder that has one."""
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
 
     want = {
         "prior": ["BasicTransformerBlock"],
@@ -119,7 +119,7 @@ def test_fsdp_shards_the_caption_transformer_blocks():
     group (gathered for the whole step) keeps only its token and position embeddings and final
     norm. At full scale (configs/*.yaml, built on the meta device) the root group of every stage
     is a small part of the model; the decoder's caption blocks alone are 1.31B of its 3.56B."""
-    from unclip.tiny import tiny_pipeline
+    from unclip.pipeline.tiny import tiny_pipeline
     from unclip.train.params import build_on_meta
 
     decoder = tiny_pipeline(decoder_kwargs=TINY_TEXT_ENCODER).decoder
@@ -283,8 +283,8 @@ def test_fsdp_on_two_cpu_processes(tmp_path):
     assert sums[0] == sums[1]
 
     from unclip import UnCLIPPipeline
-    from unclip.clip import CLIP
-    from unclip.decoder import UnCLIPDecoder
+    from unclip.nets.clip import CLIP
+    from unclip.nets.decoder import UnCLIPDecoder
 
     folder = tmp_path / "fsdp_full" / "final"
     clip = CLIP.from_pretrained(folder / "clip")

@@ -23,8 +23,8 @@ import tempfile
 import pytest
 import torch
 
-from unclip.pipeline import UnCLIPPipeline
-from unclip.tiny import tiny_pipeline
+from unclip.pipeline.pipeline import UnCLIPPipeline
+from unclip.pipeline.tiny import tiny_pipeline
 
 PROMPTS = ["a red circle", "a blue square"]
 
@@ -165,7 +165,7 @@ def test_autocast_dtype_is_validated():
 
 
 def test_auto_autocast_follows_the_device_and_the_cpu(monkeypatch):
-    from unclip import precision
+    from unclip.utils import precision
 
     monkeypatch.setattr(precision, "native_cpu_bf16", lambda: True)
     assert precision.resolve_autocast("auto", "cpu") == torch.bfloat16
@@ -192,7 +192,7 @@ def test_loaded_pipeline_samples_with_the_fast_defaults(native, monkeypatch, tmp
     """from_pretrained's defaults: channels-last image networks and autocast "auto", which on a
     CPU that runs bf16 natively is bf16 in every network (the same images as asking for bf16),
     and elsewhere full precision (the same images as fp32 channels-last)."""
-    from unclip import precision
+    from unclip.utils import precision
 
     monkeypatch.setattr(precision, "native_cpu_bf16", lambda: native)
     saved = tiny_pipeline(seed=0)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import CONFIGS
 
-from unclip.train.config import ConfigError, load_stage_config
+from unclip.train.config import load_stage_config
 from unclip.train.text_cache import TextEncodingCache
+from unclip.utils.config import ConfigError
 
 CAPTIONS = [
     "a red circle on the left",
@@ -105,7 +106,7 @@ def test_no_cache_encodes_every_caption(tiny_clip):
 
 
 def test_prior_training_loss_is_the_same_with_and_without_the_cache():
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.data.loader import make_batches
     from unclip.train.loop import sample_generators
     from unclip.train.prior import PriorTask, build_prior_model

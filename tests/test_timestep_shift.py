@@ -5,9 +5,10 @@ and the default left exactly as the uniform draw it was."""
 import pytest
 import torch
 
-from unclip.config import ConfigError, DiffusionConfig
-from unclip.diffusion import diffusion_loss, shifted_timesteps, training_scheduler
+from unclip.diffusion.config import DiffusionConfig
+from unclip.diffusion.loop import diffusion_loss, shifted_timesteps, training_scheduler
 from unclip.train.config import load_stage_config
+from unclip.utils.config import ConfigError
 
 
 def test_shifted_timesteps_follow_the_formula():
@@ -67,7 +68,7 @@ def test_config_accepts_and_checks_the_shift():
 def test_every_stage_loss_passes_the_shift_on(tiny_pipe):
     """The decoder, upsampler and prior losses draw their timesteps with the config's shift: a
     huge shift puts every draw at the last step."""
-    from unclip.decoder import encode_captions
+    from unclip.nets.decoder import encode_captions
     from unclip.train.decoder import decoder_loss, upsampler_loss
     from unclip.train.prior import prior_loss
 
@@ -111,7 +112,7 @@ def test_saved_settings_leave_out_training_only_keys_at_their_defaults(tiny_pipe
     import json
 
     from unclip import UnCLIPPipeline
-    from unclip.config import diffusion_to_save
+    from unclip.diffusion.config import diffusion_to_save
 
     tiny_pipe.save_pretrained(tmp_path / "p")
     saved = json.loads((tmp_path / "p" / "unclip.json").read_text())["diffusion"]

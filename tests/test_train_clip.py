@@ -9,15 +9,15 @@ import torch
 import yaml
 
 from unclip.cli.train_clip import main
-from unclip.clip import CLIP, tiny_clip_config
-from unclip.config import ClipConfig
+from unclip.nets.clip import CLIP, ClipConfig, tiny_clip_config
+from unclip.shapes.captions import parse_caption
 from unclip.shapes.train_clip import (
     ClipDataConfig,
     clip_batches,
     load_clip_train_config,
     make_batch,
 )
-from unclip.shapes.world import ShapesWorld, is_heldout, parse_caption
+from unclip.shapes.world import ShapesWorld, is_heldout
 
 
 def _named(caption: str) -> dict:

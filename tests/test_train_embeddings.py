@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from unclip.cli import embed as embed_cli
 from unclip.cli import train_decoder as train_decoder_cli
 from unclip.cli import train_prior
-from unclip.clip import CLIP
-from unclip.shapes.world import write_shapes
+from unclip.nets.clip import CLIP
+from unclip.shapes.export import write_shapes
 from unclip.train import decoder as train_decoder
 from unclip.train import embed
 from unclip.train.config import DataConfig, load_stage_config

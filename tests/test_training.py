@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from unclip import UnCLIPPipeline
 from unclip.cli import train_decoder, train_prior
-from unclip.decoder import degrade, gaussian_blur
+from unclip.nets.decoder import degrade, gaussian_blur
 from unclip.train.loop import NonFiniteError, warmup_cosine
 
 CFG = {
@@ -231,9 +231,10 @@ def test_partial_init_loads_the_ar_prior_fit_whole_or_not_at_all(tmp_path):
     using a half-loaded fit; options that cannot work together are refused."""
     from safetensors.torch import save_file
 
-    from unclip.ar_prior import UnCLIPARPrior
-    from unclip.train.config import ConfigError, LoraTrainConfig, TrainConfig
+    from unclip.nets.ar_prior import UnCLIPARPrior
+    from unclip.train.config import LoraTrainConfig, TrainConfig
     from unclip.train.loop import load_initial_weights
+    from unclip.utils.config import ConfigError
 
     def prior(pca_dims):
         torch.manual_seed(0)
@@ -334,7 +335,7 @@ def test_finished_run_continues_to_more_steps(tmp_path):
 def initial_decoder_weights() -> dict:
     """The weights a tiny decoder run starts from: built as ``train_decoder`` builds them (seeded
     with ``train.seed``, the CLIP first)."""
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.config import load_stage_config
 
     cfg = load_stage_config(CFG["decoder"])
@@ -414,7 +415,7 @@ def _corrupt_shard(path: Path, good_dir: Path):
 
 
 def test_corrupt_samples_are_skipped_and_counted(tmp_path):
-    from unclip.shapes.world import write_shapes
+    from unclip.shapes.export import write_shapes
 
     write_shapes(tmp_path / "imgs", 8, resolution=16, format="folder", progress=False)
     shard = tmp_path / "shard-00000.tar"
@@ -476,8 +477,8 @@ def test_bf16_mixed_precision_on_cpu(tmp_path):
 
 
 def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
-    from unclip import precision
     from unclip.train import loop as training
+    from unclip.utils import precision
 
     assert (
         training.auto_mixed_precision("no") == "no"
@@ -502,12 +503,12 @@ def test_prior_trains_with_plain_attention_in_bf16_on_a_cpu(monkeypatch):
     (slower there over few positions); in fp32 the fused kernel stays."""
     from torch.profiler import ProfilerActivity, profile
 
-    from unclip import precision
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.config import load_stage_config
     from unclip.train.data.loader import make_batches
     from unclip.train.loop import sample_generators
     from unclip.train.prior import PriorTask, build_prior_model
+    from unclip.utils import precision
 
     def step_ops(precision):
         cfg = load_stage_config(
@@ -661,7 +662,7 @@ def test_the_share_of_time_spent_waiting_for_data_is_logged(tmp_path):
     near 0 when batches are ready."""
     import time
 
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.config import load_stage_config
     from unclip.train.data.loader import make_batches
     from unclip.train.loop import TrainLoop

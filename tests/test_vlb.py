@@ -9,10 +9,11 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, UnCLIPScheduler
 
-from unclip.config import ConfigError, DiffusionConfig
-from unclip.diffusion import diffusion_loss, training_scheduler
+from unclip.diffusion.config import DiffusionConfig
+from unclip.diffusion.loop import diffusion_loss, training_scheduler
+from unclip.diffusion.vlb import learned_range_log_variance, vlb_term
 from unclip.train.config import load_stage_config
-from unclip.vlb import learned_range_log_variance, vlb_term
+from unclip.utils.config import ConfigError
 
 TINY_DECODER = "configs/tiny/decoder.yaml"
 
@@ -237,7 +238,7 @@ def test_learned_variance_decoder_trains_exports_and_samples_ancestrally(tmp_pat
     import json
 
     from unclip.cli import train_decoder
-    from unclip.decoder import UnCLIPDecoder
+    from unclip.nets.decoder import UnCLIPDecoder
 
     out = tmp_path / "run"
     code = train_decoder.main(

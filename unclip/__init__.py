@@ -4,7 +4,8 @@ The names below are imported on first use (PEP 562), so ``import unclip`` and th
 line's ``--help`` do not pay for torch, open_clip and diffusers; ``from unclip import
 UnCLIPPipeline`` works as usual. Folder layouts of other libraries (diffusers/Karlo) are found
 through the ``unclip.folder_formats`` entry points when a folder needs them (see
-:mod:`unclip.io`).
+:mod:`unclip.pipeline.folders`). Names that moved into the sub-packages keep their old import
+paths for now, with a one-time ``FutureWarning`` (:mod:`unclip._compat`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from unclip import _compat
+
 __version__ = "0.1.0"
 
 # public name -> the core module that defines it
 _EXPORTS = {
-    "UnCLIPPipeline": "unclip.pipeline",
-    "UnCLIPOutput": "unclip.pipeline",
-    "slerp": "unclip.pipeline",
-    "CLIP": "unclip.clip",
-    "FrozenCLIP": "unclip.clip",
-    "TextEncoding": "unclip.clip",
-    "UnCLIPPrior": "unclip.prior",
-    "UnCLIPARPrior": "unclip.ar_prior",
-    "UnCLIPDecoder": "unclip.decoder",
-    "UnCLIPUpsampler": "unclip.decoder",
-    "load_config": "unclip.config",
+    "UnCLIPPipeline": "unclip.pipeline.pipeline",
+    "UnCLIPOutput": "unclip.pipeline.output",
+    "slerp": "unclip.sampling.utils",
+    "CLIP": "unclip.nets.clip",
+    "FrozenCLIP": "unclip.nets.clip",
+    "TextEncoding": "unclip.nets.clip",
+    "UnCLIPPrior": "unclip.nets.prior",
+    "UnCLIPARPrior": "unclip.nets.ar_prior",
+    "UnCLIPDecoder": "unclip.nets.decoder",
+    "UnCLIPUpsampler": "unclip.nets.decoder",
+    "load_config": "unclip.utils.config",
 }
 
 __all__ = [
@@ -45,12 +48,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports on first use
-    from unclip.ar_prior import UnCLIPARPrior
-    from unclip.clip import CLIP, FrozenCLIP, TextEncoding
-    from unclip.config import load_config
-    from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
-    from unclip.pipeline import UnCLIPOutput, UnCLIPPipeline, slerp
-    from unclip.prior import UnCLIPPrior
+    from unclip.nets.ar_prior import UnCLIPARPrior
+    from unclip.nets.clip import CLIP, FrozenCLIP, TextEncoding
+    from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
+    from unclip.nets.prior import UnCLIPPrior
+    from unclip.pipeline.output import UnCLIPOutput
+    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.sampling.utils import slerp
+    from unclip.utils.config import load_config
+
+
+_compat.install()
 
 
 def __getattr__(name: str):

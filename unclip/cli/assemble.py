@@ -29,7 +29,7 @@ def main(argv=None) -> int:
         help="replace a non-empty --out entirely (otherwise it is refused)",
     )
     args = p.parse_args(argv)
-    from unclip.io import assemble_pipeline
+    from unclip.pipeline.jobs import assemble_pipeline
 
     pipe = assemble_pipeline(
         args.clip,

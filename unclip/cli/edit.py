@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _save(images, folder: Path, record: dict) -> dict:
-    from unclip.images import image_grid
+    from unclip.utils.images import image_grid
 
     folder.mkdir(parents=True, exist_ok=True)
     files = []
@@ -123,11 +123,11 @@ def _save(images, folder: Path, record: dict) -> dict:
 def run(args: argparse.Namespace, argv) -> dict:
     import torch
 
-    from unclip.config import to_dict
-    from unclip.files import check_output_folder
-    from unclip.images import to_output
-    from unclip.pipeline import UnCLIPPipeline
-    from unclip.precision import dtype_name
+    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.utils.config import to_dict
+    from unclip.utils.files import check_output_folder
+    from unclip.utils.images import to_output
+    from unclip.utils.precision import dtype_name
 
     folder = check_output_folder(args.out)  # before loading a model
     for name in ("num_images", "frames", "steps"):

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from unclip.cli.errors import seed_type
-from unclip.config import SCHEDULERS
+from unclip.diffusion.config import SCHEDULERS
 
 #: the sampler names ``--help`` lists (unclip.schedulers.SCHEDULER_ALIASES, without importing
 #: diffusers for ``--help``)
@@ -169,7 +169,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _contrast_or_none(text: str) -> str:
     """``--decoder-rerank-contrast``'s value: a registered name, or ``none``."""
-    from unclip.sampling import RERANK_CONTRASTS
+    from unclip.sampling.scorers import RERANK_CONTRASTS
 
     name = text.strip()
     if name.lower() == "none":
@@ -304,8 +304,8 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     prompts = _prompts(p, args)
-    from unclip.lora import parse_lora_spec
-    from unclip.pipeline import generate_to_folder
+    from unclip.nets.lora import parse_lora_spec
+    from unclip.pipeline.jobs import generate_to_folder
 
     record = generate_to_folder(
         args.model,

@@ -12,7 +12,8 @@ import argparse
 import sys
 
 from unclip.cli.errors import seed_type
-from unclip.shapes.world import SPLITS, write_shapes
+from unclip.shapes.export import write_shapes
+from unclip.shapes.world import SPLITS
 
 
 def _int_at_least(minimum: int):

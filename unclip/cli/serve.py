@@ -61,8 +61,8 @@ def start(args: argparse.Namespace, block: bool = True):
     ``gr.Blocks`` (``.close()`` stops it)."""
     import torch
 
-    from unclip.demo import build_demo, launch
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.demo.app import build_demo, launch
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     try:
         device = torch.device(args.device)

@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     add_run_arguments(p)
     args = p.parse_intermixed_args(argv)
-    from unclip.config import to_yaml
     from unclip.shapes.train_clip import load_clip_train_config, train_clip
+    from unclip.utils.config import to_yaml
 
     overrides = list(args.overrides)
     if args.output_dir:

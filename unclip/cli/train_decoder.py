@@ -17,7 +17,7 @@ from unclip.cli.train_prior import stage_config, stage_parser
 def main(argv=None) -> int:
     parser = stage_parser("unclip train-decoder", "train the base decoder or an upsampler")
     args = parser.parse_intermixed_args(argv)
-    from unclip.config import to_yaml
+    from unclip.utils.config import to_yaml
 
     cfg = stage_config(args, ("decoder", "upsampler"))
     if args.print_config:

@@ -61,7 +61,7 @@ def stage_config(args: argparse.Namespace, stages: tuple[str, ...]) -> StageConf
 def main(argv=None) -> int:
     parser = stage_parser("unclip train-prior", "train the diffusion prior")
     args = parser.parse_intermixed_args(argv)
-    from unclip.config import to_yaml
+    from unclip.utils.config import to_yaml
 
     cfg = stage_config(args, ("prior",))
     if args.print_config:

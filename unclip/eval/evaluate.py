@@ -65,8 +65,8 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from unclip.eval import metrics as M
-from unclip.images import image_grid, list_images
-from unclip.pipeline_utils import sample_seed
+from unclip.sampling.utils import sample_seed
+from unclip.utils.images import image_grid, list_images
 
 __all__ = [
     "evaluate",
@@ -295,8 +295,7 @@ def report_markdown(r: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ the job
 def _load_clip(clip_model, clip_pretrained, pipe):
-    from unclip.clip import CLIP
-    from unclip.config import ClipConfig
+    from unclip.nets.clip import CLIP, ClipConfig
 
     if clip_model:
         folder = Path(clip_model)
@@ -380,7 +379,7 @@ def evaluate(
             raise ValueError("pass --prompts FILE, --coco-captions JSON or --shapes")
         n = n or len(prompts)
         if shapes:
-            from unclip.shapes.world import parse_caption
+            from unclip.shapes.captions import parse_caption
 
             for i, prompt in enumerate(prompts):
                 try:
@@ -399,8 +398,8 @@ def evaluate(
         raise ValueError("FID needs at least 2 samples (--num-samples)")
     pipe = None
     if model:
-        from unclip.pipeline import UnCLIPPipeline
-        from unclip.precision import dtype_name
+        from unclip.pipeline.pipeline import UnCLIPPipeline
+        from unclip.utils.precision import dtype_name
 
         hub = {"revision": revision, "cache_dir": cache_dir}
         pipe = UnCLIPPipeline.from_pretrained(model, **hub, autocast_dtype=autocast_dtype)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
-from unclip.images import list_images, resize_crop_box
+from unclip.utils.images import list_images, resize_crop_box
 
 __all__ = [
     "frechet_distance",

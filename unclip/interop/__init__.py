@@ -6,7 +6,7 @@ Importing this package registers the diffusers folder layout with
 """
 
 from unclip.interop.diffusers import export_diffusers, load_diffusers_unclip
-from unclip.io import register_folder_format
+from unclip.pipeline.folders import register_folder_format
 
 register_folder_format("model_index.json", load_diffusers_unclip)
 

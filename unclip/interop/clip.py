@@ -30,8 +30,8 @@ from typing import Optional
 
 import torch
 
-from unclip.clip import CLIP, CompatTokenizer, build_open_clip_model
-from unclip.io import check_state, load_weights, read_json
+from unclip.io.weights import check_state, load_weights, read_json
+from unclip.nets.clip import CLIP, CompatTokenizer, build_open_clip_model
 
 __all__ = [
     "clip_from_transformers",

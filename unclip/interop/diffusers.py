@@ -49,24 +49,23 @@ from typing import Optional, Union
 import torch
 from diffusers import PriorTransformer, UnCLIPScheduler, UNet2DConditionModel, UNet2DModel
 
-from unclip.ar_prior import UnCLIPARPrior
-from unclip.card import read_card_info
-from unclip.clip import CompatTokenizer
-from unclip.config import DiffusionConfig, SamplingConfig
-from unclip.decoder import UnCLIPDecoder, UnCLIPUpsampler
-from unclip.diffusion import make_scheduler
-from unclip.hub import is_repo_id, resolve_folder
+from unclip.diffusion.config import DiffusionConfig
+from unclip.diffusion.loop import make_scheduler
 from unclip.interop.clip import (
     bpe_vocab,
-    check_state,
     clip_from_transformers,
-    load_weights,
-    read_json,
     text_config_to_transformers,
     text_state_to_transformers,
 )
-from unclip.pipeline import UnCLIPPipeline
-from unclip.prior import UnCLIPPrior
+from unclip.io.card import read_card_info
+from unclip.io.hub import is_repo_id, resolve_folder
+from unclip.io.weights import check_state, load_weights, read_json
+from unclip.nets.ar_prior import UnCLIPARPrior
+from unclip.nets.clip import CompatTokenizer
+from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
+from unclip.nets.prior import UnCLIPPrior
+from unclip.pipeline.pipeline import UnCLIPPipeline
+from unclip.sampling.settings import SamplingConfig
 
 __all__ = ["load_diffusers_unclip", "export_diffusers", "export_problems", "convert", "TEXT_PROJ"]
 

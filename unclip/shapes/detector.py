@@ -44,7 +44,8 @@ import math
 import numpy as np
 from PIL import Image, ImageFilter
 
-from unclip.shapes.world import BACKGROUNDS, COLORS, POSITIONS, SIZES, palette, parse_caption
+from unclip.shapes.captions import parse_caption
+from unclip.shapes.world import BACKGROUNDS, COLORS, POSITIONS, SIZES, palette
 
 _COLOR_NAMES = list(COLORS)
 _BG_NAMES = list(BACKGROUNDS)

@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from unclip.eval.metrics import GaussianStats, clip_cosines, frechet_distance
-from unclip.images import image_grid, pil_to_tensor, to_output
-from unclip.output import UnCLIPOutput
-from unclip.pipeline import UnCLIPPipeline
-from unclip.precision import dtype_name
+from unclip.pipeline.output import UnCLIPOutput
+from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.shapes.detector import evaluate_images
 from unclip.shapes.world import ShapesWorld
+from unclip.utils.images import image_grid, pil_to_tensor, to_output
+from unclip.utils.precision import dtype_name
 
 __all__ = ["STAGES", "heldout_samples", "evaluate_pipeline", "binding_probe", "save_grid", "run"]
 
@@ -289,7 +289,7 @@ def run(
         state = {k.removeprefix("module."): v for k, v in state.items()}
         pipe.decoder.load_state_dict(exported_state(state))
     if reranker:
-        from unclip.clip import CLIP
+        from unclip.nets.clip import CLIP
 
         pipe.reranker = CLIP.from_pretrained(reranker)
     report = evaluate_pipeline(pipe, num, **settings)

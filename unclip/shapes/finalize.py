@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from unclip.clip import CLIP, closed_vocabulary_ids
-from unclip.pipeline import UnCLIPPipeline
+from unclip.nets.clip import CLIP, closed_vocabulary_ids
+from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.shapes.world import ShapesWorld, caption_vocabulary
 
 

@@ -27,10 +27,8 @@ from typing import Literal, Optional
 
 import torch
 
-from unclip.clip import CLIP
-from unclip.config import ClipConfig, ConfigError
-from unclip.images import pil_to_tensor
-from unclip.pipeline_utils import sample_seed
+from unclip.nets.clip import CLIP, ClipConfig
+from unclip.sampling.utils import sample_seed
 from unclip.train.checkpoint import disk_full_is_an_error
 from unclip.train.config import (
     TrainConfig,
@@ -40,6 +38,8 @@ from unclip.train.config import (
     load_config_naming_source,
 )
 from unclip.train.loop import TrainLoop
+from unclip.utils.config import ConfigError
+from unclip.utils.images import pil_to_tensor
 
 __all__ = [
     "ClipTrainConfig",
@@ -226,7 +226,7 @@ def make_batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random
         caps.append(make_caption(truth, twin_rng, world.background_phrase_prob))
     x = torch.stack(imgs)
     if aug is not None:
-        from unclip.decoder import gaussian_blur
+        from unclip.nets.decoder import gaussian_blur
 
         blur = torch.tensor([rng.random() < aug.blur_prob for _ in range(n)])
         if blur.any():
@@ -292,7 +292,7 @@ class ClipTask:
 def _canonical(truth: dict, **change) -> str:
     """A full caption of ``truth`` (every attribute named; a pair's objects without size), with
     attributes replaced by ``change`` (an object attribute changes the first object)."""
-    from unclip.shapes.world import canonical_caption
+    from unclip.shapes.captions import canonical_caption
 
     pair = truth["relation"] is not None
     objs = [{k: o[k] for k in ("shape", "color", "size", "position")} for o in truth["objects"]]

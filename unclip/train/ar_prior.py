@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from unclip.clip import CLIP, TextEncoding
+from unclip.nets.clip import CLIP, TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.loop import TrainLoop
@@ -34,7 +34,7 @@ logger = logging.getLogger("unclip.train")
 def fit_embeddings(cfg: StageConfig, clip: CLIP, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(image_embed [n, D], text_embed [n, D])`` of the first ``n = prior.ar.fit_samples``
     training samples, read as rank 0 of one process reads them (identical on every process)."""
-    from unclip.train.prior import _embed_batch
+    from unclip.train.prior_batches import embed_batch
 
     n = cfg.prior.ar.fit_samples
     stream = make_stream(
@@ -43,7 +43,7 @@ def fit_embeddings(cfg: StageConfig, clip: CLIP, device) -> tuple[torch.Tensor, 
     images, texts, have = [], [], 0
     with torch.no_grad():
         for batch in batches(stream, min(256, n)):
-            image_embed, text = _embed_batch(clip, batch, device)
+            image_embed, text = embed_batch(clip, batch, device)
             images.append(image_embed.float().cpu())
             texts.append(text.text_embed.float().cpu())
             have += len(image_embed)
@@ -74,10 +74,10 @@ def ar_prior_loss(
     model, batch: dict, clip: CLIP | TextEncodingCache, null: TextEncoding, gens, cfg, device
 ):
     """Cross-entropy of the codes of one micro-batch, with caption dropout."""
-    from unclip.train.prior import _embed_batch
+    from unclip.train.prior_batches import embed_batch
 
     prior = model.module if hasattr(model, "module") else model
-    image_embed, text = _embed_batch(clip, batch, device)
+    image_embed, text = embed_batch(clip, batch, device)
     b = image_embed.shape[0]
     codes = prior.encode(image_embed)
     dot = prior.dot_token(text.text_embed, image_embed)  # the true alignment, before dropout

@@ -44,7 +44,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from unclip.files import replace_folder
+from unclip.utils.files import replace_folder
 
 __all__ = [
     "CheckpointError",

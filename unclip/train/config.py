@@ -20,17 +20,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from unclip.config import (
-    ClipConfig,
-    ConfigError,
-    DecoderConfig,
-    DiffusionConfig,
-    PriorConfig,
-    SamplingConfig,
-    UpsamplerConfig,
-    load_config,
-)
+from unclip.diffusion.config import DiffusionConfig
+from unclip.nets.clip import ClipConfig
+from unclip.nets.config import DecoderConfig, PriorConfig, UpsamplerConfig
+from unclip.sampling.settings import SamplingConfig
 from unclip.train.optimizers import OPTIMIZERS, PRECONDITIONED
+from unclip.utils.config import ConfigError, load_config
 
 __all__ = [
     "DataConfig",
@@ -339,7 +334,7 @@ class TrainConfig:
             if not self.init_weights:
                 raise ConfigError(
                     "train.lora adapts trained weights: set train.init_weights to the component "
-                    "to adapt (a component folder such as unclip/models/shapes/decoder, or a "
+                    "to adapt (a component folder such as unclip/bundled/shapes/decoder, or a "
                     ".safetensors file)"
                 )
 

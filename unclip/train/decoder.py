@@ -25,8 +25,9 @@ from typing import Optional
 import torch
 from PIL import Image
 
-from unclip.clip import CLIP
-from unclip.decoder import (
+from unclip.diffusion.loop import diffusion_loss, training_scheduler
+from unclip.nets.clip import CLIP
+from unclip.nets.decoder import (
     Caption,
     UnCLIPDecoder,
     degrade,
@@ -34,10 +35,8 @@ from unclip.decoder import (
     encode_captions,
     upsample_low_res,
 )
-from unclip.diffusion import diffusion_loss, training_scheduler
-from unclip.images import image_grid
-from unclip.pipeline import UnCLIPPipeline
-from unclip.sampling import sample_upsampler
+from unclip.pipeline.pipeline import UnCLIPPipeline
+from unclip.sampling.stages import sample_upsampler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop, sample_generators
@@ -49,6 +48,7 @@ from unclip.train.repa import (
     clip_features,
     exported_model,
 )
+from unclip.utils.images import image_grid
 
 __all__ = [
     "DecoderTask",

@@ -48,8 +48,7 @@ import numpy as np
 import torch
 import yaml
 
-from unclip.clip import CLIP
-from unclip.config import ClipConfig, from_dict
+from unclip.nets.clip import CLIP, ClipConfig
 from unclip.train.data.sources import (
     TAR_IMAGE_KEYS,
     BadSample,
@@ -57,10 +56,11 @@ from unclip.train.data.sources import (
     embedding_shards,
     expand_urls,
     iter_tar_samples,
-    list_images,
     open_rgb,
     shard_error,
 )
+from unclip.utils.config import from_dict
+from unclip.utils.images import list_images
 
 __all__ = ["EmbedJob", "embed", "load_clip", "load_stats", "STATS_FILE"]
 
@@ -296,7 +296,7 @@ def _embed_chunk(
 
 def _check_job(job: EmbedJob) -> None:
     """One-line errors for bad options, before any model is loaded."""
-    from unclip.files import check_output_folder
+    from unclip.utils.files import check_output_folder
 
     if job.source not in ("folder", "webdataset", "shapes"):
         raise ValueError(f"unknown --source {job.source!r}; choose folder, webdataset or shapes")

@@ -63,10 +63,10 @@ from diffusers.training_utils import EMAModel
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from unclip.config import diffusion_to_save, sampling_to_save, save_config, to_dict
-from unclip.io import STAGE_META_FILE, stage_meta
-from unclip.pipeline_utils import sample_seed
-from unclip.precision import resolve_autocast
+from unclip.diffusion.config import diffusion_to_save
+from unclip.pipeline.folders import STAGE_META_FILE, stage_meta
+from unclip.sampling.settings import sampling_to_save
+from unclip.sampling.utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train import state_files
@@ -74,6 +74,8 @@ from unclip.train.checkpoint import CheckpointError, DiskFullError
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.optimizers import PRECONDITIONED, make_optimizer
 from unclip.train.repa import exported_model, exported_state
+from unclip.utils.config import save_config, to_dict
+from unclip.utils.precision import resolve_autocast
 
 __all__ = [
     "TrainLoop",
@@ -102,7 +104,7 @@ def load_initial_weights(model: torch.nn.Module, path, partial: bool = False) ->
     and weights of which nothing fits are an error. Returns ``path``."""
     from safetensors.torch import load_file
 
-    from unclip.io import load_weights, state_mismatch
+    from unclip.io.weights import load_weights, state_mismatch
 
     path = Path(path)
     if not path.exists():

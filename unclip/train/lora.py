@@ -1,8 +1,8 @@
 """LoRA fine-tuning of a stage (``train.lora``): the training side of :mod:`unclip.lora`.
 
     unclip train-decoder configs/shapes/decoder.yaml train.lora.rank=8 \\
-        train.init_weights=unclip/models/shapes/decoder data.source=folder data.path=my_images \\
-        clip.pretrained=unclip/models/shapes/clip --output-dir runs/my_lora
+        train.init_weights=unclip/bundled/shapes/decoder data.source=folder data.path=my_images \\
+        clip.pretrained=unclip/bundled/shapes/clip --output-dir runs/my_lora
 
 With ``train.lora`` set, :meth:`~unclip.train.loop.TrainLoop.prepare` loads ``train.init_weights``
 into the network as usual and then :func:`add_training_adapter` injects the adapter: the base
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from unclip.config import to_dict
-from unclip.io import CLIP_STAGES
-from unclip.lora import HALF_FINGERPRINTS, add_adapter, check_target_modules, save_adapter
+from unclip.nets.lora import HALF_FINGERPRINTS, add_adapter, check_target_modules, save_adapter
+from unclip.pipeline.folders import CLIP_STAGES
+from unclip.utils.config import to_dict
 
 __all__ = ["ADAPTER_NAME", "add_training_adapter", "export_adapter", "adapter_folder_name"]
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from unclip.clip import CLIP
+from unclip.nets.clip import CLIP
 from unclip.train.config import StageConfig, load_stage_config
 
 __all__ = ["PAPER_PARAMETERS", "build_on_meta", "count_parameters", "stage_name", "main"]

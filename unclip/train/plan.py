@@ -43,10 +43,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from unclip.precision import dtype_name
 from unclip.train.decoder import clip_device
 from unclip.train.distributed import fsdp_units
 from unclip.train.loop import TrainLoop
+from unclip.utils.precision import dtype_name
 
 __all__ = [
     "MemoryTracker",
@@ -273,7 +273,7 @@ def measure_step(
     micro-batches run (default: ``min(train.grad_accum_steps, 2)``: the second micro-batch is where
     the peak is, with the first one's gradients held). Raises whatever a GPU would: device and dtype
     mismatches included."""
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
     from unclip.train.optimizers import PRECONDITIONED
 
     if cfg.train.optimizer in PRECONDITIONED:
@@ -415,7 +415,7 @@ def real_cpu_step_peak(cfg) -> int:
     """The tracker's peak over one real CPU training step of ``cfg`` (real backward) with two
     micro-batches of its synthetic batch: what :func:`measure_step` with ``device_type="cpu"``
     estimates, to check the method against."""
-    from unclip.clip import CLIP
+    from unclip.nets.clip import CLIP
 
     cfg = copy.deepcopy(cfg)
     with tempfile.TemporaryDirectory(prefix="unclip-plan-") as tmp:

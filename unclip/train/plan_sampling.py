@@ -18,8 +18,8 @@ from unittest import mock
 
 import torch
 
-from unclip.precision import dtype_name
 from unclip.train.plan import MemoryTracker, _FakeCUDA
+from unclip.utils.precision import dtype_name
 
 __all__ = ["SampleMeasure", "measure_sampling", "format_sampling"]
 
@@ -67,7 +67,7 @@ def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False)
 def _kept_fp32(components: dict, dtype: torch.dtype) -> dict[int, str]:
     """``id(tensor) → name`` of the tensors :func:`unclip.precision.cast_floating` keeps in
     float32 when the pipeline is cast to ``dtype`` (each class's ``_keep_in_fp32_modules``)."""
-    from unclip.precision import HALF_DTYPES, _kept
+    from unclip.utils.precision import HALF_DTYPES, _kept
 
     kept: dict[int, str] = {}
     if dtype not in HALF_DTYPES:
@@ -89,8 +89,8 @@ def _tensor_bytes(modules) -> int:
 
 def _pipeline_from_configs(paths):
     """An untrained pipeline built from stage configs (the first one's CLIP conditions all)."""
-    from unclip.clip import CLIP
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.nets.clip import CLIP
+    from unclip.pipeline.pipeline import UnCLIPPipeline
     from unclip.train.config import load_stage_config
 
     cfgs = [load_stage_config(p) for p in paths]
@@ -139,7 +139,7 @@ def measure_sampling(
     (``"auto"``, a loaded pipeline's default, is float16 autocast over float32 weights on a GPU
     and none over half-precision ones); the measure records the autocast state each network
     saw."""
-    from unclip.pipeline import UnCLIPPipeline
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
     sources = [Path(s) for s in sources]
     if batch < 1 or steps < 1:

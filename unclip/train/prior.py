@@ -19,12 +19,13 @@ from typing import Optional
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from unclip.clip import CLIP, TextEncoding
-from unclip.diffusion import diffusion_loss, training_scheduler
+from unclip.diffusion.loop import diffusion_loss, training_scheduler
+from unclip.nets.clip import CLIP, TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
 from unclip.train.loop import TrainLoop, auto_mixed_precision
+from unclip.train.prior_batches import embed_batch
 from unclip.train.text_cache import TextEncodingCache
 
 __all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior", "build_prior_model"]
@@ -32,17 +33,6 @@ __all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior", "build_p
 logger = logging.getLogger("unclip.train")
 
 STATS_SAMPLES = 256
-
-
-def _embed_batch(
-    clip: CLIP | TextEncodingCache, batch: dict, device
-) -> tuple[torch.Tensor, TextEncoding]:
-    text = clip.encode_text(batch["caption"]).to(device)
-    if "image_embed" in batch:
-        image_embed = torch.nn.functional.normalize(batch["image_embed"].float(), dim=-1).to(device)
-    else:
-        image_embed = clip.encode_image(batch["image"].to(device))
-    return image_embed, text
 
 
 def embedding_stats(
@@ -62,7 +52,7 @@ def embedding_stats(
     )
     embeds = []
     for batch in batches(stream, min(64, n)):
-        embeds.append(_embed_batch(clip, batch, device)[0].cpu())
+        embeds.append(embed_batch(clip, batch, device)[0].cpu())
         if sum(len(e) for e in embeds) >= n:
             break
     x = torch.cat(embeds)[:n]
@@ -80,7 +70,7 @@ def prior_loss(
     device,
 ):
     """x_0-prediction loss of one micro-batch with caption dropout."""
-    image_embed, text = _embed_batch(clip, batch, device)
+    image_embed, text = embed_batch(clip, batch, device)
     b = image_embed.shape[0]
     drop = torch.stack([torch.rand((), generator=g) for g in gens]) < cfg.train.text_drop_prob
     drop = drop.to(device)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unclip.clip import CLIP, named_submodule
+from unclip.nets.clip import CLIP, named_submodule
 
 __all__ = [
     "RepaDecoder",

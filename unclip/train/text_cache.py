@@ -33,7 +33,7 @@ from typing import Union
 
 import torch
 
-from unclip.clip import CLIP, TextEncoding
+from unclip.nets.clip import CLIP, TextEncoding
 
 __all__ = ["TextEncodingCache"]
 

@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from unclip.images import pil_to_tensor
 from unclip.train.config import DataConfig
 from unclip.train.data.sources import collate
+from unclip.utils.images import pil_to_tensor
 
 __all__ = ["ShapesStream", "make_stream", "make_batches", "batches", "collate"]
 

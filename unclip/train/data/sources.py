@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unclip.images import list_images, resize_crop_tensor
+from unclip.utils.images import list_images, resize_crop_tensor
 
 __all__ = [
     "FolderStream",

@@ -1,0 +1,301 @@
+"""A local web demo of a pipeline on Gradio: ``unclip serve`` (``pip install 'unclip[demo]'``).
+
+    from unclip.demo import build_demo, launch
+    launch(build_demo(UnCLIPPipeline.from_pretrained()))   # http://127.0.0.1:7860
+
+Tabs: Generate (prompt, negative prompt, images, seed), Variations (an uploaded image), Interpolate
+(two prompts, frames, a slider through them) and Edit (inpaint, image to image, text diff); one
+panel of per-stage sampling settings (steps, guidance, best-of) serves every tab, and a progress
+bar follows the denoising steps. Each tab calls a handler of :mod:`unclip.demo_handlers`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# before gradio is imported (see unclip.demo_handlers)
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+
+import gradio as gr  # noqa: E402
+
+from unclip.demo.handlers import (
+    MAX_IMAGES,
+    generate,
+    img2img,
+    inpaint,
+    interpolate,
+    text_diff,
+    variations,
+    whole_number,
+)
+
+__all__ = ["SamplingForm", "build_demo", "launch"]
+
+#: stages whose ``best_of`` the form offers (an upsampler takes 1)
+BEST_OF_STAGES = ("prior", "decoder")
+
+
+class SamplingForm:
+    """Sliders for each stage's steps and guidance (and prior/decoder best-of), starting at the
+    pipeline's own settings (so an untouched form samples as the pipeline does); :meth:`read`
+    turns their values into ``sampling=`` overrides."""
+
+    def __init__(self, pipe):
+        self.fields: list[tuple[str, str, Any]] = []
+        for stage in pipe.stage_names:
+            s = pipe.sampling[stage]
+            with gr.Row():
+                self._add(
+                    stage,
+                    "steps",
+                    gr.Slider(1, max(200, s.steps), value=s.steps, step=1, label=f"{stage} steps"),
+                )
+                self._add(
+                    stage,
+                    "guidance_scale",
+                    gr.Slider(
+                        0,
+                        max(20, s.guidance_scale),
+                        value=s.guidance_scale,
+                        step=0.5,
+                        label=f"{stage} guidance",
+                    ),
+                )
+                if stage in BEST_OF_STAGES:
+                    self._add_count(stage, "best_of", s.best_of, f"{stage} best of")
+                # a best_of sent alone would reset it, so a model that sets it gets its own slider
+                if s.best_of_contrasted is not None:
+                    label = f"{stage} best of, prompts with alternatives"
+                    self._add_count(stage, "best_of_contrasted", s.best_of_contrasted, label)
+
+    def _add_count(self, stage: str, field: str, value: int, label: str) -> None:
+        """A slider for a number of candidates, from 1 to at least 32."""
+        self._add(stage, field, gr.Slider(1, max(32, value), value=value, step=1, label=label))
+
+    def _add(self, stage: str, field: str, component) -> None:
+        self.fields.append((stage, field, component))
+
+    @property
+    def components(self) -> list:
+        return [c for _, _, c in self.fields]
+
+    def read(self, values: Mapping) -> dict:
+        out: dict[str, dict] = {}
+        for stage, field, component in self.fields:
+            v = values[component]
+            label = f"{stage} {field.replace('_', ' ')}"
+            out.setdefault(stage, {})[field] = (
+                float(v) if field == "guidance_scale" else whole_number(v, label, 1)
+            )
+        return out
+
+
+def _describe(pipe, model_name: str) -> str:
+    sizes = [f"decoder {pipe.decoder.config.sample_size} px", *pipe.upsampler_names]
+    stages = (["prior"] if pipe.prior is not None else []) + sizes
+    return (
+        f"# unCLIP demo\nModel: **{model_name or 'pipeline'}** · stages: {' → '.join(stages)} · "
+        f"images {pipe.resolution} px on {pipe.device}. Sampling settings below apply to every tab."
+    )
+
+
+def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.Blocks:
+    """The web app of ``pipe``: a ``gr.Blocks`` to ``.queue().launch()``. Every event shares one
+    queue slot, so one request at a time uses the pipeline. ``examples``: prompts offered under
+    the Generate tab."""
+    one_at_a_time = dict(concurrency_limit=1, concurrency_id="pipeline")
+    with gr.Blocks(title="unCLIP demo", analytics_enabled=False) as demo:
+        gr.Markdown(_describe(pipe, model_name))
+        with gr.Accordion("Sampling settings (every tab)", open=False):
+            form = SamplingForm(pipe)
+
+        def wire(button, handler, inputs: dict, outputs, after=None):
+            """``inputs``: handler keyword → component; the form's settings go in as
+            ``sampling=`` and the page's progress bar as ``progress=``."""
+
+            def run(values, progress=gr.Progress()):
+                kwargs = {k: values[c] for k, c in inputs.items()}
+                images = handler(pipe, sampling=form.read(values), progress=progress, **kwargs)
+                return after(images) if after else images
+
+            button.click(
+                run, inputs={*inputs.values(), *form.components}, outputs=outputs, **one_at_a_time
+            )
+
+        with gr.Tab("Generate"):
+            with gr.Row():
+                with gr.Column():
+                    prompt = gr.Textbox(label="Prompt", elem_id="prompt", lines=2)
+                    negative = gr.Textbox(label="Negative prompt (optional)")
+                    with gr.Row():
+                        count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
+                        seed = gr.Number(0, precision=0, label="Seed")
+                    go = gr.Button("Generate", variant="primary", elem_id="generate")
+                    if examples:
+                        gr.Examples([[e] for e in examples], inputs=[prompt])
+                gallery = gr.Gallery(label="Images", elem_id="gallery", format="png", columns=4)
+            inputs = dict(prompt=prompt, negative_prompt=negative, num_images=count, seed=seed)
+            wire(go, generate, inputs, gallery)
+
+        with gr.Tab("Variations"):
+            with gr.Row():
+                with gr.Column():
+                    source = gr.Image(label="Image", type="pil", image_mode="RGB")
+                    caption = gr.Textbox(label="Caption for the decoder (optional)")
+                    with gr.Row():
+                        v_count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
+                        v_seed = gr.Number(0, precision=0, label="Seed")
+                    v_go = gr.Button("Make variations", variant="primary", elem_id="variations")
+                v_gallery = gr.Gallery(
+                    label="Variations", elem_id="variations-gallery", format="png", columns=4
+                )
+            inputs = dict(image=source, caption=caption, num_images=v_count, seed=v_seed)
+            wire(v_go, variations, inputs, v_gallery)
+
+        with gr.Tab("Interpolate"):
+            with gr.Row():
+                with gr.Column():
+                    start = gr.Textbox(label="Start prompt", elem_id="start-prompt")
+                    end = gr.Textbox(label="End prompt", elem_id="end-prompt")
+                    with gr.Row():
+                        frames = gr.Slider(2, MAX_IMAGES, value=5, step=1, label="Frames")
+                        i_seed = gr.Number(0, precision=0, label="Seed")
+                    i_go = gr.Button("Interpolate", variant="primary", elem_id="interpolate")
+                with gr.Column():
+                    frame = gr.Image(
+                        label="Frame", type="pil", format="png", interactive=False, height=256
+                    )
+                    pick = gr.Slider(0, 4, value=0, step=1, label="Frame (start → end)")
+                    i_gallery = gr.Gallery(
+                        label="Frames", elem_id="interpolate-gallery", format="png", columns=5
+                    )
+            stored = gr.State([])
+
+            def shown(images):
+                return images, images, images[0], gr.Slider(maximum=len(images) - 1, value=0)
+
+            inputs = dict(start=start, end=end, num_frames=frames, seed=i_seed)
+            wire(i_go, interpolate, inputs, [i_gallery, stored, frame, pick], after=shown)
+            pick.change(
+                lambda images, i: images[int(i)] if images and int(i) < len(images) else None,
+                inputs=[stored, pick],
+                outputs=frame,
+            )
+
+        with gr.Tab("Edit"):
+            _edit_tabs(wire)
+    return demo
+
+
+def _edit_tabs(wire) -> None:
+    with gr.Tab("Inpaint"):
+        with gr.Row():
+            with gr.Column():
+                editor = gr.ImageMask(
+                    label="Image: paint over what to regenerate",
+                    type="pil",
+                    image_mode="RGBA",
+                    sources=["upload", "clipboard"],
+                    layers=False,
+                    transforms=(),
+                )
+                mask = gr.Image(
+                    label="Or upload a mask of the same size (white = regenerate)",
+                    type="pil",
+                    image_mode="L",
+                )
+                prompt = gr.Textbox(
+                    label="Prompt describing the whole edited image", elem_id="inpaint-prompt"
+                )
+                negative = gr.Textbox(label="Negative prompt (optional)")
+                with gr.Row():
+                    count = gr.Slider(1, MAX_IMAGES, value=2, step=1, label="Images")
+                    passes = gr.Slider(1, 8, value=4, step=1, label="Resampling passes")
+                    seed = gr.Number(0, precision=0, label="Seed")
+                go = gr.Button("Inpaint", variant="primary", elem_id="inpaint")
+            gallery = gr.Gallery(
+                label="Inpainted", elem_id="inpaint-gallery", format="png", columns=2
+            )
+        inputs = dict(
+            image=editor,
+            mask=mask,
+            prompt=prompt,
+            negative_prompt=negative,
+            num_images=count,
+            resample=passes,
+            seed=seed,
+        )
+        wire(go, inpaint, inputs, gallery)
+
+    with gr.Tab("Image to image"):
+        with gr.Row():
+            with gr.Column():
+                image = gr.Image(label="Image", type="pil", image_mode="RGB")
+                prompt = gr.Textbox(label="Prompt")
+                negative = gr.Textbox(label="Negative prompt (optional)")
+                strength = gr.Slider(0.05, 1.0, value=0.6, step=0.05, label="Strength")
+                with gr.Row():
+                    count = gr.Slider(1, MAX_IMAGES, value=2, step=1, label="Images")
+                    seed = gr.Number(0, precision=0, label="Seed")
+                go = gr.Button("Transform", variant="primary", elem_id="img2img")
+            gallery = gr.Gallery(
+                label="Results", elem_id="img2img-gallery", format="png", columns=2
+            )
+        inputs = dict(
+            image=image,
+            prompt=prompt,
+            strength=strength,
+            negative_prompt=negative,
+            num_images=count,
+            seed=seed,
+        )
+        wire(go, img2img, inputs, gallery)
+
+    with gr.Tab("Text diff"):
+        with gr.Row():
+            with gr.Column():
+                image = gr.Image(label="Image", type="pil", image_mode="RGB")
+                source = gr.Textbox(label="Caption of the image as it is")
+                target = gr.Textbox(label="Caption of the image as it should become")
+                with gr.Row():
+                    frames = gr.Slider(1, MAX_IMAGES, value=5, step=1, label="Frames")
+                    theta = gr.Slider(0.05, 1.0, value=0.5, step=0.05, label="Largest turn θ")
+                with gr.Row():
+                    steps = gr.Slider(5, 200, value=50, step=1, label="Inversion steps")
+                    seed = gr.Number(0, precision=0, label="Seed")
+                go = gr.Button("Apply text diff", variant="primary", elem_id="text-diff")
+            gallery = gr.Gallery(
+                label="θ = 0 … largest", elem_id="text-diff-gallery", format="png", columns=5
+            )
+        inputs = dict(
+            image=image,
+            source_caption=source,
+            target_caption=target,
+            num_frames=frames,
+            max_theta=theta,
+            inversion_steps=steps,
+            seed=seed,
+        )
+        wire(go, text_diff, inputs, gallery)
+
+
+def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, block: bool = True) -> str:
+    """Serve ``demo`` on ``host:port`` and return its address; never through a public share link
+    (gradio's own start-up lines, which suggest one, are left out). ``block``: wait until Ctrl-C
+    (else return once the server is up; ``demo.close()`` stops it)."""
+    demo.queue(default_concurrency_limit=1).launch(
+        server_name=host,
+        server_port=port,
+        share=False,
+        inbrowser=False,
+        show_error=True,
+        prevent_thread_lock=True,
+        quiet=True,
+    )
+    url = demo.local_url
+    if block:
+        print(f"unclip serve: running on {url} (Ctrl-C stops it)", flush=True)
+        demo.block_thread()
+    return url

@@ -1,0 +1,224 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from unclip.utils.config import ConfigError, to_dict
+
+
+@dataclass
+class ARPriorOptions:
+    """The autoregressive prior's code (paper §2.1; see docs/ar_prior.md).
+
+    ``pca_dims``: principal components of the CLIP image embedding kept (paper: 319 of 1024;
+    None: all ``D``), fitted on ``fit_samples`` training embeddings at the start of training.
+    ``num_buckets``: codes per component (paper: 1024), with per-component quantile bucket edges.
+    ``dot_buckets``: buckets of the text–image cosine, the "dot-product token".
+    """
+
+    pca_dims: Optional[int] = None
+    num_buckets: int = 1024
+    dot_buckets: int = 32
+    fit_samples: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.pca_dims is not None and self.pca_dims < 1:
+            raise ConfigError(
+                f"prior.ar.pca_dims must be an integer >= 1 (or null: every dimension), got "
+                f"{self.pca_dims!r}"
+            )
+        if self.num_buckets < 2:
+            raise ConfigError(
+                f"prior.ar.num_buckets must be an integer >= 2 (paper: 1024), got "
+                f"{self.num_buckets!r}"
+            )
+        if self.dot_buckets < 1:
+            raise ConfigError(
+                f"prior.ar.dot_buckets must be an integer >= 1, got {self.dot_buckets!r}"
+            )
+        if self.fit_samples < 2:
+            raise ConfigError(
+                f"prior.ar.fit_samples must be an integer >= 2 (more than pca_dims), got "
+                f"{self.fit_samples!r}"
+            )
+
+
+@dataclass
+class PriorConfig:
+    """The prior over CLIP image embeddings: ``type`` ``diffusion`` (paper §2.2) or ``ar`` (§2.1).
+
+    ``diffusion``: diffusers ``PriorTransformer``; the transformer sees [text tokens
+    (num_embeddings), text_embed, time, x_t, prediction token] and predicts x_0 (the un-noised,
+    normalised image embedding). ``ar``: a causal transformer of the same size
+    (``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``dropout``) predicting the
+    PCA-quantised image embedding one code at a time (:class:`~unclip.ar_prior.UnCLIPARPrior`),
+    with the code settings in ``ar`` (:class:`ARPriorOptions`; only for ``type: ar``). The CLIP
+    supplies the widths (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes
+    the network.
+
+    DALL-E Mega's transformer recipe for either prior (:mod:`unclip.transformer_blocks`):
+    ``normformer`` adds NormFormer's LayerNorms after attention and after the feed-forward's
+    activation and a learned scale per attention head (Shleifer et al. 2021); ``ff_activation``
+    ``geglu``/``swiglu`` makes the feed-forward a GLU with 2/3 of the hidden width, the same
+    parameter count (Shazeer 2020). The defaults (off, ``gelu``) are diffusers'
+    ``PriorTransformer`` exactly; either option makes a diffusion prior that diffusers'
+    ``UnCLIPPipeline`` cannot load (export refuses it).
+    """
+
+    type: Literal["diffusion", "ar"] = "diffusion"
+    num_layers: int = 24
+    num_attention_heads: int = 32
+    attention_head_dim: int = 64
+    dropout: float = 0.0
+    normformer: bool = False
+    ff_activation: Literal["gelu", "geglu", "swiglu"] = "gelu"
+    ar: Optional[ARPriorOptions] = None
+
+    def __post_init__(self) -> None:
+        _check_dropout("prior.dropout", self.dropout)
+        if self.type == "diffusion" and self.ar is not None:
+            raise ConfigError(
+                "prior.ar configures the autoregressive prior; set prior.type: ar or remove the "
+                "'ar:' section"
+            )
+        if self.type == "ar" and self.ar is None:
+            self.ar = ARPriorOptions()
+
+    def build(self, clip):
+        """The prior this config describes (:class:`~unclip.prior.UnCLIPPrior` or
+        :class:`~unclip.ar_prior.UnCLIPARPrior`), sized for ``clip``."""
+        arch = {k: v for k, v in to_dict(self).items() if k not in ("type", "ar")}
+        if self.type == "ar":
+            from unclip.nets.ar_prior import UnCLIPARPrior
+
+            opts = to_dict(self.ar)
+            opts.pop("fit_samples")  # a training setting: how many embeddings the fit reads
+            return UnCLIPARPrior.from_clip(clip, **arch, **opts)
+        from unclip.nets.prior import UnCLIPPrior
+
+        return UnCLIPPrior.from_clip(clip, **arch)
+
+
+@dataclass
+class DecoderConfig:
+    """Base decoder (diffusers ``UNet2DConditionModel``) conditioned on the CLIP image embedding.
+
+    Paper §2.1: the image embedding is projected and added to the timestep embedding and projected
+    into ``num_image_tokens`` extra context tokens placed beside the caption tokens.
+    ``coord_channels`` adds x/y coordinate input channels (CoordConv; not in the paper or Karlo);
+    ``embed_scale`` multiplies the CLIP embeddings before projection (sqrt(D) for unit-norm ones).
+
+    ``text_encoder`` chooses what encodes the caption: ``clip`` (the frozen CLIP's token states and
+    pooled text embedding; the small models) or ``transformer``, the paper's decoder's own
+    trainable transformer (GLIDE's: width 2048, 24 layers, 32 heads, 256 tokens), sized by
+    ``text_encoder_width``, ``text_encoder_layers``, ``text_encoder_heads`` and
+    ``text_context_length``, over token ids of ``text_tokenizer`` (``open_clip_bpe``: open_clip's
+    CLIP BPE, shipped with the package). Its final token's state is projected into the time
+    embedding and its token states are the context beside the image tokens. ``dropout``: in the
+    UNet's residual blocks during training (paper: 0.1).
+    ``learned_variance``: 6 output channels, the mean parameter and a per-channel variance
+    interpolation (Improved DDPM; the paper's and Karlo's decoder), trained with
+    ``diffusion.vlb_weight`` (see :mod:`unclip.vlb`).
+    :meth:`build` makes the network, sized for a CLIP.
+    """
+
+    sample_size: int = 64
+    block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 960, 1280])
+    layers_per_block: int = 3
+    down_block_types: list[str] = field(
+        default_factory=lambda: [
+            "ResnetDownsampleBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+            "SimpleCrossAttnDownBlock2D",
+        ]
+    )
+    up_block_types: list[str] = field(
+        default_factory=lambda: [
+            "SimpleCrossAttnUpBlock2D",
+            "SimpleCrossAttnUpBlock2D",
+            "SimpleCrossAttnUpBlock2D",
+            "ResnetUpsampleBlock2D",
+        ]
+    )
+    mid_block_type: str = "UNetMidBlock2DSimpleCrossAttn"
+    attention_head_dim: int = 64
+    num_image_tokens: int = 4
+    learned_variance: bool = False
+    norm_num_groups: int = 32
+    use_text_tokens: bool = True
+    coord_channels: bool = False
+    embed_scale: float = 1.0
+    text_encoder: Literal["clip", "transformer"] = "clip"
+    text_encoder_width: int = 2048
+    text_encoder_layers: int = 24
+    text_encoder_heads: int = 32
+    text_context_length: int = 256
+    text_tokenizer: Literal["open_clip_bpe"] = "open_clip_bpe"
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_dropout("decoder.dropout", self.dropout)
+        if self.text_encoder == "transformer":
+            for key in ("text_encoder_width", "text_encoder_layers", "text_encoder_heads"):
+                if getattr(self, key) < 1:
+                    raise ConfigError(f"decoder.{key} must be at least 1, got {getattr(self, key)}")
+            if self.text_encoder_width % self.text_encoder_heads:
+                raise ConfigError(
+                    f"decoder.text_encoder_width ({self.text_encoder_width}) must be divisible by "
+                    f"decoder.text_encoder_heads ({self.text_encoder_heads})"
+                )
+            if self.text_context_length < 2:
+                raise ConfigError(
+                    "decoder.text_context_length must be at least 2 (start and end tokens), got "
+                    f"{self.text_context_length}"
+                )
+
+    def build(self, clip):
+        """The :class:`~unclip.decoder.UnCLIPDecoder` this config describes, sized for ``clip``."""
+        from unclip.nets.decoder import UnCLIPDecoder
+
+        return UnCLIPDecoder.from_clip(clip, **to_dict(self))
+
+
+@dataclass
+class UpsamplerConfig:
+    """Super-resolution stage (diffusers ``UNet2DModel``): low-res image upsampled and concatenated.
+
+    ``noise_level`` is the fixed noise level (a diffusion timestep) of the low-res image at
+    sampling. How the low-res conditioning is corrupted during training is a training setting (the
+    stage config's ``upsampler_train:`` section). ``add_attention``: self-attention in the UNet's
+    mid block (the paper's upsamplers are convolution-only: false). ``dropout``: in the residual
+    blocks during training (paper: 0.1 in the first upsampler). :meth:`build` makes the network.
+    """
+
+    sample_size: int = 256
+    low_res_size: int = 64
+    block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 960, 1280])
+    layers_per_block: int = 3
+    down_block_types: list[str] = field(
+        default_factory=lambda: ["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D"]
+    )
+    up_block_types: list[str] = field(
+        default_factory=lambda: ["UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"]
+    )
+    norm_num_groups: int = 32
+    noise_level: int = 0
+    add_attention: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_dropout("upsampler.dropout", self.dropout)
+
+    def build(self):
+        """The :class:`~unclip.decoder.UnCLIPUpsampler` this config describes."""
+        from unclip.nets.decoder import UnCLIPUpsampler
+
+        return UnCLIPUpsampler(**to_dict(self))
+
+
+def _check_dropout(key: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{key} must be in [0, 1), got {value!r}")

@@ -1,0 +1,194 @@
+"""The pipeline's LoRA methods: ``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora``.
+
+:class:`LoraMixin` is a base of :class:`~unclip.pipeline.UnCLIPPipeline`; the adapter operations on
+one stage component and the adapter folders are in :mod:`unclip.lora`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from unclip.nets.lora import (
+    AdapterFolder,
+    add_adapter,
+    base_fingerprint,
+    load_adapter_state,
+    merge_adapters,
+    read_adapter,
+    remove_adapter,
+    set_adapter_scale,
+)
+
+__all__ = ["LoraMixin", "LoadedAdapter"]
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"LoRA scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter loaded onto a pipeline: the stage it adapts, its scale, its folder."""
+
+    stage: str
+    scale: float
+    path: str
+
+
+class LoraMixin:
+    """``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora`` for
+    :class:`~unclip.pipeline.UnCLIPPipeline` (see the module doc)."""
+
+    @property
+    def lora_adapters(self) -> dict[str, LoadedAdapter]:
+        """The adapters loaded and not merged: ``{name: LoadedAdapter(stage, scale, path)}``."""
+        return self.__dict__.setdefault("_lora_adapters", {})
+
+    def _adaptable_stages(self) -> dict[str, torch.nn.Module]:
+        return {k: m for k, m in self.modules().items() if k not in ("clip", "reranker")}
+
+    def load_lora(
+        self,
+        path: Union[str, os.PathLike],
+        scale: float = 1.0,
+        stage: Optional[str] = None,
+        name: Optional[str] = None,
+    ) -> str:
+        """Load a LoRA adapter folder onto the stage it was trained for and return its name.
+
+        ``stage``: check that the adapter is for this stage (default: the stage its
+        ``unclip_lora.json`` names). ``scale`` multiplies its update (0: the base pipeline's images
+        exactly). ``name``: default the folder's name (made unique). Several adapters may be loaded,
+        on one stage or several; their updates add up. An adapter of another architecture is a
+        ``ValueError`` and leaves the pipeline as it was; one trained on other base weights or with
+        another CLIP loads with a warning (the results may be off)."""
+        scale = _check_scale(scale)
+        adapter = read_adapter(path)
+        want = adapter.stage
+        stages = self._adaptable_stages()
+        if stage is not None and stage != want:
+            raise ValueError(
+                f"{adapter.path} is a LoRA adapter for the {want!r} stage, not {stage!r}"
+            )
+        if want not in stages:
+            raise ValueError(
+                f"{adapter.path} adapts the {want!r} stage, which this pipeline does not have "
+                f"(stages: {', '.join(stages)})"
+            )
+        model = stages[want]
+        kind = adapter.meta.get("component")
+        if kind != type(model).__name__:
+            raise ValueError(
+                f"{adapter.path} was trained on a {kind}, but this pipeline's {want!r} is a "
+                f"{type(model).__name__}"
+            )
+        name = self._unique_adapter_name(name or adapter.path.name)
+        self._offload_all()  # with model offload: inject next to the weights' CPU home
+        try:
+            add_adapter(model, name, rank=adapter.config.r, config=adapter.config)
+            load_adapter_state(model, name, adapter.state, str(adapter.path))
+        except Exception:
+            remove_adapter(model, name)  # whatever was injected: the pipeline as it was
+            raise
+        self._warn_if_other_base(adapter, model, want)
+        set_adapter_scale(model, name, scale)
+        self.lora_adapters[name] = LoadedAdapter(want, float(scale), str(adapter.path))
+        return name
+
+    def _unique_adapter_name(self, base: str) -> str:
+        taken = set(self.lora_adapters)
+        name, i = base, 2
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        return name
+
+    def _warn_if_other_base(self, adapter: AdapterFolder, model, stage: str) -> None:
+        meta = adapter.meta
+        targets = sorted(adapter.config.target_modules)
+        # a pipeline cast to fp16/bf16 is compared with the fingerprint of the base weights cast
+        # the same way (recorded at export), so a correct adapter does not warn
+        want = _fingerprint_for(meta, "base_fingerprint", _weights_dtype(model))
+        have = base_fingerprint(model, targets)
+        if want is not None and want != have:
+            warnings.warn(
+                f"LoRA adapter {adapter.path} was trained on other {stage} weights (fingerprint "
+                f"{want}; this pipeline's: {have}); its effect may not be the one it learned",
+                stacklevel=3,
+            )
+        clip_want = _fingerprint_for(meta, "clip_fingerprint", self.clip.dtype)
+        if clip_want is not None and clip_want != self.clip.fingerprint():
+            warnings.warn(
+                f"LoRA adapter {adapter.path} was trained with another CLIP (fingerprint "
+                f"{clip_want}; this pipeline's: {self.clip.fingerprint()})",
+                stacklevel=3,
+            )
+
+    def _named(self, name: Optional[str]) -> list[str]:
+        if name is None:
+            return list(self.lora_adapters)
+        if name not in self.lora_adapters:
+            raise ValueError(
+                f"no LoRA adapter named {name!r} is loaded (loaded: "
+                f"{', '.join(self.lora_adapters) or 'none'})"
+            )
+        return [name]
+
+    def set_lora_scale(self, scale: float, name: Optional[str] = None) -> None:
+        """Set the scale of adapter ``name`` (default: of every loaded adapter)."""
+        scale = _check_scale(scale)
+        for n in self._named(name):
+            info = self.lora_adapters[n]
+            set_adapter_scale(self._adaptable_stages()[info.stage], n, scale)
+            info.scale = scale
+
+    def merge_lora(self) -> None:
+        """Fold every loaded adapter, at its scale, into its stage's weights. The stages are plain
+        modules again: ``save_pretrained`` writes ordinary weights that load without peft. The
+        images equal the adapted pipeline's to float rounding. (To get the base back afterwards,
+        load the pipeline again.)"""
+        if not self.lora_adapters:
+            raise ValueError("merge_lora: no LoRA adapter is loaded")
+        self._offload_all()  # with model offload: change the weights where they live, on the CPU
+        for stage in {info.stage for info in self.lora_adapters.values()}:
+            merge_adapters(self._adaptable_stages()[stage])
+        self.lora_adapters.clear()
+
+    def unload_lora(self, name: Optional[str] = None) -> None:
+        """Remove adapter ``name`` (default: every adapter). Without adapters a stage holds its
+        original layers again, so the images are the base pipeline's bit for bit."""
+        self._offload_all()
+        for n in self._named(name):
+            info = self.lora_adapters.pop(n)
+            remove_adapter(self._adaptable_stages()[info.stage], n)
+
+    def _refuse_unmerged_lora(self, action: str) -> None:
+        if self.lora_adapters:
+            raise ValueError(
+                f"{action}: LoRA adapters are loaded ({', '.join(self.lora_adapters)}); "
+                "merge_lora() to write them into the weights, or unload_lora() first"
+            )
+
+
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype most of ``model``'s floating parameters have (a few may be kept in float32)."""
+    counts: dict = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _fingerprint_for(meta: dict, key: str, dtype: torch.dtype) -> Optional[str]:
+    """The fingerprint ``meta`` records under ``key`` for weights in ``dtype``: float32's, or the
+    per-dtype ones of ``<key>s`` (None when it was not recorded: no check)."""
+    if dtype == torch.float32:
+        return meta.get(key)
+    return (meta.get(key + "s") or {}).get(str(dtype).removeprefix("torch."))

@@ -1,0 +1,101 @@
+"""Per-stage model offload for :class:`~unclip.pipeline.UnCLIPPipeline`::
+
+    pipe.enable_model_cpu_offload()        # each component on cuda:0 only while it runs
+    pipe.enable_model_cpu_offload(gpu_id=1)
+    pipe.disable_model_cpu_offload()       # everything back on the CPU, hooks removed
+
+The cascade's components (CLIP, prior, decoder, each upsampler, the optional reranker) stay in CPU
+memory; the one that is about to run is copied to the execution device and the one that ran before
+it goes back, so the accelerator holds one component's weights at a time plus the activations of
+the stage running. A full-scale cascade's weights no longer have to fit at once, for the price of
+one host-to-device copy of each component per stage it runs in (the CLIP twice when candidates are
+reranked after the decoder, and the decoder twice when they are chosen part-way, ``rerank_at``,
+three times when they are pruned before that, ``prune_at``).
+
+How a component is brought in: an Accelerate hook (:class:`accelerate.hooks.ModelHook`) on every
+submodule of every component runs before the submodule's ``forward`` and activates its component,
+so any path that reaches a weight through a module call (the pipeline, the edits, a user calling
+``pipe.decoder(...)``) finds it on the device. Some tensors are read before any module call: the
+CLIP's ``encode_text``/``encode_image`` (wrapped to activate the CLIP) and each stage's entry in
+the pipeline (it activates the stage: the autoregressive prior reads its PCA basis directly).
+
+Parameters are replaced in place (``module._parameters[name] = Parameter(copy)``, tied tensors
+kept tied) rather than moved with ``Module.to``: the same operation on real tensors, and it also
+runs on PyTorch's fake CUDA tensors, which is how this module is tested without a GPU. Going back
+to the CPU costs no device-to-host copy: the CPU parameter a weight came from is kept and put back
+(the same object, so references to it stay valid), unless the weight was changed in place or
+replaced while on the device (e.g. LoRA merged into it), in which case the new values are copied
+back.
+
+Inference only: gradients through offloaded components are not supported (the CPU copies are the
+weights' home, and an optimizer would hold the device copies).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from unclip.utils.offload import ModelOffloader
+
+__all__ = ["OffloadMixin"]
+
+
+class OffloadMixin:
+    """``enable_model_cpu_offload`` / ``disable_model_cpu_offload`` (see the module doc)."""
+
+    _offloader: Optional[ModelOffloader] = None
+
+    def enable_model_cpu_offload(
+        self, gpu_id: Optional[int] = None, device: Union[str, torch.device] = "cuda"
+    ) -> None:
+        """Keep every component on the CPU and each on ``device`` (``cuda:<gpu_id>``; default
+        the current CUDA device) only while it runs. Images equal those of the pipeline on
+        ``device`` without offload. Undo with :meth:`disable_model_cpu_offload` or ``pipe.to``
+        with a device."""
+        device = torch.device(device)
+        if gpu_id is not None:
+            if device.index is not None and device.index != gpu_id:
+                raise ValueError(f"gpu_id={gpu_id} contradicts device={device}; give one of them")
+            device = torch.device(device.type, gpu_id)
+        if device.type == "cpu":
+            raise ValueError(
+                "model offload moves components between the CPU and an accelerator; on the CPU "
+                "there is nothing to offload (give device='cuda' or another accelerator)"
+            )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._offloader is not None:
+            self._offloader.remove()
+        self._offloader = ModelOffloader(self.modules(), device)
+        self._null_text = None  # cached on the device the CLIP was on
+        self._auto_xformers()
+
+    def disable_model_cpu_offload(self) -> None:
+        """Remove the hooks; every component stays on the CPU (``pipe.to(device)`` next)."""
+        if self._offloader is not None:
+            self._offloader.remove()
+            self._offloader = None
+            self._null_text = None
+            self._auto_xformers()  # off again: the components are on the CPU now
+
+    @property
+    def model_cpu_offload(self) -> Optional[ModelOffloader]:
+        """The active offloader (its ``device``, ``active`` component and ``loads``), or None."""
+        return self._offloader
+
+    def _offload_all(self) -> None:
+        """Every component back on the CPU (before weights change)."""
+        if self._offloader is not None:
+            self._offloader.offload_all()
+
+    def _onload(self, name: str) -> None:
+        """At a stage's entry: its component on the device when offloading (module doc)."""
+        if self._offloader is None:
+            return
+        if name in ("prior", "decoder") and self._null_text is None:
+            # guidance encodes the empty caption lazily, mid-stage: encode it now, so the CLIP
+            # does not swap in and out of the stage
+            self.null_text(1)
+        self._offloader.activate(name)
