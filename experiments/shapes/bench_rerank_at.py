@@ -1,9 +1,13 @@
 """When can the decoder's candidates be chosen? The bundled shapes model's reranking after m steps.
 
-    python benchmarks/bench_rerank_at.py                 # results/bench_rerank_at.json (50 + 50)
-    python benchmarks/bench_rerank_at.py --num 100 --candidates 16 --steps 10
-    python benchmarks/bench_rerank_at.py --num 100 --prompt-seed 2000 --out bench_rerank_at_seed2000
-    python benchmarks/bench_rerank_at.py --quick         # 2 + 2 prompts, 4 candidates
+    python experiments/shapes/bench_rerank_at.py         # results/bench_rerank_at.json (50 + 50)
+    python experiments/shapes/bench_rerank_at.py --num 100 --candidates 16 --steps 10
+    python experiments/shapes/bench_rerank_at.py --num 100 --prompt-seed 2000 \
+        --out bench_rerank_at:prompt_seed_2000
+    python experiments/shapes/bench_rerank_at.py --quick # 2 + 2 prompts, 4 candidates
+
+Results go to ``experiments/shapes/results/``; ``--out FILE:KEY`` stores a run under ``KEY`` of
+``FILE.json`` (the default: key ``default`` of ``bench_rerank_at.json``).
 
 For the held-out prompts (``--num`` single-object and ``--num`` two-object), every prompt gets
 ``--candidates`` decoder candidates, each from its own prior sample (as the pipeline's ``best_of``
@@ -30,31 +34,39 @@ run.
 step: the same draws a run with ``best_of = K`` makes, so settings of equal cost compare on one
 set of candidates.
 
-    python benchmarks/bench_rerank_at.py --num 200 --candidates 32 --contrast shapes-pairs \
-        --prune 4:8 --prune 3:12 --subsets 16 24 --choose-at 6 --out bench_rerank_prune
+    python experiments/shapes/bench_rerank_at.py --num 200 --candidates 32 \
+        --contrast shapes-pairs --prune 4:8 --prune 3:12 --subsets 16 24 --choose-at 6 \
+        --out bench_rerank_at:pruning
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import common
-import torch
+# import benchmarks/common.py (timing, machine description, JSON output) from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from unclip.config import SamplingConfig
-from unclip.diffusion import guided_output, scheduler_step, training_scheduler
-from unclip.images import to_output
-from unclip.sampling import (
+import common  # noqa: E402
+import torch  # noqa: E402
+
+from unclip.config import SamplingConfig  # noqa: E402
+from unclip.diffusion import guided_output, scheduler_step, training_scheduler  # noqa: E402
+from unclip.images import to_output  # noqa: E402
+from unclip.sampling import (  # noqa: E402
     RERANK_CONTRASTS,
     decoder_denoiser,
     image_text_cosines,
     rerank_candidates,
 )
-from unclip.shapes.detector import evaluate_images, score
-from unclip.shapes.evaluate import heldout_samples
-from unclip.shapes.world import parse_caption
-from unclip.vlb import predicted_x0
+from unclip.shapes.detector import evaluate_images, score  # noqa: E402
+from unclip.shapes.evaluate import heldout_samples  # noqa: E402
+from unclip.shapes.world import parse_caption  # noqa: E402
+from unclip.vlb import predicted_x0  # noqa: E402
+
+common.RESULTS = Path(__file__).resolve().parent / "results"  # experiments/shapes/results/
 
 PRIOR = {"prior": {"scheduler": "unipc", "steps": 10}}
 DECODER = {"scheduler": "ddim", "guidance_scale": 1.0}  # the bundled model's decoder guidance
@@ -194,11 +206,11 @@ def main(argv=None) -> int:
         "bench_rerank_rules.py reads",
     )
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="bench_rerank_at")
+    p.add_argument("--out", default="bench_rerank_at:default")
     args = p.parse_args(argv)
     if args.quick:
         args.num, args.candidates, args.steps = 2, 4, 4
-        if args.out == "bench_rerank_at":
+        if args.out == "bench_rerank_at:default":
             args.out = "bench_rerank_at_quick"
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")

@@ -1,9 +1,10 @@
 """Other ways to choose among the bundled shapes model's decoder candidates, on saved candidates.
 
-    python benchmarks/bench_rerank_at.py --num 200 --candidates 32 --contrast shapes-pairs \\
-        --save-candidates cands.pt --out bench_rerank_prune
-    python benchmarks/bench_rerank_rules.py cands.pt                      # scoring rules only
-    python benchmarks/bench_rerank_rules.py cands.pt --finetune 300 --degrade 0.5 --t-steps 5
+    python experiments/shapes/bench_rerank_at.py --num 200 --candidates 32 \\
+        --contrast shapes-pairs --save-candidates cands.pt --out bench_rerank_at:pruning
+    python experiments/shapes/bench_rerank_rules.py cands.pt              # scoring rules only
+    python experiments/shapes/bench_rerank_rules.py cands.pt --finetune 300 --degrade 0.5 \\
+        --t-steps 5
 
 The candidates (every prompt's finished 32 px images and their predicted images after steps 3-8,
 from ``bench_rerank_at.py --save-candidates``) are decoded once; each rule chooses one per prompt
@@ -37,7 +38,10 @@ predicted clean image of that render noised to the timestep of a DDIM-10 step in
 (conditioned on the render's CLIP image embedding and its caption), contrastive loss, AdamW with
 warm-up and cosine decay, bf16 autocast; the copy is scored on the saved candidates every
 ``--eval-every`` steps. Nothing here is shipped: it measures whether such a reranker would choose
-better (docs/shapes_model.md, lever 28).
+better (docs/journal/shapes_model.md, lever 28).
+
+Results: key ``default`` of ``experiments/shapes/results/bench_rerank_rules.json`` (``--out
+FILE:KEY`` stores a run under another key).
 """
 
 from __future__ import annotations
@@ -46,17 +50,22 @@ import argparse
 import copy
 import math
 import random
+import sys
 import time
+from pathlib import Path
 
-import common
-import torch
-from bench_rerank_at import by_kind, right_matrix
+# import benchmarks/common.py (timing, machine description, JSON output) from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from unclip.config import SamplingConfig
-from unclip.diffusion import training_scheduler
-from unclip.sampling import decoder_denoiser
-from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch
-from unclip.shapes.world import (
+import common  # noqa: E402
+import torch  # noqa: E402
+from bench_rerank_at import by_kind, right_matrix  # noqa: E402
+
+from unclip.config import SamplingConfig  # noqa: E402
+from unclip.diffusion import training_scheduler  # noqa: E402
+from unclip.sampling import decoder_denoiser  # noqa: E402
+from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch  # noqa: E402
+from unclip.shapes.world import (  # noqa: E402
     RELATIONS,
     SHAPES,
     ShapesWorld,
@@ -64,7 +73,9 @@ from unclip.shapes.world import (
     canonical_caption,
     parse_caption,
 )
-from unclip.vlb import predicted_x0
+from unclip.vlb import predicted_x0  # noqa: E402
+
+common.RESULTS = Path(__file__).resolve().parent / "results"  # experiments/shapes/results/
 
 #: the whole-image contrast the rules build on
 CONTRAST = "shapes-pairs"
@@ -324,7 +335,7 @@ def main(argv=None) -> int:
         help="with --upsample-top: save the 64 px images and which are right at 128 px (for "
         "bench_reranker_reading.py --upsampled)",
     )
-    p.add_argument("--out", default="bench_rerank_rules")
+    p.add_argument("--out", default="bench_rerank_rules:default")
     args = p.parse_args(argv)
     saved = torch.load(args.candidates)
     finals, x0s, captions = saved["finals"], saved["x0s"], saved["captions"]
