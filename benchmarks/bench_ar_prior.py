@@ -6,7 +6,7 @@
 
 Both priors are trained by ``unclip train-prior``'s own function from ``configs/shapes/prior.yaml``
 and ``configs/shapes/prior_ar.yaml``, conditioned on the bundled shapes model's CLIP
-(``unclip/models/shapes/clip``), with the same data stream, batch size, learning rate and EMA.
+(``unclip/bundled/shapes/clip``), with the same data stream, batch size, learning rate and EMA.
 "The same CPU budget" is CPU seconds of one single-threaded process per prior (no data workers),
 everything included (the AR prior's PCA and bucket fit, the diffusion prior's embedding
 statistics, data rendering, CLIP encoding, checkpoints). CPU time, not wall time: on a shared

@@ -6,7 +6,7 @@ weights, and the measured effect of each speed option.
 
 Sections (all in one process, so every ratio is measured side by side in the same run):
 
-1. bundled model (``unclip/models/shapes``) if installed: unclip per stage at its default settings.
+1. bundled model (``unclip/bundled/shapes``) if installed: unclip per stage at its default settings.
 2. mid-size random pipeline (benchmarks/models.py) vs diffusers' ``UnCLIPPipeline`` loaded from
    :func:`unclip.interop.diffusers.export_diffusers` of the same weights: same prompts, same seed,
    diffusers' default steps and guidance; stage boundaries come from forward pre-hooks (first
