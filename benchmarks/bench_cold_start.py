@@ -22,7 +22,7 @@ the README's first command pays before and after sampling:
   teardown``: the same through ``unclip.cli.main``, exiting as Python normally does.
 
 Sampling's own share is what the command reports (``generate.json``'s ``seconds``), recorded per
-round. docs/shapes_model.md ("The cold command") quotes these figures.
+round. docs/shapes_model.md (the shapes model's card) quotes these figures.
 """
 
 from __future__ import annotations

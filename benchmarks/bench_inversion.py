@@ -1,6 +1,6 @@
 """DDIM inversion's round trip against its fixed-point refinement, on held-out shapes renders.
 
-    python benchmarks/bench_inversion.py                 # results/inversion_fixed_point.json
+    python benchmarks/bench_inversion.py                 # results/bench_inversion.json, key default
     python benchmarks/bench_inversion.py --num 4 --steps 10 --fixed-point 0 2 --out /tmp/inv
 
 For every (steps, fixed_point) pair, each render is inverted through the decoder from the empty
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         default=editing.FIXED_POINT_DAMPING,
         help="how far each iteration moves towards its new solution (the library's: 0.5)",
     )
-    p.add_argument("--out", default="inversion_fixed_point")
+    p.add_argument("--out", default="bench_inversion:default")
     args = p.parse_args(argv)
     started = time.perf_counter()
     torch.set_num_threads(1)

@@ -15,7 +15,8 @@ fp32 NCHW only); the figure is the median over rounds of seconds per image, per 
 end. ``--cli`` also times the README's first command (four images,
 including starting Python and loading the model) as a subprocess. Quality at the same settings is
 measured by ``unclip shapes-eval --sampling`` (docs/shapes_model.md); this script measures time
-only.
+only. A run is stored under key ``default`` of ``results/bench_shapes_speed.json``; ``--out
+bench_shapes_speed:KEY`` stores it under another key beside the earlier runs (common.write_json).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         "OMP_NUM_THREADS or every core); the JSON's machine.threads records it",
     )
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="bench_shapes_speed")
+    p.add_argument("--out", default="bench_shapes_speed:default")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.rounds = 4, 1
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
             settings[name] = json.loads(text)
         except json.JSONDecodeError as exc:
             p.error(f"--variant {v!r}: the part after '=' must be JSON ({exc})")
-    if args.quick and args.out == "bench_shapes_speed":
+    if args.quick and args.out == "bench_shapes_speed:default":
         args.out = "bench_shapes_speed_quick"
     pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=None, memory_format=None)
     for name, sampling in settings.items():

@@ -1,7 +1,8 @@
 """Shared helpers for the benchmark scripts: machine description, timing, configs, JSON output.
 
 Not part of the library; imported by ``benchmarks/bench_*.py`` (run as ``python
-benchmarks/<name>.py``).
+benchmarks/<name>.py``) and by the studies in ``experiments/`` (which point :data:`RESULTS` at their
+own folder).
 """
 
 from __future__ import annotations
@@ -226,15 +227,26 @@ def conv_peak(dtype: torch.dtype = torch.float32, repeats: int = 7) -> dict:
 
 # ------------------------------------------------------------------------------------------ output
 def write_json(name: str, data: dict) -> Path:
+    """Write ``data`` as ``RESULTS/<name>.json``. A ``name`` of the form ``FILE:KEY`` stores it
+    under ``KEY`` of ``RESULTS/FILE.json`` instead, keeping the file's other keys: one benchmark's
+    runs with different settings side by side in one file, named by what differs."""
+    file, _, key = name.partition(":")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{file}.json"
+    if key:
+        runs = json.loads(path.read_text()) if path.exists() else {}
+        if "machine" in runs:
+            raise SystemExit(f"{path} holds a single run, not runs by key: write to another name")
+        runs[key] = data
+        data = runs
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
 
 
 def finish(name: str, result: dict, started: float, report) -> int:
-    """Record the wall time since ``started``, write ``result`` as ``results/<name>.json`` and print
-    ``report(result)`` and where the JSON went; returns the exit status 0."""
+    """Record the wall time since ``started``, write ``result`` as ``results/<name>.json`` (or
+    under a key, see :func:`write_json`) and print ``report(result)`` and where the JSON went;
+    returns the exit status 0."""
     result["wall_seconds"] = time.perf_counter() - started
     path = write_json(name, result)
     print(report(result))

@@ -1,9 +1,13 @@
 """When can the decoder's candidates be chosen? The bundled shapes model's reranking after m steps.
 
-    python benchmarks/bench_rerank_at.py                 # results/bench_rerank_at.json (50 + 50)
-    python benchmarks/bench_rerank_at.py --num 100 --candidates 16 --steps 10
-    python benchmarks/bench_rerank_at.py --num 100 --prompt-seed 2000 --out bench_rerank_at_seed2000
-    python benchmarks/bench_rerank_at.py --quick         # 2 + 2 prompts, 4 candidates
+    python experiments/shapes/bench_rerank_at.py         # results/bench_rerank_at.json (50 + 50)
+    python experiments/shapes/bench_rerank_at.py --num 100 --candidates 16 --steps 10
+    python experiments/shapes/bench_rerank_at.py --num 100 --prompt-seed 2000 \
+        --out bench_rerank_at:prompt_seed_2000
+    python experiments/shapes/bench_rerank_at.py --quick # 2 + 2 prompts, 4 candidates
+
+Results go to ``experiments/shapes/results/``; ``--out FILE:KEY`` stores a run under ``KEY`` of
+``FILE.json`` (the default: key ``default`` of ``bench_rerank_at.json``).
 
 For the held-out prompts (``--num`` single-object and ``--num`` two-object), every prompt gets
 ``--candidates`` decoder candidates, each from its own prior sample (as the pipeline's ``best_of``
@@ -30,28 +34,36 @@ run.
 step: the same draws a run with ``best_of = K`` makes, so settings of equal cost compare on one
 set of candidates.
 
-    python benchmarks/bench_rerank_at.py --num 200 --candidates 32 --contrast shapes-pairs \
-        --prune 4:8 --prune 3:12 --subsets 16 24 --choose-at 6 --out bench_rerank_prune
+    python experiments/shapes/bench_rerank_at.py --num 200 --candidates 32 \
+        --contrast shapes-pairs --prune 4:8 --prune 3:12 --subsets 16 24 --choose-at 6 \
+        --out bench_rerank_at:pruning
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import common
-import torch
+# import benchmarks/common.py (timing, machine description, JSON output) from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from unclip.diffusion.loop import guided_output, scheduler_step, training_scheduler
-from unclip.diffusion.vlb import predicted_x0
+import common  # noqa: E402
+import torch  # noqa: E402
+
+from unclip.diffusion.loop import guided_output, scheduler_step, training_scheduler  # noqa: E402
+from unclip.diffusion.vlb import predicted_x0  # noqa: E402
 from unclip.sampling.candidates import rerank_candidates
 from unclip.sampling.scorers import RERANK_CONTRASTS, image_text_cosines
-from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.settings import DecoderSampling  # noqa: E402
 from unclip.sampling.stages import decoder_denoiser
-from unclip.shapes.captions import parse_caption
-from unclip.shapes.detector import evaluate_images, score
-from unclip.shapes.evaluate import heldout_samples
-from unclip.utils.images import to_output
+from unclip.shapes.captions import parse_caption  # noqa: E402
+from unclip.shapes.detector import evaluate_images, score  # noqa: E402
+from unclip.shapes.evaluate import heldout_samples  # noqa: E402
+from unclip.utils.images import to_output  # noqa: E402
+
+common.RESULTS = Path(__file__).resolve().parent / "results"  # experiments/shapes/results/
 
 PRIOR = {"prior": {"scheduler": "unipc", "steps": 10}}
 DECODER = {"scheduler": "ddim", "guidance_scale": 1.0}  # the bundled model's decoder guidance
@@ -69,7 +81,7 @@ def decode_all(pipe, captions, k, steps, seed, decoder=None):
     gens = [torch.Generator().manual_seed(seed + 1000 * i + j) for i in range(n) for j in range(k)]
     text = pipe.encode_text(captions).repeat_interleave(k)
     embeds = pipe.sample_image_embeds(text, 1, gens, PRIOR, progress=False)
-    settings = SamplingConfig(**(decoder or DECODER), steps=steps)
+    settings = DecoderSampling(**(decoder or DECODER), steps=steps)
     diffusion = pipe.diffusion["decoder"]
     captions_k = [c for c in captions for _ in range(k)]
     dec_text, null = pipe._decoder_captions(
@@ -191,11 +203,11 @@ def main(argv=None) -> int:
         "bench_rerank_rules.py reads",
     )
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="bench_rerank_at")
+    p.add_argument("--out", default="bench_rerank_at:default")
     args = p.parse_args(argv)
     if args.quick:
         args.num, args.candidates, args.steps = 2, 4, 4
-        if args.out == "bench_rerank_at":
+        if args.out == "bench_rerank_at:default":
             args.out = "bench_rerank_at_quick"
     if min(args.num, args.candidates, args.steps, args.chunk) < 1:
         p.error("--num, --candidates, --steps and --chunk must be >= 1")

@@ -1,14 +1,14 @@
 """How well the bundled shapes model's CLIPs read clean renders, seen and held-out combinations.
 
-    python benchmarks/bench_reranker_reading.py --num 300 --candidates cands.pt \\
+    python experiments/shapes/bench_reranker_reading.py --num 300 --candidates cands.pt \\
         --reranker "extra colours=runs/reranker_extra_colours/final/clip"
-    python benchmarks/bench_reranker_reading.py --finetune 1000 --candidates cands.pt \\
+    python experiments/shapes/bench_reranker_reading.py --finetune 1000 --candidates cands.pt \\
         --pair-negatives '{"swap": 0.25, "relation": 0.25, "color": 0.25, "shape": 0.25}' \\
-        --out bench_reranker_reading_negatives
-    python benchmarks/bench_rerank_rules.py cands.pt --counts 24 --upsample-top 6 \\
-        --save-upsampled up.pt --out bench_rerank_upsampled
-    python benchmarks/bench_reranker_reading.py --finetune 600 --resolution 64 --batch 128 \\
-        --eval-every 100 --upsampled up.pt --out bench_reranker_reading_64
+        --out bench_reranker_reading:finetune_negatives
+    python experiments/shapes/bench_rerank_rules.py cands.pt --counts 24 --upsample-top 6 \\
+        --save-upsampled up.pt --out bench_rerank_rules:upsampled
+    python experiments/shapes/bench_reranker_reading.py --finetune 600 --resolution 64 \\
+        --batch 128 --eval-every 100 --upsampled up.pt --out bench_reranker_reading:finetune_64px
 
 Contrastive reranking (the decoder's ``rerank_contrast``) keeps the candidate whose image makes the
 CLIP prefer the prompt most over its one-attribute alternatives
@@ -36,7 +36,8 @@ widened copy: the same weights, the attention pool's one spatial position repeat
 a 64 px input; at 64 px the rerankers are read widened and the conditioning CLIP, which never
 reranks, is left out), and reports every ``--eval-every`` steps its
 reading of the held-out renders and its choices as above. Nothing here is shipped
-(docs/shapes_model.md, lever 30).
+(docs/journal/shapes_model.md, lever 30). Results: key ``default`` of
+``experiments/shapes/results/bench_reranker_reading.json`` (``--out FILE:KEY`` for another key).
 """
 
 from __future__ import annotations
@@ -44,14 +45,19 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
-import common
-import torch
-import torch.nn.functional as F
-from bench_rerank_at import right_matrix
-from bench_rerank_rules import (
+# import benchmarks/common.py (timing, machine description, JSON output) from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_rerank_at import right_matrix  # noqa: E402
+from bench_rerank_rules import (  # noqa: E402
     CONTRAST,
     RERANKER_DATA,
     chosen_right,
@@ -60,12 +66,14 @@ from bench_rerank_rules import (
     train_copy,
 )
 
-from unclip.nets.clip import CLIP, build_open_clip_model
-from unclip.sampling.scorers import RERANK_CONTRASTS
-from unclip.shapes.captions import parse_caption
+from unclip.nets.clip import CLIP, build_open_clip_model  # noqa: E402
+from unclip.sampling.scorers import RERANK_CONTRASTS  # noqa: E402
+from unclip.shapes.captions import parse_caption  # noqa: E402
 from unclip.shapes.contrasts import caption_alternatives
 from unclip.shapes.world import ShapesWorld
-from unclip.utils.images import pil_to_tensor
+from unclip.utils.images import pil_to_tensor  # noqa: E402
+
+common.RESULTS = Path(__file__).resolve().parent / "results"  # experiments/shapes/results/
 
 KINDS = {"single": 0.0, "pair": 1.0}
 
@@ -168,7 +176,7 @@ def main(argv=None) -> int:
         metavar="NAME=CLIP",
         help="another CLIP folder to read, named NAME in the report",
     )
-    p.add_argument("--out", default="bench_reranker_reading")
+    p.add_argument("--out", default="bench_reranker_reading:default")
     args = p.parse_args(argv)
     args.contrast = args.contrast or [CONTRAST]
     unknown = [c for c in args.contrast if c not in RERANK_CONTRASTS]

@@ -1,8 +1,8 @@
 """Does the reranking rule read which color goes with which shape? The bundled model's CLIP on clean
 renders.
 
-    python benchmarks/bench_rerank_binding.py            # results/bench_rerank_binding.json (200)
-    python benchmarks/bench_rerank_binding.py --num 40   # the scenes of its test
+    python experiments/shapes/bench_rerank_binding.py    # results/bench_rerank_binding.json (200)
+    python experiments/shapes/bench_rerank_binding.py --num 40   # the scenes of its test
 
 For each held-out two-object scene the pipeline's ``rerank`` chooses among four clean 32 px renders
 (``unclip.shapes.evaluate.binding_probe``): the true scene, the same scene with the two objects'
@@ -15,13 +15,24 @@ cost of the contrast is its text encodings).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import common
-import torch
+# import benchmarks/common.py (timing, machine description, JSON output) from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from unclip.sampling.scorers import RERANK_CONTRASTS
-from unclip.shapes.evaluate import BINDING_PROBE_RENDERS, binding_probe, heldout_samples
+import common  # noqa: E402
+import torch  # noqa: E402
+
+from unclip.sampling.scorers import RERANK_CONTRASTS  # noqa: E402
+from unclip.shapes.evaluate import (  # noqa: E402
+    BINDING_PROBE_RENDERS,
+    binding_probe,
+    heldout_samples,
+)
+
+common.RESULTS = Path(__file__).resolve().parent / "results"  # experiments/shapes/results/
 
 
 def main(argv=None) -> int:

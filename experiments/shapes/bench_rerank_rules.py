@@ -1,9 +1,10 @@
 """Other ways to choose among the bundled shapes model's decoder candidates, on saved candidates.
 
-    python benchmarks/bench_rerank_at.py --num 200 --candidates 32 --contrast shapes-pairs \\
-        --save-candidates cands.pt --out bench_rerank_prune
-    python benchmarks/bench_rerank_rules.py cands.pt                      # scoring rules only
-    python benchmarks/bench_rerank_rules.py cands.pt --finetune 300 --degrade 0.5 --t-steps 5
+    python experiments/shapes/bench_rerank_at.py --num 200 --candidates 32 \\
+        --contrast shapes-pairs --save-candidates cands.pt --out bench_rerank_at:pruning
+    python experiments/shapes/bench_rerank_rules.py cands.pt              # scoring rules only
+    python experiments/shapes/bench_rerank_rules.py cands.pt --finetune 300 --degrade 0.5 \\
+        --t-steps 5
 
 The candidates (every prompt's finished 32 px images and their predicted images after steps 3-8,
 from ``bench_rerank_at.py --save-candidates``) are decoded once; each rule chooses one per prompt
@@ -37,7 +38,10 @@ predicted clean image of that render noised to the timestep of a DDIM-10 step in
 (conditioned on the render's CLIP image embedding and its caption), contrastive loss, AdamW with
 warm-up and cosine decay, bf16 autocast; the copy is scored on the saved candidates every
 ``--eval-every`` steps. Nothing here is shipped: it measures whether such a reranker would choose
-better (docs/shapes_model.md, lever 28).
+better (docs/journal/shapes_model.md, lever 28).
+
+Results: key ``default`` of ``experiments/shapes/results/bench_rerank_rules.json`` (``--out
+FILE:KEY`` stores a run under another key).
 """
 
 from __future__ import annotations
@@ -46,19 +50,26 @@ import argparse
 import copy
 import math
 import random
+import sys
 import time
+from pathlib import Path
 
-import common
-import torch
-from bench_rerank_at import by_kind, right_matrix
+# import benchmarks/common.py (timing, machine description, JSON output) from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from unclip.diffusion.loop import training_scheduler
-from unclip.diffusion.vlb import predicted_x0
-from unclip.sampling.settings import SamplingConfig
-from unclip.sampling.stages import decoder_denoiser
+import common  # noqa: E402
+import torch  # noqa: E402
+from bench_rerank_at import by_kind, right_matrix  # noqa: E402
+
+from unclip.diffusion.loop import training_scheduler  # noqa: E402
+from unclip.diffusion.vlb import predicted_x0  # noqa: E402
+from unclip.sampling.settings import DecoderSampling  # noqa: E402
+from unclip.sampling.stages import decoder_denoiser  # noqa: E402
 from unclip.shapes.captions import canonical_caption, parse_caption
-from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch
+from unclip.shapes.train_clip import ClipDataConfig, ClipTask, make_batch  # noqa: E402
 from unclip.shapes.world import RELATIONS, SHAPES, ShapesWorld, article
+
+common.RESULTS = Path(__file__).resolve().parent / "results"  # experiments/shapes/results/
 
 #: the whole-image contrast the rules build on
 CONTRAST = "shapes-pairs"
@@ -76,7 +87,7 @@ RERANKER_DATA = dict(
 
 def contrast_scores(clip, images, captions, contrast, chunk=20):
     """``[n, k]`` scores of ``images [n, k, 3, s, s]`` for their prompt ``captions [n]``."""
-    from unclip.sampling.candidates import _contrast_scores
+    from unclip.sampling.scorers import as_scorer
 
     n, k = images.shape[:2]
     out = []
@@ -84,7 +95,7 @@ def contrast_scores(clip, images, captions, contrast, chunk=20):
         for a in range(0, n, chunk):
             rows = images[a : a + chunk]
             caps = [c for c in captions[a : a + chunk] for _ in range(k)]
-            out.append(_contrast_scores(clip, rows.flatten(0, 1), caps, contrast).view(-1, k))
+            out.append(as_scorer(contrast).score(clip, rows.flatten(0, 1), caps).view(-1, k))
     return torch.cat(out).float().cpu()
 
 
@@ -148,7 +159,7 @@ class Degrader:
         self.pipe, self.t_steps = pipe, t_steps
         self.diffusion = pipe.diffusion["decoder"]
         self.training = training_scheduler(self.diffusion)
-        self.settings = SamplingConfig(scheduler="ddim", steps=10, guidance_scale=1.0)
+        self.settings = DecoderSampling(scheduler="ddim", steps=10, guidance_scale=1.0)
 
     @torch.no_grad()
     def __call__(self, images, captions, g: torch.Generator):
@@ -318,7 +329,7 @@ def main(argv=None) -> int:
         help="with --upsample-top: save the 64 px images and which are right at 128 px (for "
         "bench_reranker_reading.py --upsampled)",
     )
-    p.add_argument("--out", default="bench_rerank_rules")
+    p.add_argument("--out", default="bench_rerank_rules:default")
     args = p.parse_args(argv)
     saved = torch.load(args.candidates)
     finals, x0s, captions = saved["finals"], saved["x0s"], saved["captions"]
