@@ -146,7 +146,8 @@ class DVAE(nn.Module):
         return self.logits(images).argmax(1)
 
     def _params(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoder input ``[B, d_init, h, w]`` → logit-Laplace ``μ, ln b``, each ``[B, 3, H, W]``."""
+        """Decoder input ``[B, d_init, h, w]`` → ``μ, ln b`` of the logit-Laplace, each
+        ``[B, 3, H, W]``."""
         out = self.decoder(z)
         return out[:, :3], out[:, 3:]
 

@@ -20,7 +20,7 @@ the gradient norms at the decoder's last layer, is not implemented).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -64,7 +64,6 @@ class VQGANConfig:
     discriminator_weights: Optional[str] = None
     adversarial_weight: float = 0.1
     discriminator_layers: int = 3
-    extra: dict = field(default_factory=dict)
 
     @property
     def downsampling(self) -> int:
@@ -94,7 +93,6 @@ class VQGANConfig:
             norm_num_groups=self.norm_num_groups,
             vq_embed_dim=self.latent_channels,
             lookup_from_codebook=True,
-            **self.extra,
         )
         return VQGAN(model)
 
@@ -138,9 +136,6 @@ class VQGAN(nn.Module):
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` → tokens ``[B, H/f, W/f]`` (long)."""
         return self.quantize(images)[2]
-
-    def _decode_vectors(self, z_q: torch.Tensor) -> torch.Tensor:
-        return self.model.decode(z_q, force_not_quantize=True, shape=None).sample
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
