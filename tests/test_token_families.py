@@ -142,6 +142,25 @@ def test_dalle_transformer_applies_the_sparse_mask():
         assert (diff > 1e-6) == inside, j
 
 
+@pytest.mark.parametrize("family", ["dalle", "mega"])
+def test_image_logits_are_causal_and_ignore_caption_padding(family):
+    model = tiny_dalle() if family == "dalle" else tiny_mega()
+    ids, mask = captions()
+    n = model.grid * model.grid - 1
+    image = torch.randint(0, 12, (3, n), generator=torch.Generator().manual_seed(4))
+    base = model.image_logits(ids, mask, image)
+    assert base.shape == (3, n + 1, 12)
+    later = image.clone()
+    later[:, 5] = (later[:, 5] + 1) % 12
+    moved = model.image_logits(ids, mask, later)
+    # row i predicts token i from tokens < i: rows 0 … 5 do not see token 5
+    assert torch.allclose(moved[:, :6], base[:, :6], atol=1e-6)
+    assert (moved[:, 6:] - base[:, 6:]).abs().max() > 1e-4
+    # ids under a false mask are padding, whatever their value
+    other = torch.where(mask, ids, torch.full_like(ids, 17))
+    assert torch.allclose(model.image_logits(other, mask, image), base, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------- sampling
 
 
