@@ -158,6 +158,8 @@ class DalleConfig:
     image_vocab_size: int = 8192
     #: the paper's row/column/conv schedule; false: dense causal attention in every layer
     sparse_attention: bool = True
+    #: side of the last layer's causal convolutional neighbourhood (the paper's Figure 11 draws
+    #: it on a toy grid; the full-scale side here is a choice)
     conv_kernel: int = 11
     #: the weights of the text and image cross-entropies (§2.2: 1/8 and 7/8)
     text_loss_weight: float = 1 / 8
@@ -290,6 +292,8 @@ class DalleTransformer(nn.Module):
         """Blocks and the final norm over the slots ``start … start+T-1`` of ``x [B, T, d]``,
         attending to the cached slots before them."""
         t = x.shape[1]
+        # TransformerBlock.forward, step by step, so the attention can use the cache (the blocks
+        # are built without NormFormer, so there is no attention output norm to apply)
         for i, block in enumerate(self.blocks):
             mask = self.mask(self.layer_kinds[i], x.device)[start : start + t, : start + t]
             h = _attend_cached(

@@ -157,8 +157,8 @@ class VQGAN(nn.Module):
 class VQGANLoss(nn.Module):
     """The generator's objective (see the module doc). ``forward(vqgan, images)`` → dict of
     scalars: ``loss`` and its terms ``recon``, ``codebook``, ``commitment`` and, when on,
-    ``perceptual`` and ``adversarial``. The discriminator's own loss:
-    :func:`discriminator_hinge_loss`."""
+    ``perceptual`` and ``adversarial``; and ``reconstruction``, ``x̂ [B, 3, H, W]`` detached,
+    for the discriminator's step, whose loss is :func:`discriminator_hinge_loss`."""
 
     def __init__(
         self,
