@@ -191,6 +191,26 @@ def test_cached_sampling_equals_uncached(family):
         assert tc.unique().numel() > 1  # a real sample, not a constant
 
 
+def test_sampling_filters_and_per_row_generators():
+    model = tiny_mega()
+    ids, mask = captions()
+    # top_k = 1 is greedy decoding: every token is the argmax of the logits it was drawn from
+    tokens, logits = sampling.sample_image_tokens(
+        model, ids, mask, top_k=1, generator=torch.Generator().manual_seed(0), return_logits=True
+    )
+    assert torch.equal(tokens.flatten(1), logits.argmax(-1))
+    # with one generator per row, a row's sample does not depend on the rows batched with it
+    batch = sampling.sample_image_tokens(
+        model, ids, mask, generator=[torch.Generator().manual_seed(20 + i) for i in range(3)]
+    )
+    alone = sampling.sample_image_tokens(
+        model, ids[1:2], mask[1:2], generator=[torch.Generator().manual_seed(21)]
+    )
+    assert torch.equal(batch[1:2], alone)
+    with pytest.raises(ValueError, match="generators"):
+        sampling.sample_image_tokens(model, ids, mask, generator=[torch.Generator()])
+
+
 @pytest.mark.parametrize("family", ["dalle", "mega"])
 def test_super_conditioning(family):
     model = tiny_dalle() if family == "dalle" else tiny_mega()

@@ -494,7 +494,9 @@ class MegaLayer(nn.Module):
 class MegaTransformer(nn.Module):
     """DALL-E Mega's encoder–decoder (see the module doc). The decoder reads ``[bos, image tokens
     0 … 254]`` (``bos`` = ``image_vocab_size``) and predicts image tokens ``0 … 255``; its head
-    covers the image codes only (``bos`` is never a target)."""
+    covers the image codes only (``bos`` is never a target). Token and position embeddings are
+    summed and normalised by a LayerNorm (BART's embedding norm) before the first layer of the
+    encoder and of the decoder; each stack ends with a LayerNorm."""
 
     def __init__(self, config: MegaConfig):
         super().__init__()
