@@ -1,0 +1,133 @@
+"""Sampling image tokens from DALL-E's and DALL-E Mega's transformers
+(:mod:`unclip.nets.token_transformer`): one token at a time in raster order, with temperature,
+top-k, top-p and, optionally, guidance on the logits.
+
+Guidance is DALL-E Mega's *super-conditioning* (classifier-free guidance on logits, Ho & Salimans
+2021): each step runs the caption and the empty caption (the model's ``null_text``) and samples
+from ``logits = uncond + α · (cond − uncond)``. Mega is trained for it by dropping captions
+(``loss(..., cond_drop_prob=...)``); DALL-E did not use it, but the same option applies to a
+DALL-E transformer trained with dropped captions. ``guidance_scale=None`` runs the conditional
+pass only; any number, 1 included, runs both passes (at α = 1 the mix is the conditional logits).
+
+With ``use_cache`` (the default) each step runs only the newest position against each layer's
+key/value cache; without it each step reruns the whole sequence so far. Both compute the same
+logits (to float rounding) and so draw the same tokens from the same generator.
+
+Each token is drawn by inverse CDF from one uniform number per row, taken from that row's
+generator when a list of ``B`` generators is given, so a row's sample does not depend on the
+rows batched with it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from unclip.ar_sampling import filter_logits
+
+__all__ = ["guided_logits", "sample_image_tokens", "draw_tokens"]
+
+Generator = Union[None, torch.Generator, list[torch.Generator]]
+
+
+def guided_logits(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Super-conditioning: ``uncond + scale · (cond − uncond)``, logits ``[B, V]``."""
+    return uncond + scale * (cond - uncond)
+
+
+def _uniforms(generator: Generator, n: int, device) -> torch.Tensor:
+    """``[n]`` uniforms in [0, 1): one per row from its own generator, or all from one."""
+    if isinstance(generator, (list, tuple)):
+        u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generator])
+    elif generator is not None:
+        u = torch.rand(n, generator=generator, device=generator.device)
+    else:
+        u = torch.rand(n)
+    return u.to(device)
+
+
+def draw_tokens(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens ``[N]`` from ``logits [N, V]`` (``-inf``: excluded) by inverse CDF: the first token
+    whose cumulative probability exceeds ``u [N]`` (uniforms in [0, 1))."""
+    cdf = logits.float().softmax(-1).cumsum(-1)
+    token = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
+    return token.clamp(max=logits.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample_image_tokens(
+    model,
+    text_ids: torch.Tensor,
+    text_mask: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    guidance_scale: Optional[float] = None,
+    generator: Generator = None,
+    use_cache: bool = True,
+    return_logits: bool = False,
+):
+    """Sample ``grid²`` image tokens per caption.
+
+    Args:
+        model: a :class:`~unclip.nets.token_transformer.DalleTransformer` or
+            :class:`~unclip.nets.token_transformer.MegaTransformer` (anything with their
+            ``start``/``step``/``image_logits``/``null_text`` interface and a ``grid``).
+        text_ids, text_mask: captions ``[B, L]`` and their mask (``None``: all tokens).
+        temperature, top_k, top_p: applied to the (guided) logits in that order
+            (:func:`unclip.ar_sampling.filter_logits`); ``None`` switches top-k / top-p off.
+        guidance_scale: ``α`` of super-conditioning, or ``None`` for none (see the module doc).
+        generator: one generator, one per row (a list of ``B``), or ``None`` (global RNG).
+        use_cache: decode with the key/value cache (else rerun the prefix every step).
+        return_logits: also return the logits each token was drawn from, after guidance and
+            before temperature and filtering, ``[B, grid², V]`` (float32).
+
+    Returns:
+        image tokens ``[B, grid, grid]`` (long), and the logits when ``return_logits``.
+    """
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    b, length = text_ids.shape
+    if isinstance(generator, (list, tuple)) and len(generator) != b:
+        raise ValueError(f"{len(generator)} generators for {b} captions; pass one, or one per row")
+    device = text_ids.device
+    if text_mask is None:
+        text_mask = torch.ones_like(text_ids, dtype=torch.bool)
+    guided = guidance_scale is not None
+    if guided:
+        null_ids, null_mask = model.null_text(b, length, device)
+        text_ids = torch.cat([null_ids, text_ids])
+        text_mask = torch.cat([null_mask, text_mask.bool()])
+    n = model.grid * model.grid
+    tokens = torch.empty(b, n, dtype=torch.long, device=device)
+    all_logits = [] if return_logits else None
+    state = None
+    for i in range(n):
+        if not use_cache:
+            prev = tokens[:, :i]
+            logits = model.image_logits(
+                text_ids, text_mask, torch.cat([prev, prev]) if guided else prev
+            )[:, -1]
+        elif state is None:
+            logits, state = model.start(text_ids, text_mask)
+        else:
+            prev = tokens[:, i - 1]
+            logits = model.step(torch.cat([prev, prev]) if guided else prev, state)
+        logits = logits.float()
+        if guided:
+            uncond, cond = logits.chunk(2)
+            logits = guided_logits(uncond, cond, float(guidance_scale))
+        if all_logits is not None:
+            all_logits.append(logits)
+        filtered = filter_logits(logits, float(temperature), top_k, top_p)
+        tokens[:, i] = draw_tokens(filtered, _uniforms(generator, b, device))
+    tokens = tokens.view(b, model.grid, model.grid)
+    if return_logits:
+        return tokens, torch.stack(all_logits, dim=1)
+    return tokens
