@@ -2,10 +2,7 @@
 BART transformer, and image-token sampling. Tiny seeded models on the CPU; full-scale sizes are
 built on the meta device only."""
 
-import importlib
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,20 +17,7 @@ from unclip.nets.token_transformer import (
     parameter_count,
 )
 from unclip.nets.vqgan import PerceptualLoss, VQGANConfig
-
-
-def _tokens_sampling():
-    try:
-        return importlib.import_module("unclip.sampling.tokens")
-    except ImportError:  # `unclip.sampling` is a single module in this tree, not yet a folder
-        path = Path(__file__).resolve().parents[1] / "unclip" / "sampling" / "tokens.py"
-        spec = importlib.util.spec_from_file_location("unclip_sampling_tokens", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-
-sampling = _tokens_sampling()
+from unclip.sampling import tokens as sampling
 
 
 def tiny_dalle(**kw):

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unclip.transformer_blocks import FeedForward, SelfAttention, TransformerBlock
+from unclip.nets.blocks import FeedForward, SelfAttention, TransformerBlock
 
 __all__ = [
     "MASK_KINDS",

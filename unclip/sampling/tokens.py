@@ -24,7 +24,7 @@ from typing import Optional, Union
 
 import torch
 
-from unclip.ar_sampling import filter_logits
+from unclip.sampling.ar import filter_logits
 
 __all__ = ["guided_logits", "sample_image_tokens", "draw_tokens"]
 
