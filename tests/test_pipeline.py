@@ -448,7 +448,7 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
         ValueError, match="prior: rerank_contrast is not a setting of the diffusion prior"
     ):
         tiny_pipe.sampling_settings({"prior": {"rerank_contrast": "test"}})
-    with pytest.raises(TypeError, match="registered name or a function"):
+    with pytest.raises(TypeError, match="registered name, a Scorer or a function"):
         tiny_pipe.rerank(cands, prompt, 1, contrast=3)
     with pytest.raises(ValueError, match="candidates of a group must share one prompt"):
         tiny_pipe.rerank(cands, [prompt, PROMPTS[1]] * 2, 2, contrast="test")
