@@ -39,7 +39,7 @@ import models
 import torch
 import torch.nn.functional as F
 
-from unclip.nets.clip import TextEncoding
+from unclip.nets.text_encoding import TextEncoding
 from unclip.pipeline.folders import bundled_model_path
 from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.utils.precision import dtype_name

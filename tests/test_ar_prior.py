@@ -7,9 +7,9 @@ from conftest import EXACT, gens
 
 from unclip import UnCLIPPipeline
 from unclip.nets.ar_prior import UnCLIPARPrior
-from unclip.nets.clip import TextEncoding
 from unclip.nets.config import ARPriorOptions, PriorConfig
 from unclip.nets.priors import load_prior
+from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.ar import filter_logits, sample_ar_prior
 from unclip.sampling.settings import SamplingConfig
 from unclip.utils.config import ConfigError

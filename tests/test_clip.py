@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from unclip.nets.clip import CLIP, ClipConfig, TextEncoding, tiny_clip_config
+from unclip.nets.clip import CLIP, ClipConfig, tiny_clip_config
+from unclip.nets.text_encoding import TextEncoding
 
 
 def test_text_shapes_norms_and_masks(tiny_clip):
@@ -102,7 +103,8 @@ def test_closed_vocabulary_file_keeps_only_those_token_rows_and_encodes_them_exa
 ):
     from safetensors.torch import load_file
 
-    from unclip.nets.clip import KEPT_TOKENS_KEY, closed_vocabulary_ids
+    from unclip.nets.clip import closed_vocabulary_ids
+    from unclip.nets.clip_weights import KEPT_TOKENS_KEY
     from unclip.shapes.world import ShapesWorld, caption_vocabulary
 
     ids = closed_vocabulary_ids(tiny_clip, caption_vocabulary())

@@ -137,7 +137,7 @@ def test_component_folders_refuse_pickles_without_running_them(pipe_copy, compon
 
 @pytest.mark.parametrize("name", ["model.bin", "open_clip_pytorch_model.bin", "clip.pt", "c.ckpt"])
 def test_clip_weights_refuse_pickles_without_running_them(pipe_copy, tmp_path, name):
-    from unclip.nets.clip import load_pretrained_weights
+    from unclip.nets.clip_weights import load_pretrained_weights
 
     folder = pipe_copy / "clip"
     (folder / "model.safetensors").unlink()

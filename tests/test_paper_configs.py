@@ -276,7 +276,7 @@ def test_linear_schedule_upsampler_trains_and_samples(tmp_path):
 def test_decoder_checkpointing_covers_attention_and_keeps_gradients(tmp_path):
     """The decoder's checkpointing adds its attention layers to diffusers' (resnets only): less
     memory saved for backward, the same gradients."""
-    from unclip.nets.clip import TextEncoding
+    from unclip.nets.text_encoding import TextEncoding
     from unclip.pipeline.tiny import tiny_decoder_kwargs
     from unclip.train.plan import MemoryTracker
 

@@ -452,7 +452,7 @@ def test_rerank_contrast_scores_the_prompt_against_its_alternatives(tiny_pipe, m
         tiny_pipe.rerank(cands, prompt, 1, contrast=3)
     with pytest.raises(ValueError, match="candidates of a group must share one prompt"):
         tiny_pipe.rerank(cands, [prompt, PROMPTS[1]] * 2, 2, contrast="test")
-    with pytest.raises(TypeError, match="fn must be callable"):
+    with pytest.raises(TypeError, match="fn must be a Scorer or callable"):
         register_rerank_contrast("x", "not a function")
 
 
@@ -814,7 +814,7 @@ def test_coordinate_channels():
 
 
 def test_embed_scale_scales_the_conditioning_embeddings():
-    from unclip.nets.clip import TextEncoding
+    from unclip.nets.text_encoding import TextEncoding
 
     pipe = tiny_pipeline(decoder_kwargs=dict(embed_scale=8.0))
     plain = tiny_pipeline(decoder_kwargs=dict(embed_scale=1.0)).decoder

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from unclip.diffusion.config import DiffusionConfig
-from unclip.nets.clip import TextEncoding
 from unclip.nets.prior import PrefixCache, UnCLIPPrior
+from unclip.nets.text_encoding import TextEncoding
 from unclip.pipeline.tiny import tiny_prior_kwargs
 from unclip.sampling.settings import SamplingConfig
 from unclip.sampling.stages import sample_prior

@@ -49,9 +49,10 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports on first use
     from unclip.nets.ar_prior import UnCLIPARPrior
-    from unclip.nets.clip import CLIP, FrozenCLIP, TextEncoding
+    from unclip.nets.clip import CLIP, FrozenCLIP
     from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
     from unclip.nets.prior import UnCLIPPrior
+    from unclip.nets.text_encoding import TextEncoding
     from unclip.pipeline.output import UnCLIPOutput
     from unclip.pipeline.pipeline import UnCLIPPipeline
     from unclip.sampling.utils import slerp

@@ -75,7 +75,7 @@ COMMANDS = {
 # commands whose process has nothing left to do once their main returns: every file they write is
 # closed by then and they start no thread that must finish. The console script ends them with
 # os._exit, skipping the interpreter's teardown of torch, open_clip and diffusers, which takes about
-# a second (docs/shapes_model.md, lever 32); called in-process, main() just returns. Under a
+# a second; called in-process, main() just returns. Under a
 # profiler or tracer (cProfile, coverage), which write their results at exit, or with
 # UNCLIP_NO_FAST_EXIT=1, the process exits normally.
 FAST_EXIT = frozenset({"generate"})

@@ -24,12 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "recipe",
         choices=tuple(RECIPES),
-        help="shapes: the bundled shapes model's recipe (54.0 min on a Zen 5 CPU's 2 idle cores, "
-        "79.4 min on a Zen 4's; both runs gave the bundled weights: an aligned decoder and its "
-        "fine-tune on two-object scenes, in bf16 where native, and a reranking CLIP); "
-        "shapes-one-clip: the reranking CLIP conditions too (79.7 min in its one run, on the "
-        "Zen 4; fewer prompts right); shapes-1h: the first decoder run alone, in fp32 (71 min in "
-        "its one run, on the Zen 4; far fewer two-object scenes right)",
+        help="shapes: the bundled shapes model's recipe (about an hour on two CPU cores; gives the "
+        "bundled weights: an aligned decoder and its fine-tune on two-object scenes, in bf16 "
+        "where native, and a reranking CLIP); shapes-one-clip: the reranking CLIP conditions too "
+        "(fewer prompts right); shapes-1h: the first decoder run alone, in fp32 (far fewer "
+        "two-object scenes right). docs/shapes_model.md has the measured times and figures",
     )
     p.add_argument("out", help="output folder: one folder per step, logs/, timings.tsv, pipeline/")
     p.add_argument(

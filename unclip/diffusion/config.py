@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""The noise-schedule settings a stage is trained with (:class:`DiffusionConfig`), the built-in
+sampler names, and what of them is saved beside a stage's weights.
+"""
 
 from __future__ import annotations
 

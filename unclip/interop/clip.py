@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 
 from unclip.io.weights import check_state, load_weights, read_json
-from unclip.nets.clip import CLIP, CompatTokenizer, build_open_clip_model
+from unclip.nets.clip import CLIP, build_open_clip_model
+from unclip.nets.clip_tokenizer import CompatTokenizer
 
 __all__ = [
     "clip_from_transformers",

@@ -61,7 +61,7 @@ from unclip.io.card import read_card_info
 from unclip.io.hub import is_repo_id, resolve_folder
 from unclip.io.weights import check_state, load_weights, read_json
 from unclip.nets.ar_prior import UnCLIPARPrior
-from unclip.nets.clip import CompatTokenizer
+from unclip.nets.clip_tokenizer import CompatTokenizer
 from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.nets.prior import UnCLIPPrior
 from unclip.pipeline.pipeline import UnCLIPPipeline

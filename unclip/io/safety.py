@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""Refusing pickles: weight files that would run code when loaded (``.bin``, ``.pt``, ...) are
+never loaded; the error says how to convert them to safetensors.
+"""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from torch import nn
 
 from unclip.nets.blocks import FeedForward, check_block_options
-from unclip.nets.clip import TextEncoding
 from unclip.nets.prior import PriorLoading
+from unclip.nets.text_encoding import TextEncoding
 
 __all__ = ["UnCLIPARPrior", "ARTransformer", "ARBlock", "quantile_edges"]
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
-import unicodedata
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,86 +42,28 @@ from open_clip.model import CustomTextCLIP
 from open_clip.tokenizer import SimpleTokenizer
 from PIL import Image
 
+from unclip.nets.clip_features import _feature_map, named_submodule
+from unclip.nets.clip_tokenizer import _make_tokenizer
+from unclip.nets.clip_weights import (
+    KEPT_TOKENS_KEY,
+    WEIGHTS_NAME,
+    _load_safetensors,
+    _token_table_key,
+    load_pretrained_weights,
+)
+from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils.files import write_folder
 from unclip.utils.images import resize_crop_tensor
 
 __all__ = [
     "CLIP",
     "FrozenCLIP",
-    "TextEncoding",
-    "CompatTokenizer",
-    "check_prompts",
     "closed_vocabulary_ids",
     "build_open_clip_model",
-    "load_pretrained_weights",
     "tiny_clip_config",
-    "named_submodule",
 ]
 
-WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-@dataclass
-class TextEncoding:
-    """CLIP text conditioning: ``text_embed [B, D]``, ``text_tokens [B, L, W]``,
-    ``text_mask [B, L]``."""
-
-    text_embed: torch.Tensor
-    text_tokens: torch.Tensor
-    text_mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.text_embed.shape[0]
-
-    def repeat_interleave(self, n: int) -> TextEncoding:
-        """Each row repeated ``n`` times in place (for ``num_images_per_prompt``)."""
-        if n == 1:
-            return self
-        return TextEncoding(
-            *(
-                t.repeat_interleave(n, dim=0)
-                for t in (self.text_embed, self.text_tokens, self.text_mask)
-            )
-        )
-
-    def to(self, *args, **kwargs) -> TextEncoding:
-        """Embeddings and token states as ``Tensor.to(*args, **kwargs)``; the boolean mask only
-        follows a device move."""
-        positional = args[0] if args and not isinstance(args[0], torch.dtype) else None
-        device = kwargs.get("device", self.text_mask.device if positional is None else positional)
-        return TextEncoding(
-            self.text_embed.to(*args, **kwargs),
-            self.text_tokens.to(*args, **kwargs),
-            self.text_mask.to(device),
-        )
-
-    def __getitem__(self, idx) -> TextEncoding:
-        return TextEncoding(self.text_embed[idx], self.text_tokens[idx], self.text_mask[idx])
-
-    @staticmethod
-    def cat(encodings: Sequence[TextEncoding]) -> TextEncoding:
-        """The rows of ``encodings`` one after another (e.g. ``[uncond; cond]`` for guidance)."""
-        fields = ("text_embed", "text_tokens", "text_mask")
-        return TextEncoding(*(torch.cat([getattr(e, f) for e in encodings]) for f in fields))
-
-
-def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> list[str]:
-    """Normalise ``prompt`` to a non-empty list of strings or raise a clear error."""
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, (list, tuple)):
-        prompts = list(prompt)
-    else:
-        raise TypeError(
-            f"{what} must be a string or a list of strings, got {type(prompt).__name__}"
-        )
-    if not prompts:
-        raise ValueError(f"{what} list is empty: pass at least one string")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            raise TypeError(f"{what}[{i}] must be a string, got {type(p).__name__} ({p!r})")
-    return prompts
 
 
 def build_open_clip_model(model_cfg: dict) -> torch.nn.Module:
@@ -569,111 +509,6 @@ class CLIP(torch.nn.Module):
         return out.float()
 
 
-def named_submodule(root: torch.nn.Module, name: str, key: str) -> torch.nn.Module:
-    """``root``'s submodule ``name`` (dotted); a name that is none is a ``ValueError`` naming the
-    setting ``key`` and listing the top-level modules (with the block names for a ViT tower)."""
-    modules = dict(root.named_modules())
-    if name not in modules or not name:
-        top = [n for n, _ in root.named_children()]
-        hint = ""
-        if "transformer" in top and hasattr(root, "grid_size"):
-            hint = " (a ViT image tower: name a block, transformer.resblocks.<i>)"
-        raise ValueError(f"{key}={name!r} names no module; the top-level ones are {top}{hint}")
-    return modules[name]
-
-
-def _feature_map(visual: torch.nn.Module, out) -> Optional[torch.Tensor]:
-    """``out`` as ``[B, C, h, w]``: a convolutional map as it is; a ViT block's tokens without
-    the class (and register) tokens in front, laid out on the patch grid."""
-    if not isinstance(out, torch.Tensor):
-        return None
-    if out.ndim == 4:
-        return out
-    grid = getattr(visual, "grid_size", None)
-    if out.ndim != 3 or grid is None:
-        return None
-    if not getattr(getattr(visual, "transformer", None), "batch_first", True):
-        out = out.transpose(0, 1)  # [L, B, D] → [B, L, D]
-    gh, gw = grid
-    if out.shape[1] < gh * gw:
-        return None
-    patches = out[:, out.shape[1] - gh * gw :]
-    return patches.transpose(1, 2).reshape(out.shape[0], out.shape[2], gh, gw)
-
-
-class CompatTokenizer(SimpleTokenizer):
-    """open_clip's CLIP BPE with the text handling of transformers' ``CLIPTokenizer`` (for
-    converted weights).
-
-    Differences from :class:`SimpleTokenizer`: text is cleaned with NFC + whitespace collapsing +
-    lower case (no ftfy / HTML unescaping); sequences are padded with ``pad_token`` instead of id 0;
-    and the special strings ``<|startoftext|>``, ``<|endoftext|>`` and ``pad_token`` are split out
-    of the prompt and map to their ids, as transformers does for special tokens (Karlo pads with
-    ``"!"``, so a ``!`` in a prompt becomes id 0 there, not the ``!</w>`` word piece).
-    """
-
-    NAMES = {"<|startoftext|>": "<start_of_text>", "<|endoftext|>": "<end_of_text>"}
-
-    def __init__(self, context_length: int = 77, pad_token: str = "<|endoftext|>"):
-        super().__init__(context_length=context_length)
-        self.clean_fn = _clean_nfc
-        self.pad_token = pad_token
-        self.special = {}
-        for tok in ("<|startoftext|>", "<|endoftext|>", pad_token):
-            key = self.NAMES.get(tok, tok)
-            if key not in self.encoder:
-                raise ValueError(f"tokenizer pad token {tok!r} is not in the CLIP BPE vocabulary")
-            self.special[tok] = self.encoder[key]
-        self.pad_token_id = self.special[pad_token]
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in self.special) + ")")
-
-    def encode(self, text):
-        ids = []
-        for i, piece in enumerate(self._split.split(text)):
-            if i % 2:
-                ids.append(self.special[piece])
-            elif piece:
-                ids.extend(super().encode(piece))
-        return ids
-
-    def __call__(self, texts, context_length=None) -> torch.LongTensor:
-        """Token ids ``[B, L]``: start, at most ``L - 2`` tokens, end, then ``pad_token_id``."""
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        length = int(context_length or self.context_length)
-        out = torch.full((len(texts), length), self.pad_token_id, dtype=torch.long)
-        for i, text in enumerate(texts):
-            ids = [self.sot_token_id] + self.encode(text)[: length - 2] + [self.eot_token_id]
-            out[i, : len(ids)] = torch.tensor(ids)
-        return out
-
-
-def _clean_nfc(text: str) -> str:
-    return re.sub(r"\s+", " ", unicodedata.normalize("NFC", text)).lower()
-
-
-def _make_tokenizer(model_name: str, model_cfg: dict, tokenizer_cfg: dict | None = None):
-    text_cfg = model_cfg.get("text_cfg", {})
-    if tokenizer_cfg is not None:
-        return CompatTokenizer(
-            context_length=int(text_cfg.get("context_length", 77)), **tokenizer_cfg
-        )
-    if "hf_tokenizer_name" in text_cfg or "hf_model_name" in text_cfg:
-        return open_clip.get_tokenizer(model_name)
-    return SimpleTokenizer(context_length=int(text_cfg.get("context_length", 77)))
-
-
-#: Key of the token ids stored beside a closed-vocabulary token table
-#: (``CLIP.save_pretrained(keep_tokens=...)``).
-KEPT_TOKENS_KEY = "kept_token_ids"
-
-
-def _token_table_key(state: dict) -> str:
-    keys = [k for k in state if k.endswith("token_embedding.weight")]
-    if len(keys) != 1:
-        raise ValueError(f"expected one token-embedding table in the CLIP weights, found {keys}")
-    return keys[0]
-
-
 def closed_vocabulary_ids(clip: CLIP, words: Sequence[str]) -> torch.Tensor:
     """The token ids a closed vocabulary of ``words`` can produce with ``clip``'s tokenizer (every
     word's tokens, the start/end tokens and the padding), for
@@ -683,93 +518,6 @@ def closed_vocabulary_ids(clip: CLIP, words: Sequence[str]) -> torch.Tensor:
     if not words:
         raise ValueError("closed_vocabulary_ids needs at least one word")
     return torch.unique(clip.tokenizer(words))
-
-
-def _load_safetensors(model: torch.nn.Module, file: Path) -> torch.Tensor | None:
-    """Load ``file`` into ``model``; returns the kept token ids of a closed-vocabulary file, else
-    None."""
-    from unclip.io.weights import load_safetensors
-
-    state = load_safetensors(file, "clip")
-    kept = state.pop(KEPT_TOKENS_KEY, None)
-    if kept is not None:  # a closed-vocabulary table: put its rows in place, zeros elsewhere
-        key = _token_table_key(state)
-        full = model.state_dict()[key]
-        rows = state[key]
-        if (
-            kept.ndim != 1
-            or rows.shape != (kept.numel(), full.shape[1])
-            or kept.max() >= full.shape[0]
-        ):
-            raise ValueError(
-                f"CLIP weights {file}: the closed-vocabulary token table {tuple(rows.shape)} with "
-                f"{kept.numel()} ids does not fit the model's table {tuple(full.shape)}"
-            )
-        table = torch.zeros(full.shape, dtype=rows.dtype)
-        table[kept] = rows
-        state[key] = table
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("attn_mask")]
-    if missing or unexpected:
-        raise ValueError(
-            f"CLIP weights {file} do not match the model config: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    return kept
-
-
-def load_pretrained_weights(
-    model: torch.nn.Module, model_name: str, pretrained: str
-) -> torch.Tensor | None:
-    """Load a local weights file or folder, or an open_clip hub tag (the only path that downloads),
-    into the open_clip ``model`` built for ``model_name``. Returns the kept token ids of a
-    closed-vocabulary file (:meth:`CLIP.save_pretrained`), else None."""
-    from unclip.io.safety import pickle_refusal, pickles_in
-
-    p = Path(pretrained)
-    if p.is_dir():
-        names = (WEIGHTS_NAME, "open_clip_model.safetensors", "open_clip_pytorch_model.safetensors")
-        for name in names:
-            if (p / name).is_file():
-                p = p / name
-                break
-        else:
-            if pickles_in(p):
-                raise pickle_refusal(pickles_in(p)[0], "clip", p)
-            raise FileNotFoundError(
-                f"no CLIP weights in folder {pretrained}: provide {p / WEIGHTS_NAME} "
-                f"or open_clip_model.safetensors"
-            )
-    if p.is_file():
-        if p.suffix != ".safetensors":  # a pickle (.bin/.pt/.ckpt) or an unknown format
-            raise pickle_refusal(p, "clip")
-        return _load_safetensors(model, p)
-    if os.sep in pretrained or pretrained.endswith((".safetensors", ".bin", ".pt", ".pth")):
-        raise FileNotFoundError(f"CLIP weights file not found: {pretrained}")
-    tags = open_clip.list_pretrained_tags_by_model(model_name)
-    if pretrained not in tags:
-        raise ValueError(
-            f"{pretrained!r} is neither a local weights path nor a pretrained tag of {model_name} "
-            f"(tags: {tags})"
-        )
-    try:
-        ckpt = open_clip.download_pretrained(open_clip.get_pretrained_cfg(model_name, pretrained))
-    except Exception as exc:  # offline
-        raise FileNotFoundError(
-            f"could not download open_clip weights {model_name}/{pretrained} ({exc}); offline, "
-            f"download them elsewhere and pass the local file as "
-            f"clip.pretrained=/path/to/open_clip_model.safetensors"
-        ) from exc
-    if not ckpt:
-        raise FileNotFoundError(f"could not fetch open_clip weights {model_name}/{pretrained}")
-    if not str(ckpt).endswith(".safetensors"):  # this tag is published only as a pickle
-        raise pickle_refusal(ckpt, f"clip ({model_name}/{pretrained})")
-    from unclip.io.weights import check_safetensors
-
-    check_safetensors(ckpt, f"clip ({model_name}/{pretrained})")
-    # open_clip's loader (safetensors for this file) converts older and third-party key layouts
-    open_clip.load_checkpoint(model, ckpt, weights_only=True)
-    return None
 
 
 def tiny_clip_config(

@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""Configs of the networks: the diffusion and autoregressive priors (:class:`PriorConfig`,
+:class:`ARPriorOptions`), the decoder (:class:`DecoderConfig`) and the upsamplers
+(:class:`UpsamplerConfig`); ``cfg.build(...)`` builds what a config describes. The CLIP's config,
+:class:`~unclip.nets.clip.ClipConfig`, lives with the CLIP, which reads it.
+"""
 
 from __future__ import annotations
 

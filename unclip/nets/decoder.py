@@ -37,8 +37,8 @@ from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
-from unclip.nets.clip import TextEncoding, check_prompts
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
+from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils.precision import KeepFp32Mixin
 
 __all__ = [

@@ -34,7 +34,7 @@ from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
 from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_options
-from unclip.nets.clip import TextEncoding
+from unclip.nets.text_encoding import TextEncoding
 from unclip.utils import offload
 from unclip.utils.precision import KeepFp32Mixin
 

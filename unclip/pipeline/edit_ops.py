@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""The pieces the pipeline's edits are built from (:mod:`unclip.pipeline.editing`): reading images
+and masks, resizing them to a stage's size, one deterministic DDIM step forward and its inverse,
+and the outputs of the edits (:class:`EditOutput`, :class:`Inversion`).
+"""
 
 from __future__ import annotations
 

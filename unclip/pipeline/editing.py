@@ -55,8 +55,15 @@ from unclip.pipeline.edit_ops import (
     read_image,
     read_mask,
 )
+from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.settings import SamplingConfig, resolve_sampling
-from unclip.sampling.stages import Denoiser, decoder_denoiser, stage_callback, upsampler_denoiser
+from unclip.sampling.stages import (
+    Denoiser,
+    StepCallback,
+    decoder_denoiser,
+    stage_callback,
+    upsampler_denoiser,
+)
 from unclip.sampling.utils import (
     check_count,
     check_finite,
@@ -64,7 +71,7 @@ from unclip.sampling.utils import (
     expand_generator,
     slerp,
 )
-from unclip.utils.images import to_output
+from unclip.utils.images import as_image_input, to_output
 from unclip.utils.offload import releases_gpu
 
 __all__ = [
@@ -497,3 +504,68 @@ class EditingMixin:
                 x = x if new is None else new
         x = check_finite(stage, x).float().clamp(-1, 1)
         return torch.where(regen, x, known)
+
+    @releases_gpu
+    @torch.no_grad()
+    def variations(
+        self,
+        image,
+        num_images: int = 1,
+        generator: Generator = None,
+        caption: Optional[str] = None,
+        sampling: Optional[dict] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ) -> UnCLIPOutput:
+        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1).
+        ``callback_on_step_end``: see :meth:`__call__`."""
+        check_output_type(output_type)
+        n = check_count(num_images, "num_images")
+        embed = self.clip.encode_image(as_image_input(image))
+        if embed.shape[0] != 1:
+            raise ValueError("variations takes one image; call it once per image")
+        embeds = embed.repeat(n, 1)
+        text = [caption] * n if caption is not None else None
+        gen = expand_generator(generator, 1, n, "generator")
+        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+        small = self.decode(embeds, text, gen, sampling, **cb)
+        final = self.upsample(small, gen, sampling, **cb)
+        return UnCLIPOutput(to_output(final, output_type), embeds)
+
+    @releases_gpu
+    @torch.no_grad()
+    def interpolate(
+        self,
+        start,
+        end,
+        num_steps: int = 5,
+        generator: Optional[torch.Generator] = None,
+        sampling: Optional[dict] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ) -> UnCLIPOutput:
+        """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
+
+        Prompts go through the prior first. Every frame is decoded from the same initial noise so
+        the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
+        """
+        check_output_type(output_type)
+        if check_count(num_steps, "num_steps") < 2:
+            raise ValueError("interpolate: num_steps must be >= 2")
+        seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+        ends = []
+        for x in (start, end):
+            if isinstance(x, str):
+                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
+            else:
+                ends.append(self.clip.encode_image(as_image_input(x)))
+        ws = torch.linspace(0, 1, num_steps)
+        embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
+        gens = [torch.Generator().manual_seed(seed) for _ in range(num_steps)]
+        small = self.decode(embeds, None, gens, sampling, **cb)
+        final = self.upsample(small, gens, sampling, **cb)
+        return UnCLIPOutput(to_output(final, output_type), embeds)

@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""Pipeline folders on disk: ``unclip.json`` and one subfolder per component, trained component
+folders (``unclip_stage.json``), and the bundled models. Loading a folder builds its components
+(:func:`load_components`, :func:`read_pipeline_folder`); saving writes them
+(:func:`write_pipeline_folder`). Safetensors I/O itself is :mod:`unclip.io.weights`.
+
+Other folder layouts (e.g. diffusers' ``model_index.json``) are loaded by readers declared as
+``unclip.folder_formats`` entry points (the diffusers/Karlo one is in pyproject.toml) or registered
+with :func:`register_folder_format`.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Whole jobs on a pipeline that the command line runs: :func:`generate_to_folder` (``unclip
+generate``: images, a grid and a JSON record in a folder) and :func:`assemble_pipeline` (``unclip
+assemble``: trained component folders into one pipeline folder).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from unclip.nets.clip import check_prompts
+from unclip.nets.text_encoding import check_prompts
 from unclip.pipeline.folders import DEFAULT_MODEL
 from unclip.sampling.utils import check_count
 from unclip.utils.config import to_dict

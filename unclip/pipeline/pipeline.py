@@ -37,7 +37,6 @@ folders in :mod:`unclip.io`, and :class:`UnCLIPOutput` with :func:`generate_to_f
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Union
@@ -46,23 +45,20 @@ import torch
 
 from unclip.diffusion.config import DiffusionConfig
 from unclip.diffusion.loop import Generator
-from unclip.io.card import check_card_fields, read_card_info, write_card
-from unclip.io.hub import push_folder
-from unclip.nets.clip import CLIP, TextEncoding, check_prompts
+from unclip.nets.clip import CLIP
 from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.nets.prior import UnCLIPPrior
 from unclip.nets.priors import prior_type
+from unclip.nets.text_encoding import TextEncoding, check_prompts
+from unclip.pipeline.batching import generators_by_group, joined_outputs, negatives_per_row
+from unclip.pipeline.devices import DevicesMixin
 from unclip.pipeline.edit_ops import EditOutput, Inversion
 from unclip.pipeline.editing import EditingMixin
 from unclip.pipeline.folders import (
     PIPELINE_FILE,
     bundled_model_path,
-    folder_format_reader,
-    load_components,
-    read_pipeline_folder,
-    resolve_pipeline_folder,
-    write_pipeline_folder,
 )
+from unclip.pipeline.loading import LoadingMixin
 from unclip.pipeline.lora import LoraMixin
 from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.offload import OffloadMixin
@@ -75,7 +71,6 @@ from unclip.sampling.candidates import (
 )
 from unclip.sampling.scorers import image_text_cosines
 from unclip.sampling.settings import (
-    DEFAULT_DIFFUSION,
     DEFAULT_SAMPLING,
     EVERY_UPSAMPLER,
     SAMPLING_FIELDS,
@@ -100,9 +95,8 @@ from unclip.sampling.utils import (
     slerp,
     stages_until,
 )
-from unclip.utils.images import as_image_input, to_output
+from unclip.utils.images import to_output
 from unclip.utils.offload import releases_gpu
-from unclip.utils.precision import parse_autocast, parse_dtype, resolve_autocast
 
 __all__ = [
     "UnCLIPPipeline",
@@ -118,61 +112,9 @@ __all__ = [
 ]
 
 
-def negatives_per_row(negative, rows: int, what: str) -> list[str]:
-    """Negative prompts as one per row: one string (or a one-item list) serves every row, else
-    there must be one per row (``what`` names the rows in the error: prompts, images)."""
-    captions = check_prompts(negative, "negative_prompt")
-    if len(captions) == 1:
-        captions = captions * rows
-    if len(captions) != rows:
-        raise ValueError(
-            f"negative_prompt: {len(captions)} for {rows} {what}; give one string for all, or one "
-            "per prompt"
-        )
-    return captions
-
-
-def _generators_by_group(
-    generator: Generator, prompts: int, n: int, groups: dict[int, list[int]], decoder
-) -> dict[int, Generator]:
-    """The generators of each group of prompts (:meth:`UnCLIPPipeline.__call__`): a single one is
-    shared (drawn on group by group, in order of first appearance); a list of one per prompt or
-    one per image is cut to the group's prompts."""
-    if generator is None or isinstance(generator, torch.Generator) or len(groups) == 1:
-        return dict.fromkeys(groups, generator)
-    gens = list(generator)
-    if len(gens) == prompts:
-        return {k: [gens[i] for i in rows] for k, rows in groups.items()}
-    if len(gens) == prompts * n:
-        return {k: [gens[i * n + j] for i in rows for j in range(n)] for k, rows in groups.items()}
-    raise ValueError(
-        f"generator: got {len(gens)} generators for {prompts} prompts × {n} images (the decoder "
-        f"draws {decoder.best_of} candidates per image, or {decoder.best_of_contrasted} for a "
-        "prompt its rerank_contrast has alternatives for); pass one generator, one per prompt, "
-        "or one per image"
-    )
-
-
-def _joined(parts: list[tuple], order: list[int]) -> tuple:
-    """The outputs of the groups of :meth:`UnCLIPPipeline.__call__` put back in prompt order
-    (``order``: each output row's position among all the prompts' images); timings summed."""
-    if len(parts) == 1:
-        return parts[0]
-    back = torch.tensor(order).argsort()
-
-    def cat(values):
-        return torch.cat(values)[back.to(values[0].device)]
-
-    final, embeds, text_embeds, stages, _ = zip(*parts)
-    timings: dict[str, float] = {}
-    for part in parts:
-        for stage, seconds in part[4].items():
-            timings[stage] = timings.get(stage, 0.0) + seconds
-    stage_images = {name: cat([p[name] for p in stages]) for name in stages[0]}
-    return cat(list(final)), cat(list(embeds)), cat(list(text_embeds)), stage_images, timings
-
-
-class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
+class UnCLIPPipeline(
+    LoadingMixin, DevicesMixin, EditingMixin, MemoryMixin, OffloadMixin, LoraMixin
+):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
     def __init__(
@@ -233,18 +175,6 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
             else self.decoder.config.sample_size
         )
 
-    @property
-    def device(self) -> torch.device:
-        """Where sampling runs: the components' device, or the execution device of
-        :meth:`enable_model_cpu_offload` (the components then wait on the CPU)."""
-        if self._offloader is not None:
-            return self._offloader.device
-        return self.decoder.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.decoder.dtype
-
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {"clip": self.clip, "decoder": self.decoder}
         if self.prior is not None:
@@ -259,223 +189,6 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         """The CLIP that scores decoder candidates in :meth:`rerank`: the ``reranker`` component if
         the pipeline has one, else the conditioning CLIP (``clip``)."""
         return self.reranker if self.reranker is not None else self.clip
-
-    def to(self, device=None, dtype=None, memory_format=None) -> UnCLIPPipeline:
-        """Move every component: ``pipe.to("cuda")``, ``pipe.to(torch.float16)``,
-        ``pipe.to("cuda", torch.bfloat16)``. Casting to float16/bfloat16 keeps the tensors the
-        numerics need in float32 (:mod:`unclip.precision`). ``memory_format=torch.channels_last``
-        stores the image networks' conv weights NHWC, which makes their activations NHWC too
-        (faster convolutions on CPUs with oneDNN, same results to float rounding; see
-        benchmarks/README.md). With model offload on, a device ends it (every component then
-        moves there); a dtype alone casts the waiting components and keeps it."""
-        if isinstance(device, torch.dtype):  # pipe.to(torch.float16), as diffusers' pipelines
-            device, dtype = None, device if dtype is None else dtype
-        if self._offloader is not None:
-            if device is not None:
-                self.disable_model_cpu_offload()
-            else:
-                self._offloader.offload_all()  # cast the CPU copies, not a device copy
-        dtype = parse_dtype(dtype, "dtype")
-        kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
-        for m in self.modules().values():
-            m.to(**kwargs)
-        if memory_format is not None:
-            for m in [self.decoder, *self.upsamplers]:
-                m.to(memory_format=memory_format)
-        self._null_text = None
-        self._auto_xformers()
-        return self
-
-    @property
-    def autocast_dtype(self) -> Optional[torch.dtype]:
-        """The dtype every denoising network call runs in under ``torch.autocast`` on the
-        pipeline's device, or ``None`` (full precision). Weights, latents, guidance and the
-        scheduler stay in the pipeline's dtype.
-
-        Set it to ``None``, ``torch.bfloat16``/``torch.float16`` (or their names) or ``"auto"``:
-        float16 on a GPU, bfloat16 on a CPU that runs it natively (AVX512-BF16/AMX), else
-        ``None``, and ``None`` with float16/bfloat16 weights
-        (:func:`unclip.precision.resolve_autocast`); ``"auto"`` follows the pipeline when it moves
-        or is cast. A constructed pipeline starts at ``None``; :meth:`from_pretrained` and
-        :meth:`from_components` start at ``"auto"``. Reduced precision is faster and changes
-        images slightly (benchmarks/README.md measures both, docs/shapes_model.md the shapes
-        evaluator's figures); :attr:`autocast_setting` is what was set."""
-        return resolve_autocast(self._autocast_dtype, self.device, self.dtype)
-
-    @autocast_dtype.setter
-    def autocast_dtype(self, dtype) -> None:
-        self._autocast_dtype = parse_autocast(dtype)
-
-    @property
-    def autocast_setting(self):
-        """What :attr:`autocast_dtype` was set to: ``None``, ``"auto"`` or a dtype."""
-        return self._autocast_dtype
-
-    def denoisers(self) -> dict[str, torch.nn.Module]:
-        """The networks of every sampling step (prior transformer, decoder UNet, upsampler UNets),
-        which the speed and memory options act on. The prior's sampler runs its transformer's
-        blocks itself, over the text positions once and three positions per step
-        (:meth:`~unclip.prior.UnCLIPPrior.conditioned`), unless the transformer is compiled."""
-        nets = {}
-        if self.prior is not None:
-            nets["prior"] = self.prior.transformer
-        nets["decoder"] = self.decoder.unet
-        for name, up in zip(self.upsampler_names, self.upsamplers):
-            nets[name] = up.unet
-            if up.final_unet is not None:
-                nets[f"{name}.final"] = up.final_unet
-        return nets
-
-    def compile(self, **kwargs) -> UnCLIPPipeline:
-        """``torch.compile`` every network in :meth:`denoisers` in place (``kwargs`` go to
-        ``torch.compile``, e.g. ``mode="max-autotune"``); weights and state-dict names are
-        unchanged. The first call of each stage compiles (minutes for a mid-size UNet on a CPU); see
-        benchmarks/README.md for when it pays."""
-        for net in self.denoisers().values():
-            net.compile(**kwargs)
-        return self
-
-    # ------------------------------------------------------------------ persistence
-    def save_pretrained(
-        self,
-        path: Union[str, os.PathLike],
-        safe_serialization: bool = True,
-        model_card: Optional[Mapping] = None,
-    ) -> None:
-        """Write the self-describing folder: ``unclip.json`` + one subfolder per component, and
-        ``README.md``, a model card in the Hub's format (:mod:`unclip.card`) from the pipeline
-        and :attr:`card_info` updated with ``model_card`` (fields in
-        :data:`unclip.card.CARD_FIELDS`: license, training, evaluation, ...). Refused while LoRA
-        adapters are loaded unmerged (:meth:`merge_lora` them first)."""
-        self._refuse_unmerged_lora("save_pretrained")
-        info = {**self.card_info, **check_card_fields(model_card)}
-        write_pipeline_folder(
-            path,
-            clip=self.clip,
-            prior=self.prior,
-            decoder=self.decoder,
-            upsamplers=dict(zip(self.upsampler_names, self.upsamplers)),
-            reranker=self.reranker,
-            diffusion=self.diffusion,
-            sampling=self.sampling,
-            prior_clip_range=self.prior_clip_range,
-        )
-        write_card(path, self, info)
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        commit_message: Optional[str] = None,
-        private: Optional[bool] = None,
-        token: Union[str, bool, None] = None,
-        revision: Optional[str] = None,
-        create_pr: bool = False,
-        model_card: Optional[Mapping] = None,
-    ):
-        """Upload the folder :meth:`save_pretrained` writes (with its model card, whose loading
-        example names ``repo_id``) to the Hub model repo ``repo_id``, created if needed; returns
-        ``huggingface_hub``'s ``CommitInfo``. ``token``: default, the one ``hf auth login``
-        stored."""
-        return push_folder(
-            self._push_writer(repo_id, model_card),
-            repo_id,
-            commit_message=commit_message,
-            private=private,
-            token=token,
-            revision=revision,
-            create_pr=create_pr,
-        )
-
-    def _push_writer(self, repo_id: str, model_card: Optional[Mapping] = None):
-        """What :meth:`push_to_hub` uploads: a function writing :meth:`save_pretrained`'s folder
-        with a card whose loading example names ``repo_id`` (see
-        :func:`unclip.hub.upload_folder_of`)."""
-        card = {"repo_id": repo_id, **check_card_fields(model_card)}
-        return lambda folder: self.save_pretrained(folder, model_card=card)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: Union[str, os.PathLike, None] = None,
-        *,
-        revision: Optional[str] = None,
-        cache_dir: Union[str, os.PathLike, None] = None,
-        local_files_only: Optional[bool] = None,
-        torch_dtype: Union[torch.dtype, str, None] = None,
-        variant: Optional[str] = None,
-        autocast_dtype="auto",
-        memory_format: Optional[torch.memory_format] = torch.channels_last,
-    ) -> UnCLIPPipeline:
-        """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
-        folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
-
-        ``path=None`` or ``"shapes"`` loads the bundled offline shapes model. A repo id is
-        fetched once into the Hub cache (``cache_dir``, default ``HF_HUB_CACHE``) at ``revision``
-        (branch, tag or commit; default ``main``), safetensors weights only
-        (:mod:`unclip.hub`); ``local_files_only=True`` or ``HF_HUB_OFFLINE=1`` use the cache only.
-        ``torch_dtype`` (``torch.float16``/``bfloat16``/``float32`` or its name): cast the weights
-        as :meth:`to` does. ``variant`` (e.g. ``"fp16"``): read ``*.fp16.safetensors`` weights.
-
-        The defaults sample fast: ``autocast_dtype="auto"`` runs the denoising networks in
-        float16 on a GPU and bfloat16 on a CPU that runs it natively (:attr:`autocast_dtype`;
-        ``None``: full precision, as diffusers computes), and the image networks
-        store their weights channels-last (``memory_format``; ``None`` keeps the default
-        layout; results equal to float rounding). benchmarks/README.md measures what each buys.
-        """
-        dtype = parse_dtype(torch_dtype)
-        autocast = parse_autocast(autocast_dtype)
-        hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
-        path = resolve_pipeline_folder(path, variant=variant, **hub)
-        reader = folder_format_reader(path)
-        if reader is not None:
-            pipe = reader(path, variant=variant) if variant else reader(path)
-        else:
-            pipe = cls._frozen(**read_pipeline_folder(path, variant=variant))
-        pipe.card_info = read_card_info(path)
-        return pipe._loaded_defaults(autocast, memory_format, dtype)
-
-    @classmethod
-    def from_components(
-        cls,
-        clip: Union[str, os.PathLike],
-        decoder: Union[str, os.PathLike],
-        prior: Union[str, os.PathLike, None] = None,
-        upsamplers: Sequence[Union[str, os.PathLike]] = (),
-        reranker: Union[str, os.PathLike, None] = None,
-        *,
-        autocast_dtype="auto",
-        memory_format: Optional[torch.memory_format] = torch.channels_last,
-    ) -> UnCLIPPipeline:
-        """Assemble a pipeline from component folders exported by the training commands
-        (``<output_dir>/final/<name>``, each with ``config.json``, weights and
-        ``unclip_stage.json``); ``reranker``: a CLIP folder (e.g. ``unclip train-clip``'s
-        ``<output_dir>/clip``) that scores decoder candidates instead of the conditioning CLIP.
-        ``autocast_dtype``, ``memory_format``: as in :meth:`from_pretrained`."""
-        autocast = parse_autocast(autocast_dtype)
-        parts = load_components(
-            clip, decoder, prior, upsamplers, DEFAULT_DIFFUSION, DEFAULT_SAMPLING
-        )
-        pipe = cls._frozen(
-            *parts, reranker=CLIP.from_pretrained(reranker) if reranker is not None else None
-        )
-        return pipe._loaded_defaults(autocast, memory_format)
-
-    def _loaded_defaults(self, autocast, memory_format, dtype=None) -> UnCLIPPipeline:
-        """The sampling defaults of a pipeline that was loaded (it owns its modules, so changing
-        their layout changes nothing outside it): the autocast setting, the image networks'
-        memory format, the weights' dtype."""
-        self._autocast_dtype = autocast
-        if dtype is not None or memory_format is not None:
-            self.to(dtype=dtype, memory_format=memory_format)
-        return self
-
-    @classmethod
-    def _frozen(cls, *args, **kwargs) -> UnCLIPPipeline:
-        pipe = cls(*args, **kwargs)
-        for m in pipe.modules().values():
-            m.eval().requires_grad_(False)
-        return pipe
 
     # ------------------------------------------------------------------ settings
     def sampling_settings(self, sampling: Optional[Mapping] = None) -> dict[str, StageSampling]:
@@ -749,7 +462,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
             # every group's sampler check before the first group samples
             dec = settings["decoder"]
             check_rerank_at(dec, self.diffusion["decoder"], self.decoder.config.learned_variance)
-        gens = _generators_by_group(generator, len(prompts), n, groups, settings["decoder"])
+        gens = generators_by_group(generator, len(prompts), n, groups, settings["decoder"])
         parts, order = [], []
         for k, rows in groups.items():
             parts.append(
@@ -767,7 +480,7 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
                 )
             )
             order += [i * n + j for i in rows for j in range(n)]
-        final, embeds, text_embeds, stage_images, timings = _joined(parts, order)
+        final, embeds, text_embeds, stage_images, timings = joined_outputs(parts, order)
         if not return_intermediates:
             stage_images = {}
         return UnCLIPOutput(
@@ -868,68 +581,3 @@ class UnCLIPPipeline(EditingMixin, MemoryMixin, OffloadMixin, LoraMixin):
         """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings
         ``[B, D]``."""
         return image_text_cosines(self.clip, images, text_embed)
-
-    @releases_gpu
-    @torch.no_grad()
-    def variations(
-        self,
-        image,
-        num_images: int = 1,
-        generator: Generator = None,
-        caption: Optional[str] = None,
-        sampling: Optional[dict] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ) -> UnCLIPOutput:
-        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1).
-        ``callback_on_step_end``: see :meth:`__call__`."""
-        check_output_type(output_type)
-        n = check_count(num_images, "num_images")
-        embed = self.clip.encode_image(as_image_input(image))
-        if embed.shape[0] != 1:
-            raise ValueError("variations takes one image; call it once per image")
-        embeds = embed.repeat(n, 1)
-        text = [caption] * n if caption is not None else None
-        gen = expand_generator(generator, 1, n, "generator")
-        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
-        small = self.decode(embeds, text, gen, sampling, **cb)
-        final = self.upsample(small, gen, sampling, **cb)
-        return UnCLIPOutput(to_output(final, output_type), embeds)
-
-    @releases_gpu
-    @torch.no_grad()
-    def interpolate(
-        self,
-        start,
-        end,
-        num_steps: int = 5,
-        generator: Optional[torch.Generator] = None,
-        sampling: Optional[dict] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ) -> UnCLIPOutput:
-        """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
-
-        Prompts go through the prior first. Every frame is decoded from the same initial noise so
-        the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
-        """
-        check_output_type(output_type)
-        if check_count(num_steps, "num_steps") < 2:
-            raise ValueError("interpolate: num_steps must be >= 2")
-        seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
-        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
-        ends = []
-        for x in (start, end):
-            if isinstance(x, str):
-                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
-            else:
-                ends.append(self.clip.encode_image(as_image_input(x)))
-        ws = torch.linspace(0, 1, num_steps)
-        embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
-        gens = [torch.Generator().manual_seed(seed) for _ in range(num_steps)]
-        small = self.decode(embeds, None, gens, sampling, **cb)
-        final = self.upsample(small, gens, sampling, **cb)
-        return UnCLIPOutput(to_output(final, output_type), embeds)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from unclip.diffusion.loop import Generator, is_guided
-from unclip.nets.clip import TextEncoding
+from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.settings import ARPriorSampling, sampling_for
 from unclip.sampling.utils import check_finite
 

@@ -25,8 +25,9 @@ from unclip.diffusion.loop import (
     make_scheduler,
     training_scheduler,
 )
-from unclip.nets.clip import CLIP, check_prompts
+from unclip.nets.clip import CLIP
 from unclip.nets.decoder import Caption, UnCLIPDecoder
+from unclip.nets.text_encoding import check_prompts
 from unclip.sampling.scorers import Scorer, as_scorer, check_rerank_contrast, image_text_cosines
 from unclip.sampling.settings import DecoderSampling, sampling_for
 from unclip.sampling.stages import (

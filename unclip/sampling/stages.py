@@ -40,9 +40,9 @@ from unclip.diffusion.loop import (
     training_scheduler,
 )
 from unclip.nets.ar_prior import UnCLIPARPrior
-from unclip.nets.clip import TextEncoding
 from unclip.nets.decoder import Caption, UnCLIPDecoder, UnCLIPUpsampler, upsample_low_res
 from unclip.nets.prior import PlainForward, UnCLIPPrior
+from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.ar import sample_ar_prior
 from unclip.sampling.settings import SamplingConfig, sampling_for
 from unclip.sampling.utils import check_finite

@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Reading shapes captions: :func:`parse_caption` turns a caption back into the attributes it names
+(the inverse of :func:`unclip.shapes.world.make_caption`), and :func:`canonical_caption` writes a
+parsed caption in one fixed phrasing, so that captions that say the same thing compare equal.
+"""
 
 from __future__ import annotations
 

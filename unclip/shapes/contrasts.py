@@ -71,7 +71,7 @@ def region_parts(text: str, extra_colors=None) -> list:
     on the low side, as the single-object caption "a small red circle on the left" (with the
     prompt's background, if it names one), against the same object in each other color and each
     other shape. The CLIP that reranks reads one object's color and shape far more surely than it
-    binds two objects' (docs/shapes_model.md), and a drawing with the objects' colors or
+    binds two objects' (docs/journal/shapes_model.md), and a drawing with the objects' colors or
     shapes swapped, or on the wrong sides, reads wrong on both sides. Raises ``ValueError`` for
     text that is not a shapes caption."""
     parsed = parse_caption(text, extra_colors)
@@ -111,7 +111,7 @@ def shapes_contrast(
     it has any; calling it gives them. A prompt that is not a shapes caption gets no alternatives,
     so the plain CLIP score ranks it (with a warning). ``pairs_only``: single-object captions get
     none either: what the contrast reads better is which of two objects has which color and where,
-    while a single object's attributes the cosine already reads (docs/shapes_model.md).
+    while a single object's attributes the cosine already reads (docs/journal/shapes_model.md).
     ``regions``: a :class:`~unclip.shapes.regions.RegionContrastScorer` that also reads each object
     of a two-object caption on its own side of the image (:func:`region_parts`)."""
 

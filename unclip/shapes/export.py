@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Writing the shapes world to disk (:func:`write_shapes`): a folder of images, captions and truth
+files, or img2dataset-style webdataset shards (layouts in :mod:`unclip.shapes.world`'s doc). Each
+file is written to a temporary name and renamed, so an interrupted export leaves no half files.
+"""
 
 from __future__ import annotations
 

@@ -111,17 +111,17 @@ def _path_setting(key: str, path: Path) -> str:
     return f"{key}={json.dumps(str(path))}"
 
 
-#: lever 19's decoder run: from scratch, aligned to the CLIP's layer1 (REPA)
+#: the decoder run from scratch, aligned to the CLIP's layer1 (REPA)
 _ALIGNED_DECODER = (
     "repa.weight=0.05",
     "repa.clip_layer=layer1",
     "data.shapes_two_object_prob=0.5",
     "train.max_steps=4600",
 )
-#: the relation-reading CLIP of lever 21: a quarter of each batch hard negatives, two-object scenes
+#: the relation-reading CLIP: a quarter of each batch hard negatives, two-object scenes
 #: with the colours swapped or another relation
 _RELATION_CLIP = ("data.hard_negatives=0.25", "data.pair_negatives={swap: 0.5, relation: 0.5}")
-#: lever 21's fine-tune of the aligned decoder on 60 % two-object scenes
+#: the fine-tune of the aligned decoder on 60 % two-object scenes
 _PAIRS_FINE_TUNE = (
     "data.shapes_two_object_prob=0.6",
     "train.max_steps=4000",
@@ -130,7 +130,7 @@ _PAIRS_FINE_TUNE = (
 )
 #: bf16 autocast where the CPU runs it natively, fp32 elsewhere (about 1.2x per decoder sample)
 _BF16 = ("train.mixed_precision=auto",)
-#: the aligned decoder and its two-object fine-tune, both in bf16 where native (levers 23 and 24)
+#: the aligned decoder and its two-object fine-tune, both in bf16 where native
 _BF16_DECODERS = {
     "decoder": (*_ALIGNED_DECODER, *_BF16),
     "decoder_pairs": (*_PAIRS_FINE_TUNE, *_BF16),
@@ -139,10 +139,9 @@ _BF16_DECODERS = {
 #: config overrides of ``--set``). ``shapes`` (the bundled weights) trains the decoder from
 #: scratch aligned to the CLIP's layer1, fine-tunes it on 60 % two-object scenes, both in bf16
 #: where native, and trains a second CLIP with relation and colour-swap hard negatives that
-#: reranks the decoder's candidates (docs/shapes_model.md, levers 18, 19, 21, 22 and 24);
-#: ``shapes-one-clip`` trains only that second CLIP, which then conditions the prior and decoder
-#: too (lever 23: 79.7 min, fewer prompts right); ``shapes-1h`` is lever 19's first decoder run
-#: alone, in fp32, with far fewer two-object scenes right
+#: reranks the decoder's candidates (docs/shapes_model.md); ``shapes-one-clip`` trains only that
+#: second CLIP, which then conditions the prior and decoder too (fewer prompts right);
+#: ``shapes-1h`` is the first decoder run alone, in fp32, with far fewer two-object scenes right
 RECIPES = {
     "shapes": {**_BF16_DECODERS, "reranker": _RELATION_CLIP},
     "shapes-one-clip": {"clip": _RELATION_CLIP, **_BF16_DECODERS},

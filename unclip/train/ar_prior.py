@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from unclip.nets.clip import CLIP, TextEncoding
+from unclip.nets.clip import CLIP
+from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.loop import TrainLoop

@@ -20,7 +20,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from unclip.diffusion.loop import diffusion_loss, training_scheduler
-from unclip.nets.clip import CLIP, TextEncoding
+from unclip.nets.clip import CLIP
+from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats

@@ -1,10 +1,13 @@
-"""TODO docstring."""
+"""What both prior trainers (diffusion and autoregressive) take from a batch of image–caption
+pairs: the frozen CLIP's image embeddings and text encodings (:func:`embed_batch`).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from unclip.nets.clip import CLIP, TextEncoding
+from unclip.nets.clip import CLIP
+from unclip.nets.text_encoding import TextEncoding
 from unclip.train.text_cache import TextEncodingCache
 
 

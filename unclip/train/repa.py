@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unclip.nets.clip import CLIP, named_submodule
+from unclip.nets.clip import CLIP
+from unclip.nets.clip_features import named_submodule
 
 __all__ = [
     "RepaDecoder",

@@ -33,7 +33,8 @@ from typing import Union
 
 import torch
 
-from unclip.nets.clip import CLIP, TextEncoding
+from unclip.nets.clip import CLIP
+from unclip.nets.text_encoding import TextEncoding
 
 __all__ = ["TextEncodingCache"]
 
