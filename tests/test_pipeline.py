@@ -460,8 +460,8 @@ def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pi
     """With the decoder's ``best_of_contrasted``, prompts its ``rerank_contrast`` has alternatives
     for draw that many candidates and the others ``best_of``: each group is sampled as a call with
     its own count, and the outputs come back in prompt order."""
+    from unclip.sampling.candidates import candidate_counts
     from unclip.sampling.scorers import RERANK_CONTRASTS
-    from unclip.sampling.settings import candidate_counts
 
     hard = "a red circle above a blue square"
     monkeypatch.setitem(
@@ -539,8 +539,13 @@ def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pi
         tiny_pipe.sampling_settings({"prior": {"best_of_contrasted": 3}})
     with pytest.raises(ValueError, match="best_of_contrasted must be an integer >= 1, got 0"):
         tiny_pipe.sampling_settings({"decoder": {"best_of_contrasted": 0}})
-    with pytest.raises(ValueError, match="one generator per prompt or a single one"):
+    with pytest.raises(ValueError, match=r"6 generators for 3 prompts × 1 images \(the decoder"):
         tiny_pipe(prompts, generator=gens(*range(3 * 2)), sampling=mixed, progress=False)
+    # one generator per image is taken with differing counts: each image keeps its own
+    kw = dict(sampling=mixed, progress=False, output_type="pt")
+    per_image = tiny_pipe(prompts, 2, generator=gens(*range(6)), **kw).images
+    alone = tiny_pipe(prompts[1:2], 2, generator=gens(2, 3), **kw).images
+    assert torch.equal(per_image[2:4], alone)
     # every group's settings are checked before the first group samples
     calls = []
     heun = {**mixed, "decoder": {**mixed["decoder"], "best_of": 1, "scheduler": "heun"}}

@@ -41,6 +41,7 @@ from unclip.sampling.utils import check_count, check_finite
 
 __all__ = [
     "CandidateSelection",
+    "candidate_counts",
     "sample_decoder_candidates",
     "sample_decoder_reranked",
     "rerank_candidates",
@@ -189,6 +190,12 @@ def _choosing_hook(d, diffusion: DiffusionConfig, guided: bool, decoder: UnCLIPD
         step.denoise = denoise
 
     return hook, lambda: state["keep"]
+
+
+def candidate_counts(settings: DecoderSampling, prompts: Sequence[str]) -> list[int]:
+    """The decoder's candidates per image for each of ``prompts`` under its settings
+    (:meth:`CandidateSelection.counts`)."""
+    return CandidateSelection.of(sampling_for("decoder", settings)).counts(prompts)
 
 
 @torch.no_grad()
