@@ -97,6 +97,16 @@ class TokenModelConfig:
             vocab = check_tokenizer(self.text_tokenizer)["vocab_size"]
         except ValueError as exc:
             raise ConfigError(f"transformer.text_tokenizer: {exc}") from None
+        if self.type == "mega" and self.text_tokenizer == "open_clip_bpe":
+            # the empty caption Mega's super-conditioning runs is [start, end, padding …] in the
+            # caption tokenizer's own ids
+            want = {"text_bos_id": 49406, "text_eos_id": 49407, "text_pad_id": 0}
+            for key, value in want.items():
+                if getattr(self.mega, key) != value:
+                    raise ConfigError(
+                        f"transformer.mega.{key}={getattr(self.mega, key)} does not match the "
+                        f"open_clip_bpe caption tokenizer; set it to {value}"
+                    )
         if self.model.text_vocab_size < vocab:
             raise ConfigError(
                 f"transformer.{self.type}.text_vocab_size={self.model.text_vocab_size} is smaller "
@@ -109,6 +119,14 @@ class TokenModelConfig:
 
     def build(self) -> torch.nn.Module:
         return self.model.build()
+
+    def caption_ids(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captions → ``(ids [B, text_len], mask [B, text_len])`` (start, BPE tokens, end; the
+        mask is false on the zero padding after the end token)."""
+        from unclip.nets.text_encoder import caption_tokenizer
+
+        ids = caption_tokenizer(self.text_tokenizer, self.model.text_len)(prompts)
+        return ids, ids != 0
 
 
 _SCHEMAS = {"tokenizer": TokenizerConfig, "transformer": TokenModelConfig}
