@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from unclip.nets.blocks import TransformerBlock
@@ -152,6 +153,12 @@ class DalleLoss(NamedTuple):
     image: torch.Tensor
 
 
+def _block(block, x, mask, cache):
+    """One pre-LN block over ``x`` with the attention through the key/value ``cache``."""
+    x = x + attend_cached(block.attn, block.attn_norm(x), mask, cache)
+    return x + block.ff(block.ff_norm(x))
+
+
 class DalleTransformer(nn.Module):
     """DALL-E's decoder-only transformer (see the module doc).
 
@@ -182,6 +189,8 @@ class DalleTransformer(nn.Module):
         self.image_head = nn.Linear(d, c.image_vocab_size)
         self.layer_kinds = dalle_layer_kinds(c.num_layers, c.sparse_attention)
         self._masks: dict = {}
+        #: recompute each block in backward (``train.gradient_checkpointing``)
+        self.gradient_checkpointing = False
         init_weights(self, c.init_std)
 
     @property
@@ -253,11 +262,14 @@ class DalleTransformer(nn.Module):
         # are built without NormFormer, so there is no attention output norm to apply)
         for i, block in enumerate(self.blocks):
             mask = self.mask(self.layer_kinds[i], x.device)[start : start + t, : start + t]
-            h = attend_cached(
-                block.attn, block.attn_norm(x), mask, None if caches is None else caches[i]
-            )
-            x = x + h
-            x = x + block.ff(block.ff_norm(x))
+            cache = None if caches is None else caches[i]
+            if self.gradient_checkpointing and self.training and cache is None:
+                # keep only each block's input; backward recomputes the block
+                x = torch.utils.checkpoint.checkpoint(
+                    _block, block, x, mask, None, use_reentrant=False
+                )
+            else:
+                x = _block(block, x, mask, cache)
         return self.norm_out(x)
 
     def forward(

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from unclip.nets.blocks import FeedForward, SelfAttention
@@ -146,11 +147,21 @@ class MegaTransformer(nn.Module):
         self.decoder = nn.ModuleList(MegaLayer(c, cross=True) for _ in range(c.decoder_layers))
         self.decoder_norm = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, c.image_vocab_size, bias=False)
+        #: recompute each layer in backward (``train.gradient_checkpointing``)
+        self.gradient_checkpointing = False
         init_weights(self, c.init_std)
 
     @property
     def grid(self) -> int:
         return self.config.grid
+
+    def _layer(self, layer, x, mask, cache=None, cross=None):
+        if self.gradient_checkpointing and self.training and cache is None:
+            # keep only each layer's input; backward recomputes the layer
+            return torch.utils.checkpoint.checkpoint(
+                layer, x, mask, None, cross, use_reentrant=False
+            )
+        return layer(x, mask, cache, cross)
 
     def null_text(self, batch: int, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The empty caption (what BART's tokenizer gives for ``""``): ``[bos, eos, pad …]``
@@ -179,7 +190,7 @@ class MegaTransformer(nn.Module):
         pos = torch.arange(length, device=text_ids.device)
         x = self.encoder_embed_norm(self.text_embedding(text_ids) + self.text_position(pos))
         for layer in self.encoder:
-            x = layer(x, key_mask)
+            x = self._layer(layer, x, key_mask)
         return self.encoder_norm(x), key_mask
 
     def _decode(self, tokens, start, encoded, caches, cross_kv):
@@ -191,7 +202,9 @@ class MegaTransformer(nn.Module):
         mask = torch.arange(start + t, device=tokens.device)[None, :] <= q  # causal [T, S]
         for i, layer in enumerate(self.decoder):
             k, v = cross_kv[i] if cross_kv is not None else layer.cross_kv(encoded[0])
-            x = layer(x, mask, None if caches is None else caches[i], (k, v, encoded[1]))
+            x = self._layer(
+                layer, x, mask, None if caches is None else caches[i], (k, v, encoded[1])
+            )
         return self.lm_head(self.decoder_norm(x))
 
     def forward(

@@ -219,8 +219,7 @@ def train_token_model(
     tokenizer = tokenizer.to(loop.device).requires_grad_(False)
     with torch.device(loop.device):
         model = cfg.transformer.build()
-    if cfg.train.gradient_checkpointing:
-        logger.warning("the token transformers have no gradient checkpointing; ignoring the option")
+    model.gradient_checkpointing = cfg.train.gradient_checkpointing
     model = loop.prepare(model)
     model.train()
     task = TokenModelTask(cfg, tokenizer, loop)
