@@ -6,6 +6,7 @@ unclip serve [--model PIPELINE] [--port 7860]   (a local web demo; pip install '
 unclip make-shapes data/shapes --num 10000 --format webdataset
 unclip embed ... | unclip evaluate ... | unclip convert SRC DST
 unclip train-prior CONFIG | unclip train-decoder CONFIG | unclip assemble ...
+unclip train-tokenizer CONFIG | unclip train-tokens CONFIG   (the DALL-E and DALL-E Mega families)
 unclip shapes-eval --model PIPELINE | unclip shapes-finalize PIPELINE --sampling YAML
 unclip recipe shapes OUT   (the bundled model's training, every step)
 
@@ -45,6 +46,14 @@ COMMANDS = {
     "train-clip": (
         "unclip.cli.train_clip",
         "train a small CLIP on the shapes world (contrastive)",
+    ),
+    "train-tokenizer": (
+        "unclip.cli.train_tokenizer",
+        "train an image tokenizer (DALL-E's dVAE, DALL-E Mega's VQGAN)",
+    ),
+    "train-tokens": (
+        "unclip.cli.train_tokens",
+        "train a DALL-E or DALL-E Mega token transformer over a frozen tokenizer",
     ),
     "plan": (
         "unclip.cli.plan",

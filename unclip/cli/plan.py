@@ -71,6 +71,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load_any_config(path, overrides):
+    """A stage config, or a token family's (``tokenizer:`` / ``transformer:`` at the top)."""
+    import yaml
+
+    from unclip.train.config import load_stage_config
+
+    try:
+        with open(path) as f:
+            top = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        top = {}  # the stage loader reports the file's problem
+    if isinstance(top, dict) and "transformer" in top:
+        from unclip.train.token_config import load_token_model_train_config
+
+        return load_token_model_train_config(path, overrides)
+    if isinstance(top, dict) and "tokenizer" in top:
+        from unclip.train.token_config import load_tokenizer_train_config
+
+        return load_tokenizer_train_config(path, overrides)
+    return load_stage_config(path, overrides)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -86,7 +108,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch
 
-    from unclip.train.config import load_stage_config
     from unclip.train.plan import measure_step
     from unclip.train.strategies import (
         format_plan,
@@ -126,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         gpus = args.gpus
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
-    cfg = load_stage_config(args.config, args.overrides)
+    cfg = _load_any_config(args.config, args.overrides)
     measure = measure_step(cfg, micro_batch=args.micro_batch)
     rows, choice = memory_plan(measure, shard_gpus, memory, strategy, cfg.train.grad_accum_steps)
     print(format_plan(measure, rows, choice, shard_gpus, memory, cfg.train.max_steps, gpus))

@@ -62,13 +62,13 @@ def start(args: argparse.Namespace, block: bool = True):
     import torch
 
     from unclip.demo.app import build_demo, launch
-    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.pipeline.auto import load_pipeline
 
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
         raise ValueError(f"--device {args.device!r}: {exc}") from None
-    pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(device)
+    pipe = load_pipeline(args.model, autocast_dtype=args.autocast).to(device)
     bundled = args.model in (None, "shapes")
     name = "shapes (bundled)" if bundled else str(args.model)
     demo = build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())

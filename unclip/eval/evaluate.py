@@ -309,6 +309,8 @@ def _load_clip(clip_model, clip_pretrained, pipe):
         clip = CLIP.from_config(ClipConfig(clip_model, pretrained=clip_pretrained))
         return clip, f"{clip_model} ({clip_pretrained})"
     if pipe is not None:
+        if pipe.clip is None:  # a token pipeline exported without a reranking CLIP
+            raise ValueError("the pipeline has no CLIP to score with; pass --clip-model FOLDER")
         return pipe.clip, f"pipeline's own CLIP ({pipe.clip.model_name}, the conditioning CLIP)"
     return None, None
 
@@ -398,11 +400,11 @@ def evaluate(
         raise ValueError("FID needs at least 2 samples (--num-samples)")
     pipe = None
     if model:
-        from unclip.pipeline.pipeline import UnCLIPPipeline
+        from unclip.pipeline.auto import load_pipeline
         from unclip.utils.precision import dtype_name
 
         hub = {"revision": revision, "cache_dir": cache_dir}
-        pipe = UnCLIPPipeline.from_pretrained(model, **hub, autocast_dtype=autocast_dtype)
+        pipe = load_pipeline(model, **hub, autocast_dtype=autocast_dtype)
         pipe.to(device)
         settings = pipe.sampling_settings(sampling)  # a bad override fails before any work
         report["sampling"] = {k: vars(v) for k, v in settings.items()}

@@ -165,6 +165,16 @@ class DVAE(nn.Module):
         z = F.embedding(tokens, w.T) + self.decoder_in.bias  # [B, h, w, d_init]
         return self._images(self._params(z.permute(0, 3, 1, 2))[0])
 
+    def forward(
+        self,
+        images: torch.Tensor,
+        temperature: float,
+        kl_weight: float,
+        generator: Optional[torch.Generator] = None,
+    ) -> DVAELoss:
+        """Training forward: :meth:`loss` (so a distributed wrapper's forward runs it)."""
+        return self.loss(images, temperature, kl_weight, generator)
+
     def loss(
         self,
         images: torch.Tensor,

@@ -145,6 +145,10 @@ class VQGAN(nn.Module):
         out = self.model.decode(tokens.flatten(), force_not_quantize=True, shape=shape).sample
         return out.clamp(-1, 1)
 
+    def forward(self, images: torch.Tensor):
+        """Training forward: :meth:`reconstruct` (so a distributed wrapper's forward runs it)."""
+        return self.reconstruct(images)
+
     def reconstruct(self, images: torch.Tensor):
         """Training forward: ``(x̂ [B, 3, H, W], z_e, z_q)`` with the straight-through estimator
         (the decoder's gradient reaches the encoder as if quantisation were the identity)."""
@@ -178,7 +182,8 @@ class VQGANLoss(nn.Module):
             perceptual.requires_grad_(False)
 
     def forward(self, vqgan: VQGAN, images: torch.Tensor) -> dict:
-        x_hat, z_e, z_q = vqgan.reconstruct(images)
+        """``vqgan``: the tokenizer, or a distributed wrapper of it (its forward reconstructs)."""
+        x_hat, z_e, z_q = vqgan(images)
         terms = {
             "recon": (images - x_hat).abs().mean(),
             "codebook": F.mse_loss(z_q, z_e.detach()),

@@ -56,8 +56,16 @@ def register_folder_format(marker: str, reader: Callable) -> None:
 
 def read_pipeline_index(path) -> dict:
     """The ``unclip.json`` of pipeline folder ``path``; a broken file is a one-line
-    ``ValueError`` naming it."""
-    return read_json(Path(path) / PIPELINE_FILE, "pipeline")
+    ``ValueError`` naming it, and so is another family's folder (a DALL-E or DALL-E Mega
+    pipeline: ``unclip.pipeline.auto.load_pipeline`` reads every family's)."""
+    index = read_json(Path(path) / PIPELINE_FILE, "pipeline")
+    family = index.get("family", "unclip")
+    if family != "unclip":
+        raise ValueError(
+            f"{Path(path)} holds a {family!r} pipeline, not an unCLIP one; load it with "
+            "unclip.pipeline.auto.load_pipeline (as unclip generate --model does)"
+        )
+    return index
 
 
 def _settings_from_pipeline(folder: Path, expected: str) -> dict:

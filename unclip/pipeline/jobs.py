@@ -71,7 +71,8 @@ def generate_to_folder(
 ) -> dict:
     """Sample ``prompts`` and write the images, ``grid.png`` and ``generate.json`` to ``folder``.
 
-    ``model``: a pipeline, a folder or Hub repo id for :meth:`UnCLIPPipeline.from_pretrained`
+    ``model``: a pipeline, a folder (of any family: :func:`unclip.pipeline.auto.load_pipeline`)
+    or Hub repo id for :meth:`UnCLIPPipeline.from_pretrained`
     (``revision``, ``cache_dir``: of the repo) or None (the bundled model); ``tiny``: a random
     untrained tiny pipeline instead (a smoke test). ``folder`` is
     checked (:func:`check_output_folder`) before the model loads; an existing folder is fine, its
@@ -102,7 +103,7 @@ def generate_to_folder(
     from importlib.metadata import PackageNotFoundError, version
 
     # imported here: unclip.pipeline imports this module for UnCLIPOutput
-    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.pipeline.auto import is_pipeline, load_pipeline
     from unclip.utils.precision import dtype_name, parse_autocast
 
     prompts = check_prompts(prompts)
@@ -120,13 +121,13 @@ def generate_to_folder(
         from unclip.pipeline.tiny import tiny_pipeline
 
         pipe, name = tiny_pipeline(), "tiny (random, untrained)"
-    elif isinstance(model, UnCLIPPipeline):
+    elif is_pipeline(model):
         pipe, name = model, "in-memory pipeline"
         if not given:
             autocast = pipe.autocast_setting
     else:
         hub = {"revision": revision, "cache_dir": cache_dir}
-        pipe = UnCLIPPipeline.from_pretrained(model, **hub)
+        pipe = load_pipeline(model, **hub)
         name = str(model or DEFAULT_MODEL)
     # adapters already on a caller's pipeline are recorded too; those loaded here are unloaded
     # at the end, so the caller's pipeline is left as it was given

@@ -20,13 +20,14 @@ rows batched with it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from unclip.sampling.ar import filter_logits
 
-__all__ = ["guided_logits", "sample_image_tokens", "draw_tokens"]
+__all__ = ["guided_logits", "sample_image_tokens", "draw_tokens", "TokenSampling"]
 
 Generator = Union[None, torch.Generator, list[torch.Generator]]
 
@@ -131,3 +132,34 @@ def sample_image_tokens(
     if return_logits:
         return tokens, torch.stack(all_logits, dim=1)
     return tokens
+
+
+@dataclass
+class TokenSampling:
+    """Sampling settings of a token pipeline (DALL-E, DALL-E Mega): ``temperature``, ``top_k``,
+    ``top_p`` and ``guidance_scale`` (super-conditioning's ``α``; ``None``: the conditional pass
+    only) as :func:`sample_image_tokens` takes them; ``candidates``: images sampled per requested
+    image, the best kept by the CLIP reranker (DALL-E's reranking; 1: no reranking);
+    ``use_cache``: the key/value cache."""
+
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    guidance_scale: Optional[float] = None
+    candidates: int = 1
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"sampling.temperature must be > 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"sampling.top_k must be an integer >= 1 or null, got {self.top_k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1] or null, got {self.top_p!r}")
+        if not isinstance(self.candidates, int) or self.candidates < 1:
+            raise ValueError(
+                f"sampling.candidates must be an integer >= 1, got {self.candidates!r}"
+            )

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from unclip.eval.metrics import GaussianStats, clip_cosines, frechet_distance
+from unclip.pipeline.auto import load_pipeline
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.shapes.detector import evaluate_images
@@ -154,7 +155,8 @@ def evaluate_pipeline(
                 image_embeds=true_embed if oracle else None,
                 last_stage=last,
             )
-            cos_prior.append(F.cosine_similarity(out.image_embeds, true_embed, dim=-1))
+            if out.image_embeds is not None:  # a token pipeline decodes no image embedding
+                cos_prior.append(F.cosine_similarity(out.image_embeds, true_embed, dim=-1))
         for name, seconds in out.timings.items():
             timing[name] = timing.get(name, 0.0) + seconds
         for name, images in out.stage_images.items():
@@ -279,7 +281,12 @@ def run(
         raise ValueError(
             "stages='upsamplers' runs no decoder and no reranking; drop decoder_weights/reranker"
         )
-    pipe = UnCLIPPipeline.from_pretrained(model, autocast_dtype=autocast_dtype)
+    pipe = load_pipeline(model, autocast_dtype=autocast_dtype)
+    if pipe.clip is None:
+        raise ValueError(
+            f"{model} has no CLIP to score its images with; export the token pipeline with "
+            "rerank_clip set (e.g. unclip/bundled/shapes/clip)"
+        )
     if decoder_weights:
         from safetensors.torch import load_file
 

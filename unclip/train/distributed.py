@@ -109,7 +109,7 @@ def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
 #: (embeddings, projections, the caption's token embedding) stays in the root group, gathered for
 #: the whole step.
 FSDP_BLOCKS = (
-    ("BasicTransformerBlock", "TransformerBlock"),
+    ("BasicTransformerBlock", "TransformerBlock", "MegaLayer"),
     ("ResnetBlock2D", "Attention", "CaptionBlock"),
 )
 

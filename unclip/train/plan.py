@@ -236,7 +236,10 @@ class StepMeasure:
 def _synthetic_batch(cfg, clip, b: int) -> dict:
     """A micro-batch of the stage's data with the right shapes (values do not matter)."""
     batch = {"caption": ["a red circle above a blue square on a white background"] * b}
-    if cfg.stage == "prior" and cfg.data.source == "embeddings":
+    if _is_token_family(cfg):
+        size = cfg.data.resolution
+        batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
+    elif cfg.stage == "prior" and cfg.data.source == "embeddings":
         batch["image_embed"] = torch.randn(b, clip.embed_dim)
     else:
         size = clip.image_size if cfg.stage == "prior" else cfg.data.resolution
@@ -286,7 +289,9 @@ def measure_step(
     cfg = copy.deepcopy(cfg)
     if micro_batch is not None:
         cfg.data.batch_size = micro_batch
-    cfg.clip.pretrained = None  # shapes only: nothing is downloaded or read
+    token_family = _is_token_family(cfg)
+    if not token_family:
+        cfg.clip.pretrained = None  # shapes only: nothing is downloaded or read
     cfg.train.init_weights = None
     cfg.train.init_weights_partial = False
     cfg.train.trackers = []
@@ -295,7 +300,7 @@ def measure_step(
     cfg.train.grad_accum_steps = steps
     # counted at its full budget; measured without it, so that every micro-batch runs the CLIP
     # (the synthetic batches repeat one caption)
-    text_cache = int(cfg.train.text_cache_mb * 2**20) if cfg.stage == "prior" else 0
+    text_cache = int(cfg.train.text_cache_mb * 2**20) if getattr(cfg, "stage", "") == "prior" else 0
     cfg.train.text_cache_mb = 0
     with (
         _fresh_accelerate_state(),
@@ -328,11 +333,18 @@ def measure_step(
         with fake, mem, mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint):
             device = torch.device(device_type, 0) if device_type == "cuda" else loop.device
             torch.manual_seed(cfg.train.seed)
-            with torch.device(clip_device(cfg, device)):
-                clip = CLIP.from_config(cfg.clip)
-            clip_flops = _count_flops_of(clip, ("encode_text", "encode_image", "layer_features"))
+            if token_family:  # no CLIP: the caption is BPE ids
+                clip, clip_flops = None, [0]
+            else:
+                with torch.device(clip_device(cfg, device)):
+                    clip = CLIP.from_config(cfg.clip)
+                methods = ("encode_text", "encode_image", "layer_features")
+                clip_flops = _count_flops_of(clip, methods)
             clip_bytes = mem.current
-            model, task = _build(cfg, clip, device)
+            if token_family:
+                model, task = _build_token_family(cfg, device, loop)
+            else:
+                model, task = _build(cfg, clip, device)
             weights = mem.current - clip_bytes
             params = list(model.parameters())
             trainable = [p for p in params if p.requires_grad]
@@ -379,11 +391,11 @@ def measure_step(
             _check_devices(loop, model, device)
             units = fsdp_units(loop.unwrapped)  # what FSDP would shard unit by unit
             measure = StepMeasure(
-                stage=cfg.stage,
+                stage=getattr(cfg, "stage", task.name),
                 component=task.name,
                 params_total=sum(p.numel() for p in params),
                 params_trainable=sum(p.numel() for p in trainable),
-                clip_params=sum(p.numel() for p in clip.model.parameters()),
+                clip_params=0 if clip is None else sum(p.numel() for p in clip.model.parameters()),
                 micro_batch=cfg.data.batch_size,
                 grad_accum_steps=steps,
                 mixed_precision=loop.mixed_precision,
@@ -469,6 +481,38 @@ def _count_flops_of(obj, methods) -> list[int]:
 
         setattr(obj, name, run)
     return counter
+
+
+def _is_token_family(cfg) -> bool:
+    """A DALL-E / DALL-E Mega run (:mod:`unclip.train.token_config`) rather than a stage's."""
+    return not hasattr(cfg, "stage")
+
+
+class _TokensOfShape(torch.nn.Module):
+    """The frozen tokenizer of a token-model plan: tokens of the right shape (zeros). A trained
+    tokenizer folder need not exist to plan the transformer; the tokenizer's own weights (frozen,
+    forward only) are not counted."""
+
+    def __init__(self, grid: int):
+        super().__init__()
+        self.grid = grid
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        b = images.shape[0]
+        return torch.zeros(b, self.grid, self.grid, dtype=torch.long, device=images.device)
+
+
+def _build_token_family(cfg, device, loop):
+    """The network and task of a tokenizer or token-model run, built by its training code."""
+    from unclip.train.tokens import TokenizerTask, TokenModelTask
+
+    with torch.device(device):
+        if hasattr(cfg, "transformer"):
+            model = cfg.transformer.build()
+            model.gradient_checkpointing = cfg.train.gradient_checkpointing
+            tokens = _TokensOfShape(cfg.transformer.model.grid)
+            return model, TokenModelTask(cfg, tokens, loop)
+        return cfg.tokenizer.build(), TokenizerTask(cfg, loop)
 
 
 def _build(cfg, clip, device):

@@ -1,0 +1,68 @@
+"""What DALL-E's and DALL-E Mega's token transformers share: attention over a key/value cache,
+caption dropout (the unconditional pass of super-conditioning), initialisation and parameter
+counting.
+
+Both networks share one interface, which :mod:`unclip.sampling.tokens` samples through:
+``image_logits(text_ids, text_mask, image_tokens [B, n]) → [B, n+1, V_image]`` (teacher forcing:
+row ``i`` predicts image token ``i``), ``start(text_ids, text_mask) → (logits [B, V_image],
+state)`` and ``step(token [B], state) → logits [B, V_image]`` (a key/value cache: each step runs
+one position), and ``null_text(batch, length)``, the caption of the unconditional pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from unclip.nets.blocks import SelfAttention
+
+__all__ = ["attend_cached", "init_weights", "drop_captions", "parameter_count"]
+
+
+def attend_cached(
+    attn: SelfAttention, x: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[dict]
+) -> torch.Tensor:
+    """Self-attention of ``x [B, T, dim]`` (the last ``T`` positions) over the cached keys and
+    values of earlier positions and its own; ``mask [T, S]`` (``S`` = cached + ``T``). The cache
+    (a dict) is extended with this call's keys and values."""
+    q, k, v = attn.project(x)
+    if cache is not None:
+        if "k" in cache:
+            k = torch.cat([cache["k"], k], dim=2)
+            v = torch.cat([cache["v"], v], dim=2)
+        cache["k"], cache["v"] = k, v
+    return attn.attend(q, k, v, mask)
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+def drop_captions(model, text_ids, text_mask, p: float, generator):
+    """Replace a ``p`` share of the rows (drawn per row) by ``model.null_text``."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"cond_drop_prob must be in [0, 1], got {p!r}")
+    if text_mask is None:
+        text_mask = torch.ones_like(text_ids, dtype=torch.bool)
+    if p == 0.0:
+        return text_ids, text_mask
+    b, length = text_ids.shape
+    gen_device = generator.device if generator is not None else "cpu"
+    drop = (torch.rand(b, generator=generator, device=gen_device) < p).to(text_ids.device)
+    null_ids, null_mask = model.null_text(b, length, text_ids.device)
+    return (
+        torch.where(drop[:, None], null_ids, text_ids),
+        torch.where(drop[:, None], null_mask, text_mask.bool()),
+    )
+
+
+def parameter_count(module: nn.Module) -> int:
+    """Number of parameters (works on the meta device)."""
+    return sum(math.prod(p.shape) for p in module.parameters())

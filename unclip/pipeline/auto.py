@@ -1,0 +1,74 @@
+"""One loading entry for every family's pipeline folder.
+
+    from unclip.pipeline.auto import load_pipeline
+    pipe = load_pipeline("runs/dalle/final/pipeline")   # a TokenPipeline
+    pipe = load_pipeline(None)                          # the bundled unCLIP shapes model
+
+A local folder whose ``unclip.json`` names a token family (``"family": "dalle"`` or
+``"dalle_mega"``) loads as :class:`~unclip.pipeline.token_pipeline.TokenPipeline`; everything else
+(unCLIP folders, which name no family or ``"unclip"``, diffusers folders, Hub ids, ``None`` for the
+bundled model) goes to :meth:`UnCLIPPipeline.from_pretrained <unclip.pipeline.pipeline.
+UnCLIPPipeline.from_pretrained>` with the same keyword arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+from unclip.io.weights import read_json
+from unclip.pipeline.folders import PIPELINE_FILE
+from unclip.pipeline.token_pipeline import TOKEN_FAMILIES, TokenPipeline
+
+__all__ = ["load_pipeline", "pipeline_family", "AutoPipeline", "is_pipeline"]
+
+
+def pipeline_family(path: Union[str, os.PathLike, None]) -> str:
+    """The family of the pipeline at ``path``: ``dalle``, ``dalle_mega`` or ``unclip`` (anything
+    that is not a local folder naming a token family)."""
+    if path is None:
+        return "unclip"
+    index = Path(path) / PIPELINE_FILE
+    if not index.is_file():
+        return "unclip"
+    family = read_json(index, "pipeline").get("family", "unclip")
+    if family != "unclip" and family not in TOKEN_FAMILIES:
+        raise ValueError(
+            f"{index}: unknown pipeline family {family!r}; this unclip reads "
+            f"{', '.join(('unclip',) + TOKEN_FAMILIES)}"
+        )
+    return family
+
+
+def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
+    """The pipeline at ``path`` (see the module doc); ``kwargs`` as
+    :meth:`UnCLIPPipeline.from_pretrained` takes them. A token pipeline takes ``autocast_dtype``
+    (it samples in full precision: the setting is accepted and recorded as None); the Hub and
+    dtype options are refused for it with what to do."""
+    if pipeline_family(path) == "unclip":
+        from unclip.pipeline.pipeline import UnCLIPPipeline
+
+        return UnCLIPPipeline.from_pretrained(path, **kwargs)
+    given = {k: v for k, v in kwargs.items() if v is not None and k != "autocast_dtype"}
+    if given:
+        raise ValueError(
+            f"{', '.join(sorted(given))}: not supported for a token pipeline folder ({path}); "
+            "leave them out"
+        )
+    return TokenPipeline.from_pretrained(path)
+
+
+def is_pipeline(obj) -> bool:
+    """Whether ``obj`` is a loaded pipeline of any family (rather than a path or name)."""
+    from unclip.pipeline.pipeline import UnCLIPPipeline
+
+    return isinstance(obj, (UnCLIPPipeline, TokenPipeline))
+
+
+class AutoPipeline:
+    """``AutoPipeline.from_pretrained(path, **kwargs)``: :func:`load_pipeline`."""
+
+    @staticmethod
+    def from_pretrained(path=None, **kwargs):
+        return load_pipeline(path, **kwargs)
