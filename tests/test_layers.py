@@ -206,9 +206,9 @@ def test_no_modules_import_each_other_in_a_loop():
             {"unclip.sampling.settings", "unclip.sampling.stages"},
         ),
         (
-            "unclip.nets.clip",
-            "    from unclip.nets.decoder import UnCLIPDecoder  # inside a function",
-            {"unclip.nets.clip", "unclip.nets.decoder"},
+            "unclip.nets.clip_weights",
+            "    from unclip.nets.clip import CLIP  # inside a function",
+            {"unclip.nets.clip", "unclip.nets.clip_weights"},
         ),
         (
             "unclip.train.prior_batches",

@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from unclip.diffusion.config import DiffusionConfig
 from unclip.nets.clip import ClipConfig
 from unclip.nets.config import DecoderConfig, PriorConfig, UpsamplerConfig
-from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.settings import sampling_for
 from unclip.train.optimizers import OPTIMIZERS, PRECONDITIONED
 from unclip.utils.config import ConfigError, load_config
 
@@ -417,7 +417,9 @@ class StageConfig:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    #: the stage's sampling settings (its sample grids, and the defaults it exports): a mapping
+    #: in the file, the stage's own settings type after loading (unclip.sampling.settings)
+    sampling: Any = None
 
     def __post_init__(self) -> None:
         if getattr(self, self.stage) is None:
@@ -425,6 +427,11 @@ class StageConfig:
                 f"stage is {self.stage!r} but the config has no '{self.stage}:' section; "
                 f"add one (see configs/tiny/{self.stage}.yaml for an example)"
             )
+        ar = self.stage == "prior" and getattr(self.prior, "type", None) == "ar"
+        try:
+            self.sampling = sampling_for(self.stage, self.sampling, ar=ar, where="sampling")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
         if self.upsampler_train is not None and self.stage != "upsampler":
             raise ConfigError(
                 f"'upsampler_train:' applies to stage 'upsampler' only, but stage is "
