@@ -18,7 +18,7 @@ def check_device(device: Union[str, torch.device], option: str = "--device") -> 
     except (RuntimeError, TypeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(
-            f"{option} {device!r} is not a torch device ({first}); use e.g. cpu, cuda or cuda:1"
+            f"{option} {device} is not a torch device ({first}); use e.g. cpu, cuda or cuda:1"
         ) from None
     if dev.type == "cuda":
         # is_available() is False without a GPU, without a driver and on a CPU-only build of torch
