@@ -233,7 +233,7 @@ def test_partial_init_loads_the_ar_prior_fit_whole_or_not_at_all(tmp_path):
 
     from unclip.nets.ar_prior import UnCLIPARPrior
     from unclip.train.config import LoraTrainConfig, TrainConfig
-    from unclip.train.loop import load_initial_weights
+    from unclip.train.init_weights import load_initial_weights
     from unclip.utils.config import ConfigError
 
     def prior(pca_dims):
@@ -658,41 +658,51 @@ def test_train_loop_trains_any_task(tmp_path):
 
 
 def test_the_share_of_time_spent_waiting_for_data_is_logged(tmp_path):
-    """``data_wait_share`` in metrics.jsonl: near 1 when the data source is slower than the step,
-    near 0 when batches are ready."""
-    import time
+    """``data_wait_share`` in metrics.jsonl: the share of the time between two logs spent waiting
+    for batches, on a fake clock that the data source and the step advance."""
+    from dataclasses import dataclass
 
-    from unclip.nets.clip import CLIP
-    from unclip.train.config import load_stage_config
-    from unclip.train.data.loader import make_batches
+    from unclip.train.config import TrainConfig
     from unclip.train.loop import TrainLoop
-    from unclip.train.prior import PriorTask, build_prior_model
 
-    def run(name, delay):
-        cfg = load_stage_config(
-            CFG["prior"],
-            [f"train.output_dir={tmp_path / name}", "train.max_steps=3", "train.log_every=1"]
-            + ["train.checkpoint_every=0", *QUIET],
+    @dataclass
+    class Config:
+        train: TrainConfig
+
+    now = [0.0]
+
+    class OneSecondStep:  # each step's loss takes one second of the fake clock
+        name = "line"
+
+        def loss(self, model, batch, generators):
+            now[0] += 1.0
+            return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    def run(name, wait):
+        cfg = TrainConfig(
+            output_dir=str(tmp_path / name),
+            max_steps=3,
+            warmup_steps=0,
+            mixed_precision="no",
+            ema=False,
+            trackers=[],
+            progress=False,
+            log_every=1,
+            checkpoint_every=0,
         )
-        loop = TrainLoop(cfg, overwrite=True)
-        clip = CLIP.from_config(cfg.clip)
-        model = build_prior_model(cfg, clip)
-        model.set_embedding_stats(torch.zeros(clip.embed_dim), torch.ones(clip.embed_dim))
-        model = loop.prepare(model)
-        data = make_batches(cfg.data, resolution=clip.image_size, seed=0, rank=0, world_size=1)
-        batch = next(iter(data))
 
         def source():
             while True:
-                time.sleep(delay)
-                yield batch
+                now[0] += wait
+                yield {"x": torch.ones(2, 1), "y": torch.ones(2, 1), "caption": [""] * 2}
 
-        loop.run(PriorTask(cfg, clip, loop.device), source())
+        loop = TrainLoop(Config(cfg))
+        loop.clock = lambda: now[0]
+        loop.prepare(torch.nn.Linear(1, 1))
+        loop.run(OneSecondStep(), source())
         loop.finish()
         return [m["data_wait_share"] for m in metrics(tmp_path / name) if "loss" in m]
 
-    # the first steps also carry one-time costs (first forward and backward, lazy set-up):
-    # judged on the last
-    ready, slow = run("ready", 0.0), run("slow", 0.5)
-    assert len(slow) == len(ready) == 3
-    assert slow[-1] > 0.6 and ready[-1] < 0.3, (slow, ready)
+    # 3 s waiting for every 1 s step: three quarters of the time
+    assert run("slow", 3.0) == pytest.approx([0.75] * 3)
+    assert run("ready", 0.0) == [0.0] * 3

@@ -125,17 +125,19 @@ def run(args: argparse.Namespace, argv) -> dict:
 
     from unclip.pipeline.pipeline import UnCLIPPipeline
     from unclip.utils.config import to_dict
+    from unclip.utils.devices import check_device
     from unclip.utils.files import check_output_folder
     from unclip.utils.images import to_output
     from unclip.utils.precision import dtype_name
 
     folder = check_output_folder(args.out)  # before loading a model
+    device = check_device(args.device)
     for name in ("num_images", "frames", "steps"):
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "fixed_point", 0) < 0:
         raise ValueError("--fixed-point must be >= 0 (0: plain DDIM inversion)")
-    pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(args.device)
+    pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(device)
     gen = torch.Generator().manual_seed(args.seed)
     progress = not args.no_progress
     sampling = sampling_overrides(args) if hasattr(args, "prior_steps") else None

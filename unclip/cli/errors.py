@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -23,6 +24,7 @@ __all__ = [
     "USER_ERRORS",
     "debug_requested",
     "format_error",
+    "resume_command",
     "run_main",
     "seed_type",
 ]
@@ -93,10 +95,13 @@ def run_main(
         status = int(main(argv) or 0)
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here
         return status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # on a terminal the cursor is still after "^C" (or a progress bar)
         start = "\n" if sys.stderr.isatty() else ""
-        print(f"{start}{prog}: interrupted", file=sys.stderr)
+        why = f": {exc}" if str(exc) else ""
+        if getattr(exc, "resume_hint", False):  # a training run that checkpointed as it stopped
+            why += f"; resume with: {resume_command(prog, argv)}"
+        print(f"{start}{prog}: interrupted{why}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # the reader of our output went away (e.g. `| head`): nobody is left to tell
@@ -107,6 +112,21 @@ def run_main(
             _discard_stdout()
         print(f"{prog}: error: {format_error(exc)}", file=sys.stderr)
         return 1
+
+
+def resume_command(prog: str, argv: Sequence[str]) -> str:
+    """The command line that resumes the training run ``prog argv`` started: the same arguments
+    without ``--overwrite`` (which would delete the run) or an earlier ``--resume``, plus
+    ``--resume latest``."""
+    words, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--resume":
+            skip = True
+        elif word != "--overwrite" and not word.startswith("--resume="):
+            words.append(word)
+    return shlex.join([*prog.split(), *words, "--resume", "latest"])
 
 
 def _discard_stdout() -> None:

@@ -26,7 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("clip", "reranker"),
         help="store this CLIP's token table for the shapes caption vocabulary only (repeatable)",
     )
-    p.add_argument("--out", default=None, help="write here instead of rewriting PIPELINE")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write here (a new or empty folder) instead of rewriting PIPELINE",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace --out entirely if it holds files"
+    )
     return p
 
 
@@ -40,6 +47,7 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         closed_vocabulary=args.closed_vocabulary,
         out=args.out,
+        overwrite=args.overwrite,
     )
     return 0
 

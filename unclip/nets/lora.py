@@ -38,6 +38,8 @@ from typing import Optional, Union
 
 import torch
 
+from unclip.io.weights import load_safetensors
+
 __all__ = [
     "ADAPTER_WEIGHTS",
     "ADAPTER_CONFIG",
@@ -403,8 +405,6 @@ def read_adapter(path: Union[str, os.PathLike]) -> AdapterFolder:
     """Read an adapter folder written by :func:`save_adapter` (safetensors only; a pickled
     ``adapter_model.bin`` is refused)."""
     peft = require_peft()
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -426,7 +426,9 @@ def read_adapter(path: Union[str, os.PathLike]) -> AdapterFolder:
     if meta.get("format") != LORA_FORMAT or "stage" not in meta:
         raise ValueError(f"{path / LORA_META} is not an unclip LoRA record (format {LORA_FORMAT})")
     config = peft.LoraConfig.from_pretrained(str(path))
-    return AdapterFolder(path, config, load_file(str(path / ADAPTER_WEIGHTS)), meta)
+    # a truncated or corrupt file is a one-line error naming it
+    weights = load_safetensors(path / ADAPTER_WEIGHTS, "LoRA adapter")
+    return AdapterFolder(path, config, weights, meta)
 
 
 def parse_lora_spec(spec: str) -> tuple[str, float]:

@@ -14,11 +14,16 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.stages import Denoiser
-from unclip.utils.images import pil_to_tensor, resize_crop_box, resize_crop_tensor
+from unclip.utils.images import (
+    open_image_file,
+    pil_to_tensor,
+    resize_crop_box,
+    resize_crop_tensor,
+)
 
 #: samplers whose step keeps no history, so a step may be taken again (RePaint's resampling)
 RESAMPLING_SCHEDULERS = ("ddim", "ddpm", "unclip")
@@ -64,13 +69,7 @@ def read_image(image, what: str = "image") -> torch.Tensor:
     ``[B, 3, H, W]`` in [-1, 1] → a float tensor ``[B, 3, H, W]`` in [-1, 1]; a file that cannot
     be read is a ``ValueError`` naming it."""
     if isinstance(image, (str, os.PathLike)):
-        if not os.path.isfile(image):
-            raise FileNotFoundError(f"{what} file not found: {image}")
-        try:
-            with Image.open(image) as im:
-                image = im.convert("RGB")
-        except (UnidentifiedImageError, OSError) as exc:
-            raise ValueError(f"cannot read {what} {image}: not an image file ({exc})") from None
+        image = open_image_file(image, what)
     if isinstance(image, np.ndarray):
         if image.ndim != 3 or image.shape[-1] != 3:
             raise ValueError(f"{what}: an array must be [H, W, 3] uint8, got {image.shape}")
@@ -97,13 +96,7 @@ def read_mask(mask, height: int, width: int) -> torch.Tensor:
     ``[H, W]`` (nonzero, or above 0.5 for floats, = regenerate). It must have the image's size
     ``height × width`` and select at least one pixel."""
     if isinstance(mask, (str, os.PathLike)):
-        if not os.path.isfile(mask):
-            raise FileNotFoundError(f"mask file not found: {mask}")
-        try:
-            with Image.open(mask) as im:
-                mask = im.convert("L")
-        except (UnidentifiedImageError, OSError) as exc:
-            raise ValueError(f"cannot read mask {mask}: not an image file ({exc})") from None
+        mask = open_image_file(mask, "mask", mode="L")
     if isinstance(mask, Image.Image):
         m = torch.from_numpy(np.asarray(mask.convert("L")) > 127)
     elif isinstance(mask, (np.ndarray, torch.Tensor)):

@@ -17,6 +17,7 @@ from unclip.nets.text_encoding import check_prompts
 from unclip.pipeline.folders import DEFAULT_MODEL
 from unclip.sampling.utils import check_count
 from unclip.utils.config import to_dict
+from unclip.utils.devices import check_device
 from unclip.utils.files import check_output_folder, write_folder
 from unclip.utils.images import image_grid
 
@@ -113,6 +114,7 @@ def generate_to_folder(
     n = check_count(num_images_per_prompt)
     batch_size = check_count(batch_size, "batch_size")
     folder = check_output_folder(folder)  # before loading a model or sampling anything
+    device = check_device(device)
     try:
         unclip_version = version("unclip")
     except PackageNotFoundError:  # running from a source tree that is not installed

@@ -383,6 +383,8 @@ def rerank_candidates(
                 "(give one prompt per group)"
             )
     scores = scorer.score(clip, images, prompts).view(-1, k).float().cpu()
+    # NaN scores (NaN reranker weights) would silently keep candidate 0 of every group
+    scores = check_finite("the reranking CLIP", scores)
     first = torch.arange(scores.shape[0]) * k
     if keep == 1:
         return first + scores.argmax(1)

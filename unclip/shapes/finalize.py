@@ -18,15 +18,15 @@ every shapes caption (checked before writing).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
-import yaml
 
 from unclip.nets.clip import CLIP, closed_vocabulary_ids
 from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.shapes.world import ShapesWorld, caption_vocabulary
+from unclip.utils.config import load_yaml_file
+from unclip.utils.files import check_output_folder, recover_folder, write_folder
 
 
 def _check_same_text_embeddings(full: CLIP, closed: CLIP, name: str, num: int = 500) -> None:
@@ -49,13 +49,23 @@ def finalize(
     dtype: str = "float16",
     closed_vocabulary=(),
     out=None,
+    overwrite: bool = False,
 ) -> Path:
     """Rewrite the pipeline folder ``pipeline`` (or write ``out``) with the default sampling
     settings of the YAML file ``sampling`` (overrides per stage, as ``pipe(sampling=...)`` takes
     them), weights stored in ``dtype`` and the CLIPs named in ``closed_vocabulary`` (``clip``,
-    ``reranker``) restricted to the shapes caption vocabulary; returns the written folder."""
+    ``reranker``) restricted to the shapes caption vocabulary; returns the written folder.
+
+    ``out`` must be a missing or empty folder unless ``overwrite``. Either folder is written whole
+    and swapped in only when complete (the old one is moved aside first and removed last), so an
+    interruption leaves the old or the new pipeline, never a mix; a swap cut short between its two
+    renames is undone by the next run."""
     if dtype not in ("float16", "float32"):
         raise ValueError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
+    recover_folder(Path(pipeline))
+    if out is not None:
+        check_output_folder(out, overwrite=overwrite, option="--out")
+    settings = load_yaml_file(sampling, "--sampling")
     pipe = UnCLIPPipeline.from_pretrained(pipeline)
     closed = {}
     for name in closed_vocabulary:
@@ -67,7 +77,6 @@ def finalize(
         # saved as a closed table
         clip.kept_token_ids = closed_vocabulary_ids(clip, caption_vocabulary())
         closed[name] = clip
-    settings = yaml.safe_load(Path(sampling).read_text()) or {}
     try:
         pipe.sampling = pipe.sampling_settings(settings)
     except (TypeError, ValueError) as e:
@@ -76,13 +85,13 @@ def finalize(
         for m in pipe.modules().values():
             m.to(torch.float16)
     out = Path(out or pipeline)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp)
-    for name, clip in closed.items():
-        _check_same_text_embeddings(clip, CLIP.from_pretrained(tmp / name), name)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+
+    def write(tmp: Path) -> None:
+        pipe.save_pretrained(tmp)
+        for name, clip in closed.items():
+            _check_same_text_embeddings(clip, CLIP.from_pretrained(tmp / name), name)
+
+    write_folder(out, write)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(
         f"wrote {out} ({size / 1e6:.1f} MB, {dtype}); sampling: "

@@ -21,32 +21,24 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
   gradients before clipping and adapted after each step;
 * non-finite losses/gradients: the optimizer step is skipped and counted; after
   ``max_consecutive_nonfinite`` in a row training stops with a clear message (after a checkpoint);
-* checkpoints every ``checkpoint_every`` steps and at the end, keeping the last ``keep_last``:
-  safetensors and JSON only, written to a temporary folder with a manifest (sizes, SHA-256) last and
-  renamed (:mod:`unclip.train.checkpoint`); exact resume (model, optimizer, LR schedule, EMA, grad
-  scaler, RNG and data position) with ``--resume latest`` (the newest intact checkpoint; damaged
-  ones are skipped with a warning) or a checkpoint path (checked; a damaged one is an error);
-* a run's ``output_dir`` is its own: a folder holding files is refused unless the run resumes
-  (``--resume``) or starts afresh (``overwrite``: the old run's files are removed first);
-* a full disk while writing a checkpoint or the export stops the run with a one-line
-  :class:`~unclip.train.checkpoint.DiskFullError`; the last intact checkpoint is kept;
+* the run folder (:class:`~unclip.train.run_folder.RunFolder`): ``output_dir`` claimed and
+  locked, checkpoints every ``checkpoint_every`` steps and at the end (and at a Ctrl-C, after the
+  step in progress), exact resume, export of the EMA weights;
 * per-sample randomness: every sample's noise, timestep and condition dropout come from a
   ``torch.Generator`` seeded by ``(seed, rank, sample number)``
   (:func:`unclip.pipeline_utils.sample_seed`), so results do not depend on how samples are grouped
   into micro-batches and resume is exact;
-* logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers;
-* export: ``<output_dir>/final/<component>`` with the EMA weights, each folder written to a
-  temporary folder and renamed.
+* logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -60,20 +52,16 @@ from accelerate.utils import (
     ProjectConfiguration,
 )
 from diffusers.training_utils import EMAModel
-from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from unclip.diffusion.config import diffusion_to_save
-from unclip.pipeline.folders import STAGE_META_FILE, stage_meta
-from unclip.sampling.settings import sampling_to_save
 from unclip.sampling.utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
-from unclip.train import state_files
-from unclip.train.checkpoint import CheckpointError, DiskFullError
 from unclip.train.grad_scaling import ResblockGradScaler
+from unclip.train.init_weights import load_initial_weights
 from unclip.train.optimizers import PRECONDITIONED, make_optimizer
-from unclip.train.repa import exported_model, exported_state
+from unclip.train.repa import exported_model
+from unclip.train.run_folder import RunFolder
 from unclip.utils.config import save_config, to_dict
 from unclip.utils.precision import resolve_autocast
 
@@ -83,79 +71,23 @@ __all__ = [
     "warmup_cosine",
     "sample_generators",
     "NonFiniteError",
-    "STAGE_META_FILE",
-    "load_initial_weights",
+    "TrainingInterrupted",
     "auto_mixed_precision",
-    "CheckpointError",
-    "DiskFullError",
-    "RUN_FILES",
 ]
 
 logger = logging.getLogger("unclip.train")
 
 
-def load_initial_weights(model: torch.nn.Module, path, partial: bool = False) -> Path:
-    """Load a component's weights (a component folder, or a ``.safetensors`` file) into ``model``.
-
-    Every tensor of the model must be present with the same shape (the configs must match); dtypes
-    are converted (e.g. fp16 shipped weights into an fp32 model). With ``partial`` the tensors whose
-    name and shape fit are loaded and the model's others keep their fresh initialisation (a changed
-    or added part, e.g. a decoder given its own caption transformer); what was left out is logged,
-    and weights of which nothing fits are an error. Returns ``path``."""
-    from safetensors.torch import load_file
-
-    from unclip.io.weights import load_weights, state_mismatch
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"init_weights: {path} does not exist; give a component folder or a .safetensors file"
-        )
-    state = load_weights(path, "init_weights") if path.is_dir() else load_file(str(path))
-    state = exported_state(state)  # a repa checkpoint's model.safetensors: the decoder's part
-    own = model.state_dict()
-    problems = state_mismatch(
-        {k: tuple(v.shape) for k, v in own.items()},
-        {k: tuple(v.shape) for k, v in state.items()},
-        "in the model",
-    )
-    if problems and not partial:
-        raise ValueError(
-            f"init_weights {path} do not fit this model: {problems}"
-            ". The stage config must describe the same architecture (and CLIP) as the weights"
-            " (or set train.init_weights_partial to load only the tensors that fit)."
-        )
-    fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
-    for prefix, module in model.named_modules():
-        # tensors that only mean something together (e.g. the AR prior's quantiser fit and its
-        # "fitted" flag): all of them load, or none and the module keeps its fresh state
-        for group in getattr(module, "_load_together", ()):
-            keys = [f"{prefix}.{name}" if prefix else name for name in group]
-            if not all(k in fits for k in keys):
-                for k in keys:
-                    fits.pop(k, None)
-    if not fits:
-        raise ValueError(
-            f"init_weights {path}: no tensor fits this model by name and shape ({problems}); "
-            "are they weights of this stage?"
-        )
-    if problems:
-        fresh = sum(own[k].numel() for k in own if k not in fits)
-        logger.warning(
-            "init_weights %s loaded partially: %d of the model's %d tensors; %s parameters keep "
-            "their fresh initialisation (%s)",
-            path,
-            len(fits),
-            len(own),
-            f"{fresh:,}",
-            problems,
-        )
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in fits.items()}, strict=not problems)
-    return path
+class NonFiniteError(ValueError):
+    """Too many consecutive non-finite losses or gradients: a user error (a learning rate, a
+    precision or data to change), reported on one line by the command line."""
 
 
-class NonFiniteError(RuntimeError):
-    """Too many consecutive non-finite losses or gradients."""
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run after its step in progress and a checkpoint; ``resume_hint``: the
+    command line says how to resume (:func:`unclip.cli.errors.run_main`)."""
+
+    resume_hint = True
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr: float) -> float:
@@ -216,19 +148,6 @@ def batch_size_of(batch: dict) -> int:
     return len(batch["caption"])
 
 
-#: what a run writes in its ``output_dir`` (removed by ``overwrite``; other files are left alone)
-RUN_FILES = (
-    "checkpoints",
-    "final",
-    "samples",
-    "logs",
-    "config.yaml",
-    "metrics.jsonl",
-    "rank_checksums.json",
-    "retrieval.json",
-)
-
-
 class _RunState:
     """Counters saved in every checkpoint (the data position among them)."""
 
@@ -250,7 +169,7 @@ class _RunState:
             setattr(self, key, value)
 
 
-class TrainLoop:
+class TrainLoop(RunFolder):
     """Accelerator, optimizer, schedule, EMA, checkpoints and logging for one run (see module doc).
 
     Usage::
@@ -325,6 +244,8 @@ class TrainLoop:
         self.world = self.accelerator.num_processes
         self.state = _RunState()
         self.resume = resume
+        # the clock of the throughput and data-wait figures (a fake one in tests)
+        self.clock: Callable[[], float] = time.perf_counter
         self.ema: Optional[EMAModel] = None
         self._saved_step: Optional[int] = None  # the step of the checkpoint on disk, if current
         self.claim_output_dir(overwrite)
@@ -336,32 +257,6 @@ class TrainLoop:
             logging.getLogger("unclip").setLevel(logging.INFO)
         if trackers:
             self.accelerator.init_trackers("unclip", config=_flat(cfg))
-
-    # ------------------------------------------------------------------ setup
-    def claim_output_dir(self, overwrite: bool) -> None:
-        """Refuse an ``output_dir`` that already holds files unless this run resumes; with
-        ``overwrite``, remove the earlier run's files (:data:`RUN_FILES`) first. Every process
-        looks before any writes."""
-        out = self.out
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"train.output_dir {out} is a file; choose a folder")
-        held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        if held and not self.resume and not overwrite:
-            raise ValueError(
-                f"train.output_dir {out} already holds files ({', '.join(held[:4])}"
-                f"{', ...' if len(held) > 4 else ''}): continue that run with --resume latest, "
-                "or replace it with --overwrite"
-            )
-        self.accelerator.wait_for_everyone()
-        if overwrite and held and self.accelerator.is_main_process:
-            for name in RUN_FILES:
-                path = out / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-            logger.info("--overwrite: removed the earlier run's files from %s", out)
-        self.accelerator.wait_for_everyone()
 
     @property
     def device(self) -> torch.device:
@@ -486,11 +381,11 @@ class TrainLoop:
         if self.max_steps_this_run is not None:
             stop_at = min(t.max_steps, self.state.step + self.max_steps_this_run)
         first = None  # the run's first micro-batch: the sample grids show its captions/images
-        with self._progress_bar(task.name) as bar:
+        with self._progress_bar(task.name) as bar, self._ctrl_c_at_step_end() as asked:
             while self.state.step < stop_at:
-                waited = time.perf_counter()
+                waited = self.clock()
                 micro = self.next_micro_batches(it)
-                self._data_wait += time.perf_counter() - waited
+                self._data_wait += self.clock() - waited
                 first = first or micro[0]
                 loss = self.run_step(task, micro)
                 self.state.step += 1
@@ -501,6 +396,12 @@ class TrainLoop:
                 if t.checkpoint_every and self.state.step % t.checkpoint_every == 0:
                     self.checkpoint()
                 self.stop_if_nonfinite()
+                if asked():
+                    self.checkpoint()
+                    raise TrainingInterrupted(
+                        f"stopped at step {self.state.step} of {t.max_steps}; its checkpoint is "
+                        f"{self.latest_checkpoint()}"
+                    )
         self.checkpoint()
         finished = self.state.step >= t.max_steps
         if not finished:
@@ -510,6 +411,31 @@ class TrainLoop:
                 t.max_steps,
             )
         return finished
+
+    @contextlib.contextmanager
+    def _ctrl_c_at_step_end(self):
+        """Within the block, a first Ctrl-C lets the step in progress finish (a step cut in the
+        middle has consumed samples without applying them), then the run checkpoints and stops;
+        a second Ctrl-C stops at once. Yields ``asked()``. Single-process runs only: the
+        processes of a launch would reach the checkpoint's collectives at different steps."""
+        if self.world > 1 or threading.current_thread() is not threading.main_thread():
+            yield lambda: False
+            return
+        asked = []
+
+        def first_ctrl_c(signum, frame):
+            asked.append(signum)
+            signal.signal(signal.SIGINT, previous)
+
+        # None: a handler set outside Python, which cannot be put back; the default one is
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is None:
+            previous = signal.default_int_handler
+        signal.signal(signal.SIGINT, first_ctrl_c)
+        try:
+            yield lambda: bool(asked)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def next_micro_batches(self, it: Iterator[dict]) -> list[dict]:
         """The ``grad_accum_steps`` micro-batches of the next optimizer step (bad samples the data
@@ -589,7 +515,7 @@ class TrainLoop:
         t = self.cfg.train
         if not (self.state.step % t.log_every == 0 or self.state.step == t.max_steps):
             return
-        now = time.perf_counter()
+        now = self.clock()
         elapsed = max(now - self._last_t, 1e-9)
         rate = (self.state.samples - self._last_samples) * self.world / elapsed
         wait_share = min(1.0, self._data_wait / elapsed)
@@ -632,38 +558,12 @@ class TrainLoop:
             disable=not (t.progress and self.accelerator.is_local_main_process),
             dynamic_ncols=True,
         )
-        self._last_t, self._last_samples = time.perf_counter(), self.state.samples
+        self._last_t, self._last_samples = self.clock(), self.state.samples
         self._data_wait = 0.0
         try:
             yield bar
         finally:
             bar.close()
-
-    def log(self, values: dict) -> None:
-        values = {k: float(v) for k, v in values.items()}
-        self.accelerator.log(values, step=self.state.step)
-        if self.accelerator.is_main_process:
-            path = self.out / "metrics.jsonl"
-            with ckpt.disk_full_is_an_error(path), open(path, "a") as f:
-                f.write(json.dumps({"step": self.state.step, **values}) + "\n")
-
-    def trim_metrics(self) -> None:
-        """On resume: drop the records ``metrics.jsonl`` holds for steps after the checkpoint (the
-        interrupted run logged them; this run logs them again) and a line cut short by a kill."""
-        path = self.out / "metrics.jsonl"
-        if not (self.accelerator.is_main_process and path.is_file()):
-            return
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= self.state.step:
-                    keep.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                continue
-        tmp = path.with_name(path.name + ".tmp")
-        with ckpt.disk_full_is_an_error(path):
-            tmp.write_text("".join(keep))
-            os.replace(tmp, path)
 
     # ------------------------------------------------------------------ EMA weights, samples
     @contextlib.contextmanager
@@ -678,219 +578,6 @@ class TrainLoop:
             yield
         finally:
             self.ema.restore(self.trainable)
-
-    def save_samples(self, task: Task, batch: dict) -> Optional[Path]:
-        """``samples/step_XXXXXXXX.png``: the task's sample grid from the EMA weights (main process;
-        tasks without a sample grid write nothing)."""
-        main = self.accelerator.is_main_process
-        # sharded weights: every process runs the model (its forward gathers the shards)
-        if not hasattr(task, "sample_grid") or not (main or self.sharded):
-            return None
-        path = self.out / "samples" / f"step_{self.state.step:08d}.png"
-        model = self.unwrapped
-        with self.ema_weights(), torch.no_grad(), dist_utils.root_unsharded(model):
-            model.eval()
-            try:
-                # a training head around the network (repa) hides the autocast that Accelerate
-                # wraps around the outer forward; the grid samples in the training precision
-                with self.accelerator.autocast():
-                    grid = task.sample_grid(model, batch)
-            finally:
-                model.train()
-        if not main:
-            return None
-        with ckpt.disk_full_is_an_error(path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            grid.save(path)
-        return path
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.out / "checkpoints"
-
-    def latest_checkpoint(self) -> Optional[Path]:
-        """The newest completed checkpoint folder (not checked; see :meth:`load_checkpoint`)."""
-        done = ckpt.completed_checkpoints(self.ckpt_dir)
-        return done[-1] if done else None
-
-    def checkpoint(self) -> None:
-        """Save a checkpoint unless the one on disk already holds this step's state."""
-        if self._saved_step != self.state.step:
-            self.save_checkpoint()
-
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_XXXXXXXX``: every file to ``step_XXXXXXXX.tmp``, the manifest
-        last, then rename; then remove all but the newest ``keep_last`` older checkpoints (newer
-        ones, left by an earlier run this one resumed before, stay until replaced). A full disk is
-        a :class:`DiskFullError`; the partial folder is removed and older checkpoints are kept."""
-        acc = self.accelerator
-        final = self.ckpt_dir / f"step_{self.state.step:08d}"
-        tmp = final.with_name(final.name + ".tmp")
-        with ckpt.writing(tmp, final):
-            if acc.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            acc.wait_for_everyone()
-            self.write_state(tmp)
-            acc.wait_for_everyone()
-            if acc.is_main_process:
-                save_config(self.cfg, tmp / "config.yaml")
-                ckpt.write_manifest(tmp, self.state.step)
-                ckpt.replace_folder(tmp, final)
-        if acc.is_main_process:
-            older = [p for p in ckpt.completed_checkpoints(self.ckpt_dir) if p.name < final.name]
-            for old in older[: max(0, len(older) - (self.cfg.train.keep_last - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        self._saved_step = self.state.step
-        return final
-
-    def write_state(self, folder: Path) -> None:
-        """The training state as safetensors and JSON (:func:`unclip.train.state_files.write_state`:
-        whole tensors under every strategy; every process takes part)."""
-        state_files.write_state(self, folder)
-
-    def read_state(self, folder: Path) -> None:
-        """Load what :meth:`write_state` wrote (the folder was checked against its manifest)."""
-        state_files.read_state(self, folder)
-
-    def checkpoint_to_resume(self, which: str) -> Optional[Path]:
-        """The checkpoint ``which`` (``"latest"`` or a folder) names, checked against its manifest.
-        ``latest``: the newest intact one (each newer, damaged one is skipped with a warning
-        saying why), ``None`` when there is none yet. A damaged checkpoint named explicitly, or
-        only damaged ones, is a :class:`CheckpointError`."""
-        if which == "latest":
-            path, skipped = ckpt.newest_intact(self.ckpt_dir)
-            for bad, why in skipped:
-                logger.warning("skipping damaged checkpoint %s: %s", bad, why)
-            if path is None and skipped:
-                bad, why = skipped[0]
-                raise CheckpointError(
-                    f"no intact checkpoint in {self.ckpt_dir}: all {len(skipped)} are damaged "
-                    f"(newest, {bad.name}: {why}); start afresh with --overwrite"
-                )
-            return path
-        path = Path(which)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"checkpoint not found: {path}; use --resume latest or a checkpoints/step_* folder"
-            )
-        if (path / "checkpoints").is_dir():
-            raise CheckpointError(
-                f"{path} is a run folder, not a checkpoint; use --resume latest or one of its "
-                "checkpoints/step_* folders"
-            )
-        try:
-            ckpt.verify(path)
-        except CheckpointError as exc:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {exc}; resume another one (--resume latest takes "
-                "the newest intact one)"
-            ) from None
-        return path
-
-    def load_checkpoint(self, which: str) -> None:
-        path = self.checkpoint_to_resume(which)
-        if path is None:
-            logger.info("no checkpoint in %s: starting from scratch", self.ckpt_dir)
-            self.trim_metrics()
-            return
-        try:
-            self.read_state(path)
-        except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError) as exc:
-            # the files are as written (the manifest matched): another config's, or hand-made
-            reason = f"{type(exc).__name__}: " + " ".join(str(exc).split())
-            raise CheckpointError(
-                f"checkpoint {path} cannot be loaded into this run ({reason[:300]}); resume a "
-                "checkpoint of this config, or start afresh with --overwrite"
-            ) from None
-        self._saved_step = self.state.step
-        self.trim_metrics()
-        logger.info(
-            "resumed from %s at step %d (%d samples on this rank)",
-            path,
-            self.state.step,
-            self.state.samples,
-        )
-
-    # ------------------------------------------------------------------ export
-    def write_folder(self, target: Path, write_fn) -> Path:
-        """Main process: ``write_fn(folder)`` writes a temporary folder, which then replaces
-        ``target`` (never half-written; a full disk is a :class:`DiskFullError`)."""
-        target = Path(target)
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        with ckpt.writing(tmp, target):
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            write_fn(tmp)
-            ckpt.replace_folder(tmp, target)
-        return target
-
-    def export(self, name: str, save_fn, meta: Optional[dict] = None) -> Path:
-        """Write the component folder ``<output_dir>/final/<name>`` with the EMA weights (if any):
-        ``save_fn(unwrapped_model, folder)`` writes it, then ``meta`` (if given) goes to
-        ``unclip_stage.json`` beside it; written to a temporary folder and renamed."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        target = self.out / "final" / name
-
-        def write(folder: Path, model: torch.nn.Module) -> None:
-            save_fn(model, folder)
-            if meta is not None:
-                (folder / STAGE_META_FILE).write_text(json.dumps(meta, indent=2))
-
-        if self.sharded:  # every process gathers; the main one writes a plain copy
-            with self.ema_weights():
-                state = state_files.full_state_dict(self)
-            if acc.is_main_process:
-                full = dist_utils.full_copy(exported_model(self.unwrapped), exported_state(state))
-                self.write_folder(target, lambda folder: write(folder, full))
-        elif acc.is_main_process:
-            with self.ema_weights():
-                self.write_folder(target, lambda folder: write(folder, self.unwrapped))
-        acc.wait_for_everyone()
-        return target
-
-    def export_stage(self, name: str, clip) -> Path:
-        """Export a diffusion stage: ``final/<name>`` (EMA weights, with the stage's diffusion and
-        sampling settings) and its conditioning CLIP as ``final/clip``."""
-        cfg = self.cfg
-        if getattr(cfg.train, "lora", None) is not None:  # the adapter only: final/<name>_lora
-            from unclip.train.lora import export_adapter
-
-            return export_adapter(self, name, clip)
-        diffusion = diffusion_to_save(cfg.diffusion)
-        meta = stage_meta(cfg.stage, name, diffusion, sampling_to_save(cfg.sampling), clip)
-        out = self.export(name, lambda m, p: m.save_pretrained(p, safe_serialization=True), meta)
-        if self.accelerator.is_main_process:
-            self.write_folder(out.parent / "clip", clip.save_pretrained)
-            print(f"exported {name} to {out}")
-        return out
-
-    def parameter_checksums(self) -> list[float]:
-        """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
-        whole = [dist_utils.gather_full(p.detach()).double() for p in self.trainable]
-        local = torch.stack([p.sum() + p.abs().sum() for p in whole]).sum()
-        return [float(x) for x in self.accelerator.gather(local.float().reshape(1).to(self.device))]
-
-    def finish(self) -> None:
-        """Check that every rank holds the same weights, log the run's totals, close trackers."""
-        sums = self.parameter_checksums()
-        if self.accelerator.is_main_process:
-            path = self.out / "rank_checksums.json"
-            with ckpt.disk_full_is_an_error(path):
-                path.write_text(json.dumps(sums))
-        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
-            raise RuntimeError(
-                f"ranks hold different weights at the end of training: checksums {sums}"
-            )
-        self.log(
-            {"skipped_data_total": self.state.skipped_data, "nonfinite_total": self.state.nonfinite}
-        )
-        if self.state.skipped_data:
-            logger.warning("skipped %d bad samples on rank %d", self.state.skipped_data, self.rank)
-        self.accelerator.end_training()
 
 
 def _flat(cfg) -> dict:

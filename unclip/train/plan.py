@@ -446,6 +446,7 @@ def real_cpu_step_peak(cfg) -> int:
                 loop.run_step(task, [batch, batch])
         finally:
             loop.accelerator.end_training()
+            loop.release_output_dir()
     return mem.peak
 
 

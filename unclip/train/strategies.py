@@ -9,6 +9,7 @@ import math
 from typing import Optional
 
 from unclip.train.plan import StepMeasure
+from unclip.utils.config import load_yaml_file
 
 __all__ = [
     "Strategy",
@@ -113,15 +114,7 @@ class Launch:
 
 def read_accelerate_config(path) -> Launch:
     """The :class:`Launch` an Accelerate config file describes."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise ValueError(f"cannot read the Accelerate config {path}: {exc.strerror}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not an Accelerate config file (a YAML mapping)")
+    data = load_yaml_file(path, "--accelerate-config")
     kind = str(data.get("distributed_type", "NO")).upper()
     gpus = int(data.get("num_processes", 1) or 1)
     launch = str(path)

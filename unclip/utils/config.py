@@ -35,6 +35,7 @@ __all__ = [
     "from_dict",
     "to_dict",
     "to_yaml",
+    "load_yaml_file",
     "save_config",
     "apply_overrides",
 ]
@@ -221,6 +222,20 @@ def apply_overrides(
             node[k] = child = dict(child)
             node = child
         node[keys[-1]] = value
+    return data
+
+
+def load_yaml_file(path: str | os.PathLike, option: str) -> dict:
+    """The mapping in the YAML file ``path`` (empty: ``{}``); a missing file, invalid YAML or
+    another top level is a one-line :class:`ConfigError` naming ``option`` and the file."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{option} {path}: file not found; give the path of a YAML file")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{option} {path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{option} {path}: must hold a mapping, got {type(data).__name__}")
     return data
 
 

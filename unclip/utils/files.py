@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Union
 
-__all__ = ["check_output_folder", "replace_folder", "write_folder"]
+__all__ = ["check_output_folder", "recover_folder", "replace_folder", "write_folder"]
 
 
 def check_output_folder(
@@ -53,6 +53,16 @@ def replace_folder(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
     _fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_folder(target: Union[str, os.PathLike]) -> None:
+    """Undo a :func:`replace_folder` cut short between its two renames (a kill, a power cut):
+    ``target`` missing beside ``<target>.old`` gets the old version back."""
+    target = Path(target)
+    old = target.with_name(target.name + ".old")
+    if not target.exists() and old.is_dir():
+        os.replace(old, target)
+        _fsync_dir(target.parent)
 
 
 def write_folder(target: Union[str, os.PathLike], write: Callable[[Path], None]) -> Path:

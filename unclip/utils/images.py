@@ -17,12 +17,32 @@ def pil_to_tensor(image) -> torch.Tensor:
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
+def open_image_file(path: str | os.PathLike, what: str = "image", mode: str = "RGB") -> Image.Image:
+    r"""The image file ``path`` decoded to ``mode``. A missing file is a ``FileNotFoundError``; a
+    folder, a file that is not an image and one past PIL's pixel limit against decompression
+    bombs (a 400-megapixel image would take gigabytes) are one-line ``ValueError``\ s naming
+    ``what`` and the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give an image file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    try:
+        with Image.open(path) as im:
+            return im.convert(mode)
+    except Image.DecompressionBombError as exc:
+        raise ValueError(
+            f"{what} {path} is too large to open ({exc}); resize it to at most "
+            f"{Image.MAX_IMAGE_PIXELS:,} pixels first"
+        ) from None
+    # PIL raises several types for broken data
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ValueError(f"cannot read {what} {path}: not an image file ({exc})") from None
+
+
 def as_image_input(image):
     if isinstance(image, (str, os.PathLike)):
-        path = Path(image)
-        if not path.is_file():
-            raise FileNotFoundError(f"image file not found: {path}")
-        return Image.open(path).convert("RGB")
+        return open_image_file(image)
     if isinstance(image, np.ndarray):
         return Image.fromarray(image.astype(np.uint8)).convert("RGB")
     return image
