@@ -14,14 +14,8 @@ import torch
 from PIL import Image
 
 from unclip.shapes.export import write_shapes
-from unclip.train.data.sources import (
-    EmbeddingStream,
-    FolderStream,
-    StreamDataset,
-    WebDatasetStream,
-    collate,
-    image_to_tensor,
-)
+from unclip.train.data.sources import EmbeddingStream, FolderStream, WebDatasetStream
+from unclip.train.data.stream import StreamDataset, collate, image_to_tensor
 
 R = 16
 
@@ -138,7 +132,7 @@ def test_folder_rank_split_is_disjoint_and_covers(clean_folder):
 
 
 def test_folder_bad_files_are_skipped_counted_and_logged(dirty_folder, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.stream")
     got = take(FolderStream(dirty_folder, R, seed=0, rank=0, world_size=1, shuffle=False), 12)
     assert [x["caption"][:8] for x in got[:10]] == [f"{i:08d}" for i in range(10)]
     assert got[10]["caption"] == "a wide image in a subfolder"  # recursive, upper-case extension
@@ -286,7 +280,7 @@ def corrupt_shard(tmp_path_factory):
 
 
 def test_webdataset_corrupt_members_are_skipped_and_counted(corrupt_shard, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.stream")
     got = take(wds(str(corrupt_shard), shuffle_buffer=0), 4)
     assert [x["caption"] for x in got] == ["good zero", "good four", "good six", "good zero"]
     assert [x["skipped"] for x in got] == [0, 3, 1, 1]
