@@ -246,6 +246,23 @@ def test_webdataset_url_forms_agree(shards):
     assert [sig(x) for x in take(wds([f"pipe:cat {f}" for f in files]), 30)] == ref
 
 
+def test_webdataset_takes_an_img2dataset_output_folder(shards, tmp_path):
+    # img2dataset's output folder: shards, their *_stats.json, a parquet per shard and a stats.json
+    folder = tmp_path / "img2dataset_out"
+    folder.mkdir()
+    for f in shards.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    for i in range(4):
+        (folder / f"{i:05d}.parquet").write_bytes(b"PAR1 not a shard PAR1")
+    (folder / "stats.json").write_text("{}")
+    ref = [sig(x) for x in take(wds(str(shards / "{00000..00003}.tar")), 30)]
+    stream = wds(folder)
+    assert stream.urls == [str(folder / f"{i:05d}.tar") for i in range(4)]
+    assert [sig(x) for x in take(stream, 30)] == ref and wds(str(folder)).urls == stream.urls
+    with pytest.raises(ValueError, match=r"no \.tar shards in it.*img2dataset"):
+        wds(tmp_path)
+
+
 def test_webdataset_fewer_shards_than_ranks_is_a_clear_error(shards):
     with pytest.raises(ValueError, match=r"4 shard.*world_size is 5.*[Rr]e-shard"):
         wds(str(shards / "{00000..00003}.tar"), rank=0, world_size=5)

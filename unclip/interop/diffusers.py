@@ -40,6 +40,7 @@ of natively trained pipelines.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
@@ -47,6 +48,7 @@ from unclip.interop.diffusers_export import export_diffusers, export_problems
 from unclip.interop.diffusers_import import TEXT_PROJ, load_diffusers_unclip
 from unclip.io.card import read_card_info
 from unclip.io.hub import is_repo_id, resolve_folder
+from unclip.pipeline.folders import BUNDLED, bundled_model_path
 from unclip.pipeline.pipeline import UnCLIPPipeline
 
 __all__ = ["load_diffusers_unclip", "export_diffusers", "export_problems", "convert", "TEXT_PROJ"]
@@ -61,6 +63,7 @@ def convert(
     revision: Optional[str] = None,
     cache_dir: Union[str, Path, None] = None,
     local_files_only: Optional[bool] = None,
+    parts: Optional[Sequence[str]] = None,
 ) -> UnCLIPPipeline:
     """Convert the pipeline folder ``src`` into ``dst`` and return the converted pipeline.
 
@@ -68,13 +71,19 @@ def convert(
     becomes a native unclip pipeline folder. ``to="diffusers"``: ``src`` is any folder
     ``UnCLIPPipeline.from_pretrained`` loads, ``dst`` becomes a diffusers ``UnCLIPPipeline``
     folder. ``src`` may also be a Hub repo id (``org/name``) of either kind, fetched at
-    ``revision`` into ``cache_dir`` (:func:`unclip.hub.resolve_folder`). ``dst`` is created; it
-    must be empty unless ``overwrite``.
+    ``revision`` into ``cache_dir`` (:func:`unclip.hub.resolve_folder`), or the name of a bundled
+    model (``"shapes"``). ``dst`` is created; it must be empty unless ``overwrite``. ``parts``
+    (``to="diffusers"`` only): export only those parts (:func:`export_diffusers`).
     """
     if to not in ("unclip", "diffusers"):
         raise ValueError(f"to must be 'unclip' or 'diffusers', got {to!r}")
+    if parts is not None and to != "diffusers":
+        raise ValueError("parts applies to to='diffusers' only")
     hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
     repo_id = str(src) if is_repo_id(str(src)) and not Path(src).is_dir() else None
+    if str(src) in BUNDLED and not Path(src).is_dir():
+        # the bundled model's name, as `generate` and `serve` take it
+        src = bundled_model_path(str(src))
     src, dst = resolve_folder(src, what="source", **hub), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
         raise ValueError(
@@ -84,7 +93,7 @@ def convert(
         raise ValueError("source and output folders must differ")
     if to == "diffusers":
         pipe = UnCLIPPipeline.from_pretrained(src)
-        export_diffusers(pipe, dst)
+        export_diffusers(pipe, dst, parts=parts)
         return pipe
     if not (src / "model_index.json").is_file():
         raise ValueError(

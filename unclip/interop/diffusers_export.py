@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -18,7 +19,7 @@ from unclip.nets.ar_prior import UnCLIPARPrior
 from unclip.nets.clip import CompatTokenizer
 from unclip.pipeline.pipeline import UnCLIPPipeline
 
-__all__ = ["export_diffusers", "export_problems"]
+__all__ = ["export_diffusers", "export_problems", "export_report", "PARTS"]
 
 _TEXT_CFG_DEFAULTS = {
     "ls_init_value": None,
@@ -152,29 +153,56 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
     return out
 
 
-def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
-    """Write ``pipe`` as a diffusers ``UnCLIPPipeline`` folder (needs ``transformers``); returns
-    ``out_dir``.
+#: the parts of a diffusers UnCLIPPipeline, each with the component folders it is written as
+PARTS = {
+    "text_encoder": ("text_encoder", "tokenizer"),
+    "prior": ("prior", "prior_scheduler"),
+    "decoder": ("decoder", "text_proj", "decoder_scheduler"),
+    "super_res": ("super_res_first", "super_res_last", "super_res_scheduler"),
+}
 
-    Raises ``ValueError`` listing every part of ``pipe`` that diffusers cannot express (see module
-    doc).
-    """
-    pipe._refuse_unmerged_lora("export_diffusers")  # peft's layer names are not diffusers'
-    problems = export_problems(pipe)
-    if problems:
-        raise ValueError(
-            "cannot export to a diffusers UnCLIPPipeline:\n  - " + "\n  - ".join(problems)
+
+def _part_of(problem: str) -> str:
+    """The part of :data:`PARTS` an :func:`export_problems` line is about, or ``"pipeline"`` for
+    a convention of the whole cascade (the weights of every part still export)."""
+    head = problem.split(":", 1)[0]
+    if head == "clip":
+        return "pipeline" if "normalize_embeds" in problem else "text_encoder"
+    return head if head in ("prior", "decoder") else "super_res"
+
+
+def export_report(pipe: UnCLIPPipeline) -> dict[str, list[str]]:
+    """``{part: problems}`` for every part of :data:`PARTS` the pipeline has, plus ``"pipeline"``
+    (cascade-wide conventions); an empty list: that part exports to diffusers as it is."""
+    report: dict[str, list[str]] = {"pipeline": []}
+    report.update({part: [] for part in PARTS if part != "prior" or pipe.prior is not None})
+    if not pipe.upsamplers:
+        report.pop("super_res")
+    for problem in export_problems(pipe):
+        report.setdefault(_part_of(problem), []).append(problem)
+    return report
+
+
+def _summary(report: dict[str, list[str]]) -> str:
+    ok = [part for part, problems in report.items() if part != "pipeline" and not problems]
+    bad = [part for part, problems in report.items() if part != "pipeline" and problems]
+    text = f"cannot export: {', '.join(bad) or 'none'}; exports as is: {', '.join(ok) or 'none'}"
+    if ok:
+        text += (
+            f". The closest exportable subset is written by `unclip convert SRC DST --to diffusers "
+            f"--parts {','.join(ok)}` (export_diffusers(pipe, dst, parts=[...])): diffusers "
+            "model folders, not a runnable diffusers pipeline"
         )
+    return text
+
+
+def _text_encoder(clip):
     try:
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
     except ImportError as exc:
         raise ImportError(
             "exporting to diffusers needs transformers: pip install transformers"
         ) from exc
-    from diffusers import UnCLIPPipeline as DiffusersUnCLIPPipeline
-    from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
-
-    clip, dec, up = pipe.clip, pipe.decoder, pipe.upsamplers[0]
     text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**text_config_to_transformers(clip)))
     text_state = text_state_to_transformers(
         clip.model.state_dict(), int(clip.model_cfg["text_cfg"].get("layers", 12))
@@ -194,40 +222,108 @@ def export_diffusers(pipe: UnCLIPPipeline, out_dir: Union[str, Path]) -> Path:
         tokenizer = CLIPTokenizer.from_pretrained(
             tmp, pad_token=pad, model_max_length=clip.context_length
         )
-    unet = dec.unet.config
-    text_proj = UnCLIPTextProjModel(
-        clip_extra_context_tokens=dec.config.num_image_tokens,
-        clip_embeddings_dim=dec.config.embed_dim,
-        time_embed_dim=unet.block_out_channels[0] * 4,
-        cross_attention_dim=unet.cross_attention_dim,
-    )
-    text_proj.load_state_dict(decoder_to_diffusers(dec.state_dict())["text_proj"], strict=True)
-    sr = pipe.upsampler_names[0]
+    return text_encoder.eval(), tokenizer
+
+
+def _components(pipe: UnCLIPPipeline, parts) -> dict:
+    """The diffusers components of ``parts`` (names of :data:`PARTS`), by component name."""
+    from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
 
     def scheduler(stage, clip_range=1.0, learned=False):
         return make_scheduler(
             "unclip", pipe.diffusion[stage], clip_sample_range=clip_range, learned_variance=learned
         )
 
-    out = DiffusersUnCLIPPipeline(
-        prior=pipe.prior.transformer,
-        decoder=dec.unet,
-        text_encoder=text_encoder.eval(),
-        tokenizer=tokenizer,
-        text_proj=text_proj.eval(),
-        super_res_first=up.unet,
-        super_res_last=up.final_unet if up.final_unet is not None else up.unet,
-        prior_scheduler=scheduler("prior", pipe.prior_clip_range),
-        decoder_scheduler=scheduler("decoder", learned=True),
-        super_res_scheduler=scheduler(sr),
-    )
+    out = {}
+    if "text_encoder" in parts:
+        out["text_encoder"], out["tokenizer"] = _text_encoder(pipe.clip)
+    if "prior" in parts:
+        out["prior"] = pipe.prior.transformer
+        out["prior_scheduler"] = scheduler("prior", pipe.prior_clip_range)
+    if "decoder" in parts:
+        dec = pipe.decoder
+        unet = dec.unet.config
+        text_proj = UnCLIPTextProjModel(
+            clip_extra_context_tokens=dec.config.num_image_tokens,
+            clip_embeddings_dim=dec.config.embed_dim,
+            time_embed_dim=unet.block_out_channels[0] * 4,
+            cross_attention_dim=unet.cross_attention_dim,
+        )
+        state = decoder_to_diffusers(dec.state_dict())["text_proj"]
+        text_proj.load_state_dict(state, strict=True)
+        out.update(decoder=dec.unet, text_proj=text_proj.eval())
+        out["decoder_scheduler"] = scheduler("decoder", learned=True)
+    if "super_res" in parts:
+        up = pipe.upsamplers[0]
+        out["super_res_first"] = up.unet
+        out["super_res_last"] = up.final_unet if up.final_unet is not None else up.unet
+        out["super_res_scheduler"] = scheduler(pipe.upsampler_names[0])
+    return out
+
+
+def export_diffusers(
+    pipe: UnCLIPPipeline, out_dir: Union[str, Path], parts: Optional[Sequence[str]] = None
+) -> Path:
+    """Write ``pipe`` as a diffusers ``UnCLIPPipeline`` folder (needs ``transformers``); returns
+    ``out_dir``.
+
+    Raises ``ValueError`` listing every part of ``pipe`` that diffusers cannot express (see module
+    doc), which parts do export, and how to write those. ``parts`` (names of :data:`PARTS`):
+    write only those parts, each as diffusers component folders (``prior/`` loads with
+    ``PriorTransformer.from_pretrained``, ...) and no ``model_index.json``; the cascade-wide
+    conventions they assume (e.g. L2-normalised CLIP embeddings) are listed in
+    ``unclip_export.json``.
+    """
+    pipe._refuse_unmerged_lora("export_diffusers")  # peft's layer names are not diffusers'
+    report = export_report(pipe)
     out_dir = Path(out_dir)
+    if parts is not None:
+        parts = list(parts)
+        unknown = [p for p in parts if p not in report or p == "pipeline"]
+        if unknown or not parts:
+            raise ValueError(
+                f"parts must name some of {', '.join(p for p in report if p != 'pipeline')}; "
+                f"got {parts}"
+            )
+        bad = [problem for p in parts for problem in report[p]]
+        if bad:
+            raise ValueError(
+                "cannot export these parts to diffusers:\n  - "
+                + "\n  - ".join(bad)
+                + "\n"
+                + _summary(report)
+            )
+        components = _components(pipe, parts)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, component in components.items():
+            component.save_pretrained(str(out_dir / name))
+        note = {
+            "parts": parts,
+            "components": list(components),
+            "not_exported": [p for p in report if p not in parts and p != "pipeline"],
+            "conventions": report["pipeline"],
+        }
+        (out_dir / "unclip_export.json").write_text(json.dumps(note, indent=2) + "\n")
+        return out_dir
+    problems = [problem for part_problems in report.values() for problem in part_problems]
+    if problems:
+        raise ValueError(
+            "cannot export to a diffusers UnCLIPPipeline:\n  - "
+            + "\n  - ".join(problems)
+            + "\n"
+            + _summary(report)
+        )
+    from diffusers import UnCLIPPipeline as DiffusersUnCLIPPipeline
+
+    components = _components(pipe, list(PARTS))
+    out = DiffusersUnCLIPPipeline(**components)
     out.save_pretrained(str(out_dir), safe_serialization=True)
     # diffusers >= 0.2x records text_proj as ("diffusers", ...) which its loader cannot resolve (the
     # class is not exported at top level); name its module, which diffusers resolves once its
     # UnCLIPPipeline is imported
     index_file = out_dir / "model_index.json"
     index = json.loads(index_file.read_text())
+    text_proj = components["text_proj"]
     index["text_proj"] = [type(text_proj).__module__, type(text_proj).__name__]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out_dir

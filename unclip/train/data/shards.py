@@ -17,18 +17,37 @@ TAR_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 
 def expand_urls(urls: Union[str, Sequence[str]]) -> list[str]:
     """Shard URLs from a path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string or
-    list."""
+    list. A local folder (img2dataset's output folder) stands for the ``.tar`` shards directly in
+    it, in name order; the ``*_stats.json``, ``.parquet`` and other files img2dataset writes beside
+    them are not shards."""
     from webdataset.shardlists import expand_urls as wds_expand
 
     if isinstance(urls, (str, Path)):
-        out = wds_expand(str(urls))
+        items = [urls]
     elif isinstance(urls, (list, tuple)):
-        out = [u for item in urls for u in wds_expand(str(item))]
+        items = list(urls)
     else:
         raise TypeError(f"urls must be a string or a list of strings, got {type(urls).__name__}")
+    out = []
+    for item in items:
+        if Path(item).is_dir():
+            out += _folder_shards(Path(item))
+        else:
+            out += wds_expand(str(item))
     if not out:
         raise ValueError(f"no shards in {urls!r}")
     return out
+
+
+def _folder_shards(folder: Path) -> list[str]:
+    shards = sorted(str(f) for f in folder.iterdir() if f.suffix == ".tar" and f.is_file())
+    if not shards:
+        raise ValueError(
+            f"{folder} is a folder with no .tar shards in it; give the folder img2dataset wrote "
+            "with --output_format webdataset, or the shards themselves "
+            "(e.g. data/{00000..00009}.tar)"
+        )
+    return shards
 
 
 class _StrictTarInfo(tarfile.TarInfo):
