@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hub_args(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     add_autocast_arg(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p
 
 
