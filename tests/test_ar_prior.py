@@ -11,7 +11,7 @@ from unclip.nets.config import ARPriorOptions, PriorConfig
 from unclip.nets.priors import load_prior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.ar import filter_logits, sample_ar_prior
-from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.settings import ARPriorSampling
 from unclip.utils.config import ConfigError
 
 CAPTIONS = ["a small red circle on the left", "a big blue square", "a green triangle", "two stars"]
@@ -49,7 +49,7 @@ def text(tiny_clip):
 
 
 def sample(prior, text, null, seeds, **settings):
-    s = SamplingConfig(**{"guidance_scale": 1.0, **settings})
+    s = ARPriorSampling(**{"guidance_scale": 1.0, **settings})
     return sample_ar_prior(prior, text, null, s, generator=gens(*seeds), progress=False)
 
 
@@ -186,7 +186,7 @@ def test_sample_prior_takes_a_torch_compile_wrapper(prior, text):
     from unclip.diffusion.config import DiffusionConfig
     from unclip.sampling.stages import sample_prior
 
-    settings = SamplingConfig(guidance_scale=1.0)
+    settings = ARPriorSampling(guidance_scale=1.0)
     wrapped = torch.compile(prior, backend="eager")
     got, _ = sample_prior(
         wrapped,
@@ -265,7 +265,7 @@ def ar_pipe(tiny_pipe):
     p = tiny_pipe
     prior = fitted_prior(p.clip, seed=1)
     sampling = {k: v for k, v in p.sampling.items() if k != "prior"}
-    sampling["prior"] = SamplingConfig(guidance_scale=2.0, best_of=2, top_k=8)
+    sampling["prior"] = ARPriorSampling(guidance_scale=2.0, best_of=2, top_k=8)
     return UnCLIPPipeline(p.clip, prior, p.decoder, p.upsamplers, p.diffusion, sampling)
 
 
@@ -313,7 +313,7 @@ def test_ar_settings_are_checked_and_refused_where_they_do_not_apply(ar_pipe, ti
 
 
 def test_export_to_diffusers_refuses_an_ar_prior(ar_pipe):
-    from unclip.interop.diffusers import export_diffusers, export_problems
+    from unclip.interop.diffusers_export import export_diffusers, export_problems
 
     assert any("autoregressive prior" in p for p in export_problems(ar_pipe))
     with pytest.raises(ValueError, match="autoregressive prior"):

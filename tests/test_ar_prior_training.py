@@ -15,7 +15,7 @@ from unclip.nets.clip import CLIP
 from unclip.nets.decoder import UnCLIPDecoder
 from unclip.pipeline.tiny import tiny_decoder_kwargs
 from unclip.sampling.ar import sample_ar_prior
-from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.settings import ARPriorSampling
 from unclip.train.ar_prior import ar_prior_loss, fit_embeddings
 from unclip.train.config import load_stage_config
 from unclip.train.loop import sample_generators
@@ -97,7 +97,7 @@ def test_resume_is_exact_and_keeps_the_fit(tmp_path):
     assert prior.config.normformer and prior.config.ff_activation == "geglu"
     assert "transformer.blocks.0.head_scale" in a
     text = clip.encode_text(["a red circle"])
-    s = SamplingConfig(**{k: v for k, v in meta["sampling"].items()})
+    s = ARPriorSampling(**{k: v for k, v in meta["sampling"].items()})
     best, cands = sample_ar_prior(
         prior, text, lambda n: clip.encode_text([""] * n), s, progress=False
     )

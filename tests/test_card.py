@@ -30,7 +30,8 @@ def test_saved_card_parses_with_metadata_and_component_sizes(tiny_pipe, tmp_path
     data = card.data.to_dict()
     assert data["library_name"] == "unclip" and data["pipeline_tag"] == "text-to-image"
     assert data["tags"] == ["text-to-image", "unclip", "diffusion"]
-    assert data["license"] == "unknown"  # nobody said which
+    assert "license" not in data  # nobody said which: no field, not "unknown"
+    assert "license:" not in (tmp_path / "p" / "README.md").read_text().split("---")[1]
     rows = {
         line.split(" | ")[0].strip("| "): line.split(" | ")
         for line in section(card, "Components").splitlines()[2:]

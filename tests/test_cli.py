@@ -170,7 +170,7 @@ def test_console_ends_generate_without_teardown_and_keeps_its_output(tmp_path):
     proc = run("generate", "a red circle", "--tiny", "--no-progress", "--out", str(out), *small)
     assert proc.returncode == 0, proc.stderr
     # stdout is a pipe, so block-buffered: its lines arrive only if it is flushed before the exit
-    assert "wrote 1 images" in proc.stdout and "teardown ran" not in proc.stdout
+    assert "wrote 1 image (64px)" in proc.stdout and "teardown ran" not in proc.stdout
     assert Image.open(out / "000_00.png").size == (64, 64)
     assert json.loads((out / "generate.json").read_text())["files"]
     # a failure keeps its status and its one error line

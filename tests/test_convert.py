@@ -41,9 +41,12 @@ from transformers import (
     CLIPVisionModelWithProjection,
 )
 
+from unclip.cli import run_command
 from unclip.cli.convert import main
 from unclip.interop.clip import bpe_vocab
-from unclip.interop.diffusers import convert, export_diffusers, load_diffusers_unclip
+from unclip.interop.diffusers import convert
+from unclip.interop.diffusers_export import export_diffusers
+from unclip.interop.diffusers_import import load_diffusers_unclip
 from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.pipeline.tiny import tiny_pipeline
 
@@ -331,8 +334,10 @@ def test_a_karlo_repo_loads_and_converts_by_hub_id(karlo, reference, hub_cache, 
     written = ModelCard.load(tmp_path / "native" / "README.md").data
     assert written.license == "creativeml-openrail-m"  # the source's license is kept
     assert written.base_model == "kakaobrain/karlo-tiny" and written.library_name == "unclip"
-    with pytest.raises(SystemExit):
-        main(["kakaobrain/karlo-tiny", str(tmp_path / "v"), "--revision", "v9"])
+    assert (
+        run_command("convert", ["kakaobrain/karlo-tiny", str(tmp_path / "v"), "--revision", "v9"])
+        == 1
+    )
     assert "kakaobrain/karlo-tiny (revision v9)" in capsys.readouterr().err
 
 
@@ -399,8 +404,7 @@ def test_not_an_unclip_folder(folder, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not an unclip pipeline folder"):
         UnCLIPPipeline.from_pretrained(tmp_path / "empty")
-    with pytest.raises(SystemExit):
-        main([str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert run_command("convert", [str(tmp_path / "empty"), str(tmp_path / "out")]) == 1
     assert "no model_index.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -519,7 +523,9 @@ def test_export_names_the_single_problem(loaded, tmp_path):
     loaded.clip.normalize_embeds = True
     try:
         with pytest.raises(
-            ValueError, match=r"diffusers UnCLIPPipeline:\n  - clip: normalize_embeds=True[^\n]*$"
+            ValueError,
+            match=r"diffusers UnCLIPPipeline:\n  - clip: normalize_embeds=True[^\n]*\n"
+            r"cannot export: none; exports as is: text_encoder, prior, decoder, super_res[^\n]*$",
         ):
             export_diffusers(loaded, tmp_path / "out")
     finally:
@@ -528,19 +534,24 @@ def test_export_names_the_single_problem(loaded, tmp_path):
 
 
 def test_cli_errors(karlo, tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:  # an argparse usage error keeps its status 2
         main([str(karlo[0]), str(tmp_path / "x"), "--to", "karlo"])
+    assert e.value.code == 2
+    capsys.readouterr()
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("keep")
-    with pytest.raises(SystemExit):
-        main([str(karlo[0]), str(tmp_path / "busy")])
-    assert "--overwrite" in capsys.readouterr().err
+    # a user error is one line and status 1, as the README promises, not the usage and status 2
+    assert run_command("convert", [str(karlo[0]), str(tmp_path / "busy")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("unclip convert: error: ") and err.count("\n") == 1, err
+    assert "--overwrite" in err and "usage:" not in err
     assert (tmp_path / "busy" / "file").read_text() == "keep"
     # a native unclip folder cannot be exported: this one normalises embeddings
-    with pytest.raises(SystemExit):
-        tiny_pipeline().save_pretrained(tmp_path / "native")
-        main([str(tmp_path / "native"), str(tmp_path / "out"), "--to", "diffusers"])
-    assert "cannot export" in capsys.readouterr().err
+    tiny_pipeline().save_pretrained(tmp_path / "native")
+    argv = [str(tmp_path / "native"), str(tmp_path / "out"), "--to", "diffusers"]
+    assert run_command("convert", argv) == 1
+    err = capsys.readouterr().err
+    assert "cannot export" in err and err.count("\n") == 1
 
 
 def test_convert_library_call_checks_its_arguments(karlo, tmp_path):
@@ -558,3 +569,44 @@ def test_convert_library_call_checks_its_arguments(karlo, tmp_path):
     assert (tmp_path / "busy" / "file").read_text() == "keep"
     again = UnCLIPPipeline.from_pretrained(tmp_path / "busy")
     assert again.stage_names == pipe.stage_names
+
+
+def test_convert_takes_the_bundled_name_and_exports_its_exportable_parts(tmp_path, capsys):
+    # `generate` and `serve` take "shapes"; convert does too (it is no diffusers folder, so --to
+    # unclip is refused for what the folder is, not as "not found")
+    assert run_command("convert", ["shapes", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert "no model_index.json" in err and "not found" not in err
+    # the whole cascade cannot be expressed; the error says which parts can and how to write them
+    assert run_command("convert", ["shapes", str(tmp_path / "d"), "--to", "diffusers"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "cannot export: decoder, super_res; exports as is: text_encoder, prior" in err
+    assert "--parts text_encoder,prior" in err
+    argv = ["shapes", str(tmp_path / "d"), "--to", "diffusers", "--parts", "decoder"]
+    assert run_command("convert", argv) == 1
+    assert "coord_channels" in capsys.readouterr().err
+    argv = ["shapes", str(tmp_path / "d"), "--to", "diffusers", "--parts", "text_encoder,prior"]
+    assert run_command("convert", argv) == 0
+    out = tmp_path / "d"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "prior",
+        "prior_scheduler",
+        "text_encoder",
+        "tokenizer",
+    ]
+    note = json.loads((out / "unclip_export.json").read_text())
+    assert note["not_exported"] == ["decoder", "super_res"]
+    assert "normalize_embeds" in note["conventions"][0]
+    pipe = UnCLIPPipeline.from_pretrained("shapes", autocast_dtype=None)
+    prior = PriorTransformer.from_pretrained(out / "prior")
+    for key, value in pipe.prior.transformer.state_dict().items():
+        assert torch.equal(prior.state_dict()[key], value), key
+    text_encoder = CLIPTextModelWithProjection.from_pretrained(out / "text_encoder")
+    tokenizer = CLIPTokenizer.from_pretrained(out / "tokenizer")
+    prompt = ["a red circle above a blue square"]
+    ids = tokenizer(prompt, padding="max_length", return_tensors="pt").input_ids
+    with torch.no_grad():
+        theirs = torch.nn.functional.normalize(text_encoder(ids).text_embeds, dim=-1)
+    ours = pipe.clip.encode_text(prompt).text_embed  # the bundled CLIP normalises
+    assert (theirs - ours).abs().max() < 1e-5

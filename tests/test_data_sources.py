@@ -14,14 +14,8 @@ import torch
 from PIL import Image
 
 from unclip.shapes.export import write_shapes
-from unclip.train.data.sources import (
-    EmbeddingStream,
-    FolderStream,
-    StreamDataset,
-    WebDatasetStream,
-    collate,
-    image_to_tensor,
-)
+from unclip.train.data.sources import EmbeddingStream, FolderStream, WebDatasetStream
+from unclip.train.data.stream import StreamDataset, collate, image_to_tensor
 
 R = 16
 
@@ -138,7 +132,7 @@ def test_folder_rank_split_is_disjoint_and_covers(clean_folder):
 
 
 def test_folder_bad_files_are_skipped_counted_and_logged(dirty_folder, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.stream")
     got = take(FolderStream(dirty_folder, R, seed=0, rank=0, world_size=1, shuffle=False), 12)
     assert [x["caption"][:8] for x in got[:10]] == [f"{i:08d}" for i in range(10)]
     assert got[10]["caption"] == "a wide image in a subfolder"  # recursive, upper-case extension
@@ -252,6 +246,23 @@ def test_webdataset_url_forms_agree(shards):
     assert [sig(x) for x in take(wds([f"pipe:cat {f}" for f in files]), 30)] == ref
 
 
+def test_webdataset_takes_an_img2dataset_output_folder(shards, tmp_path):
+    # img2dataset's output folder: shards, their *_stats.json, a parquet per shard and a stats.json
+    folder = tmp_path / "img2dataset_out"
+    folder.mkdir()
+    for f in shards.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    for i in range(4):
+        (folder / f"{i:05d}.parquet").write_bytes(b"PAR1 not a shard PAR1")
+    (folder / "stats.json").write_text("{}")
+    ref = [sig(x) for x in take(wds(str(shards / "{00000..00003}.tar")), 30)]
+    stream = wds(folder)
+    assert stream.urls == [str(folder / f"{i:05d}.tar") for i in range(4)]
+    assert [sig(x) for x in take(stream, 30)] == ref and wds(str(folder)).urls == stream.urls
+    with pytest.raises(ValueError, match=r"no \.tar shards in it.*img2dataset"):
+        wds(tmp_path)
+
+
 def test_webdataset_fewer_shards_than_ranks_is_a_clear_error(shards):
     with pytest.raises(ValueError, match=r"4 shard.*world_size is 5.*[Rr]e-shard"):
         wds(str(shards / "{00000..00003}.tar"), rank=0, world_size=5)
@@ -286,7 +297,7 @@ def corrupt_shard(tmp_path_factory):
 
 
 def test_webdataset_corrupt_members_are_skipped_and_counted(corrupt_shard, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.stream")
     got = take(wds(str(corrupt_shard), shuffle_buffer=0), 4)
     assert [x["caption"] for x in got] == ["good zero", "good four", "good six", "good zero"]
     assert [x["skipped"] for x in got] == [0, 3, 1, 1]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from unclip.cli import run_command
 from unclip.cli.evaluate import main
 from unclip.eval import metrics as M
 from unclip.eval.evaluate import read_coco_captions, read_prompts
@@ -64,10 +65,14 @@ def _run(argv):
 
 
 def _fails(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        main([*argv, "--no-progress", "--device", "cpu"])
-    assert e.value.code == 2
-    return capsys.readouterr().err
+    """The one stderr line of ``unclip evaluate argv`` failing with exit status 1, as the README
+    promises for user errors (no usage dump, no status 2)."""
+    assert run_command("evaluate", [*argv, "--no-progress", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    # the error is the last line, after at most the banner of the test-only random Inception
+    assert err.endswith("\n") and "usage:" not in err, err
+    assert err.splitlines()[-1].startswith("unclip evaluate: error: "), err
+    return err.splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------- Fréchet distance
@@ -129,23 +134,46 @@ def test_fid_of_a_set_against_itself_is_zero_and_grows_with_noise():
 
 # -------------------------------------------------------------------------------- Inception loading
 def test_inception_loads_from_a_local_file_and_fails_clearly_without_it(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
     random_net, _ = M.load_inception("random", 64)
-    path = tmp_path / M.INCEPTION_FILE
-    torch.save(random_net.net.state_dict(), path)
+    path = tmp_path / "inception.safetensors"
+    save_file(random_net.net.state_dict(), path)
     loaded, ident = M.load_inception(str(path), 64)
     x = torch.randint(0, 256, (2, 3, 40, 40), dtype=torch.uint8)
     torch.testing.assert_close(loaded(x), random_net(x))
     assert ident["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert (
-        M.load_inception(str(tmp_path), 64)[1]["sha256"] == ident["sha256"]
-    )  # a folder holding the file
-    torch.save({"fc.weight": torch.zeros(3, 3)}, tmp_path / "other.pth")
+    save_file({"fc.weight": torch.zeros(3, 3)}, tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="not the FID Inception"):
-        M.load_inception(str(tmp_path / "other.pth"), 64)
+        M.load_inception(str(tmp_path / "other.safetensors"), 64)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_home"))
     with pytest.raises(FileNotFoundError) as e:
         M.load_inception(None)
     assert M.INCEPTION_FILE in str(e.value) and M.INCEPTION_URL in str(e.value)
+
+
+def test_only_the_real_inception_file_is_comparable_and_other_pickles_are_refused(tmp_path):
+    random_net, _ = M.load_inception("random", 2048)
+    # a correctly shaped file, even at 2048-d, is not the real one: not comparable
+    save_file_path = tmp_path / "inception.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(random_net.net.state_dict(), save_file_path)
+    ident = M.load_inception(str(save_file_path), 2048)[1]
+    assert ident["comparable"] is False and ident["verified"] is False
+    assert "unverified" in ident["name"]
+    # a pickle under the real file's name but with other contents is refused, saying the rule
+    fake = tmp_path / M.INCEPTION_FILE
+    torch.save(random_net.net.state_dict(), fake)
+    with pytest.raises(ValueError) as e:
+        M.load_inception(str(fake), 2048)
+    message = str(e.value)
+    assert "pickles (.pth, .pt, .bin) are not loaded" in message
+    assert M.INCEPTION_SHA256_PREFIX in message and "weights_only=True" in message
+    assert ".safetensors" in message and "\n" not in message
+    # a folder holding it names the same file
+    with pytest.raises(ValueError, match="refusing"):
+        M.load_inception(str(tmp_path), 2048)
 
 
 def test_evaluate_without_inception_weights_names_the_file(
@@ -266,6 +294,9 @@ def test_evaluate_end_to_end_offline(model_dir, ref_dir, tmp_path, capsys):
         and r["fid"]["reference_count"] == 6
         and r["fid"]["comparable"] is False
     )
+    # FID on 4 samples is recorded and warned about as not comparable with published FID
+    assert r["fid"]["few_samples"] is True and r["fid"]["inception_verified"] is False
+    assert any("fewer than 2048" in w and "NOT comparable" in w for w in r["warnings"])
     assert math.isfinite(r["fid"]["value"]) and r["fid"]["value"] > 0
     assert (
         math.isfinite(r["clip_fid"]["value"]) and "pipeline's own CLIP" in r["clip_score"]["model"]

@@ -221,7 +221,7 @@ def test_load_lora_scale_merge_unload(trained, tmp_path):
     assert torch.equal(images(pipe), adapted)
     with pytest.raises(ValueError, match="merge_lora"):
         pipe.save_pretrained(tmp_path / "refused")
-    from unclip.interop.diffusers import export_diffusers
+    from unclip.interop.diffusers_export import export_diffusers
 
     with pytest.raises(ValueError, match="export_diffusers: LoRA adapters are loaded"):
         export_diffusers(pipe, tmp_path / "refused_diffusers")  # peft's names are not diffusers'

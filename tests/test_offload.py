@@ -173,6 +173,10 @@ def test_offload_api_errors_and_to(tiny_pipe):
         tiny_pipe.enable_model_cpu_offload(device="cpu")
     with pytest.raises(ValueError, match="contradicts"):
         tiny_pipe.enable_model_cpu_offload(gpu_id=1, device="cuda:0")
+    if not torch.cuda.is_available():  # a clear error, not torch's "no NVIDIA driver"
+        with pytest.raises(ValueError, match="needs a CUDA GPU and torch finds none.*CPU-only"):
+            tiny_pipe.enable_model_cpu_offload()
+        assert tiny_pipe._offloader is None  # nothing was hooked
     from unclip.utils.offload import ModelOffloader
 
     shared = torch.nn.Linear(2, 2)

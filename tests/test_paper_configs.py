@@ -166,7 +166,7 @@ def test_clip_decoder_training_drops_to_the_clip_empty_caption():
 
 
 def test_export_to_diffusers_refuses_a_decoder_with_its_own_text_encoder(tmp_path):
-    from unclip.interop.diffusers import export_diffusers
+    from unclip.interop.diffusers_export import export_diffusers
 
     pipe = tiny_pipeline(decoder_kwargs=TINY_TEXT_ENCODER)
     with pytest.raises(ValueError, match="decoder: text_encoder=transformer"):

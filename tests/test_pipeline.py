@@ -640,9 +640,9 @@ def test_sampling_settings_resolve_and_validate_every_stage(tiny_pipe):
     assert (s["sr32"].steps, s["sr64"].steps) == (4, 2)
     assert s["prior"] == tiny_pipe.sampling["prior"]
     assert s["sr32"].scheduler == tiny_pipe.sampling["sr32"].scheduler  # untouched fields kept
-    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.settings import DecoderSampling
 
-    given = SamplingConfig(scheduler="ddpm", steps=3, guidance_scale=2.0, best_of=1)
+    given = DecoderSampling(scheduler="ddpm", steps=3, guidance_scale=2.0, best_of=1)
     assert tiny_pipe.sampling_settings({"decoder": given})["decoder"] == given
     s["decoder"].steps = 99  # a copy: the pipeline's defaults are unchanged
     assert tiny_pipe.sampling["decoder"].steps != 99

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention import BasicTransformerBlock
 
-from unclip.interop.diffusers import export_problems
+from unclip.interop.diffusers_export import export_problems
 from unclip.nets.blocks import TransformerBlock, ff_hidden_width
 from unclip.nets.config import PriorConfig
 from unclip.nets.prior import UnCLIPPrior

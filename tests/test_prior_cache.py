@@ -8,7 +8,7 @@ from unclip.diffusion.config import DiffusionConfig
 from unclip.nets.prior import PrefixCache, UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.pipeline.tiny import tiny_prior_kwargs
-from unclip.sampling.settings import SamplingConfig
+from unclip.sampling.settings import PriorSampling
 from unclip.sampling.stages import sample_prior
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,7 +102,7 @@ def test_sampler_runs_the_three_new_positions_per_step(tiny_clip):
     hook = prior.transformer.transformer_blocks[0].register_forward_pre_hook(
         lambda _, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True
     )
-    settings = SamplingConfig(scheduler="ddim", steps=4, guidance_scale=3.0, best_of=2)
+    settings = PriorSampling(scheduler="ddim", steps=4, guidance_scale=3.0, best_of=2)
     with torch.no_grad():
         best, cands = sample_prior(
             prior,
@@ -153,7 +153,7 @@ def _sample_lengths(prior, tiny_clip, steps=3):
     hook = block.register_forward_pre_hook(
         lambda _, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True
     )
-    settings = SamplingConfig(scheduler="ddim", steps=steps, guidance_scale=3.0)
+    settings = PriorSampling(scheduler="ddim", steps=steps, guidance_scale=3.0)
     try:
         with torch.no_grad():
             best, _ = sample_prior(

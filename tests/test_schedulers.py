@@ -183,11 +183,11 @@ def test_reranking_part_way_finishes_the_kept_candidates_exactly(pipe, name):
     conditioning's [uncond; cond] rows are cut to them; multistep history and the per-row
     generators of a stochastic sampler follow the kept rows)."""
     from unclip.sampling.candidates import sample_decoder_reranked
-    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.settings import DecoderSampling
     from unclip.sampling.stages import sample_decoder
 
     embeds, text = _candidates(pipe)
-    s = SamplingConfig(scheduler=name, steps=4, guidance_scale=2.0, rerank_at=2)
+    s = DecoderSampling(scheduler=name, steps=4, guidance_scale=2.0, rerank_at=2)
     args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
     full = sample_decoder(*args, generator=gens(0, 1, 2, 3), progress=False)
     seen = []
@@ -208,11 +208,11 @@ def test_pruning_then_choosing_finishes_the_kept_candidates_exactly(pipe, name):
     keeps go on (multistep history, per-row generators and guidance's [uncond; cond] rows cut to
     them), the chooser sees only those, and the indices returned are into the candidates given."""
     from unclip.sampling.candidates import sample_decoder_reranked
-    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.settings import DecoderSampling
     from unclip.sampling.stages import sample_decoder
 
     embeds, text = _candidates(pipe)
-    s = SamplingConfig(
+    s = DecoderSampling(
         scheduler=name, steps=4, guidance_scale=2.0, best_of=4, rerank_at=3, prune_at=1
     )
     s.prune_keep = 3
@@ -244,11 +244,11 @@ def test_the_chooser_sees_the_samplers_own_x0_estimate(pipe, name):
     from diffusers.utils.torch_utils import randn_tensor
 
     from unclip.sampling.candidates import sample_decoder_reranked
-    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.settings import DecoderSampling
     from unclip.sampling.stages import decoder_denoiser
 
     embeds, text = _candidates(pipe)
-    s = SamplingConfig(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
+    s = DecoderSampling(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
     args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
     seen = []
     sample_decoder_reranked(
@@ -267,15 +267,15 @@ def test_reranking_part_way_refuses_samplers_it_cannot_stop(pipe):
     """Two network calls per step (Heun, DPM2): steps are not the loop's iterations, so
     ``rerank_at`` is refused with what to use instead; so is a step past the end."""
     from unclip.sampling.candidates import sample_decoder_reranked
-    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.settings import DecoderSampling
 
     embeds, text = _candidates(pipe)
     for name in ("heun", "dpm2"):
-        s = SamplingConfig(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
+        s = DecoderSampling(scheduler=name, steps=4, guidance_scale=1.0, rerank_at=2)
         args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
         with pytest.raises(ValueError, match="one network call per step.*use ddim"):
             sample_decoder_reranked(*args, lambda x0: [0], progress=False)
-    s = SamplingConfig(scheduler="ddim", steps=4, guidance_scale=1.0, rerank_at=4)
+    s = DecoderSampling(scheduler="ddim", steps=4, guidance_scale=1.0, rerank_at=4)
     args = (pipe.decoder, embeds, text, pipe.null_text, s, pipe.diffusion["decoder"])
     with pytest.raises(ValueError, match="below steps"):
         sample_decoder_reranked(*args, lambda x0: [0], progress=False)

@@ -21,8 +21,13 @@ import importlib
 import logging
 import os
 import sys
+import time
 
 from unclip.cli.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, run_main
+
+#: when the command line was entered (before torch and the models are imported, which take
+#: seconds): the times a command prints count from here
+STARTED = time.monotonic()
 
 COMMANDS = {
     "generate": (

@@ -22,8 +22,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "src",
-        help="source folder or Hugging Face Hub repo id (org/name) (diffusers/Karlo for --to "
-        "unclip; unclip or diffusers for --to diffusers)",
+        help="source folder, Hugging Face Hub repo id (org/name), or 'shapes' (the bundled "
+        "model) (diffusers/Karlo for --to unclip; unclip or diffusers for --to diffusers)",
     )
     parser.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
     parser.add_argument(
@@ -35,10 +35,20 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty output folder"
     )
+    parser.add_argument(
+        "--parts",
+        help="with --to diffusers: write only these comma-separated parts (text_encoder, prior, "
+        "decoder, super_res) as diffusers component folders, for a pipeline diffusers cannot "
+        "express as a whole (the error lists which parts export)",
+    )
     add_hub_args(parser)
     args = parser.parse_args(argv)
+    parts = None if args.parts is None else [p.strip() for p in args.parts.split(",") if p.strip()]
+    if parts is not None and args.to != "diffusers":
+        raise ValueError("--parts applies to --to diffusers only")
     from unclip.interop.diffusers import convert
 
+    # user errors propagate: the command runner prints them on one line and exits 1
     try:
         pipe = convert(
             args.src,
@@ -47,14 +57,16 @@ def main(argv=None) -> int:
             overwrite=args.overwrite,
             revision=args.revision,
             cache_dir=args.cache_dir,
+            parts=parts,
         )
-    except (ValueError, FileNotFoundError, ImportError) as exc:
-        parser.error(str(exc))
+    except ImportError as exc:  # a missing optional dependency (transformers) is the user's to fix
+        raise ValueError(str(exc)) from exc
     if args.to == "unclip":
         print(f"wrote unclip pipeline {args.dst} (stages: {', '.join(pipe.stage_names)})")
     else:
         names = sorted(p.name for p in Path(args.dst).iterdir() if p.is_dir())
-        print(f"wrote diffusers UnCLIPPipeline {args.dst} (components: {', '.join(names)})")
+        what = "UnCLIPPipeline" if parts is None else "components of an UnCLIPPipeline"
+        print(f"wrote diffusers {what} {args.dst} (components: {', '.join(names)})")
     return 0
 
 

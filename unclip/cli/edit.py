@@ -37,7 +37,7 @@ def _common(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_autocast_arg(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     if sampling:
         add_sampling_args(p)
 
@@ -244,7 +244,8 @@ def main(argv=None) -> int:
     extra = ""
     if record.get("inversion_error") is not None and args.edit in ("invert", "text-diff"):
         extra = f"; inversion round-trip RMSE {record['inversion_error']:.4f}"
-    print(f"wrote {len(record['files'])} images + grid.png + edit.json to {args.out}{extra}")
+    n = len(record["files"])
+    print(f"wrote {n} image{'' if n == 1 else 's'} + grid.png + edit.json to {args.out}{extra}")
     return 0
 
 

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hub_args(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     add_autocast_arg(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p
 
 
@@ -116,7 +116,8 @@ def _parse_sampling(text):
 
 
 def main(argv=None) -> int:
-    """Returns 0; user errors exit with status 2 and a message."""
+    """Returns 0; user errors raise ``ValueError``/``TypeError``/``OSError``, which the command
+    runner prints on one line with exit status 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
     import torch
@@ -124,36 +125,33 @@ def main(argv=None) -> int:
     from unclip.eval.evaluate import evaluate, report_markdown
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        report = evaluate(
-            args.out,
-            model=args.model,
-            revision=args.revision,
-            cache_dir=args.cache_dir,
-            samples=args.samples,
-            prompts_file=args.prompts,
-            coco_captions=args.coco_captions,
-            shapes=args.shapes,
-            reference=args.reference,
-            reference_cache=args.reference_cache,
-            allow_small_reference=args.allow_small_reference,
-            num_samples=args.num_samples,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            inception_weights=args.inception,
-            inception_feature=args.inception_feature,
-            clip_model=args.clip_model,
-            clip_pretrained=args.clip_pretrained,
-            clip_fid=args.clip_fid,
-            resolution=args.resolution,
-            sampling=_parse_sampling(args.sampling),
-            save_samples=args.save_samples,
-            device=device,
-            progress=not args.no_progress,
-            autocast_dtype=args.autocast,
-        )
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        parser.error(str(e))
+    report = evaluate(
+        args.out,
+        model=args.model,
+        revision=args.revision,
+        cache_dir=args.cache_dir,
+        samples=args.samples,
+        prompts_file=args.prompts,
+        coco_captions=args.coco_captions,
+        shapes=args.shapes,
+        reference=args.reference,
+        reference_cache=args.reference_cache,
+        allow_small_reference=args.allow_small_reference,
+        num_samples=args.num_samples,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        inception_weights=args.inception,
+        inception_feature=args.inception_feature,
+        clip_model=args.clip_model,
+        clip_pretrained=args.clip_pretrained,
+        clip_fid=args.clip_fid,
+        resolution=args.resolution,
+        sampling=_parse_sampling(args.sampling),
+        save_samples=args.save_samples,
+        device=device,
+        progress=not args.no_progress,
+        autocast_dtype=args.autocast,
+    )
     print(report_markdown(report))
     print(f"wrote {Path(args.out) / 'report.json'}, report.md, grid.png")
     return 0

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
+from unclip.cli import STARTED
 from unclip.cli.errors import seed_type
 from unclip.diffusion.config import SCHEDULERS
 
@@ -276,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="samples", help="output folder")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_autocast_arg(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     add_sampling_args(p)
     return p
 
@@ -325,9 +327,12 @@ def main(argv=None) -> int:
         autocast_dtype=args.autocast,
         command=["unclip", "generate", *(argv if argv is not None else sys.argv[1:])],
     )
+    n = len(record["files"])
+    # the run's own time, and the time since the process started (imports take seconds)
+    total = time.monotonic() - STARTED
     print(
-        f"wrote {len(record['files'])} images ({record['resolution']}px) + grid.png + "
-        f"generate.json to {args.out} in {record['seconds']:.1f}s"
+        f"wrote {n} image{'' if n == 1 else 's'} ({record['resolution']}px) + grid.png + "
+        f"generate.json to {args.out} in {record['seconds']:.1f}s ({total:.1f}s since start)"
     )
     if args.tiny:  # after the run: a failed run's stderr is its one error line
         print("note: --tiny is a small *untrained* random pipeline; its images are noise")

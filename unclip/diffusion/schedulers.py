@@ -28,6 +28,7 @@ import inspect
 from typing import Any
 
 import torch
+from diffusers import EulerAncestralDiscreteScheduler as _EulerAncestral
 
 __all__ = [
     "SCHEDULER_ALIASES",
@@ -86,6 +87,21 @@ def _class(name: str):
     return cls
 
 
+class EulerAncestralDiscreteScheduler(_EulerAncestral):
+    """diffusers' ancestral Euler sampler with its sigmas in float64 (the samples stay float32).
+
+    Its step splits the move from ``sigma_from`` to ``sigma_to`` into ``sigma_down`` and
+    ``sigma_up`` with ``sigma_down = sqrt(sigma_to² - sigma_up²)``. From ``t = T - 1`` of a
+    squaredcos_cap_v2 schedule ``sigma_from`` is about 2e4, so ``sigma_up²`` equals ``sigma_to²``
+    to within float32 rounding and the difference can come out negative: its square root is NaN
+    (3 steps do it). In float64 the difference is ``sigma_to⁴ / sigma_from²``, small and
+    positive, as it should be."""
+
+    def set_timesteps(self, *args, **kwargs):
+        super().set_timesteps(*args, **kwargs)
+        self.sigmas = self.sigmas.to(torch.float64)
+
+
 def scheduler_label(spec: Any) -> str:
     """How settings files name ``spec``: a name as given, an instance by its class name."""
     return spec if isinstance(spec, str) else type(spec).__name__
@@ -108,6 +124,8 @@ def build_scheduler(spec: Any, diffusion, *, learned_variance: bool = False):
     instance (the built-in names are :func:`unclip.diffusion.make_scheduler`'s)."""
     check_scheduler_spec(spec)
     cls = _class(spec) if isinstance(spec, str) else type(spec)
+    if cls is _EulerAncestral:
+        cls = EulerAncestralDiscreteScheduler
     facts = {
         "num_train_timesteps": diffusion.num_train_timesteps,
         "beta_schedule": diffusion.beta_schedule,

@@ -246,7 +246,8 @@ def report_markdown(r: dict) -> str:
         note = (
             ""
             if f["comparable"]
-            else " **NOT COMPARABLE (test Inception or non-standard features)**"
+            else " **NOT COMPARABLE (unverified or test Inception, non-standard features, or "
+            "fewer than " + str(M.MIN_COMPARABLE_SAMPLES) + " samples)**"
         )
         rows.append(
             (
@@ -488,12 +489,21 @@ def evaluate(
 
     if inception is not None:
         mu, sigma = scorer.inc_stats.mu_sigma()
+        few = n < M.MIN_COMPARABLE_SAMPLES
+        if few:
+            warn.append(
+                f"FID on {n} samples (fewer than {M.MIN_COMPARABLE_SAMPLES}) is biased upwards and "
+                "noisy: NOT comparable with published FID (which uses tens of thousands); compare "
+                "it only with runs of the same sample count"
+            )
         report["fid"] = {
             "value": M.frechet_distance(mu, sigma, ref["mu"], ref["sigma"]),
             "inception": inc_id["name"],
             "inception_sha256": inc_id["sha256"],
             "feature": inc_id["feature"],
-            "comparable": inc_id["comparable"],
+            "inception_verified": inc_id["verified"],
+            "comparable": inc_id["comparable"] and not few,
+            "few_samples": few,
             "reference": str(reference),
             "reference_count": ref_meta.get("count"),
         }

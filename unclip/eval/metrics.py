@@ -43,6 +43,8 @@ __all__ = [
     "load_inception",
     "INCEPTION_FILE",
     "INCEPTION_URL",
+    "INCEPTION_SHA256_PREFIX",
+    "MIN_COMPARABLE_SAMPLES",
     "clip_cosines",
     "clip_score_summary",
     "clip_fingerprint",
@@ -61,6 +63,12 @@ INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
 INCEPTION_URL = (
     f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{INCEPTION_FILE}"
 )
+#: how torch.hub checks a download: the SHA-256 of the file begins with the hex digits its name
+#: carries (torch-fidelity's and pytorch-fid's Inception files both carry these)
+INCEPTION_SHA256_PREFIX = "6726825d"
+#: FID of fewer samples is biased upwards (its bias falls like 1/N) and its spread is wide; the
+#: published protocol uses tens of thousands of samples, and the features are 2048-d
+MIN_COMPARABLE_SAMPLES = 2048
 STATS_FORMAT = "unclip-reference-stats"
 #: The fixed preprocessing (recorded in every report and stats file; stats are only reused if
 #: equal).
@@ -263,7 +271,11 @@ def load_inception(
     (tests).
 
     ``weights=None`` looks for ``INCEPTION_FILE`` in torch hub's checkpoint folder; nothing is ever
-    downloaded. Returns the module and its identity ``{"name", "sha256", "feature", "comparable"}``.
+    downloaded. Returns the module and its identity ``{"name", "sha256", "feature", "verified",
+    "comparable"}``: ``verified`` only for torch-fidelity's file, recognised by its SHA-256 (the
+    prefix its name carries, torch.hub's check), ``comparable`` (with published FID) only for that
+    file at 2048-d features. Any other weights load from ``.safetensors`` only: a pickle is
+    refused unless it is that file, which is then read with ``torch.load(weights_only=True)``.
     """
     if weights == "random":
         banner = "!" * 78
@@ -277,6 +289,7 @@ def load_inception(
             "name": "random-init InceptionV3 (seed 0), TEST ONLY",
             "sha256": None,
             "feature": feature,
+            "verified": False,
             "comparable": False,
         }
     hub = Path(torch.hub.get_dir()) / "checkpoints" / INCEPTION_FILE
@@ -292,13 +305,26 @@ def load_inception(
             f"time: get it from {INCEPTION_URL} and pass --inception /path/to/{INCEPTION_FILE} "
             f"(or place it at {hub})."
         )
+    digest = _sha256(path)
+    known = digest.startswith(INCEPTION_SHA256_PREFIX)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             state = load_file(str(path))
-        else:
+        elif known:
+            # the known file, and even so only tensors: weights_only refuses any code in a pickle
             state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(
+                f"refusing {path}: pickles (.pth, .pt, .bin) are not loaded, except the FID "
+                f"Inception file {INCEPTION_FILE} itself (its SHA-256 begins "
+                f"{INCEPTION_SHA256_PREFIX}, as its name says; this file's begins {digest[:8]}), "
+                "and that one with torch.load(weights_only=True); pass that file from "
+                f"{INCEPTION_URL}, or these weights as .safetensors"
+            )
+    except ValueError:
+        raise
     except Exception as e:
         raise ValueError(
             f"cannot read Inception weights {path} as a plain state dict ({e}); provide "
@@ -306,12 +332,15 @@ def load_inception(
         ) from None
     if not isinstance(state, dict):
         raise ValueError(f"Inception weights {path} are not a state dict")
-    digest = _sha256(path)
+    # comparable with published FID: the checked file, at the 2048-d features FID is defined on
+    verified = known and path.suffix != ".safetensors"
+    note = "" if verified else ", unverified weights"
     return InceptionFeatures(feature, state), {
-        "name": f"FID InceptionV3 ({path.name})",
+        "name": f"FID InceptionV3 ({path.name}{note})",
         "sha256": digest,
         "feature": feature,
-        "comparable": feature == 2048,
+        "verified": verified,
+        "comparable": verified and feature == 2048,
     }
 
 

@@ -150,7 +150,8 @@ def render_card(pipe, info: Optional[Mapping] = None):
     info = check_card_fields(info)
     extra_tags = [t for t in info.get("tags", []) if t not in TAGS]
     data = ModelCardData(
-        license=info.get("license", "unknown"),
+        # no license unless the author names one: "unknown" would read as a claim about it
+        license=info.get("license"),
         library_name="unclip",
         tags=TAGS + extra_tags,
         pipeline_tag="text-to-image",

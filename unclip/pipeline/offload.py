@@ -64,6 +64,13 @@ class OffloadMixin:
                 "model offload moves components between the CPU and an accelerator; on the CPU "
                 "there is nothing to offload (give device='cuda' or another accelerator)"
             )
+        if device.type == "cuda" and not torch.cuda.is_available():
+            # else torch's own "Found no NVIDIA driver" surfaces from deep inside the first copy
+            raise ValueError(
+                "enable_model_cpu_offload needs a CUDA GPU and torch finds none "
+                "(torch.cuda.is_available() is False); on a CPU-only machine run without offload "
+                "(the weights are in RAM already), or pass device= for another accelerator"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if self._offloader is not None:

@@ -189,7 +189,7 @@ def sample_prior(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
-    x = check_finite("prior", x, autocast_dtype)
+    x = check_finite("prior", x, autocast_dtype, module=prior, settings=settings)
     cands = prior.denormalize(x.float()).view(b, n_best, -1)
     text_embed = text.text_embed.to(cands)
     scores = (F.normalize(cands, dim=-1) * text_embed[:, None]).sum(-1)
@@ -330,7 +330,8 @@ def sample_decoder(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
-    return check_finite("decoder", x, autocast_dtype).float().clamp(-1, 1)
+    x = check_finite("decoder", x, autocast_dtype, module=decoder, settings=settings)
+    return x.float().clamp(-1, 1)
 
 
 def select_scheduler_rows(scheduler, rows: torch.Tensor, batch: int, ndim: int) -> None:
@@ -391,4 +392,4 @@ def sample_upsampler(
         autocast_dtype=autocast_dtype,
         callback=callback,
     )
-    return check_finite(name, x, autocast_dtype).float().clamp(-1, 1)
+    return check_finite(name, x, autocast_dtype, module=up, settings=settings).float().clamp(-1, 1)

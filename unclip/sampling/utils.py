@@ -158,13 +158,39 @@ def sample_seed(seed: int, *key: int) -> int:
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
 
 
-def check_finite(stage: str, x: torch.Tensor, autocast_dtype: Optional[torch.dtype] = None):
+def check_finite(
+    stage: str,
+    x: torch.Tensor,
+    autocast_dtype: Optional[torch.dtype] = None,
+    *,
+    module: Optional[torch.nn.Module] = None,
+    settings=None,
+):
     """``x``, a stage's sampled result, if every value is finite; else a one-line ``ValueError``
     naming the stage. NaN weights (a corrupt or diverged checkpoint) otherwise reach the user as
-    black images; float16 can also overflow to inf."""
+    black images; float16 can also overflow to inf, and a sampler can diverge at few steps.
+
+    ``module``: the stage's network; its weights are checked (only on failure) so that the message
+    blames the model folder only when they hold NaN/inf. ``settings``: the stage's sampling
+    settings, named in the message when the weights are finite."""
     if torch.isfinite(x).all():
         return x
-    hint = "its weights or inputs hold NaN/inf; check the model folder"
+    if module is not None and not all(torch.isfinite(p).all() for p in module.parameters()):
+        hint = "its weights hold NaN/inf; check the model folder"
+    elif module is not None:
+        used = ""
+        if settings is not None:
+            name = getattr(settings, "scheduler", None)
+            name = name if isinstance(name, str) else type(name).__name__
+            used = f" ({name}, {getattr(settings, 'steps', '?')} steps)"
+        hint = (
+            f"its weights are finite, so the sampler{used} diverged or the inputs hold NaN/inf: "
+            "try another sampler or more steps"
+        )
+    else:
+        hint = (
+            "its weights or inputs hold NaN/inf (check the model folder), or the sampler diverged"
+        )
     if autocast_dtype == torch.float16 or x.dtype == torch.float16:
         hint += (
             " (or float16 overflowed: try bfloat16 or full precision, autocast_dtype=None / "

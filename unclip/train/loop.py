@@ -236,6 +236,9 @@ class TrainLoop(RunFolder):
         if multi_cpu and dist_utils.env_flag("ACCELERATE_USE_FSDP"):
             dist_utils.use_fsdp_on_cpu(self.accelerator, mp)
         dist_utils.check_strategy(self.accelerator)
+        shortfall = dist_utils.launch_shortfall(self.accelerator.num_processes)
+        if shortfall:
+            logger.warning(shortfall)
         self.strategy = dist_utils.strategy_of(self.accelerator)
         self.sharded = dist_utils.is_sharded(self.accelerator)
         self.mixed_precision = mp

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from unclip.train.config import DataConfig
-from unclip.train.data.sources import collate
+from unclip.train.data.stream import collate
 from unclip.utils.images import pil_to_tensor
 
 __all__ = ["ShapesStream", "make_stream", "make_batches", "batches", "collate"]
@@ -150,7 +150,7 @@ def make_batches(
     if data.num_workers <= 0:
         return batches(stream_from(start=start), data.batch_size)
 
-    from unclip.train.data.sources import StreamDataset
+    from unclip.train.data.stream import StreamDataset
 
     if (
         data.embeddings_path

@@ -47,7 +47,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from unclip.train.data.sources import BadSample, EmbeddingStream, FolderStream, WebDatasetStream
+from unclip.train.data.sources import EmbeddingStream, FolderStream, WebDatasetStream
+from unclip.train.data.stream import BadSample
 
 __all__ = [
     "EmbeddingTable",
