@@ -19,7 +19,6 @@ from unclip.io.weights import check_state, load_weights, read_json
 from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.nets.prior import UnCLIPPrior
 from unclip.pipeline.pipeline import UnCLIPPipeline
-from unclip.sampling.settings import SamplingConfig
 
 __all__ = [
     "load_diffusers_unclip",
