@@ -50,7 +50,7 @@ def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
         ["a small red circle on the left", "a blue square above a green triangle"],
         sampling=few,
         generator=[torch.Generator().manual_seed(s) for s in (0, 1)],
-        output_type="np",
+        output_type="uint8",
         progress=False,
     )
     assert out.images.shape == (2, RESOLUTION, RESOLUTION, 3)
@@ -72,7 +72,7 @@ def default_images(pipe):
     out = pipe(
         PROMPTS,
         generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))],
-        output_type="np",
+        output_type="uint8",
         progress=False,
     )
     assert out.images.shape == (len(PROMPTS), RESOLUTION, RESOLUTION, 3)

@@ -22,7 +22,7 @@ def generate() -> np.ndarray:
     # whose images differ from these by more than float summation order
     pipe = UnCLIPPipeline.from_pretrained(autocast_dtype=None)
     gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
-    out = pipe(PROMPTS, sampling=FEW, generator=gens, output_type="np", progress=False)
+    out = pipe(PROMPTS, sampling=FEW, generator=gens, output_type="uint8", progress=False)
     return np.concatenate(list(out.images), axis=1)
 
 

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -291,12 +292,14 @@ def test_load_samples_like_diffusers(karlo, loaded, reference, tmp_path, capsys)
     direct = loaded
     assert direct.stage_names == ["prior", "decoder", "sr32"]
     assert direct.prior_clip_range == 5.0
+    # an upsampler's settings have no candidates (best_of) at all
     assert {
-        k: (s.scheduler, s.steps, s.guidance_scale, s.best_of) for k, s in direct.sampling.items()
+        k: (s.scheduler, s.steps, s.guidance_scale, getattr(s, "best_of", None))
+        for k, s in direct.sampling.items()
     } == {
         "prior": ("unclip", 25, 4.0, 1),
         "decoder": ("unclip", 25, 8.0, 1),
-        "sr32": ("unclip", 7, 1.0, 1),
+        "sr32": ("unclip", 7, 1.0, None),
     }
     assert _max_diff(_unclip_images(direct), reference) <= 1e-4
 
@@ -305,6 +308,46 @@ def test_load_samples_like_diffusers(karlo, loaded, reference, tmp_path, capsys)
     native = UnCLIPPipeline.from_pretrained(tmp_path / "native", autocast_dtype=None)
     assert native.prior_clip_range == 5.0 and native.clip.has_vision is False
     assert _max_diff(_unclip_images(native), reference) <= 1e-4
+
+
+def test_a_diffusers_users_script_matches_diffusers_with_the_defaults(karlo, reference):
+    """A script as a diffusers user writes it: flat keywords, float ``np`` output,
+    ``return_dict=False``, ``set_progress_bar_config``, ``components`` and ``from_pipe``, on the
+    Karlo-layout folder loaded with the defaults (no autocast asked for: exact, as diffusers)."""
+    pipe = UnCLIPPipeline.from_pretrained(karlo[0])
+    assert pipe.autocast_dtype is None  # nothing faster than the weights' dtype unless asked
+    pipe.set_progress_bar_config(disable=True)
+    (images,) = pipe(
+        PROMPTS,
+        num_images_per_prompt=2,
+        prior_num_inference_steps=STEPS,
+        decoder_num_inference_steps=STEPS,
+        super_res_num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        return_dict=False,
+    )
+    assert images.dtype == np.float32 and images.shape[-1] == 3
+    assert 0.0 <= images.min() and images.max() <= 1.0
+    assert _max_diff(torch.from_numpy(images).permute(0, 3, 1, 2), reference) <= 1e-4
+    assert {"clip", "prior", "decoder", "sr32"} <= set(pipe.components)
+    again = UnCLIPPipeline.from_pipe(pipe)
+    assert again.decoder is pipe.decoder  # shared, not copied
+    out = again(
+        PROMPTS,
+        num_images_per_prompt=2,
+        prior_num_inference_steps=STEPS,
+        decoder_num_inference_steps=STEPS,
+        super_res_num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        progress=False,
+    )
+    assert np.array_equal(out[0], images) and np.array_equal(out["images"], images)
+    with pytest.raises(ValueError, match="disagree"):
+        pipe(PROMPTS, decoder_num_inference_steps=2, sampling={"decoder": {"steps": 3}})
+    with pytest.raises(ValueError, match="use_safetensors=False"):
+        UnCLIPPipeline.from_pretrained(karlo[0], use_safetensors=False)
 
 
 def test_export_samples_like_diffusers(karlo, reference, tmp_path, capsys):

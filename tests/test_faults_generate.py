@@ -262,7 +262,7 @@ def test_request_in_one_batch_is_one_pipeline_call(tiny_pipe, tmp_path):
         progress=False,
     )
     gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
-    direct = tiny_pipe(prompts, 2, gens, sampling=FEW, output_type="np", progress=False)
+    direct = tiny_pipe(prompts, 2, gens, sampling=FEW, output_type="uint8", progress=False)
     for k, entry in enumerate(record["files"]):
         assert np.array_equal(np.asarray(Image.open(tmp_path / entry["file"])), direct.images[k])
 

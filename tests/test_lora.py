@@ -245,6 +245,44 @@ def test_load_lora_scale_merge_unload(trained, tmp_path):
         pipe.unload_lora("decoder_lora")
 
 
+def test_diffusers_lora_names(trained):
+    """diffusers' LoRA methods: load_lora_weights, set_adapters (the others at 0), fuse_lora
+    (the adapted images, with the base cost), unfuse_lora (the adapters back apart),
+    unload_lora_weights (fused adapters stay in the weights; unfused ones leave)."""
+    pipe = tiny_pipeline(seed=0)
+    base = images(pipe)
+    assert pipe.load_lora_weights(adapter_dir(trained, "decoder"), adapter_name="dec") == "dec"
+    pipe.load_lora_weights(adapter_dir(trained, "prior"), adapter_name="pri")
+    adapted = images(pipe)
+    pipe.set_adapters(["dec"])  # the prior's adapter off
+    assert pipe.get_active_adapters() == ["dec"] and pipe.lora_adapters["pri"].scale == 0.0
+    only_dec = images(pipe)
+    assert not torch.equal(only_dec, adapted) and not torch.equal(only_dec, base)
+    pipe.set_adapters(["dec", "pri"], [1.0, 1.0])
+    assert torch.equal(images(pipe), adapted)
+    pipe.fuse_lora()
+    assert torch.allclose(images(pipe), adapted, atol=2e-3)
+    with pytest.raises(ValueError, match="unfuse_lora"):
+        pipe.set_adapters(["dec"])
+    pipe.unfuse_lora()
+    assert torch.allclose(images(pipe), adapted, atol=1e-4)
+    with pytest.raises(ValueError, match="no adapter is fused"):
+        pipe.unfuse_lora()
+    pipe.unload_lora_weights()  # nothing fused: the base again (unfused: to float rounding)
+    assert not pipe.lora_adapters and torch.allclose(images(pipe), base, atol=1e-4)
+    pipe = tiny_pipeline(seed=0)  # never fused: unloading gives the base bit for bit
+    pipe.load_lora_weights(adapter_dir(trained, "decoder"), adapter_name="dec")
+    pipe.unload_lora_weights()
+    assert torch.equal(images(pipe), base)
+    pipe.load_lora_weights(adapter_dir(trained, "decoder"), adapter_name="dec")
+    pipe.fuse_lora(lora_scale=0.5)
+    half = images(pipe)
+    pipe.unload_lora_weights()  # fused: kept in the weights, the adapter layers gone
+    assert not pipe.lora_adapters
+    assert type(pipe.decoder.unet.mid_block.attentions[0].to_q) is torch.nn.Linear
+    assert torch.allclose(images(pipe), half, atol=2e-3) and not torch.allclose(half, base)
+
+
 def test_load_lora_refuses_wrong_stage_shape_or_files(trained, tmp_path):
     dec = adapter_dir(trained, "decoder")
     pipe = tiny_pipeline(seed=0)

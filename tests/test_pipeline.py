@@ -35,8 +35,17 @@ def test_output_sizes_at_every_stage(tiny_pipe):
     assert out.images.min() >= 0 and out.images.max() <= 1
     pil = run(tiny_pipe, output_type="pil").images
     assert len(pil) == 2 and all(isinstance(i, Image.Image) and i.size == (64, 64) for i in pil)
+    # "np" as diffusers returns it: float32 [N, H, W, 3] in [0, 1]; "uint8": the PIL pixels
     arr = run(tiny_pipe, output_type="np").images
-    assert arr.shape == (2, 64, 64, 3) and arr.dtype == np.uint8
+    assert arr.shape == (2, 64, 64, 3) and arr.dtype == np.float32
+    assert np.array_equal(arr, run(tiny_pipe, output_type="pt").images.permute(0, 2, 3, 1).numpy())
+    pixels = run(tiny_pipe, output_type="uint8").images
+    assert pixels.dtype == np.uint8 and np.array_equal(
+        pixels, np.stack([np.asarray(i) for i in pil])
+    )
+    assert np.array_equal(pixels, (arr * 255).round().astype(np.uint8))
+    latent = run(tiny_pipe, output_type="latent").images
+    assert torch.equal((latent + 1) / 2, run(tiny_pipe, output_type="pt").images)
 
 
 def test_seeds_reproduce_and_differ(tiny_pipe):
@@ -522,7 +531,7 @@ def test_best_of_contrasted_draws_more_candidates_for_contrasted_prompts(tiny_pi
         assert torch.equal(got, torch.cat([a, b])[order])
     assert set(out.timings) == set(easy.timings) and out.timings["decoder"] > 0
     few = dict(prompts=prompts, seeds=(0, 1, 2), sampling=mixed, last_stage="decoder")
-    pil, arr = run(tiny_pipe, **few, output_type="pil"), run(tiny_pipe, **few, output_type="np")
+    pil, arr = run(tiny_pipe, **few, output_type="pil"), run(tiny_pipe, **few, output_type="uint8")
     assert len(pil.images) == len(arr.images) == 3
     assert all(np.array_equal(np.asarray(im), a) for im, a in zip(pil.images, arr.images))
     # a model's setting: kept by other overrides, reset by a count given alone

@@ -199,8 +199,8 @@ def _iter_generated(
         idx = range(start, min(num, start + batch_size))
         batch = [prompts[i % len(prompts)] for i in idx]
         gens = [torch.Generator(device=pipe.device).manual_seed(sample_seed(seed, i)) for i in idx]
-        out = pipe(batch, 1, generator=gens, sampling=sampling, output_type="np", progress=False)
-        yield [M.to_eval_image(Image.fromarray(a), resolution) for a in out.images], batch
+        out = pipe(batch, 1, generator=gens, sampling=sampling, output_type="pil", progress=False)
+        yield [M.to_eval_image(image, resolution) for image in out.images], batch
         bar.update(len(batch))
     bar.close()
 

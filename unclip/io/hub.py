@@ -70,13 +70,15 @@ def resolve_folder(
     subfolder: Optional[str] = None,
     variant: Optional[str] = None,
     what: str = "model",
+    token: Union[str, bool, None] = None,
 ) -> Path:
     """The local folder ``source`` names (``subfolder`` inside it): an existing folder as it is,
     else a Hub repo id's snapshot (see module doc). ``revision`` and ``cache_dir`` apply to repo
     ids only (``ValueError`` with a local folder, rather than being ignored);
     ``local_files_only=None`` leaves it to ``HF_HUB_OFFLINE``. ``variant``
     (e.g. ``"fp16"``) fetches those weight files instead of the plain ones. ``what`` names the
-    source in errors."""
+    source in errors. ``token``: a Hub token for a private or gated repo (default: the one
+    ``huggingface-cli login`` stored)."""
     path = Path(source).expanduser()
     if path.is_dir():
         given = {"revision": revision, "cache_dir": cache_dir}
@@ -94,7 +96,9 @@ def resolve_folder(
         raise ModelNotFoundError(f"{what} {source} is a file; expected a folder")
     if not is_repo_id(str(source)):
         raise ModelNotFoundError(f"{what} folder not found: {source}")
-    folder = _snapshot(str(source), revision, cache_dir, local_files_only, subfolder, variant, what)
+    folder = _snapshot(
+        str(source), revision, cache_dir, local_files_only, subfolder, variant, what, token
+    )
     _refuse_pickle_only(folder, str(source), revision, subfolder, variant, local_files_only)
     return folder / subfolder if subfolder else folder
 
@@ -115,7 +119,9 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _snapshot(repo_id, revision, cache_dir, local_files_only, subfolder, variant, what) -> Path:
+def _snapshot(
+    repo_id, revision, cache_dir, local_files_only, subfolder, variant, what, token=None
+) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -140,6 +146,7 @@ def _snapshot(repo_id, revision, cache_dir, local_files_only, subfolder, variant
                 ignore_patterns=ignore,
                 library_name="unclip",
                 library_version=_version(),
+                token=token,
             )
         )
     except HFValidationError as exc:

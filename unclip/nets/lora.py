@@ -55,6 +55,9 @@ __all__ = [
     "load_adapter_state",
     "set_adapter_scale",
     "merge_adapters",
+    "fuse_adapters",
+    "drop_adapter_layers",
+    "unfuse_adapters",
     "remove_adapter",
     "base_fingerprint",
     "HALF_FINGERPRINTS",
@@ -327,6 +330,29 @@ def merge_adapters(model: torch.nn.Module) -> None:
         layer.merge(safe_merge=True, adapter_names=[n for n in names if n in layer.lora_A])
     _restore_base_layers(model, keep=lambda layer: False)
     _forget_config(model)
+
+
+def fuse_adapters(model: torch.nn.Module, names: list[str]) -> None:
+    """Add adapters ``names`` (at their scales) into the base weights, keeping the adapter layers
+    so that :func:`unfuse_adapters` can take them out again (diffusers' ``fuse_lora``)."""
+    for _, layer in _tuner_layers(model):
+        here = [n for n in names if n in layer.lora_A]
+        if here:
+            layer.merge(safe_merge=True, adapter_names=here)
+
+
+def drop_adapter_layers(model: torch.nn.Module) -> None:
+    """Put every adapted layer's base layer back, with whatever was fused into its weights, and
+    forget the adapters (the model is plain again)."""
+    _restore_base_layers(model, keep=lambda layer: False)
+    _forget_config(model)
+
+
+def unfuse_adapters(model: torch.nn.Module) -> None:
+    """Subtract every fused adapter from the base weights again (up to float rounding)."""
+    for _, layer in _tuner_layers(model):
+        if layer.merged:
+            layer.unmerge()
 
 
 def remove_adapter(model: torch.nn.Module, name: str) -> None:

@@ -3,11 +3,14 @@ and dtype, autocast, memory format, and compiled denoisers."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Self
 
 import torch
 
 from unclip.utils.precision import parse_autocast, parse_dtype, resolve_autocast
+
+_log = logging.getLogger(__name__)
 
 
 class DevicesMixin:
@@ -20,6 +23,9 @@ class DevicesMixin:
         :meth:`enable_model_cpu_offload` (the components then wait on the CPU)."""
         if self._offloader is not None:
             return self._offloader.device
+        sequential = getattr(self, "_sequential_device", None)
+        if sequential is not None:  # the weights wait on the CPU (or the meta device)
+            return sequential
         return self.decoder.device
 
     @property
@@ -96,7 +102,13 @@ class DevicesMixin:
         """``torch.compile`` every network in :meth:`denoisers` in place (``kwargs`` go to
         ``torch.compile``, e.g. ``mode="max-autotune"``); weights and state-dict names are
         unchanged. The first call of each stage compiles (minutes for a mid-size UNet on a CPU); see
-        benchmarks/README.md for when it pays."""
-        for net in self.denoisers().values():
+        benchmarks/README.md for when it pays. A one-line notice says so when it is asked for."""
+        nets = self.denoisers()
+        _log.warning(
+            "compiling %s with torch.compile: the first call of each stage compiles it, which "
+            "takes minutes on a CPU (later calls and shapes already seen are fast)",
+            ", ".join(nets),
+        )
+        for net in nets.values():
             net.compile(**kwargs)
         return self

@@ -30,6 +30,7 @@ inpainted lower-resolution image as their condition.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -518,16 +519,33 @@ class EditingMixin:
         progress: bool = True,
         callback_on_step_end: Optional[StepCallback] = None,
     ) -> UnCLIPOutput:
-        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1).
-        ``callback_on_step_end``: see :meth:`__call__`."""
+        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1). ``image``: one
+        image (a path, a PIL image, an array or a tensor), or a list of them: ``num_images``
+        variations of each, image-major (``generator``: one, one per input image, or one per
+        output). ``caption``: one for all, or one per input image. ``callback_on_step_end``: see
+        :meth:`__call__`."""
         check_output_type(output_type)
         n = check_count(num_images, "num_images")
-        embed = self.clip.encode_image(as_image_input(image))
-        if embed.shape[0] != 1:
-            raise ValueError("variations takes one image; call it once per image")
-        embeds = embed.repeat(n, 1)
-        text = [caption] * n if caption is not None else None
-        gen = expand_generator(generator, 1, n, "generator")
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        if not images:
+            raise ValueError("variations: no image given")
+        embed = torch.cat([self.clip.encode_image(as_image_input(x)) for x in images])
+        if embed.shape[0] != len(images):
+            raise ValueError(
+                "variations: a batch tensor holds several images; pass a list of images instead"
+            )
+        embeds = embed.repeat_interleave(n, dim=0)
+        if caption is None:
+            text = None
+        else:
+            captions = [caption] * len(images) if isinstance(caption, str) else list(caption)
+            if len(captions) != len(images):
+                raise ValueError(
+                    f"variations: {len(captions)} captions for {len(images)} images; give one "
+                    "for all, or one per image"
+                )
+            text = [c for c in captions for _ in range(n)]
+        gen = expand_generator(generator, len(images), n, "generator")
         cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
         small = self.decode(embeds, text, gen, sampling, **cb)
         final = self.upsample(small, gen, sampling, **cb)
@@ -548,7 +566,9 @@ class EditingMixin:
     ) -> UnCLIPOutput:
         """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
 
-        Prompts go through the prior first. Every frame is decoded from the same initial noise so
+        ``start``, ``end``: an image (a path to an existing file, a ``Path``, a PIL image, an
+        array or a tensor) or a prompt (any other string). Prompts go through the prior first.
+        Every frame is decoded from the same initial noise so
         the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
         """
         check_output_type(output_type)
@@ -558,7 +578,7 @@ class EditingMixin:
         cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
         ends = []
         for x in (start, end):
-            if isinstance(x, str):
+            if isinstance(x, str) and not os.path.isfile(x):
                 ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
             else:
                 ends.append(self.clip.encode_image(as_image_input(x)))

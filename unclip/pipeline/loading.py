@@ -12,6 +12,7 @@ import torch
 from unclip.io.card import check_card_fields, read_card_info, write_card
 from unclip.io.hub import push_folder
 from unclip.nets.clip import CLIP
+from unclip.pipeline.diffusers_api import check_from_pretrained_options
 from unclip.pipeline.folders import (
     folder_format_reader,
     load_components,
@@ -99,8 +100,12 @@ class LoadingMixin:
         local_files_only: Optional[bool] = None,
         torch_dtype: Union[torch.dtype, str, None] = None,
         variant: Optional[str] = None,
-        autocast_dtype="auto",
+        autocast_dtype=None,
         memory_format: Optional[torch.memory_format] = torch.channels_last,
+        token: Union[str, bool, None] = None,
+        use_safetensors: Optional[bool] = None,
+        low_cpu_mem_usage: Optional[bool] = None,
+        device_map: Union[str, torch.device, None] = None,
     ) -> Self:
         """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
         folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
@@ -112,15 +117,26 @@ class LoadingMixin:
         ``torch_dtype`` (``torch.float16``/``bfloat16``/``float32`` or its name): cast the weights
         as :meth:`to` does. ``variant`` (e.g. ``"fp16"``): read ``*.fp16.safetensors`` weights.
 
-        The defaults sample fast: ``autocast_dtype="auto"`` runs the denoising networks in
-        float16 on a GPU and bfloat16 on a CPU that runs it natively (:attr:`autocast_dtype`;
-        ``None``: full precision, as diffusers computes), and the image networks
-        store their weights channels-last (``memory_format``; ``None`` keeps the default
-        layout; results equal to float rounding). benchmarks/README.md measures what each buys.
+        Exact by default, as diffusers is: the networks compute in the weights' dtype (float32
+        unless ``torch_dtype`` says otherwise). Faster arithmetic is asked for:
+        ``autocast_dtype="auto"`` runs the denoising networks under float16 autocast on a GPU
+        and bfloat16 on a CPU that runs it natively (:attr:`autocast_dtype`; ``"bf16"``,
+        ``"fp16"``: that one). The image networks store their weights channels-last
+        (``memory_format``; ``None`` keeps the default layout; results equal to float rounding).
+        benchmarks/README.md measures what each buys.
+
+        diffusers' keywords: ``token`` (a Hub token), ``use_safetensors`` (only safetensors are
+        ever loaded; ``False`` is an error), ``low_cpu_mem_usage`` (accepted: components are
+        built and then filled from their files), ``device_map`` (a device the whole pipeline
+        moves to, e.g. ``"cuda"``).
         """
+        hub_token, device = check_from_pretrained_options(
+            token, use_safetensors, low_cpu_mem_usage, device_map
+        )
         dtype = parse_dtype(torch_dtype)
         autocast = parse_autocast(autocast_dtype)
         hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
+        hub.update(hub_token)
         path = resolve_pipeline_folder(path, variant=variant, **hub)
         reader = folder_format_reader(path)
         if reader is not None:
@@ -128,7 +144,8 @@ class LoadingMixin:
         else:
             pipe = cls._frozen(**read_pipeline_folder(path, variant=variant))
         pipe.card_info = read_card_info(path)
-        return pipe._loaded_defaults(autocast, memory_format, dtype)
+        pipe = pipe._loaded_defaults(autocast, memory_format, dtype)
+        return pipe if device is None else pipe.to(device)
 
     @classmethod
     def from_components(
@@ -139,7 +156,7 @@ class LoadingMixin:
         upsamplers: Sequence[Union[str, os.PathLike]] = (),
         reranker: Union[str, os.PathLike, None] = None,
         *,
-        autocast_dtype="auto",
+        autocast_dtype=None,
         memory_format: Optional[torch.memory_format] = torch.channels_last,
     ) -> Self:
         """Assemble a pipeline from component folders exported by the training commands

@@ -18,11 +18,14 @@ from unclip.nets.lora import (
     AdapterFolder,
     add_adapter,
     base_fingerprint,
+    drop_adapter_layers,
+    fuse_adapters,
     load_adapter_state,
     merge_adapters,
     read_adapter,
     remove_adapter,
     set_adapter_scale,
+    unfuse_adapters,
 )
 
 __all__ = ["LoraMixin", "LoadedAdapter"]
@@ -45,7 +48,9 @@ class LoadedAdapter:
 
 class LoraMixin:
     """``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora`` for
-    :class:`~unclip.pipeline.UnCLIPPipeline` (see the module doc)."""
+    :class:`~unclip.pipeline.pipeline.UnCLIPPipeline` (see the module doc), and diffusers' names:
+    ``load_lora_weights``, ``set_adapters``, ``fuse_lora``, ``unfuse_lora``,
+    ``unload_lora_weights``."""
 
     @property
     def lora_adapters(self) -> dict[str, LoadedAdapter]:
@@ -168,6 +173,95 @@ class LoraMixin:
         for n in self._named(name):
             info = self.lora_adapters.pop(n)
             remove_adapter(self._adaptable_stages()[info.stage], n)
+
+    # ------------------------------------------------------------ diffusers' names
+    def load_lora_weights(
+        self,
+        pretrained_model_name_or_path: Union[str, os.PathLike],
+        adapter_name: Optional[str] = None,
+        **kwargs,
+    ) -> str:
+        """diffusers' name for :meth:`load_lora`: an unclip adapter folder (``unclip
+        train-decoder ... train.lora.rank=8`` exports one); ``adapter_name`` its name."""
+        self._refuse_fused("load_lora_weights")
+        unknown = sorted(set(kwargs) - {"scale", "stage"})
+        if unknown:
+            raise TypeError(f"load_lora_weights: unknown argument {unknown[0]!r}")
+        return self.load_lora(pretrained_model_name_or_path, name=adapter_name, **kwargs)
+
+    def set_adapters(
+        self,
+        adapter_names: Union[str, list[str]],
+        adapter_weights: Union[float, list[float], None] = None,
+    ) -> None:
+        """Use only ``adapter_names``, each at its weight (default 1); the other loaded adapters
+        are set to 0 (their update is off, as diffusers' inactive adapters)."""
+        self._refuse_fused("set_adapters")
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if adapter_weights is None:
+            weights = [1.0] * len(names)
+        elif isinstance(adapter_weights, (int, float)):
+            weights = [float(adapter_weights)] * len(names)
+        else:
+            weights = list(adapter_weights)
+        if len(weights) != len(names):
+            raise ValueError(f"set_adapters: {len(names)} adapter names but {len(weights)} weights")
+        for n in names:
+            self._named(n)  # an unknown name is an error naming the loaded ones
+        chosen = dict(zip(names, weights))
+        for n in list(self.lora_adapters):
+            self.set_lora_scale(chosen.get(n, 0.0), n)
+
+    def get_active_adapters(self) -> list[str]:
+        """The loaded adapters whose scale is not 0."""
+        return [n for n, info in self.lora_adapters.items() if info.scale != 0]
+
+    def fuse_lora(self, lora_scale: float = 1.0, adapter_names: Optional[list[str]] = None) -> None:
+        """Add the loaded adapters (or ``adapter_names``), each at its scale times ``lora_scale``,
+        into the weights; sampling then costs what the base pipeline costs. :meth:`unfuse_lora`
+        takes them out again; :meth:`unload_lora_weights` afterwards keeps them in."""
+        self._refuse_fused("fuse_lora")
+        names = self._named(None) if adapter_names is None else list(adapter_names)
+        if not names:
+            raise ValueError("fuse_lora: no LoRA adapter is loaded")
+        lora_scale = _check_scale(lora_scale)
+        self._offload_all()  # with model offload: change the weights where they live
+        for n in names:
+            info = self.lora_adapters[self._named(n)[0]]
+            set_adapter_scale(self._adaptable_stages()[info.stage], n, info.scale * lora_scale)
+        for stage in {self.lora_adapters[n].stage for n in names}:
+            mine = [n for n in names if self.lora_adapters[n].stage == stage]
+            fuse_adapters(self._adaptable_stages()[stage], mine)
+        self.__dict__["_fused_lora"] = list(names)
+
+    def unfuse_lora(self) -> None:
+        """Take fused adapters out of the weights again (up to float rounding)."""
+        fused = self.__dict__.pop("_fused_lora", None)
+        if not fused:
+            raise ValueError("unfuse_lora: no adapter is fused (fuse_lora fuses them)")
+        self._offload_all()
+        for stage in {self.lora_adapters[n].stage for n in fused}:
+            unfuse_adapters(self._adaptable_stages()[stage])
+        for n in fused:
+            info = self.lora_adapters[n]
+            set_adapter_scale(self._adaptable_stages()[info.stage], n, info.scale)
+
+    def unload_lora_weights(self) -> None:
+        """Remove every adapter; fused ones stay in the weights (as diffusers does), the others'
+        updates are gone (the base pipeline's images bit for bit)."""
+        fused = self.__dict__.pop("_fused_lora", None)
+        if fused:
+            self._offload_all()
+            for stage in {info.stage for info in self.lora_adapters.values()}:
+                drop_adapter_layers(self._adaptable_stages()[stage])
+            self.lora_adapters.clear()
+            return
+        if self.lora_adapters:
+            self.unload_lora()
+
+    def _refuse_fused(self, action: str) -> None:
+        if self.__dict__.get("_fused_lora"):
+            raise ValueError(f"{action}: adapters are fused; call unfuse_lora() first")
 
     def _refuse_unmerged_lora(self, action: str) -> None:
         if self.lora_adapters:

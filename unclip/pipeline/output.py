@@ -43,6 +43,19 @@ class UnCLIPOutput:
     stage_images: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
+    def to_tuple(self) -> tuple:
+        """``(images, image_embeds, text_embeds)`` without the ones that are None, as diffusers'
+        outputs give their fields."""
+        return tuple(v for v in (self.images, self.image_embeds, self.text_embeds) if v is not None)
+
+    def __getitem__(self, key):
+        """``out[0]`` (the images), ``out["images"]``: as diffusers' outputs index."""
+        if isinstance(key, str):
+            if key not in ("images", "image_embeds", "text_embeds", "stage_images", "timings"):
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
     def save(
         self,
         folder: Union[str, os.PathLike],

@@ -52,6 +52,12 @@ from unclip.nets.priors import prior_type
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.pipeline.batching import generators_by_group, joined_outputs, negatives_per_row
 from unclip.pipeline.devices import DevicesMixin
+from unclip.pipeline.diffusers_api import (
+    DiffusersInterfaceMixin,
+    check_callback_inputs,
+    check_latents_fit,
+    flat_sampling,
+)
 from unclip.pipeline.edit_ops import EditOutput, Inversion
 from unclip.pipeline.editing import EditingMixin
 from unclip.pipeline.folders import (
@@ -63,6 +69,7 @@ from unclip.pipeline.lora import LoraMixin
 from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.offload import OffloadMixin
 from unclip.pipeline.output import UnCLIPOutput
+from unclip.pipeline.stages import StagesMixin
 from unclip.sampling.candidates import (
     CandidateSelection,
     check_rerank_at,
@@ -80,10 +87,6 @@ from unclip.sampling.settings import (
 )
 from unclip.sampling.stages import (
     StepCallback,
-    sample_decoder,
-    sample_prior,
-    sample_upsampler,
-    stage_callback,
 )
 from unclip.sampling.utils import (
     check_components,
@@ -113,7 +116,14 @@ __all__ = [
 
 
 class UnCLIPPipeline(
-    LoadingMixin, DevicesMixin, EditingMixin, MemoryMixin, OffloadMixin, LoraMixin
+    StagesMixin,
+    LoadingMixin,
+    DevicesMixin,
+    DiffusersInterfaceMixin,
+    EditingMixin,
+    MemoryMixin,
+    OffloadMixin,
+    LoraMixin,
 ):
     """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
 
@@ -214,181 +224,6 @@ class UnCLIPPipeline(
     def _stage_settings(self, stage: str, sampling: Optional[Mapping]) -> StageSampling:
         return self.sampling_settings(sampling)[stage]
 
-    # ------------------------------------------------------------------ stages
-    def encode_text(self, prompt: Union[str, Sequence[str]]) -> TextEncoding:
-        """Prompts → :class:`TextEncoding` (``text_embed [B,D]``, ``text_tokens [B,L,W]``,
-        ``text_mask [B,L]``)."""
-        return self.clip.encode_text(check_prompts(prompt))
-
-    def null_text(self, batch: int) -> TextEncoding:
-        """The unconditional caption (CLIP encoding of ``""``) repeated ``batch`` times."""
-        if self._null_text is None:
-            self._null_text = self.clip.encode_text([""])
-        return self._null_text.repeat_interleave(batch)
-
-    def _as_text(self, text) -> TextEncoding:
-        return text if isinstance(text, TextEncoding) else self.encode_text(text)
-
-    def _encode_each(self, captions: Sequence[str]) -> TextEncoding:
-        """Each distinct caption encoded on its own, so that the empty caption as a negative
-        prompt is bit for bit the usual unconditional input (a batch's rows can differ in the last
-        bits from the same caption encoded alone)."""
-        enc = {c: self.clip.encode_text([c]) for c in dict.fromkeys(captions)}
-        return TextEncoding.cat([enc[c] for c in captions])
-
-    def _unconditional(self, negative, rows: int, what: str = "rows"):
-        """The unconditional input of guidance for ``rows`` conditioned rows: the empty caption
-        (``negative=None``), or the encoded ``negative`` prompts (:func:`negatives_per_row`) in its
-        place, as a callable of the batch size (each row repeated to fill it, as the samplers
-        repeat the conditioned rows)."""
-        if negative is None:
-            return self.null_text
-        neg = self._encode_each(negatives_per_row(negative, rows, what))
-        return lambda batch: neg.repeat_interleave(batch // rows)
-
-    def _decoder_captions(self, text, b: int):
-        """The decoder's caption input for ``b`` images and its unconditional one (a callable of
-        the batch size): CLIP encodings, or token ids for a decoder with its own text encoder."""
-        if self.decoder.has_text_encoder:
-            return self.decoder.caption_ids(text, b), self.decoder.null_caption
-        return (self.null_text(b) if text is None else self._as_text(text)), self.null_text
-
-    def _decoder_negative(self, negative, b: int):
-        if not self.decoder.has_text_encoder:
-            return self._unconditional(negative, b, "images")
-        ids = self.decoder.caption_ids(negatives_per_row(negative, b, "images"), b)
-        return lambda batch: ids.repeat_interleave(batch // b, dim=0)
-
-    @releases_gpu
-    @torch.no_grad()
-    def sample_image_embeds(
-        self,
-        text,
-        num_images_per_prompt: int = 1,
-        generator: Generator = None,
-        sampling: Optional[dict] = None,
-        latents: Optional[torch.Tensor] = None,
-        return_candidates: bool = False,
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-        negative_prompt=None,
-    ):
-        """Prior: prompts or a :class:`TextEncoding` ``[B]`` → CLIP image embeddings ``[B·n, D]``.
-
-        With ``best_of = N > 1`` it samples N candidates per image and keeps the one with the
-        highest dot product with the text embedding (paper §2.2). ``return_candidates`` also returns
-        the candidates ``[B·n, N, D]``. ``callback_on_step_end``: see :meth:`__call__`.
-        ``negative_prompt``: a caption (one for all, or one per row of ``text``) that takes the
-        empty caption's place in classifier-free guidance, steering away from it.
-        """
-        if self.prior is None:
-            raise ValueError(
-                "this pipeline has no prior; pass image embeddings (pipe(..., image_embeds=...) or "
-                "decode()) instead"
-            )
-        s = self._stage_settings("prior", sampling)
-        text = self._as_text(text)
-        n = check_count(num_images_per_prompt)
-        uncond = self._unconditional(negative_prompt, len(text))
-        self._onload("prior")
-        best, cands = sample_prior(
-            self.prior,
-            text.repeat_interleave(n),
-            uncond,
-            s,
-            self.diffusion["prior"],
-            generator=expand_generator(generator, len(text), n * s.best_of, "sample_image_embeds"),
-            clip_range=self.prior_clip_range,
-            latents=latents,
-            progress=progress,
-            autocast_dtype=self.autocast_dtype,
-            callback=stage_callback(self, "prior", callback_on_step_end),
-        )
-        return (best, cands) if return_candidates else best
-
-    @releases_gpu
-    @torch.no_grad()
-    def decode(
-        self,
-        image_embed: torch.Tensor,
-        text=None,
-        generator: Generator = None,
-        sampling: Optional[dict] = None,
-        latents: Optional[torch.Tensor] = None,
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-        negative_prompt=None,
-    ) -> torch.Tensor:
-        """Decoder: ``image_embed [B, D]`` (+ optional captions/TextEncoding with B rows) →
-        ``[B, 3, s, s]`` in [-1, 1] at the decoder's resolution. Without text the empty caption is
-        used. A decoder with its own text encoder takes the captions as strings (or its token
-        ids), not a CLIP TextEncoding. ``negative_prompt`` (one caption, or one per image) takes
-        the empty caption's place in the unconditional branch of guidance (whose image embedding
-        stays the learned null one)."""
-        return sample_decoder(
-            *self._decoder_inputs(image_embed, text, sampling, negative_prompt),
-            **self._decoder_run(generator, progress, callback_on_step_end),
-            latents=latents,
-        )
-
-    def _decoder_inputs(self, image_embed, text, sampling, negative_prompt) -> tuple:
-        """The leading arguments of :func:`~unclip.sampling.sample_decoder` (and of
-        :func:`~unclip.sampling.sample_decoder_reranked`) for :meth:`decode`'s inputs, checked,
-        with the decoder brought in."""
-        s = self._stage_settings("decoder", sampling)
-        image_embed = check_embeds(image_embed, self.clip.embed_dim)
-        b = image_embed.shape[0]
-        text, null = self._decoder_captions(text, b)
-        if negative_prompt is not None:
-            null = self._decoder_negative(negative_prompt, b)
-        self._onload("decoder")
-        if len(text) != b:
-            raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
-        return self.decoder, image_embed, text, null, s, self.diffusion["decoder"]
-
-    def _decoder_run(self, generator, progress, callback_on_step_end) -> dict:
-        """The decoder sampler's run options (keyword arguments)."""
-        return dict(
-            generator=generator,
-            progress=progress,
-            autocast_dtype=self.autocast_dtype,
-            callback=stage_callback(self, "decoder", callback_on_step_end),
-        )
-
-    @releases_gpu
-    @torch.no_grad()
-    def upsample(
-        self,
-        images: torch.Tensor,
-        generator: Generator = None,
-        sampling: Optional[dict] = None,
-        stages: Optional[Sequence[str]] = None,
-        return_intermediates: bool = False,
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ):
-        """Upsamplers: ``[B, 3, h, w]`` in [-1, 1] → ``[B, 3, H, W]`` through each upsampler in turn
-        (or only those named in ``stages``)."""
-        if not isinstance(images, torch.Tensor) or images.ndim != 4:
-            raise TypeError("upsample: images must be a tensor [B, 3, h, w] in [-1, 1]")
-        out, inter = images.to(self.device).float(), {}
-        for name, up in zip(self.upsampler_names, self.upsamplers):
-            if stages is not None and name not in stages:
-                continue
-            self._onload(name)
-            out = sample_upsampler(
-                up,
-                out,
-                self._stage_settings(name, sampling),
-                self.diffusion[name],
-                generator=generator,
-                progress=progress,
-                autocast_dtype=self.autocast_dtype,
-                callback=stage_callback(self, name, callback_on_step_end),
-            )
-            inter[name] = out
-        return (out, inter) if return_intermediates else out
-
     # ------------------------------------------------------------------ composed
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -410,7 +245,18 @@ class UnCLIPPipeline(
         image_embeds: Optional[torch.Tensor] = None,
         last_stage: Optional[str] = None,
         negative_prompt: Union[str, Sequence[str], None] = None,
-    ) -> UnCLIPOutput:
+        *,
+        prior_num_inference_steps: Optional[int] = None,
+        decoder_num_inference_steps: Optional[int] = None,
+        super_res_num_inference_steps: Optional[int] = None,
+        prior_guidance_scale: Optional[float] = None,
+        decoder_guidance_scale: Optional[float] = None,
+        prior_latents: Optional[torch.Tensor] = None,
+        decoder_latents: Optional[torch.Tensor] = None,
+        super_res_latents: Optional[torch.Tensor] = None,
+        return_dict: bool = True,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    ) -> Union[UnCLIPOutput, tuple]:
         """Text → images through every stage.
 
         ``generator``: one ``torch.Generator``, one per prompt, or one per image. ``sampling``:
@@ -426,8 +272,17 @@ class UnCLIPPipeline(
         candidates: the prompts of each count are sampled as one call, in order of first
         appearance (a shared generator is drawn on in that order), and the outputs come back in
         prompt order.
-        ``output_type``: ``pil``, ``np`` (uint8 ``[N, H, W, 3]``) or ``pt`` (float ``[N, 3, H, W]``
-        in [0, 1]).
+        ``output_type``: ``pil``, ``np`` (float32 ``[N, H, W, 3]`` in [0, 1], as diffusers), ``pt``
+        (float ``[N, 3, H, W]`` in [0, 1]), ``latent`` (the last stage's ``[N, 3, H, W]`` in
+        [-1, 1]) or ``uint8`` (``[N, H, W, 3]``, the PIL images' pixels).
+
+        diffusers' keywords work as in its ``UnCLIPPipeline``: ``prior_num_inference_steps``,
+        ``decoder_num_inference_steps``, ``super_res_num_inference_steps`` (every upsampler),
+        ``prior_guidance_scale``, ``decoder_guidance_scale`` (each the same as that setting in
+        ``sampling``); ``prior_latents [N, D]``, ``decoder_latents [N, 3, s, s]`` and
+        ``super_res_latents [N, 3, S, S]`` (the first upsampler's) give the initial noise of
+        each output image (with one candidate per image); ``return_dict=False`` returns
+        ``(images,)``.
 
         ``callback_on_step_end(pipe, step, timestep, callback_kwargs)`` runs after every denoising
         step of every stage, as in diffusers; ``callback_kwargs`` is ``{"stage": name, "latents":
@@ -441,6 +296,16 @@ class UnCLIPPipeline(
         caption in the unconditional branch of guidance in the prior and the decoder (the images
         are steered away from it); it acts only in a stage whose guidance scale is not 1.
         """
+        sampling = flat_sampling(
+            sampling,
+            prior_num_inference_steps=prior_num_inference_steps,
+            decoder_num_inference_steps=decoder_num_inference_steps,
+            super_res_num_inference_steps=super_res_num_inference_steps,
+            prior_guidance_scale=prior_guidance_scale,
+            decoder_guidance_scale=decoder_guidance_scale,
+        )
+        check_callback_inputs(callback_on_step_end_tensor_inputs)
+        progress = self._progress(progress)
         prompts = check_prompts(prompt)
         negatives = None
         if negative_prompt is not None:
@@ -463,6 +328,10 @@ class UnCLIPPipeline(
             dec = settings["decoder"]
             check_rerank_at(dec, self.diffusion["decoder"], self.decoder.config.learned_variance)
         gens = generators_by_group(generator, len(prompts), n, groups, settings["decoder"])
+        latents = {"prior": prior_latents, "decoder": decoder_latents, "sr": super_res_latents}
+        latents = {k: v for k, v in latents.items() if v is not None}
+        if latents:
+            check_latents_fit(latents, groups, settings, image_embeds is not None)
         parts, order = [], []
         for k, rows in groups.items():
             parts.append(
@@ -477,15 +346,17 @@ class UnCLIPPipeline(
                     upsamplers=ups,
                     progress=progress,
                     callback_on_step_end=callback_on_step_end,
+                    latents=latents,
                 )
             )
             order += [i * n + j for i in rows for j in range(n)]
         final, embeds, text_embeds, stage_images, timings = joined_outputs(parts, order)
         if not return_intermediates:
             stage_images = {}
-        return UnCLIPOutput(
-            to_output(final, output_type), embeds, text_embeds, stage_images, timings
-        )
+        images = to_output(final, output_type)
+        if not return_dict:
+            return (images,)
+        return UnCLIPOutput(images, embeds, text_embeds, stage_images, timings)
 
     def _generate(
         self,
@@ -500,10 +371,13 @@ class UnCLIPPipeline(
         upsamplers: list[str],
         progress: bool,
         callback_on_step_end: Optional[StepCallback],
+        latents: Optional[dict] = None,
     ) -> tuple:
         """One group of prompts that draw ``k`` decoder candidates per image, through every stage:
         encode → prior → decoder candidates → upsamplers. Returns ``(final images, image embeds,
-        text embeds, {stage: images}, {stage: seconds})``."""
+        text embeds, {stage: images}, {stage: seconds})``. ``latents``: initial noise per stage
+        (``"prior"``, ``"decoder"``, ``"sr"``: the first upsampler's), one row per image."""
+        latents = latents or {}
         timings: dict[str, float] = {}
         t0 = self._now()
         text = self.encode_text(prompts)
@@ -520,6 +394,7 @@ class UnCLIPPipeline(
                 progress=progress,
                 callback_on_step_end=callback_on_step_end,
                 negative_prompt=neg_k,
+                latents=latents.get("prior"),
             )
             timings["prior"] = self._now() - t0
             t0 = self._now()
@@ -536,13 +411,17 @@ class UnCLIPPipeline(
             return self.rerank(images, captions_k[::k], group, contrast, keep=keep)
 
         small, keep = sample_decoder_candidates(
-            *inputs, choose, k, **self._decoder_run(gen, progress, callback_on_step_end)
+            *inputs,
+            choose,
+            k,
+            **self._decoder_run(gen, progress, callback_on_step_end),
+            latents=latents.get("decoder"),
         )
         embeds, text_k = embeds[keep], text_k[keep]
         timings["decoder"] = self._now() - t0
         gen = gen[::k] if isinstance(gen, list) else gen
         final, stage_images = small, {"decoder": small}
-        for name in upsamplers:
+        for i, name in enumerate(upsamplers):
             t0 = self._now()
             final = self.upsample(
                 final,
@@ -551,6 +430,7 @@ class UnCLIPPipeline(
                 stages=[name],
                 progress=progress,
                 callback_on_step_end=callback_on_step_end,
+                latents=latents.get("sr") if i == 0 else None,
             )
             timings[name] = self._now() - t0
             stage_images[name] = final

@@ -363,6 +363,7 @@ def sample_upsampler(
     progress: bool = True,
     autocast_dtype: Optional[torch.dtype] = None,
     callback: Optional[LoopCallback] = None,
+    latents: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One upsampler: ``low [B, 3, h, w]`` in [-1, 1] (``h = up.config.low_res_size``) → images
     ``[B, 3, H, W]`` in [-1, 1] (``H = up.config.sample_size``), on the upsampler's device.
@@ -388,6 +389,7 @@ def sample_upsampler(
         up,
         name,
         generator=generator,
+        latents=latents,
         progress=progress,
         autocast_dtype=autocast_dtype,
         callback=callback,

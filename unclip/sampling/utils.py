@@ -70,9 +70,17 @@ def check_count(n, what="num_images_per_prompt") -> int:
     return n
 
 
+#: what a pipeline call may return its images as (:func:`unclip.utils.images.to_output`)
+OUTPUT_TYPES = ("pil", "np", "pt", "latent", "uint8")
+
+
 def check_output_type(output_type: str) -> None:
-    if output_type not in ("pil", "np", "pt"):
-        raise ValueError(f"output_type must be 'pil', 'np' or 'pt', got {output_type!r}")
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(
+            f"output_type must be one of {', '.join(repr(t) for t in OUTPUT_TYPES)}, got "
+            f"{output_type!r} ('np': float32 [N, H, W, 3] in [0, 1], as diffusers; 'uint8': the "
+            "0-255 pixels)"
+        )
 
 
 def check_embeds(image_embed, dim: int) -> torch.Tensor:

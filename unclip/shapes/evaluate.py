@@ -160,7 +160,7 @@ def evaluate_pipeline(
         for name, seconds in out.timings.items():
             timing[name] = timing.get(name, 0.0) + seconds
         for name, images in out.stage_images.items():
-            per_stage.setdefault(name, []).extend(to_output(images, "np"))
+            per_stage.setdefault(name, []).extend(to_output(images, "uint8"))
         final = list(out.stage_images.values())[-1]  # [-1, 1], as scored by the CLIP
         clip_img.append(pipe.clip.encode_image(final))
         text_emb.append(out.text_embeds)

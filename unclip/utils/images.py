@@ -49,13 +49,19 @@ def as_image_input(image):
 
 
 def to_output(images: torch.Tensor, output_type: str = "pil"):
-    """``[N, 3, H, W]`` in [-1, 1] → PIL list / uint8 array ``[N, H, W, 3]`` / float tensor in
-    [0, 1]."""
+    """``[N, 3, H, W]`` in [-1, 1] → as diffusers returns images: ``"pil"`` a list of PIL images,
+    ``"np"`` a float32 array ``[N, H, W, 3]`` in [0, 1], ``"pt"`` a float tensor ``[N, 3, H, W]``
+    in [0, 1], ``"latent"`` the tensor itself (in [-1, 1]); ``"uint8"``: an array ``[N, H, W, 3]``
+    of 0–255 (the PIL images' pixels)."""
+    if output_type == "latent":
+        return images
     x = ((images.float().cpu() + 1) / 2).clamp(0, 1)
     if output_type == "pt":
         return x
+    if output_type == "np":
+        return x.permute(0, 2, 3, 1).numpy()
     arr = (x.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-    return arr if output_type == "np" else [Image.fromarray(a) for a in arr]
+    return arr if output_type == "uint8" else [Image.fromarray(a) for a in arr]
 
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")

@@ -1,0 +1,195 @@
+"""diffusers' pipeline interface on :class:`~unclip.pipeline.pipeline.UnCLIPPipeline`.
+
+The pipeline is not a :class:`diffusers.DiffusionPipeline`: that class loads and saves
+``model_index.json`` folders whose components are diffusers, transformers or library classes
+registered by name, while an unclip folder holds its own component types (an open_clip CLIP, an
+autoregressive prior, upsamplers of any number) and sampling defaults per stage. Instead the
+pipeline answers what a diffusers user types: the flat keywords of diffusers' ``UnCLIPPipeline``
+(:func:`flat_sampling`), ``return_dict``, ``components``, ``set_progress_bar_config``,
+``from_pipe`` and ``enable_sequential_cpu_offload``. diffusers folders load through
+``UnCLIPPipeline.from_pretrained`` as they are (:mod:`unclip.interop`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Self, Union
+
+import torch
+
+#: diffusers' UnCLIPPipeline keywords → (stage key of ``sampling=``, setting)
+FLAT_KEYWORDS = {
+    "prior_num_inference_steps": ("prior", "steps"),
+    "decoder_num_inference_steps": ("decoder", "steps"),
+    "super_res_num_inference_steps": ("upsampler", "steps"),
+    "prior_guidance_scale": ("prior", "guidance_scale"),
+    "decoder_guidance_scale": ("decoder", "guidance_scale"),
+}
+
+#: the tensors a step callback can be given (``callback_on_step_end_tensor_inputs``)
+CALLBACK_TENSOR_INPUTS = ("latents",)
+
+
+def flat_sampling(sampling: Optional[Mapping], **flat) -> Optional[dict]:
+    """``sampling`` with diffusers' flat keywords (:data:`FLAT_KEYWORDS`; None: not given) folded
+    in. A setting given both ways with two values is a ``ValueError``."""
+    given = {k: v for k, v in flat.items() if v is not None}
+    if not given:
+        return None if sampling is None else dict(sampling)
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise TypeError(
+            f"sampling must be a dict {{stage: {{setting: value}}}}, got {type(sampling).__name__}"
+        )
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (sampling or {}).items()}
+    for keyword, value in given.items():
+        stage, setting = FLAT_KEYWORDS[keyword]
+        values = out.setdefault(stage, {})
+        if not isinstance(values, dict):  # a settings object: its fields as a dict
+            values = out[stage] = {k: getattr(values, k) for k in vars(values)}
+        if setting in values and values[setting] != value:
+            raise ValueError(
+                f"{keyword}={value!r} and sampling[{stage!r}][{setting!r}]={values[setting]!r} "
+                "disagree; give one of them"
+            )
+        values[setting] = value
+    return out
+
+
+def check_callback_inputs(names: Sequence[str]) -> None:
+    if isinstance(names, str) or any(n not in CALLBACK_TENSOR_INPUTS for n in names):
+        raise ValueError(
+            f"callback_on_step_end_tensor_inputs: the step callback can be given "
+            f"{list(CALLBACK_TENSOR_INPUTS)} (each stage's x_t), got {names!r}"
+        )
+
+
+def check_latents_fit(latents: dict, groups: dict, settings: dict, embeds_given: bool) -> None:
+    """diffusers' ``*_latents`` are one row of noise per output image: they need one decoder
+    candidate per image (and one prior candidate), which is what diffusers samples."""
+    if any(k != 1 for k in groups):
+        counts = ", ".join(str(k) for k in groups)
+        raise ValueError(
+            f"prior_latents / decoder_latents / super_res_latents: one row of noise per image "
+            f"needs one decoder candidate per image, but the decoder draws {counts}; pass "
+            "sampling={'decoder': {'best_of': 1}} (or decoder's noise through the candidates' "
+            "generators instead)"
+        )
+    if "prior" in latents:
+        if embeds_given:
+            raise ValueError("prior_latents with image_embeds: the prior does not run")
+        if settings["prior"].best_of != 1:
+            raise ValueError(
+                f"prior_latents: one row of noise per image needs the prior's best_of 1, got "
+                f"{settings['prior'].best_of}; pass sampling={{'prior': {{'best_of': 1}}}}"
+            )
+
+
+class DiffusersInterfaceMixin:
+    """``components``, ``set_progress_bar_config``, ``from_pipe`` and
+    ``enable_sequential_cpu_offload``, as on a diffusers pipeline."""
+
+    @property
+    def components(self) -> dict[str, Any]:
+        """The pipeline's modules by name (``clip``, ``prior``, ``decoder``, ``sr<size>``,
+        ``reranker``), plus ``diffusion`` and ``sampling`` (the settings per stage): enough to
+        build the same pipeline again, ``UnCLIPPipeline.from_pipe(pipe)``."""
+        modules = self.modules()
+        return {
+            **modules,
+            "diffusion": dict(self.diffusion),
+            "sampling": dict(self.sampling),
+        }
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        """``disable=True`` turns the progress bars of every later call off (``progress=False``
+        everywhere), as in diffusers; other tqdm options are not supported."""
+        unknown = sorted(set(kwargs) - {"disable"})
+        if unknown:
+            raise ValueError(
+                f"set_progress_bar_config: only 'disable' is supported, got {', '.join(unknown)}"
+            )
+        self._progress_config = dict(kwargs)
+
+    def _progress(self, progress: bool) -> bool:
+        config = getattr(self, "_progress_config", {})
+        return bool(progress) and not config.get("disable", False)
+
+    @classmethod
+    def from_pipe(cls, pipeline, **kwargs) -> Self:
+        """A new pipeline over ``pipeline``'s modules (no copy: they are shared), with any of
+        ``clip``, ``prior``, ``decoder``, ``upsamplers``, ``reranker``, ``diffusion``, ``sampling``
+        or ``prior_clip_range`` replaced by ``kwargs``; the autocast setting carries over."""
+        own = {
+            "clip": pipeline.clip,
+            "prior": pipeline.prior,
+            "decoder": pipeline.decoder,
+            "upsamplers": list(pipeline.upsamplers),
+            "diffusion": dict(pipeline.diffusion),
+            "sampling": dict(pipeline.sampling),
+            "prior_clip_range": pipeline.prior_clip_range,
+            "reranker": pipeline.reranker,
+        }
+        unknown = sorted(set(kwargs) - set(own))
+        if unknown:
+            raise TypeError(
+                f"from_pipe: unknown argument {unknown[0]!r} (it takes: {', '.join(own)})"
+            )
+        pipe = cls(**{**own, **kwargs})
+        pipe._autocast_dtype = pipeline._autocast_dtype
+        pipe.card_info = dict(pipeline.card_info)
+        return pipe
+
+    def enable_sequential_cpu_offload(
+        self, gpu_id: Optional[int] = None, device: Union[torch.device, str, None] = None
+    ) -> None:
+        """Keep every weight on the CPU and copy each submodule to the accelerator only for its
+        own forward (Accelerate's ``cpu_offload``): the least accelerator memory, and the slowest.
+        ``device`` (default ``cuda:<gpu_id or 0>``) must exist. :meth:`enable_model_cpu_offload`
+        moves whole components instead, which is much faster."""
+        from accelerate import cpu_offload
+
+        target = torch.device(device) if device is not None else torch.device("cuda", gpu_id or 0)
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "enable_sequential_cpu_offload: no CUDA device is available (torch sees none); "
+                "it only helps with an accelerator, pass device= to name another"
+            )
+        if self.model_cpu_offload is not None:
+            raise ValueError(
+                "enable_sequential_cpu_offload: model offload is on; call "
+                "disable_model_cpu_offload() first"
+            )
+        self.to("cpu")
+        for module in self.modules().values():
+            cpu_offload(module, execution_device=target)
+        self._sequential_device = target
+
+
+def check_from_pretrained_options(
+    token: Union[str, bool, None],
+    use_safetensors: Optional[bool],
+    low_cpu_mem_usage: Optional[bool],
+    device_map: Union[str, torch.device, None],
+) -> tuple[dict, Optional[torch.device]]:
+    """diffusers' ``from_pretrained`` keywords as ``(hub options, device to move to)``."""
+    if use_safetensors is False:
+        raise ValueError(
+            "use_safetensors=False: unclip loads safetensors weights only (pickles can run code); "
+            "convert the weights, or leave use_safetensors at its default"
+        )
+    if low_cpu_mem_usage is not None and not isinstance(low_cpu_mem_usage, bool):
+        raise TypeError(f"low_cpu_mem_usage must be a bool, got {low_cpu_mem_usage!r}")
+    device = None
+    if device_map is not None:
+        if isinstance(device_map, Mapping) or device_map in ("auto", "balanced"):
+            raise ValueError(
+                f"device_map={device_map!r}: a pipeline is placed whole on one device "
+                "(device_map='cuda', 'cpu', ...), or per stage while it runs with "
+                "enable_model_cpu_offload()"
+            )
+        device = torch.device(device_map)
+    hub = {} if token is None else {"token": token}
+    if isinstance(token, (str, os.PathLike)) and not str(token):
+        raise ValueError("token: an empty string; pass a Hugging Face token or leave it out")
+    return hub, device
