@@ -18,6 +18,13 @@ Samples
 * embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str,
   "skipped": int}``.
 
+Every sample also carries ``"data_cursor": (logical worker, workers, position)``: ``position`` is
+the number of raw items (files, tar samples, rows; bad ones included) this consumer has read up to
+and including this sample. A stream built with ``cursor=position`` resumes right after it without
+reading or decoding the items before (:class:`WebDatasetStream` lists the shards it consumed by
+their tar headers), where ``start`` must check every earlier item to count only the good ones;
+the training loop keeps the last cursor of each worker in its checkpoints.
+
 ``skipped`` is the number of bad samples the stream dropped right before this one (unreadable image,
 missing or empty caption, non-finite embedding), so a trainer can sum it even when the stream runs
 inside DataLoader workers (:func:`collate` sums it per batch). Bad samples never raise; the first
@@ -35,7 +42,7 @@ the main process); ``start`` always counts the samples *this consumer* yielded.
 ``DataLoader(num_workers=k)``.
 
 Every stream takes the keyword arguments ``seed``, ``rank``, ``world_size``, ``start`` (default 0),
-``worker`` and ``num_workers`` (default: from the DataLoader worker info) that define this split.
+``cursor`` (default None: resume by ``start``), ``worker`` and ``num_workers`` (default: from the DataLoader worker info) that define this split.
 (Image sources also take ``clip_resolution``, see Samples.)
 """
 
@@ -45,8 +52,7 @@ import io
 import json
 import logging
 import re
-import tarfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -54,6 +60,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from unclip.train.data.batching import StreamDataset, collate
+from unclip.train.data.tars import (
+    expand_urls,
+    iter_tar_samples,
+    read_listed,
+    shard_error,
+    shard_listing,
+)
 from unclip.utils.images import list_images, resize_crop_tensor
 
 __all__ = [
@@ -130,122 +144,6 @@ def image_to_tensor(image: Image.Image, resolution: int) -> torch.Tensor:
     return (x * 2.0 - 1.0).contiguous()
 
 
-def expand_urls(urls: Union[str, Sequence[str]]) -> list[str]:
-    """Shard URLs from a path, brace pattern (``data/{00000..00009}.tar``), ``::``-joined string or
-    list."""
-    from webdataset.shardlists import expand_urls as wds_expand
-
-    if isinstance(urls, (str, Path)):
-        out = wds_expand(str(urls))
-    elif isinstance(urls, (list, tuple)):
-        out = [u for item in urls for u in wds_expand(str(item))]
-    else:
-        raise TypeError(f"urls must be a string or a list of strings, got {type(urls).__name__}")
-    if not out:
-        raise ValueError(f"no shards in {urls!r}")
-    return out
-
-
-class _StrictTarInfo(tarfile.TarInfo):
-    """Tar header reader that reports a shard cut short: after the first member, :mod:`tarfile`
-    takes a truncated, missing or garbled header for the end of the archive and stops without a
-    word, which would lose the rest of the shard silently."""
-
-    @classmethod
-    def fromtarfile(cls, tar):
-        try:
-            return super().fromtarfile(tar)
-        except (
-            tarfile.EmptyHeaderError,
-            tarfile.TruncatedHeaderError,
-            tarfile.InvalidHeaderError,
-        ) as exc:
-            if tar.offset == 0:
-                raise
-            raise tarfile.ReadError(
-                f"cut short at byte {tar.offset} ({exc}; no end-of-archive marker)"
-            ) from None
-
-
-def _tar_files(url: str, errors: list) -> Iterator[dict]:
-    """The regular members of one shard as webdataset file dicts, then webdataset's end-of-shard
-    marker ``{}``; an unreadable or cut-short shard appends its exception to ``errors``."""
-    from webdataset.gopen import gopen
-
-    stream = None
-    try:
-        stream = gopen(url)
-        tar = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_StrictTarInfo)
-        for member in tar:
-            # skip directories and webdataset's own "__name__" metadata members
-            if not member.isreg() or re.match(r"__[^/]*__($|/)", member.name):
-                continue
-            data = tar.extractfile(member).read()
-            yield {"fname": member.name, "data": data, "__url__": url}
-            tar.members = []  # streamed: do not keep every header in memory
-    except Exception as exc:  # tarfile.ReadError, OSError, EOFError, zlib.error, pipe status
-        errors.append(exc)
-    finally:
-        if stream is not None:
-            try:
-                stream.close()
-            except Exception as exc:  # a pipe: URL whose command failed
-                errors.append(exc)
-    yield {}
-
-
-def _shard_size(url: str) -> Optional[int]:
-    """The number of samples img2dataset wrote to a local shard (``successes`` in the
-    ``<shard>_stats.json`` beside it), or None if unknown."""
-    path = Path(url)
-    stats = path.with_name(path.name.split(".")[0] + "_stats.json")
-    try:
-        n = json.loads(stats.read_text()).get("successes")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
-
-
-def iter_tar_samples(urls: Sequence[str]) -> Iterator[dict]:
-    """Raw img2dataset samples (``{"__key__", "__url__", "jpg"|..., "txt", ...}`` bytes) of ``urls``
-    in order.
-
-    A shard that cannot be opened or read to its end (truncated, corrupt, a failing ``pipe:``)
-    yields, after the samples read before the break, one error item ``{"__url__", "__error__":
-    reason, "__lost__": n}`` where ``n`` is the number of samples lost if img2dataset's
-    ``<shard>_stats.json`` lies beside the shard, else None (unknown).
-    """
-    from webdataset.tariterators import group_by_keys
-
-    for url in urls:
-        errors: list = []
-
-        def handler(exc: Exception, errors: list = errors) -> bool:
-            errors.append(exc)
-            return True
-
-        count = 0
-        for sample in group_by_keys(_tar_files(url, errors), handler=handler):
-            count += 1
-            yield sample
-        for exc in errors:
-            size = _shard_size(url)
-            lost = None if size is None else max(size - count, 0)
-            yield {"__url__": url, "__error__": f"{type(exc).__name__}: {exc}", "__lost__": lost}
-
-
-def shard_error(raw: dict) -> Optional[str]:
-    """The one-line reason of an error item of :func:`iter_tar_samples`, or None for a sample."""
-    if "__error__" not in raw:
-        return None
-    lost = raw.get("__lost__")
-    what = "the rest of the shard" if lost is None else f"{lost} sample(s)"
-    return (
-        f"broken shard {raw['__url__']} ({raw['__error__']}): {what} lost; re-download or "
-        "re-create the shard"
-    )
-
-
 def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in key])
 
@@ -282,8 +180,14 @@ class _Stream:
         worker: Optional[int] = None,
         num_workers: Optional[int] = None,
         clip_resolution: Optional[int] = None,
+        cursor: Optional[int] = None,
     ):
         _check_split(seed, rank, world_size, start)
+        if cursor is not None and (isinstance(cursor, bool) or not isinstance(cursor, int)):
+            raise ValueError(f"cursor must be an int >= 0, got {cursor!r}")
+        if cursor is not None and cursor < 0:
+            raise ValueError(f"cursor must be an int >= 0, got {cursor!r}")
+        self.cursor = cursor
         if clip_resolution is not None and (
             isinstance(clip_resolution, bool)
             or not isinstance(clip_resolution, int)
@@ -327,7 +231,11 @@ class _Stream:
         c, n = self.consumer()
         consumed = skipped = run_of_bad = 0
         epoch_len = None
-        for item in self._raw(c, n):
+        # resuming at a cursor: the raw items before it are skipped unread (see _raw_from); at a
+        # start count: they are read and checked, as the count leaves out the bad ones
+        position = self.cursor or 0
+        raw = self._raw(c, n) if self.cursor is None else self._raw_from(c, n, self.cursor)
+        for item in raw:
             if isinstance(item, _EpochEnd):
                 if item == 0:
                     raise ValueError(
@@ -336,6 +244,7 @@ class _Stream:
                     )
                 epoch_len = int(item)
                 continue
+            position += 1
             try:
                 value = self._check(item)
             except BadSample as exc:
@@ -349,12 +258,27 @@ class _Stream:
                     ) from None
                 continue
             run_of_bad = 0
-            if consumed >= self.start:
+            if self.cursor is not None or consumed >= self.start:
                 sample = self._sample(value)
                 sample["skipped"] = skipped
+                # (logical worker, workers, raw items read): where a resumed stream picks up
+                sample["data_cursor"] = (
+                    (c - self.rank) // self.world_size,
+                    n // self.world_size,
+                    position,
+                )
                 yield sample
             skipped = 0
             consumed += 1
+
+    def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
+        """``_raw(c, n)`` without its first ``skip`` items (epoch markers pass): sources whose raw
+        items are cheap (file paths, embedding rows) drop them unread; WebDataset overrides it."""
+        for item in self._raw(c, n):
+            if isinstance(item, _EpochEnd) or skip == 0:
+                yield item
+            else:
+                skip -= 1
 
     # subclasses define: describe() -> str, _raw(c, n) -> items and _EpochEnd markers,
     # _check(item) -> value (or raise BadSample), _sample(value) -> dict without 'skipped'
@@ -377,8 +301,8 @@ class FolderStream(_Stream):
 
     Epoch ``e`` visits the files in a permutation seeded by ``(seed, e)`` (sorted order if
     ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position
-    ``c``. Resuming re-reads (decodes) the skipped files to know which were bad, so skip counts stay
-    exact. ``split``: the keyword arguments of the data split (module doc).
+    ``c``. Resuming at a ``cursor`` skips the files before it unread; at a ``start`` count it
+    re-reads (decodes) them to know which were bad, so skip counts stay exact. ``split``: the keyword arguments of the data split (module doc).
     """
 
     what = "image"
@@ -443,7 +367,9 @@ class WebDatasetStream(_Stream):
     missing/empty ``.txt`` captions are skipped and counted; a shard that cannot be opened or is cut
     short (also inside a tar header) is logged with its name and counted as skipped: as the number
     of samples lost when img2dataset's ``<shard>_stats.json`` lies beside it, else as one.
-    Resuming re-reads and decodes the skipped samples (tar shards have no random access).
+    Resuming at a ``cursor`` lists the consumed shards by their headers and seeks to the next
+    sample (local shards; ``pipe:``/remote ones are read, not decoded); at a ``start`` count the
+    skipped samples are read and decoded.
     ``split``: the keyword arguments of the data split (module doc).
     """
 
@@ -465,7 +391,11 @@ class WebDatasetStream(_Stream):
         more = " …" if len(self.urls) > 1 else ""
         return f"webdataset {self.urls[0]}{more} ({len(self.urls)} shards)"
 
-    def _epochs(self, c: int, n: int) -> Iterator:
+    def _epochs(self, c: int, n: int, listed: int = 0) -> Iterator:
+        """This consumer's raw samples, epoch after epoch; the first ``listed`` of them as
+        :func:`~unclip.train.data.tars.shard_listing` items (headers only) where a shard can be
+        listed: whole shards are listed, and the shard the count ends in is read from the byte
+        where its next sample starts."""
         if len(self.urls) <= c:
             raise ValueError(
                 f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader "
@@ -476,26 +406,61 @@ class WebDatasetStream(_Stream):
         while True:
             order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
             count = 0
-            for raw in iter_tar_samples([self.urls[i] for i in order[c::n]]):
-                count += 1
-                yield raw
+            for url in [self.urls[i] for i in order[c::n]]:
+                listing = shard_listing(url) if listed > 0 else None
+                offset = 0
+                if listing is not None:
+                    head = listing[:listed]
+                    listed -= len(head)
+                    count += len(head)
+                    yield from head
+                    rest = listing[len(head) :]
+                    if not rest or "__error__" in rest[0]:
+                        count += len(rest)
+                        yield from rest
+                        continue
+                    offset = rest[0]["__offset__"]
+                for raw in iter_tar_samples([url], offset=offset):
+                    listed = max(0, listed - 1)
+                    count += 1
+                    yield raw
             yield _EpochEnd(count)
             epoch += 1
 
-    def _raw(self, c: int, n: int) -> Iterator:
-        if self.shuffle_buffer <= 1:
-            yield from self._epochs(c, n)
+    def _raw(self, c: int, n: int, skip: int = 0) -> Iterator:
+        # the shuffle buffer runs on listed items while the skipped part is replayed: once the
+        # skip's last sample has entered it, the listed items it still holds are read for real
+        buffer = self.shuffle_buffer if self.shuffle_buffer > 1 else 0
+        listed = skip + buffer if skip else 0
+        items = self._epochs(c, n, listed)
+        if not buffer:
+            for item in items:
+                if isinstance(item, _EpochEnd) or skip == 0:
+                    yield item
+                else:
+                    skip -= 1
             return
-        rng, buf = _rng(self.seed, 1, c, n), []
-        for item in self._epochs(c, n):
+        rng, buf, read = _rng(self.seed, 1, c, n), [], 0
+        for item in items:
             if isinstance(item, _EpochEnd):
                 yield item
-            elif len(buf) < self.shuffle_buffer:
+                continue
+            read += 1
+            if len(buf) < buffer:
                 buf.append(item)
             else:
                 i = int(rng.integers(len(buf)))
-                yield buf[i]
+                if skip:
+                    skip -= 1
+                else:
+                    yield buf[i]
                 buf[i] = item
+            if read == listed:
+                full = read_listed([x for x in buf if "__index__" in x])
+                buf = [full[x["__url__"], x["__index__"]] if "__index__" in x else x for x in buf]
+
+    def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
+        return self._raw(c, n, skip)
 
     def _check(self, raw: dict):
         broken = shard_error(raw)
@@ -663,73 +628,3 @@ class EmbeddingStream(_Stream):
             "text_embed": torch.from_numpy(np.array(txt[r], dtype=np.float32)),
             "caption": caption,
         }
-
-
-# --------------------------------------------------------------------------------------------------
-# DataLoader integration
-# --------------------------------------------------------------------------------------------------
-class StreamDataset(torch.utils.data.IterableDataset):
-    """A rank's stream for
-    ``DataLoader(dataset, batch_size=batch_size, num_workers=k, collate_fn=collate)``.
-
-    ``factory(start=..., worker=..., num_workers=...)`` builds one consumer's stream, e.g.
-    ``functools.partial(FolderStream, path, 64, seed=0, rank=rank, world_size=world_size)``;
-    ``start`` is the number of samples this *rank* already consumed (a multiple of ``batch_size``
-    when ``k > 0``).
-
-    Exact resume with workers: each worker streams its own disjoint part (module doc) and batches it
-    itself, and an in-order DataLoader returns batch ``j`` from worker ``j % k``. After
-    ``start = m * batch_size`` consumed samples, logical worker ``v`` has delivered
-    ``len(range(v, m, k))`` batches, and the next batch is due from logical worker ``m % k``. A new
-    DataLoader starts at worker 0, so DataLoader worker ``w`` plays logical worker ``(w + m) % k``
-    and restarts that worker's stream after the batches it delivered: the resumed loader yields
-    exactly the batches ``m, m+1, …`` of an uninterrupted one. The batching depends on ``k`` and
-    ``batch_size``: keep both fixed across a resume. With ``k = 0`` the rank's stream is the single
-    consumer's stream and ``start`` is used as is. Do not let another layer (e.g.
-    ``accelerator.prepare``) shard this dataset again.
-    """
-
-    def __init__(self, factory: Callable[..., object], *, start: int = 0, batch_size: int = 1):
-        super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not isinstance(start, int) or start < 0:
-            raise ValueError(f"start must be an int >= 0, got {start!r}")
-        self.factory, self.start, self.batch_size = factory, start, batch_size
-
-    def worker_plan(self, worker: int, num_workers: int) -> tuple[int, int]:
-        """``(logical worker, its start)`` for DataLoader worker ``worker`` of ``num_workers`` (see
-        class doc)."""
-        if num_workers <= 1:
-            return 0, self.start
-        if self.start % self.batch_size:
-            raise ValueError(
-                f"resuming with DataLoader workers needs start ({self.start}) to be a multiple of "
-                f"batch_size ({self.batch_size}); resume at a batch boundary or use num_workers=0"
-            )
-        done = self.start // self.batch_size
-        logical = (worker + done) % num_workers
-        return logical, len(range(logical, done, num_workers)) * self.batch_size
-
-    def __iter__(self) -> Iterator[dict]:
-        info = torch.utils.data.get_worker_info()
-        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        logical, start = self.worker_plan(worker, num_workers)
-        return iter(self.factory(start=start, worker=logical, num_workers=num_workers))
-
-
-def collate(samples: list[dict]) -> dict:
-    """Batch sample dicts: tensors stacked on a new first axis, strings listed, ``skipped``
-    summed."""
-    if not samples:
-        raise ValueError("collate needs at least one sample")
-    out = {}
-    for key in samples[0]:
-        values = [s[key] for s in samples]
-        if key == "skipped":
-            out[key] = sum(int(v) for v in values)
-        elif isinstance(values[0], torch.Tensor):
-            out[key] = torch.stack(values)
-        else:
-            out[key] = values
-    return out
