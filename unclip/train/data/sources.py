@@ -42,7 +42,8 @@ the main process); ``start`` always counts the samples *this consumer* yielded.
 ``DataLoader(num_workers=k)``.
 
 Every stream takes the keyword arguments ``seed``, ``rank``, ``world_size``, ``start`` (default 0),
-``cursor`` (default None: resume by ``start``), ``worker`` and ``num_workers`` (default: from the DataLoader worker info) that define this split.
+``cursor`` (default None: resume by ``start``), ``worker`` and ``num_workers`` (default: from the
+DataLoader worker info) that define this split.
 (Image sources also take ``clip_resolution``, see Samples.)
 """
 
@@ -302,7 +303,8 @@ class FolderStream(_Stream):
     Epoch ``e`` visits the files in a permutation seeded by ``(seed, e)`` (sorted order if
     ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position
     ``c``. Resuming at a ``cursor`` skips the files before it unread; at a ``start`` count it
-    re-reads (decodes) them to know which were bad, so skip counts stay exact. ``split``: the keyword arguments of the data split (module doc).
+    re-reads (decodes) them to know which were bad, so skip counts stay exact. ``split``: the
+    keyword arguments of the data split (module doc).
     """
 
     what = "image"
