@@ -172,10 +172,15 @@ def shard_listing(url: str) -> Optional[list[dict]]:
         tar = tarfile.open(fileobj=f, mode="r:", tarinfo=_StrictTarInfo)
     except (OSError, tarfile.TarError):
         return None
+    size = os.fstat(f.fileno()).st_size
+    plain = _plain_members(f.fileno(), size)
+
+    if plain is not None:
+        f.close()
+        return _group_plain(url, plain)
 
     def files() -> Iterator[dict]:
         # the header offset travels as the member's "data": group_by_keys keeps it per suffix
-        size = os.fstat(f.fileno()).st_size
         try:
             while True:
                 member = tar.next()
@@ -207,20 +212,95 @@ def shard_listing(url: str) -> Optional[list[dict]]:
     return out + [_error_item(url, exc, len(out)) for exc in errors]
 
 
+def _group_plain(url: str, members: list[tuple[str, int]]) -> list[dict]:
+    """:func:`shard_listing` of plain members, grouped as webdataset's ``group_by_keys`` groups them
+    (a sample per run of equal keys; a repeated suffix is an error reported after the samples and
+    its member left out), without building its per-member dicts."""
+    from webdataset.tariterators import base_plus_ext
+
+    out, errors = [], []
+    key, suffixes = None, set()
+    for name, offset in members:
+        if _META.match(name):
+            continue
+        prefix, suffix = base_plus_ext(name)
+        if prefix is None:
+            continue
+        suffix = suffix.lower()
+        if key is None or prefix != key:
+            key, suffixes = prefix, set()
+            out.append(
+                {"__url__": url, "__key__": key, "__index__": len(out), "__offset__": offset}
+            )
+        if suffix in suffixes or suffix in ("__key__", "__url__"):
+            errors.append(ValueError(f"{name}: duplicate file name in tar file {suffix}"))
+            continue
+        suffixes.add(suffix)
+    return out + [_error_item(url, exc, len(out)) for exc in errors]
+
+
+def _plain_members(fd: int, size: int) -> Optional[list[tuple[str, int]]]:
+    """``[(name, header offset)]`` of the regular files of a tar made only of plain ustar/GNU
+    headers (regular files and folders, valid checksums, every member whole, an end-of-archive
+    block), as img2dataset writes them; ``None`` for anything else (long names, pax headers, a
+    break), which :mod:`tarfile` then lists (the same members, at several times the cost per
+    header)."""
+    out, offset = [], 0
+    while True:
+        block = os.pread(fd, tarfile.BLOCKSIZE, offset)
+        if len(block) != tarfile.BLOCKSIZE:
+            return None  # no end-of-archive block: tarfile reports the shard cut short
+        if block.count(0) == tarfile.BLOCKSIZE:
+            return out
+        # the header's checksum (unsigned; tarfile also takes a signed one) and octal size
+        stored, length = block[148:156], block[124:136]
+        if block[124] & 0x80 or stored[:1] == b"\0":
+            return None  # a base-256 size or an empty checksum field: tarfile decodes them
+        try:
+            checksum, length = int(stored.rstrip(b"\0 "), 8), int(length.rstrip(b"\0 ") or b"0", 8)
+        except ValueError:
+            return None
+        if checksum != sum(block) - sum(stored) + 256:
+            return None
+        kind = block[156:157]
+        end = block.find(0, 0, 100)
+        name = block[: 100 if end < 0 else end].decode(tarfile.ENCODING, "surrogateescape")
+        if block[257:265] == tarfile.POSIX_MAGIC and block[345] != 0:
+            return None  # a name prefix: tarfile joins it
+        data = offset + tarfile.BLOCKSIZE
+        if data + length > size:
+            return None
+        if kind in (tarfile.REGTYPE, tarfile.AREGTYPE) and not name.endswith("/"):
+            out.append((name, offset))
+        elif kind not in (tarfile.DIRTYPE, tarfile.AREGTYPE):
+            return None
+        offset = data + -(-length // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
 def read_listed(items: Sequence[dict]) -> dict[tuple[str, int], dict]:
     """The full raw samples (data read, not decoded) of :func:`shard_listing` items, by
-    ``(url, index)``: each shard is read once, from its first wanted sample to its last."""
+    ``(url, index)``, each read from its offset (runs of nearby ones in one pass)."""
     wanted: dict[str, dict[int, int]] = {}
     for item in items:
         wanted.setdefault(item["__url__"], {})[item["__index__"]] = item["__offset__"]
     out = {}
     for url, indices in wanted.items():
-        first, last = min(indices), max(indices)
-        for i, raw in enumerate(iter_tar_samples([url], offset=indices[first]), start=first):
-            if i > last or "__error__" in raw:
-                break
-            if i in indices:
-                out[url, i] = raw
+        # runs of nearby samples are read in one pass; a far one (a sample that stayed long in a
+        # shuffle buffer) from its own offset, so no shard is read between them
+        order = sorted(indices)
+        runs = [[order[0]]]
+        for i in order[1:]:
+            if i - runs[-1][-1] <= 8:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            for i, raw in enumerate(iter_tar_samples([url], offset=indices[first]), start=first):
+                if i > last or "__error__" in raw:
+                    break
+                if i in indices:
+                    out[url, i] = raw
     missing = [(url, i) for url, ix in wanted.items() for i in ix if (url, i) not in out]
     if missing:
         raise ValueError(
