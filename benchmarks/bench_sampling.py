@@ -169,7 +169,7 @@ def bench_bundled(args) -> dict:
         return call
 
     runs = run_rounds({k: caller(k, p) for k, p in variants.items()}, args.repeats)
-    from unclip.interop.diffusers import export_problems
+    from unclip.interop.diffusers_export import export_problems
 
     med = {k: medians(v) for k, v in runs.items()}
     ref = images["fp32"]
@@ -200,7 +200,7 @@ def bench_bundled(args) -> dict:
 def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     from diffusers import UnCLIPPipeline as DiffusersUnCLIP
 
-    from unclip.interop.diffusers import export_diffusers
+    from unclip.interop.diffusers_export import export_diffusers
 
     export_diffusers(pipe, tmp / "diffusers")
     dpipe = DiffusersUnCLIP.from_pretrained(str(tmp / "diffusers"))

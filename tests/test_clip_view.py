@@ -15,8 +15,8 @@ from unclip.shapes.export import write_shapes
 from unclip.shapes.world import ShapesWorld
 from unclip.train.config import load_stage_config
 from unclip.train.data.loader import ShapesStream
-from unclip.train.data.shards import iter_tar_samples
-from unclip.train.data.stream import open_rgb
+from unclip.train.data.sources import open_rgb
+from unclip.train.data.tars import iter_tar_samples
 from unclip.train.decoder import decoder_batches, decoder_image_embed
 from unclip.utils.images import pil_to_tensor
 

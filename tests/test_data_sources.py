@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +15,15 @@ import torch
 from PIL import Image
 
 from unclip.shapes.export import write_shapes
-from unclip.train.data.sources import EmbeddingStream, FolderStream, WebDatasetStream
-from unclip.train.data.stream import StreamDataset, collate, image_to_tensor
+from unclip.train.data.batching import StreamDataset, collate
+from unclip.train.data.sources import (
+    EmbeddingStream,
+    FolderStream,
+    WebDatasetStream,
+    image_to_tensor,
+)
+from unclip.train.data.tars import iter_tar_samples, read_listed, shard_listing
+from unclip.utils.images import list_images
 
 R = 16
 
@@ -92,7 +100,7 @@ def test_folder_samples_have_contract_format_and_are_deterministic(clean_folder)
     b = take(FolderStream(clean_folder, R, seed=3, rank=0, world_size=1), 25)
     assert_same(a, b)
     s = a[0]
-    assert set(s) == {"image", "caption", "skipped"}
+    assert set(s) == {"image", "caption", "skipped", "data_cursor"}
     assert s["image"].shape == (3, R, R) and s["image"].dtype == torch.float32
     assert (
         -1 <= float(s["image"].min())
@@ -132,7 +140,7 @@ def test_folder_rank_split_is_disjoint_and_covers(clean_folder):
 
 
 def test_folder_bad_files_are_skipped_counted_and_logged(dirty_folder, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.train.data.stream")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
     got = take(FolderStream(dirty_folder, R, seed=0, rank=0, world_size=1, shuffle=False), 12)
     assert [x["caption"][:8] for x in got[:10]] == [f"{i:08d}" for i in range(10)]
     assert got[10]["caption"] == "a wide image in a subfolder"  # recursive, upper-case extension
@@ -246,23 +254,6 @@ def test_webdataset_url_forms_agree(shards):
     assert [sig(x) for x in take(wds([f"pipe:cat {f}" for f in files]), 30)] == ref
 
 
-def test_webdataset_takes_an_img2dataset_output_folder(shards, tmp_path):
-    # img2dataset's output folder: shards, their *_stats.json, a parquet per shard and a stats.json
-    folder = tmp_path / "img2dataset_out"
-    folder.mkdir()
-    for f in shards.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    for i in range(4):
-        (folder / f"{i:05d}.parquet").write_bytes(b"PAR1 not a shard PAR1")
-    (folder / "stats.json").write_text("{}")
-    ref = [sig(x) for x in take(wds(str(shards / "{00000..00003}.tar")), 30)]
-    stream = wds(folder)
-    assert stream.urls == [str(folder / f"{i:05d}.tar") for i in range(4)]
-    assert [sig(x) for x in take(stream, 30)] == ref and wds(str(folder)).urls == stream.urls
-    with pytest.raises(ValueError, match=r"no \.tar shards in it.*img2dataset"):
-        wds(tmp_path)
-
-
 def test_webdataset_fewer_shards_than_ranks_is_a_clear_error(shards):
     with pytest.raises(ValueError, match=r"4 shard.*world_size is 5.*[Rr]e-shard"):
         wds(str(shards / "{00000..00003}.tar"), rank=0, world_size=5)
@@ -297,13 +288,102 @@ def corrupt_shard(tmp_path_factory):
 
 
 def test_webdataset_corrupt_members_are_skipped_and_counted(corrupt_shard, caplog):
-    caplog.set_level(logging.WARNING, logger="unclip.train.data.stream")
+    caplog.set_level(logging.WARNING, logger="unclip.train.data.sources")
     got = take(wds(str(corrupt_shard), shuffle_buffer=0), 4)
     assert [x["caption"] for x in got] == ["good zero", "good four", "good six", "good zero"]
     assert [x["skipped"] for x in got] == [0, 3, 1, 1]
     for reason in ("unreadable image", "missing caption", "empty caption", "no image member"):
         assert reason in caplog.text
     assert_same(got[1:], take(wds(str(corrupt_shard), shuffle_buffer=0, start=1), 3))
+
+
+def _spoil_images(shard, out):
+    """A copy of ``shard`` whose image bytes are garbage (same sizes and headers): a stream that
+    decodes them skips every sample."""
+    with tarfile.open(shard) as src, tarfile.open(out, "w") as dst:
+        for member in src:
+            data = src.extractfile(member).read()
+            if not member.name.endswith(".txt"):
+                data = b"\x00" * len(data)
+            dst.addfile(member, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 10])
+def test_webdataset_resumes_at_a_cursor_without_reading_what_it_consumed(
+    shards, corrupt_shard, tmp_path, shuffle_buffer
+):
+    """A stream resumed at a sample's ``data_cursor`` yields exactly what followed that sample, with
+    bad samples counted as before; the shards it consumed are listed, not read: after they are
+    spoiled (same headers, garbage images), the cursor resume is unchanged while a resume by
+    sample count decodes them and goes astray."""
+    urls = [str(shards / f"{i:05d}.tar") for i in range(4)] + [str(corrupt_shard)]
+    copies = [str(tmp_path / f"{i}.tar") for i in range(5)]
+    for url, copy in zip(urls, copies):
+        (tmp_path / Path(copy).name).write_bytes(Path(url).read_bytes())
+    a = take(wds(copies, shuffle_buffer=shuffle_buffer), 60)  # into the third epoch
+    assert sum(x["skipped"] for x in a) > 0
+    assert [x["data_cursor"][:2] for x in a] == [(0, 1)] * 60
+    for k in (1, 9, 27, 44):
+        assert_same(
+            a[k:],
+            take(
+                wds(copies, shuffle_buffer=shuffle_buffer, cursor=a[k - 1]["data_cursor"][2]),
+                60 - k,
+            ),
+        )
+    if shuffle_buffer:
+        return
+    # without a shuffle buffer, the first epoch's first two shards are consumed by sample 20
+    order = np.random.default_rng([0, 2, 0]).permutation(5)[:2]
+    for i in order:
+        _spoil_images(urls[i], copies[i])
+    k = 20
+    resumed = take(wds(copies, shuffle_buffer=0, cursor=a[k - 1]["data_cursor"][2]), 5)
+    assert_same(a[k : k + 5], resumed)
+    by_count = take(wds(copies, shuffle_buffer=0, start=k), 5)
+    assert [x["caption"] for x in by_count] != [x["caption"] for x in a[k : k + 5]]
+
+
+def test_shard_listing_counts_what_a_read_yields(shards, corrupt_shard, tmp_path):
+    """The header-only listing of a shard has the samples (keys, order) and breaks of a full read,
+    for a clean, a corrupt and a truncated shard; each listed sample reads back from its offset."""
+    data = (shards / "00001.tar").read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2 + 100])
+    for url in (str(shards / "00000.tar"), str(corrupt_shard), str(tmp_path / "cut.tar")):
+        read = list(iter_tar_samples([url]))
+        listed = shard_listing(url)
+        assert [x.get("__key__") for x in listed] == [x.get("__key__") for x in read], url
+        assert ["__error__" in x for x in listed] == ["__error__" in x for x in read], url
+        samples = [x for x in listed if "__error__" not in x]
+        back = read_listed(samples)
+        for x, raw in zip(samples, read):
+            assert back[url, x["__index__"]] == raw
+    assert any("__error__" in x for x in shard_listing(str(tmp_path / "cut.tar")))
+    assert shard_listing(f"pipe:cat {shards / '00000.tar'}") is None
+
+
+def test_folder_resumes_at_a_cursor_without_reading_what_it_consumed(dirty_folder, tmp_path):
+    folder = tmp_path / "folder"
+    for f in dirty_folder.rglob("*"):
+        if f.is_file():
+            target = folder / f.relative_to(dirty_folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(f.read_bytes())
+
+    def stream(**kw):
+        return FolderStream(folder, R, seed=1, rank=0, world_size=1, **kw)
+
+    a = take(stream(), 30)
+    for k in (1, 7, 23):
+        assert_same(a[k:], take(stream(cursor=a[k - 1]["data_cursor"][2]), 30 - k))
+    # the files read before sample 5 (the first epoch's first ones) are spoiled: a resume at the
+    # cursor never opens them, a resume by count decodes them and goes astray
+    k, files = 5, list_images(folder)
+    cursor = a[k - 1]["data_cursor"][2]
+    for i in np.random.default_rng([1, 0]).permutation(len(files))[:cursor]:
+        files[i].write_bytes(b"spoiled")
+    assert_same(a[k:10], take(stream(cursor=cursor), 10 - k))
+    assert [x["caption"] for x in take(stream(start=k), 10 - k)] != [x["caption"] for x in a[k:10]]
 
 
 def test_webdataset_truncated_shard_does_not_kill_the_stream(shards, tmp_path):
@@ -343,7 +423,7 @@ def emb_dir(tmp_path_factory):
 def test_embeddings_one_epoch_reads_every_good_row_and_counts_bad_ones(emb_dir):
     got = take(EmbeddingStream(emb_dir, seed=0, rank=0, world_size=1), 15 + 1)
     s = got[0]
-    assert set(s) == {"image_embed", "text_embed", "caption", "skipped"}
+    assert set(s) == {"image_embed", "text_embed", "caption", "skipped", "data_cursor"}
     assert s["image_embed"].dtype == torch.float32 and s["image_embed"].shape == (8,)
     epoch = got[:15]
     assert len({x["caption"] for x in epoch}) == 15
@@ -452,3 +532,20 @@ def test_dataloader_resume_is_exact_and_workers_are_disjoint(dirty_folder, clean
     one_epoch = [c for b in take(loader(clean_folder, 0, workers, 1), 10) for c in b["caption"]]
     assert len(set(one_epoch)) == 10  # each of the 10 images exactly once across the workers
     assert sum(b["skipped"] for b in full) > 0
+
+
+def test_webdataset_takes_an_img2dataset_output_folder(shards, tmp_path):
+    # img2dataset's output folder: shards, their *_stats.json, a parquet per shard and a stats.json
+    folder = tmp_path / "img2dataset_out"
+    folder.mkdir()
+    for f in shards.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    for i in range(4):
+        (folder / f"{i:05d}.parquet").write_bytes(b"PAR1 not a shard PAR1")
+    (folder / "stats.json").write_text("{}")
+    ref = [sig(x) for x in take(wds(str(shards / "{00000..00003}.tar")), 30)]
+    stream = wds(folder)
+    assert stream.urls == [str(folder / f"{i:05d}.tar") for i in range(4)]
+    assert [sig(x) for x in take(stream, 30)] == ref and wds(str(folder)).urls == stream.urls
+    with pytest.raises(ValueError, match=r"no \.tar shards in it.*img2dataset"):
+        wds(tmp_path)

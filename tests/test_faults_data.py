@@ -46,7 +46,7 @@ def test_shard_truncated_inside_a_tar_header_is_counted_and_logged(tmp_path, cap
     stream = WebDatasetStream(
         str(shard), 16, shuffle_buffer=0, seed=0, rank=0, world_size=1, worker=0, num_workers=1
     )
-    with caplog.at_level(logging.WARNING, logger="unclip.train.data.stream"):
+    with caplog.at_level(logging.WARNING, logger="unclip.train.data.sources"):
         samples = first_epoch(stream, len(before) + 1)  # the next epoch's first sample
     assert [s["caption"] for s in samples[:-1]] and all(s["skipped"] == 0 for s in samples[:-1])
     # the broken shard is one skipped event (its size is unknown), counted before epoch 2 begins

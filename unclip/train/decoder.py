@@ -281,9 +281,18 @@ def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     return model
 
 
-def decoder_batches(cfg: StageConfig, clip: CLIP, *, rank: int, world_size: int, start: int = 0):
+def decoder_batches(
+    cfg: StageConfig,
+    clip: CLIP,
+    *,
+    rank: int,
+    world_size: int,
+    start: int = 0,
+    cursors: Optional[dict] = None,
+):
     """The training batches of a decoder or upsampler run: images at ``data.resolution`` and, for
-    ``data.clip_view: full``, each original image at ``clip``'s input size as ``clip_image``."""
+    ``data.clip_view: full``, each original image at ``clip``'s input size as ``clip_image``;
+    ``start``/``cursors``: the resumed data position (:func:`make_batches`)."""
     return make_batches(
         cfg.data,
         resolution=cfg.data.resolution,
@@ -292,6 +301,7 @@ def decoder_batches(cfg: StageConfig, clip: CLIP, *, rank: int, world_size: int,
         rank=rank,
         world_size=world_size,
         start=start,
+        cursors=cursors,
     )
 
 
@@ -325,7 +335,12 @@ def train_decoder(
     model.train()
     task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, loop.device)
     data = decoder_batches(
-        cfg, clip, rank=loop.rank, world_size=loop.world, start=loop.state.samples
+        cfg,
+        clip,
+        rank=loop.rank,
+        world_size=loop.world,
+        start=loop.state.samples,
+        cursors=loop.data_cursors,
     )
     if loop.run(task, data):
         loop.export_stage(task.name, clip)

@@ -50,6 +50,8 @@ __all__ = [
     "PowerSGDGuardState",
     "nonfinite_safe_powersgd_hook",
     "register_powersgd",
+    "powersgd_files",
+    "load_powersgd",
     "gather_full",
     "gather_state",
     "load_full_state",
@@ -252,11 +254,23 @@ class PowerSGDGuardState:
     update was rolled back because it was non-finite. ``scale()``: the current loss scale (a
     1-element tensor) or ``None`` without loss scaling."""
 
-    def __init__(self, powersgd_state, scale: Callable[[], Optional[torch.Tensor]]):
+    def __init__(
+        self,
+        powersgd_state,
+        scale: Callable[[], Optional[torch.Tensor]],
+        params: Optional[list[torch.nn.Parameter]] = None,
+    ):
         self.powersgd = powersgd_state
         self.scale = scale
         self.error_scale: dict[int, torch.Tensor] = {}
         self.rolled_back = 0
+        # for checkpoints: the model's parameters (their positions name the saved pieces), the
+        # parameter positions each bucket held when its memory was written, and per-parameter
+        # pieces read from a checkpoint, put into buckets as they are met (see fit_layout)
+        self.params = list(params or [])
+        self.position = {id(p): i for i, p in enumerate(self.params)}
+        self.layouts: dict[int, list[int]] = {}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def nonfinite_safe_powersgd_hook(state: PowerSGDGuardState, bucket):
@@ -279,6 +293,7 @@ def nonfinite_safe_powersgd_hook(state: PowerSGDGuardState, bucket):
     ps = state.powersgd
     if ps.iter < ps.start_powerSGD_iter:  # plain all-reduce: no memory to protect
         return psgd.powerSGD_hook(ps, bucket)
+    fit_layout(state, bucket)
     index = bucket.index()
     scale = state.scale()
     error = ps.error_dict.get(index)
@@ -330,9 +345,130 @@ def register_powersgd(ddp_model, accelerator, rank: int, start_step: int) -> Pow
         scaler = accelerator.scaler
         return getattr(scaler, "_scale", None) if scaler is not None else None
 
-    state = PowerSGDGuardState(ps, scale)
+    state = PowerSGDGuardState(ps, scale, list(ddp_model.parameters()))
     ddp_model.register_comm_hook(state, nonfinite_safe_powersgd_hook)
     return state
+
+
+# PowerSGD's memory in checkpoints. Its per-bucket tensors (error feedback: the bucket's flat
+# gradient layout; Q: one [m, r] factor per compressed gradient, grouped by shape) are saved cut
+# into per-parameter pieces, because a resumed process meets other buckets at first: DDP lays out
+# its buckets in parameter order and rebuilds them in gradient order after the first step, which
+# the run saved from had long done. P needs no saving: each step overwrites it from Q.
+def _q_slices(shapes: list[torch.Size], rank: int, min_rate: float) -> tuple[dict, int, int]:
+    """``({position in bucket: (offset, size)}, Q length, P length)`` of the compressed gradients
+    of a bucket holding gradients of ``shapes``, laid out as torch's ``powerSGD_hook`` does."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for j, shape in enumerate(shapes):
+        n = shape[0]
+        m = max(1, torch.Size(shape).numel() // max(1, n))
+        r = min(n, m, rank)
+        if psgd._should_compress(n, m, r, min_rate)[0]:
+            groups.setdefault((n, m), []).append((j, m * r, n * r))
+    slices, q_len, p_len = {}, 0, 0
+    for items in groups.values():
+        for j, q_size, p_size in items:
+            slices[j] = (q_len, q_size)
+            q_len += q_size
+            p_len += p_size
+    return slices, q_len, p_len
+
+
+def _split_bucket(state: PowerSGDGuardState, index: int) -> None:
+    """Move bucket ``index``'s memory into per-parameter pieces (``state.pending``)."""
+    ps, layout = state.powersgd, state.layouts.pop(index)
+    shapes = [state.params[i].shape for i in layout]
+    error = ps.error_dict.pop(index, None)
+    q = ps.q_memory_dict.pop(index, None)
+    ps.p_memory_dict.pop(index, None)
+    scale = state.error_scale.pop(index, None)
+    slices, _, _ = _q_slices(shapes, ps.matrix_approximation_rank, ps.min_compression_rate)
+    offset = 0
+    for j, pos in enumerate(layout):
+        piece = state.pending.setdefault(pos, {})
+        size = shapes[j].numel()
+        if error is not None:
+            piece["error"] = error[offset : offset + size].clone()
+        offset += size
+        if q is not None and j in slices:
+            start, length = slices[j]
+            piece["q"] = q[start : start + length].clone()
+        if scale is not None:
+            piece["scale"] = scale.detach().clone()
+
+
+def fit_layout(state: PowerSGDGuardState, bucket) -> None:
+    """Before the hook runs on ``bucket``: if the memory kept under its index was laid out for
+    other parameters (DDP rebuilt its buckets), cut every bucket's memory into per-parameter
+    pieces; then assemble this bucket's memory from the pieces it needs."""
+    ps, index = state.powersgd, bucket.index()
+    layout = [state.position[id(p)] for p in bucket.parameters()]
+    if state.layouts.get(index, layout) != layout:
+        for other in list(state.layouts):
+            _split_bucket(state, other)
+    state.layouts[index] = layout
+    pieces = [state.pending.get(pos, {}) for pos in layout]
+    if not any(pieces):
+        return
+    grads = bucket.gradients()
+    like = grads[0]
+    if all("error" in piece for piece in pieces):
+        ps.error_dict[index] = torch.cat([p["error"] for p in pieces]).to(like.device, like.dtype)
+    slices, q_len, p_len = _q_slices(
+        [g.shape for g in grads], ps.matrix_approximation_rank, ps.min_compression_rate
+    )
+    if slices and all("q" in pieces[j] for j in slices):
+        q = torch.cat([pieces[j]["q"] for j in sorted(slices, key=lambda j: slices[j][0])])
+        assert q.numel() == q_len
+        ps.q_memory_dict[index] = q.to(like.device, like.dtype)
+        ps.p_memory_dict[index] = torch.empty(p_len, device=like.device, dtype=like.dtype)
+    if "scale" in pieces[0]:
+        state.error_scale[index] = pieces[0]["scale"].to(like.device)
+    for pos in layout:
+        state.pending.pop(pos, None)
+
+
+def powersgd_files(state: PowerSGDGuardState) -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's PowerSGD memory as per-parameter tensors (``error.<i>``, ``q.<i>``,
+    ``scale.<i>``: ``i`` a parameter's position in ``model.parameters()``) and JSON counters."""
+    for index in list(state.layouts):
+        _split_bucket(state, index)
+    tensors = {
+        f"{name}.{pos}": t for pos, piece in state.pending.items() for name, t in piece.items()
+    }
+    ps = state.powersgd
+    kind, keys, pos, has_gauss, cached = ps.rng.get_state()
+    meta = {
+        "iter": ps.iter,
+        "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "numel": [ps.total_numel_before_compression, ps.total_numel_after_compression],
+        "next_stats_report": ps.next_stats_report,
+        "rolled_back": state.rolled_back,
+    }
+    return tensors, meta
+
+
+def load_powersgd(state: PowerSGDGuardState, tensors: dict, meta: dict, device) -> None:
+    """Restore what :func:`powersgd_files` saved; the pieces enter the buckets as the hook meets
+    them (:func:`fit_layout`)."""
+    import numpy as np
+
+    ps = state.powersgd
+    ps.iter = int(meta["iter"])
+    kind, keys, pos, has_gauss, cached = meta["rng"]
+    ps.rng.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    ps.total_numel_before_compression, ps.total_numel_after_compression = meta["numel"]
+    ps.next_stats_report = meta["next_stats_report"]
+    state.rolled_back = int(meta["rolled_back"])
+    ps.error_dict.clear(), ps.p_memory_dict.clear(), ps.q_memory_dict.clear()
+    state.error_scale.clear(), state.layouts.clear(), state.pending.clear()
+    for key, value in tensors.items():
+        name, pos = key.rsplit(".", 1)
+        if int(pos) >= len(state.params):
+            raise ValueError(f"PowerSGD state names parameter {pos}; the model has fewer")
+        state.pending.setdefault(int(pos), {})[name] = value.to(device)
 
 
 @contextlib.contextmanager

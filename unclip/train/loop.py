@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 from unclip.sampling.utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
+from unclip.train.data.batching import cursors_of
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.init_weights import load_initial_weights
 from unclip.train.optimizers import PRECONDITIONED, make_optimizer
@@ -251,6 +252,11 @@ class TrainLoop(RunFolder):
         self.clock: Callable[[], float] = time.perf_counter
         self.ema: Optional[EMAModel] = None
         self._saved_step: Optional[int] = None  # the step of the checkpoint on disk, if current
+        # where each data stream of this rank stands (saved in checkpoints): a resumed stream skips
+        # to it without decoding what it already read (make_batches(cursors=...))
+        self.data_cursors: dict = {}
+        # a resumed random state, set when the run's batches are iterated (see run)
+        self.pending_rng: Optional[tuple] = None
         self.claim_output_dir(overwrite)
         if self.accelerator.is_main_process:
             with ckpt.disk_full_is_an_error(self.out / "config.yaml"):
@@ -380,6 +386,10 @@ class TrainLoop(RunFolder):
         steps); a checkpoint is written at the end. Returns whether ``max_steps`` was reached."""
         t = self.cfg.train
         it = iter(batches)
+        # a resumed random state is set only now: building and starting the data loader draws
+        # from the global generator (a DataLoader's base seed), which an uninterrupted run did
+        # before its first step, not at the step a checkpoint was taken; dropout draws next
+        self.restore_rng()
         stop_at = t.max_steps
         if self.max_steps_this_run is not None:
             stop_at = min(t.max_steps, self.state.step + self.max_steps_this_run)
@@ -445,7 +455,16 @@ class TrainLoop(RunFolder):
         source skipped are counted)."""
         micro = [next(it) for _ in range(self.cfg.train.grad_accum_steps)]
         self.state.skipped_data += sum(int(b.get("skipped", 0)) for b in micro)
+        for b in micro:  # the data position, not an input of the task
+            cursors_of(b, self.data_cursors)
+            b.pop("data_cursor", None)
         return micro
+
+    def restore_rng(self) -> None:
+        """Set the random state read from the checkpoint resumed (once; a no-op otherwise)."""
+        if self.pending_rng is not None:
+            ckpt.set_rng_state(*self.pending_rng)
+            self.pending_rng = None
 
     def run_step(self, task: Task, micro: list[dict]) -> float:
         """One optimizer step. Returns the mean finite micro-batch loss (NaN if none was finite)."""

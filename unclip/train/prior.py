@@ -186,6 +186,7 @@ def train_prior(
         rank=loop.rank,
         world_size=loop.world,
         start=loop.state.samples,
+        cursors=loop.data_cursors,
     )
     if loop.run(task, data):
         loop.export_stage("prior", clip)

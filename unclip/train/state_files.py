@@ -70,6 +70,12 @@ def write_state(loop, folder: Path) -> None:
     shadow = {}
     if loop.ema is not None:
         shadow = dist_utils.gather_state(dict(enumerate(loop.ema.shadow_params)), main)
+    # per process: its data position, and its own PowerSGD error feedback
+    ckpt.write_json(folder / f"data_{loop.rank}.json", loop.data_cursors)
+    if loop.powersgd is not None:
+        tensors, meta = dist_utils.powersgd_files(loop.powersgd)
+        ckpt.save_tensors(tensors, folder / f"powersgd_{loop.rank}.safetensors")
+        ckpt.write_json(folder / f"powersgd_{loop.rank}.json", meta)
     if not main:
         return
     from safetensors.torch import save_file, save_model
@@ -151,9 +157,17 @@ def read_state(loop, folder: Path) -> None:
                 "scales start afresh",
                 folder,
             )
+    loop.data_cursors = {}
+    if f"data_{loop.rank}.json" in listed:  # older checkpoints: resume by sample count
+        cursors = ckpt.read_json(folder / f"data_{loop.rank}.json")
+        if cursors:
+            positions = {int(k): int(v) for k, v in cursors["positions"].items()}
+            loop.data_cursors = {"num_workers": int(cursors["num_workers"]), "positions": positions}
+    read_powersgd(loop, folder, listed)
     rng = f"rng_{loop.rank}"
     if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
-        ckpt.set_rng_state(
+        # set when the run starts iterating its batches (TrainLoop.run)
+        loop.pending_rng = (
             ckpt.load_tensors(folder / f"{rng}.safetensors"),
             ckpt.read_json(folder / f"{rng}.json"),
         )
@@ -165,3 +179,23 @@ def read_state(loop, folder: Path) -> None:
             loop.rank,
             trainer.get("world_size"),
         )
+
+
+def read_powersgd(loop, folder: Path, listed: set) -> None:
+    """Restore the PowerSGD hook's state (each process its own error feedback and factors): a
+    resume without it restarts the error feedback and the factors' warm start, and the run departs
+    from an uninterrupted one."""
+    if loop.powersgd is None:
+        return
+    name = f"powersgd_{loop.rank}"
+    if not {f"{name}.safetensors", f"{name}.json"} <= listed:
+        logger.warning(
+            "%s holds no PowerSGD state for rank %d: its error feedback starts afresh, so the run "
+            "will not repeat an uninterrupted one exactly",
+            folder,
+            loop.rank,
+        )
+        return
+    tensors = ckpt.load_tensors(folder / f"{name}.safetensors")
+    meta = ckpt.read_json(folder / f"{name}.json")
+    dist_utils.load_powersgd(loop.powersgd, tensors, meta, loop.device)

@@ -147,6 +147,7 @@ def train_tokenizer(
         rank=loop.rank,
         world_size=loop.world,
         start=loop.state.samples,
+        cursors=loop.data_cursors,
     )
     if loop.run(task, data):
         out = loop.export(
@@ -230,6 +231,7 @@ def train_token_model(
         rank=loop.rank,
         world_size=loop.world,
         start=loop.state.samples,
+        cursors=loop.data_cursors,
     )
     if loop.run(task, data):
         out = loop.export(

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from unclip.train.config import DataConfig
-from unclip.train.data.stream import collate
+from unclip.train.data.batching import collate
 from unclip.utils.images import pil_to_tensor
 
 __all__ = ["ShapesStream", "make_stream", "make_batches", "batches", "collate"]
@@ -84,8 +84,13 @@ def make_stream(
     """The stream described by ``data`` for this rank (and DataLoader ``worker``/``num_workers`` if
     given), starting after ``start`` consumed samples. ``clip_resolution``: image samples also carry
     ``clip_image``, the original image at that size (:mod:`unclip.train.data.sources`); ignored
-    with ``data.embeddings_path``, whose precomputed embeddings replace it."""
+    with ``data.embeddings_path``, whose precomputed embeddings replace it. ``worker`` may also hold
+    ``cursor``: the file sources resume there without decoding what came before (the shapes world
+    draws any sample directly and needs none)."""
+    cursor = worker.pop("cursor", None)
     split = dict(rank=rank, world_size=world_size, start=start, **worker)
+    if cursor is not None and data.source != "shapes":
+        split["cursor"] = cursor
     if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
         from unclip.train.data.paired import paired_stream
 
@@ -133,10 +138,16 @@ def make_batches(
     world_size: int,
     start: int = 0,
     clip_resolution: Optional[int] = None,
+    cursors: Optional[dict] = None,
 ) -> Iterable[dict]:
     """Batches of ``data.batch_size`` for this rank, resumable at ``start`` samples; uses a
     DataLoader with ``data.num_workers`` worker processes when > 0 (exact resume either way, see
-    ``StreamDataset``). ``clip_resolution``: as in :func:`make_stream`."""
+    ``StreamDataset``). ``clip_resolution``: as in :func:`make_stream`. ``cursors``: where each
+    worker's stream stood (``TrainLoop.data_cursors``, saved in checkpoints): the streams skip to
+    it without decoding the samples before; ignored if the number of workers changed."""
+    positions = {}
+    if cursors and cursors.get("num_workers") == max(1, data.num_workers):
+        positions = {int(k): int(v) for k, v in cursors.get("positions", {}).items()}
     # this rank's stream from a start position (and a DataLoader worker's share of it)
     stream_from = functools.partial(
         make_stream,
@@ -148,15 +159,16 @@ def make_batches(
         clip_resolution=clip_resolution,
     )
     if data.num_workers <= 0:
-        return batches(stream_from(start=start), data.batch_size)
+        at = {"cursor": positions[0]} if 0 in positions else {}
+        return batches(stream_from(start=start, **at), data.batch_size)
 
-    from unclip.train.data.stream import StreamDataset
+    from unclip.train.data.batching import StreamDataset
 
     if (
         data.embeddings_path
     ):  # check the pairing now, before the workers start (they reuse the cached check)
         stream_from()
-    ds = StreamDataset(stream_from, start=start, batch_size=data.batch_size)
+    ds = StreamDataset(stream_from, start=start, batch_size=data.batch_size, cursors=positions)
     return torch.utils.data.DataLoader(
         ds,
         batch_size=data.batch_size,

@@ -47,8 +47,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from unclip.train.data.sources import EmbeddingStream, FolderStream, WebDatasetStream
-from unclip.train.data.stream import BadSample
+from unclip.train.data.sources import BadSample, EmbeddingStream, FolderStream, WebDatasetStream
 
 __all__ = [
     "EmbeddingTable",

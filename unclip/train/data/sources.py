@@ -18,11 +18,17 @@ Samples
 * embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str,
   "skipped": int}``.
 
+Every sample also carries ``"data_cursor": (logical worker, workers, position)``: ``position`` is
+the number of raw items (files, tar samples, rows; bad ones included) this consumer has read up to
+and including this sample. A stream built with ``cursor=position`` resumes right after it without
+reading or decoding the items before (:class:`WebDatasetStream` lists the shards it consumed by
+their tar headers), where ``start`` must check every earlier item to count only the good ones;
+the training loop keeps the last cursor of each worker in its checkpoints.
+
 ``skipped`` is the number of bad samples the stream dropped right before this one (unreadable image,
 missing or empty caption, non-finite embedding), so a trainer can sum it even when the stream runs
-inside DataLoader workers (:func:`~unclip.train.data.stream.collate` sums it per batch). Bad
-samples never raise; the first few are logged with the reason. A stream whose whole epoch is bad
-raises ``ValueError``.
+inside DataLoader workers (:func:`collate` sums it per batch). Bad samples never raise; the first
+few are logged with the reason. A stream whose whole epoch is bad raises ``ValueError``.
 
 Splitting the data
 ------------------
@@ -32,36 +38,259 @@ each epoch's order (files or rows) or, for webdataset, those shards of the epoch
 union over a rank's workers is therefore exactly "every ``world_size``-th item" for that rank.
 ``worker`` and ``num_workers`` default to ``torch.utils.data.get_worker_info()`` (worker 0 of 1 in
 the main process); ``start`` always counts the samples *this consumer* yielded.
-:class:`~unclip.train.data.stream.StreamDataset` converts a rank's consumed-sample count into
-per-worker starts for ``DataLoader(num_workers=k)``.
+:class:`StreamDataset` converts a rank's consumed-sample count into per-worker starts for
+``DataLoader(num_workers=k)``.
 
 Every stream takes the keyword arguments ``seed``, ``rank``, ``world_size``, ``start`` (default 0),
-``worker`` and ``num_workers`` (default: from the DataLoader worker info) that define this split.
+``cursor`` (default None: resume by ``start``), ``worker`` and ``num_workers`` (default: from the
+DataLoader worker info) that define this split.
 (Image sources also take ``clip_resolution``, see Samples.)
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional, Union
 
 import numpy as np
 import torch
+from PIL import Image
 
-from unclip.train.data.shards import TAR_IMAGE_KEYS, expand_urls, iter_tar_samples, shard_error
-from unclip.train.data.stream import (
-    BadSample,
-    _EpochEnd,
-    _rng,
-    _Stream,
-    check_caption,
-    open_rgb,
+from unclip.train.data.batching import StreamDataset, collate
+from unclip.train.data.tars import (
+    expand_urls,
+    iter_tar_samples,
+    read_listed,
+    shard_error,
+    shard_listing,
 )
-from unclip.utils.images import list_images
+from unclip.utils.images import list_images, resize_crop_tensor
 
-__all__ = ["FolderStream", "WebDatasetStream", "EmbeddingStream", "embedding_shards"]
+__all__ = [
+    "FolderStream",
+    "WebDatasetStream",
+    "EmbeddingStream",
+    "StreamDataset",
+    "collate",
+    "image_to_tensor",
+    "open_rgb",
+    "expand_urls",
+    "iter_tar_samples",
+    "shard_error",
+    "embedding_shards",
+    "TAR_IMAGE_KEYS",
+]
+
+logger = logging.getLogger(__name__)
+
+TAR_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+_MAX_LOGGED = 5
+
+
+class BadSample(Exception):
+    """Internal: a sample that must be skipped; the message is the reason. ``count``: how many
+    samples it stands for (a broken shard loses several); ``loud``: always log it, also after the
+    first few."""
+
+    def __init__(self, reason: str, count: int = 1, loud: bool = False):
+        super().__init__(reason)
+        self.count, self.loud = count, loud
+
+
+class _EpochEnd(int):
+    """Internal marker: one epoch of a consumer's raw items (this many) has been produced."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding helpers (also used by ``unclip embed``)
+# --------------------------------------------------------------------------------------------------
+def open_rgb(src: Union[str, Path, bytes]) -> Image.Image:
+    """Fully decode an image file or encoded bytes to an RGB PIL image; raises ``BadSample`` if
+    unreadable."""
+    try:
+        with Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src) as im:
+            im.load()
+            return im.convert("RGB")
+    # PIL raises many types for broken data (OSError, SyntaxError, ValueError, ...)
+    except Exception as exc:
+        raise BadSample(f"unreadable image ({type(exc).__name__}: {exc})") from None
+
+
+def check_caption(raw: Optional[Union[bytes, str]]) -> str:
+    """The stripped caption, or ``BadSample`` if missing, not UTF-8 or empty."""
+    if raw is None:
+        raise BadSample("missing caption")
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadSample("caption is not valid UTF-8") from None
+    caption = raw.strip()
+    if not caption:
+        raise BadSample("empty caption")
+    return caption
+
+
+def image_to_tensor(image: Image.Image, resolution: int) -> torch.Tensor:
+    """PIL image → float32 ``[3, R, R]`` in [-1, 1]: RGB, shorter side to ``R`` (bicubic,
+    antialias), centre crop."""
+    arr = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
+    x = resize_crop_tensor(x, resolution).clamp_(0.0, 1.0)
+    return (x * 2.0 - 1.0).contiguous()
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) for k in key])
+
+
+def _check_split(seed, rank, world_size, start) -> None:
+    for name, value, low in (
+        ("seed", seed, 0),
+        ("rank", rank, 0),
+        ("world_size", world_size, 1),
+        ("start", start, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} must be < world_size {world_size}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The shared stream loop
+# --------------------------------------------------------------------------------------------------
+class _Stream:
+    """Base: subclasses produce raw items per consumer (``_raw``), check them (``_check``) and build
+    samples. The keyword arguments define the split (module doc)."""
+
+    what = "sample"
+
+    def __init__(
+        self,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        start: int = 0,
+        worker: Optional[int] = None,
+        num_workers: Optional[int] = None,
+        clip_resolution: Optional[int] = None,
+        cursor: Optional[int] = None,
+    ):
+        _check_split(seed, rank, world_size, start)
+        if cursor is not None and (isinstance(cursor, bool) or not isinstance(cursor, int)):
+            raise ValueError(f"cursor must be an int >= 0, got {cursor!r}")
+        if cursor is not None and cursor < 0:
+            raise ValueError(f"cursor must be an int >= 0, got {cursor!r}")
+        self.cursor = cursor
+        if clip_resolution is not None and (
+            isinstance(clip_resolution, bool)
+            or not isinstance(clip_resolution, int)
+            or clip_resolution < 1
+        ):
+            raise ValueError(f"clip_resolution must be an int >= 1, got {clip_resolution!r}")
+        self.clip_resolution = clip_resolution
+        self.seed, self.rank, self.world_size, self.start = (
+            int(seed),
+            int(rank),
+            int(world_size),
+            int(start),
+        )
+        self.worker, self.num_workers = worker, num_workers
+        self._logged = 0
+
+    def consumer(self) -> tuple[int, int]:
+        """``(c, n)``: this consumer's index and the number of consumers (see module doc)."""
+        worker, num_workers = self.worker, self.num_workers
+        if worker is None or num_workers is None:
+            info = torch.utils.data.get_worker_info()
+            worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker {worker} must be in [0, num_workers={num_workers})")
+        return self.rank + worker * self.world_size, self.world_size * num_workers
+
+    def _bad(self, reason: str, loud: bool = False) -> None:
+        if loud:
+            logger.warning("%s: %s", type(self).__name__, reason)
+            return
+        if self._logged < _MAX_LOGGED:
+            logger.warning("%s: skipping bad %s: %s", type(self).__name__, self.what, reason)
+        elif self._logged == _MAX_LOGGED:
+            logger.warning(
+                "%s: further bad samples are skipped without logging (see 'skipped' counts)",
+                type(self).__name__,
+            )
+        self._logged += 1
+
+    def __iter__(self) -> Iterator[dict]:
+        c, n = self.consumer()
+        consumed = skipped = run_of_bad = 0
+        epoch_len = None
+        # resuming at a cursor: the raw items before it are skipped unread (see _raw_from); at a
+        # start count: they are read and checked, as the count leaves out the bad ones
+        position = self.cursor or 0
+        raw = self._raw(c, n) if self.cursor is None else self._raw_from(c, n, self.cursor)
+        for item in raw:
+            if isinstance(item, _EpochEnd):
+                if item == 0:
+                    raise ValueError(
+                        f"{self.describe()}: consumer {c} of {n} (rank {self.rank}) got no "
+                        f"samples in a whole epoch"
+                    )
+                epoch_len = int(item)
+                continue
+            position += 1
+            try:
+                value = self._check(item)
+            except BadSample as exc:
+                skipped += exc.count
+                run_of_bad += 1
+                self._bad(str(exc), exc.loud)
+                if epoch_len is not None and run_of_bad >= epoch_len:
+                    raise ValueError(
+                        f"{self.describe()}: {run_of_bad} bad samples in a row (a whole epoch); "
+                        f"last reason: {exc}"
+                    ) from None
+                continue
+            run_of_bad = 0
+            if self.cursor is not None or consumed >= self.start:
+                sample = self._sample(value)
+                sample["skipped"] = skipped
+                # (logical worker, workers, raw items read): where a resumed stream picks up
+                sample["data_cursor"] = (
+                    (c - self.rank) // self.world_size,
+                    n // self.world_size,
+                    position,
+                )
+                yield sample
+            skipped = 0
+            consumed += 1
+
+    def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
+        """``_raw(c, n)`` without its first ``skip`` items (epoch markers pass): sources whose raw
+        items are cheap (file paths, embedding rows) drop them unread; WebDataset overrides it."""
+        for item in self._raw(c, n):
+            if isinstance(item, _EpochEnd) or skip == 0:
+                yield item
+            else:
+                skip -= 1
+
+    # subclasses define: describe() -> str, _raw(c, n) -> items and _EpochEnd markers,
+    # _check(item) -> value (or raise BadSample), _sample(value) -> dict without 'skipped'
+
+    def _sample(self, value) -> dict:  # image sources: value = (PIL image, caption)
+        image, caption = value
+        sample = {"image": image_to_tensor(image, self.resolution), "caption": caption}
+        if self.clip_resolution is not None:
+            # cut from the decoded original, not from the (smaller) training image
+            sample["clip_image"] = image_to_tensor(image, self.clip_resolution)
+        return sample
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,8 +302,9 @@ class FolderStream(_Stream):
 
     Epoch ``e`` visits the files in a permutation seeded by ``(seed, e)`` (sorted order if
     ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position
-    ``c``. Resuming re-reads (decodes) the skipped files to know which were bad, so skip counts stay
-    exact. ``split``: the keyword arguments of the data split (module doc).
+    ``c``. Resuming at a ``cursor`` skips the files before it unread; at a ``start`` count it
+    re-reads (decodes) them to know which were bad, so skip counts stay exact. ``split``: the
+    keyword arguments of the data split (module doc).
     """
 
     what = "image"
@@ -139,7 +369,9 @@ class WebDatasetStream(_Stream):
     missing/empty ``.txt`` captions are skipped and counted; a shard that cannot be opened or is cut
     short (also inside a tar header) is logged with its name and counted as skipped: as the number
     of samples lost when img2dataset's ``<shard>_stats.json`` lies beside it, else as one.
-    Resuming re-reads and decodes the skipped samples (tar shards have no random access).
+    Resuming at a ``cursor`` lists the consumed shards by their headers and seeks to the next
+    sample (local shards; ``pipe:``/remote ones are read, not decoded); at a ``start`` count the
+    skipped samples are read and decoded.
     ``split``: the keyword arguments of the data split (module doc).
     """
 
@@ -161,7 +393,11 @@ class WebDatasetStream(_Stream):
         more = " …" if len(self.urls) > 1 else ""
         return f"webdataset {self.urls[0]}{more} ({len(self.urls)} shards)"
 
-    def _epochs(self, c: int, n: int) -> Iterator:
+    def _epochs(self, c: int, n: int, listed: int = 0) -> Iterator:
+        """This consumer's raw samples, epoch after epoch; the first ``listed`` of them as
+        :func:`~unclip.train.data.tars.shard_listing` items (headers only) where a shard can be
+        listed: whole shards are listed, and the shard the count ends in is read from the byte
+        where its next sample starts."""
         if len(self.urls) <= c:
             raise ValueError(
                 f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader "
@@ -172,26 +408,61 @@ class WebDatasetStream(_Stream):
         while True:
             order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
             count = 0
-            for raw in iter_tar_samples([self.urls[i] for i in order[c::n]]):
-                count += 1
-                yield raw
+            for url in [self.urls[i] for i in order[c::n]]:
+                listing = shard_listing(url) if listed > 0 else None
+                offset = 0
+                if listing is not None:
+                    head = listing[:listed]
+                    listed -= len(head)
+                    count += len(head)
+                    yield from head
+                    rest = listing[len(head) :]
+                    if not rest or "__error__" in rest[0]:
+                        count += len(rest)
+                        yield from rest
+                        continue
+                    offset = rest[0]["__offset__"]
+                for raw in iter_tar_samples([url], offset=offset):
+                    listed = max(0, listed - 1)
+                    count += 1
+                    yield raw
             yield _EpochEnd(count)
             epoch += 1
 
-    def _raw(self, c: int, n: int) -> Iterator:
-        if self.shuffle_buffer <= 1:
-            yield from self._epochs(c, n)
+    def _raw(self, c: int, n: int, skip: int = 0) -> Iterator:
+        # the shuffle buffer runs on listed items while the skipped part is replayed: once the
+        # skip's last sample has entered it, the listed items it still holds are read for real
+        buffer = self.shuffle_buffer if self.shuffle_buffer > 1 else 0
+        listed = skip + buffer if skip else 0
+        items = self._epochs(c, n, listed)
+        if not buffer:
+            for item in items:
+                if isinstance(item, _EpochEnd) or skip == 0:
+                    yield item
+                else:
+                    skip -= 1
             return
-        rng, buf = _rng(self.seed, 1, c, n), []
-        for item in self._epochs(c, n):
+        rng, buf, read = _rng(self.seed, 1, c, n), [], 0
+        for item in items:
             if isinstance(item, _EpochEnd):
                 yield item
-            elif len(buf) < self.shuffle_buffer:
+                continue
+            read += 1
+            if len(buf) < buffer:
                 buf.append(item)
             else:
                 i = int(rng.integers(len(buf)))
-                yield buf[i]
+                if skip:
+                    skip -= 1
+                else:
+                    yield buf[i]
                 buf[i] = item
+            if read == listed:
+                full = read_listed([x for x in buf if "__index__" in x])
+                buf = [full[x["__url__"], x["__index__"]] if "__index__" in x else x for x in buf]
+
+    def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
+        return self._raw(c, n, skip)
 
     def _check(self, raw: dict):
         broken = shard_error(raw)
