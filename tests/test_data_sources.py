@@ -16,12 +16,8 @@ from PIL import Image
 
 from unclip.shapes.export import write_shapes
 from unclip.train.data.batching import StreamDataset, collate
-from unclip.train.data.sources import (
-    EmbeddingStream,
-    FolderStream,
-    WebDatasetStream,
-    image_to_tensor,
-)
+from unclip.train.data.embeddings import EmbeddingStream
+from unclip.train.data.sources import FolderStream, WebDatasetStream, image_to_tensor
 from unclip.train.data.tars import iter_tar_samples, read_listed, shard_listing
 from unclip.utils.images import list_images
 

@@ -17,7 +17,8 @@ from unclip.cli import embed as embed_cli
 from unclip.nets.clip import CLIP, tiny_clip_config
 from unclip.shapes.export import write_shapes
 from unclip.train import embed
-from unclip.train.data.sources import EmbeddingStream, open_rgb
+from unclip.train.data.embeddings import EmbeddingStream
+from unclip.train.data.sources import open_rgb
 
 # Accelerate keeps process-wide state that a later test must not inherit
 pytestmark = pytest.mark.usefixtures("reset_accelerate")

@@ -49,13 +49,8 @@ import torch
 import yaml
 
 from unclip.nets.clip import CLIP, ClipConfig
-from unclip.train.data.sources import (
-    TAR_IMAGE_KEYS,
-    BadSample,
-    check_caption,
-    embedding_shards,
-    open_rgb,
-)
+from unclip.train.data.embeddings import embedding_shards
+from unclip.train.data.sources import TAR_IMAGE_KEYS, BadSample, check_caption, open_rgb
 from unclip.train.data.tars import expand_urls, iter_tar_samples, shard_error
 from unclip.utils.config import from_dict
 from unclip.utils.images import list_images

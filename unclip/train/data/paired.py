@@ -47,7 +47,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from unclip.train.data.sources import BadSample, EmbeddingStream, FolderStream, WebDatasetStream
+from unclip.train.data.embeddings import EmbeddingStream
+from unclip.train.data.sources import BadSample, FolderStream, WebDatasetStream
 
 __all__ = [
     "EmbeddingTable",
