@@ -1,0 +1,60 @@
+"""The last faults of what commands produce: the sampling plan of a pipeline whose samplers fake
+tensors cannot run, a full disk while images are written, an evaluation with nothing to compute,
+and the web demo's host and uploads."""
+
+import pytest
+import torch
+
+from unclip.cli.errors import run_main
+
+
+def _one_line(capsys, status, command, *needles):
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"unclip {command}: error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def unipc_dir(tmp_path_factory):
+    """A tiny pipeline sampled as the bundled one is: UniPC for the prior (and here for the
+    decoder too, choosing among candidates part-way, which cuts rows of the sampler's state)."""
+    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.pipeline.tiny import tiny_pipeline
+
+    tiny = tiny_pipeline(seed=0, sizes=(16,))
+    sampling = {
+        "prior": {"scheduler": "unipc", "steps": 3, "guidance_scale": 2.0, "best_of": 2},
+        "decoder": {
+            "scheduler": "unipc",
+            "steps": 3,
+            "guidance_scale": 2.0,
+            "best_of": 3,
+            "rerank_at": 1,
+        },
+    }
+    pipe = UnCLIPPipeline(tiny.clip, tiny.prior, tiny.decoder, [], sampling=sampling)
+    path = tmp_path_factory.mktemp("unipc")
+    pipe.save_pretrained(path)
+    return path
+
+
+def test_sampling_plan_runs_a_unipc_prior_and_says_its_steps_ran_on_the_cpu(unipc_dir, capsys):
+    from unclip.cli.plan import main as plan_main
+
+    status = run_main("unclip plan", plan_main, ["--sample", str(unipc_dir), "--batch", "2"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "fake-CUDA sampling passed: prior → decoder at float16, 2 image(s)" in out
+    assert "steps of UniPCMultistepScheduler ran on real CPU tensors" in out
+
+
+def test_sampling_plan_of_a_unipc_prior_under_bf16_autocast(unipc_dir):
+    from unclip.train.plan_sampling import measure_sampling
+
+    m = measure_sampling([unipc_dir], dtype=torch.float32, autocast_dtype=torch.bfloat16)
+    assert m.network_autocast == {"prior": "bfloat16", "decoder": "bfloat16"}
+    assert m.cpu_schedulers == ["UniPCMultistepScheduler"]
+    assert m.output_shape == [1, 3, 16, 16]
