@@ -101,6 +101,7 @@ class LoadingMixin:
         variant: Optional[str] = None,
         autocast_dtype="auto",
         memory_format: Optional[torch.memory_format] = torch.channels_last,
+        allow_external_components: bool = False,
     ) -> Self:
         """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
         folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
@@ -117,6 +118,10 @@ class LoadingMixin:
         ``None``: full precision, as diffusers computes), and the image networks
         store their weights channels-last (``memory_format``; ``None`` keeps the default
         layout; results equal to float rounding). benchmarks/README.md measures what each buys.
+
+        The components are read from inside the folder: a component name in ``unclip.json``
+        that leads outside it (``../other/decoder``) is refused unless
+        ``allow_external_components=True``.
         """
         dtype = parse_dtype(torch_dtype)
         autocast = parse_autocast(autocast_dtype)
@@ -126,7 +131,8 @@ class LoadingMixin:
         if reader is not None:
             pipe = reader(path, variant=variant) if variant else reader(path)
         else:
-            pipe = cls._frozen(**read_pipeline_folder(path, variant=variant))
+            external = {"allow_external_components": allow_external_components}
+            pipe = cls._frozen(**read_pipeline_folder(path, variant=variant, **external))
         pipe.card_info = read_card_info(path)
         return pipe._loaded_defaults(autocast, memory_format, dtype)
 
