@@ -58,3 +58,45 @@ def test_sampling_plan_of_a_unipc_prior_under_bf16_autocast(unipc_dir):
     assert m.network_autocast == {"prior": "bfloat16", "decoder": "bfloat16"}
     assert m.cpu_schedulers == ["UniPCMultistepScheduler"]
     assert m.output_shape == [1, 3, 16, 16]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from unclip.pipeline.tiny import tiny_pipeline
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_pipeline(seed=0, sizes=(16,)).save_pretrained(path)
+    return path
+
+
+def _disk_full_halfway(monkeypatch):
+    """PNG files stop halfway with the error a full disk gives (ENOSPC), as on a full disk."""
+    import errno
+    import io
+
+    from PIL import Image, PngImagePlugin
+
+    real = PngImagePlugin._save
+
+    def save(im, fp, filename, *args, **kwargs):
+        buf = io.BytesIO()
+        real(im, buf, filename, *args, **kwargs)
+        fp.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    Image.init()
+    monkeypatch.setitem(Image.SAVE, "PNG", save)
+
+
+def test_a_full_disk_while_generating_names_the_file_and_leaves_no_partial_one(
+    tiny_dir, tmp_path, monkeypatch, capsys
+):
+    from unclip.cli.generate import main as generate_main
+
+    out = tmp_path / "out"
+    few = ["--prior-steps", "1", "--decoder-steps", "1", "--no-progress"]
+    args = ["a red circle", "--model", str(tiny_dir), "--out", str(out), *few]
+    _disk_full_halfway(monkeypatch)
+    status = run_main("unclip generate", generate_main, args)
+    _one_line(capsys, status, "generate", str(out / "000_00.png"), "the disk is full")
+    assert not out.exists() or list(out.iterdir()) == []  # no truncated PNG, no temporary file

@@ -106,17 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _save(images, folder: Path, record: dict) -> dict:
-    from unclip.utils.images import image_grid
+    from unclip.utils.files import write_file
+    from unclip.utils.images import image_grid, save_image
 
     folder.mkdir(parents=True, exist_ok=True)
     files = []
     for i, im in enumerate(images):
         f = folder / f"{i:03d}.png"
-        im.save(f)
+        save_image(im, f)
         files.append(f.name)
-    image_grid(images, cols=len(images) if len(images) <= 8 else None).save(folder / "grid.png")
+    grid = image_grid(images, cols=len(images) if len(images) <= 8 else None)
+    save_image(grid, folder / "grid.png")
     record = {**record, "files": files, "grid": "grid.png"}
-    (folder / "edit.json").write_text(json.dumps(record, indent=2))
+    text = json.dumps(record, indent=2)
+    write_file(folder / "edit.json", lambda tmp: tmp.write_text(text))
     return record
 
 

@@ -18,8 +18,8 @@ from unclip.pipeline.folders import DEFAULT_MODEL
 from unclip.sampling.utils import check_count
 from unclip.utils.config import to_dict
 from unclip.utils.devices import check_device
-from unclip.utils.files import check_output_folder, write_folder
-from unclip.utils.images import image_grid
+from unclip.utils.files import check_output_folder, write_file, write_folder
+from unclip.utils.images import image_grid, save_image
 
 if TYPE_CHECKING:
     from unclip.pipeline.pipeline import UnCLIPPipeline
@@ -183,13 +183,13 @@ def generate_to_folder(
             folder.mkdir(parents=True, exist_ok=True)
             for (i, j), image in zip(batch, out.images):
                 f = folder / f"{i:03d}_{j:02d}.png"
-                image.save(f)
+                save_image(image, f)
                 files.append({"file": f.name, "prompt": prompts[i], "seed": seeds[i], "index": j})
                 if len(grid_images) < GRID_MAX_IMAGES:
                     grid_images.append(image)
             del out
         cols = n if len(prompts) > 1 and n < GRID_MAX_IMAGES else None
-        image_grid(grid_images, cols=cols).save(folder / "grid.png")
+        save_image(image_grid(grid_images, cols=cols), folder / "grid.png")
         record = {
             "model": name,
             "revision": revision,
@@ -213,7 +213,8 @@ def generate_to_folder(
             "grid": "grid.png",
             "grid_images": len(grid_images),
         }
-        (folder / "generate.json").write_text(json.dumps(record, indent=2))
+        text = json.dumps(record, indent=2)
+        write_file(folder / "generate.json", lambda tmp: tmp.write_text(text))
     finally:
         pipe.autocast_dtype = own_autocast
         for adapter_name in loaded_here:
