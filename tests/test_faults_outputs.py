@@ -100,3 +100,70 @@ def test_a_full_disk_while_generating_names_the_file_and_leaves_no_partial_one(
     status = run_main("unclip generate", generate_main, args)
     _one_line(capsys, status, "generate", str(out / "000_00.png"), "the disk is full")
     assert not out.exists() or list(out.iterdir()) == []  # no truncated PNG, no temporary file
+
+
+def test_evaluate_samples_with_nothing_to_compute_is_one_line(tmp_path, capsys):
+    from PIL import Image
+
+    from unclip.cli.evaluate import main as evaluate_main
+
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    Image.new("RGB", (32, 32)).save(samples / "a.png")
+    (samples / "a.txt").write_text("a red circle")
+    args = ["--samples", str(samples), "--out", str(tmp_path / "out"), "--no-progress"]
+    status = run_main("unclip evaluate", evaluate_main, args)
+    _one_line(capsys, status, "evaluate", "nothing to compute", "--reference", "--clip-model")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "host, needle",
+    [("256.1.1.1", "not a valid IP address"), ("192.0.2.1", "cannot be listened on")],
+)
+def test_serve_checks_its_host_before_loading(tmp_path, capsys, host, needle):
+    from unclip.cli.serve import main as serve_main
+
+    args = ["--host", host, "--model", str(tmp_path / "none")]  # never reached
+    status = run_main("unclip serve", serve_main, args)
+    _one_line(capsys, status, "serve", f"--host {host}", needle, "127.0.0.1")
+
+
+def test_serve_refuses_an_upload_past_its_limit(tiny_dir):
+    pytest.importorskip("gradio")
+    import socket
+    import urllib.error
+    import urllib.request
+    import uuid
+
+    from unclip.cli import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--model", str(tiny_dir), "--port", str(port), "--max-upload-mb", "0.01"]
+    demo = serve.start(serve.build_parser().parse_args(args), block=False)
+
+    def upload(size: int) -> int:
+        boundary = uuid.uuid4().hex
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="files"; '
+            'filename="x.png"\r\nContent-Type: image/png\r\n\r\n'
+        )
+        body = head.encode() + b"\0" * size + f"\r\n--{boundary}--\r\n".encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/gradio_api/upload",
+            data=body,
+            headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert upload(4_000) == 200  # under 0.01 MB
+        assert upload(40_000) == 413
+    finally:
+        demo.close()
