@@ -131,6 +131,7 @@ def run(args: argparse.Namespace, argv) -> dict:
     from unclip.utils.devices import check_device
     from unclip.utils.files import check_output_folder
     from unclip.utils.images import to_output
+    from unclip.utils.limits import check_fits
     from unclip.utils.precision import dtype_name
 
     folder = check_output_folder(args.out)  # before loading a model
@@ -141,6 +142,10 @@ def run(args: argparse.Namespace, argv) -> dict:
     if getattr(args, "fixed_point", 0) < 0:
         raise ValueError("--fixed-point must be >= 0 (0: plain DDIM inversion)")
     pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(device)
+    if hasattr(args, "frames"):  # every frame is decoded and kept until the grid is written
+        size = pipe.resolution
+        what = f"4 float32 {size}px images per frame"
+        check_fits("--frames", args.frames, 4 * 3 * size * size * 4, what)
     gen = torch.Generator().manual_seed(args.seed)
     progress = not args.no_progress
     sampling = sampling_overrides(args) if hasattr(args, "prior_steps") else None

@@ -63,6 +63,7 @@ from unclip.train.optimizers import PRECONDITIONED, make_optimizer
 from unclip.train.repa import exported_model
 from unclip.train.run_folder import RunFolder
 from unclip.utils.config import save_config, to_dict
+from unclip.utils.limits import check_fits
 from unclip.utils.precision import resolve_autocast
 
 __all__ = [
@@ -206,6 +207,9 @@ class TrainLoop(RunFolder):
         t.validate()  # again: the config may have been changed since it was built
         if hasattr(cfg, "data") and hasattr(cfg.data, "validate"):
             cfg.data.validate()
+            # each batch is assembled in this process's memory, whatever the device
+            res, rows = cfg.data.resolution, cfg.data.batch_size
+            check_fits("data.batch_size", rows, 12 * res * res, f"float32 {res}px images")
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
         # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
