@@ -207,9 +207,8 @@ class TrainLoop(RunFolder):
         t.validate()  # again: the config may have been changed since it was built
         if hasattr(cfg, "data") and hasattr(cfg.data, "validate"):
             cfg.data.validate()
-            # each batch is assembled in this process's memory, whatever the device
-            res, rows = cfg.data.resolution, cfg.data.batch_size
-            check_fits("data.batch_size", rows, 12 * res * res, f"float32 {res}px images")
+            res = cfg.data.resolution  # a batch is assembled in this process's memory first
+            check_fits("data.batch_size", cfg.data.batch_size, 12 * res * res, f"{res}px images")
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
         # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
