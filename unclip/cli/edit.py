@@ -106,17 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _save(images, folder: Path, record: dict) -> dict:
-    from unclip.utils.images import image_grid
+    from unclip.utils.files import write_file
+    from unclip.utils.images import image_grid, save_image
 
     folder.mkdir(parents=True, exist_ok=True)
     files = []
     for i, im in enumerate(images):
         f = folder / f"{i:03d}.png"
-        im.save(f)
+        save_image(im, f)
         files.append(f.name)
-    image_grid(images, cols=len(images) if len(images) <= 8 else None).save(folder / "grid.png")
+    grid = image_grid(images, cols=len(images) if len(images) <= 8 else None)
+    save_image(grid, folder / "grid.png")
     record = {**record, "files": files, "grid": "grid.png"}
-    (folder / "edit.json").write_text(json.dumps(record, indent=2))
+    text = json.dumps(record, indent=2)
+    write_file(folder / "edit.json", lambda tmp: tmp.write_text(text))
     return record
 
 
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace, argv) -> dict:
     from unclip.utils.devices import check_device
     from unclip.utils.files import check_output_folder
     from unclip.utils.images import to_output
+    from unclip.utils.limits import check_fits
     from unclip.utils.precision import dtype_name
 
     folder = check_output_folder(args.out)  # before loading a model
@@ -138,6 +142,10 @@ def run(args: argparse.Namespace, argv) -> dict:
     if getattr(args, "fixed_point", 0) < 0:
         raise ValueError("--fixed-point must be >= 0 (0: plain DDIM inversion)")
     pipe = UnCLIPPipeline.from_pretrained(args.model, autocast_dtype=args.autocast).to(device)
+    if hasattr(args, "frames"):  # every frame is decoded and kept until the grid is written
+        size = pipe.resolution
+        what = f"4 float32 {size}px images per frame"
+        check_fits("--frames", args.frames, 4 * 3 * size * size * 4, what)
     gen = torch.Generator().manual_seed(args.seed)
     progress = not args.no_progress
     sampling = sampling_overrides(args) if hasattr(args, "prior_steps") else None

@@ -122,8 +122,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from unclip.eval.evaluate import evaluate, report_markdown
+    from unclip.eval.evaluate import check_samples_metrics, evaluate, report_markdown
 
+    # before anything loads: a one-line error with status 1
+    check_samples_metrics(args.samples, args.reference, args.clip_model, args.shapes)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     report = evaluate(
         args.out,

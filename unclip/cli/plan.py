@@ -115,6 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parse_memory,
         read_accelerate_config,
     )
+    from unclip.utils.limits import check_fits
 
     memory = parse_memory(args.gpu_memory)
     if args.sample:
@@ -148,6 +149,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     cfg = _load_any_config(args.config, args.overrides)
+    # the tensors are fake, but the micro-batch's captions and their token ids are real: a batch
+    # whose images alone could not fit on one GPU is refused before any of it is built
+    res = cfg.data.resolution
+    check_fits(
+        "--micro-batch" if args.micro_batch is not None else "data.batch_size",
+        args.micro_batch or cfg.data.batch_size,
+        3 * res * res * 2,
+        f"its fp16 {res}px images",
+        limit=memory,
+        limit_name=f"one GPU's memory (--gpu-memory {args.gpu_memory})",
+    )
     measure = measure_step(cfg, micro_batch=args.micro_batch)
     rows, choice = memory_plan(measure, shard_gpus, memory, strategy, cfg.train.grad_accum_steps)
     print(format_plan(measure, rows, choice, shard_gpus, memory, cfg.train.max_steps, gpus))

@@ -17,7 +17,7 @@ import sys
 
 from unclip.cli.generate import add_autocast_arg
 
-__all__ = ["main", "build_parser", "start", "MISSING_GRADIO"]
+__all__ = ["main", "build_parser", "check_host", "start", "MISSING_GRADIO"]
 
 MISSING_GRADIO = "the web demo needs gradio, which is not installed: pip install 'unclip[demo]'"
 #: prompts offered under the Generate tab for the bundled shapes model
@@ -38,6 +38,43 @@ def _port(text: str) -> int:
     return value
 
 
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MB, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--max-upload-mb must be a number > 0, got {text}")
+    return value
+
+
+def check_host(host: str) -> str:
+    """``host`` if this machine can listen on it: an IP address or a name it resolves, that is
+    one of its own addresses (or 0.0.0.0 / ::). A one-line ``ValueError`` otherwise, before
+    anything loads."""
+    import ipaddress
+    import socket
+
+    hint = "give an address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for every interface"
+    if all(c.isdigit() or c == "." for c in host):  # dotted numbers are an IPv4 address or wrong
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"--host {host} is not a valid IP address; {hint}") from None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        raise ValueError(
+            f"--host {host} is not an IP address or a name found here; {hint}"
+        ) from None
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(f"--host {host} cannot be listened on ({exc.strerror}); {hint}") from None
+    return host
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unclip serve", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -51,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to listen on; 0.0.0.0 serves every network interface (default: %(default)s)",
     )
     p.add_argument("--port", type=_port, default=7860, help="(default: %(default)s)")
+    p.add_argument(
+        "--max-upload-mb",
+        type=_megabytes,
+        default=20.0,
+        help="largest file a visitor may upload, in MB; larger ones are refused (default: "
+        "%(default)s)",
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_autocast_arg(p)
     return p
@@ -72,12 +116,14 @@ def start(args: argparse.Namespace, block: bool = True):
     bundled = args.model in (None, "shapes")
     name = "shapes (bundled)" if bundled else str(args.model)
     demo = build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())
-    launch(demo, host=args.host, port=args.port, block=block)
+    limit = int(args.max_upload_mb * 2**20)
+    launch(demo, host=args.host, port=args.port, block=block, max_upload_bytes=limit)
     return demo
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_host(args.host)
     # checked before anything is loaded, so a missing extra costs no model load and is one line
     if importlib.util.find_spec("gradio") is None:
         print(f"unclip serve: error: {MISSING_GRADIO}", file=sys.stderr)

@@ -66,7 +66,7 @@ class SamplingForm:
                 if stage in BEST_OF_STAGES:
                     self._add_count(stage, "best_of", s.best_of, f"{stage} best of")
                 # a best_of sent alone would reset it, so a model that sets it gets its own slider
-                if s.best_of_contrasted is not None:
+                if getattr(s, "best_of_contrasted", None) is not None:  # the decoder's only
                     label = f"{stage} best of, prompts with alternatives"
                     self._add_count(stage, "best_of_contrasted", s.best_of_contrasted, label)
 
@@ -281,11 +281,25 @@ def _edit_tabs(wire) -> None:
         wire(go, text_diff, inputs, gallery)
 
 
-def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, block: bool = True) -> str:
+#: the largest file a visitor may upload by default (an image of a few thousand pixels a side)
+MAX_UPLOAD_BYTES = 20 * 2**20
+
+
+def launch(
+    demo: gr.Blocks,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    block: bool = True,
+    max_upload_bytes: int = MAX_UPLOAD_BYTES,
+) -> str:
     """Serve ``demo`` on ``host:port`` and return its address; never through a public share link
     (gradio's own start-up lines, which suggest one, are left out). ``block``: wait until Ctrl-C
-    (else return once the server is up; ``demo.close()`` stops it)."""
+    (else return once the server is up; ``demo.close()`` stops it). ``max_upload_bytes``: the
+    server refuses a larger upload (HTTP 413) before it is stored or decoded."""
+    if max_upload_bytes < 1:
+        raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
     demo.queue(default_concurrency_limit=1).launch(
+        max_file_size=int(max_upload_bytes),
         server_name=host,
         server_port=port,
         share=False,

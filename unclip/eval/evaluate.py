@@ -69,6 +69,7 @@ from unclip.sampling.utils import sample_seed
 from unclip.utils.images import image_grid, list_images
 
 __all__ = [
+    "check_samples_metrics",
     "evaluate",
     "read_prompts",
     "read_coco_captions",
@@ -316,6 +317,17 @@ def _load_clip(clip_model, clip_pretrained, pipe):
     return None, None
 
 
+def check_samples_metrics(samples, reference, clip_model, shapes: bool) -> None:
+    """Scoring existing images (``samples``) needs a metric to compute: FID (``reference``), a
+    CLIP score (``clip_model``: no pipeline brings its CLIP) or shapes faithfulness (``shapes``).
+    A ``ValueError`` saying so otherwise, before any image is read."""
+    if samples and not (reference or clip_model or shapes):
+        raise ValueError(
+            f"--samples {samples}: nothing to compute; pass --reference REF (FID), --clip-model "
+            "(CLIP score) or --shapes (shapes faithfulness)"
+        )
+
+
 def evaluate(
     out,
     *,
@@ -351,6 +363,7 @@ def evaluate(
     ``--prompts`` and ``inception_weights`` is ``--inception``). Returns the report."""
     if not (model or samples):
         raise ValueError("pass --model PATH (generate) or --samples DIR (score existing images)")
+    check_samples_metrics(samples, reference, clip_model, shapes)
     if resolution < 16:
         raise ValueError(f"--resolution must be >= 16, got {resolution}")
     out = Path(out)

@@ -50,13 +50,14 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
         from unclip.pipeline.pipeline import UnCLIPPipeline
 
         return UnCLIPPipeline.from_pretrained(path, **kwargs)
+    external = bool(kwargs.pop("allow_external_components", False))
     given = {k: v for k, v in kwargs.items() if v is not None and k != "autocast_dtype"}
     if given:
         raise ValueError(
             f"{', '.join(sorted(given))}: not supported for a token pipeline folder ({path}); "
             "leave them out"
         )
-    return TokenPipeline.from_pretrained(path)
+    return TokenPipeline.from_pretrained(path, allow_external_components=external)
 
 
 def is_pipeline(obj) -> bool:

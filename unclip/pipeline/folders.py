@@ -54,6 +54,26 @@ def register_folder_format(marker: str, reader: Callable) -> None:
     FOLDER_FORMATS[marker] = reader
 
 
+def component_folder(path: Path, name, allow_external: bool = False) -> Path:
+    """The folder of the component that pipeline folder ``path``'s ``unclip.json`` names ``name``.
+    A name that leads outside ``path`` (``../other/decoder``, an absolute path, a link out) is
+    refused unless ``allow_external``: loading a folder must read that folder only."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"{path / PIPELINE_FILE}: a component name must be a folder name, got {name!r}"
+        )
+    folder = path / name
+    if not allow_external:
+        root = path.resolve()
+        if not folder.resolve().is_relative_to(root):
+            raise ValueError(
+                f"{path / PIPELINE_FILE} names the component folder {name!r}, which is outside "
+                f"the pipeline folder {path}: copy it in, or load with "
+                "allow_external_components=True if you trust this folder"
+            )
+    return folder
+
+
 def read_pipeline_index(path) -> dict:
     """The ``unclip.json`` of pipeline folder ``path``; a broken file is a one-line
     ``ValueError`` naming it, and so is another family's folder (a DALL-E or DALL-E Mega
@@ -283,18 +303,24 @@ def _save_component(model, folder: Path) -> None:
         config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def read_pipeline_folder(path: Union[str, os.PathLike], variant: Optional[str] = None) -> dict:
+def read_pipeline_folder(
+    path: Union[str, os.PathLike],
+    variant: Optional[str] = None,
+    allow_external_components: bool = False,
+) -> dict:
     """The components and settings of a folder written by :func:`write_pipeline_folder`, as the
     keyword arguments of ``UnCLIPPipeline``: ``clip``, ``prior``, ``decoder``, ``upsamplers``,
     ``diffusion`` and ``sampling`` (as stored), ``prior_clip_range``, ``reranker``. ``variant``:
-    read each component's weights of that variant (``model.fp16.safetensors``)."""
+    read each component's weights of that variant (``model.fp16.safetensors``).
+    ``allow_external_components``: follow component names that lead outside ``path``
+    (:func:`component_folder`)."""
     path = Path(path)
     v = {"variant": variant} if variant else {}
     index = read_pipeline_index(path)
     comps = index.get("components", {})
 
     def sub(name):
-        folder = path / name
+        folder = component_folder(path, name, allow_external_components)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(
                 f"pipeline component {name!r} is missing: expected {folder}/config.json "

@@ -18,8 +18,9 @@ from unclip.pipeline.folders import DEFAULT_MODEL
 from unclip.sampling.utils import check_count
 from unclip.utils.config import to_dict
 from unclip.utils.devices import check_device
-from unclip.utils.files import check_output_folder, write_folder
-from unclip.utils.images import image_grid
+from unclip.utils.files import check_output_folder, write_file, write_folder
+from unclip.utils.images import image_grid, save_image
+from unclip.utils.limits import check_fits
 
 if TYPE_CHECKING:
     from unclip.pipeline.pipeline import UnCLIPPipeline
@@ -49,6 +50,22 @@ GRID_MAX_IMAGES = 64
 
 #: ``generate_to_folder``'s ``autocast_dtype`` when not given
 _UNSET = object()
+
+
+def _check_candidates_fit(pipe, settings: dict, rows: int) -> None:
+    """Refuse decoder candidate counts whose samples alone exceed the available memory: each
+    candidate row holds, at the least, its sample, the network's output for the conditioned and
+    the unconditioned half, and the next sample (four float32 images at the decoder's size)."""
+    decoder = settings.get("decoder")
+    config = getattr(getattr(pipe, "decoder", None), "config", None)
+    if decoder is None or config is None or not hasattr(decoder, "best_of"):
+        return
+    size = config.sample_size
+    for name in ("best_of", "best_of_contrasted"):
+        count = getattr(decoder, name, None) or 0
+        flag = f"--decoder-{name.replace('_', '-')}"
+        what = f"4 float32 {size}px images per candidate, {rows} image(s) at a time"
+        check_fits(flag, count, rows * 4 * 3 * size * size * 4, what)
 
 
 def generate_to_folder(
@@ -154,6 +171,7 @@ def generate_to_folder(
             )
         pipe.to(device)
         settings = pipe.sampling_settings(sampling)  # fails on a bad override before any compute
+        _check_candidates_fit(pipe, settings, min(batch_size, len(prompts) * n))
         seeds = [seed + i for i in range(len(prompts))]
         gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         # (prompt index, image index of that prompt) of every image, prompt-major
@@ -183,13 +201,13 @@ def generate_to_folder(
             folder.mkdir(parents=True, exist_ok=True)
             for (i, j), image in zip(batch, out.images):
                 f = folder / f"{i:03d}_{j:02d}.png"
-                image.save(f)
+                save_image(image, f)
                 files.append({"file": f.name, "prompt": prompts[i], "seed": seeds[i], "index": j})
                 if len(grid_images) < GRID_MAX_IMAGES:
                     grid_images.append(image)
             del out
         cols = n if len(prompts) > 1 and n < GRID_MAX_IMAGES else None
-        image_grid(grid_images, cols=cols).save(folder / "grid.png")
+        save_image(image_grid(grid_images, cols=cols), folder / "grid.png")
         record = {
             "model": name,
             "revision": revision,
@@ -213,7 +231,8 @@ def generate_to_folder(
             "grid": "grid.png",
             "grid_images": len(grid_images),
         }
-        (folder / "generate.json").write_text(json.dumps(record, indent=2))
+        text = json.dumps(record, indent=2)
+        write_file(folder / "generate.json", lambda tmp: tmp.write_text(text))
     finally:
         pipe.autocast_dtype = own_autocast
         for adapter_name in loaded_here:

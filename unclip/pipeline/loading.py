@@ -106,6 +106,7 @@ class LoadingMixin:
         use_safetensors: Optional[bool] = None,
         low_cpu_mem_usage: Optional[bool] = None,
         device_map: Union[str, torch.device, None] = None,
+        allow_external_components: bool = False,
     ) -> Self:
         """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
         folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
@@ -129,6 +130,10 @@ class LoadingMixin:
         ever loaded; ``False`` is an error), ``low_cpu_mem_usage`` (accepted: components are
         built and then filled from their files), ``device_map`` (a device the whole pipeline
         moves to, e.g. ``"cuda"``).
+
+        The components are read from inside the folder: a component name in ``unclip.json``
+        that leads outside it (``../other/decoder``) is refused unless
+        ``allow_external_components=True``.
         """
         hub_token, device = check_from_pretrained_options(
             token, use_safetensors, low_cpu_mem_usage, device_map
@@ -142,7 +147,8 @@ class LoadingMixin:
         if reader is not None:
             pipe = reader(path, variant=variant) if variant else reader(path)
         else:
-            pipe = cls._frozen(**read_pipeline_folder(path, variant=variant))
+            external = {"allow_external_components": allow_external_components}
+            pipe = cls._frozen(**read_pipeline_folder(path, variant=variant, **external))
         pipe.card_info = read_card_info(path)
         pipe = pipe._loaded_defaults(autocast, memory_format, dtype)
         return pipe if device is None else pipe.to(device)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from unclip.utils.files import check_output_folder
-from unclip.utils.images import image_grid
+from unclip.utils.files import check_output_folder, write_file
+from unclip.utils.images import image_grid, save_image
 
 if TYPE_CHECKING:
     pass
@@ -84,13 +84,14 @@ class UnCLIPOutput:
         for i, prompt in enumerate(prompts):
             for j in range(per):
                 f = folder / f"{i:03d}_{j:02d}.png"
-                self.images[i * per + j].save(f)
+                save_image(self.images[i * per + j], f)
                 entry = {"file": f.name, "prompt": prompt}
                 if seeds is not None:
                     entry["seed"] = seeds[i]
                 files.append({**entry, "index": j})
-        image_grid(self.images, cols=grid_cols).save(folder / "grid.png")
+        save_image(image_grid(self.images, cols=grid_cols), folder / "grid.png")
         out = {**(record or {}), "files": files, "grid": "grid.png"}
         if record is not None:
-            (folder / "generate.json").write_text(json.dumps(out, indent=2))
+            text = json.dumps(out, indent=2)
+            write_file(folder / "generate.json", lambda tmp: tmp.write_text(text))
         return out

@@ -41,7 +41,7 @@ from unclip.nets.token_components import (
     save_component,
     tokenizer_facts,
 )
-from unclip.pipeline.folders import PIPELINE_FILE
+from unclip.pipeline.folders import PIPELINE_FILE, component_folder
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.candidates import rerank_candidates
 from unclip.sampling.tokens import TokenSampling, sample_image_tokens
@@ -262,8 +262,14 @@ class TokenPipeline:
         return cls(tok, tok_cfg, net, net_cfg, sampling, clip)
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, os.PathLike], **_ignored) -> TokenPipeline:
-        """Load a folder written by :meth:`save_pretrained`."""
+    def from_pretrained(
+        cls,
+        path: Union[str, os.PathLike],
+        allow_external_components: bool = False,
+        **_ignored,
+    ) -> TokenPipeline:
+        """Load a folder written by :meth:`save_pretrained` (its components from inside it, as
+        :func:`~unclip.pipeline.folders.component_folder` checks)."""
         path = Path(path)
         index = read_json(path / PIPELINE_FILE, "pipeline")
         if index.get("family") not in TOKEN_FAMILIES:
@@ -272,11 +278,15 @@ class TokenPipeline:
                 f"{index.get('family')!r}); load it with unclip.pipeline.auto.load_pipeline"
             )
         comps = index.get("components", {})
-        tok, tok_cfg = load_tokenizer(path / comps.get("tokenizer", "tokenizer"))
-        net, net_cfg = load_token_model(path / comps.get("transformer", "transformer"))
+
+        def sub(name):
+            return component_folder(path, name, allow_external_components)
+
+        tok, tok_cfg = load_tokenizer(sub(comps.get("tokenizer", "tokenizer")))
+        net, net_cfg = load_token_model(sub(comps.get("transformer", "transformer")))
         clip = None
         if comps.get("clip"):
-            clip = CLIP.from_pretrained(path / comps["clip"]).eval()
+            clip = CLIP.from_pretrained(sub(comps["clip"])).eval()
         sampling = TokenSampling(**index.get("sampling", {}).get("transformer", {}))
         return cls(tok, tok_cfg, net, net_cfg, sampling, clip)
 

@@ -88,6 +88,8 @@ class DataConfig:
     ``resolution``, enlarged to the CLIP's input size) or ``full`` (the paper's: the original
     image resized and centre-cropped to the CLIP's input size, the view the prior learns from).
     Precomputed embeddings (``embeddings_path``) are of the original images and always win.
+    ``allow_pipe``: a ``pipe:`` URL in ``path`` runs its shell command, so a config naming one is
+    refused unless this is true (a config file from elsewhere must not run commands unasked).
     """
 
     source: Literal["shapes", "folder", "webdataset", "embeddings"] = "shapes"
@@ -102,6 +104,7 @@ class DataConfig:
     shapes_two_object_prob: float = 0.3
     shapes_resolution: Optional[int] = None
     clip_view: Literal["training_image", "full"] = "training_image"
+    allow_pipe: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +119,12 @@ class DataConfig:
         check_probability("data.shapes_two_object_prob", self.shapes_two_object_prob)
         if self.shapes_resolution is not None:
             check_at_least("data.shapes_resolution", self.shapes_resolution, 1)
+        pipes = [u for u in str(self.path or "").split("::") if u.strip().startswith("pipe:")]
+        if pipes and not self.allow_pipe:
+            raise ConfigError(
+                f"data.path {pipes[0]!r} is a pipe: URL, which runs a shell command: set "
+                "data.allow_pipe=true if you trust this config, or give the shards' paths"
+            )
 
 
 @dataclass

@@ -64,6 +64,7 @@ from unclip.train.optimizers import PRECONDITIONED, make_optimizer
 from unclip.train.repa import exported_model
 from unclip.train.run_folder import RunFolder
 from unclip.utils.config import save_config, to_dict
+from unclip.utils.limits import check_fits
 from unclip.utils.precision import resolve_autocast
 
 __all__ = [
@@ -207,6 +208,8 @@ class TrainLoop(RunFolder):
         t.validate()  # again: the config may have been changed since it was built
         if hasattr(cfg, "data") and hasattr(cfg.data, "validate"):
             cfg.data.validate()
+            res = cfg.data.resolution  # a batch is assembled in this process's memory first
+            check_fits("data.batch_size", cfg.data.batch_size, 12 * res * res, f"{res}px images")
         self.out = Path(t.output_dir)
         mp = auto_mixed_precision(t.mixed_precision)
         # DDP: the gradients are views into the communication buckets (one gradient copy fewer);

@@ -7,17 +7,26 @@ networks are built on fake tensors, so a full-scale cascade costs no memory here
 through :class:`~unclip.pipeline.UnCLIPPipeline` itself with a few steps per stage: memory does not
 grow with the number of steps, and each step runs the same code. Tensors are counted by
 :class:`~unclip.train.plan.MemoryTracker`.
+
+A sampler built by :func:`~unclip.diffusion.schedulers.build_scheduler` (UniPC, Euler, ... by name)
+reads its noise schedule in NumPy and finds its step by value (``nonzero``), which fake tensors
+cannot do: it runs on real CPU tensors of the right shapes and dtypes while the networks run on
+fake CUDA (:class:`_CPUSteps`), and the report names it; its per-sample history (a few sample-sized
+tensors) is then not counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Optional, Union
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from unclip.diffusion import loop as diffusion_loop
 from unclip.train.plan import MemoryTracker, _FakeCUDA
 from unclip.utils.precision import dtype_name
 
@@ -44,6 +53,129 @@ class SampleMeasure:
     #: (None: autocast off), read inside its forward
     autocast: Optional[str] = None
     network_autocast: dict = dataclasses.field(default_factory=dict)
+    #: samplers whose steps ran on real CPU tensors (fake tensors cannot run them)
+    cpu_schedulers: list = dataclasses.field(default_factory=list)
+
+
+class _CPUSteps:
+    """Builds the samplers of :func:`~unclip.diffusion.schedulers.build_scheduler` outside fake
+    mode and runs their ``set_timesteps``, ``scale_model_input`` and ``step`` on real CPU tensors:
+    a fake input becomes zeros of its shape and dtype, a result becomes a fake tensor of its shape
+    and dtype on the sample's device (counted as the GPU would hold it). Between calls the
+    sampler's tensors are fake views, so that the sampling loop (and a candidate choice that cuts
+    rows of its state) can read them under fake mode; a timestep is the one of the sampler's own
+    schedule at the step reached (its value was fake). ``names``: the classes that ran so."""
+
+    def __init__(self, fake):
+        self.fake = fake
+        self.names: list[str] = []
+
+    def patch(self):
+        """Installs the builder for the duration of a ``with``."""
+        build = diffusion_loop.build_scheduler
+
+        def cpu_build(*args, **kwargs):
+            with unset_fake_temporarily():
+                sched = build(*args, **kwargs)
+            self._wrap(sched)
+            return sched
+
+        return mock.patch.object(diffusion_loop, "build_scheduler", cpu_build)
+
+    def _wrap(self, sched) -> None:
+        name = type(sched).__name__
+        if name not in self.names:
+            self.names.append(name)
+        views: dict[int, tuple] = {}  # id(fake view) → (view, the real tensor)
+        where = {"device": torch.device("cpu"), "index": 0}
+
+        def real(t):
+            if not isinstance(t, FakeTensor):
+                return t
+            if id(t) in views and views[id(t)][0] is t:
+                return views[id(t)][1]
+            return torch.zeros(t.shape, dtype=t.dtype)  # a row cut of a view, or an input
+
+        def each(value, fn):
+            if isinstance(value, torch.Tensor):
+                return fn(value)
+            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                return type(value)(fn(v) if isinstance(v, torch.Tensor) else v for v in value)
+            return value
+
+        def to_real() -> None:
+            for key, value in list(vars(sched).items()):
+                setattr(sched, key, each(value, real))
+
+        def to_views() -> None:
+            views.clear()
+
+            def view(t):
+                v = self.fake.from_tensor(t)
+                if t is getattr(sched, "timesteps", None):  # the loop's t, on its device
+                    v = v.to(where["device"])
+                views[id(v)] = (v, t)
+                return v
+
+            for key, value in list(vars(sched).items()):
+                setattr(sched, key, each(value, view))
+
+        def timestep(offset: int = 0):
+            steps, i = sched.timesteps, where["index"] + offset
+            if offset:  # the next step's timestep, None after the last
+                return steps[i] if i < len(steps) else None
+            return steps[min(i, len(steps) - 1)]
+
+        def fake_like(t, device):
+            return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+        set_timesteps, scale_model_input, step = (
+            sched.set_timesteps,
+            sched.scale_model_input,
+            sched.step,
+        )
+
+        @functools.wraps(set_timesteps)
+        def cpu_set_timesteps(*args, **kwargs):
+            with unset_fake_temporarily():
+                to_real()
+                where["device"] = torch.device(kwargs.pop("device", None) or "cpu")
+                where["index"] = 0
+                set_timesteps(*args, **kwargs)
+            to_views()  # under fake mode: a view moves to the fake GPU
+
+        @functools.wraps(scale_model_input)
+        def cpu_scale_model_input(sample, *args, **kwargs):
+            with unset_fake_temporarily():
+                to_real()
+                x = real(sample)
+                kwargs.pop("timestep", None)
+                out = scale_model_input(x, timestep(), *args[1:], **kwargs)
+            to_views()
+            return sample if out is x else fake_like(out, sample.device)
+
+        @functools.wraps(step)
+        def cpu_step(model_output, t, sample, *args, **kwargs):
+            with unset_fake_temporarily():
+                to_real()
+                if "generator" in kwargs:
+                    kwargs["generator"] = None  # a CPU step takes no GPU generator
+                if "prev_timestep" in kwargs:
+                    kwargs["prev_timestep"] = timestep(1)
+                kwargs = {k: each(v, real) for k, v in kwargs.items()}
+                out = step(real(model_output), timestep(), real(sample), *args, **kwargs)
+                where["index"] += 1
+            to_views()
+            if isinstance(out, tuple):
+                return tuple(each(v, lambda t: fake_like(t, sample.device)) for v in out)
+            for key, value in out.items():
+                out[key] = each(value, lambda t: fake_like(t, sample.device))
+            return out
+
+        to_views()
+        sched.set_timesteps = cpu_set_timesteps
+        sched.scale_model_input = cpu_scale_model_input
+        sched.step = cpu_step
 
 
 def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False) -> None:
@@ -215,14 +347,18 @@ def measure_sampling(
                 for m in nets["prior"].modules()
                 if isinstance(m, torch.nn.Linear)
             ]
+        cpu_steps = _CPUSteps(fake)
         mem.reset_peak()
         # the pipeline times each stage, waiting for the GPU: there is no GPU to wait for; and
-        # torch.autocast("cuda") turns itself off where no CUDA is available, which here only
-        # means that the tensors are fake
+        # torch.autocast("cuda") turns itself off where no CUDA is available, and refuses bf16
+        # where the device cannot run it, which here only means that the tensors are fake (the
+        # plan is for a GPU that can)
         with (
             torch.no_grad(),
             mock.patch("torch.cuda.synchronize", lambda *a, **k: None),
             mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False),
+            mock.patch("torch.cuda.is_bf16_supported", lambda *a, **k: True),
+            cpu_steps.patch(),
         ):
             out = pipe(
                 prompt,
@@ -257,6 +393,7 @@ def measure_sampling(
         attention_slicing=None if attention_slicing is None else str(attention_slicing),
         autocast=autocast,
         network_autocast=network_autocast,
+        cpu_schedulers=cpu_steps.names,
     )
 
 
@@ -280,6 +417,11 @@ def format_sampling(m: SampleMeasure, gpu_memory: Optional[int] = None) -> str:
         "autocast inside the networks: "
         + ", ".join(f"{k} {v or 'off'}" for k, v in m.network_autocast.items()),
     ]
+    if m.cpu_schedulers:
+        lines.append(
+            f"steps of {', '.join(m.cpu_schedulers)} ran on real CPU tensors (fake tensors cannot "
+            "run them): their per-sample history is not counted"
+        )
     if gpu_memory is not None:
         budget = (gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION)
         fits = "fits" if m.peak <= budget else "does not fit"

@@ -12,7 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Union
 
-__all__ = ["check_output_folder", "recover_folder", "replace_folder", "write_folder"]
+__all__ = [
+    "check_output_folder",
+    "recover_folder",
+    "replace_folder",
+    "write_file",
+    "write_folder",
+]
 
 
 def check_output_folder(
@@ -79,6 +85,26 @@ def write_folder(target: Union[str, os.PathLike], write: Callable[[Path], None])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def write_file(path: Union[str, os.PathLike], write: Callable[[Path], None]) -> Path:
+    """Write file ``path`` whole: ``write(tmp)`` fills a hidden file beside it, which then
+    replaces ``path``. If writing fails (a full disk, a kill) ``path`` keeps its old content or
+    stays absent, the partial file is removed, and an ``OSError`` names ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return path
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -10,11 +10,22 @@ import numpy as np
 import torch
 from PIL import Image
 
+from unclip.utils.files import write_file
+
 
 def pil_to_tensor(image) -> torch.Tensor:
     """PIL RGB image → float tensor ``[3, H, W]`` in [-1, 1]."""
     arr = np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+def save_image(image: Image.Image, path: str | os.PathLike, **options) -> Path:
+    """Write ``image`` to ``path`` whole (:func:`~unclip.utils.files.write_file`): a full disk
+    leaves no truncated file and its ``OSError`` names ``path``. The format comes from the
+    suffix unless ``options`` give ``format``."""
+    path = Path(path)
+    fmt = options.pop("format", None) or Image.registered_extensions().get(path.suffix.lower())
+    return write_file(path, lambda tmp: image.save(tmp, format=fmt, **options))
 
 
 def open_image_file(path: str | os.PathLike, what: str = "image", mode: str = "RGB") -> Image.Image:
