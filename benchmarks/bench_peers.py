@@ -582,7 +582,7 @@ def main(argv=None) -> int:
     result["machine"]["threads"] = args.threads
     common.log("machine:", common.machine_line(result["machine"]))
     if args.mixed_precision == "auto":
-        from unclip.train.loop import auto_mixed_precision
+        from unclip.train.optimizers import auto_mixed_precision
 
         result["unclip_mixed_precision"] = auto_mixed_precision("auto", gpu=False)
     pythons = {"unclip": sys.executable, "dalle2": args.peers_python}

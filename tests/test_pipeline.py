@@ -1059,3 +1059,38 @@ def test_pruning_keeps_the_best_candidates_then_chooses_among_them(tiny_pipe):
     ]:
         with pytest.raises(ValueError, match=match):
             run(tiny_pipe, sampling=bad)
+
+
+def test_each_stage_has_its_own_settings_type_and_old_files_load():
+    """Per-stage settings: a stage's type holds only its settings; a dict in the one-type layout
+    of earlier versions (every setting of every stage, the others at their defaults) loads for
+    every stage, and a setting another stage owns is refused naming that stage when it is set."""
+    import json
+
+    from unclip.pipeline.folders import bundled_model_path
+    from unclip.sampling.settings import (
+        ARPriorSampling,
+        DecoderSampling,
+        PriorSampling,
+        UpsamplerSampling,
+        sampling_for,
+    )
+
+    old = json.loads((bundled_model_path() / "unclip.json").read_text())["sampling"]
+    assert "rerank_at" in old["sr64"] and "temperature" in old["decoder"]  # the old layout
+    loaded = {stage: sampling_for(stage, values) for stage, values in old.items()}
+    assert type(loaded["prior"]) is PriorSampling and type(loaded["decoder"]) is DecoderSampling
+    assert type(loaded["sr64"]) is UpsamplerSampling and not hasattr(loaded["sr64"], "best_of")
+    assert loaded["decoder"].rerank_contrast == old["decoder"]["rerank_contrast"]
+    ar = sampling_for("prior", {**old["prior"], "temperature": 0.5}, ar=True)
+    assert type(ar) is ARPriorSampling and ar.temperature == 0.5  # no scheduler or steps there
+    with pytest.raises(
+        ValueError, match="sr64: rerank_at is not a setting of an upsampler.*decoder"
+    ):
+        sampling_for("sr64", {**old["sr64"], "rerank_at": 3})
+    with pytest.raises(ValueError, match="temperature is not a setting of the diffusion prior"):
+        sampling_for("prior", {**old["prior"], "temperature": 0.5})
+    with pytest.raises(ValueError, match="unknown sampling setting 'stpes'.*did you mean 'steps'"):
+        sampling_for("decoder", {"stpes": 3})
+    with pytest.raises(AttributeError, match="no setting 'temperature'"):
+        loaded["decoder"].temperature = 1.0

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from unclip import UnCLIPPipeline
 from unclip.cli import train_decoder, train_prior
 from unclip.nets.decoder import degrade, gaussian_blur
-from unclip.train.loop import NonFiniteError, warmup_cosine
+from unclip.train.loop import NonFiniteError
+from unclip.train.optimizers import warmup_cosine
 
 CFG = {
     "prior": CONFIGS / "tiny" / "prior.yaml",

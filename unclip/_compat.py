@@ -30,10 +30,7 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "filter_logits",
             "sample_ar_prior",
         ),
-        "unclip.sampling.settings": (
-            "AR_SAMPLING_FIELDS",
-            "check_ar_sampling",
-        ),
+        "unclip.sampling.settings": ("AR_SAMPLING_FIELDS",),
     },
     "unclip.card": {
         "unclip.io.card": (
@@ -53,17 +50,21 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
         "unclip.nets.clip": (
             "CLIP",
             "CONFIG_NAME",
-            "CompatTokenizer",
             "FrozenCLIP",
-            "KEPT_TOKENS_KEY",
-            "TextEncoding",
-            "WEIGHTS_NAME",
             "build_open_clip_model",
-            "check_prompts",
             "closed_vocabulary_ids",
-            "load_pretrained_weights",
-            "named_submodule",
             "tiny_clip_config",
+        ),
+        "unclip.nets.clip_features": ("named_submodule",),
+        "unclip.nets.clip_tokenizer": ("CompatTokenizer",),
+        "unclip.nets.clip_weights": (
+            "KEPT_TOKENS_KEY",
+            "WEIGHTS_NAME",
+            "load_pretrained_weights",
+        ),
+        "unclip.nets.text_encoding": (
+            "TextEncoding",
+            "check_prompts",
         ),
     },
     "unclip.config": {
@@ -196,6 +197,14 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "to_output",
         ),
     },
+    "unclip.interop.diffusers": {
+        "unclip.interop.diffusers_import": (
+            "DIFFUSERS_SAMPLING",
+            "LAYOUTS",
+            "decoder_from_diffusers",
+            "decoder_to_diffusers",
+        ),
+    },
     "unclip.io": {
         "unclip.io.safety": (
             "PICKLE_SUFFIXES",
@@ -284,6 +293,7 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
         "unclip.utils.files": ("check_output_folder",),
     },
     "unclip.pipeline": {
+        "unclip.pipeline.batching": ("negatives_per_row",),
         "unclip.pipeline.edit_ops": (
             "EditOutput",
             "Inversion",
@@ -294,10 +304,7 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
         ),
         "unclip.pipeline.jobs": ("generate_to_folder",),
         "unclip.pipeline.output": ("UnCLIPOutput",),
-        "unclip.pipeline.pipeline": (
-            "UnCLIPPipeline",
-            "negatives_per_row",
-        ),
+        "unclip.pipeline.pipeline": ("UnCLIPPipeline",),
         "unclip.sampling.settings": (
             "DEFAULT_SAMPLING",
             "EVERY_UPSAMPLER",
@@ -357,21 +364,16 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "unclip.sampling": {
         "unclip.sampling.candidates": (
+            "candidate_counts",
             "check_rerank_at",
-            "image_text_cosines",
             "rerank_candidates",
             "sample_decoder_reranked",
-        ),
-        "unclip.sampling.regions": (
-            "REGION_SPLITS",
-            "RegionPart",
-            "region_scores",
-            "region_views",
         ),
         "unclip.sampling.scorers": (
             "RERANK_CONTRASTS",
             "RERANK_CONTRAST_ENTRY_POINTS",
             "check_rerank_contrast",
+            "image_text_cosines",
             "register_rerank_contrast",
         ),
         "unclip.sampling.settings": (
@@ -379,10 +381,6 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "DEFAULT_SAMPLING",
             "EVERY_UPSAMPLER",
             "SAMPLING_FIELDS",
-            "candidate_counts",
-            "check_best_of_contrasted",
-            "check_prune",
-            "pruning",
             "resolve_sampling",
             "stage_settings",
         ),
@@ -402,6 +400,12 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "check_finite",
             "stage_kind",
         ),
+        "unclip.shapes.regions": (
+            "REGION_SPLITS",
+            "RegionPart",
+            "region_scores",
+            "region_views",
+        ),
     },
     "unclip.schedulers": {
         "unclip.diffusion.schedulers": (
@@ -412,6 +416,21 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "is_builtin",
             "scheduler_label",
         ),
+    },
+    "unclip.shapes.world": {
+        "unclip.shapes.captions": (
+            "canonical_caption",
+            "parse_caption",
+        ),
+        "unclip.shapes.contrasts": (
+            "caption_alternatives",
+            "contrast_all",
+            "contrast_pairs",
+            "contrast_pairs_regions",
+            "region_parts",
+            "shapes_contrast",
+        ),
+        "unclip.shapes.export": ("write_shapes",),
     },
     "unclip.text_encoder": {
         "unclip.nets.text_encoder": (
@@ -431,6 +450,20 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "tiny_prior_kwargs",
             "tiny_upsampler_kwargs",
         ),
+    },
+    "unclip.train.data.sources": {
+        "unclip.train.data.embeddings": (
+            "EmbeddingStream",
+            "embedding_shards",
+        ),
+    },
+    "unclip.train.loop": {
+        "unclip.pipeline.folders": ("STAGE_META_FILE",),
+        "unclip.train.checkpoint": (
+            "CheckpointError",
+            "DiskFullError",
+        ),
+        "unclip.train.run_folder": ("RUN_FILES",),
     },
     "unclip.transformer_blocks": {
         "unclip.nets.blocks": (
@@ -505,9 +538,20 @@ def _is_real(fullname: str) -> bool:
     return fullname in REAL_PACKAGES
 
 
-#: old module names that are sub-packages now
+#: old module names that are still modules or sub-packages now (they forward moved names
+#: themselves, through :func:`package_getattr`)
 REAL_PACKAGES = frozenset(
-    {"unclip.io", "unclip.diffusion", "unclip.sampling", "unclip.pipeline", "unclip.demo"}
+    {
+        "unclip.io",
+        "unclip.diffusion",
+        "unclip.sampling",
+        "unclip.pipeline",
+        "unclip.demo",
+        "unclip.shapes.world",
+        "unclip.train.loop",
+        "unclip.train.data.sources",
+        "unclip.interop.diffusers",
+    }
 )
 
 

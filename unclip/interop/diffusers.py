@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
+from unclip._compat import package_getattr
 from unclip.interop.diffusers_export import export_diffusers, export_problems
 from unclip.interop.diffusers_import import TEXT_PROJ, load_diffusers_unclip
 from unclip.io.card import read_card_info
@@ -107,3 +108,7 @@ def convert(
         pipe.card_info.setdefault("base_model", repo_id)
     pipe.save_pretrained(dst)
     return pipe
+
+
+# names that moved out of this module keep their old import path, with a one-time FutureWarning
+__getattr__ = package_getattr(__name__)

@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
+from unclip._compat import package_getattr
+
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (230, 40, 40),
     "green": (40, 180, 70),
@@ -567,3 +569,7 @@ def caption_vocabulary() -> list[str]:
     )
     text = re.sub(r"\{\w+\}", " ", text)
     return sorted(set(re.findall(r"[a-z]+|,", text)))
+
+
+# names that moved out of this module keep their old import path, with a one-time FutureWarning
+__getattr__ = package_getattr(__name__)

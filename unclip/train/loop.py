@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
@@ -52,29 +52,31 @@ from accelerate.utils import (
     ProjectConfiguration,
 )
 from diffusers.training_utils import EMAModel
-from tqdm.auto import tqdm
 
+from unclip._compat import package_getattr
 from unclip.sampling.utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train.data.batching import cursors_of
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.init_weights import load_initial_weights
-from unclip.train.optimizers import PRECONDITIONED, make_optimizer
+from unclip.train.optimizers import (
+    PRECONDITIONED,
+    auto_mixed_precision,
+    make_optimizer,
+    warmup_cosine,
+)
 from unclip.train.repa import exported_model
 from unclip.train.run_folder import RunFolder
+from unclip.train.task import Task, batch_size_of
 from unclip.utils.config import save_config, to_dict
 from unclip.utils.limits import check_fits
-from unclip.utils.precision import resolve_autocast
 
 __all__ = [
     "TrainLoop",
-    "Task",
-    "warmup_cosine",
     "sample_generators",
     "NonFiniteError",
     "TrainingInterrupted",
-    "auto_mixed_precision",
 ]
 
 logger = logging.getLogger("unclip.train")
@@ -92,29 +94,6 @@ class TrainingInterrupted(KeyboardInterrupt):
     resume_hint = True
 
 
-def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr: float) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from ``base_lr`` to
-    ``min_lr``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    lr = min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))
-    return lr / base_lr
-
-
-def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
-    """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs
-    it natively, else ``no`` (fp32): the rule of :func:`unclip.precision.resolve_autocast`, which
-    sampling follows too. ``gpu``: whether the training runs on a GPU (default: whether one is
-    available). Other values are returned unchanged."""
-    if requested != "auto":
-        return requested
-    gpu = torch.cuda.is_available() if gpu is None else gpu
-    dtype = resolve_autocast("auto", "cuda" if gpu else "cpu")
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "no"}[dtype]
-
-
 def sample_generators(seed: int, rank: int, start: int, count: int) -> list[torch.Generator]:
     """One CPU generator per sample ``start … start+count-1`` of ``rank`` in a run seeded
     ``seed``."""
@@ -122,32 +101,6 @@ def sample_generators(seed: int, rank: int, start: int, count: int) -> list[torc
         torch.Generator().manual_seed(sample_seed(seed, rank, i))
         for i in range(start, start + count)
     ]
-
-
-class Task(Protocol):
-    """What a stage supplies to :class:`TrainLoop`.
-
-    ``name``: the component this stage trains (``prior``, ``decoder``, ``sr64``, ``clip``).
-    ``loss(model, batch, generators)``: the scalar loss of one micro-batch; ``model`` is the
-    prepared (possibly DDP-wrapped) model, ``generators`` one ``torch.Generator`` per sample of
-    ``batch``.
-
-    Optional methods: ``sample_grid(model, batch) -> PIL.Image`` (called on the main process with
-    the EMA weights in place, in eval mode, every ``train.sample_every`` steps; ``batch`` is the
-    first micro-batch of the run), ``after_optimizer_step(model)`` (after each optimizer step
-    that was taken, before the EMA update) and ``log_metrics() -> dict`` (the task's own figures
-    since the last log, e.g. one term of its loss, logged beside the loss every
-    ``train.log_every`` steps).
-    """
-
-    name: str
-
-    def loss(self, model: torch.nn.Module, batch: dict, generators: list) -> torch.Tensor: ...
-
-
-def batch_size_of(batch: dict) -> int:
-    """Number of samples in a collated batch (every batch carries its captions)."""
-    return len(batch["caption"])
 
 
 class _RunState:
@@ -534,32 +487,6 @@ class TrainLoop(RunFolder):
         if self.ema is not None:
             self.ema.step(self.trainable)
 
-    def log_step(self, loss: float, bar, task: Optional[Task] = None) -> None:
-        """Every ``log_every`` steps and at ``max_steps``: loss, LR, throughput, skip counts and
-        the task's ``log_metrics()`` if it has them."""
-        t = self.cfg.train
-        if not (self.state.step % t.log_every == 0 or self.state.step == t.max_steps):
-            return
-        now = self.clock()
-        elapsed = max(now - self._last_t, 1e-9)
-        rate = (self.state.samples - self._last_samples) * self.world / elapsed
-        wait_share = min(1.0, self._data_wait / elapsed)
-        self._last_t, self._last_samples, self._data_wait = now, self.state.samples, 0.0
-        self.log(
-            {
-                "loss": loss,
-                "lr": self.lr_schedule.get_last_lr()[0],
-                "samples_per_s": rate,
-                # the share of the wall time this process waited for its next batches: near 0
-                # when the data keeps up; raise data.num_workers when it does not
-                "data_wait_share": wait_share,
-                "skipped_data": self.state.skipped_data,
-                "nonfinite_steps": self.state.nonfinite,
-                **(task.log_metrics() if hasattr(task, "log_metrics") else {}),
-            }
-        )
-        bar.set_postfix(loss=f"{loss:.4f}", sps=f"{rate:.1f}")
-
     def stop_if_nonfinite(self) -> None:
         """Stop (after a checkpoint) when too many optimizer steps in a row were skipped."""
         n = self.state.consecutive_nonfinite
@@ -572,23 +499,6 @@ class TrainLoop(RunFolder):
             f"The state at the stop (skipped steps left the weights untouched) is in "
             f"{self.latest_checkpoint()}"
         )
-
-    @contextlib.contextmanager
-    def _progress_bar(self, name: str):
-        t = self.cfg.train
-        bar = tqdm(
-            total=t.max_steps,
-            initial=self.state.step,
-            desc=f"train {name}",
-            disable=not (t.progress and self.accelerator.is_local_main_process),
-            dynamic_ncols=True,
-        )
-        self._last_t, self._last_samples = self.clock(), self.state.samples
-        self._data_wait = 0.0
-        try:
-            yield bar
-        finally:
-            bar.close()
 
     # ------------------------------------------------------------------ EMA weights, samples
     @contextlib.contextmanager
@@ -620,3 +530,7 @@ def _flat(cfg) -> dict:
 
     walk("", to_dict(cfg))
     return out
+
+
+# names that moved out of this module keep their old import path, with a one-time FutureWarning
+__getattr__ = package_getattr(__name__)

@@ -35,9 +35,12 @@ other tensor and counter, so a resumed run repeats an uninterrupted one exactly.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
+
+from unclip.utils.precision import resolve_autocast
 
 __all__ = ["OPTIMIZERS", "PRECONDITIONED", "make_optimizer", "checkpoint_state"]
 
@@ -125,3 +128,26 @@ def checkpoint_state(optimizer) -> dict:
         sd = dict(sd)
         sd["heavyball"] = {k: v for k, v in extra.items() if k != "precond_schedule"}
     return sd
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr: float) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from ``base_lr`` to
+    ``min_lr``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    lr = min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))
+    return lr / base_lr
+
+
+def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
+    """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs
+    it natively, else ``no`` (fp32): the rule of :func:`unclip.precision.resolve_autocast`, which
+    sampling follows too. ``gpu``: whether the training runs on a GPU (default: whether one is
+    available). Other values are returned unchanged."""
+    if requested != "auto":
+        return requested
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    dtype = resolve_autocast("auto", "cuda" if gpu else "cpu")
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "no"}[dtype]

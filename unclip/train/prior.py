@@ -25,7 +25,8 @@ from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
-from unclip.train.loop import TrainLoop, auto_mixed_precision
+from unclip.train.loop import TrainLoop
+from unclip.train.optimizers import auto_mixed_precision
 from unclip.train.prior_batches import embed_batch
 from unclip.train.text_cache import TextEncodingCache
 

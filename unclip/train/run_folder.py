@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import logging
@@ -34,6 +35,7 @@ from typing import Optional
 
 import torch
 from safetensors import SafetensorError
+from tqdm.auto import tqdm
 
 from unclip.diffusion.config import diffusion_to_save
 from unclip.pipeline.folders import STAGE_META_FILE, stage_meta
@@ -43,6 +45,7 @@ from unclip.train import distributed as dist_utils
 from unclip.train import state_files
 from unclip.train.checkpoint import CheckpointError
 from unclip.train.repa import exported_model, exported_state
+from unclip.train.task import Task
 from unclip.utils.config import save_config
 
 __all__ = ["LOCK_FILE", "RUN_FILES", "RunFolder", "RunLock", "describe_holder"]
@@ -440,3 +443,46 @@ class RunFolder:
             logger.warning("skipped %d bad samples on rank %d", self.state.skipped_data, self.rank)
         self.accelerator.end_training()
         self.release_output_dir()
+
+    def log_step(self, loss: float, bar, task: Optional[Task] = None) -> None:
+        """Every ``log_every`` steps and at ``max_steps``: loss, LR, throughput, skip counts and
+        the task's ``log_metrics()`` if it has them."""
+        t = self.cfg.train
+        if not (self.state.step % t.log_every == 0 or self.state.step == t.max_steps):
+            return
+        now = self.clock()
+        elapsed = max(now - self._last_t, 1e-9)
+        rate = (self.state.samples - self._last_samples) * self.world / elapsed
+        wait_share = min(1.0, self._data_wait / elapsed)
+        self._last_t, self._last_samples, self._data_wait = now, self.state.samples, 0.0
+        self.log(
+            {
+                "loss": loss,
+                "lr": self.lr_schedule.get_last_lr()[0],
+                "samples_per_s": rate,
+                # the share of the wall time this process waited for its next batches: near 0
+                # when the data keeps up; raise data.num_workers when it does not
+                "data_wait_share": wait_share,
+                "skipped_data": self.state.skipped_data,
+                "nonfinite_steps": self.state.nonfinite,
+                **(task.log_metrics() if hasattr(task, "log_metrics") else {}),
+            }
+        )
+        bar.set_postfix(loss=f"{loss:.4f}", sps=f"{rate:.1f}")
+
+    @contextlib.contextmanager
+    def _progress_bar(self, name: str):
+        t = self.cfg.train
+        bar = tqdm(
+            total=t.max_steps,
+            initial=self.state.step,
+            desc=f"train {name}",
+            disable=not (t.progress and self.accelerator.is_local_main_process),
+            dynamic_ncols=True,
+        )
+        self._last_t, self._last_samples = self.clock(), self.state.samples
+        self._data_wait = 0.0
+        try:
+            yield bar
+        finally:
+            bar.close()

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from unclip._compat import package_getattr
 from unclip.train.data.batching import StreamDataset, collate
 from unclip.train.data.tars import (
     expand_urls,
@@ -473,3 +474,7 @@ class WebDatasetStream(_Stream):
             return open_rgb(raw[ext]), caption
         except BadSample as exc:
             raise BadSample(f"{where}: {exc}") from None
+
+
+# names that moved out of this module keep their old import path, with a one-time FutureWarning
+__getattr__ = package_getattr(__name__)
