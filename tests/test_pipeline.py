@@ -1016,8 +1016,8 @@ def test_rerank_at_chooses_part_way_and_denoises_only_the_chosen(tiny_pipe):
     for bad, match in [
         ({"decoder": {"rerank_at": 0}}, "rerank_at must be an integer >= 1"),
         ({"decoder": {"rerank_at": True}}, "rerank_at must be an integer"),
-        ({"prior": {"rerank_at": 2}}, "prior: rerank_at is a decoder setting"),
-        ({"upsampler": {"rerank_at": 2}}, "rerank_at is a decoder setting"),
+        ({"prior": {"rerank_at": 2}}, "prior: rerank_at is not a setting of the diffusion prior"),
+        ({"upsampler": {"rerank_at": 2}}, "rerank_at is not a setting of an upsampler.*decoder"),
         ({"decoder": {"best_of": 2, "scheduler": "heun", "rerank_at": 1}}, "one network call"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -37,6 +37,7 @@ from typing import Optional, Union
 
 import torch
 
+from unclip.utils.devices import under_fake_tensors
 from unclip.utils.offload import ModelOffloader
 
 __all__ = ["OffloadMixin"]
@@ -64,7 +65,7 @@ class OffloadMixin:
                 "model offload moves components between the CPU and an accelerator; on the CPU "
                 "there is nothing to offload (give device='cuda' or another accelerator)"
             )
-        if device.type == "cuda" and not torch.cuda.is_available():
+        if device.type == "cuda" and not torch.cuda.is_available() and not under_fake_tensors():
             # else torch's own "Found no NVIDIA driver" surfaces from deep inside the first copy
             raise ValueError(
                 "enable_model_cpu_offload needs a CUDA GPU and torch finds none "

@@ -63,6 +63,11 @@ def finalize(
     if dtype not in ("float16", "float32"):
         raise ValueError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
     recover_folder(Path(pipeline))
+    if not Path(pipeline).is_dir():  # before reading the settings: the folder is the first mistake
+        raise ValueError(
+            f"pipeline folder not found: {pipeline}; give the folder `unclip assemble` or the "
+            "recipe's assemble step wrote"
+        )
     if out is not None:
         check_output_folder(out, overwrite=overwrite, option="--out")
     settings = load_yaml_file(sampling, "--sampling")

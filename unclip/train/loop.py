@@ -234,7 +234,15 @@ class TrainLoop(RunFolder):
     ) -> torch.nn.Module:
         """Initial weights if given, optimizer, schedule, EMA, checkpoint registration, then resume
         if asked. ``no_weight_decay(name, param)``: parameters exempt from weight decay (default:
-        those with fewer than 2 dimensions: biases, norms). Returns the wrapped model."""
+        those with fewer than 2 dimensions: biases, norms). Returns the wrapped model. A run that
+        cannot start (bad initial weights, no intact checkpoint) lets go of its folder."""
+        try:
+            return self._prepare(model, no_weight_decay)
+        except BaseException:
+            self.release_output_dir()
+            raise
+
+    def _prepare(self, model, no_weight_decay) -> torch.nn.Module:
         t = self.cfg.train
         if t.init_weights:  # into the exported network, not a training-only head around it
             src = load_initial_weights(

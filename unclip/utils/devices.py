@@ -42,3 +42,12 @@ def check_device(device: Union[str, torch.device], option: str = "--device") -> 
         if available is None or not available():
             raise ValueError(f"{option} {device}: no {dev.type} backend here; use --device cpu")
     return dev
+
+
+def under_fake_tensors() -> bool:
+    """Whether a :class:`~torch._subclasses.fake_tensor.FakeTensorMode` is active: the fake-CUDA
+    dry runs (``unclip plan``) place components on a CUDA device no driver backs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
