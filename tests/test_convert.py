@@ -317,32 +317,23 @@ def test_a_diffusers_users_script_matches_diffusers_with_the_defaults(karlo, ref
     pipe = UnCLIPPipeline.from_pretrained(karlo[0])
     assert pipe.autocast_dtype is None  # nothing faster than the weights' dtype unless asked
     pipe.set_progress_bar_config(disable=True)
-    (images,) = pipe(
-        PROMPTS,
-        num_images_per_prompt=2,
+    steps = dict(
         prior_num_inference_steps=STEPS,
         decoder_num_inference_steps=STEPS,
         super_res_num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        return_dict=False,
     )
+    seed = torch.Generator().manual_seed
+    (images,) = pipe(
+        PROMPTS, num_images_per_prompt=2, **steps, generator=seed(0), output_type="np",
+        return_dict=False,
+    )  # fmt: skip
     assert images.dtype == np.float32 and images.shape[-1] == 3
     assert 0.0 <= images.min() and images.max() <= 1.0
     assert _max_diff(torch.from_numpy(images).permute(0, 3, 1, 2), reference) <= 1e-4
     assert {"clip", "prior", "decoder", "sr32"} <= set(pipe.components)
     again = UnCLIPPipeline.from_pipe(pipe)
     assert again.decoder is pipe.decoder  # shared, not copied
-    out = again(
-        PROMPTS,
-        num_images_per_prompt=2,
-        prior_num_inference_steps=STEPS,
-        decoder_num_inference_steps=STEPS,
-        super_res_num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        progress=False,
-    )
+    out = again(PROMPTS, num_images_per_prompt=2, **steps, generator=seed(0), output_type="np")
     assert np.array_equal(out[0], images) and np.array_equal(out["images"], images)
     with pytest.raises(ValueError, match="disagree"):
         pipe(PROMPTS, decoder_num_inference_steps=2, sampling={"decoder": {"steps": 3}})

@@ -1,34 +1,13 @@
-"""Per-stage model offload for :class:`~unclip.pipeline.UnCLIPPipeline`::
+"""Per-stage model offload for :class:`~unclip.pipeline.pipeline.UnCLIPPipeline`::
 
     pipe.enable_model_cpu_offload()        # each component on cuda:0 only while it runs
     pipe.enable_model_cpu_offload(gpu_id=1)
     pipe.disable_model_cpu_offload()       # everything back on the CPU, hooks removed
 
-The cascade's components (CLIP, prior, decoder, each upsampler, the optional reranker) stay in CPU
-memory; the one that is about to run is copied to the execution device and the one that ran before
-it goes back, so the accelerator holds one component's weights at a time plus the activations of
-the stage running. A full-scale cascade's weights no longer have to fit at once, for the price of
-one host-to-device copy of each component per stage it runs in (the CLIP twice when candidates are
-reranked after the decoder, and the decoder twice when they are chosen part-way, ``rerank_at``,
-three times when they are pruned before that, ``prune_at``).
-
-How a component is brought in: an Accelerate hook (:class:`accelerate.hooks.ModelHook`) on every
-submodule of every component runs before the submodule's ``forward`` and activates its component,
-so any path that reaches a weight through a module call (the pipeline, the edits, a user calling
-``pipe.decoder(...)``) finds it on the device. Some tensors are read before any module call: the
-CLIP's ``encode_text``/``encode_image`` (wrapped to activate the CLIP) and each stage's entry in
-the pipeline (it activates the stage: the autoregressive prior reads its PCA basis directly).
-
-Parameters are replaced in place (``module._parameters[name] = Parameter(copy)``, tied tensors
-kept tied) rather than moved with ``Module.to``: the same operation on real tensors, and it also
-runs on PyTorch's fake CUDA tensors, which is how this module is tested without a GPU. Going back
-to the CPU costs no device-to-host copy: the CPU parameter a weight came from is kept and put back
-(the same object, so references to it stay valid), unless the weight was changed in place or
-replaced while on the device (e.g. LoRA merged into it), in which case the new values are copied
-back.
-
-Inference only: gradients through offloaded components are not supported (the CPU copies are the
-weights' home, and an optimizer would hold the device copies).
+The cascade's components stay in CPU memory and the one about to run is copied to the execution
+device, so the accelerator holds one component's weights at a time. How a component is brought in
+and sent back (Accelerate hooks, parameters replaced in place, tested on fake CUDA tensors) is in
+:mod:`unclip.utils.offload`. Inference only.
 """
 
 from __future__ import annotations
