@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from unclip.train.distributed import launch_shortfall
+from unclip.train.launch import launch_shortfall
 
 ACCELERATE = ["/venv/bin/python3", "/venv/bin/accelerate", "launch"]
 
