@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from diffusers import ModelMixin
+from diffusers.models import ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from torch import nn
 

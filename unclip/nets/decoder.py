@@ -33,7 +33,7 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
+from diffusers.models import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 

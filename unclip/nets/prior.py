@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from diffusers import ModelMixin, PriorTransformer
+from diffusers.models import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention

@@ -35,12 +35,15 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDIMScheduler, DDPMScheduler, UnCLIPScheduler
+from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
+from diffusers.schedulers.scheduling_unclip import UnCLIPScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
 from unclip.diffusion.loop import Generator, denoise_steps, make_scheduler, scheduler_step
 from unclip.diffusion.schedulers import scheduler_label
+from unclip.pipeline.base import PipelineBase
 from unclip.pipeline.edit_ops import (
     FIXED_POINT_DAMPING,
     RESAMPLING_SCHEDULERS,
@@ -81,7 +84,7 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ mixin
-class EditingMixin:
+class EditingMixin(PipelineBase):
     """Edits of :class:`~unclip.pipeline.UnCLIPPipeline` (see the module doc)."""
 
     def _edit_settings(self, sampling, steps=None, guidance_scale=None) -> SamplingConfig:

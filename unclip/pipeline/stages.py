@@ -11,6 +11,7 @@ import torch
 
 from unclip.diffusion.loop import Generator
 from unclip.nets.text_encoding import TextEncoding, check_prompts
+from unclip.pipeline.base import PipelineBase
 from unclip.pipeline.batching import negatives_per_row
 from unclip.sampling.stages import (
     StepCallback,
@@ -27,7 +28,7 @@ from unclip.sampling.utils import (
 from unclip.utils.offload import releases_gpu
 
 
-class StagesMixin:
+class StagesMixin(PipelineBase):
     """The stages of the cascade as methods: encode_text, sample_image_embeds, decode, upsample."""
 
     # ------------------------------------------------------------------ stages
