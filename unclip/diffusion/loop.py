@@ -22,7 +22,10 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, UnCLIPScheduler
+from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
+from diffusers.schedulers.scheduling_dpmsolver_multistep import DPMSolverMultistepScheduler
+from diffusers.schedulers.scheduling_unclip import UnCLIPScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 

@@ -28,7 +28,9 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers import EulerAncestralDiscreteScheduler as _EulerAncestral
+from diffusers.schedulers.scheduling_euler_ancestral_discrete import (
+    EulerAncestralDiscreteScheduler as _EulerAncestral,
+)
 
 __all__ = [
     "SCHEDULER_ALIASES",
@@ -66,7 +68,7 @@ def is_builtin(spec: Any) -> bool:
 
 
 def _scheduler_base():
-    from diffusers import SchedulerMixin
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
     return SchedulerMixin
 

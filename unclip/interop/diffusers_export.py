@@ -313,7 +313,9 @@ def export_diffusers(
             + "\n"
             + _summary(report)
         )
-    from diffusers import UnCLIPPipeline as DiffusersUnCLIPPipeline
+    from diffusers.pipelines.deprecated.unclip.pipeline_unclip import (
+        UnCLIPPipeline as DiffusersUnCLIPPipeline,
+    )
 
     components = _components(pipe, list(PARTS))
     out = DiffusersUnCLIPPipeline(**components)

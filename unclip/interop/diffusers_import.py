@@ -10,7 +10,8 @@ import inspect
 from pathlib import Path
 from typing import Optional, Union
 
-from diffusers import PriorTransformer, UnCLIPScheduler, UNet2DConditionModel, UNet2DModel
+from diffusers.models import PriorTransformer, UNet2DConditionModel, UNet2DModel
+from diffusers.schedulers.scheduling_unclip import UnCLIPScheduler
 
 from unclip.diffusion.config import DiffusionConfig
 from unclip.diffusion.loop import make_scheduler

@@ -25,12 +25,12 @@ loaded with the weights.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
-from diffusers import ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models import ModelMixin
 from torch import nn
 
 from unclip.nets.blocks import FeedForward, check_block_options
@@ -223,13 +223,18 @@ class ARTransformer(nn.Module):
         return self._run(x, self._allowed(valid, pos, 1), state["caches"])[:, -1]
 
 
-class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):
+# ignore: diffusers' ModelMixin and ConfigMixin disagree on the type of config_name
+class UnCLIPARPrior(PriorLoading, ModelMixin, ConfigMixin):  # type: ignore[misc]
     """AR prior network (see module doc). ``forward(codes [B,P], text, dot [B]) → logits
     [B, P, K]``; :meth:`encode`/:meth:`decode` map image embeddings ``[B, D]`` to codes and back
     once :meth:`fit_quantizer` has set the PCA and bucket edges."""
 
     #: buffers a partial ``train.init_weights`` loads all together or not at all (the fit)
     _load_together = (("pca_mean", "pca_components", "bucket_edges", "dot_edges", "fitted"),)
+
+    if TYPE_CHECKING:
+        # diffusers' FrozenDict of the registered arguments, whose fields it also sets as attributes
+        config: Any
 
     @register_to_config
     def __init__(

@@ -29,12 +29,12 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from diffusers import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
@@ -78,7 +78,8 @@ def coordinate_grid(x: torch.Tensor) -> torch.Tensor:
     return grid.to(x.dtype).unsqueeze(0).expand(b, -1, -1, -1)
 
 
-class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):
+# ignore: diffusers types ModelMixin.to through functools.wraps, its class defaults by None
+class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[misc]
     """Base decoder:
     ``forward(x_t [B,3,H,W], t, image_embed [B,D], text, drop_image [B]?) → [B,C,H,W]``.
 
@@ -97,6 +98,10 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):
     """
 
     _supports_gradient_checkpointing = True
+
+    if TYPE_CHECKING:
+        # diffusers' FrozenDict of the registered arguments, whose fields it also sets as attributes
+        config: Any
 
     @register_to_config
     def __init__(
@@ -358,7 +363,8 @@ def _checkpointed_forward(module: torch.nn.Module, *args, **kwargs):
     return forward(module, *args, **kwargs)
 
 
-class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):
+# ignore: diffusers types ModelMixin.to through functools.wraps, its class defaults by None
+class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[misc]
     """Super-resolution stage ``low_res_size → sample_size``.
 
     ``forward(x_t [B,3,H,W], t, low_res_up [B,3,H,W], noise_level [B]) → [B,3,H,W]`` where
@@ -366,6 +372,10 @@ class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):
     ``add_attention``: self-attention in the UNet's mid block (the paper's upsamplers have none).
     ``dropout``: in the residual blocks during training (paper: 0.1 in the first upsampler).
     """
+
+    if TYPE_CHECKING:
+        # diffusers' FrozenDict of the registered arguments, whose fields it also sets as attributes
+        config: Any
 
     @register_to_config
     def __init__(

@@ -24,12 +24,12 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
-from diffusers import ModelMixin, PriorTransformer
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models import ModelMixin, PriorTransformer
 from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
@@ -65,12 +65,17 @@ class PriorLoading:
         )
 
 
-class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):
+# ignore: diffusers types ModelMixin.to through functools.wraps, its class defaults by None
+class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[misc]
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
     space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`."""
 
     # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.precision)
     _keep_in_fp32_modules = ["clip_mean", "clip_std"]
+
+    if TYPE_CHECKING:
+        # diffusers' FrozenDict of the registered arguments, whose fields it also sets as attributes
+        config: Any
 
     @register_to_config
     def __init__(

@@ -8,12 +8,13 @@ from typing import Optional, Self
 
 import torch
 
+from unclip.pipeline.base import PipelineBase
 from unclip.utils.precision import parse_autocast, parse_dtype, resolve_autocast
 
 _log = logging.getLogger(__name__)
 
 
-class DevicesMixin:
+class DevicesMixin(PipelineBase):
     """Where and in what arithmetic a pipeline runs: device and dtype, autocast, memory format,
     and compiled denoisers."""
 

@@ -18,6 +18,8 @@ from typing import Any, Optional, Self, Union
 
 import torch
 
+from unclip.pipeline.base import PipelineBase
+
 #: diffusers' UnCLIPPipeline keywords → (stage key of ``sampling=``, setting)
 FLAT_KEYWORDS = {
     "prior_num_inference_steps": ("prior", "steps"),
@@ -85,7 +87,7 @@ def check_latents_fit(latents: dict, groups: dict, settings: dict, embeds_given:
             )
 
 
-class DiffusersInterfaceMixin:
+class DiffusersInterfaceMixin(PipelineBase):
     """``components``, ``set_progress_bar_config``, ``from_pipe`` and
     ``enable_sequential_cpu_offload``, as on a diffusers pipeline."""
 

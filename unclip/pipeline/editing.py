@@ -30,17 +30,19 @@ inpainted lower-resolution image as their condition.
 from __future__ import annotations
 
 import math
-import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDIMScheduler, DDPMScheduler, UnCLIPScheduler
+from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
+from diffusers.schedulers.scheduling_unclip import UnCLIPScheduler
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
 from unclip.diffusion.loop import Generator, denoise_steps, make_scheduler, scheduler_step
 from unclip.diffusion.schedulers import scheduler_label
+from unclip.pipeline.base import PipelineBase
 from unclip.pipeline.edit_ops import (
     FIXED_POINT_DAMPING,
     RESAMPLING_SCHEDULERS,
@@ -57,7 +59,12 @@ from unclip.pipeline.edit_ops import (
     read_mask,
 )
 from unclip.pipeline.output import UnCLIPOutput
-from unclip.sampling.settings import SamplingConfig, resolve_sampling
+from unclip.sampling.settings import (
+    DecoderSampling,
+    SamplingConfig,
+    UpsamplerSampling,
+    resolve_sampling,
+)
 from unclip.sampling.stages import (
     Denoiser,
     StepCallback,
@@ -81,11 +88,12 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ mixin
-class EditingMixin:
+class EditingMixin(PipelineBase):
     """Edits of :class:`~unclip.pipeline.UnCLIPPipeline` (see the module doc)."""
 
     def _edit_settings(self, sampling, steps=None, guidance_scale=None) -> SamplingConfig:
         s = self._stage_settings("decoder", sampling)
+        assert isinstance(s, DecoderSampling)
         if steps is not None:
             s.steps = steps
         if guidance_scale is not None:
@@ -93,7 +101,9 @@ class EditingMixin:
         # one DDIM path, no candidates to choose among
         s.scheduler, s.best_of, s.rerank_at, s.rerank_contrast = "ddim", 1, None, None
         s.prune_at = s.prune_keep = s.best_of_contrasted = None
-        return resolve_sampling({"decoder": s})["decoder"]
+        out = resolve_sampling({"decoder": s})["decoder"]
+        assert isinstance(out, DecoderSampling)
+        return out
 
     def _ddim_denoiser(self, embeds, caption, settings: SamplingConfig) -> Denoiser:
         b = embeds.shape[0]
@@ -337,6 +347,7 @@ class EditingMixin:
         if negative_prompt is not None:
             null = self._decoder_negative(negative_prompt, n)
         s = self._stage_settings("decoder", sampling)
+        assert isinstance(s, DecoderSampling)
         self._onload("decoder")
         return decoder_denoiser(self.decoder, embeds, text, null, s, self.diffusion["decoder"])
 
@@ -443,7 +454,9 @@ class EditingMixin:
         x, n, gen = self._edit_start(image, prompt, num_images, generator, "inpaint")
         m = read_mask(mask, x.shape[-2], x.shape[-1])
         settings = self.sampling_settings(sampling)
-        spec = settings["decoder"].scheduler
+        dec = settings["decoder"]
+        assert isinstance(dec, DecoderSampling)
+        spec = dec.scheduler
         stateless = (DDIMScheduler, DDPMScheduler, UnCLIPScheduler)
         built = make_scheduler(
             spec, self.diffusion["decoder"], learned_variance=self.decoder.config.learned_variance
@@ -463,7 +476,9 @@ class EditingMixin:
         stages = {"decoder": out}
         for name, up in zip(self.upsampler_names, self.upsamplers):
             self._onload(name)
-            du = upsampler_denoiser(up, out, settings[name], self.diffusion[name], gen)
+            s = settings[name]
+            assert isinstance(s, UpsamplerSampling)
+            du = upsampler_denoiser(up, out, s, self.diffusion[name], gen)
             out = self._masked(du, x, m, name, 1, gen, progress, cb)
             stages[name] = out
         res = EditOutput(to_output(out, output_type), embeds, info={"resample": resample})
@@ -546,46 +561,7 @@ class EditingMixin:
                 )
             text = [c for c in captions for _ in range(n)]
         gen = expand_generator(generator, len(images), n, "generator")
-        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+        cb: dict[str, Any] = {"progress": progress, "callback_on_step_end": callback_on_step_end}
         small = self.decode(embeds, text, gen, sampling, **cb)
         final = self.upsample(small, gen, sampling, **cb)
-        return UnCLIPOutput(to_output(final, output_type), embeds)
-
-    @releases_gpu
-    @torch.no_grad()
-    def interpolate(
-        self,
-        start,
-        end,
-        num_steps: int = 5,
-        generator: Optional[torch.Generator] = None,
-        sampling: Optional[dict] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ) -> UnCLIPOutput:
-        """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
-
-        ``start``, ``end``: an image (a path to an existing file, a ``Path``, a PIL image, an
-        array or a tensor) or a prompt (any other string). Prompts go through the prior first.
-        Every frame is decoded from the same initial noise so
-        the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
-        """
-        check_output_type(output_type)
-        if check_count(num_steps, "num_steps") < 2:
-            raise ValueError("interpolate: num_steps must be >= 2")
-        seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
-        cb = {"progress": progress, "callback_on_step_end": callback_on_step_end}
-        ends = []
-        for x in (start, end):
-            if isinstance(x, str) and not os.path.isfile(x):
-                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
-            else:
-                ends.append(self.clip.encode_image(as_image_input(x)))
-        ws = torch.linspace(0, 1, num_steps)
-        embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
-        gens = [torch.Generator().manual_seed(seed) for _ in range(num_steps)]
-        small = self.decode(embeds, None, gens, sampling, **cb)
-        final = self.upsample(small, gens, sampling, **cb)
         return UnCLIPOutput(to_output(final, output_type), embeds)

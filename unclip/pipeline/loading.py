@@ -12,6 +12,7 @@ import torch
 from unclip.io.card import check_card_fields, read_card_info, write_card
 from unclip.io.hub import push_folder
 from unclip.nets.clip import CLIP
+from unclip.pipeline.base import PipelineBase
 from unclip.pipeline.diffusers_api import check_from_pretrained_options
 from unclip.pipeline.folders import (
     folder_format_reader,
@@ -27,7 +28,7 @@ from unclip.sampling.settings import (
 from unclip.utils.precision import parse_autocast, parse_dtype
 
 
-class LoadingMixin:
+class LoadingMixin(PipelineBase):
     """Loading and saving a pipeline (pipeline folders, component folders, the bundled model
     and the Hub)."""
 

@@ -27,6 +27,7 @@ from unclip.nets.lora import (
     set_adapter_scale,
     unfuse_adapters,
 )
+from unclip.pipeline.base import PipelineBase
 
 __all__ = ["LoraMixin", "LoadedAdapter"]
 
@@ -46,7 +47,7 @@ class LoadedAdapter:
     path: str
 
 
-class LoraMixin:
+class LoraMixin(PipelineBase):
     """``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora`` for
     :class:`~unclip.pipeline.pipeline.UnCLIPPipeline` (see the module doc), and diffusers' names:
     ``load_lora_weights``, ``set_adapters``, ``fuse_lora``, ``unfuse_lora``,

@@ -17,6 +17,8 @@ from typing import Union
 
 import torch
 
+from unclip.pipeline.base import PipelineBase
+
 __all__ = ["MemoryMixin", "xformers_available"]
 
 
@@ -30,7 +32,7 @@ def _attention_modules(net: torch.nn.Module):
     return [m for m in net.modules() if isinstance(m, Attention)]
 
 
-class MemoryMixin:
+class MemoryMixin(PipelineBase):
     """Attention slicing and xformers for every denoising network (see the module doc)."""
 
     #: ``"auto"``: enable xformers in :meth:`to` on CUDA when installed; False: never

@@ -16,16 +16,15 @@ from typing import Optional, Union
 
 import torch
 
+from unclip.pipeline.base import PipelineBase
 from unclip.utils.devices import under_fake_tensors
 from unclip.utils.offload import ModelOffloader
 
 __all__ = ["OffloadMixin"]
 
 
-class OffloadMixin:
+class OffloadMixin(PipelineBase):
     """``enable_model_cpu_offload`` / ``disable_model_cpu_offload`` (see the module doc)."""
-
-    _offloader: Optional[ModelOffloader] = None
 
     def enable_model_cpu_offload(
         self, gpu_id: Optional[int] = None, device: Union[str, torch.device] = "cuda"

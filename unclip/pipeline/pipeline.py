@@ -81,6 +81,7 @@ from unclip.sampling.settings import (
     DEFAULT_SAMPLING,
     EVERY_UPSAMPLER,
     SAMPLING_FIELDS,
+    DecoderSampling,
     StageSampling,
     resolve_sampling,
     stage_settings,
@@ -321,13 +322,14 @@ class UnCLIPPipeline(
                     f"image_embeds: {image_embeds.shape[0]} embeddings for {len(prompts)} prompts "
                     f"× {n} images; give one per output image"
                 )
-        selection = CandidateSelection.of(settings["decoder"])
+        dec = settings["decoder"]
+        assert isinstance(dec, DecoderSampling)
+        selection = CandidateSelection.of(dec)
         groups = selection.groups(prompts)
         if any(selection.early(k) for k in groups):
             # every group's sampler check before the first group samples
-            dec = settings["decoder"]
             check_rerank_at(dec, self.diffusion["decoder"], self.decoder.config.learned_variance)
-        gens = generators_by_group(generator, len(prompts), n, groups, settings["decoder"])
+        gens = generators_by_group(generator, len(prompts), n, groups, dec)
         latents = {"prior": prior_latents, "decoder": decoder_latents, "sr": super_res_latents}
         latents = {k: v for k, v in latents.items() if v is not None}
         if latents:

@@ -1,17 +1,29 @@
 """Each stage of an :class:`~unclip.pipeline.pipeline.UnCLIPPipeline` usable alone: the text
 encoding, the prior (``sample_image_embeds``), the decoder (``decode``) and the upsamplers
-(``upsample``); ``__call__`` chains them."""
+(``upsample``); ``__call__`` chains them, and ``interpolate`` decodes the slerp between two
+embeddings through them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional, Union
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import torch
 
+from unclip.diffusion.config import DiffusionConfig
 from unclip.diffusion.loop import Generator
+from unclip.nets.decoder import Caption, UnCLIPDecoder
 from unclip.nets.text_encoding import TextEncoding, check_prompts
+from unclip.pipeline.base import PipelineBase
 from unclip.pipeline.batching import negatives_per_row
+from unclip.pipeline.output import UnCLIPOutput
+from unclip.sampling.settings import (
+    ARPriorSampling,
+    DecoderSampling,
+    PriorSampling,
+    UpsamplerSampling,
+)
 from unclip.sampling.stages import (
     StepCallback,
     sample_decoder,
@@ -22,12 +34,21 @@ from unclip.sampling.stages import (
 from unclip.sampling.utils import (
     check_count,
     check_embeds,
+    check_output_type,
     expand_generator,
+    slerp,
 )
+from unclip.utils.images import as_image_input, to_output
 from unclip.utils.offload import releases_gpu
 
+#: the leading arguments of the decoder's samplers: decoder, image_embed, text, null text, settings,
+#: diffusion
+DecoderInputs = tuple[
+    UnCLIPDecoder, torch.Tensor, Caption, Callable[[int], Caption], DecoderSampling, DiffusionConfig
+]
 
-class StagesMixin:
+
+class StagesMixin(PipelineBase):
     """The stages of the cascade as methods: encode_text, sample_image_embeds, decode, upsample."""
 
     # ------------------------------------------------------------------ stages
@@ -103,6 +124,7 @@ class StagesMixin:
                 "decode()) instead"
             )
         s = self._stage_settings("prior", sampling)
+        assert isinstance(s, (PriorSampling, ARPriorSampling))
         text = self._as_text(text)
         n = check_count(num_images_per_prompt)
         uncond = self._unconditional(negative_prompt, len(text))
@@ -147,11 +169,12 @@ class StagesMixin:
             latents=latents,
         )
 
-    def _decoder_inputs(self, image_embed, text, sampling, negative_prompt) -> tuple:
+    def _decoder_inputs(self, image_embed, text, sampling, negative_prompt) -> DecoderInputs:
         """The leading arguments of :func:`~unclip.sampling.sample_decoder` (and of
         :func:`~unclip.sampling.sample_decoder_reranked`) for :meth:`decode`'s inputs, checked,
         with the decoder brought in."""
         s = self._stage_settings("decoder", sampling)
+        assert isinstance(s, DecoderSampling)
         image_embed = check_embeds(image_embed, self.clip.embed_dim)
         b = image_embed.shape[0]
         text, null = self._decoder_captions(text, b)
@@ -162,7 +185,7 @@ class StagesMixin:
             raise ValueError(f"decode: {b} image embeddings but {len(text)} captions")
         return self.decoder, image_embed, text, null, s, self.diffusion["decoder"]
 
-    def _decoder_run(self, generator, progress, callback_on_step_end) -> dict:
+    def _decoder_run(self, generator, progress, callback_on_step_end) -> dict[str, Any]:
         """The decoder sampler's run options (keyword arguments)."""
         return dict(
             generator=generator,
@@ -189,15 +212,18 @@ class StagesMixin:
         initial noise."""
         if not isinstance(images, torch.Tensor) or images.ndim != 4:
             raise TypeError("upsample: images must be a tensor [B, 3, h, w] in [-1, 1]")
-        out, inter = images.to(self.device).float(), {}
+        out = images.to(self.device).float()
+        inter: dict[str, torch.Tensor] = {}
         for name, up in zip(self.upsampler_names, self.upsamplers):
             if stages is not None and name not in stages:
                 continue
+            s = self._stage_settings(name, sampling)
+            assert isinstance(s, UpsamplerSampling)
             self._onload(name)
             out = sample_upsampler(
                 up,
                 out,
-                self._stage_settings(name, sampling),
+                s,
                 self.diffusion[name],
                 generator=generator,
                 progress=progress,
@@ -207,3 +233,42 @@ class StagesMixin:
             )
             inter[name] = out
         return (out, inter) if return_intermediates else out
+
+    @releases_gpu
+    @torch.no_grad()
+    def interpolate(
+        self,
+        start,
+        end,
+        num_steps: int = 5,
+        generator: Optional[torch.Generator] = None,
+        sampling: Optional[dict] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ) -> UnCLIPOutput:
+        """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
+
+        ``start``, ``end``: an image (a path to an existing file, a ``Path``, a PIL image, an
+        array or a tensor) or a prompt (any other string). Prompts go through the prior first.
+        Every frame is decoded from the same initial noise so
+        the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
+        """
+        check_output_type(output_type)
+        if check_count(num_steps, "num_steps") < 2:
+            raise ValueError("interpolate: num_steps must be >= 2")
+        seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        cb: dict[str, Any] = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+        ends = []
+        for x in (start, end):
+            if isinstance(x, str) and not os.path.isfile(x):
+                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
+            else:
+                ends.append(self.clip.encode_image(as_image_input(x)))
+        ws = torch.linspace(0, 1, num_steps)
+        embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
+        gens = [torch.Generator().manual_seed(seed) for _ in range(num_steps)]
+        small = self.decode(embeds, None, gens, sampling, **cb)
+        final = self.upsample(small, gens, sampling, **cb)
+        return UnCLIPOutput(to_output(final, output_type), embeds)

@@ -15,7 +15,7 @@ depend on the rows batched with it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from unclip.diffusion.loop import Generator, is_guided
 from unclip.nets.text_encoding import TextEncoding
-from unclip.sampling.settings import ARPriorSampling, sampling_for
+from unclip.sampling.settings import ARPriorSampling, SamplingConfig, sampling_as
 from unclip.sampling.utils import check_finite
 
 __all__ = ["filter_logits", "sample_ar_prior"]
@@ -74,7 +74,7 @@ def sample_ar_prior(
     prior,
     text: TextEncoding,
     null_text: Callable[[int], TextEncoding],
-    settings: ARPriorSampling,
+    settings: Union[ARPriorSampling, SamplingConfig],
     *,
     generator: Generator = None,
     progress: bool = True,
@@ -89,7 +89,7 @@ def sample_ar_prior(
     one per candidate (``B·N``, row-major). ``callback(i, i, codes)`` runs after code ``i`` with
     the codes so far ``[B·N, i+1]``; they cannot be replaced (returning a tensor is an error).
     """
-    s = sampling_for("prior", settings, ar=True)
+    s = sampling_as(ARPriorSampling, "prior", settings)
     prior._check_fitted()
     n_best, b = s.best_of, len(text)
     batch, device = b * n_best, prior.device

@@ -29,7 +29,7 @@ from unclip.nets.clip import CLIP
 from unclip.nets.decoder import Caption, UnCLIPDecoder
 from unclip.nets.text_encoding import check_prompts
 from unclip.sampling.scorers import Scorer, as_scorer, check_rerank_contrast, image_text_cosines
-from unclip.sampling.settings import DecoderSampling, sampling_for
+from unclip.sampling.settings import DecoderSampling, sampling_as
 from unclip.sampling.stages import (
     LoopCallback,
     _sample,
@@ -195,7 +195,7 @@ def _choosing_hook(d, diffusion: DiffusionConfig, guided: bool, decoder: UnCLIPD
 def candidate_counts(settings: DecoderSampling, prompts: Sequence[str]) -> list[int]:
     """The decoder's candidates per image for each of ``prompts`` under its settings
     (:meth:`CandidateSelection.counts`)."""
-    return CandidateSelection.of(sampling_for("decoder", settings)).counts(prompts)
+    return CandidateSelection.of(sampling_as(DecoderSampling, "decoder", settings)).counts(prompts)
 
 
 @torch.no_grad()
@@ -224,7 +224,7 @@ def sample_decoder_candidates(
     candidate's predicted final image, and only the chosen rows are denoised on (after
     ``prune_at``, each image's ``prune_keep`` best first); otherwise among the finished images.
     Returns ``(images [B, 3, s, s] in [-1, 1], kept indices [B])`` into the candidates given."""
-    settings = sampling_for("decoder", settings)
+    settings = sampling_as(DecoderSampling, "decoder", settings)
     sel = CandidateSelection.of(settings)
     if not sel.early(count):
         images = sample_decoder(
@@ -294,7 +294,7 @@ def sample_decoder_reranked(
     its generator goes with it and the scheduler's per-sample state
     (:func:`~unclip.sampling.stages.select_scheduler_rows`) is cut to the kept rows. Samplers that
     cannot stop part-way are refused (:func:`check_rerank_at`)."""
-    settings = sampling_for("decoder", settings)
+    settings = sampling_as(DecoderSampling, "decoder", settings)
     m = settings.rerank_at
     if m is None or m >= settings.steps:
         raise ValueError(

@@ -19,7 +19,7 @@ import difflib
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 from unclip.diffusion.config import DiffusionConfig
 from unclip.diffusion.loop import check_sampling_args
@@ -207,6 +207,7 @@ class DecoderSampling(SamplingConfig):
                 f"{stage}: {next(iter(given))} needs {missing} too (after step prune_at keep each "
                 f"image's prune_keep best candidates), or neither ({clear})"
             )
+        assert self.prune_at is not None and self.prune_keep is not None  # both given
         if best_of <= self.prune_keep:
             return  # nothing to prune: a smaller best_of than the model's defaults keeps working
         if (
@@ -224,7 +225,7 @@ class DecoderSampling(SamplingConfig):
 StageSampling = Union[PriorSampling, ARPriorSampling, DecoderSampling, UpsamplerSampling]
 
 #: the settings type of each kind of stage ("ar_prior": a prior with ``prior.type: ar``)
-TYPES: dict[str, type] = {
+TYPES: dict[str, type[StageSampling]] = {
     "prior": PriorSampling,
     "ar_prior": ARPriorSampling,
     "decoder": DecoderSampling,
@@ -327,6 +328,17 @@ def sampling_for(stage: str, value: Any, *, ar: bool = False, where: str = "") -
         if scheduler is not None and not isinstance(scheduler, str) and kind != "ar_prior":
             out.scheduler = scheduler
     out.check(stage)
+    return out
+
+
+_Kind = TypeVar("_Kind", PriorSampling, ARPriorSampling, DecoderSampling, UpsamplerSampling)
+
+
+def sampling_as(kind: type[_Kind], stage: str, value: Any, *, where: str = "") -> _Kind:
+    """:func:`sampling_for` for a caller that knows the settings type of ``stage`` (``kind``:
+    :class:`ARPriorSampling` for an autoregressive prior)."""
+    out = sampling_for(stage, value, ar=kind is ARPriorSampling, where=where)
+    assert isinstance(out, kind), f"{stage} has {type(out).__name__}, not {kind.__name__}"
     return out
 
 

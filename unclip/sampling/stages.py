@@ -44,7 +44,14 @@ from unclip.nets.decoder import Caption, UnCLIPDecoder, UnCLIPUpsampler, upsampl
 from unclip.nets.prior import PlainForward, UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.ar import sample_ar_prior
-from unclip.sampling.settings import SamplingConfig, sampling_for
+from unclip.sampling.settings import (
+    ARPriorSampling,
+    DecoderSampling,
+    PriorSampling,
+    SamplingConfig,
+    UpsamplerSampling,
+    sampling_as,
+)
 from unclip.sampling.utils import check_finite
 
 __all__ = [
@@ -92,11 +99,6 @@ def stage_callback(
     return step
 
 
-def _checked(stage: str, settings):
-    """``settings`` as ``stage``'s settings type (a copy), checked (:func:`sampling_for`)."""
-    return sampling_for(stage, settings)
-
-
 def _sample(denoise, shape, sched, settings: SamplingConfig, net, desc: str, **kwargs):
     """:func:`~unclip.diffusion.sample_loop` with ``settings``' steps and guidance scale, on the
     network ``net``'s device and in its dtype."""
@@ -125,7 +127,7 @@ def sample_prior(
     prior: Union[UnCLIPPrior, UnCLIPARPrior],
     text: TextEncoding,
     null_text: Callable[[int], TextEncoding],
-    settings: SamplingConfig,
+    settings: Union[SamplingConfig, ARPriorSampling],
     diffusion: DiffusionConfig,
     *,
     generator: Generator = None,
@@ -165,7 +167,7 @@ def sample_prior(
             autocast_dtype=autocast_dtype,
             callback=callback,
         )
-    settings = _checked("prior", settings)
+    settings = sampling_as(PriorSampling, "prior", settings)
     n_best, b = settings.best_of, len(text)
     device = prior.device
     cond = text.repeat_interleave(n_best).to(device=device)
@@ -314,7 +316,7 @@ def sample_decoder(
     caption token ids ``[B, L]`` for a decoder with its own text encoder. ``generator``: one, or
     one per image; ``latents [B, 3, s, s]``: the initial noise. ``autocast_dtype``, ``callback``: as
     :func:`~unclip.diffusion.sample_loop`."""
-    settings = _checked("decoder", settings)
+    settings = sampling_as(DecoderSampling, "decoder", settings)
     d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
     x = _sample(
         d.fn,
@@ -379,7 +381,7 @@ def sample_upsampler(
         raise TypeError(f"{name}: the low-res images must be a tensor [B, 3, h, w] in [-1, 1]")
     if low.shape[-1] != up.config.low_res_size:
         raise ValueError(f"{name} expects {up.config.low_res_size}px input, got {low.shape[-1]}px")
-    settings = _checked(name, settings)
+    settings = sampling_as(UpsamplerSampling, name, settings)
     d = upsampler_denoiser(up, low, settings, diffusion, generator)
     x = _sample(
         d.fn,

@@ -67,7 +67,7 @@ from unclip.train.optimizers import (
     warmup_cosine,
 )
 from unclip.train.repa import exported_model
-from unclip.train.run_folder import RunFolder
+from unclip.train.run_folder import RunFolder, RunState
 from unclip.train.task import Task, batch_size_of
 from unclip.utils.config import save_config, to_dict
 from unclip.utils.limits import check_fits
@@ -103,27 +103,6 @@ def sample_generators(seed: int, rank: int, start: int, count: int) -> list[torc
     ]
 
 
-class _RunState:
-    """Counters saved in every checkpoint (the data position among them)."""
-
-    def __init__(self):
-        self.step = 0  # optimizer steps attempted
-        self.samples = 0  # samples consumed by this rank
-        self.skipped_data = 0  # bad samples skipped (this rank)
-        self.nonfinite = 0  # optimizer steps skipped for non-finite loss/grad
-        self.consecutive_nonfinite = 0
-
-    def state_dict(self):
-        return dict(vars(self))
-
-    def load_state_dict(self, state):
-        for key in vars(self):
-            value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"run state '{key}' must be a count, got {value!r}")
-            setattr(self, key, value)
-
-
 class TrainLoop(RunFolder):
     """Accelerator, optimizer, schedule, EMA, checkpoints and logging for one run (see module doc).
 
@@ -141,6 +120,11 @@ class TrainLoop(RunFolder):
     checkpoint folder; ``overwrite``: remove an earlier run's files from ``output_dir`` first (a
     folder holding files is refused otherwise).
     """
+
+    # the throughput and data-wait figures since the last log (_progress_bar starts them)
+    _last_t: float
+    _last_samples: int
+    _data_wait: float
 
     def __init__(
         self,
@@ -202,7 +186,7 @@ class TrainLoop(RunFolder):
         logger.info("strategy: %s on %d processes", self.strategy, self.accelerator.num_processes)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
-        self.state = _RunState()
+        self.state = RunState()
         self.resume = resume
         # the clock of the throughput and data-wait figures (a fake one in tests)
         self.clock: Callable[[], float] = time.perf_counter
@@ -253,15 +237,15 @@ class TrainLoop(RunFolder):
             from unclip.train.lora import add_training_adapter
 
             add_training_adapter(model, t)
-        self.optimizer = self.make_optimizer(model, no_weight_decay)
+        optimizer = self.make_optimizer(model, no_weight_decay)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
+            optimizer,
             lambda s: warmup_cosine(
                 s, warmup=t.warmup_steps, total=t.max_steps, base_lr=t.lr, min_lr=t.min_lr
             ),
         )
         dist_utils.fit_fsdp_wrapping(self.accelerator, model)
-        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.powersgd = None
         if t.powersgd_rank > 0 and self.sharded:
             logger.warning("train.powersgd_rank applies to DDP only: off under %s", self.strategy)

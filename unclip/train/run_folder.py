@@ -31,7 +31,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -48,7 +48,10 @@ from unclip.train.repa import exported_model, exported_state
 from unclip.train.task import Task
 from unclip.utils.config import save_config
 
-__all__ = ["LOCK_FILE", "RUN_FILES", "RunFolder", "RunLock", "describe_holder"]
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+__all__ = ["LOCK_FILE", "RUN_FILES", "RunFolder", "RunLock", "RunState", "describe_holder"]
 
 logger = logging.getLogger("unclip.train")
 
@@ -150,9 +153,51 @@ def _read_record(fd: int) -> dict:
     return record if isinstance(record, dict) else {"pid": "?"}
 
 
+class RunState:
+    """Counters saved in every checkpoint (the data position among them)."""
+
+    def __init__(self) -> None:
+        self.step = 0  # optimizer steps attempted
+        self.samples = 0  # samples consumed by this rank
+        self.skipped_data = 0  # bad samples skipped (this rank)
+        self.nonfinite = 0  # optimizer steps skipped for non-finite loss/grad
+        self.consecutive_nonfinite = 0
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        for key in vars(self):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"run state '{key}' must be a count, got {value!r}")
+            setattr(self, key, value)
+
+
 class RunFolder:
     """The file side of :class:`~unclip.train.loop.TrainLoop` (a mixin: it uses the loop's
     ``accelerator``, ``cfg``, ``out``, ``state``, ``resume`` and model)."""
+
+    # set by TrainLoop.__init__
+    cfg: Any  # any config with a ``train`` section
+    out: Path
+    accelerator: Accelerator
+    state: RunState
+    resume: Optional[str]
+    sharded: bool
+    rank: int
+    trainable: list[torch.nn.Parameter]
+    _saved_step: Optional[int]  # the step of the checkpoint on disk, if current
+
+    if TYPE_CHECKING:
+        # TrainLoop's
+        @property
+        def device(self) -> torch.device: ...
+
+        @property
+        def unwrapped(self) -> torch.nn.Module: ...
+
+        def ema_weights(self) -> contextlib.AbstractContextManager: ...
 
     # ------------------------------------------------------------------ the run folder
     def claim_output_dir(self, overwrite: bool) -> None:
@@ -465,7 +510,7 @@ class RunFolder:
                 "data_wait_share": wait_share,
                 "skipped_data": self.state.skipped_data,
                 "nonfinite_steps": self.state.nonfinite,
-                **(task.log_metrics() if hasattr(task, "log_metrics") else {}),
+                **(task.log_metrics() if task is not None and hasattr(task, "log_metrics") else {}),
             }
         )
         bar.set_postfix(loss=f"{loss:.4f}", sps=f"{rate:.1f}")
