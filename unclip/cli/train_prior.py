@@ -26,6 +26,41 @@ def stage_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def run_config_command(
+    prog: str, description: str, config_help: str, argv, load: str, train: str
+) -> int:
+    """A training command that takes ``CONFIG [overrides]`` and the run options
+    (:func:`add_run_arguments`): ``load`` and ``train`` name the config loader and the training
+    function as ``"module:function"`` (imported after parsing, so ``--help`` stays instant)."""
+    import importlib
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("config", help=config_help)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=500")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_run_arguments(p)
+    args = p.parse_intermixed_args(argv)
+    from unclip.utils.config import to_yaml
+
+    def named(spec: str):
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    cfg = named(load)(args.config, overrides)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    return named(train)(
+        cfg,
+        resume=args.resume,
+        max_steps_this_run=args.max_steps_this_run,
+        overwrite=args.overwrite,
+    )
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """``--resume``/``--overwrite`` (one or neither), ``--output-dir``, ``--max-steps-this-run``."""
     start = p.add_mutually_exclusive_group()

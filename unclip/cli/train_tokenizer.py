@@ -6,40 +6,19 @@ unclip train-tokenizer configs/tiny/dvae.yaml train.max_steps=200
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from unclip.cli.train_prior import add_run_arguments
+from unclip.cli.train_prior import run_config_command
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="unclip train-tokenizer",
-        description="train an image tokenizer: DALL-E's dVAE or DALL-E Mega's VQGAN",
-    )
-    p.add_argument(
-        "config", help="YAML with tokenizer:, data:, train: sections (see configs/tiny/dvae.yaml)"
-    )
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=500")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    add_run_arguments(p)
-    args = p.parse_intermixed_args(argv)
-    from unclip.train.token_config import load_tokenizer_train_config
-    from unclip.train.tokens import train_tokenizer
-    from unclip.utils.config import to_yaml
-
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f"train.output_dir={args.output_dir}")
-    cfg = load_tokenizer_train_config(args.config, overrides)
-    if args.print_config:
-        print(to_yaml(cfg))
-        return 0
-    return train_tokenizer(
-        cfg,
-        resume=args.resume,
-        max_steps_this_run=args.max_steps_this_run,
-        overwrite=args.overwrite,
+    return run_config_command(
+        "unclip train-tokenizer",
+        "train an image tokenizer: DALL-E's dVAE or DALL-E Mega's VQGAN",
+        "YAML with tokenizer:, data:, train: sections (see configs/tiny/dvae.yaml)",
+        argv,
+        load="unclip.train.token_config:load_tokenizer_train_config",
+        train="unclip.train.tokens:train_tokenizer",
     )
 
 
