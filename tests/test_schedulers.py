@@ -127,6 +127,36 @@ def test_attention_slicing_changes_memory_layout_not_results(pipe):
         pipe.enable_attention_slicing(0)
 
 
+def test_sliced_upsampler_attention_takes_temb_without_a_warning_per_call():
+    """The upsamplers' attention blocks pass ``temb`` (used only by a spatial norm they do not
+    have): sliced, they take it without diffusers logging that it is ignored on every call."""
+    import logging
+
+    class Records(logging.Handler):  # diffusers' loggers do not propagate to the root logger
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    pipe = tiny_pipeline(seed=0)  # with upsamplers, whose attention blocks pass temb
+    low = torch.zeros(1, 3, 16, 16)
+    gen = torch.Generator().manual_seed(0)
+    plain = pipe.upsample(low, gen, {"upsampler": {"steps": 2}}, progress=False)
+    records, library = Records(), logging.getLogger("diffusers")
+    pipe.enable_attention_slicing("max")
+    library.addHandler(records)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        sliced = pipe.upsample(low, gen, {"upsampler": {"steps": 2}}, progress=False)
+    finally:
+        library.removeHandler(records)
+        pipe.disable_attention_slicing()
+    assert not [m for m in records.messages if "not expected" in m], records.messages[:1]
+    torch.testing.assert_close(sliced, plain, rtol=1e-4, atol=1e-5)
+
+
 def test_xformers_is_refused_with_what_to_do_off_cuda(pipe):
     from unclip.pipeline.memory import xformers_available
 

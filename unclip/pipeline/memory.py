@@ -32,6 +32,21 @@ def _attention_modules(net: torch.nn.Module):
     return [m for m in net.modules() if isinstance(m, Attention)]
 
 
+def _sliced_without_temb(slice_size: int):
+    """diffusers' :class:`SlicedAttnProcessor` taking (and dropping) the ``temb`` that the UNets'
+    attention blocks pass: ``temb`` feeds only an attention's spatial norm, which these networks
+    do not have (checked where it is used), and without the parameter diffusers logs that it is
+    ignored once per attention call."""
+    from diffusers.models.attention_processor import SlicedAttnProcessor
+
+    class SlicedAttn(SlicedAttnProcessor):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     temb=None):  # fmt: skip
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask)
+
+    return SlicedAttn(slice_size)
+
+
 class MemoryMixin(PipelineBase):
     """Attention slicing and xformers for every denoising network (see the module doc)."""
 
@@ -52,6 +67,11 @@ class MemoryMixin(PipelineBase):
                 heads = attn.sliceable_head_dim
                 size = {"auto": max(1, heads // 2), "max": 1}.get(slice_size, slice_size)
                 attn.set_attention_slice(min(int(size), heads))
+                if (
+                    type(attn.processor).__name__ == "SlicedAttnProcessor"
+                    and attn.spatial_norm is None
+                ):
+                    attn.set_processor(_sliced_without_temb(min(int(size), heads)))
 
     def disable_attention_slicing(self) -> None:
         """Full attention again (PyTorch's scaled-dot-product attention)."""
