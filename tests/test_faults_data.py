@@ -233,6 +233,27 @@ def test_assemble_refuses_a_non_empty_out_and_overwrite_replaces_it_whole(pipe_d
 
     with pytest.raises(ValueError, match="is a file"):
         assemble(assemble_args(pipe_dir, out / "unclip.json"))
+    # the card says the license only when it is given
+    assert "license:" not in (out / "README.md").read_text().split("---")[1]
+    licensed = tmp_path / "licensed"
+    assert assemble(assemble_args(pipe_dir, licensed, "--license", "mit")) == 0
+    assert "license: mit" in (licensed / "README.md").read_text().split("---")[1]
+
+
+def test_the_console_shows_python_warnings_on_one_line(capsys):
+    """A library's warning reaches the command line as ``prog: warning: message``, without the
+    file, line and source text Python prints (``--debug`` keeps those)."""
+    import warnings
+
+    from unclip.cli.errors import run_main
+
+    def main(argv):
+        warnings.warn("the folder holds an older card", UserWarning, stacklevel=1)
+        return 0
+
+    assert run_main("unclip assemble", main, []) == 0
+    err = capsys.readouterr().err
+    assert err == "unclip assemble: warning: the folder holds an older card\n"
 
 
 def test_clip_fingerprint_survives_save_and_load_and_tells_clips_apart(pipe_dir, tmp_path):

@@ -24,6 +24,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", required=True, help="output pipeline folder")
     p.add_argument(
+        "--license",
+        default=None,
+        help="the weights' license for the model card (an SPDX id such as mit or apache-2.0; "
+        "left out of the card when not given)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a non-empty --out entirely (otherwise it is refused)",
@@ -39,6 +45,7 @@ def main(argv=None) -> int:
         args.reranker,
         out=args.out,
         overwrite=args.overwrite,
+        model_card={"license": args.license} if args.license else None,
     )
     extra = "; reranker CLIP" if pipe.reranker is not None else ""
     print(

@@ -10,11 +10,13 @@ library, so ``--help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 __all__ = [
@@ -92,7 +94,8 @@ def run_main(
     if debug or flagged:
         return int(main(argv) or 0)
     try:
-        status = int(main(argv) or 0)
+        with one_line_warnings(prog):
+            status = int(main(argv) or 0)
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here
         return status
     except KeyboardInterrupt as exc:
@@ -112,6 +115,26 @@ def run_main(
             _discard_stdout()
         print(f"{prog}: error: {format_error(exc)}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def one_line_warnings(prog: str) -> Iterator[None]:
+    """Python warnings shown as ``prog: warning: message`` on one line, without the file, line
+    and source text a library warning carries (``--debug`` keeps Python's full form)."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        out = file if file is not None else sys.stderr
+        try:
+            print(f"{prog}: warning: {message}", file=out)
+        except OSError:  # a closed stderr: nothing left to tell
+            pass
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def resume_command(prog: str, argv: Sequence[str]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
@@ -27,16 +27,25 @@ if TYPE_CHECKING:
 
 
 def assemble_pipeline(
-    clip, decoder, prior=None, upsamplers=(), reranker=None, *, out, overwrite: bool = False
+    clip,
+    decoder,
+    prior=None,
+    upsamplers=(),
+    reranker=None,
+    *,
+    out,
+    overwrite: bool = False,
+    model_card: Optional[Mapping] = None,
 ):
     """``unclip assemble``: a pipeline folder ``out`` from trained component folders (see
     ``UnCLIPPipeline.from_components``). A non-empty ``out`` is refused unless ``overwrite``, which
-    replaces it entirely; the folder is written beside it and renamed. Returns the pipeline."""
+    replaces it entirely; the folder is written beside it and renamed. ``model_card``: card fields
+    (e.g. ``{"license": "mit"}``). Returns the pipeline."""
     from unclip.pipeline.pipeline import UnCLIPPipeline
 
     check_output_folder(out, overwrite=overwrite, option="--out")
     pipe = UnCLIPPipeline.from_components(clip, decoder, prior, upsamplers, reranker=reranker)
-    write_folder(out, pipe.save_pretrained)
+    write_folder(out, lambda folder: pipe.save_pretrained(folder, model_card=model_card))
     return pipe
 
 
