@@ -272,9 +272,17 @@ def test_checkpoints_keep_last_and_sample_grid(tmp_path):
         )
         == 0
     )
-    assert list(
-        (tmp_path / "r" / "logs").rglob("events.out.tfevents*")
-    )  # TensorBoard tracker wrote events
+    events = list((tmp_path / "r" / "logs").rglob("events.out.tfevents*"))
+    assert events  # TensorBoard tracker wrote events
+    # the sample grids go to the tracker too, with their captions
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("samples")] == [3, 6]
+    captions = acc.Tensors("samples/captions/text_summary")
+    assert [e.step for e in captions] == [3, 6]
+    assert b"|" in captions[0].tensor_proto.string_val[0] or captions[0].tensor_proto.string_val
     names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert names == ["step_00000004", "step_00000006"]
     assert sorted(p.name for p in (tmp_path / "r" / "samples").iterdir()) == [

@@ -207,6 +207,9 @@ class DecoderTask:
         self.parts.clear()
         return out
 
+    #: columns of the sample grid (the first samples of the run's first micro-batch)
+    grid_size = GRID_SIZE
+
     def sample_grid(self, model: UnCLIPDecoder | RepaDecoder, batch: dict) -> Image.Image:
         model = exported_model(model)
         n = min(GRID_SIZE, len(batch["caption"]))
@@ -239,6 +242,8 @@ class UpsamplerTask:
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
         return upsampler_loss(model, batch, generators, self.cfg, self.noise_sched, self.device)
+
+    grid_size = GRID_SIZE
 
     def sample_grid(self, model, batch: dict) -> Image.Image:
         up, aug = self.cfg.upsampler, self.cfg.upsampler_train

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from unclip.diffusion.loop import diffusion_loss, training_scheduler
+from unclip.diffusion.vlb import predicted_x0
 from unclip.nets.clip import CLIP
 from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
@@ -70,8 +72,11 @@ def prior_loss(
     cfg,
     noise_sched,
     device,
+    cosines: list | None = None,
 ):
-    """x_0-prediction loss of one micro-batch with caption dropout."""
+    """x_0-prediction loss of one micro-batch with caption dropout. ``cosines``: gets the mean
+    cosine between the prior's predicted CLIP image embeddings (at the micro-batch's timesteps,
+    denormalized) and the true ones, a quality signal the loss alone does not give."""
     image_embed, text = embed_batch(clip, batch, device)
     b = image_embed.shape[0]
     drop = torch.stack([torch.rand((), generator=g) for g in gens]) < cfg.train.text_drop_prob
@@ -84,8 +89,18 @@ def prior_loss(
     )
     prior = model.module if hasattr(model, "module") else model
     x_0 = prior.normalize(image_embed)
+
+    def denoise(x_t, t):
+        out = model(x_t, t, text)
+        if cosines is not None:
+            with torch.no_grad():
+                pred = predicted_x0(noise_sched, x_t, t, out.float(), cfg.diffusion.prediction_type)
+                cos = F.cosine_similarity(prior.denormalize(pred.to(out)), image_embed.to(out))
+                cosines.append(float(cos.float().mean()))
+        return out
+
     return diffusion_loss(
-        lambda x_t, t: model(x_t, t, text),
+        denoise,
         x_0,
         noise_sched,
         prediction_type=cfg.diffusion.prediction_type,
@@ -105,10 +120,18 @@ class PriorTask:
         self.null = clip.encode_text([""])
         self.noise_sched = training_scheduler(cfg.diffusion)
         self.text = TextEncodingCache(clip, cfg.data.batch_size, cfg.train.text_cache_mb)
+        self.cosines: list[float] = []
         device = torch.device(device)
         self.plain_attention = device.type == "cpu" and (
             auto_mixed_precision(cfg.train.mixed_precision, gpu=False) == "bf16"
         )
+
+    def log_metrics(self) -> dict:
+        """``embed_cosine``: the mean cosine between predicted and true image embeddings since
+        the last log (the prior's quality besides its loss)."""
+        out = {"embed_cosine": sum(self.cosines) / len(self.cosines)} if self.cosines else {}
+        self.cosines.clear()
+        return out
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
         # on a CPU in bf16, PyTorch's fused attention kernel is slower over the prior's few
@@ -127,6 +150,7 @@ class PriorTask:
                 self.cfg,
                 self.noise_sched,
                 self.device,
+                cosines=self.cosines,
             )
 
 

@@ -462,7 +462,28 @@ class RunFolder:
         with ckpt.disk_full_is_an_error(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             grid.save(path)
+        # the grid's columns are its first micro-batch's first samples, one caption each
+        captions = [str(c) for c in batch.get("caption", [])]
+        self.send_samples(grid, captions[: getattr(task, "grid_size", len(captions))])
         return path
+
+    def send_samples(self, grid, captions: list[str]) -> None:
+        """The sample grid to the run's trackers (TensorBoard: an image and its captions as text;
+        W&B: an image captioned with the prompts), at the current step."""
+        step = self.state.step
+        text = " | ".join(captions)
+        for tracker in getattr(self.accelerator, "trackers", []):
+            if tracker.name == "tensorboard":
+                import numpy as np
+
+                writer = tracker.writer
+                writer.add_image("samples", np.asarray(grid), step, dataformats="HWC")
+                writer.add_text("samples/captions", text, step)
+                writer.flush()
+            elif tracker.name == "wandb":
+                import wandb
+
+                tracker.log({"samples": wandb.Image(grid, caption=text)}, step=step)
 
     def parameter_checksums(self) -> list[float]:
         """A checksum of the trainable weights from every rank (all equal when DDP is in sync)."""
