@@ -17,6 +17,8 @@ feature map is average-pooled to the CLIP map's size when it is larger.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,6 +158,10 @@ def exported_state(state: dict) -> dict:
     return {k.removeprefix(_DECODER): v for k, v in state.items() if k.startswith(_DECODER)}
 
 
+@overload
+def exported_model(model: UnCLIPDecoder | RepaDecoder) -> UnCLIPDecoder: ...
+@overload
+def exported_model(model: nn.Module) -> nn.Module: ...
 def exported_model(model: nn.Module) -> nn.Module:
     """The network a training run exports and loads initial weights into: the decoder inside a
     :class:`RepaDecoder`, else ``model`` itself."""
