@@ -42,7 +42,7 @@ def test_the_launching_command_is_read_from_the_parent_process(tmp_path):
         pytest.skip("reads /proc")
     # a stand-in `accelerate` executable whose child checks its own launch, as a training
     # process started by `accelerate launch --num_processes 2` does
-    child = "from unclip.train.distributed import launch_shortfall; print(launch_shortfall(1))"
+    child = "from unclip.train.launch import launch_shortfall; print(launch_shortfall(1))"
     launcher = tmp_path / "accelerate"
     launcher.write_text(
         f"#!{sys.executable}\nimport subprocess, sys\n"

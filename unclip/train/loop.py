@@ -60,6 +60,7 @@ from unclip.train import distributed as dist_utils
 from unclip.train.data.batching import cursors_of
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.init_weights import load_initial_weights
+from unclip.train.launch import launch_shortfall
 from unclip.train.optimizers import (
     PRECONDITIONED,
     auto_mixed_precision,
@@ -177,7 +178,7 @@ class TrainLoop(RunFolder):
         if multi_cpu and dist_utils.env_flag("ACCELERATE_USE_FSDP"):
             dist_utils.use_fsdp_on_cpu(self.accelerator, mp)
         dist_utils.check_strategy(self.accelerator)
-        shortfall = dist_utils.launch_shortfall(self.accelerator.num_processes)
+        shortfall = launch_shortfall(self.accelerator.num_processes)
         if shortfall:
             logger.warning(shortfall)
         self.strategy = dist_utils.strategy_of(self.accelerator)
