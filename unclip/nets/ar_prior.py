@@ -209,7 +209,7 @@ class ARTransformer(nn.Module):
         """Run the prefix: logits ``[B, K]`` of ``code_0`` and the decoding state."""
         x, valid = self._prefix(text, dot)
         x = x + self.positional_embedding[: x.shape[1]].to(x.dtype)
-        caches = [{} for _ in self.blocks]
+        caches: list[dict] = [{} for _ in self.blocks]
         logits = self._run(x, self._allowed(valid, 0, x.shape[1]), caches)
         return logits[:, -1], {"caches": caches, "valid": valid}
 

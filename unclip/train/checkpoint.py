@@ -333,7 +333,8 @@ def optimizer_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     if not _is_flat(state):
         tensors: dict[str, torch.Tensor] = {}
         return tensors, {"tree": _encode(state, "tree", tensors, {})}
-    tensors, scalars = {}, {}
+    tensors = {}
+    scalars: dict[str, dict] = {}
     for idx, per_param in state["state"].items():
         for name, value in per_param.items():
             if isinstance(value, torch.Tensor):
