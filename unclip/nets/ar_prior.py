@@ -166,8 +166,9 @@ class ARTransformer(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)  # Embedding has none; Linear may have none
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
 
     def _prefix(self, text: TextEncoding, dot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.head.weight.dtype
