@@ -45,10 +45,19 @@ __all__ = [
     "scheduler_step",
     "check_sampling_args",
     "Generator",
+    "randn_generator",
     "StepState",
 ]
 
 Generator = Optional[Union[torch.Generator, Sequence[torch.Generator]]]
+
+
+def randn_generator(generator: Generator) -> Union[torch.Generator, list[torch.Generator], None]:
+    """``generator`` as diffusers' ``randn_tensor`` takes it: one per batch element only as a
+    list (it reads any other sequence as a single generator)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return list(generator)
 
 
 @dataclass
@@ -359,7 +368,9 @@ def initial_noise(
     ``shape``) or noise drawn by ``generator`` (one, or one per batch element), scaled by the
     scheduler's initial noise sigma."""
     if latents is None:
-        latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
+        latents = randn_tensor(
+            shape, generator=randn_generator(generator), device=torch.device(device), dtype=dtype
+        )
     elif tuple(latents.shape) != tuple(shape):
         raise ValueError(f"latents must have shape {tuple(shape)}, got {tuple(latents.shape)}")
     return latents.to(device=device, dtype=dtype) * scheduler.init_noise_sigma

@@ -157,7 +157,10 @@ class SampleScorer:
     ):
         self.inception, self.clip, self.clip_fid, self.shapes = inception, clip, clip_fid, shapes
         self.inc_stats, self.clip_stats = M.GaussianStats(), M.GaussianStats()
-        self.cosines, self.shape_images, self.captions, self.grid = [], [], [], []
+        self.cosines: list[torch.Tensor] = []
+        self.shape_images: list[np.ndarray] = []
+        self.captions: list[str] = []
+        self.grid: list[np.ndarray] = []
         self.save_dir = save_dir
         if save_dir is not None:
             save_dir.mkdir(parents=True, exist_ok=True)

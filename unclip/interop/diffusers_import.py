@@ -108,7 +108,7 @@ def _square(component: str, size) -> int:
 def decoder_to_diffusers(state: dict) -> dict[str, dict]:
     """``UnCLIPDecoder`` state → ``{"decoder": UNet2DConditionModel state, "text_proj":
     UnCLIPTextProjModel state}``."""
-    out = {"decoder": {}, "text_proj": {}}
+    out: dict[str, dict] = {"decoder": {}, "text_proj": {}}
     for key, value in state.items():
         if key.startswith("unet."):
             out["decoder"][key[5:]] = value

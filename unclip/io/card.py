@@ -250,7 +250,9 @@ def write_card(folder, pipe, info: Optional[Mapping] = None) -> Path:
 # ------------------------------------------------------------------------------------------- read
 def _sections(text: str) -> dict[str, str]:
     """``## heading`` → its text, and ``#`` (the title line) / ``""`` (text under it)."""
-    out, key, lines = {}, None, []
+    out: dict[str, str] = {}
+    key: Optional[str] = None
+    lines: list[str] = []
     for line in text.splitlines():
         m = re.match(r"^(#{1,2}) (.+?)\s*$", line)
         if m and not (key is not None and _in_fence(lines)):

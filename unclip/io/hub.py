@@ -81,8 +81,8 @@ def resolve_folder(
     ``huggingface-cli login`` stored)."""
     path = Path(source).expanduser()
     if path.is_dir():
-        given = {"revision": revision, "cache_dir": cache_dir}
-        given = [k for k, v in given.items() if v is not None]
+        hub = {"revision": revision, "cache_dir": cache_dir}
+        given = [k for k, v in hub.items() if v is not None]
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise ValueError(

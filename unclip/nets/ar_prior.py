@@ -166,8 +166,9 @@ class ARTransformer(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)  # Embedding has none; Linear may have none
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
 
     def _prefix(self, text: TextEncoding, dot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.head.weight.dtype
@@ -209,7 +210,7 @@ class ARTransformer(nn.Module):
         """Run the prefix: logits ``[B, K]`` of ``code_0`` and the decoding state."""
         x, valid = self._prefix(text, dot)
         x = x + self.positional_embedding[: x.shape[1]].to(x.dtype)
-        caches = [{} for _ in self.blocks]
+        caches: list[dict] = [{} for _ in self.blocks]
         logits = self._run(x, self._allowed(valid, 0, x.shape[1]), caches)
         return logits[:, -1], {"caches": caches, "valid": valid}
 

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import open_clip
 import torch
@@ -81,6 +81,10 @@ class CLIP(torch.nn.Module):
 
     The wrapped model starts in eval mode with gradients off, as the pipeline uses it; a trainer
     turns them back on."""
+
+    #: open_clip's CLIP or CustomTextCLIP; open_clip ships no types, so its towers (``visual``,
+    #: ``text``) and methods (``encode_image``, ...) are untyped
+    model: Any
 
     def __init__(
         self,
@@ -308,13 +312,14 @@ class CLIP(torch.nn.Module):
         h = hashlib.sha256(self.model_name.encode())
         h.update(json.dumps(self.model_cfg, sort_keys=True, default=str).encode())
         state = self.model.state_dict()
-        table = _token_table_key(state) if self.kept_token_ids is not None else None
+        kept = self.kept_token_ids
+        table = _token_table_key(state) if kept is not None else None
         for key, value in state.items():
             value = value.detach().cpu()
             if value.is_floating_point():
                 value = (value if dtype is None else value.to(dtype)).float()
-            if key == table:
-                value = value[torch.unique(self.kept_token_ids.to(torch.int64).cpu())]
+            if kept is not None and key == table:
+                value = value[torch.unique(kept.to(torch.int64).cpu())]
             h.update(key.encode())
             h.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]

@@ -306,7 +306,7 @@ class DalleTransformer(nn.Module):
         0 and the decoding state (each layer's key/value cache)."""
         padded = self.pad_text(text_ids, text_mask)
         x = self._embed(padded, padded.new_zeros(padded.shape[0], 0), 0)
-        caches = [{} for _ in self.blocks]
+        caches: list[dict] = [{} for _ in self.blocks]
         h = self._run(x, 0, caches)
         return self.image_head(h[:, -1]), {"caches": caches, "slot": x.shape[1]}
 

@@ -34,11 +34,15 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union, cast
 
 import torch
 
 from unclip.io.weights import load_safetensors
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
 
 __all__ = [
     "ADAPTER_WEIGHTS",
@@ -85,6 +89,7 @@ DEFAULT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
 
 #: layer types peft's LoRA can adapt (and that these networks contain)
 _ADAPTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d)
+_Adaptable = Union[torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d]
 
 
 def require_peft():
@@ -113,18 +118,19 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def _layers(model: torch.nn.Module) -> dict[str, _Adaptable]:
     """``{name: base layer}`` of every adaptable layer of ``model``; a layer that already carries
     adapters counts once, under its own name, with its base layer."""
     tuner = _tuner_layer_class()
-    out: dict[str, torch.nn.Module] = {}
+    out: dict[str, _Adaptable] = {}
     inside: Optional[str] = None
     for name, module in model.named_modules():
         if inside is not None and name.startswith(inside + "."):
             continue
         inside = None
         if tuner is not None and isinstance(module, tuner):
-            out[name] = module.get_base_layer()
+            # peft wraps only the layers it can adapt
+            out[name] = cast(_Adaptable, module.get_base_layer())
             inside = name
         elif isinstance(module, _ADAPTABLE):
             out[name] = module
@@ -210,16 +216,35 @@ def base_fingerprint(
 # --------------------------------------------------------------------------------------------------
 # adapters on one component
 # --------------------------------------------------------------------------------------------------
-def _tuner_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def _tuner_layers(model: torch.nn.Module) -> list[tuple[str, LoraLayer]]:
     tuner = _tuner_layer_class()
     if tuner is None:
         return []
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, tuner)]
+    # adapters are injected only by add_adapter, from a LoraConfig: every tuner layer is LoRA's
+    return [(n, cast("LoraLayer", m)) for n, m in model.named_modules() if isinstance(m, tuner)]
+
+
+def _peft_configs(model: torch.nn.Module) -> dict[str, LoraConfig]:
+    """``{adapter name: config}`` as peft keeps it on the model it injected into (an attribute
+    peft adds, not one that ``Module`` declares)."""
+    return dict(getattr(model, "peft_config", {}) or {})
+
+
+def _set_peft_configs(model: torch.nn.Module, configs: dict[str, LoraConfig]) -> None:
+    setattr(model, "peft_config", configs)  # noqa: B010 (an attribute peft adds to the module)
+
+
+def config_targets(config: LoraConfig) -> list[str]:
+    """The layer names a LoRA ``config`` targets, sorted (peft keeps them as a set)."""
+    targets = config.target_modules
+    if targets is None or isinstance(targets, str):  # peft's regex form; unclip writes names
+        raise ValueError(f"LoRA config: target_modules must list layer names, got {targets!r}")
+    return sorted(targets)
 
 
 def adapter_names(model: torch.nn.Module) -> list[str]:
     """Names of the adapters injected into ``model``."""
-    return list(getattr(model, "peft_config", {}) or {})
+    return list(_peft_configs(model))
 
 
 def _activate(model: torch.nn.Module, trainable: bool) -> None:
@@ -266,14 +291,14 @@ def add_adapter(
         )
     else:
         check_target_modules(model, sorted(config.target_modules))
-    existing = dict(getattr(model, "peft_config", {}) or {})
+    existing = _peft_configs(model)
     training = model.training
     with warnings.catch_warnings():
         # peft warns that a model with adapters gets another one: here that is the intent
         warnings.filterwarnings("ignore", message="Already found a `peft_config`")
         peft.inject_adapter_in_model(config, model, adapter_name=name)
     # peft's injection leaves only the new adapter in model.peft_config and active
-    model.peft_config = {**existing, name: config}
+    _set_peft_configs(model, {**existing, name: config})
     _activate(model, trainable)
     model.train(training)  # the new dropout layers follow the component's mode
     return config
@@ -361,11 +386,11 @@ def remove_adapter(model: torch.nn.Module, name: str) -> None:
     for _, layer in _tuner_layers(model):
         if name in layer.lora_A:
             layer.delete_adapter(name)
-    config = dict(getattr(model, "peft_config", {}) or {})
+    config = _peft_configs(model)
     config.pop(name, None)
     _restore_base_layers(model, keep=lambda layer: bool(layer.lora_A))
     if config:
-        model.peft_config = config
+        _set_peft_configs(model, config)
         _activate(model, trainable=False)
     else:
         _forget_config(model)
@@ -373,7 +398,7 @@ def remove_adapter(model: torch.nn.Module, name: str) -> None:
 
 def _forget_config(model: torch.nn.Module) -> None:
     if "peft_config" in vars(model):
-        del model.peft_config
+        delattr(model, "peft_config")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,7 +410,7 @@ class AdapterFolder:
     ``meta`` (``unclip_lora.json``) and where it was read from."""
 
     path: Path
-    config: object
+    config: LoraConfig
     state: dict
     meta: dict
 
@@ -406,10 +431,11 @@ def save_adapter(
         raise ValueError("save_adapter: meta must name the stage the adapter is for")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = model.peft_config[name]
+    config = _peft_configs(model)[name]
     state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model, name).items()}
     save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config.save_pretrained(str(folder))
+    targets = config_targets(config)
     record = {
         "format": LORA_FORMAT,
         "version": 1,
@@ -417,10 +443,10 @@ def save_adapter(
         "component": type(model).__name__,
         "rank": config.r,
         "alpha": config.lora_alpha,
-        "target_modules": sorted(config.target_modules),
-        "base_fingerprint": base_fingerprint(model, sorted(config.target_modules)),
+        "target_modules": targets,
+        "base_fingerprint": base_fingerprint(model, targets),
         "base_fingerprints": {
-            name: base_fingerprint(model, sorted(config.target_modules), dtype)
+            name: base_fingerprint(model, targets, dtype)
             for name, dtype in HALF_FINGERPRINTS.items()
         },
     }

@@ -235,7 +235,7 @@ class MegaTransformer(nn.Module):
         and the decoding state (self-attention caches, the encoder's keys and values)."""
         encoded = self.encode(text_ids, text_mask)
         cross_kv = [layer.cross_kv(encoded[0]) for layer in self.decoder]
-        caches = [{} for _ in self.decoder]
+        caches: list[dict] = [{} for _ in self.decoder]
         bos = text_ids.new_full((text_ids.shape[0], 1), self.config.image_vocab_size)
         logits = self._decode(bos, 0, encoded, caches, cross_kv)[:, -1]
         return logits, {"encoded": encoded, "cross_kv": cross_kv, "caches": caches, "pos": 1}

@@ -41,8 +41,9 @@ def init_weights(module: nn.Module, std: float) -> None:
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=std)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)  # Embedding has none; Linear may have none
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
 
 
 def drop_captions(model, text_ids, text_mask, p: float, generator):

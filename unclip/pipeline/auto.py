@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from unclip.io.weights import read_json
 from unclip.pipeline.folders import PIPELINE_FILE
 from unclip.pipeline.token_pipeline import TOKEN_FAMILIES, TokenPipeline
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from unclip.pipeline.pipeline import UnCLIPPipeline
 
 __all__ = ["load_pipeline", "pipeline_family", "AutoPipeline", "is_pipeline"]
 
@@ -50,6 +55,7 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
         from unclip.pipeline.pipeline import UnCLIPPipeline
 
         return UnCLIPPipeline.from_pretrained(path, **kwargs)
+    assert path is not None  # None is the bundled unCLIP model
     external = bool(kwargs.pop("allow_external_components", False))
     given = {k: v for k, v in kwargs.items() if v is not None and k != "autocast_dtype"}
     if given:
@@ -60,7 +66,7 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
     return TokenPipeline.from_pretrained(path, allow_external_components=external)
 
 
-def is_pipeline(obj) -> bool:
+def is_pipeline(obj) -> TypeIs[Union[UnCLIPPipeline, TokenPipeline]]:
     """Whether ``obj`` is a loaded pipeline of any family (rather than a path or name)."""
     from unclip.pipeline.pipeline import UnCLIPPipeline
 

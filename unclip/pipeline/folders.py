@@ -102,7 +102,7 @@ def _settings_from_pipeline(folder: Path, expected: str) -> dict:
             **{n: n for n in comps.get("upsamplers", [])},
         }
         name = stage_of.get(folder.name)
-        if name in index.get("diffusion", {}):
+        if name is not None and name in index.get("diffusion", {}):
             data = {"stage": stage_kind(name), "diffusion": index["diffusion"][name]}
             if name in index.get("sampling", {}):
                 data["sampling"] = index["sampling"][name]
@@ -174,7 +174,7 @@ def load_components(
             )
         return folder, data
 
-    fingerprint = []
+    fingerprint: list[str] = []  # computed once, when a check needs it
 
     def clip_fingerprint():
         if not fingerprint:
@@ -315,7 +315,7 @@ def read_pipeline_folder(
     ``allow_external_components``: follow component names that lead outside ``path``
     (:func:`component_folder`)."""
     path = Path(path)
-    v = {"variant": variant} if variant else {}
+    variant = variant or None  # "" reads the plain weights, as None does
     index = read_pipeline_index(path)
     comps = index.get("components", {})
 
@@ -329,17 +329,22 @@ def read_pipeline_folder(
         return folder
 
     return {
-        "clip": CLIP.from_pretrained(sub(comps.get("clip", "clip")), **v),
-        "prior": load_prior(sub(comps["prior"]), **v) if comps.get("prior") else None,
-        "decoder": UnCLIPDecoder.from_pretrained(sub(comps.get("decoder", "decoder")), **v),
+        "clip": CLIP.from_pretrained(sub(comps.get("clip", "clip")), variant=variant),
+        "prior": load_prior(sub(comps["prior"]), variant=variant) if comps.get("prior") else None,
+        "decoder": UnCLIPDecoder.from_pretrained(
+            sub(comps.get("decoder", "decoder")), variant=variant
+        ),
         "upsamplers": [
-            UnCLIPUpsampler.from_pretrained(sub(n), **v) for n in comps.get("upsamplers", [])
+            UnCLIPUpsampler.from_pretrained(sub(n), variant=variant)
+            for n in comps.get("upsamplers", [])
         ],
         "diffusion": index.get("diffusion"),
         "sampling": index.get("sampling"),
         "prior_clip_range": index.get("prior_clip_range", 10.0),
         "reranker": (
-            CLIP.from_pretrained(sub(comps["reranker"]), **v) if comps.get("reranker") else None
+            CLIP.from_pretrained(sub(comps["reranker"]), variant=variant)
+            if comps.get("reranker")
+            else None
         ),
     }
 

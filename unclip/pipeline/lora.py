@@ -18,6 +18,7 @@ from unclip.nets.lora import (
     AdapterFolder,
     add_adapter,
     base_fingerprint,
+    config_targets,
     drop_adapter_layers,
     fuse_adapters,
     load_adapter_state,
@@ -118,7 +119,7 @@ class LoraMixin(PipelineBase):
 
     def _warn_if_other_base(self, adapter: AdapterFolder, model, stage: str) -> None:
         meta = adapter.meta
-        targets = sorted(adapter.config.target_modules)
+        targets = config_targets(adapter.config)
         # a pipeline cast to fp16/bf16 is compared with the fingerprint of the base weights cast
         # the same way (recorded at export), so a correct adapter does not warn
         want = _fingerprint_for(meta, "base_fingerprint", _weights_dtype(model))
@@ -274,11 +275,11 @@ class LoraMixin(PipelineBase):
 
 def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype most of ``model``'s floating parameters have (a few may be kept in float32)."""
-    counts: dict = {}
+    counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.get) if counts else torch.float32
+    return max(counts, key=lambda dtype: counts[dtype]) if counts else torch.float32
 
 
 def _fingerprint_for(meta: dict, key: str, dtype: torch.dtype) -> Optional[str]:

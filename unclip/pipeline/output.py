@@ -85,7 +85,7 @@ class UnCLIPOutput:
             for j in range(per):
                 f = folder / f"{i:03d}_{j:02d}.png"
                 save_image(self.images[i * per + j], f)
-                entry = {"file": f.name, "prompt": prompt}
+                entry: dict[str, Union[str, int]] = {"file": f.name, "prompt": prompt}
                 if seeds is not None:
                     entry["seed"] = seeds[i]
                 files.append({**entry, "index": j})

@@ -55,7 +55,7 @@ def _uniforms(generator: Generator, n: int, device) -> torch.Tensor:
     """``[n]`` uniforms in [0, 1): one per row from its own generator, or all from one."""
     if isinstance(generator, (list, tuple)):
         u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generator])
-    elif generator is not None:
+    elif isinstance(generator, torch.Generator):
         u = torch.rand(n, generator=generator, device=generator.device)
     else:
         u = torch.rand(n)

@@ -111,7 +111,11 @@ class CandidateSelection:
     def pruning(self, count: Optional[int] = None) -> bool:
         """Whether ``count`` (default ``best_of``) candidates are pruned before the choice."""
         k = self.best_of if count is None else count
-        return self.prune_at is not None and self.choose_at is not None and k > self.prune_keep
+        if self.prune_at is None or self.choose_at is None:
+            return False
+        # DecoderSampling sets prune_at and prune_keep together
+        assert self.prune_keep is not None, "prune_at is set without prune_keep"
+        return k > self.prune_keep
 
     def early(self, count: Optional[int] = None) -> bool:
         """Whether the choice among ``count`` candidates is made part-way."""
@@ -236,10 +240,15 @@ def sample_decoder_candidates(
         return images[keep.to(images.device)], keep
     check_rerank_at(settings, diffusion, decoder.config.learned_variance)
     # with pruning, the final choice is among each image's prune_keep survivors
-    group = sel.prune_keep if sel.pruning(count) else count
-    choices = {sel.choose_at - 1: lambda x0: choose(x0, group, 1)}
+    choose_at, prune_at, prune_keep = sel.choose_at, sel.prune_at, sel.prune_keep
+    assert choose_at is not None  # sel.early(count) checked it
+    group = count
+    choices = {}
     if sel.pruning(count):
-        choices[sel.prune_at - 1] = lambda x0: choose(x0, count, group)
+        assert prune_at is not None and prune_keep is not None  # sel.pruning(count) checked them
+        group = prune_keep
+        choices[prune_at - 1] = lambda x0: choose(x0, count, group)
+    choices[choose_at - 1] = lambda x0: choose(x0, group, 1)
     images, keep = _sample_choosing(
         decoder, image_embed, text, null_text, settings, diffusion, choices,
         generator=generator, latents=latents, progress=progress,
@@ -303,13 +312,15 @@ def sample_decoder_reranked(
         )
     check_rerank_at(settings, diffusion, decoder.config.learned_variance)
     choices = {m - 1: choose}
-    if settings.prune_at is not None and settings.best_of > settings.prune_keep:
+    if CandidateSelection.of(settings).pruning():
+        prune_at = settings.prune_at
+        assert prune_at is not None  # pruning() checked it
         if prune is None:
             raise ValueError(
-                f"decoder: prune_at {settings.prune_at} is set; give sample_decoder_reranked the "
+                f"decoder: prune_at {prune_at} is set; give sample_decoder_reranked the "
                 "prune function that keeps each image's prune_keep best candidates"
             )
-        choices[settings.prune_at - 1] = prune
+        choices[prune_at - 1] = prune
     return _sample_choosing(
         decoder, image_embed, text, null_text, settings, diffusion, choices,
         generator=generator, latents=latents, progress=progress,

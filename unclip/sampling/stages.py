@@ -36,6 +36,7 @@ from unclip.diffusion.loop import (
     guided_output,
     is_guided,
     make_scheduler,
+    randn_generator,
     sample_loop,
     training_scheduler,
 )
@@ -118,7 +119,9 @@ def _sample(denoise, shape, sched, settings: SamplingConfig, net, desc: str, **k
 def _null_first(null: Caption, cond: Caption) -> Caption:
     """``[uncond; cond]`` conditioning for a guided :func:`~unclip.diffusion.sample_loop`."""
     if isinstance(cond, torch.Tensor):  # caption token ids of a decoder's own text encoder
+        assert isinstance(null, torch.Tensor), "the null caption is token ids like the caption"
         return torch.cat([null, cond])
+    assert isinstance(null, TextEncoding), "the null caption is a TextEncoding like the caption"
     return TextEncoding.cat([null, cond])
 
 
@@ -173,7 +176,7 @@ def sample_prior(
     cond = text.repeat_interleave(n_best).to(device=device)
     batch = b * n_best
     if is_guided(settings.guidance_scale):
-        cond = _null_first(null_text(batch).to(device=device), cond)
+        cond = TextEncoding.cat([null_text(batch).to(device=device), cond])
     sched = make_scheduler(settings.scheduler, diffusion, clip_sample_range=clip_range)
     # a torch.compile(prior) wrapper would hand `conditioned` to the uncompiled module it wraps
     wrapper = getattr(prior, "_orig_mod", None) is not None
@@ -278,8 +281,11 @@ def upsampler_denoiser(
     if level > 0:
         from diffusers.utils.torch_utils import randn_tensor
 
-        noise = randn_tensor(low_up.shape, generator=generator, device=device, dtype=low_up.dtype)
-        low_up = training_scheduler(diffusion).add_noise(low_up, noise, levels.cpu())
+        noise = randn_tensor(
+            low_up.shape, generator=randn_generator(generator), device=device, dtype=low_up.dtype
+        )
+        # diffusers annotates timesteps as IntTensor; any integer tensor works (here int64)
+        low_up = training_scheduler(diffusion).add_noise(low_up, noise, levels.cpu())  # type: ignore[arg-type]
     if is_guided(settings.guidance_scale):  # unconditional = no low-res information (zeros)
         low_up = torch.cat([torch.zeros_like(low_up), low_up])
         levels = torch.cat([levels, levels])

@@ -107,7 +107,7 @@ def sample_image_tokens(
         text_mask = torch.cat([null_mask, text_mask.bool()])
     n = model.grid * model.grid
     tokens = torch.empty(b, n, dtype=torch.long, device=device)
-    all_logits = [] if return_logits else None
+    all_logits: Optional[list[torch.Tensor]] = [] if return_logits else None
     state = None
     for i in range(n):
         if not use_cache:
@@ -129,7 +129,7 @@ def sample_image_tokens(
         filtered = filter_logits(logits, float(temperature), top_k, top_p)
         tokens[:, i] = draw_tokens(filtered, _uniforms(generator, b, device))
     tokens = tokens.view(b, model.grid, model.grid)
-    if return_logits:
+    if all_logits is not None:  # return_logits
         return tokens, torch.stack(all_logits, dim=1)
     return tokens
 

@@ -37,7 +37,9 @@ def fit_embeddings(cfg: StageConfig, clip: CLIP, device) -> tuple[torch.Tensor, 
     training samples, read as rank 0 of one process reads them (identical on every process)."""
     from unclip.train.prior_batches import embed_batch
 
-    n = cfg.prior.ar.fit_samples
+    ar = cfg.prior_section.ar
+    assert ar is not None  # PriorConfig gives an "ar" prior its options
+    n = ar.fit_samples
     stream = make_stream(
         cfg.data, resolution=clip.image_size, seed=cfg.train.seed, rank=0, world_size=1
     )
@@ -117,13 +119,13 @@ def train_ar_prior(
 ) -> int:
     """Train the AR prior described by ``cfg`` (stage ``prior``, ``prior.type: ar``); arguments
     and export as :func:`unclip.train.prior.train_prior`, which calls this for such a config."""
-    if cfg.stage != "prior" or cfg.prior.type != "ar":
+    if cfg.stage != "prior" or cfg.prior_section.type != "ar":
         raise ValueError("train_ar_prior needs a stage 'prior' config with prior.type: ar")
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
     with torch.device(loop.device):
         clip = CLIP.from_config(cfg.clip)
-        model = cfg.prior.build(clip)
+        model = cfg.prior_section.build(clip)
     if cfg.train.gradient_checkpointing:
         logger.warning("the AR prior has no gradient checkpointing; ignoring the option")
     model = loop.prepare(model)  # loads a checkpoint's (or init_weights') fit, if any

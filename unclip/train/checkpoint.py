@@ -108,14 +108,16 @@ def is_disk_full(exc: BaseException) -> bool:
     ``OSError`` with ``ENOSPC``/``EDQUOT``, or the text of one wrapped by a library (safetensors
     reports "No space left on device" inside its own error type)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        exc = cause
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(exc)
         if "No space left on device" in text or "StorageFull" in text or "Disk quota" in text:
             return True
-        exc = exc.__cause__ or exc.__context__
+        cause = exc.__cause__ or exc.__context__
     return False
 
 
@@ -333,7 +335,8 @@ def optimizer_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     if not _is_flat(state):
         tensors: dict[str, torch.Tensor] = {}
         return tensors, {"tree": _encode(state, "tree", tensors, {})}
-    tensors, scalars = {}, {}
+    tensors = {}
+    scalars: dict[str, dict] = {}
     for idx, per_param in state["state"].items():
         for name, value in per_param.items():
             if isinstance(value, torch.Tensor):

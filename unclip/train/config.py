@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
 from unclip.diffusion.config import DiffusionConfig
 from unclip.nets.clip import ClipConfig
@@ -474,12 +474,38 @@ class StageConfig:
         """The model section of this stage."""
         return getattr(self, self.stage)
 
+    # the sections a stage's code reads, present (the stage's own is checked when loading)
+    @property
+    def prior_section(self) -> PriorConfig:
+        return _present(self.prior, "prior")
+
+    @property
+    def decoder_section(self) -> DecoderConfig:
+        return _present(self.decoder, "decoder")
+
+    @property
+    def upsampler_section(self) -> UpsamplerConfig:
+        return _present(self.upsampler, "upsampler")
+
+    @property
+    def upsampler_train_section(self) -> UpsamplerTrainConfig:
+        return _present(self.upsampler_train, "upsampler_train")
+
+
+_Section = TypeVar("_Section")
+
+
+def _present(section: Optional[_Section], name: str) -> _Section:
+    if section is None:
+        raise ConfigError(f"the config has no '{name}:' section; add one")
+    return section
+
 
 def check_decoder_options(cfg: StageConfig) -> None:
     """The settings that only make sense together: a learned decoder variance and the hybrid loss
     that trains it (``diffusion.vlb_weight``), the decoder's CLIP view (``data.clip_view``), and
     per-resblock gradient scaling (``train.resblock_grad_scaling``: UNet stages only)."""
-    learned = cfg.stage == "decoder" and cfg.decoder.learned_variance
+    learned = cfg.stage == "decoder" and cfg.decoder_section.learned_variance
     weight = cfg.diffusion.vlb_weight
     if weight > 0 and not learned:
         raise ConfigError(

@@ -211,13 +211,13 @@ class DecoderTask:
     grid_size = GRID_SIZE
 
     def sample_grid(self, model: UnCLIPDecoder | RepaDecoder, batch: dict) -> Image.Image:
-        model = exported_model(model)
+        decoder = exported_model(model)
         n = min(GRID_SIZE, len(batch["caption"]))
         images = batch["image"][:n].to(self.device)
         pipe = UnCLIPPipeline(
             self.clip,
             None,
-            model,
+            decoder,
             diffusion={"decoder": self.cfg.diffusion},
             sampling={"decoder": self.cfg.sampling},
         )
@@ -237,7 +237,7 @@ class UpsamplerTask:
 
     def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
-        self.name = f"sr{cfg.upsampler.sample_size}"
+        self.name = f"sr{cfg.upsampler_section.sample_size}"
         self.noise_sched = training_scheduler(cfg.diffusion)
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
@@ -246,7 +246,7 @@ class UpsamplerTask:
     grid_size = GRID_SIZE
 
     def sample_grid(self, model, batch: dict) -> Image.Image:
-        up, aug = self.cfg.upsampler, self.cfg.upsampler_train
+        up, aug = self.cfg.upsampler_section, self.cfg.upsampler_train_section
         n = min(GRID_SIZE, len(batch["caption"]))
         gens = _grid_generators(self.cfg, n)
         low = degrade(batch["image"][:n], up.low_res_size, aug.corruption, gens, aug.blur_sigma)
@@ -268,7 +268,9 @@ def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     """The network a ``decoder`` or ``upsampler`` stage config trains (with gradient checkpointing
     if ``train.gradient_checkpointing``; inside a :class:`~unclip.train.repa.RepaDecoder` with its
     alignment head if the config has a ``repa:`` section)."""
-    model = cfg.decoder.build(clip) if cfg.stage == "decoder" else cfg.upsampler.build()
+    model = (
+        cfg.decoder_section.build(clip) if cfg.stage == "decoder" else cfg.upsampler_section.build()
+    )
     if cfg.train.gradient_checkpointing:
         # the decoder's own: its UNet and, when it has one, its caption transformer
         (model if cfg.stage == "decoder" else model.unet).enable_gradient_checkpointing()
@@ -325,10 +327,10 @@ def train_decoder(
         raise ValueError(
             f"train_decoder needs a stage 'decoder' or 'upsampler' config, got stage {cfg.stage!r}"
         )
-    if cfg.stage == "decoder" and cfg.data.resolution != cfg.decoder.sample_size:
+    if cfg.stage == "decoder" and cfg.data.resolution != cfg.decoder_section.sample_size:
         raise ValueError(
             f"data.resolution ({cfg.data.resolution}) must equal decoder.sample_size "
-            f"({cfg.decoder.sample_size})"
+            f"({cfg.decoder_section.sample_size})"
         )
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)

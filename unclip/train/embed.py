@@ -250,7 +250,11 @@ def _embed_chunk(
     clip, items: Iterator, out: Path, chunk: int, dtype, batch_size: int, sums: _Sums, bar, log_bad
 ) -> tuple[int, int]:
     """Embed one chunk into shard ``chunk``; returns ``(rows written, bad samples skipped)``."""
-    img_parts, txt_parts, meta, batch, skipped = [], [], [], [], 0
+    img_parts: list[np.ndarray] = []
+    txt_parts: list[np.ndarray] = []
+    meta: list = []
+    batch: list = []
+    skipped = 0
 
     def flush():
         if batch:

@@ -122,11 +122,6 @@ class TrainLoop(RunFolder):
     folder holding files is refused otherwise).
     """
 
-    # the throughput and data-wait figures since the last log (_progress_bar starts them)
-    _last_t: float
-    _last_samples: int
-    _data_wait: float
-
     def __init__(
         self,
         cfg,

@@ -28,7 +28,7 @@ PAPER_PARAMETERS = {"prior": 1.0e9, "decoder": 3.5e9, "sr256": 700e6, "sr1024": 
 
 def stage_name(cfg: StageConfig) -> str:
     """``prior``, ``decoder`` or ``sr<size>`` for an upsampler config."""
-    return f"sr{cfg.upsampler.sample_size}" if cfg.stage == "upsampler" else cfg.stage
+    return f"sr{cfg.upsampler_section.sample_size}" if cfg.stage == "upsampler" else cfg.stage
 
 
 def build_on_meta(cfg: StageConfig) -> torch.nn.Module:
@@ -37,7 +37,7 @@ def build_on_meta(cfg: StageConfig) -> torch.nn.Module:
         # the CLIP only supplies the widths: its architecture without the pretrained weights
         clip = CLIP.from_config(dataclasses.replace(cfg.clip, pretrained=None))
         if cfg.stage == "upsampler":
-            return cfg.upsampler.build()
+            return cfg.upsampler_section.build()
         return cfg.model.build(clip)
 
 

@@ -45,8 +45,9 @@ def embedding_stats(
     """Per-dimension mean/std ``[D]`` of the training image embeddings: those ``unclip embed``
     stored beside precomputed embeddings, else estimated over the first ``n`` samples (identical on
     all ranks)."""
-    if cfg.data.source == "embeddings" and (Path(cfg.data.path) / STATS_FILE).is_file():
-        stats = load_stats(cfg.data.path)
+    path = cfg.data.path  # DataConfig requires it for embeddings
+    if cfg.data.source == "embeddings" and path is not None and (Path(path) / STATS_FILE).is_file():
+        stats = load_stats(path)
         return (
             torch.from_numpy(stats["image_mean"]).float(),
             torch.from_numpy(stats["image_std"]).float(),
@@ -158,8 +159,8 @@ def build_prior_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     """The prior a ``prior`` stage config trains; the diffusion prior's embedding statistics are
     buffers-like parameters that are set from the data, not trained (the AR prior keeps its fit in
     buffers)."""
-    model = cfg.prior.build(clip)
-    if cfg.prior.type == "ar":
+    model = cfg.prior_section.build(clip)
+    if cfg.prior_section.type == "ar":
         return model
     model.transformer.clip_mean.requires_grad_(False)
     model.transformer.clip_std.requires_grad_(False)
@@ -180,7 +181,7 @@ def train_prior(
     ``train.output_dir`` (refused otherwise). Returns 0."""
     if cfg.stage != "prior":
         raise ValueError(f"train_prior needs a stage 'prior' config, got stage {cfg.stage!r}")
-    if cfg.prior.type == "ar":
+    if cfg.prior_section.type == "ar":
         from unclip.train.ar_prior import train_ar_prior
 
         return train_ar_prior(

@@ -17,12 +17,15 @@ feature map is average-pooled to the CLIP map's size when it is larger.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from unclip.nets.clip import CLIP
 from unclip.nets.clip_features import named_submodule
+from unclip.nets.decoder import UnCLIPDecoder
 
 __all__ = [
     "RepaDecoder",
@@ -76,7 +79,7 @@ class RepaDecoder(nn.Module):
 
     def __init__(
         self,
-        decoder: nn.Module,
+        decoder: UnCLIPDecoder,
         decoder_layer: str,
         channels: int,
         clip_channels: int,
@@ -114,7 +117,7 @@ class RepaDecoder(nn.Module):
         return self.decoder.save_pretrained(*args, **kwargs)
 
 
-def block_output_shape(decoder: nn.Module, name: str, caption) -> tuple[int, int, int]:
+def block_output_shape(decoder: UnCLIPDecoder, name: str, caption) -> tuple[int, int, int]:
     """``(channels, height, width)`` of the UNet block ``name``'s output at the decoder's sample
     size, from one forward pass at batch 1 (``caption``: one caption as the decoder takes them)."""
     block = named_submodule(decoder.unet, name, "repa.decoder_layer")
@@ -137,7 +140,8 @@ def block_output_shape(decoder: nn.Module, name: str, caption) -> tuple[int, int
             f"repa.decoder_layer={name!r} outputs no [B, C, H, W] feature map; name one of "
             "mid_block, down_blocks.<i>, up_blocks.<i> or a resnet in them"
         )
-    return tuple(seen[0].shape[1:])
+    _, channels, height, width = seen[0].shape
+    return channels, height, width
 
 
 _HEAD, _DECODER = "head.", "decoder."
@@ -154,6 +158,10 @@ def exported_state(state: dict) -> dict:
     return {k.removeprefix(_DECODER): v for k, v in state.items() if k.startswith(_DECODER)}
 
 
+@overload
+def exported_model(model: UnCLIPDecoder | RepaDecoder) -> UnCLIPDecoder: ...
+@overload
+def exported_model(model: nn.Module) -> nn.Module: ...
 def exported_model(model: nn.Module) -> nn.Module:
     """The network a training run exports and loads initial weights into: the decoder inside a
     :class:`RepaDecoder`, else ``model`` itself."""

@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -188,6 +189,13 @@ class RunFolder:
     rank: int
     trainable: list[torch.nn.Parameter]
     _saved_step: Optional[int]  # the step of the checkpoint on disk, if current
+    world: int  # processes
+    clock: Callable[[], float]
+    lr_schedule: torch.optim.lr_scheduler.LambdaLR
+    # the throughput and data-wait figures since the last log (_progress_bar starts them)
+    _last_t: float
+    _last_samples: int
+    _data_wait: float
 
     if TYPE_CHECKING:
         # TrainLoop's

@@ -71,7 +71,8 @@ class TokenizerTrainConfig:
             0 <= self.kl_weight_end < math.inf,
             "a finite number >= 0",
         )
-        if self.tokenizer.type == "vqgan" and self.tokenizer.vqgan.discriminator_weights:
+        vqgan = self.tokenizer.vqgan  # set when type is vqgan (TokenizerConfig checks)
+        if self.tokenizer.type == "vqgan" and vqgan is not None and vqgan.discriminator_weights:
             raise ConfigError(
                 "tokenizer.vqgan.discriminator_weights: the adversarial term needs the "
                 "discriminator's own optimizer step, which train-tokenizer does not run; leave "

@@ -80,7 +80,8 @@ class TokenizerTask:
     def __init__(self, cfg: TokenizerTrainConfig, loop: TrainLoop):
         self.cfg, self.loop = cfg, loop
         self.kind = cfg.tokenizer.type
-        self.vq_loss = cfg.tokenizer.vqgan.build_loss() if self.kind == "vqgan" else None
+        vqgan = cfg.tokenizer.vqgan  # set when type is vqgan (TokenizerConfig checks)
+        self.vq_loss = vqgan.build_loss() if self.kind == "vqgan" and vqgan is not None else None
         if self.vq_loss is not None:
             self.vq_loss.to(loop.device)
         self.avg = _Averages()

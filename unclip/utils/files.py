@@ -87,10 +87,11 @@ def write_folder(target: Union[str, os.PathLike], write: Callable[[Path], None])
     return target
 
 
-def write_file(path: Union[str, os.PathLike], write: Callable[[Path], None]) -> Path:
-    """Write file ``path`` whole: ``write(tmp)`` fills a hidden file beside it, which then
-    replaces ``path``. If writing fails (a full disk, a kill) ``path`` keeps its old content or
-    stays absent, the partial file is removed, and an ``OSError`` names ``path``."""
+def write_file(path: Union[str, os.PathLike], write: Callable[[Path], object]) -> Path:
+    """Write file ``path`` whole: ``write(tmp)`` fills a hidden file beside it (what it returns,
+    such as ``Path.write_text``'s count, is ignored), which then replaces ``path``. If writing
+    fails (a full disk, a kill) ``path`` keeps its old content or stays absent, the partial file
+    is removed, and an ``OSError`` names ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:

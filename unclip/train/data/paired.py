@@ -232,7 +232,7 @@ class PairedWebDatasetStream(_Paired, WebDatasetStream):
     def __init__(self, urls, resolution: int, embeddings, **kw):
         super().__init__(urls, resolution, **kw)
         self.table = EmbeddingTable(embeddings)
-        self.url_index = {}
+        self.url_index: dict[str, int] = {}
         for i, u in enumerate(self.urls):
             self.url_index.setdefault(u, i)
         sig = (
@@ -332,10 +332,11 @@ class PairedFolderStream(_Paired, FolderStream):
 
     def _check_pairing(self) -> None:
         folder = [self.key_of(f) for f in self.files]
-        pos = {}
+        pos: dict[str, int] = {}
         for j, k in enumerate(folder):
             pos.setdefault(k, j)
-        at, seen = -1, {}
+        at = -1
+        seen: dict[str, int] = {}
         for i in self.table.shards:
             for r, key in enumerate(self._keys[i]):
                 where = f"{self.table.path}: shard {i}"

@@ -439,7 +439,8 @@ class WebDatasetStream(_Stream):
                 else:
                     skip -= 1
             return
-        rng, buf, read = _rng(self.seed, 1, c, n), [], 0
+        rng, read = _rng(self.seed, 1, c, n), 0
+        buf: list = []
         for item in items:
             if isinstance(item, _EpochEnd):
                 yield item

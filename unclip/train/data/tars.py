@@ -237,8 +237,10 @@ def _group_plain(url: str, members: list[tuple[str, int]]) -> list[dict]:
     its member left out), without building its per-member dicts."""
     from webdataset.tariterators import base_plus_ext
 
-    out, errors = [], []
-    key, suffixes = None, set()
+    out: list[dict] = []
+    errors: list[ValueError] = []
+    key: Optional[str] = None
+    suffixes: set[str] = set()
     for name, offset in members:
         if _META.match(name):
             continue
@@ -264,7 +266,8 @@ def _plain_members(fd: int, size: int) -> Optional[list[tuple[str, int]]]:
     block), as img2dataset writes them; ``None`` for anything else (long names, pax headers, a
     break), which :mod:`tarfile` then lists (the same members, at several times the cost per
     header)."""
-    out, offset = [], 0
+    out: list[tuple[str, int]] = []
+    offset = 0
     while True:
         block = os.pread(fd, tarfile.BLOCKSIZE, offset)
         if len(block) != tarfile.BLOCKSIZE:
@@ -272,11 +275,12 @@ def _plain_members(fd: int, size: int) -> Optional[list[tuple[str, int]]]:
         if block.count(0) == tarfile.BLOCKSIZE:
             return out
         # the header's checksum (unsigned; tarfile also takes a signed one) and octal size
-        stored, length = block[148:156], block[124:136]
+        stored, length_field = block[148:156], block[124:136]
         if block[124] & 0x80 or stored[:1] == b"\0":
             return None  # a base-256 size or an empty checksum field: tarfile decodes them
         try:
-            checksum, length = int(stored.rstrip(b"\0 "), 8), int(length.rstrip(b"\0 ") or b"0", 8)
+            checksum = int(stored.rstrip(b"\0 "), 8)
+            length = int(length_field.rstrip(b"\0 ") or b"0", 8)
         except ValueError:
             return None
         if checksum != sum(block) - sum(stored) + 256:
