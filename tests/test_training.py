@@ -715,3 +715,14 @@ def test_the_share_of_time_spent_waiting_for_data_is_logged(tmp_path):
     # 3 s waiting for every 1 s step: three quarters of the time
     assert run("slow", 3.0) == pytest.approx([0.75] * 3)
     assert run("ready", 0.0) == [0.0] * 3
+
+
+def test_the_prior_logs_how_close_its_predicted_embeddings_are(tmp_path):
+    """Besides its loss the prior logs ``embed_cosine``: the mean cosine between the image
+    embeddings it predicts at the trained timesteps and the true ones, a quality signal."""
+    out = tmp_path / "p"
+    assert train("prior", out, "train.max_steps=3", "train.log_every=1") == 0
+    rows = [m for m in metrics(out) if "loss" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    assert all(-1.0 <= m["embed_cosine"] <= 1.0 for m in rows)
+    assert len({m["embed_cosine"] for m in rows}) > 1  # measured each time, not a constant
