@@ -27,6 +27,8 @@ from unclip.train.params import count_parameters
 from unclip.utils.config import ConfigError, load_config
 
 QUIET = ["train.progress=false", "train.trackers=[]"]
+#: the stage configs at the paper's scale (the DALL-E token configs are counted elsewhere)
+FULL_SCALE = {"prior_vit_l14", "decoder_64", "sr256", "sr1024"}
 
 
 @pytest.fixture(autouse=True)
@@ -244,6 +246,25 @@ def test_full_scale_decoder_has_the_papers_parameter_count():
         load_stage_config(CONFIGS / "decoder_64.yaml", ["decoder.text_encoder=clip"])
     )
     assert 2.1e9 <= clip_tokens <= 2.4e9, clip_tokens
+
+
+def _readme_counts() -> dict:
+    """``{config file: count}`` from the parameter-count table of configs/README.md."""
+    import re
+
+    text = (CONFIGS / "README.md").read_text()
+    section = text.split("## Parameter counts", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w./-]+\.yaml)` \|[^|\n]*\| [^|\n(]*\(([\d,]+)\)", section, re.M)
+    return {name: int(count.replace(",", "")) for name, count in rows}
+
+
+def test_readme_parameter_counts_are_the_built_ones():
+    """Every count configs/README.md states is what the config builds on the meta device, and
+    every full-scale config has one."""
+    written = _readme_counts()
+    assert set(written) == {p.name for p in CONFIGS.glob("*.yaml") if p.stem in FULL_SCALE}
+    for name, count in written.items():
+        assert count_parameters(load_stage_config(CONFIGS / name)) == count, name
 
 
 def test_linear_schedule_upsampler_trains_and_samples(tmp_path):
