@@ -171,8 +171,10 @@ class PlanLoop(TrainLoop):
             loss = acc.scaler.scale(loss)  # the scaler creates its scale on the loss's device
         # a checkpointed block's recompute enters CUDA autocast afresh, which torch turns off
         # when it finds no CUDA; on a GPU it is on
+        held = [loss]
+        del loss  # the graph is released node by node (see fake_backward)
         with mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False):
-            fake_backward(loss)
+            fake_backward(held)
 
 
 def missing_gradients(model: torch.nn.Module) -> list[str]:
@@ -401,8 +403,9 @@ def measure_step(
                     copies = max(copies, _count([c() for c in casts if c() is not None]))
                     loss_dtype = dtype_name(loss.dtype)
                     mem.reset_peak()
-                    loop.backward(loss)
+                    held = [loss]
                     del loss
+                    loop.backward(held.pop())  # no reference left here to keep the graph
                     bwd_peak = max(bwd_peak, mem.peak)
             missing = missing_gradients(loop.unwrapped)
             if missing:

@@ -138,9 +138,13 @@ def _dependencies(root) -> dict:
     return deps
 
 
-def fake_backward(loss: torch.Tensor) -> None:
-    """``loss.backward()`` without the engine: see the module doc. ``loss`` is a scalar; the
-    caller should drop its own reference to it (as the engine releases the graph)."""
+def fake_backward(loss) -> None:
+    """``loss.backward()`` without the engine: see the module doc. ``loss`` is a scalar, or a
+    one-element list holding it, which is emptied: the graph is then released node by node as
+    backward runs, as the engine does, provided no one else holds the loss or its intermediate
+    tensors."""
+    if isinstance(loss, list):
+        loss = loss.pop()
     if loss.grad_fn is None:
         raise RuntimeError("the loss does not require grad: nothing in the model is trained")
     root = loss.grad_fn
@@ -148,7 +152,7 @@ def fake_backward(loss: torch.Tensor) -> None:
     buffers = {root: [torch.ones_like(loss)]}
     order = itertools.count()  # ties among equal sequence numbers: first come, first run
     ready = [(-root._sequence_nr(), next(order), root)]
-    del loss
+    del loss, root  # from here on the queue holds the graph: each node dies once run
     from torch.utils.checkpoint import GraphExecGroup
 
     # one recompute per checkpointed block, as under one engine call
