@@ -169,11 +169,15 @@ class PlanLoop(TrainLoop):
         loss = loss / acc.gradient_accumulation_steps
         if acc.scaler is not None:
             loss = acc.scaler.scale(loss)  # the scaler creates its scale on the loss's device
-        # a checkpointed block's recompute enters CUDA autocast afresh, which torch turns off
-        # when it finds no CUDA; on a GPU it is on
         held = [loss]
         del loss  # the graph is released node by node (see fake_backward)
-        with mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False):
+        # a checkpointed block's recompute enters CUDA autocast afresh, which torch turns off
+        # when it finds no CUDA (and refuses bf16 without a device that has it); on an A100 it
+        # is on in either precision
+        with (
+            mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False),
+            mock.patch("torch.cuda.is_bf16_supported", lambda *a, **k: True),
+        ):
             fake_backward(held)
 
 
