@@ -147,7 +147,7 @@ ARCHITECTURES = [
     (UpsamplerConfig, UnCLIPUpsampler),
 ]
 #: fields that choose the model or feed its training, not arguments of the model
-NOT_ARGUMENTS = {"type", "ar", "fit_samples"}
+NOT_ARGUMENTS = {"type", "ar", "fit_samples", "embed_scale"}  # embed_scale: stored as statistics
 #: options of the diffusion prior's transformer blocks that the AR prior refuses (test below)
 DIFFUSION_PRIOR_ONLY = {"normformer", "ff_activation"}
 

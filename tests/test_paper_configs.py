@@ -27,6 +27,8 @@ from unclip.train.params import count_parameters
 from unclip.utils.config import ConfigError, load_config
 
 QUIET = ["train.progress=false", "train.trackers=[]"]
+#: the stage configs at the paper's scale (the DALL-E token configs are counted elsewhere)
+FULL_SCALE = {"prior_vit_l14", "decoder_64", "sr256", "sr1024", "prior_ar_vit_l14"}
 
 
 @pytest.fixture(autouse=True)
@@ -246,6 +248,25 @@ def test_full_scale_decoder_has_the_papers_parameter_count():
     assert 2.1e9 <= clip_tokens <= 2.4e9, clip_tokens
 
 
+def _readme_counts() -> dict:
+    """``{config file: count}`` from the parameter-count table of configs/README.md."""
+    import re
+
+    text = (CONFIGS / "README.md").read_text()
+    section = text.split("## Parameter counts", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w./-]+\.yaml)` \|[^|\n]*\| [^|\n(]*\(([\d,]+)\)", section, re.M)
+    return {name: int(count.replace(",", "")) for name, count in rows}
+
+
+def test_readme_parameter_counts_are_the_built_ones():
+    """Every count configs/README.md states is what the config builds on the meta device, and
+    every full-scale config has one."""
+    written = _readme_counts()
+    assert set(written) == {p.name for p in CONFIGS.glob("*.yaml") if p.stem in FULL_SCALE}
+    for name, count in written.items():
+        assert count_parameters(load_stage_config(CONFIGS / name)) == count, name
+
+
 def test_linear_schedule_upsampler_trains_and_samples(tmp_path):
     """configs/sr1024.yaml's linear schedule: every sampler its sampling section names accepts it,
     and a tiny upsampler with it (and no attention) trains and samples."""
@@ -306,3 +327,84 @@ def test_decoder_checkpointing_covers_attention_and_keeps_gradients(tmp_path):
     assert len(g_all) == len(g_none)
     for a, b in zip(g_all, g_none):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_papers_blur_is_three_taps_of_sigma_0_6():
+    """configs/sr256.yaml's corruption: σ 0.6 over a 3-tap kernel, the weights written out here;
+    the default (3σ each side: 5 taps at σ 0.6) blurs further."""
+    import math
+
+    from unclip.nets.decoder import degrade, gaussian_blur
+
+    cfg = load_stage_config(CONFIGS / "sr256.yaml")
+    assert cfg.upsampler_train.blur_sigma == [0.6, 0.6]
+    assert cfg.upsampler_train.blur_kernel_size == 3
+    x = torch.zeros(1, 1, 7, 7)
+    x[0, 0, 3, 3] = 1.0  # an impulse: the blur's output is its kernel
+    side = math.exp(-0.5 / 0.36)
+    taps = torch.tensor([side, 1.0, side]) / (1 + 2 * side)
+    out = gaussian_blur(x, torch.tensor([0.6]), kernel_size=3)[0, 0]
+    torch.testing.assert_close(out[2:5, 2:5], taps[:, None] * taps[None, :])
+    assert out.sum() == pytest.approx(1.0) and out[1].abs().max() == 0
+    assert gaussian_blur(x, torch.tensor([0.6]))[0, 0, 1, 3] > 0  # the default's fifth tap
+    gens = [torch.Generator().manual_seed(0)]
+    img = torch.rand(1, 3, 32, 32) * 2 - 1
+    three = degrade(img, 8, "blur", gens, (0.6, 0.6), 3)
+    gens = [torch.Generator().manual_seed(0)]
+    assert not torch.equal(three, degrade(img, 8, "blur", gens, (0.6, 0.6)))
+    with pytest.raises(ConfigError, match="blur_kernel_size must be an odd number"):
+        load_stage_config(CONFIGS / "sr256.yaml", ["upsampler_train.blur_kernel_size=4"])
+    small = load_stage_config(CONFIGS / "tiny" / "sr32.yaml")
+    assert small.upsampler_train.blur_kernel_size is None  # small models keep 3σ each side
+
+
+def test_prior_embedding_scale_is_the_papers_fixed_17_2(tiny_clip):
+    """``prior.embed_scale``: no data read, mean 0 and std 1/17.2, so the diffusion runs on 17.2
+    times the unit-norm embedding; the small priors keep data statistics; checked values."""
+    from unclip.train.prior import embedding_stats
+
+    cfg = load_stage_config(CONFIGS / "prior_vit_l14.yaml")
+    assert cfg.prior.embed_scale == 17.2
+    tiny = load_stage_config(CONFIGS / "tiny" / "prior.yaml", ["prior.embed_scale=17.2"])
+    assert load_stage_config(CONFIGS / "tiny" / "prior.yaml").prior.embed_scale is None
+    mean, std = embedding_stats(tiny, tiny_clip, "cpu")
+    prior = tiny.model.build(tiny_clip)  # the switch is stored as statistics, not architecture
+    prior.set_embedding_stats(mean, std)
+    x = torch.nn.functional.normalize(torch.randn(3, tiny_clip.embed_dim), dim=-1)
+    torch.testing.assert_close(prior.normalize(x), 17.2 * x)
+    torch.testing.assert_close(prior.denormalize(prior.normalize(x)), x)
+    for bad, match in (("prior.embed_scale=0", "must be > 0"), ("prior.type=ar", "diffusion")):
+        with pytest.raises(ConfigError, match=match):
+            load_stage_config(CONFIGS / "tiny" / "prior.yaml", ["prior.embed_scale=17.2", bad])
+
+
+def test_full_scale_priors_sampler_and_the_autoregressive_prior_config(tiny_clip):
+    """The diffusion prior samples with the ancestral 'unclip' sampler at the paper's 64 steps
+    (run here on a tiny prior); the autoregressive prior config is the paper's decoder size."""
+    from unclip.diffusion.config import DiffusionConfig
+    from unclip.sampling.settings import PriorSampling
+    from unclip.sampling.stages import sample_prior
+
+    cfg = load_stage_config(CONFIGS / "prior_vit_l14.yaml")
+    assert (cfg.sampling.scheduler, cfg.sampling.steps) == ("unclip", 64)
+    prior = load_stage_config(CONFIGS / "tiny" / "prior.yaml").model.build(tiny_clip)
+    text = tiny_clip.encode_text(["a red circle", "a blue square"])
+    runs = []
+    for scheduler in ("unclip", "ddim"):
+        settings = PriorSampling(scheduler=scheduler, steps=4, guidance_scale=2.0)
+        with torch.no_grad():
+            best, _ = sample_prior(
+                prior,
+                text,
+                lambda n: tiny_clip.encode_text([""] * n),
+                settings,
+                DiffusionConfig(prediction_type="sample"),
+                generator=torch.Generator().manual_seed(0),
+                progress=False,
+            )
+        runs.append(best)
+    assert torch.isfinite(runs[0]).all() and not torch.equal(*runs)  # ancestral noise added
+    ar = load_stage_config(CONFIGS / "prior_ar_vit_l14.yaml")
+    assert ar.prior.type == "ar" and ar.prior.num_layers == 24
+    assert ar.prior.num_attention_heads * ar.prior.attention_head_dim == 1664
+    assert (ar.prior.ar.pca_dims, ar.prior.ar.num_buckets) == (319, 1024)

@@ -312,3 +312,40 @@ def test_dry_run_of_an_attention_free_upsampler():
     m = measured("sr32", "upsampler.add_attention=false")
     assert 0 < m.block_weights < m.weights
     assert m.params_total < measured("sr32").params_total  # no mid-block attention
+
+
+def test_dry_run_runs_every_micro_batch_and_writes_a_checkpoint(monkeypatch):
+    """Backward through the real graph once per micro-batch of the config's accumulation, the
+    optimizer on its foreach path, the checkpoint's files counted."""
+    import unclip.train.plan as plan
+
+    calls = []
+    real = plan.fake_backward
+    monkeypatch.setattr(plan, "fake_backward", lambda loss: calls.append(1) or real(loss))
+    m = measure_step(tiny("sr32", "train.grad_accum_steps=3", "train.gradient_checkpointing=true"))
+    assert len(calls) == m.grad_accum_steps == 3
+    assert m.optimizer_path == "foreach (capturable)"
+    files = m.checkpoint_files
+    weights = 4 * m.params_total
+    assert weights <= files["model.safetensors"] < weights * 1.01
+    assert files["ema.safetensors"] == 4 * m.params_trainable
+    assert 2 * weights <= files["optimizer.safetensors"] < 2 * weights * 1.01
+    assert m.backward_peak > m.weights + m.grads  # backward's own tensors, measured
+    assert m.peak >= m.backward_peak + m.optimizer
+
+
+def test_dry_run_names_a_parameter_that_gets_no_gradient(monkeypatch):
+    """A branch cut from the graph (its output detached) leaves its parameters without a
+    gradient on fake CUDA: the dry run fails naming them."""
+    import unclip.train.plan as plan
+
+    real = plan._build
+
+    def build_with_a_cut(cfg, clip, device):
+        model, task = real(cfg, clip, device)
+        model.unet.conv_in.register_forward_hook(lambda mod, args, out: out.detach())
+        return model, task
+
+    monkeypatch.setattr(plan, "_build", build_with_a_cut)
+    with pytest.raises(RuntimeError, match=r"unet\.conv_in\.weight"):
+        measure_step(tiny("sr32"))

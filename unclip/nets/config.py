@@ -58,9 +58,12 @@ class PriorConfig:
     normalised image embedding). ``ar``: a causal transformer of the same size
     (``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``dropout``) predicting the
     PCA-quantised image embedding one code at a time (:class:`~unclip.ar_prior.UnCLIPARPrior`),
-    with the code settings in ``ar`` (:class:`ARPriorOptions`; only for ``type: ar``). The CLIP
-    supplies the widths (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes
-    the network.
+    with the code settings in ``ar`` (:class:`ARPriorOptions`; only for ``type: ar``).
+    ``embed_scale`` (diffusion only): the diffusion runs on ``embed_scale ·`` the unit-norm image
+    embedding, the paper's fixed 17.2 (Ramesh et al. 2022, Appendix C), instead of each
+    dimension standardised by statistics of the training embeddings (``null``, as in Karlo); it
+    is stored as those statistics (mean 0, std ``1/embed_scale``). The CLIP supplies the widths
+    (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes the network.
 
     DALL-E Mega's transformer recipe for either prior (:mod:`unclip.transformer_blocks`):
     ``normformer`` adds NormFormer's LayerNorms after attention and after the feed-forward's
@@ -79,9 +82,18 @@ class PriorConfig:
     normformer: bool = False
     ff_activation: Literal["gelu", "geglu", "swiglu"] = "gelu"
     ar: Optional[ARPriorOptions] = None
+    embed_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_dropout("prior.dropout", self.dropout)
+        if self.embed_scale is not None:
+            if not self.embed_scale > 0:
+                raise ConfigError(f"prior.embed_scale must be > 0 or null, got {self.embed_scale}")
+            if self.type == "ar":
+                raise ConfigError(
+                    "prior.embed_scale applies to the diffusion prior (the autoregressive prior "
+                    "codes embeddings by PCA); remove it or set prior.type: diffusion"
+                )
         if self.type == "diffusion" and self.ar is not None:
             raise ConfigError(
                 "prior.ar configures the autoregressive prior; set prior.type: ar or remove the "
@@ -93,7 +105,8 @@ class PriorConfig:
     def build(self, clip):
         """The prior this config describes (:class:`~unclip.prior.UnCLIPPrior` or
         :class:`~unclip.ar_prior.UnCLIPARPrior`), sized for ``clip``."""
-        arch = {k: v for k, v in to_dict(self).items() if k not in ("type", "ar")}
+        skip = ("type", "ar", "embed_scale")  # embed_scale is stored as the statistics
+        arch = {k: v for k, v in to_dict(self).items() if k not in skip}
         if self.type == "ar":
             from unclip.nets.ar_prior import UnCLIPARPrior
 

@@ -468,9 +468,18 @@ def upsample_low_res(low: torch.Tensor, size: int, clamp: bool = True) -> torch.
     return up.clamp(-1, 1) if clamp else up
 
 
-def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Per-sample Gaussian blur of ``x [B, C, H, W]`` with ``sigma [B]`` (pixels; 0 = identity)."""
-    radius = max(1, int(math.ceil(3 * float(sigma.max()))))
+def gaussian_blur(
+    x: torch.Tensor, sigma: torch.Tensor, kernel_size: Optional[int] = None
+) -> torch.Tensor:
+    """Per-sample Gaussian blur of ``x [B, C, H, W]`` with ``sigma [B]`` (pixels; 0 = identity),
+    separable, over ``kernel_size`` taps (odd; default: 3σ on each side of the centre, at least
+    one), the weights renormalised to sum to 1."""
+    if kernel_size is None:
+        radius = max(1, int(math.ceil(3 * float(sigma.max()))))
+    elif kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be an odd number >= 1, got {kernel_size}")
+    else:
+        radius = kernel_size // 2
     coords = torch.arange(-radius, radius + 1, dtype=torch.float32, device=x.device)
     s = sigma.to(x.device).float().clamp_min(1e-4).view(-1, 1)
     k = torch.exp(-0.5 * (coords.view(1, -1) / s) ** 2)
@@ -485,16 +494,21 @@ def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 
 
 def degrade(
-    high: torch.Tensor, low_res_size: int, mode: str, generators, blur_sigma=(0.4, 0.6)
+    high: torch.Tensor,
+    low_res_size: int,
+    mode: str,
+    generators,
+    blur_sigma=(0.4, 0.6),
+    blur_kernel_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Training-time low-res conditioning from a high-res crop ``[B, 3, H, W]`` in [-1, 1].
 
-    ``mode="blur"``: antialiased downsample then a Gaussian blur with σ ~ U(blur_sigma) (first
-    upsampler). ``mode="bsr"``: a BSR-style chain per sample — blur with random σ, downsample
-    through a random intermediate size and interpolation mode, additive Gaussian noise of random
-    strength and a random JPEG-like quantisation (second upsampler). ``mode="none"``: downsample
-    only. Random draws come from ``generators`` (one per sample). Returns
-    ``[B, 3, low_res_size, low_res_size]``.
+    ``mode="blur"``: antialiased downsample then a Gaussian blur with σ ~ U(blur_sigma) over
+    ``blur_kernel_size`` taps (:func:`gaussian_blur`; first upsampler). ``mode="bsr"``: a
+    BSR-style chain per sample — blur with random σ, downsample through a random intermediate size
+    and interpolation mode, additive Gaussian noise of random strength and a random JPEG-like
+    quantisation (second upsampler). ``mode="none"``: downsample only. Random draws come from
+    ``generators`` (one per sample). Returns ``[B, 3, low_res_size, low_res_size]``.
     """
     b = high.shape[0]
     low = F.interpolate(
@@ -509,7 +523,7 @@ def degrade(
     u = torch.stack([torch.rand(6, generator=g) for g in generators])  # [B, 6]
     if mode == "blur":
         lo, hi = blur_sigma
-        return gaussian_blur(low, lo + (hi - lo) * u[:, 0]).clamp(-1, 1)
+        return gaussian_blur(low, lo + (hi - lo) * u[:, 0], blur_kernel_size).clamp(-1, 1)
     if mode != "bsr":
         raise ValueError(f"unknown low-res corruption {mode!r}; use blur, bsr or none")
     out = []

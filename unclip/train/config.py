@@ -355,13 +355,16 @@ class UpsamplerTrainConfig:
     Each training image is cropped to ``crop_size`` (default: the upsampler's ``sample_size``; the
     network is fully convolutional, so it samples at full size), downsampled by the upsampler's
     ``sample_size / low_res_size`` and corrupted (``corruption``: ``blur``, a Gaussian blur with σ
-    drawn from ``blur_sigma``, first upsampler; ``bsr``, BSR-style degradation, second upsampler;
+    drawn from ``blur_sigma`` over ``blur_kernel_size`` taps (odd; default 3σ each side of the
+    centre: 5 taps at σ 0.4–0.6; the paper's is σ 0.6 with 3), first upsampler; ``bsr``,
+    BSR-style degradation, second upsampler;
     ``none``), then noised to a random level in ``[0, max_noise_level]`` that the network is told.
     """
 
     crop_size: Optional[int] = None
     corruption: Literal["blur", "bsr", "none"] = "blur"
     blur_sigma: list[float] = field(default_factory=lambda: [0.4, 0.6])
+    blur_kernel_size: Optional[int] = None
     max_noise_level: int = 250
 
     def __post_init__(self) -> None:
@@ -378,6 +381,13 @@ class UpsamplerTrainConfig:
             len(self.blur_sigma) == 2 and 0 <= self.blur_sigma[0] <= self.blur_sigma[1],
             "[low, high] with 0 <= low <= high",
         )
+        if self.blur_kernel_size is not None:
+            check_range(
+                "upsampler_train.blur_kernel_size",
+                self.blur_kernel_size,
+                self.blur_kernel_size >= 1 and self.blur_kernel_size % 2 == 1,
+                "an odd number >= 1, or null for 3 sigma on each side",
+            )
         check_at_least("upsampler_train.max_noise_level", self.max_noise_level, 0)
 
 

@@ -148,7 +148,9 @@ def upsampler_inputs(
             [images[i, :, tops[i] : tops[i] + crop, lefts[i] : lefts[i] + crop] for i in range(b)]
         )
     low_size = crop * up.low_res_size // up.sample_size
-    low = degrade(images, low_size, aug.corruption, gens, tuple(aug.blur_sigma))
+    low = degrade(
+        images, low_size, aug.corruption, gens, tuple(aug.blur_sigma), aug.blur_kernel_size
+    )
     low_up = upsample_low_res(low, crop)
     levels = torch.stack([torch.randint(0, aug.max_noise_level + 1, (), generator=g) for g in gens])
     noise = torch.stack([torch.randn(low_up.shape[1:], generator=g) for g in gens])
@@ -249,7 +251,14 @@ class UpsamplerTask:
         up, aug = self.cfg.upsampler_section, self.cfg.upsampler_train_section
         n = min(GRID_SIZE, len(batch["caption"]))
         gens = _grid_generators(self.cfg, n)
-        low = degrade(batch["image"][:n], up.low_res_size, aug.corruption, gens, aug.blur_sigma)
+        low = degrade(
+            batch["image"][:n],
+            up.low_res_size,
+            aug.corruption,
+            gens,
+            aug.blur_sigma,
+            aug.blur_kernel_size,
+        )
         out = sample_upsampler(
             model, low, self.cfg.sampling, self.cfg.diffusion, generator=gens, progress=False
         )

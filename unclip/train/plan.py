@@ -11,12 +11,18 @@ mismatch raises exactly where it would on a GPU.
 What a fake tensor cannot do, and what the dry run does instead:
 
 * **read a value** (``loss.item()``, the grad scaler's overflow flag, ``bool(isfinite(norm))``): a
-  read returns 0 (``True`` for a boolean), so the step takes the path of a healthy step; the
-  optimizer runs in its ``capturable`` mode (its step counter is a tensor on the GPU, never read);
-* **run autograd's backward on "cuda" without a driver** (the engine asks the CUDA driver for its
-  streams, pytorch/pytorch#92627): :meth:`PlanLoop.backward` walks the real autograd graph of the
-  loss and gives every parameter the graph reaches a gradient of its shape, dtype and device, as the
-  engine would. Its memory is estimated (see :func:`measure_step`).
+  read returns 0 (``True`` for a boolean), so the step takes the path of a healthy step; AdamW runs
+  on the foreach path a GPU takes, in its ``capturable`` mode (its step counter is a tensor on the
+  GPU, never read);
+* **run the autograd engine on "cuda" without a driver** (pytorch/pytorch#92627):
+  :meth:`PlanLoop.backward` runs the real graph's backward formulas with the engine's scheduling
+  written in Python (:mod:`unclip.train.plan_backward`), checkpointed blocks recomputed and fused
+  attention's backward included; a trained parameter left without a gradient is an error naming
+  it.
+
+Every micro-batch of the config's accumulation runs, then the clipping, the optimizer step, the
+EMA update and the checkpoint write (the loop's own code; the files' tensor bytes counted, nothing
+written).
 
 Memory is counted by :class:`MemoryTracker`: every tensor the step allocates on the device, each
 storage rounded up to 512 bytes as the CUDA caching allocator does, freed when its last reference
@@ -46,13 +52,21 @@ from torch.utils.flop_counter import FlopCounterMode
 from unclip.train.decoder import clip_device
 from unclip.train.distributed import fsdp_units
 from unclip.train.loop import TrainLoop
+from unclip.train.plan_backward import (
+    autocast_copies,
+    check_devices,
+    checkpoint_sink,
+    fake_backward,
+    gpu_attention,
+    tensor_inputs_recorded,
+)
 from unclip.utils.precision import dtype_name
 
 __all__ = [
     "MemoryTracker",
     "StepMeasure",
     "PlanLoop",
-    "graph_parameters",
+    "missing_gradients",
     "measure_step",
     "real_cpu_step_peak",
 ]
@@ -148,35 +162,28 @@ def _cuda_reported(count: int = 1) -> Iterator[None]:
 
 
 class PlanLoop(TrainLoop):
-    """:class:`TrainLoop` whose backward is the fake-CUDA stand-in described in the module doc."""
+    """:class:`TrainLoop` whose backward runs without the autograd engine (see the module doc)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         acc = self.accelerator
         loss = loss / acc.gradient_accumulation_steps
         if acc.scaler is not None:
             loss = acc.scaler.scale(loss)  # the scaler creates its scale on the loss's device
-        for p in graph_parameters(loss):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.add_(torch.zeros_like(p))
-        self.grad_bytes_seen = True
+        held = [loss]
+        del loss  # the graph is released node by node (see fake_backward)
+        # a checkpointed block's recompute enters CUDA autocast afresh, which torch turns off
+        # when it finds no CUDA (and refuses bf16 without a device that has it); on an A100 it
+        # is on in either precision
+        with (
+            mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False),
+            mock.patch("torch.cuda.is_bf16_supported", lambda *a, **k: True),
+        ):
+            fake_backward(held)
 
 
-def graph_parameters(loss: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors requiring grad that ``loss``'s autograd graph reaches (those backward
-    would give a gradient), in graph order."""
-    out, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            out.append(var)
-        stack.extend(f for f, _ in fn.next_functions)
-    return out
+def missing_gradients(model: torch.nn.Module) -> list[str]:
+    """The trained parameters of ``model`` that backward gave no gradient."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
 
 @dataclasses.dataclass
@@ -210,6 +217,14 @@ class StepMeasure:
     text_cache: int = 0  # the prior's caption-encoding cache at its budget (train.text_cache_mb)
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
     clip_flops: int = 0  # the frozen CLIP's part of it (no backward)
+    backward_peak: int = 0  # measured during a micro-batch's backward (before AdamW's moments)
+    optimizer_path: str = ""  # which AdamW implementation ran
+    checkpoint_files: dict = dataclasses.field(default_factory=dict)  # file → tensor bytes
+    checkpoint_peak_extra: int = 0  # device memory the checkpoint write added at its peak
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(self.checkpoint_files.values())
 
     @property
     def train_flops_per_sample(self) -> float:
@@ -227,10 +242,12 @@ class StepMeasure:
     @property
     def peak(self) -> int:
         """The step's peak on one GPU without sharding: the static state plus a micro-batch's
-        activations, the recomputed block and the backward's transient, or a measured peak if
-        higher."""
+        activations, the recomputed block and the backward's transient, or a measured peak
+        (forward, backward, optimizer step) if higher."""
         backward = self.static + self.activations + self.recompute + self.transient
-        return max(backward, self.forward_peak, self.optimizer_peak)
+        # the measured backward ran before AdamW made its moments (at the first step)
+        measured = self.backward_peak + self.optimizer
+        return max(backward, self.forward_peak, measured, self.optimizer_peak)
 
 
 def _synthetic_batch(cfg, clip, b: int) -> dict:
@@ -273,9 +290,8 @@ def measure_step(
     ``device_type="cuda"``: fake ``cuda:0`` tensors with the config's mixed precision (``auto`` →
     fp16 with loss scaling); ``"cpu"``: fake CPU tensors (used to check the method against a real
     CPU run). ``micro_batch`` overrides ``data.batch_size``; ``accumulation`` the number of
-    micro-batches run (default: ``min(train.grad_accum_steps, 2)``: the second micro-batch is where
-    the peak is, with the first one's gradients held). Raises whatever a GPU would: device and dtype
-    mismatches included."""
+    micro-batches run (default: ``train.grad_accum_steps``). Raises whatever a GPU would: device and
+    dtype mismatches included, and a trained parameter that gets no gradient."""
     from unclip.nets.clip import CLIP
     from unclip.train.optimizers import PRECONDITIONED
 
@@ -296,7 +312,7 @@ def measure_step(
     cfg.train.init_weights_partial = False
     cfg.train.trackers = []
     cfg.train.progress = False
-    steps = accumulation or min(cfg.train.grad_accum_steps, 2)
+    steps = accumulation or cfg.train.grad_accum_steps
     cfg.train.grad_accum_steps = steps
     # counted at its full budget; measured without it, so that every micro-batch runs the CLIP
     # (the synthetic batches repeat one caption)
@@ -330,7 +346,13 @@ def measure_step(
             mem.peak = max(start, mem.peak)
             return out
 
-        with fake, mem, mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint):
+        with (
+            fake,
+            mem,
+            mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint),
+            gpu_attention() if device_type == "cuda" else contextlib.nullcontext(),
+            tensor_inputs_recorded(),
+        ):
             device = torch.device(device_type, 0) if device_type == "cuda" else loop.device
             torch.manual_seed(cfg.train.seed)
             if token_family:  # no CLIP: the caption is BPE ids
@@ -353,15 +375,18 @@ def measure_step(
                     model = loop.prepare(model)
             else:
                 model = loop.prepare(model)
-            # no value can be read: the step counter stays a tensor (see the module doc); on a
-            # CPU, where the capturable mode does not exist, the fused kernel keeps it one too
+            # no value can be read: the step counter stays a tensor (see the module doc). A GPU
+            # runs AdamW's foreach path (torch's default on CUDA; a fake tensor's type would send
+            # it to the per-tensor loop); on a CPU, where the capturable mode does not exist, the
+            # fused kernel keeps the counter a tensor too
+            path = {"foreach": True, "capturable": True} if device_type == "cuda" else {}
             for group in loop.optimizer.param_groups:
-                group["capturable" if device_type == "cuda" else "fused"] = True
+                group.update(path or {"fused": True})
             ema = mem.current - clip_bytes - weights
             batch = _synthetic_batch(cfg, clip, cfg.data.batch_size)
             model.train()
-            # forward and the stand-in backward of each micro-batch, measured one at a time
-            act, fwd_peak, copies, largest, loss_dtype = 0, 0, 0, 0, "float32"
+            # forward and backward of each micro-batch, measured one at a time
+            act, fwd_peak, bwd_peak, copies, largest, loss_dtype = 0, 0, 0, 0, 0, "float32"
             forward_flops = None
             for _ in range(steps):
                 before = mem.current
@@ -370,17 +395,28 @@ def measure_step(
                 with loop.accelerator.accumulate(model):
                     gens = loop.generators(cfg.data.batch_size)
                     clip_flops[0] = 0
-                    with _autocast_copies(params) as casts, FlopCounterMode(display=False) as fc:
+                    # FLOPs are the same every micro-batch: counted once
+                    counting = FlopCounterMode(display=False) if forward_flops is None else None
+                    with autocast_copies(params) as casts, counting or contextlib.nullcontext():
                         loss = task.loss(model, batch, gens)
                     if forward_flops is None:
-                        forward_flops, frozen_flops = fc.get_total_flops(), clip_flops[0]
+                        forward_flops, frozen_flops = counting.get_total_flops(), clip_flops[0]
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)
                     fwd_peak = max(fwd_peak, mem.peak)
                     copies = max(copies, _count([c() for c in casts if c() is not None]))
                     loss_dtype = dtype_name(loss.dtype)
-                    loop.backward(loss)
+                    mem.reset_peak()
+                    held = [loss]
                     del loss
+                    loop.backward(held.pop())  # no reference left here to keep the graph
+                    bwd_peak = max(bwd_peak, mem.peak)
+            missing = missing_gradients(loop.unwrapped)
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} trained parameters got no gradient on {device} "
+                    f"(first: {', '.join(missing[:3])}): the loss does not reach them"
+                )
             grads = _count([p.grad for p in trainable if p.grad is not None])
             mem.reset_peak()
             before_opt = mem.current
@@ -388,7 +424,12 @@ def measure_step(
                 loop.update_ema()
             opt_peak = mem.peak
             optimizer = mem.current - before_opt + grads  # zero_grad freed the gradients
-            _check_devices(loop, model, device)
+            mem.reset_peak()
+            before_save = mem.current
+            with checkpoint_sink() as files:
+                loop.save_checkpoint()  # the loop's own code; the sink writes no tensor data
+            save_extra = mem.peak - before_save
+            check_devices(loop, model, device)
             units = fsdp_units(loop.unwrapped)  # what FSDP would shard unit by unit
             measure = StepMeasure(
                 stage=getattr(cfg, "stage", task.name),
@@ -418,6 +459,10 @@ def measure_step(
                 loss_dtype=loss_dtype,
                 forward_flops=forward_flops,
                 clip_flops=frozen_flops,
+                backward_peak=bwd_peak,
+                optimizer_path="foreach (capturable)" if path else "fused",
+                checkpoint_files=dict(files),
+                checkpoint_peak_extra=save_extra,
             )
         loop.accelerator.end_training()
     return measure
@@ -537,41 +582,3 @@ def _build(cfg, clip, device):
         model = build_image_model(cfg, clip)
         task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, device)
         return model, task
-
-
-@contextlib.contextmanager
-def _autocast_copies(params):
-    """Weak references to the half-precision copies autocast makes of ``params``: those still
-    alive after the forward are kept for backward."""
-    ids = {id(p) for p in params}
-    found: list[weakref.ref] = []
-
-    class _Casts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and args and id(args[0]) in ids:
-                found.append(weakref.ref(out))  # weak: only those backward keeps count
-            return out
-
-    with _Casts():
-        yield found
-
-
-def _check_devices(loop, model, device) -> None:
-    """Every piece of training state must live on the training device: a stray CPU tensor is a
-    cross-device copy per step on a GPU, or a crash."""
-    want = torch.device(device).type
-
-    def bad(tensors, what):
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type != want:
-                raise RuntimeError(
-                    f"{what} is on {t.device}, the model trains on {device}: every piece of "
-                    "training state must live on the training device"
-                )
-
-    bad(model.parameters(), "a parameter")
-    if loop.ema is not None:
-        bad(loop.ema.shadow_params, "an EMA weight")
-    for state in loop.optimizer.state.values():
-        bad(state.values(), "optimizer state")

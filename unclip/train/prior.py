@@ -44,7 +44,12 @@ def embedding_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-dimension mean/std ``[D]`` of the training image embeddings: those ``unclip embed``
     stored beside precomputed embeddings, else estimated over the first ``n`` samples (identical on
-    all ranks)."""
+    all ranks). With ``prior.embed_scale`` set, the paper's fixed scale instead: mean 0 and std
+    ``1 / embed_scale`` in every dimension (no data is read)."""
+    scale = getattr(cfg.prior, "embed_scale", None)
+    if scale is not None:
+        d = clip.embed_dim
+        return torch.zeros(d), torch.full((d,), 1.0 / scale)
     path = cfg.data.path  # DataConfig requires it for embeddings
     if cfg.data.source == "embeddings" and path is not None and (Path(path) / STATS_FILE).is_file():
         stats = load_stats(path)

@@ -323,8 +323,12 @@ def format_plan(
 
     out = [
         f"{m.stage} ({m.component}): fake-CUDA training step passed — model build, prepare, "
-        f"{m.mixed_precision} autocast, loss ({m.loss_dtype}), backward, clipping, AdamW, EMA; "
-        "training state on cuda:0, no device or dtype mismatch",
+        f"{m.grad_accum_steps} micro-batches of {m.mixed_precision} autocast forward, loss "
+        f"({m.loss_dtype}) and backward through the autograd graph (every trained parameter got "
+        f"a gradient), clipping, AdamW ({m.optimizer_path or 'default path'}), EMA, checkpoint "
+        f"write ({_in('GiB', m.checkpoint_bytes)} GiB of tensors in "
+        f"{len(m.checkpoint_files)} files, counted, not written); training state on cuda:0, no "
+        "device or dtype mismatch",
         f"parameters: {m.params_total / 1e9:.3f}B in the network ({m.params_trainable / 1e9:.3f}B "
         f"trained), frozen CLIP {m.clip_params / 1e9:.3f}B; weights in "
         f"{', '.join(m.param_dtypes)}",
@@ -335,7 +339,8 @@ def format_plan(
         f"{_gib(m.clip)}, caption cache {_gib(m.text_cache)} (train.text_cache_mb), activations "
         f"{_gib(m.activations)} (of which autocast weight copies "
         f"{_gib(m.autocast_copies)}), recomputed block {_gib(m.recompute)}, transient "
-        f"{_gib(m.transient)}",
+        f"{_gib(m.transient)}; measured peak of a micro-batch's backward with AdamW's moments "
+        f"{_gib(m.backward_peak + m.optimizer)}",
         "",
         f"per-GPU plan, state sharded over {gpus} GPUs of {gpu_memory / GiB:.1f} GiB (usable after "
         "the CUDA context "
