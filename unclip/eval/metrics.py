@@ -427,12 +427,10 @@ def save_stats(path, meta: dict, **arrays) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(
-        tmp,
-        meta=np.array(json.dumps({"format": STATS_FORMAT, **meta})),
-        # numpy's stubs type **kwds as if they could be allow_pickle: they are arrays here
-        **{k: np.asarray(v, np.float64) for k, v in arrays.items() if v is not None},  # type: ignore[arg-type]
-    )
+    saved = {k: np.asarray(v, np.float64) for k, v in arrays.items() if v is not None}
+    meta_json = np.array(json.dumps({"format": STATS_FORMAT, **meta}))
+    # numpy's stubs type **kwds as if they could be allow_pickle: they are arrays here
+    np.savez(tmp, meta=meta_json, **saved)  # type: ignore[arg-type]
     os.replace(tmp, path)
 
 
