@@ -230,7 +230,7 @@ def diffusion_loss(
     Returns a scalar (``reduction="mean"``) or the per-sample losses ``[B]`` (``reduction="none"``).
     """
     b = x_0.shape[0]
-    T = scheduler.config.num_train_timesteps
+    T = scheduler.config["num_train_timesteps"]
     cpu = torch.device("cpu")
     if t is None and timestep_shift != 1.0:
         if generators is not None:
@@ -252,7 +252,7 @@ def diffusion_loss(
             noise = torch.randn(x_0.shape, device=cpu)
     t = t.to(x_0.device)
     noise = noise.to(x_0.device, x_0.dtype)
-    x_t = scheduler.add_noise(x_0, noise, t)
+    x_t = scheduler.add_noise(x_0, noise, t)  # type: ignore[arg-type]  # any integer tensor
     pred = model_fn(x_t, t).float()
     var = None
     if learned_variance:
@@ -262,7 +262,7 @@ def diffusion_loss(
     elif prediction_type == "sample":
         target = x_0
     elif prediction_type == "v_prediction":
-        target = scheduler.get_velocity(x_0, noise, t)
+        target = scheduler.get_velocity(x_0, noise, t)  # type: ignore[arg-type]  # any int tensor
     else:
         raise ValueError(
             f"unknown prediction_type {prediction_type!r}; use epsilon, sample or v_prediction"

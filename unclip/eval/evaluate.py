@@ -440,7 +440,8 @@ def evaluate(
     if clip_fid and not reference:
         raise ValueError("--clip-fid needs --reference (CLIP features of the reference set)")
 
-    inception = ref_meta = None
+    inception = None
+    ref_meta: dict = {}  # the reference set's metadata, read with --reference
     if reference:
         inception, inc_id = M.load_inception(inception_weights, inception_feature)
         inception.to(device)
@@ -468,6 +469,7 @@ def evaluate(
         inception, clip, clip_fid, shapes, out / "samples" if save_samples else None
     )
     if pipe is not None:
+        assert prompts is not None and n is not None  # set above with the model
         batches = _iter_generated(
             pipe,
             prompts,

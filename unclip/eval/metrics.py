@@ -25,7 +25,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import scipy.linalg
@@ -203,7 +203,8 @@ class InceptionFeatures(torch.nn.Module):
                 net = _Net(
                     name="inception-v3-compat",
                     features_list=[str(feature)],
-                    feature_extractor_weights_path=empty,
+                    # torch-fidelity passes it to torch.load, which reads a file object too
+                    feature_extractor_weights_path=empty,  # type: ignore[arg-type]
                     antialias=False,
                 )
         finally:
@@ -393,7 +394,9 @@ def to_eval_image(image: Image.Image, resolution: int) -> np.ndarray:
     w, h = image.size
     if (w, h) != (resolution, resolution):
         nh, nw, top, left = resize_crop_box(h, w, resolution)
-        image = image.resize((nw, nh), Image.BICUBIC)  # PIL bicubic: part of the FID protocol
+        image = image.resize(
+            (nw, nh), Image.Resampling.BICUBIC
+        )  # PIL bicubic: part of the FID protocol
         image = image.crop((left, top, left + resolution, top + resolution))
     return np.asarray(image, dtype=np.uint8)
 
@@ -424,11 +427,10 @@ def save_stats(path, meta: dict, **arrays) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(
-        tmp,
-        meta=np.array(json.dumps({"format": STATS_FORMAT, **meta})),
-        **{k: np.asarray(v, np.float64) for k, v in arrays.items() if v is not None},
-    )
+    saved = {k: np.asarray(v, np.float64) for k, v in arrays.items() if v is not None}
+    meta_json = np.array(json.dumps({"format": STATS_FORMAT, **meta}))
+    # numpy's stubs type **kwds as if they could be allow_pickle: they are arrays here
+    np.savez(tmp, meta=meta_json, **saved)  # type: ignore[arg-type]
     os.replace(tmp, path)
 
 
@@ -482,6 +484,8 @@ def reference_stats(
     ``arrays``: ``mu``, ``sigma`` (Inception) and, if ``clip`` is given, ``clip_mu``,
     ``clip_sigma``. ``min_count``: fewer reference images than this is an error.
     """
+    if clip is not None and clip_id is None:
+        raise TypeError("reference_stats: pass clip_id with clip (it keys the CLIP statistics)")
     ref = Path(reference)
     inc_key = {k: inception_id[k] for k in ("name", "sha256", "feature")}
     key = {"resolution": resolution, "preprocessing": PREPROCESSING, "inception": inc_key}
@@ -497,8 +501,9 @@ def reference_stats(
         else:
             _check_meta(meta, key, ref)
         if clip is not None and (meta.get("clip") != clip_id or "clip_mu" not in arrays):
+            clip_name = cast(dict, clip_id)["name"]  # given with clip: checked at the top
             raise ValueError(
-                f"{ref} has no CLIP statistics for {clip_id['name']} (it has {meta.get('clip')}); "
+                f"{ref} has no CLIP statistics for {clip_name} (it has {meta.get('clip')}); "
                 f"pass the reference image folder to compute them"
             )
         if arrays["mu"].shape[0] != inc_key["feature"]:

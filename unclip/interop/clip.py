@@ -134,7 +134,8 @@ def read_tokenizer(folder: Path) -> tuple[dict, list[str], str, Optional[int]]:
             t.get("content")
             for t in read_json(folder / "tokenizer.json", comp).get("added_tokens", [])
         ]
-    extra = sorted(set(added) - {"<|startoftext|>", "<|endoftext|>", pad})
+    # key=str: a malformed token without content (None) is listed too, not a sorting TypeError
+    extra = sorted(set(added) - {"<|startoftext|>", "<|endoftext|>", pad}, key=str)
     if extra:
         raise ValueError(
             f"{comp}: added tokens {extra} are not part of the CLIP BPE tokenizer; not supported"

@@ -47,7 +47,7 @@ class CompatTokenizer(SimpleTokenizer):
                 ids.extend(super().encode(piece))
         return ids
 
-    def __call__(self, texts, context_length=None) -> torch.LongTensor:
+    def __call__(self, texts, context_length=None) -> torch.Tensor:
         """Token ids ``[B, L]``: start, at most ``L - 2`` tokens, end, then ``pad_token_id``."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         length = int(context_length or self.context_length)

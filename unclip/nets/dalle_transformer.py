@@ -234,7 +234,9 @@ class DalleTransformer(nn.Module):
         ids = torch.zeros(batch, length, dtype=torch.long, device=device)
         return ids, torch.zeros(batch, length, dtype=torch.bool, device=device)
 
-    def _embed(self, padded: torch.Tensor, image_tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def _embed(
+        self, padded: Optional[torch.Tensor], image_tokens: torch.Tensor, start: int
+    ) -> torch.Tensor:
         """Input embeddings ``[B, T, d]`` of the slots ``start … start+T-1``; ``padded [B, L]``
         (or ``None`` when only image slots are embedded) and ``image_tokens [B, n]`` are the
         tokens those slots hold."""

@@ -194,7 +194,9 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
 
         for module in self.unet.modules():
             if isinstance(module, Attention) and "forward" not in vars(module):
-                module.forward = types.MethodType(_checkpointed_forward, module)
+                # an instance attribute over the class's method; disable_... deletes it again
+                checkpointed = types.MethodType(_checkpointed_forward, module)
+                module.forward = checkpointed  # type: ignore[method-assign]
 
     def disable_gradient_checkpointing(self) -> None:
         super().disable_gradient_checkpointing()
@@ -282,7 +284,7 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
         n = self.config.num_image_tokens
         tokens = self.image_to_tokens(image_embed).view(b, -1, n).transpose(1, 2)  # [B, n, X]
         mask = torch.ones(b, n, dtype=torch.bool, device=image_embed.device)
-        if self.text_tokens_proj is not None:
+        if self.text_tokens_proj is not None and self.text_tokens_norm is not None:  # both or none
             txt = self.text_tokens_norm(self.text_tokens_proj(text_tokens.to(self.dtype)))
             tokens = torch.cat([tokens, txt], dim=1)
             mask = torch.cat([mask, text_mask.to(mask.device).bool()], dim=1)
@@ -300,6 +302,8 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
         """Predict the target for ``x_t``; pass ``cond`` (from :meth:`condition`) to reuse
         conditioning."""
         if cond is None:
+            if image_embed is None or text is None:
+                raise TypeError("forward needs image_embed and text, or cond from condition()")
             cond = self.condition(image_embed, text, drop_image)
         tokens, mask, time_add = cond
         x = x_t.to(self.dtype)
@@ -341,8 +345,14 @@ def encode_captions(config, clip, prompts: Sequence[str]) -> Caption:
 def drop_captions(text: Caption, null: Caption, drop: torch.Tensor) -> Caption:
     """``text [B]`` with the rows where ``drop [B]`` is True replaced by the empty caption ``null``
     (one row, or B), for classifier-free guidance training."""
-    if isinstance(text, torch.Tensor):
+    if isinstance(text, torch.Tensor) != isinstance(null, torch.Tensor):
+        raise TypeError(
+            f"drop_captions needs text and null of one kind, got {type(text).__name__} and "
+            f"{type(null).__name__}: encode both with encode_captions"
+        )
+    if isinstance(text, torch.Tensor) and isinstance(null, torch.Tensor):
         return torch.where(drop[:, None], null.to(text.device), text)
+    assert isinstance(text, TextEncoding) and isinstance(null, TextEncoding)  # checked above
     null = null.to(device=text.text_mask.device)
     return TextEncoding(
         torch.where(drop[:, None], null.text_embed, text.text_embed),

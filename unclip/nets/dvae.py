@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,7 @@ class _ResBlock(nn.Module):
 def _stack(widths, n_in, blocks, n_layers, decoder) -> nn.Sequential:
     """Four groups of resblocks; 2 × 2 max-pooling (encoder) or nearest 2× upsampling
     (decoder) between consecutive groups."""
-    mods = []
+    mods: list[nn.Module] = []
     for g, w in enumerate(widths):
         for i in range(blocks):
             mods.append(_ResBlock(n_in if i == 0 else w, w, n_layers, decoder))
@@ -162,7 +162,8 @@ class DVAE(nn.Module):
         """Tokens ``[B, h, w]`` → images ``[B, 3, 8h, 8w]`` in ``[-1, 1]``. The 1 × 1
         convolution of a one-hot code is its weight column, so the codes are looked up."""
         w = self.decoder_in.weight[:, :, 0, 0]  # [d_init, K]
-        z = F.embedding(tokens, w.T) + self.decoder_in.bias  # [B, h, w, d_init]
+        bias = cast(torch.Tensor, self.decoder_in.bias)  # decoder_in is built with a bias
+        z = F.embedding(tokens, w.T) + bias  # [B, h, w, d_init]
         return self._images(self._params(z.permute(0, 3, 1, 2))[0])
 
     def forward(

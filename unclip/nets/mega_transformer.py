@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,7 @@ class MegaLayer(nn.Module):
         self.self_attn_norm = nn.LayerNorm(d)
         self.self_attn = SelfAttention(d, h, d // h, config.dropout, bias=False)
         self.self_attn_out_norm = nn.LayerNorm(d)
+        self.cross_attn: Optional[SelfAttention]  # decoder layers only
         if cross:
             self.cross_attn_norm = nn.LayerNorm(d)
             self.cross_attn = SelfAttention(d, h, d // h, config.dropout, bias=False)
@@ -95,6 +96,7 @@ class MegaLayer(nn.Module):
         """Keys and values ``[B, heads, L, head_dim]`` of the encoder states (computed once
         per caption and kept for every decoding step)."""
         a = self.cross_attn
+        assert a is not None, "cross_kv is for decoder layers (cross=True)"
         b, length, _ = encoder_states.shape
 
         def heads(t):
@@ -115,6 +117,7 @@ class MegaLayer(nn.Module):
             attend_cached(self.self_attn, self.self_attn_norm(x), self_mask, cache)
         )
         if self.cross_attn is not None:
+            assert cross is not None, "a decoder layer needs the encoder's keys and values"
             k, v, mask = cross
             a = self.cross_attn
             h = self.cross_attn_norm(x)
@@ -234,7 +237,8 @@ class MegaTransformer(nn.Module):
         """Encode the caption and run ``bos``: logits ``[B, image_vocab_size]`` of image token 0
         and the decoding state (self-attention caches, the encoder's keys and values)."""
         encoded = self.encode(text_ids, text_mask)
-        cross_kv = [layer.cross_kv(encoded[0]) for layer in self.decoder]
+        # self.decoder holds MegaLayers (a ModuleList yields plain Modules to the checker)
+        cross_kv = [cast(MegaLayer, layer).cross_kv(encoded[0]) for layer in self.decoder]
         caches: list[dict] = [{} for _ in self.decoder]
         bos = text_ids.new_full((text_ids.shape[0], 1), self.config.image_vocab_size)
         logits = self._decode(bos, 0, encoded, caches, cross_kv)[:, -1]

@@ -71,7 +71,7 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
     space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`."""
 
     # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.precision)
-    _keep_in_fp32_modules = ["clip_mean", "clip_std"]
+    _keep_in_fp32_modules = ["clip_mean", "clip_std"]  # type: ignore[assignment]  # base: None
 
     if TYPE_CHECKING:
         # diffusers' FrozenDict of the registered arguments, whose fields it also sets as attributes
@@ -247,9 +247,10 @@ def _attention_of(block) -> Optional[torch.nn.Module]:
     attn = getattr(block, "attn1", None) if not isinstance(block, TransformerBlock) else block.attn
     if isinstance(attn, SelfAttention):
         return attn if not _forward_replaced(attn) else None
-    plain = isinstance(attn, Attention) and not attn.is_cross_attention
+    if not isinstance(attn, Attention) or attn.is_cross_attention:
+        return None
     extras = ("norm_q", "norm_k", "spatial_norm", "group_norm")
-    if not plain or any(getattr(attn, e, None) is not None for e in extras):
+    if any(getattr(attn, e, None) is not None for e in extras):
         return None
     if attn.residual_connection or attn.rescale_output_factor != 1.0:
         return None
@@ -274,6 +275,7 @@ class PrefixCache:
         self.prior, self.attns, self.text = prior, attns, text
         self.rows = len(text)
         self.keys: Optional[list] = None  # filled by the first call
+        self.values: Optional[list] = None
 
     def _run_text(self) -> None:
         """The blocks over the text positions, recording each attention's keys and values. Run
@@ -303,7 +305,7 @@ class PrefixCache:
         # every row, repeated texts too: a content-independent batch keeps each row's numbers
         # independent of the other rows' texts (as the plain forward's are) and runs on fake
         # tensors; the repeats cost one pass over the text positions per sampling run
-        self._recorded = ([None] * len(self.attns), [None] * len(self.attns))
+        self._recorded: tuple[list, list] = ([None] * len(self.attns), [None] * len(self.attns))
         with self._attending(record=True):
             for block in tr.transformer_blocks:
                 h = block(h, attention_mask=mask)
@@ -364,7 +366,8 @@ class PrefixCache:
             q, k, v = split(attn.to_q(x)), split(attn.to_k(x)), split(attn.to_v(x))
         if record:
             self._recorded[0][i], self._recorded[1][i] = k, v
-        else:
+        else:  # replaying: _run_text recorded every block's keys and values first
+            assert self.keys is not None and self.values is not None
             k = torch.cat([self.keys[i], k], dim=2)
             v = torch.cat([self.values[i], v], dim=2)
         if ours:

@@ -14,7 +14,7 @@ shipped inside the package, so nothing is downloaded), padded to the configured 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Union
 
 import torch
@@ -104,6 +104,9 @@ class CaptionTransformer(torch.nn.Module):
     LayerNorm. Supports diffusers-style gradient checkpointing (``gradient_checkpointing`` and
     ``_gradient_checkpointing_func`` are set by the decoder's ``enable_gradient_checkpointing``).
     """
+
+    # declared for the checker: set on the instance by the decoder's enable_gradient_checkpointing
+    _gradient_checkpointing_func: Callable[..., torch.Tensor]
 
     def __init__(
         self,

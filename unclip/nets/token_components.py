@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 
 from unclip.io.weights import load_safetensors, read_json
-from unclip.nets.dalle_transformer import DalleConfig
+from unclip.nets.dalle_transformer import DalleConfig, DalleTransformer
 from unclip.nets.dvae import DVAEConfig
-from unclip.nets.mega_transformer import MegaConfig
+from unclip.nets.mega_transformer import MegaConfig, MegaTransformer
 from unclip.nets.text_encoder import check_tokenizer
 from unclip.nets.token_common import parameter_count
 from unclip.nets.vqgan import VQGANConfig
@@ -117,7 +117,7 @@ class TokenModelConfig:
     def model(self):
         return getattr(self, self.type)
 
-    def build(self) -> torch.nn.Module:
+    def build(self) -> Union[DalleTransformer, MegaTransformer]:
         return self.model.build()
 
     def caption_ids(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,7 +141,7 @@ class VQGAN(nn.Module):
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens ``[B, h, w]`` → images ``[B, 3, f·h, f·w]``, clamped to ``[-1, 1]``."""
         b, h, w = tokens.shape
-        shape = (b, h, w, self.model.config.vq_embed_dim)
+        shape = (b, h, w, self.model.config["vq_embed_dim"])
         out = self.model.decode(tokens.flatten(), force_not_quantize=True, shape=shape).sample
         return out.clamp(-1, 1)
 
@@ -246,6 +246,9 @@ class PerceptualLoss(nn.Module):
     Weights come from a local file only (:meth:`from_file`): a safetensors (or weights-only
     torch) state dict with torchvision's ``features.*`` keys and optional ``lin{i}.weight``
     ``[1, C, 1, 1]``."""
+
+    shift: torch.Tensor  # buffers registered in __init__
+    scale: torch.Tensor
 
     def __init__(self):
         super().__init__()

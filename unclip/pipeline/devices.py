@@ -54,7 +54,8 @@ class DevicesMixin(PipelineBase):
             m.to(**kwargs)
         if memory_format is not None:
             for m in [self.decoder, *self.upsamplers]:
-                m.to(memory_format=memory_format)
+                # diffusers types ModelMixin.to through functools.wraps, as an unbound call
+                m.to(memory_format=memory_format)  # type: ignore[call-arg]
         self._null_text = None
         self._auto_xformers()
         return self

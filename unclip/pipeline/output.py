@@ -38,7 +38,7 @@ class UnCLIPOutput:
     """
 
     images: Any
-    image_embeds: torch.Tensor
+    image_embeds: Optional[torch.Tensor]  # None from pipelines without a prior (token models)
     text_embeds: Optional[torch.Tensor] = None
     stage_images: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)

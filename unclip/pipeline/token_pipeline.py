@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union, cast
 
 import torch
 
@@ -47,6 +47,10 @@ from unclip.sampling.candidates import rerank_candidates
 from unclip.sampling.tokens import TokenSampling, sample_image_tokens
 from unclip.utils.config import to_dict
 from unclip.utils.images import to_output
+
+if TYPE_CHECKING:
+    from unclip.nets.dvae import DVAE
+    from unclip.nets.vqgan import VQGAN
 
 __all__ = ["TokenPipeline", "TOKEN_FAMILIES", "FAMILY_OF"]
 
@@ -82,7 +86,9 @@ class TokenPipeline:
                 f"over {model.image_vocab_size}; pair a transformer with the tokenizer it was "
                 "trained on"
             )
-        self.tokenizer, self.tokenizer_config = tokenizer.eval(), tokenizer_config
+        # a dVAE or a VQGAN (what TokenizerConfig builds): decode is theirs
+        self.tokenizer = cast("Union[DVAE, VQGAN]", tokenizer.eval())
+        self.tokenizer_config = tokenizer_config
         self.transformer, self.transformer_config = transformer.eval(), transformer_config
         self.sampling = {"transformer": sampling or TokenSampling()}
         self.clip = clip
@@ -228,7 +234,7 @@ class TokenPipeline:
         images = self.tokenizer.decode(tokens).float()
         t2 = time.perf_counter()
         timings = {"transformer": t1 - t0, "tokenizer": t2 - t1}
-        if k > 1:
+        if k > 1 and self.clip is not None:  # (candidates > 1 without a CLIP: refused above)
             best = rerank_candidates(self.clip, images, rows, k)
             images = images[best]
             timings["rerank"] = time.perf_counter() - t2

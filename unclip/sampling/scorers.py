@@ -138,7 +138,8 @@ def register_rerank_contrast(name: str, fn: Union[Scorer, Callable[[str], list[s
             f"register_rerank_contrast({name!r}, fn): fn must be a Scorer or callable, got "
             f"{type(fn).__name__}"
         )
-    RERANK_CONTRASTS[name] = fn
+    # the registry is typed for callables; this one also holds Scorers (resolved on lookup)
+    RERANK_CONTRASTS[name] = fn  # type: ignore[assignment]
 
 
 def check_rerank_contrast(stage: str, name) -> None:

@@ -121,7 +121,7 @@ def sample_image_tokens(
             prev = tokens[:, i - 1]
             logits = model.step(torch.cat([prev, prev]) if guided else prev, state)
         logits = logits.float()
-        if guided:
+        if guidance_scale is not None:  # guided
             uncond, cond = logits.chunk(2)
             logits = guided_logits(uncond, cond, float(guidance_scale))
         if all_logits is not None:

@@ -40,6 +40,8 @@ Scoring (:func:`score`) against an ``expected`` dict from :func:`unclip.shapes.w
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Union
 
 import numpy as np
 from PIL import Image, ImageFilter
@@ -111,7 +113,7 @@ def _components(mask: np.ndarray) -> tuple[np.ndarray, int]:
     return out, len(ids)
 
 
-def nearest(value: float, classes: dict) -> str:
+def nearest(value: Union[float, Sequence[float]], classes: dict) -> str:
     """Name of the class whose value (a scalar range ``(lo, hi)`` or a point ``(x, y)``) is
     nearest."""
 
@@ -162,7 +164,7 @@ def detect(
         h, w = arr.shape[:2]
         scale = max_side / max(h, w)
         size = (max(1, round(w * scale)), max(1, round(h * scale)))
-        arr = np.asarray(Image.fromarray(arr).resize(size, Image.BOX))
+        arr = np.asarray(Image.fromarray(arr).resize(size, Image.Resampling.BOX))
     if median is None:  # auto: denoise only if the border (mostly background) is visibly noisy
         border = np.concatenate([arr[0], arr[-1], arr[1:-1, 0], arr[1:-1, -1]]).astype(np.float32)
         noise = np.sqrt(((border[:, None] - refs[None]) ** 2).sum(-1).min(-1))

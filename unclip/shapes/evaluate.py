@@ -253,7 +253,9 @@ def save_grid(images, captions, path, num: int = 8, cols: int = 8, tile: int = 9
 
     half = len(images) // 2
     pick = list(range(min(num, half))) + list(range(half, half + min(num, half)))
-    tiles = [Image.fromarray(images[i]).resize((tile, tile), Image.BICUBIC) for i in pick]
+    tiles = [
+        Image.fromarray(images[i]).resize((tile, tile), Image.Resampling.BICUBIC) for i in pick
+    ]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     image_grid(tiles, cols=cols).save(path, optimize=True)
     Path(path).with_suffix(".txt").write_text("\n".join(captions[i] for i in pick) + "\n")

@@ -142,7 +142,7 @@ _BF16_DECODERS = {
 #: reranks the decoder's candidates (docs/shapes_model.md); ``shapes-one-clip`` trains only that
 #: second CLIP, which then conditions the prior and decoder too (fewer prompts right);
 #: ``shapes-1h`` is the first decoder run alone, in fp32, with far fewer two-object scenes right
-RECIPES = {
+RECIPES: dict[str, dict] = {
     "shapes": {**_BF16_DECODERS, "reranker": _RELATION_CLIP},
     "shapes-one-clip": {"clip": _RELATION_CLIP, **_BF16_DECODERS},
     "shapes-1h": {"decoder": _ALIGNED_DECODER},

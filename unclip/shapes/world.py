@@ -424,7 +424,7 @@ def render(truth: dict, resolution: int = 64, fills=None, extra_colors=None) -> 
         else:
             raise ValueError(f"unknown shape {obj['shape']!r}; expected one of {SHAPES}")
     if factor > 1:
-        canvas = canvas.resize((resolution, resolution), Image.BOX)
+        canvas = canvas.resize((resolution, resolution), Image.Resampling.BOX)
     return canvas
 
 

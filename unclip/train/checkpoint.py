@@ -39,7 +39,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import torch
@@ -354,9 +354,9 @@ def optimizer_state(tensors: dict[str, torch.Tensor], meta: dict, live: dict) ->
     """Rebuild the state dict of :func:`optimizer_files`; ``live``: the state dict of the optimizer
     it is for (its groups must hold the same parameters)."""
     if "tree" in meta:
-        state = _decode(meta["tree"], tensors)
-        _check_groups(state["param_groups"], live)
-        return state
+        decoded = _decode(meta["tree"], tensors)
+        _check_groups(decoded["param_groups"], live)
+        return decoded
     groups = meta["param_groups"]
     _check_groups(groups, live)
     for saved, now in zip(groups, live["param_groups"]):
@@ -389,7 +389,9 @@ def rng_files() -> tuple[dict[str, torch.Tensor], dict]:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda.{i}"] = s
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default) gives the tuple form, not the dict the stubs also allow
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
     meta = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -404,8 +404,12 @@ def load_powersgd(state: PowerSGDGuardState, tensors: dict, meta: dict, device) 
     ps.total_numel_before_compression, ps.total_numel_after_compression = meta["numel"]
     ps.next_stats_report = meta["next_stats_report"]
     state.rolled_back = int(meta["rolled_back"])
-    ps.error_dict.clear(), ps.p_memory_dict.clear(), ps.q_memory_dict.clear()
-    state.error_scale.clear(), state.layouts.clear(), state.pending.clear()
+    ps.error_dict.clear()
+    ps.p_memory_dict.clear()
+    ps.q_memory_dict.clear()
+    state.error_scale.clear()
+    state.layouts.clear()
+    state.pending.clear()
     for key, value in tensors.items():
         name, pos = key.rsplit(".", 1)
         if int(pos) >= len(state.params):
@@ -422,11 +426,12 @@ def root_unsharded(model: torch.nn.Module):
     if unshard is None:
         yield
         return
+    fsdp: Any = model  # an FSDP2 module (it has unshard), so it has reshard too
     unshard()
     try:
         yield
     finally:
-        model.reshard()
+        fsdp.reshard()
 
 
 # ------------------------------------------------------------------ sharded tensors
@@ -532,12 +537,13 @@ def full_copy(model: torch.nn.Module, state: dict) -> torch.nn.Module:
             f"exporting a sharded {type(model).__name__} needs a diffusers ModelMixin (built from "
             "its config); train this component without FSDP/DeepSpeed"
         )
+    mixin: Any = model  # a diffusers ModelMixin (checked above): config and from_config
     with torch.device("meta"):
-        copy = type(model).from_config(dict(model.config))
+        copy = type(mixin).from_config(dict(mixin.config))
     copy.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*copy.named_parameters(), *copy.named_buffers()] if t.is_meta]
     if left:  # non-persistent buffers are not in a state dict: build them for real
-        copy = type(model).from_config(dict(model.config))
+        copy = type(mixin).from_config(dict(mixin.config))
         copy.load_state_dict(state, strict=True)
     return copy.eval()
 

@@ -39,7 +39,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -154,7 +154,7 @@ class EmbedJob:
 # Chunks: (key, image | None, caption | None, reason) per item; reason: None, a bad sample's
 # message, or (message, samples lost) for a broken shard
 # --------------------------------------------------------------------------------------------------
-def _chunks(job: EmbedJob) -> tuple[int, callable, Optional[int]]:
+def _chunks(job: EmbedJob) -> tuple[int, Callable[[int], Iterator], Optional[int]]:
     """``(num_chunks, items(chunk) -> iterator, total items or None)``."""
     size = job.shard_size
     if job.source == "shapes":
@@ -239,8 +239,8 @@ class _Sums:
         self.count = 0
 
     def add(self, img: np.ndarray, txt: np.ndarray) -> None:
-        for j, a in enumerate((img, txt)):
-            a = torch.from_numpy(a.astype(np.float64))
+        for j, part in enumerate((img, txt)):
+            a = torch.from_numpy(part.astype(np.float64))
             self.t[2 * j] += a.sum(0)
             self.t[2 * j + 1] += (a * a).sum(0)
         self.count += len(img)
@@ -306,7 +306,7 @@ def _check_job(job: EmbedJob) -> None:
         raise ValueError(f"--num must be >= 1, got {job.num}")
     if job.source != "shapes" and not job.data:
         raise ValueError(f"--source {job.source} needs --data")
-    if job.source == "webdataset":
+    if job.source == "webdataset" and job.data:  # (it has data: checked just above)
         for url in expand_urls(job.data):
             local = "://" not in url and not url.startswith("pipe:")
             if local and not Path(url).is_file():
@@ -400,8 +400,8 @@ def embed(job: EmbedJob) -> int:
             "count": np.int64(count),
         }
         tmp = out / (STATS_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **stats)
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **stats)
         os.replace(tmp, out / STATS_FILE)
         meta = {
             "count": count,

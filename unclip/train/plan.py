@@ -40,7 +40,7 @@ import tempfile
 import weakref
 from collections.abc import Iterator
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 from unittest import mock
 
 import torch
@@ -212,7 +212,7 @@ class StepMeasure:
     root_weights: int  # weights in no FSDP unit: the root group, gathered for the whole step
     forward_peak: int  # the tracker's peak while the forward ran
     optimizer_peak: int  # the tracker's peak through clipping, the optimizer step and EMA
-    param_dtypes: dict
+    param_dtypes: list[str]
     loss_dtype: str
     text_cache: int = 0  # the prior's caption-encoding cache at its budget (train.text_cache_mb)
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
@@ -252,7 +252,9 @@ class StepMeasure:
 
 def _synthetic_batch(cfg, clip, b: int) -> dict:
     """A micro-batch of the stage's data with the right shapes (values do not matter)."""
-    batch = {"caption": ["a red circle above a blue square on a white background"] * b}
+    batch: dict[str, Any] = {
+        "caption": ["a red circle above a blue square on a white background"] * b
+    }
     if _is_token_family(cfg):
         size = cfg.data.resolution
         batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
@@ -387,7 +389,7 @@ def measure_step(
             model.train()
             # forward and backward of each micro-batch, measured one at a time
             act, fwd_peak, bwd_peak, copies, largest, loss_dtype = 0, 0, 0, 0, 0, "float32"
-            forward_flops = None
+            forward_flops: Optional[int] = None
             for _ in range(steps):
                 before = mem.current
                 mem.reset_peak()
@@ -431,6 +433,7 @@ def measure_step(
             save_extra = mem.peak - before_save
             check_devices(loop, model, device)
             units = fsdp_units(loop.unwrapped)  # what FSDP would shard unit by unit
+            assert forward_flops is not None  # counted in the first of the steps (>= 1)
             measure = StepMeasure(
                 stage=getattr(cfg, "stage", task.name),
                 component=task.name,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 from unittest import mock
 
 import torch
@@ -87,7 +87,7 @@ class _CPUSteps:
         if name not in self.names:
             self.names.append(name)
         views: dict[int, tuple] = {}  # id(fake view) → (view, the real tensor)
-        where = {"device": torch.device("cpu"), "index": 0}
+        where: dict[str, Any] = {"device": torch.device("cpu"), "index": 0}
 
         def real(t):
             if not isinstance(t, FakeTensor):
@@ -273,20 +273,20 @@ def measure_sampling(
     saw."""
     from unclip.pipeline.pipeline import UnCLIPPipeline
 
-    sources = [Path(s) for s in sources]
+    paths = [Path(s) for s in sources]
     if batch < 1 or steps < 1:
         raise ValueError(f"batch and steps must be >= 1, got {batch} and {steps}")
     device = torch.device("cuda", 0)
     fake = _FakeCUDA()
     mem = MemoryTracker("cuda")
-    folder = len(sources) == 1 and sources[0].is_dir()
-    pipe = UnCLIPPipeline.from_pretrained(sources[0]) if folder else None
+    folder = len(paths) == 1 and paths[0].is_dir()
+    pipe = UnCLIPPipeline.from_pretrained(paths[0]) if folder else None
     if pipe is not None:  # real weights become fake ones: only their shapes and dtypes matter
         for m in pipe.modules().values():
             _replace_tensors(m, fake.from_tensor, attributes=True)
     with fake, mem:
         if pipe is None:
-            pipe = _pipeline_from_configs(sources)
+            pipe = _pipeline_from_configs(paths)
         home = torch.device("cpu") if offload else device
         kept = _kept_fp32(pipe.modules(), dtype)
 

@@ -21,11 +21,13 @@ so resume is exact).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Union, cast
 
 import torch
 
+from unclip.nets.dalle_transformer import DalleTransformer
 from unclip.nets.dvae import dvae_schedule
+from unclip.nets.mega_transformer import MegaTransformer
 from unclip.nets.token_components import load_tokenizer, save_component, tokenizer_facts
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop
@@ -106,6 +108,7 @@ class TokenizerTask:
                 recon=out.recon, kl=out.kl, temperature=s.temperature, kl_weight=s.kl_weight
             )
             return out.loss
+        assert self.vq_loss is not None  # the other kind, vqgan, builds its loss in __init__
         terms = self.vq_loss(model, images)
         self.avg.add(**{k: v for k, v in terms.items() if k not in ("loss", "reconstruction")})
         return terms["loss"]
@@ -174,7 +177,8 @@ class TokenModelTask:
         with torch.no_grad():
             image_tokens = self.tokenizer.encode(batch["image"].to(device)).flatten(1)
         ids, mask = self.cfg.transformer.caption_ids(batch["caption"])
-        net = self.loop.unwrapped
+        # the network this task's train_token_model built and prepared
+        net = cast(Union[DalleTransformer, MegaTransformer], self.loop.unwrapped)
         out = net.loss(
             ids.to(device),
             mask.to(device),
@@ -220,9 +224,9 @@ def train_token_model(
     torch.manual_seed(cfg.train.seed)
     tokenizer = tokenizer.to(loop.device).requires_grad_(False)
     with torch.device(loop.device):
-        model = cfg.transformer.build()
-    model.gradient_checkpointing = cfg.train.gradient_checkpointing
-    model = loop.prepare(model)
+        net = cfg.transformer.build()
+    net.gradient_checkpointing = cfg.train.gradient_checkpointing
+    model = loop.prepare(net)
     model.train()
     task = TokenModelTask(cfg, tokenizer, loop)
     data = make_batches(

@@ -96,7 +96,7 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
                 f"{source}: '{where}' must be one of {list(args)}, got {value!r}{hint}"
             )
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass type, not instance
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -117,7 +117,8 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
         what, accepted = _SCALARS[tp]
         if not isinstance(value, accepted) or (tp is not bool and isinstance(value, bool)):
             raise ConfigError(f"{source}: '{where}' must be {what}, got {value!r}")
-        return float(value) if tp is float else value
+        # checked just above: an int or a float when tp is float
+        return float(typing.cast(float, value)) if tp is float else value
     raise TypeError(f"unsupported annotation {tp!r} at {where}")  # internal: schema bug
 
 

@@ -35,7 +35,7 @@ weights' home, and an optimizer would hold the device copies).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
@@ -159,7 +159,8 @@ def _move(module: torch.nn.Module, device: torch.device, origin: Optional[dict])
         return torch.nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
 
     done: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
-    slots = []
+    # the stores are _parameters or _buffers: keyed by name, holding parameters or tensors
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     # copies made inside torch.inference_mode() would be inference tensors, whose version
     # cannot be read and which could not be used outside it
     with torch.inference_mode(False), torch.no_grad():
@@ -171,11 +172,11 @@ def _move(module: torch.nn.Module, device: torch.device, origin: Optional[dict])
                     if id(t) not in done:
                         done[id(t)] = convert(t, is_param)
                     slots.append((store, key, t))
-    for store, key, t in slots:
+    for target, key, t in slots:
         new = done[id(t)]
         if device.type != "cpu" and origin is not None and new is not t:
             origin[id(new)] = (new, t, _state(new))
-        store[key] = new
+        target[key] = new
 
 
 def releases_gpu(method):

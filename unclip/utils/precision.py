@@ -29,7 +29,7 @@ Autocast (the arithmetic, not the weights): :func:`resolve_autocast` turns a pip
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional, Union, overload
 
 import torch
 
@@ -116,6 +116,10 @@ def parse_autocast(value, what: str = "autocast_dtype"):
     return value
 
 
+@overload
+def dtype_name(dtype: torch.dtype) -> str: ...
+@overload
+def dtype_name(dtype: None) -> None: ...
 def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     """``"bfloat16"`` for ``torch.bfloat16``, None for None: how reports and JSON record a dtype."""
     return None if dtype is None else str(dtype).removeprefix("torch.")

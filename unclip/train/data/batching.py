@@ -4,8 +4,8 @@ exact resume, :func:`collate` stacks samples (the sample streams are in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
 
 import torch
 
@@ -39,7 +39,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        factory: Callable[..., object],
+        factory: Callable[..., Iterable[dict]],
         *,
         start: int = 0,
         batch_size: int = 1,
@@ -94,7 +94,7 @@ def collate(samples: list[dict]) -> dict:
     summed, ``data_cursor`` the last sample's (a batch comes from one stream)."""
     if not samples:
         raise ValueError("collate needs at least one sample")
-    out = {}
+    out: dict[str, Any] = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
         if key == "skipped":

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from unclip.train.data.embeddings import EmbeddingStream
-from unclip.train.data.sources import BadSample, FolderStream, WebDatasetStream
+from unclip.train.data.sources import BadSample, FolderStream, WebDatasetStream, _Stream
 
 __all__ = [
     "EmbeddingTable",
@@ -168,7 +168,7 @@ class EmbeddingTable:
             self._loaded.popitem(last=False)
         return entry
 
-    def row(self, shard: int, key: str, caption: str, where: str) -> dict:
+    def row(self, shard: int, key: Optional[str], caption: str, where: str) -> dict:
         """The embedding entries of ``key`` in ``shard``; ``ValueError`` if missing or for another
         caption, ``BadSample`` if non-finite."""
         index, captions, img, txt = self.shard(shard)
@@ -206,7 +206,7 @@ def _once(signature: tuple, check) -> None:
         _CHECKED.add(signature)
 
 
-class _Paired:
+class _Paired(_Stream):
     """What both paired streams add to their image stream: the embedding table's row of each
     sample."""
 
@@ -215,7 +215,7 @@ class _Paired:
     def describe(self) -> str:
         return f"{super().describe()} paired with embeddings {self.table.path}"
 
-    def _with_row(self, image, caption: str, shard: int, key: str, source) -> tuple:
+    def _with_row(self, image, caption: str, shard: int, key: Optional[str], source) -> tuple:
         where = f"{self.table.path}: shard {shard} ({source})"
         return image, caption, self.table.row(shard, key, caption, where)
 
@@ -282,11 +282,11 @@ class PairedWebDatasetStream(_Paired, WebDatasetStream):
             where = f"{t.path}: shard {i} ({url})"
             if len(keys) > len(tar):
                 in_tar = set(tar)
-                extra = next((k for k in keys if k not in in_tar), keys[len(tar)])
+                stray = next((k for k in keys if k not in in_tar), keys[len(tar)])
                 raise ValueError(
                     f"{where}: the image and embedding shards do not line up: embedding shard {i} "
                     f"has {len(keys)} rows but the tar holds {len(tar)} samples; first mismatched "
-                    f"key {extra!r}"
+                    f"key {stray!r}"
                 )
             pos = {k: j for j, k in enumerate(tar)}
             at = -1
@@ -304,7 +304,7 @@ class PairedWebDatasetStream(_Paired, WebDatasetStream):
     def _check(self, raw: dict):
         image, caption = super()._check(raw)
         url, key = raw.get("__url__"), raw.get("__key__")
-        shard = self.url_index.get(url)
+        shard = None if url is None else self.url_index.get(url)
         if shard is None:
             raise ValueError(
                 f"{self.describe()}: sample {key!r} comes from {url!r}, which is not one of the "
@@ -333,8 +333,8 @@ class PairedFolderStream(_Paired, FolderStream):
     def _check_pairing(self) -> None:
         folder = [self.key_of(f) for f in self.files]
         pos: dict[str, int] = {}
-        for j, k in enumerate(folder):
-            pos.setdefault(k, j)
+        for index, k in enumerate(folder):
+            pos.setdefault(k, index)
         at = -1
         seen: dict[str, int] = {}
         for i in self.table.shards:

@@ -167,6 +167,7 @@ class _Stream:
     samples. The keyword arguments define the split (module doc)."""
 
     what = "sample"
+    resolution: int  # image sources: the training image side (_sample)
 
     def __init__(
         self,
@@ -278,8 +279,19 @@ class _Stream:
             else:
                 skip -= 1
 
-    # subclasses define: describe() -> str, _raw(c, n) -> items and _EpochEnd markers,
-    # _check(item) -> value (or raise BadSample), _sample(value) -> dict without 'skipped'
+    # subclasses define describe, _raw and _check, and _sample unless they stream images
+
+    def describe(self) -> str:
+        """What this stream reads, for messages."""
+        raise NotImplementedError
+
+    def _raw(self, c: int, n: int) -> Iterator:
+        """Consumer ``c`` of ``n``'s raw items, with :class:`_EpochEnd` markers between epochs."""
+        raise NotImplementedError
+
+    def _check(self, item):
+        """The value of a raw item, or raise :class:`BadSample`."""
+        raise NotImplementedError
 
     def _sample(self, value) -> dict:  # image sources: value = (PIL image, caption)
         image, caption = value

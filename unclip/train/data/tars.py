@@ -97,9 +97,10 @@ def _tar_files(url: str, errors: list, offset: int = 0) -> Iterator[dict]:
             # skip directories and webdataset's own "__name__" metadata members
             if not member.isreg() or _META.match(member.name):
                 continue
-            data = tar.extractfile(member).read()
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]  # a regular member
             yield {"fname": member.name, "data": data, "__url__": url}
-            tar.members = []  # streamed: do not keep every header in memory
+            # streamed: do not keep every header in memory (members is private to typeshed)
+            tar.members = []  # type: ignore[attr-defined]
     except Exception as exc:  # tarfile.ReadError, OSError, EOFError, zlib.error, pipe status
         errors.append(exc)
     finally:
@@ -205,7 +206,7 @@ def shard_listing(url: str) -> Optional[list[dict]]:
                 member = tar.next()
                 if member is None:
                     break
-                tar.members = []
+                tar.members = []  # type: ignore[attr-defined]  # private: drop read headers
                 if not member.isreg() or _META.match(member.name):
                     continue
                 if member.offset_data + member.size > size:
