@@ -136,7 +136,9 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
                     if examples:
                         gr.Examples([[e] for e in examples], inputs=[prompt])
                 gallery = gr.Gallery(label="Images", elem_id="gallery", format="png", columns=4)
-            inputs = dict(prompt=prompt, negative_prompt=negative, num_images=count, seed=seed)
+            inputs: dict[str, Any] = dict(
+                prompt=prompt, negative_prompt=negative, num_images=count, seed=seed
+            )
             wire(go, generate, inputs, gallery)
 
         with gr.Tab("Variations"):
@@ -309,6 +311,8 @@ def launch(
         quiet=True,
     )
     url = demo.local_url
+    if url is None:  # gradio sets it once the server listens
+        raise RuntimeError("the web demo's server did not start")
     if block:
         print(f"unclip serve: running on {url} (Ctrl-C stops it)", flush=True)
         demo.block_thread()

@@ -59,7 +59,7 @@ class StepProgress:
     step in ``desc``. Counting calls rather than reading step indices keeps the bar moving forward
     when a stage runs twice (interpolation samples the prior for both ends)."""
 
-    def __init__(self, progress: Progress, plan: Sequence[tuple]):
+    def __init__(self, progress: Callable[..., Any], plan: Sequence[tuple]):
         self.progress = progress
         self.steps = dict(plan)
         self.total = max(1, sum(n for _, n in plan))

@@ -80,12 +80,18 @@ def convert(
         raise ValueError(f"to must be 'unclip' or 'diffusers', got {to!r}")
     if parts is not None and to != "diffusers":
         raise ValueError("parts applies to to='diffusers' only")
-    hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only}
     repo_id = str(src) if is_repo_id(str(src)) and not Path(src).is_dir() else None
     if str(src) in BUNDLED and not Path(src).is_dir():
         # the bundled model's name, as `generate` and `serve` take it
         src = bundled_model_path(str(src))
-    src, dst = resolve_folder(src, what="source", **hub), Path(dst)
+    src = resolve_folder(
+        src,
+        what="source",
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
         raise ValueError(
             f"output {dst} exists and is not an empty folder; pass --overwrite to write into it"

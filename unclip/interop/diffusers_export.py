@@ -238,6 +238,7 @@ def _components(pipe: UnCLIPPipeline, parts) -> dict:
     if "text_encoder" in parts:
         out["text_encoder"], out["tokenizer"] = _text_encoder(pipe.clip)
     if "prior" in parts:
+        assert pipe.prior is not None  # export_problems refuses a pipeline without one
         out["prior"] = pipe.prior.transformer
         out["prior_scheduler"] = scheduler("prior", pipe.prior_clip_range)
     if "decoder" in parts:

@@ -15,7 +15,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from unclip.diffusion.config import DiffusionConfig, diffusion_to_save
 from unclip.io.weights import read_json
@@ -23,7 +23,7 @@ from unclip.nets.clip import CLIP
 from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.nets.prior import UnCLIPPrior
 from unclip.nets.priors import load_prior
-from unclip.sampling.settings import SamplingConfig, sampling_to_save
+from unclip.sampling.settings import sampling_to_save
 from unclip.sampling.utils import stage_kind
 from unclip.utils.registry import EntryPointRegistry
 
@@ -256,7 +256,7 @@ def write_pipeline_folder(
     upsamplers: Mapping[str, UnCLIPUpsampler],
     reranker: Optional[CLIP],
     diffusion: Mapping[str, DiffusionConfig],
-    sampling: Mapping[str, SamplingConfig],
+    sampling: Mapping[str, Any],
     prior_clip_range: Optional[float],
 ) -> None:
     """Write a self-describing pipeline folder: one subfolder per component (config and safetensors

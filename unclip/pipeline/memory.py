@@ -65,7 +65,10 @@ class MemoryMixin(PipelineBase):
         for net in self.denoisers().values():
             for attn in _attention_modules(net):
                 heads = attn.sliceable_head_dim
-                size = {"auto": max(1, heads // 2), "max": 1}.get(slice_size, slice_size)
+                if isinstance(slice_size, str):
+                    size = {"auto": max(1, heads // 2), "max": 1}[slice_size]
+                else:
+                    size = slice_size
                 attn.set_attention_slice(min(int(size), heads))
                 if (
                     type(attn.processor).__name__ == "SlicedAttnProcessor"

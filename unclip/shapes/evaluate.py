@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +132,9 @@ def evaluate_pipeline(
     per_stage: dict[str, list] = {}
     # the prior's time stays 0 when it does not run (oracle); with renders only there is no prior
     timing: dict[str, float] = {} if renders_only else {"prior": 0.0}
-    cos_prior, clip_img, text_emb = [], [], []
+    cos_prior: list[torch.Tensor] = []
+    clip_img: list[torch.Tensor] = []
+    text_emb: list[torch.Tensor] = []
     last = "decoder" if stages == "decoder" else None
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
@@ -163,10 +166,11 @@ def evaluate_pipeline(
             per_stage.setdefault(name, []).extend(to_output(images, "uint8"))
         final = list(out.stage_images.values())[-1]  # [-1, 1], as scored by the CLIP
         clip_img.append(pipe.clip.encode_image(final))
+        assert out.text_embeds is not None  # set above for every chunk
         text_emb.append(out.text_embeds)
     names = list(per_stage)
     n = len(samples)
-    report = {
+    report: dict[str, Any] = {
         "num_prompts": {"single": num, "pair": num},
         "seed": seed,
         "prompt_seed": prompt_seed,

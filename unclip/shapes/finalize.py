@@ -72,12 +72,12 @@ def finalize(
         check_output_folder(out, overwrite=overwrite, option="--out")
     settings = load_yaml_file(sampling, "--sampling")
     pipe = UnCLIPPipeline.from_pretrained(pipeline)
-    closed = {}
+    closed: dict[str, CLIP] = {}
     for name in closed_vocabulary:
         if name not in ("clip", "reranker"):
             raise ValueError(f"closed_vocabulary: {name!r} is not 'clip' or 'reranker'")
         clip = pipe.modules().get(name)
-        if clip is None:
+        if not isinstance(clip, CLIP):
             raise ValueError(f"--closed-vocabulary {name}: this pipeline has no {name} component")
         # saved as a closed table
         clip.kept_token_ids = closed_vocabulary_ids(clip, caption_vocabulary())

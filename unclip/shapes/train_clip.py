@@ -124,7 +124,7 @@ class ClipDataConfig:
                 f"data.{key}",
                 weights,
                 isinstance(weights, dict)
-                and weights
+                and bool(weights)
                 and set(weights) <= set(allowed)
                 and all(
                     isinstance(w, (int, float))
@@ -213,6 +213,7 @@ def make_batch(world, step: int, n: int, aug: ClipDataConfig | None, rng: random
                 )
                 imgs[j] = pil_to_tensor(image)
     for i, s in zip(range(start, start + m), samples):
+        assert aug is not None  # m > 0 only with hard negatives configured
         twin_rng = random.Random(f"contrast:{world.seed}:{world.split}:{i}")
         weights = aug.pair_negatives if s.truth["relation"] is not None else aug.single_negatives
         try:

@@ -401,7 +401,7 @@ def measure_step(
                     counting = FlopCounterMode(display=False) if forward_flops is None else None
                     with autocast_copies(params) as casts, counting or contextlib.nullcontext():
                         loss = task.loss(model, batch, gens)
-                    if forward_flops is None:
+                    if counting is not None:
                         forward_flops, frozen_flops = counting.get_total_flops(), clip_flops[0]
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)

@@ -32,6 +32,7 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Optional
 from unittest import mock
 
 import torch
@@ -149,7 +150,7 @@ def fake_backward(loss) -> None:
         raise RuntimeError("the loss does not require grad: nothing in the model is trained")
     root = loss.grad_fn
     deps = _dependencies(root)
-    buffers = {root: [torch.ones_like(loss)]}
+    buffers: dict[Any, list[Optional[torch.Tensor]]] = {root: [torch.ones_like(loss)]}
     order = itertools.count()  # ties among equal sequence numbers: first come, first run
     ready = [(-root._sequence_nr(), next(order), root)]
     del loss, root  # from here on the queue holds the graph: each node dies once run
@@ -162,7 +163,8 @@ def fake_backward(loss) -> None:
             grads = buffers.pop(fn)
             leaf = getattr(fn, "variable", None)
             if leaf is not None:  # AccumulateGrad
-                _accumulate(leaf, grads[0])
+                if grads[0] is not None:
+                    _accumulate(leaf, grads[0])
                 continue
             outs = _run_node(fn, grads)
             del grads

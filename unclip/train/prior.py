@@ -22,7 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from unclip.diffusion.loop import diffusion_loss, training_scheduler
 from unclip.diffusion.vlb import predicted_x0
+from unclip.nets.ar_prior import UnCLIPARPrior
 from unclip.nets.clip import CLIP
+from unclip.nets.prior import UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_batches, make_stream
@@ -160,7 +162,7 @@ class PriorTask:
             )
 
 
-def build_prior_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
+def build_prior_model(cfg: StageConfig, clip: CLIP) -> UnCLIPPrior | UnCLIPARPrior:
     """The prior a ``prior`` stage config trains; the diffusion prior's embedding statistics are
     buffers-like parameters that are set from the data, not trained (the AR prior keeps its fit in
     buffers)."""
@@ -207,8 +209,7 @@ def train_prior(
         logger.warning(
             "PriorTransformer has no gradient checkpointing in diffusers; ignoring the option"
         )
-    model = loop.prepare(model)
-    model.train()
+    loop.prepare(model).train()
     task = PriorTask(cfg, clip, loop.device)
     data = make_batches(
         cfg.data,
