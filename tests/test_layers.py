@@ -283,3 +283,31 @@ def test_an_entry_point_callable_imports_on_call_or_attribute_lookup_only():
         _ = lazy.no_such_attribute
     called = _EntryPointCallable(ep)
     assert called("a yellow square") == [] and called._fn is not None
+
+
+def test_every_old_import_path_resolves_once_with_a_warning():
+    """Names that moved into the sub-packages keep their old import path: each entry of the alias
+    table resolves to the object where it lives now, with one FutureWarning naming the new path
+    (not again for the same name)."""
+    import importlib
+    import warnings
+
+    from unclip import _compat
+
+    checked = 0
+    for old, homes in _compat.MOVED.items():
+        module = importlib.import_module(old)
+        for new, names in homes.items():
+            for name in names:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    _compat._warned.discard((old, name))
+                    value = getattr(module, name)
+                    again = getattr(module, name)
+                assert value is again is getattr(importlib.import_module(new), name), (old, name)
+                moved = [w for w in seen if issubclass(w.category, FutureWarning)]
+                assert len(moved) == 1 and f"{new}.{name}" in str(moved[0].message), (old, name)
+                checked += 1
+    assert checked > 250  # the whole table was read
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        importlib.import_module("unclip.config").no_such_name  # noqa: B018
