@@ -11,19 +11,17 @@ under ``TYPE_CHECKING``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self, Union
 
 import torch
 
 from unclip.diffusion.config import DiffusionConfig
-from unclip.diffusion.loop import Generator
 from unclip.nets.clip import CLIP
 from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.nets.prior import UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.settings import StageSampling
-from unclip.sampling.stages import StepCallback
 from unclip.utils.offload import ModelOffloader
 
 __all__ = ["PipelineBase"]
@@ -83,42 +81,12 @@ class PipelineBase:
 
         def _decoder_negative(self, negative, b: int) -> Any: ...
 
-        def sample_image_embeds(
-            self,
-            text,
-            num_images_per_prompt: int = 1,
-            generator: Generator = None,
-            sampling: Optional[dict] = None,
-            latents: Optional[torch.Tensor] = None,
-            return_candidates: bool = False,
-            progress: bool = True,
-            callback_on_step_end: Optional[StepCallback] = None,
-            negative_prompt=None,
-        ) -> Any: ...
+        # the stage methods' own signatures are checked where they are defined (StagesMixin)
+        def sample_image_embeds(self, *args: Any, **kwargs: Any) -> Any: ...
 
-        def decode(
-            self,
-            image_embed: torch.Tensor,
-            text=None,
-            generator: Generator = None,
-            sampling: Optional[dict] = None,
-            latents: Optional[torch.Tensor] = None,
-            progress: bool = True,
-            callback_on_step_end: Optional[StepCallback] = None,
-            negative_prompt=None,
-        ) -> torch.Tensor: ...
+        def decode(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
 
-        def upsample(
-            self,
-            images: torch.Tensor,
-            generator: Generator = None,
-            sampling: Optional[dict] = None,
-            stages: Optional[Sequence[str]] = None,
-            return_intermediates: bool = False,
-            progress: bool = True,
-            callback_on_step_end: Optional[StepCallback] = None,
-            latents: Optional[torch.Tensor] = None,
-        ) -> Any: ...
+        def upsample(self, *args: Any, **kwargs: Any) -> Any: ...
 
         # OffloadMixin
         @property

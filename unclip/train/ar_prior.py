@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from unclip.nets.clip import CLIP
 from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
-from unclip.train.data.loader import batches, make_batches, make_stream
+from unclip.train.data.loader import batches, make_stream
 from unclip.train.loop import TrainLoop
 from unclip.train.text_cache import TextEncodingCache
 
@@ -132,15 +132,7 @@ def train_ar_prior(
     fit_ar_prior(loop.unwrapped, cfg, clip, loop.device)
     model.train()
     task = ARPriorTask(cfg, clip, loop.device)
-    data = make_batches(
-        cfg.data,
-        resolution=clip.image_size,
-        seed=cfg.train.seed,
-        rank=loop.rank,
-        world_size=loop.world,
-        start=loop.state.samples,
-        cursors=loop.data_cursors,
-    )
+    data = loop.batches(cfg.data, clip.image_size)
     if loop.run(task, data):
         loop.export_stage("prior", clip)
     loop.finish()

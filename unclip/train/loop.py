@@ -58,6 +58,7 @@ from unclip.sampling.utils import sample_seed
 from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train.data.batching import cursors_of
+from unclip.train.data.loader import make_batches
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.init_weights import load_initial_weights
 from unclip.train.launch import launch_shortfall
@@ -206,6 +207,20 @@ class TrainLoop(RunFolder):
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    def batches(self, data, resolution: int, **options):
+        """This process's batches of the data section ``data`` at ``resolution``, from where the
+        run stands (the samples it consumed and its streams' cursors; :func:`make_batches`)."""
+        return make_batches(
+            data,
+            resolution=resolution,
+            seed=self.cfg.train.seed,
+            rank=self.rank,
+            world_size=self.world,
+            start=self.state.samples,
+            cursors=self.data_cursors,
+            **options,
+        )
 
     def prepare(
         self,

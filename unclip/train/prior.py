@@ -27,7 +27,7 @@ from unclip.nets.clip import CLIP
 from unclip.nets.prior import UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
-from unclip.train.data.loader import batches, make_batches, make_stream
+from unclip.train.data.loader import batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
 from unclip.train.loop import TrainLoop
 from unclip.train.optimizers import auto_mixed_precision
@@ -211,15 +211,7 @@ def train_prior(
         )
     loop.prepare(model).train()
     task = PriorTask(cfg, clip, loop.device)
-    data = make_batches(
-        cfg.data,
-        resolution=clip.image_size,
-        seed=cfg.train.seed,
-        rank=loop.rank,
-        world_size=loop.world,
-        start=loop.state.samples,
-        cursors=loop.data_cursors,
-    )
+    data = loop.batches(cfg.data, clip.image_size)
     if loop.run(task, data):
         loop.export_stage("prior", clip)
     loop.finish()

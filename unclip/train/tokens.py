@@ -29,7 +29,6 @@ from unclip.nets.dalle_transformer import DalleTransformer
 from unclip.nets.dvae import dvae_schedule
 from unclip.nets.mega_transformer import MegaTransformer
 from unclip.nets.token_components import load_tokenizer, save_component, tokenizer_facts
-from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop
 from unclip.train.token_config import TokenizerTrainConfig, TokenModelTrainConfig
 
@@ -144,15 +143,7 @@ def train_tokenizer(
     model = loop.prepare(model)
     model.train()
     task = TokenizerTask(cfg, loop)
-    data = make_batches(
-        cfg.data,
-        resolution=cfg.data.resolution,
-        seed=cfg.train.seed,
-        rank=loop.rank,
-        world_size=loop.world,
-        start=loop.state.samples,
-        cursors=loop.data_cursors,
-    )
+    data = loop.batches(cfg.data, cfg.data.resolution)
     if loop.run(task, data):
         out = loop.export(
             "tokenizer", lambda m, p: save_component(m, p, "tokenizer", cfg.tokenizer)
@@ -229,15 +220,7 @@ def train_token_model(
     model = loop.prepare(net)
     model.train()
     task = TokenModelTask(cfg, tokenizer, loop)
-    data = make_batches(
-        cfg.data,
-        resolution=cfg.data.resolution,
-        seed=cfg.train.seed,
-        rank=loop.rank,
-        world_size=loop.world,
-        start=loop.state.samples,
-        cursors=loop.data_cursors,
-    )
+    data = loop.batches(cfg.data, cfg.data.resolution)
     if loop.run(task, data):
         out = loop.export(
             "transformer", lambda m, p: save_component(m, p, "transformer", cfg.transformer)
