@@ -49,13 +49,13 @@ import torch
 
 from unclip.train.data.embeddings import EmbeddingStream
 from unclip.train.data.sources import BadSample, FolderStream, WebDatasetStream, _Stream
+from unclip.train.data.tars import local_file
 
 __all__ = [
     "EmbeddingTable",
     "PairedWebDatasetStream",
     "PairedFolderStream",
     "tar_keys",
-    "local_tar",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,17 +64,6 @@ _CHECKED: set = set()
 _CACHED_SHARDS = 8
 _META_RE = re.compile(r"__[^/]*__($|/)")
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
-
-
-def local_tar(url: str) -> Optional[Path]:
-    """The local file behind a shard URL (plain path or ``file:``), or ``None`` for pipe:/remote
-    URLs."""
-    if url.startswith("file:"):
-        url = url[len("file:") :]
-    if url.startswith("pipe:") or "://" in url:
-        return None
-    path = Path(url)
-    return path if path.is_file() else None
 
 
 def tar_keys(path) -> list[str]:
@@ -241,7 +230,7 @@ class PairedWebDatasetStream(_Paired, WebDatasetStream):
             self.table.signature(),
             tuple(
                 (str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                for p in map(local_tar, self.urls)
+                for p in map(local_file, self.urls)
                 if p
             ),
         )
@@ -266,7 +255,7 @@ class PairedWebDatasetStream(_Paired, WebDatasetStream):
             )
         for i, url in enumerate(self.urls):
             keys = t.keys(i)
-            path = local_tar(url)
+            path = local_file(url)
             if path is None:
                 continue  # pipe:/remote: keys are checked as samples stream
             try:
