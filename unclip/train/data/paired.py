@@ -56,9 +56,13 @@ __all__ = [
     "PairedWebDatasetStream",
     "PairedFolderStream",
     "tar_keys",
+    "local_tar",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: the name this module has exported for :func:`unclip.train.data.tars.local_file`
+local_tar = local_file
 
 _CHECKED: set = set()
 _CACHED_SHARDS = 8
