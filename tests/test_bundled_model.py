@@ -57,6 +57,35 @@ def test_default_model_loads_in_fp32_and_generates_at_its_resolution(pipe):
     assert out.images.dtype.name == "uint8" and out.images.std() > 10  # not a blank image
 
 
+def test_a_diffusers_users_script_runs_on_the_bundled_model(pipe):
+    """The bundled model takes diffusers' conventions: flat keywords (every upsampler's steps from
+    ``super_res_num_inference_steps``), ``return_dict=False`` with float ``np`` images,
+    ``set_progress_bar_config``, ``components`` and ``from_pipe``; and it loads exact (no
+    autocast unless asked)."""
+    assert pipe.autocast_dtype is None
+    again = UnCLIPPipeline.from_pipe(pipe)
+    again.set_progress_bar_config(disable=True)
+    assert {"clip", "prior", "decoder", "sr64", "sr128", "reranker"} <= set(again.components)
+    kw = dict(
+        prior_num_inference_steps=3,
+        decoder_num_inference_steps=4,
+        super_res_num_inference_steps=2,
+        decoder_guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    (images,) = again("a small red circle on the left", **kw, output_type="np", return_dict=False)
+    assert images.shape == (1, RESOLUTION, RESOLUTION, 3) and images.dtype.name == "float32"
+    nested = {"prior": {"steps": 3}, "decoder": {"steps": 4, "guidance_scale": 1.0}}
+    same = pipe(
+        "a small red circle on the left",
+        sampling={**nested, "upsampler": {"steps": 2}},
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        progress=False,
+    )
+    assert (same[0] == images).all()  # the flat keywords are the nested settings
+
+
 PROMPTS = [
     "a small red circle on the left",
     "a big purple circle in the center on a gray background",
