@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", action="append", required=True, help="LABEL=FOLDER (or bundled)")
     p.add_argument("--out", required=True)
     p.add_argument("--per-kind", type=int, default=3, help="prompts of each kind (single, pair)")
-    p.add_argument("--tile", type=int, default=96)
+    p.add_argument("--tile", type=int, default=64)
     args = p.parse_args(argv)
     from PIL import Image
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
             tiles.append(Image.fromarray(img).resize((args.tile, args.tile), Image.BICUBIC))
         labels.append(f"{label}: {folder}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    image_grid(tiles, cols=len(captions)).save(args.out, optimize=True)
+    # 64 colours keep the flat shapes and make the PNG a few tens of kB
+    image_grid(tiles, cols=len(captions)).quantize(64).save(args.out, optimize=True)
     text = ["rows: " + "; ".join(labels), *(f"column {i}: {c}" for i, c in enumerate(captions))]
     Path(args.out).with_suffix(".txt").write_text("\n".join(text) + "\n")
     print(f"wrote {args.out}")
