@@ -193,6 +193,12 @@ def test_assemble_command_builds_a_token_pipeline_with_upsamplers(parts, tmp_pat
     assert pipe.upsampler_names == ["sr32", "sr64"]
     out = pipe(PROMPTS, generator=gens(), output_type="pt").images
     assert torch.equal(out, build(parts)(PROMPTS, generator=gens(), output_type="pt").images)
+    # and `unclip generate --model` samples through them
+    from unclip.cli.generate import main as generate
+
+    assert generate([PROMPTS[0], "--model", str(tmp_path / "p"), "--out", str(tmp_path / "g")]) == 0
+    record = json.loads((tmp_path / "g" / "generate.json").read_text())
+    assert record["resolution"] == 64 and {"sr32", "sr64"} <= set(record["sampling"])
     with pytest.raises(ValueError, match="--decoder belongs to unCLIP"):
         assemble([*argv, "--decoder", "d", "--out", str(tmp_path / "q")])
     with pytest.raises(ValueError, match="needs --clip and --decoder"):
