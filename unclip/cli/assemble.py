@@ -2,6 +2,12 @@
 
     unclip assemble --clip runs/prior/final/clip --prior runs/prior/final/prior \\
         --decoder runs/decoder/final/decoder --upsampler runs/sr256/final/sr256 --out my-pipeline
+    unclip assemble --tokenizer runs/shapes/dvae/final/tokenizer \\
+        --transformer runs/shapes/dalle/final/transformer --clip unclip/bundled/shapes/clip \\
+        --upsampler unclip/bundled/shapes/sr64 --upsampler unclip/bundled/shapes/sr128 --out dalle
+
+The second form builds a DALL-E or DALL-E Mega pipeline (``--clip`` optional: the CLIP that
+reranks its candidates and scores it in the evaluators; the upsamplers run after the tokenizer).
 """
 
 from __future__ import annotations
@@ -12,9 +18,15 @@ import sys
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="unclip assemble", description=__doc__.splitlines()[0])
-    p.add_argument("--clip", required=True, help="CLIP folder (final/clip of any training run)")
+    p.add_argument(
+        "--clip",
+        help="CLIP folder (final/clip of any training run); for a token pipeline, the CLIP that "
+        "reranks and scores (optional)",
+    )
     p.add_argument("--prior", help="prior component folder")
-    p.add_argument("--decoder", required=True, help="decoder component folder")
+    p.add_argument("--decoder", help="decoder component folder (unCLIP)")
+    p.add_argument("--tokenizer", help="image tokenizer folder (DALL-E / DALL-E Mega)")
+    p.add_argument("--transformer", help="token transformer folder (DALL-E / DALL-E Mega)")
     p.add_argument(
         "--upsampler", action="append", default=[], help="upsampler folder, in order (repeatable)"
     )
@@ -35,6 +47,13 @@ def main(argv=None) -> int:
         help="replace a non-empty --out entirely (otherwise it is refused)",
     )
     args = p.parse_args(argv)
+    if args.tokenizer or args.transformer:
+        return _assemble_tokens(args)
+    if not args.clip or not args.decoder:
+        raise ValueError(
+            "unclip assemble needs --clip and --decoder (an unCLIP pipeline) or --tokenizer and "
+            "--transformer (a DALL-E or DALL-E Mega pipeline)"
+        )
     from unclip.pipeline.jobs import assemble_pipeline
 
     pipe = assemble_pipeline(
@@ -51,6 +70,31 @@ def main(argv=None) -> int:
     print(
         f"wrote pipeline ({', '.join(pipe.stage_names)}; {pipe.resolution}px{extra}) to {args.out}"
     )
+    return 0
+
+
+def _assemble_tokens(args) -> int:
+    if not (args.tokenizer and args.transformer):
+        raise ValueError("a token pipeline needs both --tokenizer and --transformer")
+    extra = [f for f in ("prior", "decoder", "reranker") if getattr(args, f)]
+    if extra:
+        raise ValueError(
+            f"--{extra[0]} belongs to unCLIP pipelines; a token pipeline takes --tokenizer, "
+            "--transformer, --clip and --upsampler"
+        )
+    from unclip.pipeline.jobs import assemble_token_pipeline
+
+    pipe = assemble_token_pipeline(
+        args.tokenizer,
+        args.transformer,
+        args.clip,
+        args.upsampler,
+        out=args.out,
+        overwrite=args.overwrite,
+    )
+    stages = ", ".join(["transformer", "tokenizer", *pipe.upsampler_names])
+    clip = "; reranking CLIP" if pipe.clip is not None else ""
+    print(f"wrote {pipe.family} pipeline ({stages}; {pipe.resolution}px{clip}) to {args.out}")
     return 0
 
 

@@ -54,15 +54,27 @@ class DVAEConfig:
     blocks_per_group: int = 2
     #: the decoder's first width (after the 1 × 1 convolution from the codes)
     n_init: int = 128
+    #: resblock groups per stack (the paper's four: 8× downsampling); ``g`` groups downsample
+    #: by ``2^(g-1)``, e.g. three for 4× (32 px → 8 × 8 tokens, where 8× would leave 4 × 4)
+    groups: int = 4
+
+    @property
+    def downsampling(self) -> int:
+        return 2 ** (self.groups - 1)
 
     @property
     def grid(self) -> int:
-        """Tokens per side: ``image_size / 8``."""
-        return self.image_size // 8
+        """Tokens per side: ``image_size / downsampling``."""
+        return self.image_size // self.downsampling
 
     def build(self) -> DVAE:
-        if self.image_size % 8:
-            raise ValueError(f"dvae: image_size must be a multiple of 8, got {self.image_size}")
+        if self.groups < 1:
+            raise ValueError(f"dvae: groups must be >= 1, got {self.groups}")
+        if self.image_size % self.downsampling:
+            raise ValueError(
+                f"dvae: image_size must be a multiple of {self.downsampling} ({self.groups} "
+                f"groups), got {self.image_size}"
+            )
         return DVAE(self)
 
 
@@ -88,8 +100,8 @@ class _ResBlock(nn.Module):
 
 
 def _stack(widths, n_in, blocks, n_layers, decoder) -> nn.Sequential:
-    """Four groups of resblocks; 2 × 2 max-pooling (encoder) or nearest 2× upsampling
-    (decoder) between consecutive groups."""
+    """Groups of resblocks (the paper has four); 2 × 2 max-pooling (encoder) or nearest 2×
+    upsampling (decoder) between consecutive groups."""
     mods: list[nn.Module] = []
     for g, w in enumerate(widths):
         for i in range(blocks):
@@ -117,31 +129,28 @@ class DVAE(nn.Module):
     def __init__(self, config: DVAEConfig):
         super().__init__()
         self.config = c = config
-        n_layers = 4 * c.blocks_per_group
+        n_layers = c.groups * c.blocks_per_group
+        widths = [c.n_hid * 2**g for g in range(c.groups)]  # the paper's n_hid · 1, 2, 4, 8
         self.encoder = nn.Sequential(
             nn.Conv2d(3, c.n_hid, 7, padding=3),
-            _stack(
-                [c.n_hid * m for m in (1, 2, 4, 8)], c.n_hid, c.blocks_per_group, n_layers, False
-            ),
+            _stack(widths, c.n_hid, c.blocks_per_group, n_layers, False),
             nn.ReLU(),
-            nn.Conv2d(8 * c.n_hid, c.num_codes, 1),
+            nn.Conv2d(widths[-1], c.num_codes, 1),
         )
         self.decoder_in = nn.Conv2d(c.num_codes, c.n_init, 1)
         self.decoder = nn.Sequential(
-            _stack(
-                [c.n_hid * m for m in (8, 4, 2, 1)], c.n_init, c.blocks_per_group, n_layers, True
-            ),
+            _stack(widths[::-1], c.n_init, c.blocks_per_group, n_layers, True),
             nn.ReLU(),
             nn.Conv2d(c.n_hid, 2 * 3, 1),
         )
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in ``[-1, 1]`` → code logits ``[B, K, H/8, W/8]``."""
+        """Images ``[B, 3, H, W]`` in ``[-1, 1]`` → code logits ``[B, K, H/f, W/f]``."""
         return self.encoder(images)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in ``[-1, 1]`` → tokens ``[B, H/8, W/8]`` (the posterior's
+        """Images ``[B, 3, H, W]`` in ``[-1, 1]`` → tokens ``[B, H/f, W/f]`` (the posterior's
         most likely code, as the paper tokenises the transformer's training images)."""
         return self.logits(images).argmax(1)
 
@@ -159,7 +168,7 @@ class DVAE(nn.Module):
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens ``[B, h, w]`` → images ``[B, 3, 8h, 8w]`` in ``[-1, 1]``. The 1 × 1
+        """Tokens ``[B, h, w]`` → images ``[B, 3, fh, fw]`` in ``[-1, 1]``. The 1 × 1
         convolution of a one-hot code is its weight column, so the codes are looked up."""
         w = self.decoder_in.weight[:, :, 0, 0]  # [d_init, K]
         bias = cast(torch.Tensor, self.decoder_in.bias)  # decoder_in is built with a bias

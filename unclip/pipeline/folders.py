@@ -133,6 +133,33 @@ def stage_meta(stage: str, name: str, diffusion: dict, sampling: dict, clip) -> 
     return meta
 
 
+def load_upsampler_folder(folder, default_diffusion: dict, default_sampling: dict):
+    """``(upsampler, diffusion, sampling)`` of an upsampler component folder: one a training run
+    exported (its ``unclip_stage.json``) or one inside a pipeline folder (the settings its
+    ``unclip.json`` stores for it, e.g. ``unclip/bundled/shapes/sr64``). Settings are as stored
+    (dicts), else ``default_diffusion["upsampler"]`` / ``default_sampling["upsampler"]``."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"upsampler component folder {folder} has no config.json")
+    m = folder / STAGE_META_FILE
+    data = (
+        read_json(m, "upsampler") if m.is_file() else _settings_from_pipeline(folder, "upsampler")
+    )
+    if data and data.get("stage") != "upsampler":
+        raise ValueError(f"{folder} holds a {data.get('stage')!r} component, expected 'upsampler'")
+    up = UnCLIPUpsampler.from_pretrained(folder)
+    return (
+        up,
+        data.get("diffusion", default_diffusion["upsampler"]),
+        data.get("sampling", default_sampling["upsampler"]),
+    )
+
+
+def save_diffusers_component(model, folder: Path) -> None:
+    """Save a diffusers component (an upsampler, a decoder, a prior) as a pipeline folder does."""
+    _save_component(model, Path(folder))
+
+
 def load_components(
     clip, decoder, prior, upsamplers, default_diffusion: dict, default_sampling: dict
 ):
@@ -197,11 +224,9 @@ def load_components(
     )
     ups = []
     for u in upsamplers:
-        folder, data = meta(u, "upsampler")
-        up = UnCLIPUpsampler.from_pretrained(folder)
+        up, diffusion_u, sampling_u = load_upsampler_folder(u, default_diffusion, default_sampling)
         name = f"sr{up.config.sample_size}"
-        diffusion[name] = data.get("diffusion", default_diffusion["upsampler"])
-        sampling[name] = data.get("sampling", default_sampling["upsampler"])
+        diffusion[name], sampling[name] = diffusion_u, sampling_u
         ups.append(up)
     if unchecked:
         warnings.warn(

@@ -1,6 +1,7 @@
 """Whole jobs on a pipeline that the command line runs: :func:`generate_to_folder` (``unclip
-generate``: images, a grid and a JSON record in a folder) and :func:`assemble_pipeline` (``unclip
-assemble``: trained component folders into one pipeline folder).
+generate``: images, a grid and a JSON record in a folder), :func:`assemble_pipeline` and
+:func:`assemble_token_pipeline` (``unclip assemble``: trained component folders into one pipeline
+folder).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
@@ -46,6 +48,27 @@ def assemble_pipeline(
     check_output_folder(out, overwrite=overwrite, option="--out")
     pipe = UnCLIPPipeline.from_components(clip, decoder, prior, upsamplers, reranker=reranker)
     write_folder(out, lambda folder: pipe.save_pretrained(folder, model_card=model_card))
+    return pipe
+
+
+def assemble_token_pipeline(
+    tokenizer, transformer, clip=None, upsamplers=(), *, out, overwrite: bool = False
+):
+    """``unclip assemble --tokenizer T --transformer X``: a DALL-E or DALL-E Mega pipeline folder
+    ``out`` from a tokenizer and a transformer folder, optionally a CLIP folder to rerank (and
+    score) with and upsampler folders run after the tokenizer decoder (see
+    ``TokenPipeline.from_components``). ``out`` as :func:`assemble_pipeline`."""
+    from unclip.pipeline.token_pipeline import TokenPipeline
+
+    check_output_folder(out, overwrite=overwrite, option="--out")
+    pipe = TokenPipeline.from_components(
+        tokenizer, transformer, rerank_clip=clip, upsamplers=upsamplers
+    )
+
+    def write(folder: Path) -> None:
+        pipe.save_pretrained(folder)
+
+    write_folder(out, write)
     return pipe
 
 

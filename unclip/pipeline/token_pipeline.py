@@ -16,6 +16,15 @@ A folder (:meth:`TokenPipeline.save_pretrained`) is self-describing: ``unclip.js
 the default sampling settings; ``tokenizer/``, ``transformer/`` (``config.json`` +
 ``model.safetensors`` + ``README.md``) and, when there is one, ``clip/`` (the reranking CLIP, also
 the CLIP the evaluators score with); a ``README.md`` card at the root.
+
+**Upsamplers.** A token pipeline may carry unCLIP upsamplers (e.g. the bundled shapes model's
+``sr64`` and ``sr128``, 32 → 64 → 128 px) that run after the tokenizer decoder, each with the
+diffusion and sampling settings it was trained and shipped with; they are saved in the folder as
+``sr64/``, ``sr128/`` (listed under ``components.upsamplers``, their settings under ``diffusion``
+and ``sampling``, as in an unCLIP folder). Attach them with ``upsamplers:`` in a ``train-tokens``
+config, :meth:`TokenPipeline.from_components` or :meth:`TokenPipeline.with_upsamplers`; sample
+settings per upsampler as in ``UnCLIPPipeline`` (``sampling={"sr64": {"steps": 2}}`` or
+``{"upsampler": ...}`` for all); ``last_stage="tokenizer"`` stops before them.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from typing import TYPE_CHECKING, Optional, Union, cast
 
 import torch
 
+from unclip.diffusion.config import diffusion_to_save
 from unclip.io.weights import read_json
 from unclip.nets.clip import CLIP, check_prompts
+from unclip.nets.decoder import UnCLIPUpsampler
 from unclip.nets.token_common import parameter_count
 from unclip.nets.token_components import (
     TokenizerConfig,
@@ -41,9 +52,23 @@ from unclip.nets.token_components import (
     save_component,
     tokenizer_facts,
 )
-from unclip.pipeline.folders import PIPELINE_FILE, component_folder
+from unclip.pipeline.folders import (
+    PIPELINE_FILE,
+    component_folder,
+    load_upsampler_folder,
+    save_diffusers_component,
+)
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.candidates import rerank_candidates
+from unclip.sampling.settings import (
+    DEFAULT_DIFFUSION,
+    DEFAULT_SAMPLING,
+    EVERY_UPSAMPLER,
+    resolve_sampling,
+    sampling_to_save,
+    stage_settings,
+)
+from unclip.sampling.stages import sample_upsampler
 from unclip.sampling.tokens import TokenSampling, sample_image_tokens
 from unclip.utils.config import to_dict
 from unclip.utils.images import to_output
@@ -63,9 +88,6 @@ FORMAT_VERSION = 1
 class TokenPipeline:
     """Caption → image tokens → image (see the module doc)."""
 
-    stage_names = ("transformer",)
-    upsamplers: tuple = ()
-    upsampler_names: tuple = ()
     lora_adapters: dict = {}
 
     def __init__(
@@ -76,7 +98,14 @@ class TokenPipeline:
         transformer_config: TokenModelConfig,
         sampling: Optional[TokenSampling] = None,
         clip: Optional[CLIP] = None,
+        upsamplers: Sequence[UnCLIPUpsampler] = (),
+        upsampler_diffusion: Optional[Mapping] = None,
+        upsampler_sampling: Optional[Mapping] = None,
     ):
+        """``upsamplers``: run in turn after the tokenizer decoder, the first reading the
+        tokenizer's resolution, each the one before's; ``upsampler_diffusion`` /
+        ``upsampler_sampling``: ``{name: settings}`` (``sr64``: a config or its dict, as stored
+        in ``unclip.json``), each defaulting to the upsampler defaults."""
         facts = tokenizer_facts(tokenizer_config)
         model = transformer_config.model
         if facts["grid"] != model.grid or facts["num_codes"] != model.image_vocab_size:
@@ -90,13 +119,44 @@ class TokenPipeline:
         self.tokenizer = cast("Union[DVAE, VQGAN]", tokenizer.eval())
         self.tokenizer_config = tokenizer_config
         self.transformer, self.transformer_config = transformer.eval(), transformer_config
-        self.sampling = {"transformer": sampling or TokenSampling()}
+        self.upsamplers = list(upsamplers)
+        size = facts["image_size"]
+        for up in self.upsamplers:
+            if not isinstance(up, UnCLIPUpsampler):
+                raise TypeError(f"upsamplers must be UnCLIPUpsampler, got {type(up).__name__}")
+            if up.config.low_res_size != size:
+                raise ValueError(
+                    f"upsampler sr{up.config.sample_size} reads {up.config.low_res_size} px "
+                    f"images but gets {size} px ones; chain upsamplers from the tokenizer's "
+                    f"{facts['image_size']} px, each reading the size the one before makes"
+                )
+            size = up.config.sample_size
+        names = self.upsampler_names
+        if len(set(names)) != len(names):
+            raise ValueError(f"two upsamplers make the same size: {', '.join(names)}")
+        self.diffusion, up_sampling = stage_settings(names, upsampler_diffusion, upsampler_sampling)
+        self.sampling = {"transformer": sampling or TokenSampling(), **up_sampling}
         self.clip = clip
         self.card_info: dict = {}
+
+    @property
+    def transformer_sampling(self) -> TokenSampling:
+        """The transformer's sampling settings (``sampling["transformer"]``)."""
+        s = self.sampling["transformer"]
+        assert isinstance(s, TokenSampling), type(s).__name__
+        return s
         for m in self.modules().values():
             m.requires_grad_(False)
 
     # ------------------------------------------------------------------ facts
+    @property
+    def upsampler_names(self) -> list[str]:
+        return [f"sr{u.config.sample_size}" for u in self.upsamplers]
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return ("transformer", *self.upsampler_names)
+
     @property
     def family(self) -> str:
         return FAMILY_OF[self.transformer_config.type]
@@ -120,6 +180,9 @@ class TokenPipeline:
 
     @property
     def resolution(self) -> int:
+        """The size of the images the pipeline returns (the last upsampler's, if any)."""
+        if self.upsamplers:
+            return self.upsamplers[-1].config.sample_size
         return tokenizer_facts(self.tokenizer_config)["image_size"]
 
     @property
@@ -128,6 +191,7 @@ class TokenPipeline:
 
     def modules(self) -> dict[str, torch.nn.Module]:
         mods = {"tokenizer": self.tokenizer, "transformer": self.transformer}
+        mods.update(zip(self.upsampler_names, self.upsamplers))
         if self.clip is not None:
             mods["clip"] = self.clip
         return mods
@@ -144,21 +208,26 @@ class TokenPipeline:
         raise ValueError(f"LoRA adapters apply to unCLIP pipelines; this is a {self.family} one")
 
     # ------------------------------------------------------------------ settings
-    def sampling_settings(self, sampling: Optional[Mapping] = None) -> dict[str, TokenSampling]:
-        """``{"transformer": settings}``: the folder's defaults with ``sampling`` overrides
-        (``{"transformer": {setting: value}}``, or a :class:`TokenSampling`); unknown keys or
-        settings are a ``ValueError`` naming them."""
-        base = self.sampling["transformer"]
-        for key, value in (sampling or {}).items():
-            if key != "transformer":
+    def sampling_settings(self, sampling: Optional[Mapping] = None) -> dict:
+        """``{"transformer": TokenSampling, <upsampler>: UpsamplerSampling, ...}``: the folder's
+        defaults with ``sampling`` overrides (``{"transformer": {setting: value}}`` or a
+        :class:`TokenSampling`; ``{"sr64": {...}}`` or ``{"upsampler": {...}}`` for the
+        upsamplers, as in ``UnCLIPPipeline``); unknown keys or settings are a ``ValueError``
+        naming them."""
+        sampling = dict(sampling or {})
+        valid = [*self.stage_names, EVERY_UPSAMPLER]
+        for key in sampling:
+            if key not in valid:
                 raise ValueError(
-                    f"sampling override {key!r}: a {self.family} pipeline has one stage, "
-                    "'transformer' (settings: temperature, top_k, top_p, guidance_scale, "
-                    "candidates, use_cache)"
+                    f"sampling override {key!r}: a {self.family} pipeline has the stages "
+                    f"{', '.join(valid)} ('transformer' settings: temperature, top_k, top_p, "
+                    "guidance_scale, candidates, use_cache)"
                 )
-            if isinstance(value, TokenSampling):
-                base = value
-                continue
+        base = self.sampling["transformer"]
+        value = sampling.pop("transformer", None)
+        if isinstance(value, TokenSampling):
+            base = value
+        elif value is not None:
             fields = set(to_dict(base))
             unknown = [k for k in value if k not in fields]
             if unknown:
@@ -167,7 +236,8 @@ class TokenPipeline:
                     f"{', '.join(sorted(fields))}"
                 )
             base = replace(base, **value)
-        return {"transformer": replace(base)}
+        ups = resolve_sampling({n: self.sampling[n] for n in self.upsampler_names}, sampling)
+        return {"transformer": replace(base), **ups}
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
@@ -197,10 +267,14 @@ class TokenPipeline:
             )
         if image_embeds is not None:
             raise ValueError(f"a {self.family} pipeline decodes no CLIP image embeddings")
-        if last_stage not in (None, "transformer", "tokenizer"):
-            raise ValueError(f"last_stage: a {self.family} pipeline has no stage {last_stage!r}")
+        if last_stage not in (None, "transformer", "tokenizer", *self.upsampler_names):
+            raise ValueError(
+                f"last_stage: a {self.family} pipeline has no stage {last_stage!r} (it has "
+                f"tokenizer{''.join(', ' + n for n in self.upsampler_names)})"
+            )
         prompts = check_prompts(prompts)
-        s = self.sampling_settings(sampling)["transformer"]
+        settings = self.sampling_settings(sampling)
+        s = settings["transformer"]
         if s.candidates > 1 and self.clip is None:
             raise ValueError(
                 "sampling.transformer.candidates > 1 reranks with a CLIP, which this pipeline "
@@ -238,6 +312,24 @@ class TokenPipeline:
             best = rerank_candidates(self.clip, images, rows, k)
             images = images[best]
             timings["rerank"] = time.perf_counter() - t2
+        stage_images = {"tokenizer": images}
+        if last_stage in (None, *self.upsampler_names):
+            # the generators carry on from the token sampling, one per kept image
+            gen = generator[::k] if isinstance(generator, list) else generator
+            for name, up in zip(self.upsampler_names, self.upsamplers):
+                t0 = time.perf_counter()
+                images = sample_upsampler(
+                    up,
+                    images.to(up.device),
+                    settings[name],
+                    self.diffusion[name],
+                    generator=gen,
+                    progress=progress,
+                )
+                timings[name] = time.perf_counter() - t0
+                stage_images[name] = images
+                if name == last_stage:
+                    break
         text_embeds = None
         if self.clip is not None:
             text_embeds = self.clip.encode_text([p for p in prompts for _ in range(n)]).text_embed
@@ -245,7 +337,7 @@ class TokenPipeline:
             images=to_output(images, output_type),
             image_embeds=None,
             text_embeds=text_embeds,
-            stage_images={"tokenizer": images} if return_intermediates else {},
+            stage_images=stage_images if return_intermediates else {},
             timings=timings,
         )
 
@@ -258,14 +350,50 @@ class TokenPipeline:
         *,
         sampling: Optional[TokenSampling] = None,
         rerank_clip: Union[str, os.PathLike, None] = None,
+        upsamplers: Sequence[Union[str, os.PathLike]] = (),
     ) -> TokenPipeline:
         """A pipeline from component folders (``final/tokenizer`` of ``unclip
         train-tokenizer``, ``final/transformer`` of ``unclip train-tokens``) and, optionally, a
-        CLIP folder to rerank with."""
+        CLIP folder to rerank with and upsampler folders to run after the tokenizer (see
+        :meth:`with_upsamplers`)."""
         tok, tok_cfg = load_tokenizer(tokenizer)
         net, net_cfg = load_token_model(transformer)
         clip = CLIP.from_pretrained(rerank_clip).eval() if rerank_clip is not None else None
-        return cls(tok, tok_cfg, net, net_cfg, sampling, clip)
+        return cls(tok, tok_cfg, net, net_cfg, sampling, clip).with_upsamplers(upsamplers)
+
+    def with_upsamplers(self, folders: Sequence[Union[str, os.PathLike]]) -> TokenPipeline:
+        """This pipeline with the upsamplers in ``folders`` (in order; each an upsampler that a
+        training run exported, ``<output_dir>/final/sr64``, or one inside an unCLIP pipeline
+        folder, e.g. ``unclip/bundled/shapes/sr64``) after the tokenizer decoder in place of
+        any it had, each with its stored diffusion and sampling settings. Returns a new
+        pipeline sharing this one's networks."""
+        if isinstance(folders, (str, os.PathLike)):
+            raise TypeError("with_upsamplers takes a list of upsampler folders, not one path")
+        ups, diffusion, sampling = [], {}, {}
+        for folder in folders:
+            up, d, smp = load_upsampler_folder(
+                folder, DEFAULT_DIFFUSION, {"upsampler": DEFAULT_SAMPLING["upsampler"]}
+            )
+            name = f"sr{up.config.sample_size}"
+            ups.append(up)
+            diffusion[name], sampling[name] = d, smp
+        pipe = type(self)(
+            self.tokenizer,
+            self.tokenizer_config,
+            self.transformer,
+            self.transformer_config,
+            self.transformer_sampling,
+            self.clip,
+            ups,
+            diffusion,
+            sampling,
+        )
+        pipe.card_info = dict(self.card_info)
+        device = self.device
+        for up in ups:
+            if up.device != device:  # moving in place warns needlessly otherwise (diffusers)
+                up.to(device)
+        return pipe
 
     @classmethod
     def from_pretrained(
@@ -293,8 +421,23 @@ class TokenPipeline:
         clip = None
         if comps.get("clip"):
             clip = CLIP.from_pretrained(sub(comps["clip"])).eval()
-        sampling = TokenSampling(**index.get("sampling", {}).get("transformer", {}))
-        return cls(tok, tok_cfg, net, net_cfg, sampling, clip)
+        stored = index.get("sampling", {})
+        sampling = TokenSampling(**stored.get("transformer", {}))
+        names = comps.get("upsamplers") or []
+        if not isinstance(names, list):
+            raise ValueError(f"{path / PIPELINE_FILE}: components.upsamplers must be a list")
+        ups = [UnCLIPUpsampler.from_pretrained(sub(n)) for n in names]
+        return cls(
+            tok,
+            tok_cfg,
+            net,
+            net_cfg,
+            sampling,
+            clip,
+            ups,
+            index.get("diffusion", {}),
+            {k: v for k, v in stored.items() if k != "transformer"},
+        )
 
     def save_pretrained(self, folder: Union[str, os.PathLike]) -> Path:
         """Write the folder described in the module doc."""
@@ -306,6 +449,8 @@ class TokenPipeline:
         )
         if self.clip is not None:
             self.clip.save_pretrained(folder / "clip")
+        for name, up in zip(self.upsampler_names, self.upsamplers):
+            save_diffusers_component(up, folder / name)
         index = {
             "family": self.family,
             "format_version": FORMAT_VERSION,
@@ -313,15 +458,22 @@ class TokenPipeline:
                 "tokenizer": "tokenizer",
                 "transformer": "transformer",
                 "clip": "clip" if self.clip is not None else None,
+                "upsamplers": self.upsampler_names,
             },
-            "sampling": {"transformer": to_dict(self.sampling["transformer"])},
+            "diffusion": {n: diffusion_to_save(self.diffusion[n]) for n in self.upsampler_names},
+            "sampling": {
+                "transformer": to_dict(self.sampling["transformer"]),
+                **{n: sampling_to_save(self.sampling[n]) for n in self.upsampler_names},
+            },
         }
         (folder / PIPELINE_FILE).write_text(json.dumps(index, indent=2))
         counts = self.parameter_counts()
         rows = "\n".join(f"| {k} | {v:,} |" for k, v in counts.items())
         (folder / "README.md").write_text(
             f"# {self.family} pipeline\n\nCaption → {self.transformer_config.type} transformer → "
-            f"{self.tokenizer_config.type} tokens → {self.resolution} px image"
+            f"{self.tokenizer_config.type} tokens → "
+            f"{tokenizer_facts(self.tokenizer_config)['image_size']} px image"
+            + "".join(f" → {n}" for n in self.upsampler_names)
             + (", best of the candidates by the CLIP" if self.clip is not None else "")
             + f".\n\n| component | parameters |\n| --- | --- |\n{rows}\n\n"
             "Load with `unclip.pipeline.auto.load_pipeline(folder)`; sample with "

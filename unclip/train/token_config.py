@@ -87,7 +87,10 @@ class TokenModelTrainConfig:
     captions' BPE ids. ``train.text_drop_prob``: the share of captions replaced by the empty one
     (trains super-conditioning; DALL-E Mega used it, DALL-E did not: set 0). ``sampling``: the
     exported pipeline's defaults. ``rerank_clip``: a CLIP folder shipped with the pipeline to
-    rerank ``sampling.candidates`` (e.g. ``unclip/bundled/shapes/clip``; null: none)."""
+    rerank ``sampling.candidates`` (e.g. ``unclip/bundled/shapes/clip``; null: none).
+    ``upsamplers``: upsampler folders the exported pipeline runs after the tokenizer decoder, in
+    order (e.g. ``[unclip/bundled/shapes/sr64, unclip/bundled/shapes/sr128]`` for 32 → 128 px;
+    each copied into the pipeline folder with its settings); empty: none."""
 
     transformer: TokenModelConfig = field(default_factory=lambda: TokenModelConfig("dalle"))
     tokenizer: str = "runs/tokenizer/final/tokenizer"
@@ -95,6 +98,7 @@ class TokenModelTrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sampling: TokenSampling = field(default_factory=TokenSampling)
     rerank_clip: Optional[str] = None
+    upsamplers: list[str] = field(default_factory=list)
 
 
 def load_tokenizer_train_config(path, overrides=()) -> TokenizerTrainConfig:

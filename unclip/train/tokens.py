@@ -229,7 +229,11 @@ def train_token_model(
             from unclip.pipeline.token_pipeline import TokenPipeline
 
             pipe = TokenPipeline.from_components(
-                cfg.tokenizer, out, sampling=cfg.sampling, rerank_clip=cfg.rerank_clip
+                cfg.tokenizer,
+                out,
+                sampling=cfg.sampling,
+                rerank_clip=cfg.rerank_clip,
+                upsamplers=cfg.upsamplers,
             )
             folder = loop.write_folder(out.parent / "pipeline", pipe.save_pretrained)
             print(f"exported the {pipe.family} pipeline to {folder}")
