@@ -1055,7 +1055,10 @@ def test_pruning_keeps_the_best_candidates_then_chooses_among_them(tiny_pipe):
         ({"decoder": {**dec, "prune_at": 0}}, "prune_at must be an integer >= 1"),
         ({"decoder": {**dec, "prune_at": 2}}, "needs the final choice later.*stop pruning"),
         ({"decoder": {**dec, "rerank_at": None}}, "needs the final choice later"),
-        ({"prior": {"prune_at": 1, "prune_keep": 2}}, "prior: prune_at and prune_keep are decoder"),
+        (
+            {"prior": {"prune_at": 1, "prune_keep": 2}},
+            "prior: prune_at is not a setting of the diffusion prior.*decoder",
+        ),
     ]:
         with pytest.raises(ValueError, match=match):
             run(tiny_pipe, sampling=bad)

@@ -349,7 +349,7 @@ def test_shapes_eval_upsamplers_alone_take_the_true_renders(tiny_pipe, tmp_path,
                     tiny_pipe.upsample(x[3:], generator=gens[3:], sampling=few, progress=False),
                 ]
             ),
-            "np",
+            "uint8",
         )
     assert len(report["_images"]) == 4
     for got, want in zip(report["_images"], expected):

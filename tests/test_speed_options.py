@@ -188,16 +188,17 @@ def test_auto_autocast_follows_the_device_and_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_loaded_pipeline_samples_with_the_fast_defaults(native, monkeypatch, tmp_path):
-    """from_pretrained's defaults: channels-last image networks and autocast "auto", which on a
-    CPU that runs bf16 natively is bf16 in every network (the same images as asking for bf16),
-    and elsewhere full precision (the same images as fp32 channels-last)."""
+def test_loaded_pipeline_samples_with_the_fast_settings_asked_for(native, monkeypatch, tmp_path):
+    """from_pretrained is exact by default (no autocast); asked for autocast "auto", a CPU that
+    runs bf16 natively computes every network in bf16 (the same images as asking for bf16), and
+    elsewhere in full precision (the same images as fp32); image networks are channels-last."""
     from unclip.utils import precision
 
     monkeypatch.setattr(precision, "native_cpu_bf16", lambda: native)
     saved = tiny_pipeline(seed=0)
     saved.save_pretrained(tmp_path / "p")
-    pipe = UnCLIPPipeline.from_pretrained(tmp_path / "p")
+    assert UnCLIPPipeline.from_pretrained(tmp_path / "p").autocast_dtype is None
+    pipe = UnCLIPPipeline.from_pretrained(tmp_path / "p", autocast_dtype="auto")
     assert pipe.autocast_setting == "auto"
     assert pipe.autocast_dtype == (torch.bfloat16 if native else None)
     for net in [pipe.decoder.unet, *(u.unet for u in pipe.upsamplers)]:

@@ -33,12 +33,12 @@ FLAT_KEYWORDS = {
 CALLBACK_TENSOR_INPUTS = ("latents",)
 
 
-def flat_sampling(sampling: Optional[Mapping], **flat) -> Optional[dict]:
+def flat_sampling(sampling: Optional[Mapping], **flat) -> Optional[Mapping]:
     """``sampling`` with diffusers' flat keywords (:data:`FLAT_KEYWORDS`; None: not given) folded
     in. A setting given both ways with two values is a ``ValueError``."""
     given = {k: v for k, v in flat.items() if v is not None}
     if not given:
-        return None if sampling is None else dict(sampling)
+        return sampling  # checked where it is resolved (a wrong type is a TypeError there)
     if sampling is not None and not isinstance(sampling, Mapping):
         raise TypeError(
             f"sampling must be a dict {{stage: {{setting: value}}}}, got {type(sampling).__name__}"

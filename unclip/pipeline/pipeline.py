@@ -238,7 +238,7 @@ class UnCLIPPipeline(
         prompt: Union[str, Sequence[str]],
         num_images_per_prompt: int = 1,
         generator: Generator = None,
-        sampling: Optional[dict] = None,
+        sampling: Optional[Mapping] = None,
         output_type: str = "pil",
         return_intermediates: bool = False,
         progress: bool = True,
