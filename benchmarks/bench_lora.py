@@ -196,7 +196,7 @@ def sample(pipe, captions: list[str], s: dict, seed: int) -> list:
             generator=[torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))],
             sampling=sampling,
             last_stage="decoder",
-            output_type="np",
+            output_type="uint8",
             progress=False,
         )
         images.extend(out.images)

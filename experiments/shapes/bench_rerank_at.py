@@ -110,7 +110,7 @@ def right_matrix(finals, captions) -> torch.Tensor:
     expected = [parse_caption(c) for c in captions]
     right = torch.zeros(n, k, dtype=torch.bool)
     for j in range(k):
-        for i, image in enumerate(to_output(finals[:, j], "np")):
+        for i, image in enumerate(to_output(finals[:, j], "uint8")):
             right[i, j] = bool(score(image, expected[i])["all"])
     return right
 
@@ -140,7 +140,7 @@ def parse_prune(parser, spec: str, args) -> tuple[int, int]:
 
 
 def summary(images, captions) -> dict:
-    rep = evaluate_images(to_output(images, "np"), captions)
+    rep = evaluate_images(to_output(images, "uint8"), captions)
     out = {"single_all": rep["single"]["all"], "pair_all": rep["pair"]["all"]}
     out.update({f"pair_{key}": rep["pair"][key] for key in ("colors", "shapes", "relation")})
     return {key: round(v, 4) for key, v in out.items()}
