@@ -6,6 +6,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# a subprocess that dies of a native signal (SIGSEGV, SIGABRT) prints its Python stacks, so a
+# failing multi-process test says where each rank was
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 #: from_pretrained's arguments for a pipeline that computes exactly as the one saved (full

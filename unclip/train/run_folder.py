@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -515,6 +516,11 @@ class RunFolder:
         )
         if self.state.skipped_data:
             logger.warning("skipped %d bad samples on rank %d", self.state.skipped_data, self.rank)
+        # every rank past its last collective, and the finished step's communication handles
+        # freed, before any rank tears the process group down: a gloo peer that closes its
+        # sockets while the other still holds pending work can abort that process at exit
+        self.accelerator.wait_for_everyone()
+        gc.collect()
         self.accelerator.end_training()
         self.release_output_dir()
 
