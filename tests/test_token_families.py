@@ -322,6 +322,54 @@ def test_dvae_schedule_endpoints():
     assert dvae_schedule(750, total).temperature == pytest.approx((1 + 1 / 16) / 2)
 
 
+def test_dvae_schedule_spans_can_be_set_in_steps():
+    """``tau_steps`` / ``kl_steps`` replace the scaled spans of a short run (here 1,000 steps,
+    where the paper's would be 50 and 1.7 steps)."""
+    s = dvae_schedule(300, 1_000, tau_steps=600, kl_steps=400)
+    assert s.temperature == pytest.approx(1 / 16 + (1 - 1 / 16) / 2)
+    assert s.kl_weight == pytest.approx(6.6 * (1 - math.cos(math.pi * 0.75)) / 2)
+    assert dvae_schedule(600, 1_000, tau_steps=600).temperature == pytest.approx(1 / 16)
+    assert dvae_schedule(300, 1_000).temperature == pytest.approx(1 / 16)  # scaled: 50 steps
+    from conftest import CONFIGS
+
+    from unclip.train.config import ConfigError
+    from unclip.train.token_config import load_tokenizer_train_config
+
+    tiny = CONFIGS / "tiny" / "dvae.yaml"
+    assert load_tokenizer_train_config(tiny, ["kl_steps=400"]).kl_steps == 400
+    for bad in ("0", "-3"):
+        with pytest.raises(ConfigError, match="tau_steps must be an integer >= 1 or null"):
+            load_tokenizer_train_config(tiny, [f"tau_steps={bad}"])
+    with pytest.raises(ConfigError, match="'kl_steps' must be an integer"):
+        load_tokenizer_train_config(tiny, ["kl_steps=2.5"])
+
+
+def test_vqgan_l2_codes_look_up_by_cosine_and_survive_a_save(tmp_path):
+    from unclip.nets.token_components import TokenizerConfig, load_tokenizer, save_component
+
+    torch.manual_seed(0)
+    vqgan = tiny_vqgan_config(l2_codes=True).build()
+    x = quadrant_images()
+    z_e, z_q, tokens = vqgan.quantize(x)
+    assert torch.allclose(z_e.norm(dim=1), torch.ones(()), atol=1e-5)
+    assert torch.allclose(z_q.norm(dim=1), torch.ones(()), atol=1e-5)
+    # the nearest unit code is the one of largest cosine with the raw code vectors
+    raw = vqgan.model.quantize.embedding.weight
+    cos = torch.einsum("bchw,kc->bkhw", z_e, F.normalize(raw, dim=1))
+    assert torch.equal(tokens, cos.argmax(1))
+    direct = vqgan.model.decoder(vqgan.model.post_quant_conv(z_q)).clamp(-1, 1)
+    assert torch.allclose(vqgan.decode(tokens), direct, atol=1e-5)
+    plain = tiny_vqgan_config().build()
+    plain.load_state_dict(vqgan.state_dict())
+    assert not torch.allclose(plain.decode(tokens), vqgan.decode(tokens), atol=1e-3)
+
+    cfg = TokenizerConfig(type="vqgan", vqgan=tiny_vqgan_config(l2_codes=True))
+    save_component(vqgan, tmp_path / "tok", "tokenizer", cfg)
+    loaded, loaded_cfg = load_tokenizer(tmp_path / "tok")
+    assert loaded_cfg.vqgan.l2_codes and loaded.l2_codes
+    assert torch.equal(loaded.encode(x), tokens)
+
+
 def tiny_vqgan_config(**kw):
     return VQGANConfig(
         image_size=16,

@@ -257,16 +257,21 @@ def dvae_schedule(
     kl_weight_end: float = 6.6,
     lr_start: float = 1e-4,
     lr_end: float = 1.25e-6,
+    tau_steps: Optional[int] = None,
+    kl_steps: Optional[int] = None,
 ) -> DVAESchedule:
     """The dVAE's settings at ``step`` of a ``total_steps`` run: the paper's cosine schedules
     (appendix A.2: τ 1 → 1/16 over the first 150,000 updates, β 0 → 6.6 over the first 5,000,
     step size 1e-4 → 1.25e-6 over the first 1,200,000, of 3,000,000) with every span scaled
-    by ``total_steps / 3,000,000``; each holds its end value after its span."""
+    by ``total_steps / 3,000,000``; each holds its end value after its span. ``tau_steps`` /
+    ``kl_steps``: the temperature's / KL weight's span in steps instead of the scaled one."""
     if total_steps < 1:
         raise ValueError(f"dvae_schedule: total_steps must be >= 1, got {total_steps!r}")
     scale = total_steps / _PAPER_STEPS
+    tau_span = _TAU_STEPS * scale if tau_steps is None else tau_steps
+    kl_span = _KL_STEPS * scale if kl_steps is None else kl_steps
     return DVAESchedule(
-        temperature=_cosine(step, _TAU_STEPS * scale, 1.0, tau_end),
-        kl_weight=_cosine(step, _KL_STEPS * scale, 0.0, kl_weight_end),
+        temperature=_cosine(step, tau_span, 1.0, tau_end),
+        kl_weight=_cosine(step, kl_span, 0.0, kl_weight_end),
         lr=_cosine(step, _LR_STEPS * scale, lr_start, lr_end),
     )

@@ -64,6 +64,11 @@ class VQGANConfig:
     discriminator_weights: Optional[str] = None
     adversarial_weight: float = 0.1
     discriminator_layers: int = 3
+    #: look codes up by cosine: encoder outputs and code vectors are L2-normalised before the
+    #: nearest-code search and the decoder reads the normalised code (Yu et al. 2021,
+    #: "Vector-quantized Image Modeling with Improved VQGAN"). Off in taming's VQGAN, which
+    #: DALL-E Mega used; on, far more of a small codebook stays in use
+    l2_codes: bool = False
 
     @property
     def downsampling(self) -> int:
@@ -94,7 +99,7 @@ class VQGANConfig:
             vq_embed_dim=self.latent_channels,
             lookup_from_codebook=True,
         )
-        return VQGAN(model)
+        return VQGAN(model, l2_codes=self.l2_codes)
 
     def build_loss(self) -> VQGANLoss:
         perceptual = None
@@ -117,17 +122,26 @@ class VQGANConfig:
 class VQGAN(nn.Module):
     """A ``VQModel`` as an image tokenizer. Images are ``[B, 3, H, W]`` in ``[-1, 1]``."""
 
-    def __init__(self, model: VQModel):
+    def __init__(self, model: VQModel, l2_codes: bool = False):
         super().__init__()
         self.model = model
+        self.l2_codes = l2_codes
+
+    def codebook(self) -> torch.Tensor:
+        """The code vectors ``[K, C]`` as the decoder reads them (normalised with ``l2_codes``)."""
+        weight = self.model.quantize.embedding.weight
+        return F.normalize(weight, dim=1) if self.l2_codes else weight
 
     def quantize(self, images: torch.Tensor):
-        """``(z_e, z_q, tokens)``: the encoder output ``[B, C, h, w]``, its nearest code vectors
-        ``[B, C, h, w]`` (no straight-through), the codes ``[B, h, w]``."""
+        """``(z_e, z_q, tokens)``: the encoder output ``[B, C, h, w]`` (normalised per position
+        with ``l2_codes``), its nearest code vectors ``[B, C, h, w]`` (no straight-through), the
+        codes ``[B, h, w]``."""
         z_e = self.model.encode(images).latents
+        if self.l2_codes:
+            z_e = F.normalize(z_e, dim=1)
         b, ch, h, w = z_e.shape
         flat = z_e.permute(0, 2, 3, 1).reshape(-1, ch)
-        codebook = self.model.quantize.embedding.weight
+        codebook = self.codebook()
         tokens = torch.cdist(flat, codebook).argmin(1)
         z_q = codebook[tokens].view(b, h, w, ch).permute(0, 3, 1, 2)
         return z_e, z_q, tokens.view(b, h, w)
@@ -140,9 +154,8 @@ class VQGAN(nn.Module):
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens ``[B, h, w]`` → images ``[B, 3, f·h, f·w]``, clamped to ``[-1, 1]``."""
-        b, h, w = tokens.shape
-        shape = (b, h, w, self.model.config["vq_embed_dim"])
-        out = self.model.decode(tokens.flatten(), force_not_quantize=True, shape=shape).sample
+        z_q = self.codebook()[tokens].permute(0, 3, 1, 2)
+        out = self.model.decoder(self.model.post_quant_conv(z_q))
         return out.clamp(-1, 1)
 
     def forward(self, images: torch.Tensor):

@@ -53,14 +53,18 @@ class TokenizerTrainConfig:
     """``unclip train-tokenizer``: the tokenizer, its data and optimisation. The dVAE's
     relaxation temperature anneals from 1 to ``tau_end`` and its KL weight rises from 0 to
     ``kl_weight_end`` on the paper's schedule scaled to ``train.max_steps``
-    (:func:`unclip.nets.dvae.dvae_schedule`); the step size follows ``train.lr`` and its
-    warmup–cosine schedule, as in every stage."""
+    (:func:`unclip.nets.dvae.dvae_schedule`), or over ``tau_steps`` / ``kl_steps`` steps when
+    set: scaled to a short run the paper's spans shrink to a few steps, too few for the network
+    to learn before the relaxation hardens or the KL term pulls the codes to uniform. The step
+    size follows ``train.lr`` and its warmup–cosine schedule, as in every stage."""
 
     tokenizer: TokenizerConfig = field(default_factory=lambda: TokenizerConfig("dvae"))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tau_end: float = 1 / 16
     kl_weight_end: float = 6.6
+    tau_steps: Optional[int] = None
+    kl_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_data(self.data, self.tokenizer.model.image_size, "tokenizer")
@@ -71,6 +75,10 @@ class TokenizerTrainConfig:
             0 <= self.kl_weight_end < math.inf,
             "a finite number >= 0",
         )
+        for name in ("tau_steps", "kl_steps"):
+            value = getattr(self, name)
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+            check_range(name, value, ok, "an integer >= 1 or null")
         vqgan = self.tokenizer.vqgan  # set when type is vqgan (TokenizerConfig checks)
         if self.tokenizer.type == "vqgan" and vqgan is not None and vqgan.discriminator_weights:
             raise ConfigError(

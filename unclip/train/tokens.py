@@ -95,6 +95,8 @@ class TokenizerTask:
             self.cfg.train.max_steps,
             tau_end=self.cfg.tau_end,
             kl_weight_end=self.cfg.kl_weight_end,
+            tau_steps=self.cfg.tau_steps,
+            kl_steps=self.cfg.kl_steps,
         )
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
