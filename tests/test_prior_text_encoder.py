@@ -111,6 +111,13 @@ def test_samples_saves_loads_identically_and_export_is_refused(tmp_path):
         assert isinstance(step, PrefixCache)
         torch.testing.assert_close(step(x, t), pipe.prior(x, t, text), atol=1e-5, rtol=1e-5)
     assert not torch.equal(sample(pipe, ("a green star", "a blue square"))[0], a[0])
+    # a negative prompt reaches the prior as its own ids, in the empty caption's place
+    g = torch.Generator().manual_seed(0)
+    settings = {"prior": {"steps": 3, "guidance_scale": 3.0, "best_of": 2}}
+    away = pipe.sample_image_embeds(
+        ["a red circle", "a blue square"], 1, g, settings, progress=False, negative_prompt="red"
+    )
+    assert torch.isfinite(away).all() and not torch.equal(away, a)
     pipe.save_pretrained(tmp_path / "pipe")
     saved = json.loads((tmp_path / "pipe" / "prior" / "config.json").read_text())
     assert saved["text_encoder"] == "transformer" and saved["text_context_length"] == 16
@@ -138,3 +145,32 @@ def test_fake_cuda_dry_run_trains_the_caption_transformer():
     assert own.mixed_precision == "fp16"
     assert own.params_trainable == sum(p.numel() for p in built.parameters() if p.requires_grad)
     assert own.params_trainable > caption > 0
+
+
+def test_gradient_checkpointing_reaches_the_caption_transformer(tiny_clip):
+    """``train.gradient_checkpointing`` checkpoints the prior's caption transformer blocks (its
+    forward keeps less for the backward) and leaves the gradients as they were."""
+    from unclip.train.plan import MemoryTracker
+
+    grads, saved = [], []
+    ids = None
+    for on in (False, True):
+        cfg = load_stage_config(
+            CONFIGS / "tiny" / "prior.yaml", [*OWN, f"train.gradient_checkpointing={on}"]
+        )
+        torch.manual_seed(0)
+        prior = build_prior_model(cfg, tiny_clip).train()
+        assert prior.text_transformer.gradient_checkpointing is on
+        ids = prior.tokenize(CAPTIONS) if ids is None else ids
+        mem = MemoryTracker("cpu")
+        with mem:
+            before = mem.current
+            states = prior.text_transformer(ids)
+            saved.append(mem.current - before)
+        del states
+        text = tiny_clip.encode_text(CAPTIONS).with_caption_ids(ids)
+        x = torch.randn(3, tiny_clip.embed_dim, generator=torch.Generator().manual_seed(1))
+        prior(x, torch.tensor([3, 30, 300]), text).square().mean().backward()
+        grads.append(prior.text_transformer.blocks[0].qkv.weight.grad.clone())
+    assert saved[1] < 0.7 * saved[0], saved
+    torch.testing.assert_close(grads[0], grads[1])
