@@ -84,11 +84,12 @@ def test_accelerate_config_files_parse(monkeypatch):
 def test_fsdp_blocks_fit_every_stage():
     """The block classes FSDP shards exist in each stage's model (Accelerate refuses a named class
     the model lacks): the prior's transformer blocks, the UNets' resnet and attention blocks, and
-    the caption transformer's blocks of a decoder that has one."""
+    the caption transformer's blocks of a decoder or a prior that has one."""
     from unclip.nets.clip import CLIP
 
     want = {
         "prior": ["BasicTransformerBlock"],
+        "prior+caption": ["BasicTransformerBlock", "CaptionBlock"],
         "decoder": ["ResnetBlock2D", "Attention"],
         "decoder+caption": ["ResnetBlock2D", "Attention", "CaptionBlock"],
         "sr32": ["ResnetBlock2D", "Attention"],
@@ -96,7 +97,7 @@ def test_fsdp_blocks_fit_every_stage():
     for name, blocks_wanted in want.items():
         stage = name.split("+")[0]
         overrides = (
-            [f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()] if "+" in name else []
+            [f"{stage}.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()] if "+" in name else []
         )
         cfg = load_stage_config(CONFIGS / "tiny" / f"{stage}.yaml", overrides)
         model = (

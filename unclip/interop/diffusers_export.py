@@ -80,6 +80,11 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
             "have only the diffusion prior (PriorTransformer), so export a pipeline with a "
             "diffusion prior"
         )
+    elif getattr(pipe.prior, "has_text_encoder", False):
+        out.append(
+            "prior: text_encoder=transformer (the prior's own caption transformer); diffusers' "
+            "UnCLIPPipeline conditions the prior on CLIP token states"
+        )
     elif not isinstance(pipe.prior.text_token_proj, torch.nn.Identity):
         out.append(
             f"prior: text_token_proj projects the CLIP text width {clip.text_width} to the "

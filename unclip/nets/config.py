@@ -72,6 +72,15 @@ class PriorConfig:
     parameter count (Shazeer 2020). The defaults (off, ``gelu``) are diffusers'
     ``PriorTransformer`` exactly; either option makes a diffusion prior that diffusers'
     ``UnCLIPPipeline`` cannot load (export refuses it).
+
+    ``text_encoder`` (diffusion only) chooses what gives the transformer its caption tokens:
+    ``clip``, the frozen CLIP's token states (the small models), or ``transformer``, the prior's
+    own trainable caption transformer over ``text_context_length`` token ids of
+    ``text_tokenizer`` (the paper's: its own text encoder over 256 tokens), sized by
+    ``text_encoder_width``, ``text_encoder_layers`` and ``text_encoder_heads``
+    (:class:`~unclip.nets.text_encoder.CaptionTransformer`, the decoder's). Its token states,
+    projected to the embedding width, take the CLIP token states' place; the CLIP text embedding
+    stays the transformer's text-embedding input, as in the paper's sequence (§2.2).
     """
 
     type: Literal["diffusion", "ar"] = "diffusion"
@@ -83,9 +92,22 @@ class PriorConfig:
     ff_activation: Literal["gelu", "geglu", "swiglu"] = "gelu"
     ar: Optional[ARPriorOptions] = None
     embed_scale: Optional[float] = None
+    text_encoder: Literal["clip", "transformer"] = "clip"
+    text_encoder_width: int = 2048
+    text_encoder_layers: int = 24
+    text_encoder_heads: int = 32
+    text_context_length: int = 256
+    text_tokenizer: Literal["open_clip_bpe"] = "open_clip_bpe"
 
     def __post_init__(self) -> None:
         _check_dropout("prior.dropout", self.dropout)
+        if self.text_encoder == "transformer":
+            if self.type == "ar":
+                raise ConfigError(
+                    "prior.text_encoder: transformer is built for the diffusion prior; the "
+                    "autoregressive prior reads CLIP token states (set prior.text_encoder: clip)"
+                )
+            _check_text_encoder("prior", self)
         if self.embed_scale is not None:
             if not self.embed_scale > 0:
                 raise ConfigError(f"prior.embed_scale must be > 0 or null, got {self.embed_scale}")
@@ -109,6 +131,8 @@ class PriorConfig:
         arch = {k: v for k, v in to_dict(self).items() if k not in skip}
         if self.type == "ar":
             from unclip.nets.ar_prior import UnCLIPARPrior
+
+            arch = {k: v for k, v in arch.items() if not k.startswith("text_")}
 
             opts = to_dict(self.ar)
             opts.pop("fit_samples")  # a training setting: how many embeddings the fit reads
@@ -179,19 +203,7 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         _check_dropout("decoder.dropout", self.dropout)
         if self.text_encoder == "transformer":
-            for key in ("text_encoder_width", "text_encoder_layers", "text_encoder_heads"):
-                if getattr(self, key) < 1:
-                    raise ConfigError(f"decoder.{key} must be at least 1, got {getattr(self, key)}")
-            if self.text_encoder_width % self.text_encoder_heads:
-                raise ConfigError(
-                    f"decoder.text_encoder_width ({self.text_encoder_width}) must be divisible by "
-                    f"decoder.text_encoder_heads ({self.text_encoder_heads})"
-                )
-            if self.text_context_length < 2:
-                raise ConfigError(
-                    "decoder.text_context_length must be at least 2 (start and end tokens), got "
-                    f"{self.text_context_length}"
-                )
+            _check_text_encoder("decoder", self)
 
     def build(self, clip):
         """The :class:`~unclip.decoder.UnCLIPDecoder` this config describes, sized for ``clip``."""
@@ -234,6 +246,23 @@ class UpsamplerConfig:
         from unclip.nets.decoder import UnCLIPUpsampler
 
         return UnCLIPUpsampler(**to_dict(self))
+
+
+def _check_text_encoder(section: str, cfg) -> None:
+    """The caption transformer's sizes of a ``prior`` or ``decoder`` section."""
+    for key in ("text_encoder_width", "text_encoder_layers", "text_encoder_heads"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{section}.{key} must be at least 1, got {getattr(cfg, key)}")
+    if cfg.text_encoder_width % cfg.text_encoder_heads:
+        raise ConfigError(
+            f"{section}.text_encoder_width ({cfg.text_encoder_width}) must be divisible by "
+            f"{section}.text_encoder_heads ({cfg.text_encoder_heads})"
+        )
+    if cfg.text_context_length < 2:
+        raise ConfigError(
+            f"{section}.text_context_length must be at least 2 (start and end tokens), got "
+            f"{cfg.text_context_length}"
+        )
 
 
 def _check_dropout(key: str, value: float) -> None:

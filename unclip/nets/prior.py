@@ -6,6 +6,11 @@
 * embedding normalisation: the diffusion runs on ``(image_embed − mean) / std`` with per-dimension
   statistics stored with the weights (``set_embedding_stats``), as in Karlo;
 * a projection of the text token states ``[B, L, W]`` to the embedding width ``D`` when ``W != D``;
+* optionally the paper's own caption transformer (``text_encoder="transformer"``): the
+  transformer's text tokens are then the states of a trainable
+  :class:`~unclip.nets.text_encoder.CaptionTransformer` over the caption's token ids
+  (``TextEncoding.caption_ids``) instead of the frozen CLIP's token states; the CLIP text
+  embedding stays an input (paper §2.2). diffusers' ``UnCLIPPipeline`` cannot hold such a prior;
 * ``x_0`` prediction (the transformer predicts the clean normalised embedding);
 * optionally DALL-E Mega's transformer recipe (``normformer``, ``ff_activation``): the
   transformer's blocks are then :class:`~unclip.transformer_blocks.TransformerBlock` instead of
@@ -34,11 +39,12 @@ from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
 from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_options
-from unclip.nets.text_encoding import TextEncoding
+from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
+from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils import offload
 from unclip.utils.precision import KeepFp32Mixin
 
-__all__ = ["UnCLIPPrior"]
+__all__ = ["UnCLIPPrior", "prior_caption_ids"]
 
 
 class PriorLoading:
@@ -68,8 +74,14 @@ class PriorLoading:
 # ignore: diffusers types ModelMixin.to through functools.wraps, its class defaults by None
 class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[misc]
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
-    space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`."""
+    space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`.
+    ``text_encoder``: ``"clip"`` (the CLIP token states of ``text``) or ``"transformer"`` (its own
+    caption transformer of ``text_encoder_width/layers/heads`` over ``text_context_length`` ids
+    of ``text_tokenizer``, read from ``text.caption_ids``; ``context_length`` is then unused)."""
 
+    # enable_gradient_checkpointing reaches the own caption transformer's blocks only (diffusers'
+    # PriorTransformer has no checkpointing); a prior without one refuses it
+    _supports_gradient_checkpointing = True
     # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.precision)
     _keep_in_fp32_modules = ["clip_mean", "clip_std"]  # type: ignore[assignment]  # base: None
 
@@ -89,9 +101,32 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         dropout: float = 0.0,
         normformer: bool = False,
         ff_activation: str = "gelu",
+        text_encoder: str = "clip",
+        text_encoder_width: int = 2048,
+        text_encoder_layers: int = 24,
+        text_encoder_heads: int = 32,
+        text_context_length: int = 256,
+        text_tokenizer: str = "open_clip_bpe",
     ):
         super().__init__()
         check_block_options(normformer, ff_activation)
+        if text_encoder not in ("clip", "transformer"):
+            raise ValueError(
+                f"prior text_encoder must be 'clip' or 'transformer', got {text_encoder!r}"
+            )
+        self.text_transformer: Optional[CaptionTransformer] = None
+        if text_encoder == "transformer":
+            vocab = check_tokenizer(text_tokenizer)
+            self.text_transformer = CaptionTransformer(
+                vocab["vocab_size"],
+                vocab["eot_token_id"],
+                text_context_length,
+                text_encoder_width,
+                text_encoder_layers,
+                text_encoder_heads,
+            )
+            # the caption's positions in the transformer's sequence are its own tokens'
+            text_width, context_length = text_encoder_width, text_context_length
         self.transformer = PriorTransformer(
             num_attention_heads=num_attention_heads,
             attention_head_dim=attention_head_dim,
@@ -148,17 +183,51 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         tr = self.transformer
         return x * tr.clip_std.to(x) + tr.clip_mean.to(x)
 
+    # ------------------------------------------------------------------ captions
+    @property
+    def has_text_encoder(self) -> bool:
+        """True when the prior encodes captions itself (``text_encoder="transformer"``)."""
+        return self.text_transformer is not None
+
+    def tokenize(self, prompts) -> Optional[torch.Tensor]:
+        """Captions → the token ids ``[B, text_context_length]`` its caption transformer reads;
+        None for a prior that reads CLIP token states (it needs no ids)."""
+        if not self.has_text_encoder:
+            return None
+        return prior_caption_ids(self.config, check_prompts(prompts))
+
+    def check_text(self, text: TextEncoding) -> None:
+        """``ValueError`` unless ``text`` carries what this prior reads: ``caption_ids`` for a
+        prior with its own caption transformer."""
+        if self.has_text_encoder and text.caption_ids is None:
+            raise ValueError(
+                "this prior encodes captions with its own text transformer (text_encoder: "
+                "transformer): pass the prompts as strings, or a TextEncoding with caption_ids "
+                "(pipe.encode_text(prompts))"
+            )
+
+    def text_inputs(self, text: TextEncoding) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's text tokens ``[B, L, D]`` (projected to the embedding width) and
+        their mask ``[B, L]``: the CLIP token states, or the caption transformer's states of
+        ``text.caption_ids``."""
+        if self.text_transformer is None:
+            return self.text_token_proj(text.text_tokens.to(self.dtype)), text.text_mask
+        self.check_text(text)
+        assert text.caption_ids is not None  # check_text raised otherwise
+        states, mask, _ = self.text_transformer(text.caption_ids.to(self.device))
+        return self.text_token_proj(states.to(self.dtype)), mask
+
     # ------------------------------------------------------------------ network
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: TextEncoding) -> torch.Tensor:
         """``x_t [B, D]``, ``t [B]`` or scalar, ``text`` with ``B`` rows → predicted
         ``x_0 [B, D]``."""
-        tokens = self.text_token_proj(text.text_tokens.to(self.dtype))
+        tokens, mask = self.text_inputs(text)
         out = self.transformer(
             x_t.to(self.dtype),
             timestep=t,
             proj_embedding=text.text_embed.to(self.dtype),
             encoder_hidden_states=tokens,
-            attention_mask=text.text_mask,
+            attention_mask=mask,
             return_dict=False,
         )[0]
         return out
@@ -188,6 +257,15 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         ``conditioned`` to the module it wraps; the sampler calls the wrapper itself instead."""
         cache = PrefixCache.build(self, text)
         return PlainForward(self, text) if cache is None else cache
+
+
+def prior_caption_ids(config, prompts) -> Optional[torch.Tensor]:
+    """Token ids ``[B, text_context_length]`` of ``prompts`` for a prior with ``config`` (a
+    :class:`~unclip.nets.config.PriorConfig` or a prior's ``config``) that has its own caption
+    transformer; None for one that reads CLIP token states."""
+    if getattr(config, "text_encoder", "clip") != "transformer":
+        return None
+    return caption_tokenizer(config.text_tokenizer, config.text_context_length)(prompts)
 
 
 @dataclasses.dataclass
@@ -283,13 +361,14 @@ class PrefixCache:
         prior, text = self.prior, self.text
         tr = prior.transformer
         dtype = prior.dtype
-        n = text.text_tokens.shape[1] + 1  # the text positions: tokens and the text embedding
+        # the prior's own caption transformer, if it has one, runs here once per sampling run
+        tokens, text_mask = prior.text_inputs(text)
+        n = tokens.shape[1] + 1  # the text positions: tokens and the text embedding
         pos = tr.positional_embedding
         causal = tr.causal_attention_mask[0].to(dtype)
         self.tail_causal = causal[n : n + 3, n : n + 3]
         # additive key bias of the text positions: padding blocked, the text embedding open
-        self.text_bias = F.pad((1 - text.text_mask.to(dtype)) * -10000.0, (0, 1), value=0.0)
-        tokens = prior.text_token_proj(text.text_tokens.to(dtype))
+        self.text_bias = F.pad((1 - text_mask.to(dtype)) * -10000.0, (0, 1), value=0.0)
         if tr.encoder_hidden_states_proj is not None:
             tokens = tr.encoder_hidden_states_proj(tokens)
         proj = text.text_embed.to(dtype)
@@ -325,8 +404,11 @@ class PrefixCache:
             return None
         if tr.prd_embedding is None or text.text_mask is None:
             return None
+        if prior.has_text_encoder and text.caption_ids is None:
+            return None  # the plain forward names what is missing
+        length = (text.caption_ids if prior.has_text_encoder else text.text_tokens).shape[1]
         # one position each for the text tokens, the text embedding, time, x_t and the prediction
-        if tr.positional_embedding.shape[1] != text.text_tokens.shape[1] + 4:
+        if tr.positional_embedding.shape[1] != length + 4:
             return None
         attns = [_attention_of(b) for b in tr.transformer_blocks]
         if any(a is None for a in attns):

@@ -1,11 +1,14 @@
-"""The decoder's own caption encoder: a transformer over the caption's BPE tokens, trained with it.
+"""The decoder's and the diffusion prior's own caption encoder: a transformer over the caption's
+BPE tokens, trained with the network it belongs to.
 
 DALL-E 2's decoder is GLIDE's 3.5B model (Ramesh et al. 2022, §2.1 and Appendix C; Nichol et al.
 2021, §4): the caption is encoded by a transformer of width 2048 with 24 residual blocks over a
 256-token context, trained jointly with the UNet. Its final token's state is projected and added to
 the timestep embedding, and all its token states are projected into the context of every attention
-layer (:class:`~unclip.decoder.UnCLIPDecoder` does both). The small models instead condition on
-frozen CLIP token states (``text_encoder: clip``).
+layer (:class:`~unclip.decoder.UnCLIPDecoder` does both). The paper's diffusion prior likewise
+encodes the caption with its own transformer over 256 tokens (Appendix C); there the token states
+are the prior transformer's text tokens (:class:`~unclip.nets.prior.UnCLIPPrior`). The small
+models instead condition on frozen CLIP token states (``text_encoder: clip``).
 
 Captions are tokenized with open_clip's own BPE (:class:`open_clip.tokenizer.SimpleTokenizer`,
 shipped inside the package, so nothing is downloaded), padded to the configured context length.
@@ -135,9 +138,9 @@ class CaptionTransformer(torch.nn.Module):
         b, n = ids.shape
         if n != self.positional_embedding.shape[0]:
             raise ValueError(
-                f"caption token ids have length {n} but the decoder's text encoder takes "
+                f"caption token ids have length {n} but this caption transformer takes "
                 f"{self.positional_embedding.shape[0]} (text_context_length); tokenize with the "
-                "decoder's tokenizer"
+                "tokenizer of the model it belongs to"
             )
         is_eot = ids == self.eot_token_id
         last = torch.where(is_eot.any(1), is_eot.int().argmax(1), n - 1)

@@ -54,13 +54,22 @@ class StagesMixin(PipelineBase):
     # ------------------------------------------------------------------ stages
     def encode_text(self, prompt: Union[str, Sequence[str]]) -> TextEncoding:
         """Prompts → :class:`TextEncoding` (``text_embed [B,D]``, ``text_tokens [B,L,W]``,
-        ``text_mask [B,L]``)."""
-        return self.clip.encode_text(check_prompts(prompt))
+        ``text_mask [B,L]``, and ``caption_ids`` when the prior has its own caption
+        transformer)."""
+        prompts = check_prompts(prompt)
+        return self._with_prior_ids(self.clip.encode_text(prompts), prompts)
+
+    def _with_prior_ids(self, text: TextEncoding, prompts: list[str]) -> TextEncoding:
+        """``text`` carrying the prior's caption token ids when the prior encodes captions itself
+        (``prior.text_encoder: transformer``); unchanged otherwise."""
+        if self.prior is None or not getattr(self.prior, "has_text_encoder", False):
+            return text
+        return text.with_caption_ids(self.prior.tokenize(prompts))
 
     def null_text(self, batch: int) -> TextEncoding:
         """The unconditional caption (CLIP encoding of ``""``) repeated ``batch`` times."""
         if self._null_text is None:
-            self._null_text = self.clip.encode_text([""])
+            self._null_text = self.encode_text([""])
         return self._null_text.repeat_interleave(batch)
 
     def _as_text(self, text) -> TextEncoding:
@@ -70,7 +79,7 @@ class StagesMixin(PipelineBase):
         """Each distinct caption encoded on its own, so that the empty caption as a negative
         prompt is bit for bit the usual unconditional input (a batch's rows can differ in the last
         bits from the same caption encoded alone)."""
-        enc = {c: self.clip.encode_text([c]) for c in dict.fromkeys(captions)}
+        enc = {c: self.encode_text([c]) for c in dict.fromkeys(captions)}
         return TextEncoding.cat([enc[c] for c in captions])
 
     def _unconditional(self, negative, rows: int, what: str = "rows"):

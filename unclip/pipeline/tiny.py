@@ -45,7 +45,7 @@ def tiny_upsampler_kwargs(low_res_size: int, sample_size: int) -> dict:
     )
 
 
-#: a tiny caption transformer for a tiny decoder (``decoder.text_encoder: transformer``)
+#: a tiny caption transformer for a tiny decoder or prior (``text_encoder: transformer``)
 TINY_TEXT_ENCODER = dict(
     text_encoder="transformer",
     text_encoder_width=32,
@@ -60,11 +60,14 @@ def tiny_pipeline(
     sizes: tuple = (16, 32, 64),
     clip_kwargs: dict | None = None,
     decoder_kwargs: dict | None = None,
+    prior_kwargs: dict | None = None,
 ) -> UnCLIPPipeline:
-    """A random tiny pipeline: decoder at ``sizes[0]`` then one upsampler per further size."""
+    """A random tiny pipeline: decoder at ``sizes[0]`` then one upsampler per further size;
+    ``prior_kwargs``/``decoder_kwargs`` override the tiny prior's and decoder's arguments (e.g.
+    :data:`TINY_TEXT_ENCODER`)."""
     torch.manual_seed(seed)
     clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config(**(clip_kwargs or {}))))
-    prior = UnCLIPPrior.from_clip(clip, **tiny_prior_kwargs())
+    prior = UnCLIPPrior.from_clip(clip, **{**tiny_prior_kwargs(), **(prior_kwargs or {})})
     decoder = UnCLIPDecoder.from_clip(
         clip, **{**tiny_decoder_kwargs(sizes[0]), **(decoder_kwargs or {})}
     )

@@ -171,6 +171,7 @@ def sample_prior(
             callback=callback,
         )
     settings = sampling_as(PriorSampling, "prior", settings)
+    getattr(prior, "_orig_mod", prior).check_text(text)  # before the null rows are joined to it
     n_best, b = settings.best_of, len(text)
     device = prior.device
     cond = text.repeat_interleave(n_best).to(device=device)

@@ -117,9 +117,11 @@ def check_components(
             raise ValueError(
                 f"prior embed_dim {pc.embed_dim} != CLIP embed_dim {d} (clip: {clip.model_name})"
             )
-        if pc.text_width != w:
+        # a prior with its own caption transformer reads caption ids, not the CLIP's token states
+        own = getattr(pc, "text_encoder", "clip") == "transformer"
+        if pc.text_width != w and not own:
             raise ValueError(f"prior text_width {pc.text_width} != CLIP text width {w}")
-        if pc.context_length != L:
+        if pc.context_length != L and not own:
             raise ValueError(f"prior context_length {pc.context_length} != CLIP context length {L}")
     if reranker is not None and not reranker.has_vision:
         raise ValueError(

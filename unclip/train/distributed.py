@@ -141,14 +141,20 @@ def fit_fsdp_wrapping(accelerator, model: torch.nn.Module) -> None:
     )
 
 
+#: a caption transformer's blocks, in either family's network: the decoder's and the diffusion
+#: prior's own (``text_encoder: transformer``, 1.31B at full scale in each)
+CAPTION_BLOCKS = ("CaptionBlock",)
+
+
 def fsdp_block_classes(model: torch.nn.Module) -> list[str]:
-    """The class names of :data:`FSDP_BLOCKS` that ``model`` holds: the first set found."""
+    """The class names of :data:`FSDP_BLOCKS` that ``model`` holds (the first set found), and
+    :data:`CAPTION_BLOCKS` wherever they are."""
     present = {type(m).__name__ for m in model.modules()}
     for names in FSDP_BLOCKS:
         found = [n for n in names if n in present]
         if found:
-            return found
-    return []
+            return found + [n for n in CAPTION_BLOCKS if n in present and n not in found]
+    return [n for n in CAPTION_BLOCKS if n in present]
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:

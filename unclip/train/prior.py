@@ -7,6 +7,11 @@ Per step: encode captions with the frozen CLIP (text_embed, text_tokens, text_ma
 read precomputed image embeddings), normalise the image embedding with the stored statistics, drop
 the caption for ``train.text_drop_prob`` of the samples (replaced by the empty caption's encoding,
 the unconditional input of classifier-free guidance), and regress x_0 (paper §2.2).
+
+A prior with its own caption transformer (``prior.text_encoder: transformer``) gets the captions'
+token ids of its own tokenizer (``TextEncoding.caption_ids``; the empty caption's ids where the
+caption is dropped) and the CLIP's pooled text embedding only: the caption cache
+(``train.text_cache_mb``) then holds the pooled embeddings alone, not the CLIP's token states.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from unclip.diffusion.loop import diffusion_loss, training_scheduler
 from unclip.diffusion.vlb import predicted_x0
 from unclip.nets.ar_prior import UnCLIPARPrior
 from unclip.nets.clip import CLIP
-from unclip.nets.prior import UnCLIPPrior
+from unclip.nets.prior import UnCLIPPrior, prior_caption_ids
 from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_stream
@@ -90,12 +95,28 @@ def prior_loss(
     drop = torch.stack([torch.rand((), generator=g) for g in gens]) < cfg.train.text_drop_prob
     drop = drop.to(device)
     nb = null.repeat_interleave(b).to(device)
-    text = TextEncoding(
-        torch.where(drop[:, None], nb.text_embed, text.text_embed),
-        torch.where(drop[:, None, None], nb.text_tokens, text.text_tokens),
-        torch.where(drop[:, None], nb.text_mask, text.text_mask),
-    )
     prior = model.module if hasattr(model, "module") else model
+    text_embed = torch.where(drop[:, None], nb.text_embed, text.text_embed)
+    if getattr(prior, "has_text_encoder", False):
+        if nb.caption_ids is None:
+            raise ValueError(
+                "prior_loss: this prior has its own caption transformer; the null encoding needs "
+                "the empty caption's caption_ids (null.with_caption_ids(prior.tokenize(['']))"
+            )
+        ids = prior.tokenize(batch["caption"]).to(device)
+        # the prior reads its own caption tokens: the CLIP's token states are not passed on
+        text = TextEncoding(
+            text_embed,
+            text.text_tokens[:, :0],
+            text.text_mask[:, :0],
+            torch.where(drop[:, None], nb.caption_ids, ids),
+        )
+    else:
+        text = TextEncoding(
+            text_embed,
+            torch.where(drop[:, None, None], nb.text_tokens, text.text_tokens),
+            torch.where(drop[:, None], nb.text_mask, text.text_mask),
+        )
     x_0 = prior.normalize(image_embed)
 
     def denoise(x_t, t):
@@ -125,9 +146,15 @@ class PriorTask:
 
     def __init__(self, cfg: StageConfig, clip: CLIP, device):
         self.cfg, self.clip, self.device = cfg, clip, device
-        self.null = clip.encode_text([""])
+        # own caption transformer: its empty caption's ids, and no CLIP token states cached
+        own = cfg.prior_section.text_encoder == "transformer"
+        self.null = clip.encode_text([""]).with_caption_ids(
+            prior_caption_ids(cfg.prior_section, [""])
+        )
         self.noise_sched = training_scheduler(cfg.diffusion)
-        self.text = TextEncodingCache(clip, cfg.data.batch_size, cfg.train.text_cache_mb)
+        self.text = TextEncodingCache(
+            clip, cfg.data.batch_size, cfg.train.text_cache_mb, tokens=not own
+        )
         self.cosines: list[float] = []
         device = torch.device(device)
         self.plain_attention = device.type == "cpu" and (
@@ -165,10 +192,13 @@ class PriorTask:
 def build_prior_model(cfg: StageConfig, clip: CLIP) -> UnCLIPPrior | UnCLIPARPrior:
     """The prior a ``prior`` stage config trains; the diffusion prior's embedding statistics are
     buffers-like parameters that are set from the data, not trained (the AR prior keeps its fit in
-    buffers)."""
+    buffers). ``train.gradient_checkpointing`` checkpoints the blocks of the prior's own caption
+    transformer (diffusers' ``PriorTransformer`` has none to checkpoint)."""
     model = cfg.prior_section.build(clip)
     if cfg.prior_section.type == "ar":
         return model
+    if cfg.train.gradient_checkpointing and model.has_text_encoder:
+        model.enable_gradient_checkpointing()  # the caption transformer's blocks
     model.transformer.clip_mean.requires_grad_(False)
     model.transformer.clip_std.requires_grad_(False)
     return model
@@ -207,7 +237,10 @@ def train_prior(
     model.set_embedding_stats(*embedding_stats(cfg, clip, loop.device))
     if cfg.train.gradient_checkpointing:
         logger.warning(
-            "PriorTransformer has no gradient checkpointing in diffusers; ignoring the option"
+            "PriorTransformer has no gradient checkpointing in diffusers; %s",
+            "checkpointing the caption transformer only"
+            if model.has_text_encoder
+            else "ignoring the option",
         )
     loop.prepare(model).train()
     task = PriorTask(cfg, clip, loop.device)

@@ -22,6 +22,11 @@ data. ``encoded_rows`` counts the rows the CLIP ran, padding included.
 
 Least recently used captions are dropped beyond ``max_mb`` megabytes of stored encodings (tensor
 payload; small rows cost up to half as much again in allocator and bookkeeping overhead).
+
+For a prior with its own caption transformer (``prior.text_encoder: transformer``) the cache keeps
+the pooled text embedding only (``tokens=False``): that prior reads the caption's token ids, which
+the training step tokenizes itself, and never the CLIP's token states, which would be ~77× the
+bytes per caption. Its encodings then carry empty token states ``[B, 0, W]`` and masks ``[B, 0]``.
 """
 
 from __future__ import annotations
@@ -48,14 +53,15 @@ class TextEncodingCache:
     doc); ``encode_image`` is the CLIP's. ``chunk``: the batch size misses are encoded in (the
     micro-batch size); ``max_mb``: megabytes of encodings kept (0: no cache, every call encodes).
     ``served`` / ``encoded`` count captions returned and captions the CLIP encoded;
-    ``encoded_rows`` the rows the CLIP ran (padding included)."""
+    ``encoded_rows`` the rows the CLIP ran (padding included). ``tokens=False``: only the pooled
+    embeddings are kept and returned (empty token states; see module doc)."""
 
-    def __init__(self, clip: CLIP, chunk: int, max_mb: float):
+    def __init__(self, clip: CLIP, chunk: int, max_mb: float, tokens: bool = True):
         if chunk < 1:
             raise ValueError(f"TextEncodingCache: chunk must be >= 1, got {chunk}")
         if max_mb < 0:
             raise ValueError(f"TextEncodingCache: max_mb must be >= 0, got {max_mb}")
-        self.clip, self.chunk = clip, chunk
+        self.clip, self.chunk, self.tokens = clip, chunk, tokens
         self.max_bytes = int(max_mb * 2**20)
         self.rows: OrderedDict[str, Row] = OrderedDict()
         self.bytes = 0
@@ -68,6 +74,12 @@ class TextEncodingCache:
         return self.clip.encode_image(images)
 
     def encode_text(self, captions: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
+        enc = self._encode_text(captions)
+        if self.tokens or enc.text_tokens.shape[1] == 0:
+            return enc
+        return TextEncoding(enc.text_embed, enc.text_tokens[:, :0], enc.text_mask[:, :0])
+
+    def _encode_text(self, captions: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
         if isinstance(captions, torch.Tensor):  # token ids: not cached
             return self.clip.encode_text(captions)
         captions = [captions] if isinstance(captions, str) else list(captions)
@@ -98,11 +110,13 @@ class TextEncodingCache:
                 self.encoded_rows += len(captions)
                 return encoded
             for i, caption in enumerate(part):
-                # copies, so that a kept row does not hold its whole batch in memory
+                # copies, so that a kept row does not hold its whole batch in memory; no token
+                # states where the prior does not read them
+                length = enc.text_tokens.shape[1] if self.tokens else 0
                 row = (
                     enc.text_embed[i].clone(),
-                    enc.text_tokens[i].clone(),
-                    enc.text_mask[i].clone(),
+                    enc.text_tokens[i, :length].clone(),
+                    enc.text_mask[i, :length].clone(),
                 )
                 found[caption] = row
                 self._keep(caption, row)
