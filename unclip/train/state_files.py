@@ -163,6 +163,8 @@ def read_state(loop, folder: Path) -> None:
         if cursors:
             positions = {int(k): int(v) for k, v in cursors["positions"].items()}
             loop.data_cursors = {"num_workers": int(cursors["num_workers"]), "positions": positions}
+            if cursors.get("shards"):  # older checkpoints: the consumed shards are listed
+                loop.data_cursors["shards"] = dict(cursors["shards"])
     read_powersgd(loop, folder, listed)
     rng = f"rng_{loop.rank}"
     if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
