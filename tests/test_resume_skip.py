@@ -101,6 +101,8 @@ def test_consumed_shards_are_passed_unopened(copies):
     cursor, known = a[k - 1]["data_cursor"][2], counts(a[:k])
     first = order(copies)[:2]
     assert [known[u][0] for u in first] == [5, 5]
+    # a shard is counted by the time its last sample leaves the stream
+    assert a[9]["data_cursor"][2] == 10 and set(counts(a[:10])) == set(first)
     for url in first:
         _spoil(url)
     resumed = take(stream(copies, shuffle_buffer=0, cursor=cursor, shard_counts=known), 20 - k)
