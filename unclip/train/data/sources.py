@@ -489,6 +489,7 @@ class WebDatasetStream(_Stream):
         where: dict[int, tuple[str, int]] = {}  # input position -> (shard, index in it)
         listings: dict[str, list] = {}  # the last few shards listed, for their buffered samples
         changed: dict[str, None] = {}  # in the order met, once each
+        stamps: dict[str, Optional[list[int]]] = {}
         epoch, pos, last_epoch = 0, 0, 0
         while True:
             first = pos
@@ -497,7 +498,7 @@ class WebDatasetStream(_Stream):
                 url = urls[k]
                 count = consumed - pos
                 if count > 0:
-                    count = self._shard_count(url, listings, changed)
+                    count = self._shard_count(url, listings, changed, stamps)
                 lo, hi = np.searchsorted(wanted, [pos, min(pos + count, consumed)])
                 where.update((int(p), (url, int(p) - pos)) for p in wanted[lo:hi])
                 if pos + count > consumed or pos == consumed:
@@ -558,11 +559,13 @@ class WebDatasetStream(_Stream):
             yield _EpochEnd(last_epoch)
         yield from self._epochs(c, n, (epoch, k, pos - first), head)
 
-    def _shard_count(self, url: str, listings: dict, changed: dict) -> int:
+    def _shard_count(self, url: str, listings: dict, changed: dict, stamps: dict) -> int:
         """The number of raw items a consumed shard gave: as the run counted it, else listed or
         read now (and carried by the next ``data_cursor``)."""
         known = self.shard_counts.get(url)
-        stamp = file_stamp(url)
+        if url not in stamps:  # each shard once per resume, however many epochs it passes
+            stamps[url] = file_stamp(url)
+        stamp = stamps[url]
         if known is not None:
             if len(known) > 1 and list(known[1:]) != stamp:
                 changed[url] = None

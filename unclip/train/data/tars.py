@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -157,14 +158,15 @@ def iter_tar_samples(urls: Sequence[str], offset: int = 0, index: int = 0) -> It
 def file_stamp(url: str) -> Optional[list[int]]:
     """``[size, modification time in ns]`` of a local shard, or None (``pipe:``/remote URLs, a
     missing file): what tells a shard changed since a run counted its samples."""
-    path = local_file(url)
-    if path is None:
+    if url.startswith("file:"):
+        url = url[len("file:") :]
+    if url.startswith("pipe:") or "://" in url:
         return None
-    try:
-        st = path.stat()
+    try:  # one stat call: a resume stamps every shard it passes
+        st = os.stat(url)
     except OSError:
         return None
-    return [st.st_size, st.st_mtime_ns]
+    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
 
 
 def _error_item(url: str, exc: BaseException, count: int) -> dict:
