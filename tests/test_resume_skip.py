@@ -127,6 +127,11 @@ def test_pipe_shards_before_the_cursor_are_not_read(copies):
     for k in (3, 19, 38):
         at = {"cursor": a[k - 1]["data_cursor"][2], "shard_counts": counts(a[:k])}
         assert ids(take(stream(pipes, shuffle_buffer=4, **at), 40 - k)) == ids(a[k:])
+    # one shard: the buffer holds samples of its previous epoch beyond the cursor's index
+    one = take(stream(pipes[:1], shuffle_buffer=4), 24)
+    for k in (7, 13, 22):
+        at = {"cursor": one[k - 1]["data_cursor"][2], "shard_counts": counts(one[:k])}
+        assert ids(take(stream(pipes[:1], shuffle_buffer=4, **at), 24 - k)) == ids(one[k:])
     b = take(stream(pipes, shuffle_buffer=0), 20)
     at = {"cursor": b[11]["data_cursor"][2], "shard_counts": counts(b[:12])}
     for url in order(copies)[:2]:

@@ -4,14 +4,14 @@ random draws) and those samples themselves (:func:`fetch_samples`, read from the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Optional
 
 import numpy as np
 
-from unclip.train.data.tars import iter_tar_samples, read_listed, shard_listing
+from unclip.train.data.tars import file_stamp, iter_tar_samples, read_listed, shard_listing
 
-__all__ = ["buffer_positions", "fetch_samples", "shard_changed"]
+__all__ = ["buffer_positions", "buffered_and_rest", "fetch_samples", "shard_changed"]
 
 
 def buffer_positions(
@@ -72,3 +72,50 @@ def fetch_samples(
     items = [listing[i] for i in wanted]
     full = read_listed([x for x in items if "__error__" not in x])
     return {i: full[url, i] if "__error__" not in x else x for i, x in zip(wanted, items)}
+
+
+def buffered_and_rest(
+    buffered: Iterable[tuple[str, int]], url: str, index: int, listings: dict[str, list]
+) -> tuple[dict[tuple[str, int], dict], Optional[tuple[Iterator[dict], int, Optional[list]]]]:
+    """What a resumed stream reads: the raw samples at the ``buffered`` ``(shard, index)`` pairs,
+    and ``(the raw samples of url from index on, index, url's file stamp)`` or None when ``index``
+    is 0 (the shard is read from its start). A local shard is read from its samples' offsets (its
+    listing from ``listings`` or made), a ``pipe:``/remote one from its start (read, not decoded).
+    """
+    shards: dict[str, set[int]] = {}
+    for u, i in buffered:
+        shards.setdefault(u, set()).add(i)
+    fetched: dict[tuple[str, int], dict] = {}
+    stamp = file_stamp(url)
+    head = None
+    if index:
+        listing = listings.get(url)
+        if listing is None and stamp is not None:
+            listing = shard_listing(url)
+        if listing is not None:
+            listings[url] = listing
+            if index >= len(listing):
+                raise shard_changed(url, index + 1, len(listing))
+            nxt = listing[index]
+            raws = (
+                iter(listing[index:])
+                if "__error__" in nxt
+                else iter_tar_samples([url], offset=nxt["__offset__"], index=index)
+            )
+        else:  # read up to the cursor, keeping the buffered samples met on the way
+            raws, read = iter(iter_tar_samples([url])), 0
+            kept = {i for i in shards.get(url, ()) if i < index}
+            for i, raw in zip(range(index), raws):
+                read += 1
+                if i in kept:
+                    fetched[url, i] = raw
+            if read < index:
+                raise shard_changed(url, index, read)
+            if url in shards:
+                shards[url] -= kept
+        head = (raws, index, stamp)
+    for u, indices in shards.items():
+        if indices:
+            got = fetch_samples(u, sorted(indices), listings.get(u))
+            fetched.update(((u, i), raw) for i, raw in got.items())
+    return fetched, head

@@ -61,7 +61,7 @@ from PIL import Image
 
 from unclip._compat import package_getattr
 from unclip.train.data.batching import StreamDataset, collate
-from unclip.train.data.resume import buffer_positions, fetch_samples, shard_changed
+from unclip.train.data.resume import buffer_positions, buffered_and_rest
 from unclip.train.data.tars import (
     expand_urls,
     file_stamp,
@@ -522,38 +522,7 @@ class WebDatasetStream(_Stream):
                 next(iter(changed)),
             )
         index = consumed - pos  # of the next sample in the shard the cursor stands in
-        stamp = file_stamp(url)
-        shards: dict[str, set[int]] = {}
-        for u, i in where.values():
-            shards.setdefault(u, set()).add(i)
-        fetched: dict[tuple[str, int], dict] = {}
-        head = None
-        if index:
-            listing = listings.get(url)
-            if listing is None and stamp is not None:
-                listing = shard_listing(url)
-            if listing is not None:
-                listings[url] = listing
-                if index >= len(listing):
-                    raise shard_changed(url, index + 1, len(listing))
-                nxt = listing[index]
-                raws = (
-                    iter(listing[index:])
-                    if "__error__" in nxt
-                    else iter_tar_samples([url], offset=nxt["__offset__"], index=index)
-                )
-            else:  # a pipe:/remote shard: read (not decoded) up to the cursor
-                raws, kept, read = iter(iter_tar_samples([url])), shards.pop(url, set()), 0
-                for i, raw in zip(range(index), raws):
-                    read += 1
-                    if i in kept:
-                        fetched[url, i] = raw
-                if read < index:
-                    raise shard_changed(url, index, read)
-            head = (raws, index, stamp)
-        for u, indices in shards.items():
-            got = fetch_samples(u, sorted(indices), listings.get(u))
-            fetched.update(((u, i), raw) for i, raw in got.items())
+        fetched, head = buffered_and_rest(where.values(), url, index, listings)
         buf[:] = [dict(fetched[where[int(p)]]) for p in slots]
         if last_epoch:
             yield _EpochEnd(last_epoch)
