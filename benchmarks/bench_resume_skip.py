@@ -72,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--resolution", type=int, default=64, help="training resolution (decoder: 64)")
     args = ap.parse_args(argv)
-    shards, per_shard, rounds, epochs = (4, 100, 1, 100) if args.quick else (8, 300, 5, 1000)
+    shards, per_shard, rounds, epochs = (4, 100, 1, 100) if args.quick else (8, 300, 7, 1000)
     buffer = 100
     with tempfile.TemporaryDirectory() as tmp:
         url = write_shards(Path(tmp), shards, per_shard)
