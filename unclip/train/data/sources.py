@@ -18,12 +18,13 @@ Samples
 * embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str,
   "skipped": int}``.
 
-Every sample also carries ``"data_cursor": (logical worker, workers, position)``: ``position`` is
-the number of raw items (files, tar samples, rows; bad ones included) this consumer has read up to
-and including this sample. A stream built with ``cursor=position`` resumes right after it without
-reading or decoding the items before (:class:`WebDatasetStream` lists the shards it consumed by
-their tar headers), where ``start`` must check every earlier item to count only the good ones;
-the training loop keeps the last cursor of each worker in its checkpoints.
+Every sample also carries ``"data_cursor": (logical worker, workers, position[, shard counts])``:
+``position`` is the number of raw items (files, tar samples, rows; bad ones included) this consumer
+has read up to and including this sample. A stream built with ``cursor=position`` resumes right
+after it without reading or decoding the items before (:class:`WebDatasetStream` passes the shards
+it consumed by the sample counts its cursors carried), where ``start`` must check every earlier
+item to count only the good ones; the training loop keeps the last cursor of each worker and the
+shard counts in its checkpoints.
 
 ``skipped`` is the number of bad samples the stream dropped right before this one (unreadable image,
 missing or empty caption, non-finite embedding), so a trainer can sum it even when the stream runs
@@ -384,10 +385,15 @@ class WebDatasetStream(_Stream):
     missing/empty ``.txt`` captions are skipped and counted; a shard that cannot be opened or is cut
     short (also inside a tar header) is logged with its name and counted as skipped: as the number
     of samples lost when img2dataset's ``<shard>_stats.json`` lies beside it, else as one.
-    Resuming at a ``cursor`` lists the consumed shards by their headers and seeks to the next
-    sample (local shards; ``pipe:``/remote ones are read, not decoded); at a ``start`` count the
-    skipped samples are read and decoded.
-    ``split``: the keyword arguments of the data split (module doc).
+    Each sample's ``data_cursor`` also carries ``{shard: [raw items, size, mtime_ns]}`` for the
+    shards read to their end since the previous sample (no size/mtime for ``pipe:``/remote ones).
+    Resuming at a ``cursor`` with those counts (``shard_counts``, gathered by
+    :func:`~unclip.train.data.batching.cursors_of`) passes the consumed shards unopened, computes
+    what the shuffle buffer held from its random draws alone and reads those samples and the rest
+    of the shard the cursor stands in; a consumed shard whose size or mtime changed is reported
+    and still passed by its count. A shard without a count is listed by its headers (local) or
+    read, not decoded (``pipe:``/remote). At a ``start`` count the skipped samples are read and
+    decoded. ``split``: the keyword arguments of the data split (module doc).
     """
 
     what = "webdataset sample"
