@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from unclip.shapes.export import write_shapes
+from unclip.train.config import DataConfig
 from unclip.train.data.batching import collate, cursors_of
+from unclip.train.data.loader import make_batches
 from unclip.train.data.resume import buffer_positions, fetch_samples
 from unclip.train.data.sources import WebDatasetStream
 
@@ -150,11 +152,11 @@ def _drop_last_sample(url):
 
 
 def standing(urls, known, cursor):
-    """``(shard, index)``: where a cursor stands, from the shards' counts."""
+    """``(shard, index)``: where a cursor stands, from the counts of the shards before it."""
     end = 0
     for epoch in itertools.count():
         for url in order(urls, epoch):
-            if end + known[url][0] > cursor:
+            if url not in known or end + known[url][0] > cursor:
                 return url, cursor - end
             end += known[url][0]
 
@@ -200,3 +202,37 @@ def test_batches_carry_shard_counts_into_the_saved_cursor():
     }
     cursors_of({"data_cursor": (0, 1, 9, {})}, known)  # another number of workers: counts stay
     assert known["positions"] == {0: 9} and len(known["shards"]) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_training_batches_resume_exactly_from_saved_cursors_with_or_without_counts(
+    copies, num_workers
+):
+    """The loader's batches after 3, resumed from the cursors a run saves, are those of the
+    uninterrupted loader; with the shard counts saved, also once the shards consumed before the
+    cursor are spoiled (not opened), and from an older checkpoint without counts (listed)."""
+    data = DataConfig(
+        source="webdataset",
+        path="::".join(copies),
+        batch_size=4,
+        num_workers=num_workers,
+        shuffle_buffer=0,
+    )
+
+    def loader(**kw):
+        return iter(make_batches(data, resolution=R, seed=0, rank=0, world_size=1, **kw))
+
+    full, saved = loader(), {}
+    for _ in range(3):
+        cursors_of(next(full), saved)
+    after = [next(full)["caption"] for _ in range(4)]
+    older = {k: v for k, v in saved.items() if k != "shards"}
+    resumed = loader(start=12, cursors=older)
+    assert [next(resumed)["caption"] for _ in range(4)] == after
+    current = standing(copies, saved["shards"], saved["positions"][0])[0]
+    consumed = order(copies)[: order(copies).index(current)]
+    assert consumed and all(u in saved["shards"] for u in consumed)
+    for url in consumed:
+        _spoil(url)
+    resumed = loader(start=12, cursors=saved)
+    assert [next(resumed)["caption"] for _ in range(4)] == after
