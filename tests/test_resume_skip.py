@@ -19,6 +19,7 @@ from unclip.train.data.batching import collate, cursors_of
 from unclip.train.data.loader import make_batches
 from unclip.train.data.resume import buffer_positions, fetch_samples
 from unclip.train.data.sources import WebDatasetStream
+from unclip.train.state_files import data_cursors
 
 R = 16
 
@@ -236,3 +237,15 @@ def test_training_batches_resume_exactly_from_saved_cursors_with_or_without_coun
         _spoil(url)
     resumed = loader(start=12, cursors=saved)
     assert [next(resumed)["caption"] for _ in range(4)] == after
+
+
+def test_a_checkpoint_gives_back_the_shard_counts_it_saved():
+    saved = {"num_workers": 2, "positions": {"0": 8, "1": 4}, "shards": {"a.tar": [5, 10, 1]}}
+    assert data_cursors(saved) == {
+        "num_workers": 2,
+        "positions": {0: 8, 1: 4},
+        "shards": {"a.tar": [5, 10, 1]},
+    }
+    older = {"num_workers": 1, "positions": {"0": 8}}  # written before the counts
+    assert data_cursors(older) == {"num_workers": 1, "positions": {0: 8}}
+    assert data_cursors({}) == {}
