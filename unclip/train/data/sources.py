@@ -532,7 +532,7 @@ class WebDatasetStream(_Stream):
         buf[:] = [dict(fetched[where[int(p)]]) for p in slots]
         if last_epoch:
             yield _EpochEnd(last_epoch)
-        yield from self._epochs(c, n, (epoch, k, pos - first), head)
+        yield from self._epochs(c, n, (epoch, k, consumed - first), head)
 
     def _shard_count(self, url: str, listings: dict, changed: dict, stamps: dict) -> int:
         """The number of raw items a consumed shard gave: as the run counted it, else listed or
