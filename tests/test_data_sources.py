@@ -39,11 +39,15 @@ def sig(sample):
 
 
 def assert_same(a, b):
+    """Same samples and positions (a webdataset cursor's shard counts, what the stream learnt since
+    its previous sample, differ in a resumed stream)."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in x:
-            if isinstance(x[k], torch.Tensor):
+            if k == "data_cursor":
+                assert x[k][:3] == y[k][:3], k
+            elif isinstance(x[k], torch.Tensor):
                 assert torch.equal(x[k], y[k]), k
             else:
                 assert x[k] == y[k], k

@@ -22,7 +22,8 @@ def final_weights(run) -> dict:
 def test_dropout_run_with_a_loader_worker_resumes_exactly_from_shards(tmp_path):
     """Dropout draws from the global generator; starting a DataLoader draws its base seed from it
     too, before the first step of a run. A run stopped after 2 steps and resumed ends with exactly
-    the weights of an uninterrupted one, and the checkpoint holds the worker's data cursor."""
+    the weights of an uninterrupted one, and the checkpoint holds the worker's data cursor and the
+    sample counts of the shards it consumed."""
     write_shapes(
         tmp_path / "wds", 24, resolution=16, format="webdataset", shard_size=6, progress=False
     )
@@ -44,7 +45,9 @@ def test_dropout_run_with_a_loader_worker_resumes_exactly_from_shards(tmp_path):
     run = [*common, f"train.output_dir={split}"]
     assert train_decoder.main([*run, "--max-steps-this-run", "2"]) == 0
     cursors = json.loads((split / "checkpoints" / "step_00000002" / "data_0.json").read_text())
-    assert cursors == {"num_workers": 1, "positions": {"0": 8}}  # 2 steps of 4 good samples
+    # 2 steps of 4 good samples; the buffer of 4 had taken 12 samples, the first 2 shards of 6
+    assert cursors["num_workers"] == 1 and cursors["positions"] == {"0": 8}
+    assert [v[0] for v in cursors["shards"].values()] == [6, 6]
     assert train_decoder.main([*run, "--resume", "latest"]) == 0
     a, b = final_weights(full), final_weights(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

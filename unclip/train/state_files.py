@@ -19,7 +19,7 @@ from unclip.train import distributed as dist_utils
 from unclip.train.checkpoint import CheckpointError
 from unclip.train.optimizers import checkpoint_state
 
-__all__ = ["write_state", "read_state", "full_state_dict", "load_full_state_dict"]
+__all__ = ["write_state", "read_state", "full_state_dict", "load_full_state_dict", "data_cursors"]
 
 logger = logging.getLogger("unclip.train")
 
@@ -159,10 +159,7 @@ def read_state(loop, folder: Path) -> None:
             )
     loop.data_cursors = {}
     if f"data_{loop.rank}.json" in listed:  # older checkpoints: resume by sample count
-        cursors = ckpt.read_json(folder / f"data_{loop.rank}.json")
-        if cursors:
-            positions = {int(k): int(v) for k, v in cursors["positions"].items()}
-            loop.data_cursors = {"num_workers": int(cursors["num_workers"]), "positions": positions}
+        loop.data_cursors = data_cursors(ckpt.read_json(folder / f"data_{loop.rank}.json"))
     read_powersgd(loop, folder, listed)
     rng = f"rng_{loop.rank}"
     if {f"{rng}.safetensors", f"{rng}.json"} <= listed:
@@ -179,6 +176,20 @@ def read_state(loop, folder: Path) -> None:
             loop.rank,
             trainer.get("world_size"),
         )
+
+
+def data_cursors(saved: dict) -> dict:
+    """A process's data position as ``data_<rank>.json`` holds it (``{}``: none) in the form
+    :func:`~unclip.train.data.loader.make_batches` takes back: each worker's raw position and, from
+    checkpoints that have them, the shard counts with which the streams pass consumed shards
+    unopened (without them, the streams list those shards)."""
+    if not saved:
+        return {}
+    positions = {int(k): int(v) for k, v in saved["positions"].items()}
+    out = {"num_workers": int(saved["num_workers"]), "positions": positions}
+    if saved.get("shards"):
+        out["shards"] = {str(k): [int(x) for x in v] for k, v in saved["shards"].items()}
+    return out
 
 
 def read_powersgd(loop, folder: Path, listed: set) -> None:

@@ -78,20 +78,28 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
 def cursors_of(batch: dict, known: dict) -> None:
     """Record the ``data_cursor`` of a collated batch in ``known`` (``{"num_workers": k,
-    "positions": {logical worker: raw position}}``, what a resumed loader is given back)."""
+    "positions": {logical worker: raw position}, "shards": {shard: [samples, size, mtime_ns]}}``,
+    what a resumed loader is given back; ``shards`` gathers the shard counts webdataset cursors
+    carry, with which a resumed stream passes the shards it consumed unopened)."""
     cursor = batch.get("data_cursor")
     if cursor is None:
         return
-    worker, workers, position = cursor
+    worker, workers, position = cursor[:3]
     if known.get("num_workers") != workers:
+        shards = known.get("shards")  # facts about files, valid with any number of workers
         known.clear()
         known.update(num_workers=workers, positions={})
+        if shards is not None:
+            known["shards"] = shards
     known["positions"][worker] = position
+    if len(cursor) > 3:
+        known.setdefault("shards", {}).update(cursor[3])
 
 
 def collate(samples: list[dict]) -> dict:
     """Batch sample dicts: tensors stacked on a new first axis, strings listed, ``skipped``
-    summed, ``data_cursor`` the last sample's (a batch comes from one stream)."""
+    summed, ``data_cursor`` the last sample's (a batch comes from one stream) with the shard
+    counts of all."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     out: dict[str, Any] = {}
@@ -99,8 +107,13 @@ def collate(samples: list[dict]) -> dict:
         values = [s[key] for s in samples]
         if key == "skipped":
             out[key] = sum(int(v) for v in values)
-        elif key == "data_cursor":
+        elif key == "data_cursor":  # the last position, the shard counts of all
             out[key] = values[-1]
+            if len(values[-1]) > 3:
+                news = {}
+                for v in values:
+                    news.update(v[3])
+                out[key] = (*values[-1][:3], news)
         elif isinstance(values[0], torch.Tensor):
             out[key] = torch.stack(values)
         else:

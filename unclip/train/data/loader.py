@@ -86,11 +86,15 @@ def make_stream(
     ``clip_image``, the original image at that size (:mod:`unclip.train.data.sources`); ignored
     with ``data.embeddings_path``, whose precomputed embeddings replace it. ``worker`` may also hold
     ``cursor``: the file sources resume there without decoding what came before (the shapes world
-    draws any sample directly and needs none)."""
+    draws any sample directly and needs none), and ``shard_counts``: the webdataset shards' sample
+    counts the run recorded, with which it passes the shards before its cursor unopened."""
     cursor = worker.pop("cursor", None)
+    shard_counts = worker.pop("shard_counts", None)
     split = dict(rank=rank, world_size=world_size, start=start, **worker)
     if cursor is not None and data.source != "shapes":
         split["cursor"] = cursor
+        if data.source == "webdataset" and shard_counts:
+            split["shard_counts"] = shard_counts
     if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
         from unclip.train.data.paired import paired_stream
 
@@ -145,9 +149,10 @@ def make_batches(
     ``StreamDataset``). ``clip_resolution``: as in :func:`make_stream`. ``cursors``: where each
     worker's stream stood (``TrainLoop.data_cursors``, saved in checkpoints): the streams skip to
     it without decoding the samples before; ignored if the number of workers changed."""
-    positions = {}
+    positions, shards = {}, None
     if cursors and cursors.get("num_workers") == max(1, data.num_workers):
         positions = {int(k): int(v) for k, v in cursors.get("positions", {}).items()}
+        shards = cursors.get("shards")
     # this rank's stream from a start position (and a DataLoader worker's share of it)
     stream_from = functools.partial(
         make_stream,
@@ -157,6 +162,7 @@ def make_batches(
         rank=rank,
         world_size=world_size,
         clip_resolution=clip_resolution,
+        **({"shard_counts": shards} if shards else {}),
     )
     if data.num_workers <= 0:
         at = {"cursor": positions[0]} if 0 in positions else {}

@@ -18,12 +18,13 @@ Samples
 * embeddings: ``{"image_embed": float32 [D], "text_embed": float32 [D], "caption": str,
   "skipped": int}``.
 
-Every sample also carries ``"data_cursor": (logical worker, workers, position)``: ``position`` is
-the number of raw items (files, tar samples, rows; bad ones included) this consumer has read up to
-and including this sample. A stream built with ``cursor=position`` resumes right after it without
-reading or decoding the items before (:class:`WebDatasetStream` lists the shards it consumed by
-their tar headers), where ``start`` must check every earlier item to count only the good ones;
-the training loop keeps the last cursor of each worker in its checkpoints.
+Every sample also carries ``"data_cursor": (logical worker, workers, position[, shard counts])``:
+``position`` is the number of raw items (files, tar samples, rows; bad ones included) this consumer
+has read up to and including this sample. A stream built with ``cursor=position`` resumes right
+after it without reading or decoding the items before (:class:`WebDatasetStream` passes the shards
+it consumed by the sample counts its cursors carried), where ``start`` must check every earlier
+item to count only the good ones; the training loop keeps the last cursor of each worker and the
+shard counts in its checkpoints.
 
 ``skipped`` is the number of bad samples the stream dropped right before this one (unreadable image,
 missing or empty caption, non-finite embedding), so a trainer can sum it even when the stream runs
@@ -61,10 +62,11 @@ from PIL import Image
 
 from unclip._compat import package_getattr
 from unclip.train.data.batching import StreamDataset, collate
+from unclip.train.data.resume import buffer_positions, buffered_and_rest
 from unclip.train.data.tars import (
     expand_urls,
+    file_stamp,
     iter_tar_samples,
-    read_listed,
     shard_error,
     shard_listing,
 )
@@ -265,10 +267,15 @@ class _Stream:
                     (c - self.rank) // self.world_size,
                     n // self.world_size,
                     position,
+                    *self._cursor_news(),
                 )
                 yield sample
             skipped = 0
             consumed += 1
+
+    def _cursor_news(self) -> tuple:
+        """What a sample's ``data_cursor`` carries after the position (WebDataset: shard counts)."""
+        return ()
 
     def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
         """``_raw(c, n)`` without its first ``skip`` items (epoch markers pass): sources whose raw
@@ -378,17 +385,32 @@ class WebDatasetStream(_Stream):
     missing/empty ``.txt`` captions are skipped and counted; a shard that cannot be opened or is cut
     short (also inside a tar header) is logged with its name and counted as skipped: as the number
     of samples lost when img2dataset's ``<shard>_stats.json`` lies beside it, else as one.
-    Resuming at a ``cursor`` lists the consumed shards by their headers and seeks to the next
-    sample (local shards; ``pipe:``/remote ones are read, not decoded); at a ``start`` count the
-    skipped samples are read and decoded.
-    ``split``: the keyword arguments of the data split (module doc).
+    Each sample's ``data_cursor`` also carries ``{shard: [raw items, size, mtime_ns]}`` for the
+    shards read to their end since the previous sample (no size/mtime for ``pipe:``/remote ones).
+    Resuming at a ``cursor`` with those counts (``shard_counts``, gathered by
+    :func:`~unclip.train.data.batching.cursors_of`) passes the consumed shards unopened, computes
+    what the shuffle buffer held from its random draws alone and reads those samples and the rest
+    of the shard the cursor stands in; a consumed shard whose size or mtime changed is reported
+    and still passed by its count. A shard without a count is listed by its headers (local) or
+    read, not decoded (``pipe:``/remote). At a ``start`` count the skipped samples are read and
+    decoded. ``split``: the keyword arguments of the data split (module doc).
     """
 
     what = "webdataset sample"
 
-    def __init__(self, urls, resolution: int, *, shuffle_buffer: int = 1000, **split):
+    def __init__(
+        self,
+        urls,
+        resolution: int,
+        *,
+        shuffle_buffer: int = 1000,
+        shard_counts: Optional[dict] = None,
+        **split,
+    ):
         super().__init__(**split)
         self.urls = expand_urls(urls)
+        self.shard_counts = dict(shard_counts or {})
+        self._news: dict[str, list[int]] = {}
         self.resolution, self.shuffle_buffer = int(resolution), int(shuffle_buffer)
         if len(self.urls) < self.world_size:
             raise ValueError(
@@ -402,74 +424,141 @@ class WebDatasetStream(_Stream):
         more = " …" if len(self.urls) > 1 else ""
         return f"webdataset {self.urls[0]}{more} ({len(self.urls)} shards)"
 
-    def _epochs(self, c: int, n: int, listed: int = 0) -> Iterator:
-        """This consumer's raw samples, epoch after epoch; the first ``listed`` of them as
-        :func:`~unclip.train.data.tars.shard_listing` items (headers only) where a shard can be
-        listed: whole shards are listed, and the shard the count ends in is read from the byte
-        where its next sample starts."""
+    def _order(self, c: int, n: int, epoch: int) -> list[str]:
+        """Consumer ``c`` of ``n``'s shards in epoch ``epoch``."""
         if len(self.urls) <= c:
             raise ValueError(
                 f"{self.describe()}: {n} consumers (world_size {self.world_size} x DataLoader "
                 f"workers) but only {len(self.urls)} shards; every worker needs a shard: use fewer "
                 f"DataLoader workers or more shards"
             )
-        epoch = 0
+        order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
+        return [self.urls[i] for i in order[c::n]]
+
+    def _epochs(self, c: int, n: int, at: tuple = (0, 0, 0), head=None) -> Iterator:
+        """This consumer's raw samples, epoch after epoch, from shard ``k`` of epoch ``e`` with
+        ``at = (e, k, samples of epoch e before it)``; ``head``: ``(its samples from where the
+        stream resumes, how many it skipped, its file stamp)``. Each shard read to its end is
+        counted (``_news``, carried by the next sample's ``data_cursor``): its raw items and the
+        size and modification time it had."""
+        epoch, k, count = at
         while True:
-            order = _rng(self.seed, 2, epoch).permutation(len(self.urls))
-            count = 0
-            for url in [self.urls[i] for i in order[c::n]]:
-                listing = shard_listing(url) if listed > 0 else None
-                offset = 0
-                if listing is not None:
-                    head = listing[:listed]
-                    listed -= len(head)
-                    count += len(head)
-                    yield from head
-                    rest = listing[len(head) :]
-                    if not rest or "__error__" in rest[0]:
-                        count += len(rest)
-                        yield from rest
-                        continue
-                    offset = rest[0]["__offset__"]
-                for raw in iter_tar_samples([url], offset=offset):
-                    listed = max(0, listed - 1)
+            for url in self._order(c, n, epoch)[k:]:
+                if head is not None:
+                    (raws, got, stamp), head = head, None
+                else:
+                    raws, got, stamp = iter_tar_samples([url]), 0, file_stamp(url)
+                # one sample ahead, so a shard is counted as its last sample leaves: a cursor
+                # then carries the count of every shard read to its end before it
+                raws = iter(raws)
+                ahead = next(raws, None)
+                while ahead is not None:
+                    raw, ahead = ahead, next(raws, None)
+                    got += 1
                     count += 1
+                    if ahead is None:
+                        self._news[url] = [got, *(stamp or ())]
                     yield raw
+                self._news[url] = [got, *(stamp or ())]
             yield _EpochEnd(count)
-            epoch += 1
+            epoch, k, count = epoch + 1, 0, 0
 
     def _raw(self, c: int, n: int, skip: int = 0) -> Iterator:
-        # the shuffle buffer runs on listed items while the skipped part is replayed: once the
-        # skip's last sample has entered it, the listed items it still holds are read for real
         buffer = self.shuffle_buffer if self.shuffle_buffer > 1 else 0
-        listed = skip + buffer if skip else 0
-        items = self._epochs(c, n, listed)
-        if not buffer:
-            for item in items:
-                if isinstance(item, _EpochEnd) or skip == 0:
-                    yield item
-                else:
-                    skip -= 1
-            return
-        rng, read = _rng(self.seed, 1, c, n), 0
+        rng = _rng(self.seed, 1, c, n)
         buf: list = []
+        items = self._resume(c, n, skip, buffer, rng, buf) if skip else self._epochs(c, n)
+        if not buffer:
+            yield from items
+            return
         for item in items:
             if isinstance(item, _EpochEnd):
                 yield item
                 continue
-            read += 1
             if len(buf) < buffer:
                 buf.append(item)
             else:
                 i = int(rng.integers(len(buf)))
-                if skip:
-                    skip -= 1
-                else:
-                    yield buf[i]
+                yield buf[i]
                 buf[i] = item
-            if read == listed:
-                full = read_listed([x for x in buf if "__index__" in x])
-                buf = [full[x["__url__"], x["__index__"]] if "__index__" in x else x for x in buf]
+
+    def _resume(self, c: int, n: int, skip: int, buffer: int, rng, buf: list) -> Iterator:
+        """The raw items after the first ``skip`` this consumer's buffer put out, with ``buf``
+        filled as the buffer stood then and ``rng`` advanced as it was (see
+        :func:`~unclip.train.data.resume.buffer_positions`): the consumed shards are passed by
+        their sample counts (``shard_counts``, else listed by their headers or, ``pipe:``/remote,
+        read), the samples still in the buffer are read from their shards, and the shard the
+        cursor stands in is read on from there."""
+        consumed = skip + buffer  # inputs the buffer had taken
+        slots = buffer_positions(rng, buffer, skip) if buffer else np.zeros(0, np.int64)
+        wanted = np.unique(slots)
+        where: dict[int, tuple[str, int]] = {}  # input position -> (shard, index in it)
+        listings: dict[str, list] = {}  # the last few shards listed, for their buffered samples
+        changed: dict[str, None] = {}  # in the order met, once each
+        stamps: dict[str, Optional[list[int]]] = {}
+        epoch, pos, last_epoch = 0, 0, 0
+        while True:
+            first = pos
+            urls = self._order(c, n, epoch)
+            for k in range(len(urls)):  # k and url stay where the cursor stands
+                url = urls[k]
+                count = consumed - pos
+                if count > 0:
+                    count = self._shard_count(url, listings, changed, stamps)
+                lo, hi = np.searchsorted(wanted, [pos, min(pos + count, consumed)])
+                where.update((int(p), (url, int(p) - pos)) for p in wanted[lo:hi])
+                if pos + count > consumed or pos == consumed:
+                    break
+                pos += count
+            else:
+                if pos == first:
+                    raise ValueError(
+                        f"{self.describe()}: consumer {c} of {n} (rank {self.rank}) got no "
+                        f"samples in a whole epoch"
+                    )
+                last_epoch, epoch = pos - first, epoch + 1
+                continue
+            break
+        if changed:
+            logger.warning(
+                "%s: %d consumed shard(s) differ in size or modification time from when the run "
+                "counted them (first: %s); the resume skips the samples the run counted",
+                type(self).__name__,
+                len(changed),
+                next(iter(changed)),
+            )
+        index = consumed - pos  # of the next sample in the shard the cursor stands in
+        fetched, head = buffered_and_rest(where.values(), url, index, listings)
+        buf[:] = [dict(fetched[where[int(p)]]) for p in slots]
+        if last_epoch:
+            yield _EpochEnd(last_epoch)
+        yield from self._epochs(c, n, (epoch, k, consumed - first), head)
+
+    def _shard_count(self, url: str, listings: dict, changed: dict, stamps: dict) -> int:
+        """The number of raw items a consumed shard gave: as the run counted it, else listed or
+        read now (and carried by the next ``data_cursor``)."""
+        known = self.shard_counts.get(url)
+        if url not in stamps:  # each shard once per resume, however many epochs it passes
+            stamps[url] = file_stamp(url)
+        stamp = stamps[url]
+        if known is not None:
+            if len(known) > 1 and list(known[1:]) != stamp:
+                changed[url] = None
+            return int(known[0])
+        listing = shard_listing(url)
+        if listing is None:
+            count = sum(1 for _ in iter_tar_samples([url]))
+        else:
+            count = len(listing)
+            listings[url] = listing
+            if len(listings) > 4:  # buffered samples are in the last few shards
+                del listings[next(iter(listings))]
+        self._news[url] = [count, *(stamp or ())]
+        return count
+
+    def _cursor_news(self) -> tuple:
+        news, self._news = self._news, {}
+        return (news,)
 
     def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
         return self._raw(c, n, skip)

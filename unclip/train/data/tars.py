@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "shard_listing",
     "read_listed",
     "local_file",
+    "file_stamp",
 ]
 
 _META = re.compile(r"__[^/]*__($|/)")
@@ -124,7 +126,7 @@ def _shard_size(url: str) -> Optional[int]:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
-def iter_tar_samples(urls: Sequence[str], offset: int = 0) -> Iterator[dict]:
+def iter_tar_samples(urls: Sequence[str], offset: int = 0, index: int = 0) -> Iterator[dict]:
     """Raw img2dataset samples (``{"__key__", "__url__", "jpg"|..., "txt", ...}`` bytes) of ``urls``
     in order.
 
@@ -132,8 +134,8 @@ def iter_tar_samples(urls: Sequence[str], offset: int = 0) -> Iterator[dict]:
     yields, after the samples read before the break, one error item ``{"__url__", "__error__":
     reason, "__lost__": n}`` where ``n`` is the number of samples lost if img2dataset's
     ``<shard>_stats.json`` lies beside the shard, else None (unknown). ``offset``: read the first
-    shard from this byte on (the ``__offset__`` of a :func:`shard_listing` item); ``__lost__`` then
-    counts the samples before it as read.
+    shard from this byte on (the ``__offset__`` of a :func:`shard_listing` item, whose
+    ``__index__`` is ``index``): ``__lost__`` then counts the ``index`` samples before it as read.
     """
     from webdataset.tariterators import group_by_keys
 
@@ -144,13 +146,27 @@ def iter_tar_samples(urls: Sequence[str], offset: int = 0) -> Iterator[dict]:
             errors.append(exc)
             return True
 
-        count = 0
+        count, index = index, 0
         for sample in group_by_keys(_tar_files(url, errors, offset), handler=handler):
             count += 1
             yield sample
         for exc in errors:
             yield _error_item(url, exc, count)
         offset = 0
+
+
+def file_stamp(url: str) -> Optional[list[int]]:
+    """``[size, modification time in ns]`` of a local shard, or None (``pipe:``/remote URLs, a
+    missing file): what tells a shard changed since a run counted its samples."""
+    if url.startswith("file:"):
+        url = url[len("file:") :]
+    if url.startswith("pipe:") or "://" in url:
+        return None
+    try:  # one stat call: a resume stamps every shard it passes
+        st = os.stat(url)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
 
 
 def _error_item(url: str, exc: BaseException, count: int) -> dict:
