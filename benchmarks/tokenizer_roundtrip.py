@@ -72,7 +72,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     samples = heldout_samples(args.num, resolution=args.resolution)
     renders = [np.asarray(s.image) for s in samples]
-    rows = [{"folder": "renders", **summary(evaluate_images(renders, [s.caption for s in samples]))}]
+    rows = [
+        {"folder": "renders", **summary(evaluate_images(renders, [s.caption for s in samples]))}
+    ]
     rows += [roundtrip(f, samples) for f in args.folders]
     for row in rows:
         print(json.dumps(row))

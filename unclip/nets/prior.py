@@ -404,9 +404,10 @@ class PrefixCache:
             return None
         if tr.prd_embedding is None or text.text_mask is None:
             return None
-        if prior.has_text_encoder and text.caption_ids is None:
+        ids = text.caption_ids if prior.has_text_encoder else None
+        if prior.has_text_encoder and ids is None:
             return None  # the plain forward names what is missing
-        length = (text.caption_ids if prior.has_text_encoder else text.text_tokens).shape[1]
+        length = (text.text_tokens if ids is None else ids).shape[1]
         # one position each for the text tokens, the text embedding, time, x_t and the prediction
         if tr.positional_embedding.shape[1] != length + 4:
             return None

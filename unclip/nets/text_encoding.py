@@ -74,8 +74,10 @@ class TextEncoding:
                 "TextEncoding.cat: some encodings carry caption_ids and some do not; encode all "
                 "of them for the same prior"
             )
-        ids = torch.cat([e.caption_ids for e in encodings]) if all(has_ids) else None
-        return TextEncoding(*parts, ids)
+        ids = None
+        if all(has_ids):
+            ids = torch.cat([e.caption_ids for e in encodings if e.caption_ids is not None])
+        return TextEncoding(parts[0], parts[1], parts[2], ids)
 
 
 def check_prompts(prompt: Union[str, Sequence[str]], what: str = "prompt") -> list[str]:

@@ -77,7 +77,9 @@ class TokenizerTrainConfig:
         )
         for name in ("tau_steps", "kl_steps"):
             value = getattr(self, name)
-            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+            ok = value is None or (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            )
             check_range(name, value, ok, "an integer >= 1 or null")
         vqgan = self.tokenizer.vqgan  # set when type is vqgan (TokenizerConfig checks)
         if self.tokenizer.type == "vqgan" and vqgan is not None and vqgan.discriminator_weights:
