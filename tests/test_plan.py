@@ -98,7 +98,7 @@ def test_gradient_checkpointing_lowers_activations_and_measures_the_recompute():
 
 def test_plan_estimate_bounds_a_real_cpu_step():
     """The method on fake CPU tensors against a real CPU step counted by the same tracker."""
-    from unclip.train.plan import real_cpu_step_peak
+    from unclip.train.plan_measure import real_cpu_step_peak
 
     cfg = load_stage_config(
         ROOT / "configs/tiny/sr32.yaml", ["train.mixed_precision=no", "train.grad_accum_steps=2"]

@@ -4,6 +4,7 @@ Accelerate config files, the optimizer choice."""
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -20,13 +21,20 @@ from unclip.utils.config import ConfigError
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 
 
-def launch_env(config_file: Path) -> dict:
-    """The environment ``accelerate launch --config_file config_file train_decoder.py …`` gives
-    each process, from Accelerate's own parser, validation and launcher code (nothing started)."""
+def launch_env(config_file: Path, *flags: str) -> dict:
+    """The environment ``accelerate launch --config_file config_file [flags] train_decoder.py …``
+    gives each process, from Accelerate's own parser, validation and launcher code (nothing
+    started)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    argv = ["--config_file", str(config_file), "train_decoder.py", "configs/decoder_64.yaml"]
+    argv = [
+        "--config_file",
+        str(config_file),
+        *flags,
+        "train_decoder.py",
+        "configs/decoder_64.yaml",
+    ]
     args, defaults, mp_from_config = _validate_launch_command(
         launch_command_parser().parse_args(argv)
     )
@@ -233,60 +241,67 @@ def test_powersgd_survives_a_loss_scale_overflow(tmp_path):
     assert sums[0] == sums[1]
 
 
-@pytest.mark.slow
-def test_fsdp_on_two_cpu_processes(tmp_path):
-    """FSDP2 (the shipped fsdp_8gpu.yaml, as ``accelerate launch`` passes it) on 2 gloo
-    processes: the tiny decoder with its own caption transformer (whose blocks are FSDP units, as
-    the UNet's are) trains (with sample grids and checkpoints), a run stopped and
-    resumed ends with exactly the weights of an uninterrupted one, the checkpoints have the files
-    and tensors a DDP run writes, the weights match DDP's, and the export loads and generates."""
-    env = {**os.environ, **launch_env(ROOT / "configs" / "accelerate" / "fsdp_8gpu.yaml")}
-    env.update(OMP_NUM_THREADS="1", ACCELERATE_MIXED_PRECISION="no")
-    worker = ROOT / "tests" / "fsdp_worker.py"
+#: the variables through which an Accelerate launch configures FSDP
+LAUNCH_VARIABLES = ("FSDP_", "ACCELERATE_", "PARALLELISM_")
+#: the layout line the training loop logs after preparing an FSDP2 model (fsdp_launch.describe_fsdp)
+LAYOUT = re.compile(
+    r"FSDP2: (\d+) of (\d+) parameters are DTensor shards on a (\d)-D mesh \((.*)\), (\d+) units, "
+    r"reshard_after_forward (on|off), CPU offload (on|off)$"
+)
+
+
+def fsdp_env(name: str, *flags: str) -> dict:
+    """The FSDP part of the environment ``accelerate launch --config_file configs/accelerate/NAME``
+    gives each process."""
+    env = launch_env(ROOT / "configs" / "accelerate" / name, *flags)
+    return {k: v for k, v in env.items() if k.startswith(LAUNCH_VARIABLES)}
+
+
+def run_fsdp_worker(out: Path, env: dict, processes: int, *args: str) -> dict:
+    """tests/fsdp_worker.py on the tiny decoder with its own caption transformer, under torchrun
+    with ``processes`` gloo processes and the launch environment ``env``; returns the layout lines
+    each run logged, ``{run: [line, ...]}``."""
     proc = subprocess.run(
         [
-            *TORCHRUN,
-            str(worker),
+            *TORCHRUN[:-1],
+            str(processes),
+            str(ROOT / "tests" / "fsdp_worker.py"),
             str(CONFIGS / "tiny" / "decoder.yaml"),
-            str(tmp_path),
+            str(out),
+            *args,
             *[f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()],
         ],
-        env=env,
+        env={**os.environ, **env, "OMP_NUM_THREADS": "1", "ACCELERATE_MIXED_PRECISION": "no"},
         capture_output=True,
         text=True,
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "strategy: fsdp on 2 processes" in proc.stderr
-    assert "strategy: ddp on 2 processes" in proc.stderr
+    assert f"strategy: fsdp on {processes} processes" in proc.stderr
     assert "(ResnetBlock2D, Attention, CaptionBlock) as their own groups" in proc.stderr
+    return json.loads((out / "layouts.json").read_text())
 
-    def final(run):
-        return load_file(
-            str(tmp_path / run / "final" / "decoder" / "diffusion_pytorch_model.safetensors")
-        )
 
-    full, split, ddp = final("fsdp_full"), final("fsdp_split"), final("ddp")
-    assert full.keys() == split.keys() == ddp.keys()
-    for k in full:
-        assert torch.equal(full[k], split[k]), k
-        assert torch.allclose(full[k], ddp[k], atol=1e-4), k
-    for run in ("fsdp_full", "ddp"):
-        assert [p.name for p in (tmp_path / run / "samples").iterdir()] == ["step_00000004.png"]
-    step = "checkpoints/step_00000004"
-    for name in ("model", "optimizer", "ema"):
-        a = load_file(str(tmp_path / "fsdp_full" / step / f"{name}.safetensors"))
-        b = load_file(str(tmp_path / "ddp" / step / f"{name}.safetensors"))
-        assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a), name
-        assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-4) for k in a), name
-    sums = json.loads((tmp_path / "fsdp_full" / "rank_checksums.json").read_text())
-    assert sums[0] == sums[1]
+def layout_of(lines: list[str]) -> dict:
+    """The layout every run of a name logged (all the same), parsed."""
+    assert lines and len(set(lines)) == 1, lines
+    match = LAYOUT.match(lines[0])
+    assert match, lines[0]
+    sharded, params, dims, mesh, units, reshard, offload = match.groups()
+    assert sharded == params and int(units) > 0, lines[0]  # every parameter is a shard
+    return {"dims": int(dims), "mesh": mesh, "reshard": reshard, "offload": offload}
 
+
+def final_weights(out: Path, run: str) -> dict:
+    return load_file(str(out / run / "final" / "decoder" / "diffusion_pytorch_model.safetensors"))
+
+
+def generates(folder: Path) -> None:
+    """The exported decoder in ``folder`` loads and generates."""
     from unclip import UnCLIPPipeline
     from unclip.nets.clip import CLIP
     from unclip.nets.decoder import UnCLIPDecoder
 
-    folder = tmp_path / "fsdp_full" / "final"
     clip = CLIP.from_pretrained(folder / "clip")
     decoder = UnCLIPDecoder.from_pretrained(folder / "decoder")
     embed = torch.nn.functional.normalize(torch.randn(2, clip.embed_dim), dim=-1)
@@ -298,3 +313,84 @@ def test_fsdp_on_two_cpu_processes(tmp_path):
         progress=False,
     )
     assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_cpu_processes(tmp_path):
+    """FSDP2 on 2 gloo processes under the shipped single-node FSDP configs, as ``accelerate
+    launch`` passes them: fsdp_8gpu.yaml, then (in the same processes) fsdp_grad_op_8gpu.yaml and
+    fsdp_offload_8gpu.yaml. The tiny decoder with its own caption transformer (whose blocks are
+    FSDP units, as the UNet's are) trains (with sample grids and checkpoints); every parameter is
+    a DTensor shard and each config's own setting took effect in the modules (weights kept
+    gathered after the forward; CPU offload); a run stopped and resumed under each config ends
+    with exactly the weights of an uninterrupted fsdp_8gpu.yaml run, the checkpoints have the
+    files and tensors a DDP run writes, the weights match DDP's, and the export generates."""
+    more = {
+        "grad_op": fsdp_env("fsdp_grad_op_8gpu.yaml"),
+        "offload": fsdp_env("fsdp_offload_8gpu.yaml"),
+    }
+    (tmp_path / "more.json").write_text(json.dumps(more))
+    layouts = run_fsdp_worker(
+        tmp_path, fsdp_env("fsdp_8gpu.yaml"), 2, "--ddp", "--more", str(tmp_path / "more.json")
+    )
+    want = {
+        "fsdp_full": ("on", "off"),
+        "fsdp_split": ("on", "off"),
+        "grad_op": ("off", "off"),
+        "offload": ("on", "on"),
+    }
+    assert set(layouts) == set(want)  # no FSDP2 line from the DDP run
+    for run, (reshard, offload) in want.items():
+        layout = layout_of(layouts[run])
+        assert (layout["dims"], layout["mesh"]) == (1, "shard 2"), run
+        assert (layout["reshard"], layout["offload"]) == (reshard, offload), run
+
+    full, ddp = final_weights(tmp_path, "fsdp_full"), final_weights(tmp_path, "ddp")
+    for run in ("fsdp_split", "grad_op", "offload"):
+        other = final_weights(tmp_path, run)
+        assert full.keys() == other.keys(), run
+        assert all(torch.equal(full[k], other[k]) for k in full), run
+    assert full.keys() == ddp.keys()
+    assert all(torch.allclose(full[k], ddp[k], atol=1e-4) for k in full)
+    for run in ("fsdp_full", "ddp"):
+        assert [p.name for p in (tmp_path / run / "samples").iterdir()] == ["step_00000004.png"]
+    step = "checkpoints/step_00000004"
+    for name in ("model", "optimizer", "ema"):
+        a = load_file(str(tmp_path / "fsdp_full" / step / f"{name}.safetensors"))
+        b = load_file(str(tmp_path / "ddp" / step / f"{name}.safetensors"))
+        assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a), name
+        assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-4) for k in a), name
+    sums = json.loads((tmp_path / "fsdp_full" / "rank_checksums.json").read_text())
+    assert sums[0] == sums[1]
+    generates(tmp_path / "offload" / "final")
+
+
+#: fsdp_hybrid_16gpu.yaml on 4 CPU processes: 2 replicas, each sharded over 2 (the smallest launch
+#: with a 2-D mesh: on 2 processes Accelerate either drops the size-1 replicate dimension from
+#: FSDP's mesh, or refuses a dp_shard of 1)
+HYBRID_ON_4 = (
+    "--num_processes",
+    "4",
+    "--num_machines",
+    "1",
+    "--parallelism_config_dp_replicate_size",
+    "2",
+    "--parallelism_config_dp_shard_size",
+    "2",
+)
+
+
+@pytest.mark.slow
+def test_fsdp_hybrid_on_four_cpu_processes(tmp_path):
+    """fsdp_hybrid_16gpu.yaml with its sizes scaled to 4 gloo processes (replicate 2 x shard 2):
+    FSDP2 shards every parameter on a 2-D (replicate, shard) mesh, trains, a run stopped and
+    resumed ends with exactly the weights of an uninterrupted one, and the export generates."""
+    layouts = run_fsdp_worker(tmp_path, fsdp_env("fsdp_hybrid_16gpu.yaml", *HYBRID_ON_4), 4)
+    for run in ("fsdp_full", "fsdp_split"):
+        layout = layout_of(layouts[run])
+        assert (layout["dims"], layout["mesh"]) == (2, "dp_replicate 2 x dp_shard_cp 2"), run
+        assert (layout["reshard"], layout["offload"]) == ("on", "off"), run
+    full, split = final_weights(tmp_path, "fsdp_full"), final_weights(tmp_path, "fsdp_split")
+    assert full.keys() == split.keys()
+    assert all(torch.equal(full[k], split[k]) for k in full)
+    generates(tmp_path / "fsdp_full" / "final")
