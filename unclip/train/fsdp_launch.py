@@ -130,8 +130,13 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
     """How FSDP2 really holds ``model`` (after ``accelerator.prepare``), read from the module's
     own state rather than from the config that asked for it: ``sharded`` (parameters that are
     ``DTensor`` shards) of ``params``, ``mesh`` (``{dimension: size}``; ``shard`` when unnamed),
-    ``units`` (``fully_shard`` groups below the root), ``reshard_after_forward`` and
-    ``cpu_offload`` (each ``True``/``False``, or ``None`` when the units disagree)."""
+    ``units`` (``fully_shard`` groups below the root), of which ``resharding`` free their gathered
+    weights after the forward and ``offloaded`` keep their shards in CPU memory.
+
+    The root's own setting is left out: FSDP2 overrides it on the first forward (the root's
+    weights are needed again at once in backward). Accelerate gives a final norm it finds a unit
+    of its own that never reshards after the forward, so ``resharding`` is one short of ``units``
+    under ``reshard_after_forward: true`` when the model has one."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -139,28 +144,21 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
     shards = [p for p in params if isinstance(p, DTensor)]
     mesh = shards[0].device_mesh if shards else None
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    # the root unit's reshard setting is overridden on its first forward (it is needed again at
-    # once in backward): its block units carry the config's choice
     groups = [
-        g
-        for m in units or [model]
-        for g in getattr(m._get_fsdp_state(), "_fsdp_param_groups", [])  # type: ignore[operator]
+        [g for g in m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
+        for m in units
     ]
-
-    def agreed(values: set):
-        return values.pop() if len(values) == 1 else None
-
     return {
         "sharded": len(shards),
         "params": len(params),
-        "mesh": dict(
-            zip(mesh.mesh_dim_names or ("shard",) * mesh.ndim, mesh.shape)  # type: ignore[union-attr]
-        )
+        "mesh": dict(zip(mesh.mesh_dim_names or ("shard",) * mesh.ndim, mesh.shape))
         if mesh is not None
         else {},
         "units": len(units),
-        "reshard_after_forward": agreed({g.post_forward_mesh_info is not None for g in groups}),
-        "cpu_offload": agreed({fp.offload_to_cpu for g in groups for fp in g.fsdp_params}),
+        "resharding": sum(any(g.post_forward_mesh_info is not None for g in gs) for gs in groups),
+        "offloaded": sum(
+            any(fp.offload_to_cpu for g in gs for fp in g.fsdp_params) for gs in groups
+        ),
     }
 
 
@@ -168,13 +166,8 @@ def describe_fsdp(model: torch.nn.Module) -> str:
     """One line for the log: :func:`fsdp_layout` of ``model``."""
     layout = fsdp_layout(model)
     mesh = " x ".join(f"{k} {v}" for k, v in layout["mesh"].items())
-
-    def onoff(value):
-        return {True: "on", False: "off", None: "mixed"}[value]
-
     return (
         f"FSDP2: {layout['sharded']} of {layout['params']} parameters are DTensor shards on a "
-        f"{len(layout['mesh'])}-D mesh ({mesh}), {layout['units']} units, "
-        f"reshard_after_forward {onoff(layout['reshard_after_forward'])}, "
-        f"CPU offload {onoff(layout['cpu_offload'])}"
+        f"{len(layout['mesh'])}-D mesh ({mesh}); of {layout['units']} units "
+        f"{layout['resharding']} reshard after the forward, {layout['offloaded']} offload to CPU"
     )

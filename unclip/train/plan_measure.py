@@ -52,8 +52,9 @@ def fsdp_storage_resizes(mem: MemoryTracker) -> Iterator[None]:
 
 
 def real_cpu_step_peak(cfg) -> int:
-    """The tracker's peak over one real CPU training step of ``cfg`` (real backward) with
-    ``train.grad_accum_steps`` micro-batches of its synthetic batch: what
+    """The tracker's peak over a real CPU training step of ``cfg`` (real backward; the second, so
+    that the optimizer's moments exist) with ``train.grad_accum_steps`` micro-batches of its
+    synthetic batch: what
     :func:`~unclip.train.plan.measure_step` with ``device_type="cpu"`` estimates, to check the
     method against. Under a multi-process FSDP launch (``torchrun`` with an FSDP config's
     environment) it is this process's peak of an FSDP2 step, the gathered weights included."""
@@ -71,9 +72,13 @@ def real_cpu_step_peak(cfg) -> int:
                 model, task = _build(cfg, clip, "cpu")
                 model = loop.prepare(model)
                 model.train()
-                batch = _synthetic_batch(cfg, clip, cfg.data.batch_size)
+                batches = [_synthetic_batch(cfg, clip, cfg.data.batch_size)]
+                batches *= cfg.train.grad_accum_steps
+                # the first step makes AdamW's moments after its backward; from the second on
+                # they are there throughout, as in the plan
+                loop.run_step(task, batches)
                 mem.reset_peak()
-                loop.run_step(task, [batch] * cfg.train.grad_accum_steps)
+                loop.run_step(task, batches)
         finally:
             loop.accelerator.end_training()
             loop.release_output_dir()
