@@ -5,8 +5,9 @@ DDP run of the same config for reference (FSDP switched off for it), and the spl
 each further config's environment (a JSON file ``{name: {variable: value}}``). One process start
 for all of the runs.
 Rank 0 writes the ``FSDP2: ...`` layout line each run logged to ``OUT/layouts.json``; with
-``--peak`` each process writes its measured peak of one FSDP2 step (2 micro-batches) under each
-config but the CPU-offload one to ``OUT/peaks_<rank>.json`` (what the plan is checked against).
+``--peak`` each process writes its measured peaks of FSDP2 steps to ``OUT/peaks_<rank>.json``
+(``{run_accumulation: bytes}``: 1 and 2 micro-batches under CONFIG's environment, 2 under each
+further config's but CPU offload's): what the plan is checked against.
 
 ``python fsdp_worker.py CONFIG OUT [--ddp] [--peak] [--more ENV_JSON] [OVERRIDE ...]`` (the
 overrides go to every run)"""
@@ -20,6 +21,9 @@ from pathlib import Path
 from accelerate.state import PartialState
 
 from unclip.cli import train_decoder
+
+#: the micro-batch of the peak measurements (tests/test_sharding.py plans the same)
+PEAK_BATCH = "data.batch_size=16"
 
 
 class Layouts(logging.Handler):
@@ -68,26 +72,28 @@ def main():
             seen.setdefault(name, []).extend(layouts.lines)
         layouts.lines.clear()
 
-    def peak(name):
-        """This process's measured peak of one FSDP2 step of 2 micro-batches (the plan's check)."""
+    def peak(name, accumulation):
+        """This process's measured peak of an FSDP2 step (the plan's check), at a micro-batch
+        large enough for the backward to be the step's peak."""
         from unclip.train.config import load_stage_config
         from unclip.train.plan_measure import real_cpu_step_peak
 
-        overrides = [*common[1:], "train.grad_accum_steps=2"]
-        peaks[name] = real_cpu_step_peak(load_stage_config(cfg, overrides))
+        overrides = [*common[1:], f"train.grad_accum_steps={accumulation}", PEAK_BATCH]
+        peaks[f"{name}_{accumulation}"] = real_cpu_step_peak(load_stage_config(cfg, overrides))
         layouts.lines.clear()
 
     run("fsdp_full")
     run("fsdp_split", "--max-steps-this-run", "2")
     run("fsdp_split", "--resume", "latest")
     if measure:
-        peak("fsdp_full")
+        peak("fsdp_full", 1)
+        peak("fsdp_full", 2)
     for name, env in more.items():
         os.environ.update(env)
         run(name, "--max-steps-this-run", "2")
         run(name, "--resume", "latest")
         if measure and env.get("FSDP_OFFLOAD_PARAMS", "false").lower() != "true":
-            peak(name)
+            peak(name, 2)
     if ddp:
         os.environ["ACCELERATE_USE_FSDP"] = "false"
         run("ddp")

@@ -146,7 +146,10 @@ class TrainLoop(RunFolder):
             res = cfg.data.resolution  # a batch is assembled in this process's memory first
             check_fits("data.batch_size", cfg.data.batch_size, 12 * res * res, f"{res}px images")
         self.out = Path(t.output_dir)
-        mp = auto_mixed_precision(t.mixed_precision)
+        # auto follows an Accelerate config's fp16/bf16; an explicit train.mixed_precision wins
+        mp = auto_mixed_precision(
+            t.mixed_precision, launched=os.environ.get("ACCELERATE_MIXED_PRECISION")
+        )
         # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
         # PowerSGD is registered after prepare (dist_utils.register_powersgd)
         handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
