@@ -144,10 +144,7 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
     shards = [p for p in params if isinstance(p, DTensor)]
     mesh = shards[0].device_mesh if shards else None
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    groups = [
-        [g for g in m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
-        for m in units
-    ]
+    groups = [_param_groups(m) for m in units]
     return {
         "sharded": len(shards),
         "params": len(params),
@@ -160,6 +157,17 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
             any(fp.offload_to_cpu for g in gs for fp in g.fsdp_params) for gs in groups
         ),
     }
+
+
+def _param_groups(unit) -> list:
+    """The ``FSDPParamGroup`` objects of an FSDP2 unit: recent torch keeps a list (a unit may hold
+    several), older torch a single optional one."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def describe_fsdp(model: torch.nn.Module) -> str:
