@@ -16,7 +16,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import ROOT, machine, write_json  # noqa: E402
 
 from unclip.train.config import load_stage_config  # noqa: E402
-from unclip.train.plan import measure_step, real_cpu_step_peak  # noqa: E402
+from unclip.train.plan import measure_step  # noqa: E402
+from unclip.train.plan_measure import real_cpu_step_peak  # noqa: E402
 
 MiB = 2**20
 MID_DECODER = [

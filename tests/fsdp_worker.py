@@ -1,10 +1,19 @@
-"""Run by tests/test_sharding.py under ``torchrun --nproc_per_node 2`` (gloo) with the environment
-``accelerate launch`` derives from ``configs/accelerate/fsdp_8gpu.yaml``: the tiny decoder trained
-under FSDP2 in one go, the same run split in two (stop, ``--resume latest``), and a DDP run of the
-same config for reference (FSDP switched off for it). One process start for the three runs.
+"""Run by tests/test_sharding.py under ``torchrun`` (gloo) with the environment that
+``accelerate launch`` derives from an FSDP config in configs/accelerate: the tiny decoder trained
+under FSDP2 in one go and the same run split in two (stop, ``--resume latest``); optionally a
+DDP run of the same config for reference (FSDP switched off for it), and the split run again under
+each further config's environment (a JSON file ``{name: {variable: value}}``). One process start
+for all of the runs.
+Rank 0 writes the ``FSDP2: ...`` layout line each run logged to ``OUT/layouts.json``; with
+``--peak`` each process writes its measured peaks of FSDP2 steps to ``OUT/peaks_<rank>.json``
+(``{run_accumulation: bytes}``: 1 and 2 micro-batches under CONFIG's environment, 2 under each
+further config's but CPU offload's): what the plan is checked against.
 
-``python fsdp_worker.py CONFIG OUT [OVERRIDE ...]`` (the overrides go to every run)"""
+``python fsdp_worker.py CONFIG OUT [--ddp] [--peak] [--more ENV_JSON] [OVERRIDE ...]`` (the
+overrides go to every run)"""
 
+import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -13,12 +22,38 @@ from accelerate.state import PartialState
 
 from unclip.cli import train_decoder
 
+#: the micro-batch of the peak measurements (tests/test_sharding.py plans the same)
+PEAK_BATCH = "data.batch_size=16"
+
+
+class Layouts(logging.Handler):
+    """Keeps the ``FSDP2: ...`` lines the training loop logs."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("FSDP2: "):
+            self.lines.append(message)
+
 
 def main():
-    cfg, out = sys.argv[1], Path(sys.argv[2])
+    cfg, out, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    ddp, measure = "--ddp" in args, "--peak" in args
+    more = {}
+    if "--more" in args:
+        more = json.loads(Path(args[args.index("--more") + 1]).read_text())
+        del args[args.index("--more") : args.index("--more") + 2]
+    args = [a for a in args if a not in ("--ddp", "--peak")]
     # each run ends with Accelerator.end_training, which destroys the process group; keep it for
     # the next run (process start-up is most of this test's time)
     PartialState.destroy_process_group = lambda self, group=None: None
+    layouts = Layouts()
+    logging.getLogger("unclip.train").addHandler(layouts)
+    seen: dict[str, list[str]] = {}
+    peaks: dict[str, int] = {}
     common = [
         cfg,
         "train.progress=false",
@@ -28,17 +63,45 @@ def main():
         "train.warmup_steps=1",
         "train.mixed_precision=no",
         "data.batch_size=4",
-        *sys.argv[3:],
+        *args,
     ]
 
-    def run(name, *args):
-        assert train_decoder.main([*common, f"train.output_dir={out / name}", *args]) == 0
+    def run(name, *extra):
+        assert train_decoder.main([*common, f"train.output_dir={out / name}", *extra]) == 0
+        if layouts.lines:
+            seen.setdefault(name, []).extend(layouts.lines)
+        layouts.lines.clear()
+
+    def peak(name, accumulation):
+        """This process's measured peak of an FSDP2 step (the plan's check), at a micro-batch
+        large enough for the backward to be the step's peak."""
+        from unclip.train.config import load_stage_config
+        from unclip.train.plan_measure import real_cpu_step_peak
+
+        overrides = [*common[1:], f"train.grad_accum_steps={accumulation}", PEAK_BATCH]
+        peaks[f"{name}_{accumulation}"] = real_cpu_step_peak(load_stage_config(cfg, overrides))
+        layouts.lines.clear()
 
     run("fsdp_full")
     run("fsdp_split", "--max-steps-this-run", "2")
     run("fsdp_split", "--resume", "latest")
-    os.environ["ACCELERATE_USE_FSDP"] = "false"
-    run("ddp")
+    if measure:
+        peak("fsdp_full", 1)
+        peak("fsdp_full", 2)
+    for name, env in more.items():
+        os.environ.update(env)
+        run(name, "--max-steps-this-run", "2")
+        run(name, "--resume", "latest")
+        if measure and env.get("FSDP_OFFLOAD_PARAMS", "false").lower() != "true":
+            peak(name, 2)
+    if ddp:
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+        run("ddp")
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        (out / "layouts.json").write_text(json.dumps(seen, indent=1))
+    if peaks:
+        (out / f"peaks_{rank}.json").write_text(json.dumps(peaks))
 
 
 if __name__ == "__main__":

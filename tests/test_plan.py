@@ -98,7 +98,7 @@ def test_gradient_checkpointing_lowers_activations_and_measures_the_recompute():
 
 def test_plan_estimate_bounds_a_real_cpu_step():
     """The method on fake CPU tensors against a real CPU step counted by the same tracker."""
-    from unclip.train.plan import real_cpu_step_peak
+    from unclip.train.plan_measure import real_cpu_step_peak
 
     cfg = load_stage_config(
         ROOT / "configs/tiny/sr32.yaml", ["train.mixed_precision=no", "train.grad_accum_steps=2"]
@@ -127,11 +127,22 @@ def test_strategies_divide_what_they_shard(tmp_path):
     by = {r.strategy.name: r.parts for r in rows}
     ddp, z2, z3, off = (by[STRATEGIES[k].name] for k in STRATEGIES)
     assert ddp["optimizer"] == m.optimizer and ddp["EMA"] == m.ema and ddp["DDP buckets"] == 0
-    assert z2["optimizer"] == m.optimizer / 8 and z2["gradients"] == m.grads / 8
-    assert z2["weights"] == m.weights and z2["EMA"] == m.ema / 8  # FSDP2's EMA follows the shard
-    # FULL_SHARD gathers the root group for the step and two units at a time
-    assert z3["weights"] == m.weights / 8 + m.root_weights + 2 * m.block_weights
-    assert off["optimizer"] == off["gradients"] == off["EMA"] == 0
+    # FSDP2 keeps fp32 shards of weights, moments and EMA (the EMA follows the shard) and gathers
+    # whole copies in the compute dtype (fp16 here: half the fp32 bytes): without resharding after
+    # the forward every unit, with it the root group for the step and two units at a time
+    for z in (z2, z3):
+        assert z["weights"] == m.weights / 8 and z["optimizer"] == m.optimizer / 8
+        assert z["EMA"] == m.ema / 8 and z["autocast copies"] == 0
+    assert z2["gathered weights"] == m.weights / 2
+    assert z3["gathered weights"] == (m.root_weights + 2 * m.block_weights) / 2
+    # without accumulation only the gradient shards stay; with it the whole gradients (fp16)
+    assert z2["gradients"] == z3["gradients"] == m.grads / 8
+    accumulating = plan_row(m, STRATEGIES["zero3"], 8, 80 * GiB, grad_accum_steps=2)
+    assert accumulating.parts["gradients"] == m.grads / 2
+    assert off["optimizer"] == off["gradients"] == off["EMA"] == off["weights"] == 0
+    assert off["gathered weights"] == z3["gathered weights"]
+    for row in rows:
+        assert row.peak == int(sum(row.parts.values()))
     # DeepSpeed ZeRO-2 keeps the EMA of the whole weights whole; ZeRO-3 refuses an EMA
     z2ds = read_accelerate_config(ROOT / "configs/accelerate/deepspeed_zero2_8gpu.yaml").strategy
     row = memory_plan(m, 8, 80 * GiB, z2ds)[0][0]
@@ -210,6 +221,11 @@ def test_shipped_accelerate_configs_have_a_plan():
         "fsdp_offload_8gpu.yaml": ("FSDP FULL_SHARD + CPU offload", 8, 8),
         "deepspeed_zero2_8gpu.yaml": ("DeepSpeed ZeRO-2", 8, 8),
         "deepspeed_zero3_8gpu.yaml": ("DeepSpeed ZeRO-3", 8, 8),
+        **{
+            name.replace(".yaml", "_bf16.yaml"): want
+            for name, want in got.items()
+            if not name.startswith("deepspeed") and "_bf16" not in name
+        },
     }
     # every strategy the plan can suggest is launched by a shipped file
     for strategy in STRATEGIES.values():

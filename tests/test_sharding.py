@@ -4,6 +4,7 @@ Accelerate config files, the optimizer choice."""
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,18 +16,26 @@ from safetensors.torch import load_file
 from unclip.pipeline.tiny import TINY_TEXT_ENCODER
 from unclip.train import distributed as dist_utils
 from unclip.train.config import TrainConfig, load_stage_config
+from unclip.train.optimizers import auto_mixed_precision
 from unclip.utils.config import ConfigError
 
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 
 
-def launch_env(config_file: Path) -> dict:
-    """The environment ``accelerate launch --config_file config_file train_decoder.py …`` gives
-    each process, from Accelerate's own parser, validation and launcher code (nothing started)."""
+def launch_env(config_file: Path, *flags: str) -> dict:
+    """The environment ``accelerate launch --config_file config_file [flags] train_decoder.py …``
+    gives each process, from Accelerate's own parser, validation and launcher code (nothing
+    started)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    argv = ["--config_file", str(config_file), "train_decoder.py", "configs/decoder_64.yaml"]
+    argv = [
+        "--config_file",
+        str(config_file),
+        *flags,
+        "train_decoder.py",
+        "configs/decoder_64.yaml",
+    ]
     args, defaults, mp_from_config = _validate_launch_command(
         launch_command_parser().parse_args(argv)
     )
@@ -43,20 +52,27 @@ def test_accelerate_config_files_parse(monkeypatch):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     names = {p.name for p in ACCELERATE_CONFIGS}
-    assert names == {
+    fp16 = {
         "ddp_8gpu.yaml",
         "fsdp_8gpu.yaml",
         "fsdp_grad_op_8gpu.yaml",
         "fsdp_hybrid_16gpu.yaml",
         "fsdp_offload_8gpu.yaml",
-        "deepspeed_zero2_8gpu.yaml",
-        "deepspeed_zero3_8gpu.yaml",
     }
+    # a bf16 variant of each DDP/FSDP config, the same but for the precision
+    bf16 = {name.replace(".yaml", "_bf16.yaml") for name in fp16}
+    assert names == fp16 | bf16 | {"deepspeed_zero2_8gpu.yaml", "deepspeed_zero3_8gpu.yaml"}
     for path in ACCELERATE_CONFIGS:
         cfg = load_config_from_file(str(path))
-        assert cfg.mixed_precision == "fp16", path.name
+        assert cfg.mixed_precision == ("bf16" if path.name in bf16 else "fp16"), path.name
         assert cfg.num_processes == (16 if "16gpu" in path.name else 8), path.name
         env = launch_env(path)
+        # what the training loop trains in with train.mixed_precision: auto (the configs' default)
+        launched = env["ACCELERATE_MIXED_PRECISION"]
+        assert auto_mixed_precision("auto", gpu=True, launched=launched) == cfg.mixed_precision
+        if path.name in bf16:
+            fp16_twin = load_config_from_file(str(path).replace("_bf16", ""))
+            assert {**vars(cfg), "mixed_precision": "fp16"} == vars(fp16_twin), path.name
         if path.name.startswith("fsdp"):
             assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
             for key, value in env.items():
@@ -70,15 +86,61 @@ def test_accelerate_config_files_parse(monkeypatch):
             for key in env:
                 if key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_")):
                     monkeypatch.delenv(key)
-        if path.name == "fsdp_hybrid_16gpu.yaml":
+        if path.name.startswith("fsdp_hybrid_16gpu"):
             assert env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] == "2"
             assert env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "8"
             assert cfg.num_machines == 2
         if path.name.startswith("deepspeed"):
             assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
             assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == path.name.split("zero")[1][0]
-        if path.name == "ddp_8gpu.yaml":
+        if path.name.startswith("ddp_8gpu"):
             assert cfg.distributed_type.value == "MULTI_GPU"
+
+
+def test_launches_that_would_not_run_their_config_are_refused(monkeypatch):
+    """``accelerate launch --cpu`` with a multi-process config starts this one process (Accelerate's
+    simple launcher); fsdp_hybrid_16gpu.yaml on fewer than its 16 processes; a parallelism config
+    that leaves FSDP nothing to shard over. Each is one line saying what to pass instead; the
+    launches it suggests pass."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    from unclip.train.fsdp_launch import WORLD_SIZE_VARIABLES, check_launch
+
+    for name in (*WORLD_SIZE_VARIABLES, "ACCELERATE_USE_CPU", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+
+    def use(env: dict):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    fsdp = str(ROOT / "configs" / "accelerate" / "fsdp_8gpu.yaml")
+    argv = ["--cpu", "--config_file", fsdp, "train_decoder.py", "configs/decoder_64.yaml"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    cmd, env = prepare_simple_launcher_cmd_env(args)
+    assert "torchrun" not in " ".join(cmd)  # one plain process for a config of 8
+    use({k: env[k] for k in ("ACCELERATE_USE_CPU", "MASTER_ADDR")})
+    with pytest.raises(ValueError, match=r"^accelerate launch --cpu started a single process .*"):
+        check_launch()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the suggested launch: without --cpu, torchrun starts 2
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    use(fsdp_env("fsdp_8gpu.yaml", "--num_processes", "2"))
+    check_launch()
+
+    use(fsdp_env("fsdp_hybrid_16gpu.yaml"))
+    with pytest.raises(
+        ValueError, match=r"\(dp_replicate 2 x dp_shard 8\) needs 16 processes but 2"
+    ):
+        check_launch()
+    use(fsdp_env("fsdp_hybrid_16gpu.yaml", "--parallelism_config_dp_shard_size", "1"))
+    with pytest.raises(ValueError, match="leaves FSDP nothing to shard over"):
+        check_launch()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    use(fsdp_env("fsdp_hybrid_16gpu.yaml", *HYBRID_ON_4))
+    check_launch()
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    use(fsdp_env("fsdp_hybrid_16gpu.yaml"))
+    check_launch()
 
 
 def test_fsdp_blocks_fit_every_stage():
@@ -234,60 +296,72 @@ def test_powersgd_survives_a_loss_scale_overflow(tmp_path):
     assert sums[0] == sums[1]
 
 
-@pytest.mark.slow
-def test_fsdp_on_two_cpu_processes(tmp_path):
-    """FSDP2 (the shipped fsdp_8gpu.yaml, as ``accelerate launch`` passes it) on 2 gloo
-    processes: the tiny decoder with its own caption transformer (whose blocks are FSDP units, as
-    the UNet's are) trains (with sample grids and checkpoints), a run stopped and
-    resumed ends with exactly the weights of an uninterrupted one, the checkpoints have the files
-    and tensors a DDP run writes, the weights match DDP's, and the export loads and generates."""
-    env = {**os.environ, **launch_env(ROOT / "configs" / "accelerate" / "fsdp_8gpu.yaml")}
-    env.update(OMP_NUM_THREADS="1", ACCELERATE_MIXED_PRECISION="no")
-    worker = ROOT / "tests" / "fsdp_worker.py"
+#: the variables through which an Accelerate launch configures FSDP
+LAUNCH_VARIABLES = ("FSDP_", "ACCELERATE_", "PARALLELISM_")
+#: the layout line the training loop logs after preparing an FSDP2 model (fsdp_launch.describe_fsdp)
+LAYOUT = re.compile(
+    r"FSDP2: (\d+) of (\d+) parameters are DTensor shards on a (\d)-D mesh \((.*)\); of (\d+) "
+    r"units (\d+) reshard after the forward, (\d+) offload to CPU$"
+)
+
+
+def fsdp_env(name: str, *flags: str) -> dict:
+    """The FSDP part of the environment ``accelerate launch --config_file configs/accelerate/NAME``
+    gives each process."""
+    env = launch_env(ROOT / "configs" / "accelerate" / name, *flags)
+    return {k: v for k, v in env.items() if k.startswith(LAUNCH_VARIABLES)}
+
+
+def run_fsdp_worker(out: Path, env: dict, processes: int, *args: str) -> dict:
+    """tests/fsdp_worker.py on the tiny decoder with its own caption transformer, under torchrun
+    with ``processes`` gloo processes and the launch environment ``env``; returns the layout lines
+    each run logged, ``{run: [line, ...]}``."""
     proc = subprocess.run(
         [
-            *TORCHRUN,
-            str(worker),
+            *TORCHRUN[:-1],
+            str(processes),
+            str(ROOT / "tests" / "fsdp_worker.py"),
             str(CONFIGS / "tiny" / "decoder.yaml"),
-            str(tmp_path),
+            str(out),
+            *args,
             *[f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()],
         ],
-        env=env,
+        env={**os.environ, **env, "OMP_NUM_THREADS": "1", "ACCELERATE_MIXED_PRECISION": "no"},
         capture_output=True,
         text=True,
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "strategy: fsdp on 2 processes" in proc.stderr
-    assert "strategy: ddp on 2 processes" in proc.stderr
+    assert f"strategy: fsdp on {processes} processes" in proc.stderr
     assert "(ResnetBlock2D, Attention, CaptionBlock) as their own groups" in proc.stderr
+    return json.loads((out / "layouts.json").read_text())
 
-    def final(run):
-        return load_file(
-            str(tmp_path / run / "final" / "decoder" / "diffusion_pytorch_model.safetensors")
-        )
 
-    full, split, ddp = final("fsdp_full"), final("fsdp_split"), final("ddp")
-    assert full.keys() == split.keys() == ddp.keys()
-    for k in full:
-        assert torch.equal(full[k], split[k]), k
-        assert torch.allclose(full[k], ddp[k], atol=1e-4), k
-    for run in ("fsdp_full", "ddp"):
-        assert [p.name for p in (tmp_path / run / "samples").iterdir()] == ["step_00000004.png"]
-    step = "checkpoints/step_00000004"
-    for name in ("model", "optimizer", "ema"):
-        a = load_file(str(tmp_path / "fsdp_full" / step / f"{name}.safetensors"))
-        b = load_file(str(tmp_path / "ddp" / step / f"{name}.safetensors"))
-        assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a), name
-        assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-4) for k in a), name
-    sums = json.loads((tmp_path / "fsdp_full" / "rank_checksums.json").read_text())
-    assert sums[0] == sums[1]
+def layout_of(lines: list[str]) -> dict:
+    """The layout every run of a name logged (all the same), parsed: the mesh, and the units
+    resharding after the forward and offloading as ``all``, ``none`` or ``all but 1``."""
+    assert lines and len(set(lines)) == 1, lines
+    match = LAYOUT.match(lines[0])
+    assert match, lines[0]
+    sharded, params, dims, mesh, units, reshard, offload = match.groups()
+    assert sharded == params and int(units) > 0, lines[0]  # every parameter is a shard
 
+    def share(k):
+        return {0: "none", int(units): "all", int(units) - 1: "all but 1"}.get(int(k), k)
+
+    return {"dims": int(dims), "mesh": mesh, "reshard": share(reshard), "offload": share(offload)}
+
+
+def final_weights(out: Path, run: str) -> dict:
+    return load_file(str(out / run / "final" / "decoder" / "diffusion_pytorch_model.safetensors"))
+
+
+def generates(folder: Path) -> None:
+    """The exported decoder in ``folder`` loads and generates."""
     from unclip import UnCLIPPipeline
     from unclip.nets.clip import CLIP
     from unclip.nets.decoder import UnCLIPDecoder
 
-    folder = tmp_path / "fsdp_full" / "final"
     clip = CLIP.from_pretrained(folder / "clip")
     decoder = UnCLIPDecoder.from_pretrained(folder / "decoder")
     embed = torch.nn.functional.normalize(torch.randn(2, clip.embed_dim), dim=-1)
@@ -299,3 +373,136 @@ def test_fsdp_on_two_cpu_processes(tmp_path):
         progress=False,
     )
     assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
+
+
+#: the worker's run settings for its peak measurements (tests/fsdp_worker.py, PEAK_BATCH)
+PEAK_RUN = [
+    "train.progress=false",
+    "train.max_steps=4",
+    "train.warmup_steps=1",
+    "train.mixed_precision=no",
+    "data.batch_size=16",
+    *[f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()],
+]
+
+
+def check_fsdp_plan(peaks: dict) -> None:
+    """The plan's FSDP2 accounting (strategies.fsdp2_parts on the dry run's measurement) against
+    one process's measured peaks (``{run_accumulation: bytes}``): each within 15 %, and the two
+    terms the configs differ in reproduced: the whole gradients kept through accumulation (2
+    micro-batches against 1) and the gathered weights SHARD_GRAD_OP keeps until the backward."""
+    from unclip.train.plan import measure_step
+    from unclip.train.strategies import STRATEGIES, GiB, plan_row
+
+    plan = {}
+    for accumulation in (1, 2):
+        cfg = load_stage_config(
+            CONFIGS / "tiny" / "decoder.yaml", [*PEAK_RUN, f"train.grad_accum_steps={accumulation}"]
+        )
+        m = measure_step(cfg, device_type="cpu")
+        for run, strategy in (("fsdp_full", "zero3"), ("grad_op", "zero2")):
+            plan[f"{run}_{accumulation}"] = plan_row(m, STRATEGIES[strategy], 2, 80 * GiB).peak
+    for key, measured in peaks.items():
+        assert abs(plan[key] / measured - 1) < 0.15, (key, plan[key], measured)
+    accumulated = peaks["fsdp_full_2"] - peaks["fsdp_full_1"]
+    planned = plan["fsdp_full_2"] - plan["fsdp_full_1"]
+    assert abs(planned - accumulated) < 0.05 * accumulated, (accumulated, planned)
+    # FULL_SHARD's plan gathers the two largest units: at the peak, the two gathered may be smaller
+    gathered = peaks["grad_op_2"] - peaks["fsdp_full_2"]
+    planned = plan["grad_op_2"] - plan["fsdp_full_2"]
+    assert 0 < planned <= gathered < 1.5 * planned, (gathered, planned)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_cpu_processes(tmp_path, reset_accelerate):
+    """FSDP2 on 2 gloo processes under the shipped single-node FSDP configs, as ``accelerate
+    launch`` passes them: fsdp_8gpu.yaml, then (in the same processes) fsdp_grad_op_8gpu.yaml and
+    fsdp_offload_8gpu.yaml. The tiny decoder with its own caption transformer (whose blocks are
+    FSDP units, as the UNet's are) trains (with sample grids and checkpoints); every parameter is
+    a DTensor shard and each config's own setting took effect in the modules (weights kept
+    gathered after the forward; CPU offload); a run stopped and resumed under each config ends
+    with exactly the weights of an uninterrupted fsdp_8gpu.yaml run, the checkpoints have the
+    files and tensors a DDP run writes, the weights match DDP's, and the export generates.
+
+    The plan's FSDP2 accounting agrees with each process's measured peaks of FSDP2 steps under
+    fsdp_8gpu.yaml and fsdp_grad_op_8gpu.yaml (:func:`check_fsdp_plan`)."""
+    more = {
+        "grad_op": fsdp_env("fsdp_grad_op_8gpu.yaml"),
+        "offload": fsdp_env("fsdp_offload_8gpu.yaml"),
+    }
+    (tmp_path / "more.json").write_text(json.dumps(more))
+    layouts = run_fsdp_worker(
+        tmp_path,
+        fsdp_env("fsdp_8gpu.yaml"),
+        2,
+        "--ddp",
+        "--peak",
+        "--more",
+        str(tmp_path / "more.json"),
+    )
+    # every unit reshards after the forward but the final-norm unit Accelerate adds, which never
+    # does (fsdp_launch.fsdp_layout)
+    want = {
+        "fsdp_full": ("all but 1", "none"),
+        "fsdp_split": ("all but 1", "none"),
+        "grad_op": ("none", "none"),
+        "offload": ("all but 1", "all"),
+    }
+    assert set(layouts) == set(want)  # no FSDP2 line from the DDP run
+    for run, (reshard, offload) in want.items():
+        layout = layout_of(layouts[run])
+        assert (layout["dims"], layout["mesh"]) == (1, "shard 2"), run
+        assert (layout["reshard"], layout["offload"]) == (reshard, offload), run
+
+    full, ddp = final_weights(tmp_path, "fsdp_full"), final_weights(tmp_path, "ddp")
+    for run in ("fsdp_split", "grad_op", "offload"):
+        other = final_weights(tmp_path, run)
+        assert full.keys() == other.keys(), run
+        assert all(torch.equal(full[k], other[k]) for k in full), run
+    assert full.keys() == ddp.keys()
+    assert all(torch.allclose(full[k], ddp[k], atol=1e-4) for k in full)
+    for run in ("fsdp_full", "ddp"):
+        assert [p.name for p in (tmp_path / run / "samples").iterdir()] == ["step_00000004.png"]
+    step = "checkpoints/step_00000004"
+    for name in ("model", "optimizer", "ema"):
+        a = load_file(str(tmp_path / "fsdp_full" / step / f"{name}.safetensors"))
+        b = load_file(str(tmp_path / "ddp" / step / f"{name}.safetensors"))
+        assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a), name
+        assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-4) for k in a), name
+    sums = json.loads((tmp_path / "fsdp_full" / "rank_checksums.json").read_text())
+    assert sums[0] == sums[1]
+    generates(tmp_path / "offload" / "final")
+
+    for rank in (0, 1):
+        check_fsdp_plan(json.loads((tmp_path / f"peaks_{rank}.json").read_text()))
+
+
+#: fsdp_hybrid_16gpu.yaml on 4 CPU processes: 2 replicas, each sharded over 2 (the smallest launch
+#: with a 2-D mesh: on 2 processes Accelerate either drops the size-1 replicate dimension from
+#: FSDP's mesh, or refuses a dp_shard of 1)
+HYBRID_ON_4 = (
+    "--num_processes",
+    "4",
+    "--num_machines",
+    "1",
+    "--parallelism_config_dp_replicate_size",
+    "2",
+    "--parallelism_config_dp_shard_size",
+    "2",
+)
+
+
+@pytest.mark.slow
+def test_fsdp_hybrid_on_four_cpu_processes(tmp_path):
+    """fsdp_hybrid_16gpu.yaml with its sizes scaled to 4 gloo processes (replicate 2 x shard 2):
+    FSDP2 shards every parameter on a 2-D (replicate, shard) mesh, trains, a run stopped and
+    resumed ends with exactly the weights of an uninterrupted one, and the export generates."""
+    layouts = run_fsdp_worker(tmp_path, fsdp_env("fsdp_hybrid_16gpu.yaml", *HYBRID_ON_4), 4)
+    for run in ("fsdp_full", "fsdp_split"):
+        layout = layout_of(layouts[run])
+        assert (layout["dims"], layout["mesh"]) == (2, "dp_replicate 2 x dp_shard_cp 2"), run
+        assert (layout["reshard"], layout["offload"]) == ("all but 1", "none"), run
+    full, split = final_weights(tmp_path, "fsdp_full"), final_weights(tmp_path, "fsdp_split")
+    assert full.keys() == split.keys()
+    assert all(torch.equal(full[k], split[k]) for k in full)
+    generates(tmp_path / "fsdp_full" / "final")

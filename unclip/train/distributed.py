@@ -36,7 +36,9 @@ from typing import Any, Optional
 
 import torch
 
-# the optimizers are built in their own module; these names are part of this module's interface
+# the launch checks and the optimizers live in their own modules; these names are part of this
+# module's interface
+from unclip.train.fsdp_launch import describe_fsdp, use_fsdp_on_cpu
 from unclip.train.optimizers import OPTIMIZERS, make_optimizer
 
 logger = logging.getLogger("unclip.train")
@@ -46,6 +48,7 @@ __all__ = [
     "make_optimizer",
     "strategy_of",
     "use_fsdp_on_cpu",
+    "describe_fsdp",
     "PowerSGDGuardState",
     "nonfinite_safe_powersgd_hook",
     "register_powersgd",
@@ -81,28 +84,6 @@ def strategy_of(accelerator) -> str:
 def is_sharded(accelerator) -> bool:
     """Whether each process holds only part of the weights (gathering needs every process)."""
     return strategy_of(accelerator) in ("fsdp", "deepspeed")
-
-
-def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
-    """Run FSDP2 on a multi-process CPU launch (gloo) when the launch asks for FSDP
-    (``ACCELERATE_USE_FSDP=true``, as ``accelerate launch`` with an FSDP config sets it).
-
-    Accelerate applies its FSDP plugin on accelerators only and silently trains with DDP on CPUs;
-    FSDP2's ``fully_shard`` itself runs on CPU tensors over gloo, so switching the state to FSDP
-    lets the sharded code path (and its checkpoints) run, and be tested, on a machine without
-    GPUs. FSDP1 needs CUDA devices and is refused here."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables the launcher set
-    if plugin.fsdp_version != 2:
-        raise ValueError(
-            "FSDP on CPU processes needs fsdp_version: 2 in the Accelerate config (FSDP1 shards "
-            "on CUDA devices only)"
-        )
-    if mixed_precision != "no":
-        plugin.set_mixed_precision(mixed_precision)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
 
 
 #: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):

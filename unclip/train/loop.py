@@ -59,6 +59,7 @@ from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train.data.batching import cursors_of
 from unclip.train.data.loader import make_batches
+from unclip.train.fsdp_launch import check_launch, parallelism_deferred
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.init_weights import load_initial_weights
 from unclip.train.launch import launch_shortfall
@@ -145,7 +146,10 @@ class TrainLoop(RunFolder):
             res = cfg.data.resolution  # a batch is assembled in this process's memory first
             check_fits("data.batch_size", cfg.data.batch_size, 12 * res * res, f"{res}px images")
         self.out = Path(t.output_dir)
-        mp = auto_mixed_precision(t.mixed_precision)
+        # auto follows an Accelerate config's fp16/bf16; an explicit train.mixed_precision wins
+        mp = auto_mixed_precision(
+            t.mixed_precision, launched=os.environ.get("ACCELERATE_MIXED_PRECISION")
+        )
         # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
         # PowerSGD is registered after prepare (dist_utils.register_powersgd)
         handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
@@ -159,19 +163,22 @@ class TrainLoop(RunFolder):
         GradientState._reset_state()
         # a multi-process launch without GPUs (torchrun/accelerate on CPU) trains with DDP over gloo
         multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-        self.accelerator = Accelerator(
-            cpu=multi_cpu,
-            mixed_precision=mp,
-            kwargs_handlers=handlers,
-            log_with=trackers or None,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=t.grad_accum_steps, sync_with_dataloader=False
-            ),
-            project_config=ProjectConfiguration(
-                project_dir=str(self.out), logging_dir=str(self.out / "logs")
-            ),
-        )
-        if multi_cpu and dist_utils.env_flag("ACCELERATE_USE_FSDP"):
+        check_launch()
+        fsdp_on_cpu = multi_cpu and dist_utils.env_flag("ACCELERATE_USE_FSDP")
+        with parallelism_deferred(fsdp_on_cpu):
+            self.accelerator = Accelerator(
+                cpu=multi_cpu,
+                mixed_precision=mp,
+                kwargs_handlers=handlers,
+                log_with=trackers or None,
+                gradient_accumulation_plugin=GradientAccumulationPlugin(
+                    num_steps=t.grad_accum_steps, sync_with_dataloader=False
+                ),
+                project_config=ProjectConfiguration(
+                    project_dir=str(self.out), logging_dir=str(self.out / "logs")
+                ),
+            )
+        if fsdp_on_cpu:
             dist_utils.use_fsdp_on_cpu(self.accelerator, mp)
         dist_utils.check_strategy(self.accelerator)
         shortfall = launch_shortfall(self.accelerator.num_processes)
@@ -257,6 +264,8 @@ class TrainLoop(RunFolder):
         )
         dist_utils.fit_fsdp_wrapping(self.accelerator, model)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if self.strategy == "fsdp":  # what FSDP2 really made of the model, not what was asked
+            logger.info(dist_utils.describe_fsdp(self.model))
         self.powersgd = None
         if t.powersgd_rank > 0 and self.sharded:
             logger.warning("train.powersgd_rank applies to DDP only: off under %s", self.strategy)

@@ -141,13 +141,21 @@ def warmup_cosine(step: int, *, warmup: int, total: int, base_lr: float, min_lr:
     return lr / base_lr
 
 
-def auto_mixed_precision(requested: str, gpu: bool | None = None) -> str:
-    """Resolve ``mixed_precision: auto``: fp16 (with loss scaling) on a GPU, bf16 on a CPU that runs
-    it natively, else ``no`` (fp32): the rule of :func:`unclip.precision.resolve_autocast`, which
-    sampling follows too. ``gpu``: whether the training runs on a GPU (default: whether one is
-    available). Other values are returned unchanged."""
+def auto_mixed_precision(
+    requested: str, gpu: bool | None = None, launched: str | None = None
+) -> str:
+    """Resolve ``mixed_precision: auto``: the launch's half precision if it names one
+    (``launched``: ``accelerate launch``'s ``ACCELERATE_MIXED_PRECISION``, from the Accelerate
+    config's ``mixed_precision``: configs/accelerate/*_bf16.yaml ask for bf16), else fp16 (with
+    loss scaling) on a GPU, bf16 on a CPU that runs it natively, else ``no`` (fp32): the rule of
+    :func:`unclip.precision.resolve_autocast`, which sampling follows too. A launch's ``no`` is
+    Accelerate's default when a config names nothing, so it leaves ``auto`` to that rule. ``gpu``:
+    whether the training runs on a GPU (default: whether one is available). Other values are
+    returned unchanged."""
     if requested != "auto":
         return requested
+    if launched in ("fp16", "bf16"):
+        return launched
     gpu = torch.cuda.is_available() if gpu is None else gpu
     dtype = resolve_autocast("auto", "cuda" if gpu else "cpu")
     return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "no"}[dtype]

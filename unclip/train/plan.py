@@ -68,7 +68,6 @@ __all__ = [
     "PlanLoop",
     "missing_gradients",
     "measure_step",
-    "real_cpu_step_peak",
 ]
 
 #: the CUDA caching allocator rounds every block up to this many bytes
@@ -96,6 +95,7 @@ class MemoryTracker(TorchDispatchMode):
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
+            t = getattr(t, "_local_tensor", t)  # an FSDP2 DTensor: its shard holds the storage
             st = t.untyped_storage()
             key = id(st)
             if key in self.live:
@@ -105,6 +105,19 @@ class MemoryTracker(TorchDispatchMode):
             self.current += n
             self.peak = max(self.peak, self.current)
             self.largest = max(self.largest, n)
+
+    def resized(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage at its present size: FSDP2 frees and reallocates the gathered
+        weights by resizing their storages in place (no op the tracker sees)."""
+        st = t.untyped_storage()
+        entry = self.live.get(id(st))
+        if entry is None:
+            self.track(t)
+            return
+        n = _round(st.nbytes())
+        self.live[id(st)] = (entry[0], n)
+        self.current += n - entry[1]
+        self.peak = max(self.peak, self.current)
 
     def _free(self, key: int, _ref) -> None:
         entry = self.live.pop(key, None)
@@ -469,33 +482,6 @@ def measure_step(
             )
         loop.accelerator.end_training()
     return measure
-
-
-def real_cpu_step_peak(cfg) -> int:
-    """The tracker's peak over one real CPU training step of ``cfg`` (real backward) with two
-    micro-batches of its synthetic batch: what :func:`measure_step` with ``device_type="cpu"``
-    estimates, to check the method against."""
-    from unclip.nets.clip import CLIP
-
-    cfg = copy.deepcopy(cfg)
-    with tempfile.TemporaryDirectory(prefix="unclip-plan-") as tmp:
-        cfg.train.output_dir = tmp
-        loop = TrainLoop(cfg, overwrite=True)
-        mem = MemoryTracker("cpu")
-        try:
-            with mem:
-                torch.manual_seed(cfg.train.seed)
-                clip = CLIP.from_config(cfg.clip)
-                model, task = _build(cfg, clip, "cpu")
-                model = loop.prepare(model)
-                model.train()
-                batch = _synthetic_batch(cfg, clip, cfg.data.batch_size)
-                mem.reset_peak()
-                loop.run_step(task, [batch, batch])
-        finally:
-            loop.accelerator.end_training()
-            loop.release_output_dir()
-    return mem.peak
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ __all__ = [
     "Launch",
     "per_sample_bytes",
     "plan_row",
+    "fsdp2_parts",
     "memory_plan",
     "parse_memory",
     "read_accelerate_config",
@@ -67,7 +68,8 @@ class Strategy:
     (and so the EMA shard) in CPU memory, the GPU holding the units being computed;
     ``ddp_buckets``: DDP's all-reduce buckets, a second copy of the gradients unless
     ``gradient_as_bucket_view`` (the training loop sets it); ``refuses_ema``: the training loop
-    refuses ``train.ema`` under it (DeepSpeed ZeRO-3)."""
+    refuses ``train.ema`` under it (DeepSpeed ZeRO-3); ``fsdp2``: planned by what FSDP2 holds
+    (:func:`fsdp2_parts`)."""
 
     name: str
     launch: str  # the shipped Accelerate config file that launches it
@@ -79,6 +81,7 @@ class Strategy:
     offload_weights: bool = False
     ddp_buckets: bool = False
     refuses_ema: bool = False
+    fsdp2: bool = False
 
 
 _ZERO2 = dict(shard_grads=True, shard_optimizer=True)
@@ -88,14 +91,19 @@ _ZERO3 = dict(shard_weights=True, shard_grads=True, shard_optimizer=True, shard_
 STRATEGIES = {
     "ddp": Strategy("DDP", "configs/accelerate/ddp_8gpu.yaml"),
     "zero2": Strategy(
-        "FSDP SHARD_GRAD_OP", "configs/accelerate/fsdp_grad_op_8gpu.yaml", shard_ema=True, **_ZERO2
+        "FSDP SHARD_GRAD_OP",
+        "configs/accelerate/fsdp_grad_op_8gpu.yaml",
+        shard_ema=True,
+        fsdp2=True,
+        **_ZERO2,
     ),
-    "zero3": Strategy("FSDP FULL_SHARD", "configs/accelerate/fsdp_8gpu.yaml", **_ZERO3),
+    "zero3": Strategy("FSDP FULL_SHARD", "configs/accelerate/fsdp_8gpu.yaml", fsdp2=True, **_ZERO3),
     "zero3_offload": Strategy(
         "FSDP FULL_SHARD + CPU offload",
         "configs/accelerate/fsdp_offload_8gpu.yaml",
         offload_optimizer=True,
         offload_weights=True,
+        fsdp2=True,
         **_ZERO3,
     ),
 }
@@ -209,6 +217,12 @@ def plan_row(
     b = micro_batch or m.micro_batch
     scale = b / m.micro_batch
     n = max(1, gpus)
+    accum = grad_accum_steps or m.grad_accum_steps
+    note = "refuses train.ema" if strategy.refuses_ema and m.ema else ""
+    budget = int((gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION))
+    if strategy.fsdp2:
+        parts = fsdp2_parts(m, strategy, n, scale, accum)
+        return PlanRow(strategy, b, accum, n, parts, int(sum(parts.values())), budget, note)
 
     def share(x, on):
         return x / n if on else x
@@ -237,10 +251,61 @@ def plan_row(
         "transient": m.transient * scale,
     }
     peak = int(sum(parts.values()))
-    budget = int((gpu_memory - CUDA_CONTEXT) / (1 + FRAGMENTATION))
-    accum = grad_accum_steps or m.grad_accum_steps
-    note = "refuses train.ema" if strategy.refuses_ema and m.ema else ""
     return PlanRow(strategy, b, accum, n, parts, peak, budget, note)
+
+
+def fsdp2_parts(m: StepMeasure, strategy: Strategy, n: int, scale: float, accum: int) -> dict:
+    """Bytes per GPU of what FSDP2 (``fully_shard`` as Accelerate applies it) holds at the step's
+    peak, sharded over ``n`` GPUs, activations scaled by ``scale``, ``accum`` micro-batches:
+
+    * ``weights``: the fp32 shards (the optimizer's parameters), ``W / n``;
+    * ``gathered weights``: whole copies in the compute dtype (FSDP's ``param_dtype``: fp16/bf16
+      under mixed precision, so autocast finds nothing left to copy): the root group for the whole
+      step plus the unit computed and the one prefetched; without resharding after the forward
+      (``SHARD_GRAD_OP``) every unit stays gathered from its forward to its backward: all of them
+      at the backward's start;
+    * ``gradients``: with accumulation, Accelerate's ``no_sync`` is FSDP2's
+      ``set_requires_gradient_sync(False)``: whole, unsharded gradients in the reduce dtype (the
+      compute dtype, as Accelerate sets it) are kept through every micro-batch and reduce-scattered
+      after the last one; without accumulation only the fp32 shards ``G / n`` stay;
+    * ``optimizer`` and ``EMA``: the shards of AdamW's moments and of the EMA shadow;
+    * ``end of step``: what the end of the step adds beyond the backward's peak, when it does
+      (after the activations are freed): the root group's reduce-scatter, which FSDP2 runs last
+      (its gathered weights, its whole gradients and their flat copy for the collective, beside
+      the other groups' gradient shards), or the optimizer step (the gradient shards and foreach
+      AdamW's temporary: one moment-sized copy of the shard, its ``exp_avg_sq`` square root).
+
+    With CPU offload the shards (weights, gradients, moments, EMA) and the step are in CPU
+    memory; the gathered weights and accumulated gradients are on the GPU."""
+    low = 0.5 if m.mixed_precision in ("fp16", "bf16") else 1.0  # compute-dtype bytes per fp32
+    on_gpu = not strategy.offload_weights
+    if strategy.shard_weights:
+        gathered = (m.root_weights + 2 * m.block_weights) * low
+    else:
+        gathered = m.weights * low
+    grad_shards = m.grads / n if on_gpu else 0.0
+    gradients = m.grads * low if accum > 1 else grad_shards
+    activations = (m.activations - m.autocast_copies) * scale
+    # the last micro-batch's backward, then the end of the step (activations freed)
+    backward = gathered + gradients + activations + (m.recompute + m.transient) * scale
+    root = m.root_weights * low
+    reduce = 3 * root + grad_shards * (1 - m.root_weights / max(1, m.weights))
+    step = grad_shards + (m.optimizer / 2 / n if on_gpu else 0.0)
+    return {
+        "weights": m.weights / n if on_gpu else 0,
+        "gathered weights": gathered,
+        "gradients": gradients,
+        "DDP buckets": 0,
+        "optimizer": m.optimizer / n if on_gpu else 0,
+        "EMA": m.ema / n if on_gpu else 0,
+        "frozen CLIP": m.clip,
+        "caption cache": m.text_cache,
+        "autocast copies": 0,
+        "activations": activations,
+        "recompute": m.recompute * scale,
+        "transient": m.transient * scale,
+        "end of step": max(0.0, reduce - backward, step - backward),
+    }
 
 
 def per_sample_bytes(m: StepMeasure) -> float:
@@ -346,13 +411,13 @@ def format_plan(
         "the CUDA context "
         f"and {FRAGMENTATION:.0%} fragmentation: {rows[0].budget / GiB:.1f} GiB), in {unit}:",
     ]
-    names = list(rows[0].parts)
+    names = list(dict.fromkeys(k for r in rows for k in r.parts))  # FSDP2 rows have parts more
     head = ["strategy", "micro-batch"] + names + ["peak", "fits"]
     table = [head]
     for r in rows:
         table.append(
             [r.strategy.name, str(r.micro_batch)]
-            + [_gib(r.parts[k]) for k in names]
+            + [_gib(r.parts.get(k, 0)) for k in names]
             + [_gib(r.peak), "yes" if r.fits else (f"no: {r.note}" if r.note else "no")]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
