@@ -82,7 +82,37 @@ def main():
         peaks[f"{name}_{accumulation}"] = real_cpu_step_peak(load_stage_config(cfg, overrides))
         layouts.lines.clear()
 
+    def sharded_grads_after_one_micro_batch():
+        """The share of trained parameters holding their (sharded) gradient after the first of
+        two micro-batches: 1 when each micro-batch is reduce-scattered, 0 when FSDP2 keeps the
+        whole gradients to itself until the last micro-batch."""
+        import tempfile
+
+        from unclip.nets.clip import CLIP
+        from unclip.train.config import load_stage_config
+        from unclip.train.loop import TrainLoop
+        from unclip.train.plan import _build, _synthetic_batch
+
+        overrides = [*common[1:], "train.grad_accum_steps=2"]
+        with tempfile.TemporaryDirectory() as tmp:
+            stage = load_stage_config(cfg, [*overrides, f"train.output_dir={tmp}"])
+            loop = TrainLoop(stage, overwrite=True)
+            clip = CLIP.from_config(stage.clip)
+            model, task = _build(stage, clip, "cpu")
+            model = loop.prepare(model)
+            batch = _synthetic_batch(stage, clip, stage.data.batch_size)
+            with loop.accelerator.accumulate(model):
+                loop.backward(task.loss(model, batch, loop.generators(stage.data.batch_size)))
+            assert not loop.accelerator.sync_gradients  # the step is not over
+            trained = [p for p in model.parameters() if p.requires_grad]
+            share = sum(p.grad is not None for p in trained) / len(trained)
+            loop.accelerator.end_training()
+            loop.release_output_dir()
+        return share
+
     run("fsdp_full")
+    if measure:
+        peaks["sharded_grads_after_one_micro_batch"] = sharded_grads_after_one_micro_batch()
     run("fsdp_split", "--max-steps-this-run", "2")
     run("fsdp_split", "--resume", "latest")
     if measure:

@@ -148,8 +148,11 @@ ARCHITECTURES = [
 ]
 #: fields that choose the model or feed its training, not arguments of the model
 NOT_ARGUMENTS = {"type", "ar", "fit_samples", "embed_scale"}  # embed_scale: stored as statistics
-#: options of the diffusion prior's transformer blocks that the AR prior refuses (test below)
-DIFFUSION_PRIOR_ONLY = {"normformer", "ff_activation"}
+#: options of the diffusion prior's transformer blocks that the AR prior refuses (test below),
+#: and its own caption transformer's (PriorConfig refuses text_encoder: transformer for type ar)
+DIFFUSION_PRIOR_ONLY = {"normformer", "ff_activation"} | {
+    f.name for f in dataclasses.fields(PriorConfig) if f.name.startswith("text_")
+}
 
 
 @pytest.mark.parametrize("config_cls, model_cls", ARCHITECTURES, ids=lambda c: c.__name__)

@@ -133,7 +133,6 @@ class PriorConfig:
             from unclip.nets.ar_prior import UnCLIPARPrior
 
             arch = {k: v for k, v in arch.items() if not k.startswith("text_")}
-
             opts = to_dict(self.ar)
             opts.pop("fit_samples")  # a training setting: how many embeddings the fit reads
             return UnCLIPARPrior.from_clip(clip, **arch, **opts)

@@ -146,6 +146,28 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def reduce_in_fp32(accelerator) -> None:
+    """Under FSDP2 with fp16/bf16 compute, reduce-scatter the gradients in fp32 (FSDP's
+    ``reduce_dtype``; Accelerate sets it to the compute dtype): a half-precision sum over the
+    GPUs loses the small gradients' bits and, in fp16, can overflow where no single GPU's
+    gradient did. It doubles the bytes of the reduce-scatter, which runs beside the backward of
+    the next unit; the fp32 shards the optimizer reads are unchanged."""
+    import dataclasses
+
+    if strategy_of(accelerator) != "fsdp":
+        return
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy
+    half = (torch.float16, torch.bfloat16)
+    if policy is None or getattr(policy, "reduce_dtype", None) not in half:
+        return
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+    logger.info(
+        "FSDP: compute in %s, gradients reduce-scattered in float32 every micro-batch",
+        str(policy.param_dtype).removeprefix("torch."),
+    )
+
+
 def check_strategy(accelerator) -> None:
     """Refuse FSDP1: its flat parameters are not ``DTensor`` shards, which the checkpoints and the
     EMA of this project gather (FSDP2, ``fsdp_version: 2``, shards each parameter)."""

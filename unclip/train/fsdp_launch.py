@@ -90,6 +90,18 @@ def parallelism_deferred(active: bool):
             os.environ[name] = saved
 
 
+def forget_fsdp_on_cpu() -> None:
+    """Before another Accelerator is built in the same process: take back the FSDP mark
+    :func:`use_fsdp_on_cpu` left on the process state (a CPU-only process is multi-CPU to
+    Accelerate; the new run decides its strategy afresh)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    shared = PartialState._shared_state
+    if shared.get("distributed_type") == DistributedType.FSDP and not torch.cuda.is_available():
+        shared["distributed_type"] = DistributedType.MULTI_CPU
+
+
 def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
     """Run FSDP2 on a multi-process CPU launch (gloo) when the launch asks for FSDP
     (``ACCELERATE_USE_FSDP=true``, as ``accelerate launch`` with an FSDP config sets it).
@@ -101,6 +113,7 @@ def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
     :func:`parallelism_deferred`); CPU offload keeps its policy but does not pin memory (pinning
     needs a GPU driver; the shards are in CPU memory either way). FSDP1 needs CUDA devices and is
     refused here."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -116,6 +129,11 @@ def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
     state = accelerator.state
     state.distributed_type = DistributedType.FSDP
+    # every later AcceleratorState() (the prepared optimizer's, the data loader's) copies the
+    # process state's distributed type over its own, as Accelerate's own FSDP set-up records it
+    # there: without this the run is back in multi-CPU mode after prepare (no FSDP no_sync,
+    # multi-CPU gradient clipping and saving)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     if _flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         from accelerate.parallelism_config import ParallelismConfig

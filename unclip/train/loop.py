@@ -59,7 +59,7 @@ from unclip.train import checkpoint as ckpt
 from unclip.train import distributed as dist_utils
 from unclip.train.data.batching import cursors_of
 from unclip.train.data.loader import make_batches
-from unclip.train.fsdp_launch import check_launch, parallelism_deferred
+from unclip.train.fsdp_launch import check_launch, forget_fsdp_on_cpu, parallelism_deferred
 from unclip.train.grad_scaling import ResblockGradScaler
 from unclip.train.init_weights import load_initial_weights
 from unclip.train.launch import launch_shortfall
@@ -161,6 +161,7 @@ class TrainLoop(RunFolder):
 
         AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
+        forget_fsdp_on_cpu()
         # a multi-process launch without GPUs (torchrun/accelerate on CPU) trains with DDP over gloo
         multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         check_launch()
@@ -171,8 +172,14 @@ class TrainLoop(RunFolder):
                 mixed_precision=mp,
                 kwargs_handlers=handlers,
                 log_with=trackers or None,
+                # under FSDP every micro-batch's gradients are reduce-scattered into the fp32
+                # shards: skipping the sync would keep whole, unsharded gradients through the
+                # accumulation (the size of the weights in the compute dtype) and then sum them
+                # across GPUs in half precision (dist_utils.reduce_in_fp32)
                 gradient_accumulation_plugin=GradientAccumulationPlugin(
-                    num_steps=t.grad_accum_steps, sync_with_dataloader=False
+                    num_steps=t.grad_accum_steps,
+                    sync_with_dataloader=False,
+                    sync_each_batch=dist_utils.env_flag("ACCELERATE_USE_FSDP"),
                 ),
                 project_config=ProjectConfiguration(
                     project_dir=str(self.out), logging_dir=str(self.out / "logs")
@@ -181,6 +188,7 @@ class TrainLoop(RunFolder):
         if fsdp_on_cpu:
             dist_utils.use_fsdp_on_cpu(self.accelerator, mp)
         dist_utils.check_strategy(self.accelerator)
+        dist_utils.reduce_in_fp32(self.accelerator)
         shortfall = launch_shortfall(self.accelerator.num_processes)
         if shortfall:
             logger.warning(shortfall)

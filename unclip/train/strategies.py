@@ -264,16 +264,18 @@ def fsdp2_parts(m: StepMeasure, strategy: Strategy, n: int, scale: float, accum:
       step plus the unit computed and the one prefetched; without resharding after the forward
       (``SHARD_GRAD_OP``) every unit stays gathered from its forward to its backward: all of them
       at the backward's start;
-    * ``gradients``: with accumulation, Accelerate's ``no_sync`` is FSDP2's
-      ``set_requires_gradient_sync(False)``: whole, unsharded gradients in the reduce dtype (the
-      compute dtype, as Accelerate sets it) are kept through every micro-batch and reduce-scattered
-      after the last one; without accumulation only the fp32 shards ``G / n`` stay;
+    * ``gradients``: the fp32 shards ``G / n``, held through the backward from the second
+      micro-batch on: the loop reduce-scatters every micro-batch's gradients (in fp32,
+      :func:`unclip.train.distributed.reduce_in_fp32`) into them, so no whole gradients are kept
+      through the accumulation; with one micro-batch they fill in as the backward ends (the
+      ``end of step``);
     * ``optimizer`` and ``EMA``: the shards of AdamW's moments and of the EMA shadow;
     * ``end of step``: what the end of the step adds beyond the backward's peak, when it does
       (after the activations are freed): the root group's reduce-scatter, which FSDP2 runs last
-      (its gathered weights, its whole gradients and their flat copy for the collective, beside
-      the other groups' gradient shards), or the optimizer step (the gradient shards and foreach
-      AdamW's temporary: one moment-sized copy of the shard, its ``exp_avg_sq`` square root).
+      (its gathered weights and whole gradients in the compute dtype and their fp32 flat copy for
+      the collective, beside the other groups' gradient shards), or the optimizer step (the
+      gradient shards and foreach AdamW's temporary: one moment-sized copy of the shard, its
+      ``exp_avg_sq`` square root).
 
     With CPU offload the shards (weights, gradients, moments, EMA) and the step are in CPU
     memory; the gathered weights and accumulated gradients are on the GPU."""
@@ -284,12 +286,11 @@ def fsdp2_parts(m: StepMeasure, strategy: Strategy, n: int, scale: float, accum:
     else:
         gathered = m.weights * low
     grad_shards = m.grads / n if on_gpu else 0.0
-    gradients = m.grads * low if accum > 1 else grad_shards
+    gradients = grad_shards if accum > 1 else 0.0
     activations = (m.activations - m.autocast_copies) * scale
     # the last micro-batch's backward, then the end of the step (activations freed)
     backward = gathered + gradients + activations + (m.recompute + m.transient) * scale
-    root = m.root_weights * low
-    reduce = 3 * root + grad_shards * (1 - m.root_weights / max(1, m.weights))
+    reduce = m.root_weights * (2 * low + 1) + grad_shards * (1 - m.root_weights / max(1, m.weights))
     step = grad_shards + (m.optimizer / 2 / n if on_gpu else 0.0)
     return {
         "weights": m.weights / n if on_gpu else 0,
