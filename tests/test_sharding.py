@@ -301,7 +301,8 @@ LAUNCH_VARIABLES = ("FSDP_", "ACCELERATE_", "PARALLELISM_")
 #: the layout line the training loop logs after preparing an FSDP2 model (fsdp_launch.describe_fsdp)
 LAYOUT = re.compile(
     r"FSDP2: (\d+) of (\d+) parameters are DTensor shards on a (\d)-D mesh \((.*)\); of (\d+) "
-    r"units (\d+) reshard after the forward, (\d+) offload to CPU$"
+    r"units (\d+) reshard after the forward, (\d+) offload to CPU; compute in (\w+), gradients "
+    r"reduced in (\w+)$"
 )
 
 
@@ -343,13 +344,19 @@ def layout_of(lines: list[str]) -> dict:
     assert lines and len(set(lines)) == 1, lines
     match = LAYOUT.match(lines[0])
     assert match, lines[0]
-    sharded, params, dims, mesh, units, reshard, offload = match.groups()
+    sharded, params, dims, mesh, units, reshard, offload, compute, reduce = match.groups()
     assert sharded == params and int(units) > 0, lines[0]  # every parameter is a shard
 
     def share(k):
         return {0: "none", int(units): "all", int(units) - 1: "all but 1"}.get(int(k), k)
 
-    return {"dims": int(dims), "mesh": mesh, "reshard": share(reshard), "offload": share(offload)}
+    return {
+        "dims": int(dims),
+        "mesh": mesh,
+        "reshard": share(reshard),
+        "offload": share(offload),
+        "precision": (compute, reduce),
+    }
 
 
 def final_weights(out: Path, run: str) -> dict:
@@ -430,6 +437,7 @@ def test_fsdp_on_two_cpu_processes(tmp_path, reset_accelerate):
     more = {
         "grad_op": fsdp_env("fsdp_grad_op_8gpu.yaml"),
         "offload": fsdp_env("fsdp_offload_8gpu.yaml"),
+        "bf16": fsdp_env("fsdp_8gpu_bf16.yaml"),
     }
     (tmp_path / "more.json").write_text(json.dumps(more))
     layouts = run_fsdp_worker(
@@ -448,12 +456,16 @@ def test_fsdp_on_two_cpu_processes(tmp_path, reset_accelerate):
         "fsdp_split": ("all but 1", "none"),
         "grad_op": ("none", "none"),
         "offload": ("all but 1", "all"),
+        "bf16": ("all but 1", "none"),
     }
     assert set(layouts) == set(want)  # no FSDP2 line from the DDP run
     for run, (reshard, offload) in want.items():
         layout = layout_of(layouts[run])
         assert (layout["dims"], layout["mesh"]) == (1, "shard 2"), run
         assert (layout["reshard"], layout["offload"]) == (reshard, offload), run
+        # the bf16 launch gathers weights in bf16 and still reduce-scatters gradients in fp32
+        compute = "bfloat16" if run == "bf16" else "float32"
+        assert layout["precision"] == (compute, "float32"), run
 
     full, ddp = final_weights(tmp_path, "fsdp_full"), final_weights(tmp_path, "ddp")
     for run in ("fsdp_split", "grad_op", "offload"):

@@ -149,7 +149,9 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
     own state rather than from the config that asked for it: ``sharded`` (parameters that are
     ``DTensor`` shards) of ``params``, ``mesh`` (``{dimension: size}``; ``shard`` when unnamed),
     ``units`` (``fully_shard`` groups below the root), of which ``resharding`` free their gathered
-    weights after the forward and ``offloaded`` keep their shards in CPU memory.
+    weights after the forward and ``offloaded`` keep their shards in CPU memory; ``compute`` and
+    ``reduce``: the dtypes the units gather their weights in and reduce-scatter gradients in
+    (``"float32"`` where the policy leaves the parameters' own).
 
     The root's own setting is left out: FSDP2 overrides it on the first forward (the root's
     weights are needed again at once in backward). Accelerate gives a final norm it finds a unit
@@ -163,6 +165,12 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
     mesh = shards[0].device_mesh if shards else None
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     groups = [_param_groups(m) for m in units]
+    policies = [g.mp_policy for gs in groups for g in gs]
+
+    def dtypes(field: str) -> str:
+        names = {str(getattr(p, field) or torch.float32).removeprefix("torch.") for p in policies}
+        return "/".join(sorted(names))
+
     return {
         "sharded": len(shards),
         "params": len(params),
@@ -174,6 +182,8 @@ def fsdp_layout(model: torch.nn.Module) -> dict:
         "offloaded": sum(
             any(fp.offload_to_cpu for g in gs for fp in g.fsdp_params) for gs in groups
         ),
+        "compute": dtypes("param_dtype"),
+        "reduce": dtypes("reduce_dtype"),
     }
 
 
@@ -195,5 +205,6 @@ def describe_fsdp(model: torch.nn.Module) -> str:
     return (
         f"FSDP2: {layout['sharded']} of {layout['params']} parameters are DTensor shards on a "
         f"{len(layout['mesh'])}-D mesh ({mesh}); of {layout['units']} units "
-        f"{layout['resharding']} reshard after the forward, {layout['offloaded']} offload to CPU"
+        f"{layout['resharding']} reshard after the forward, {layout['offloaded']} offload to CPU; "
+        f"compute in {layout['compute']}, gradients reduced in {layout['reduce']}"
     )
