@@ -505,6 +505,12 @@ def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
     assert training.auto_mixed_precision("auto", gpu=False) == (
         "no" if expected == "bf16" else "bf16"
     )
+    # a launch file's precision wins, but fp16 only where there is a GPU to run it
+    assert training.auto_mixed_precision("auto", gpu=True, launched="fp16") == "fp16"
+    assert training.auto_mixed_precision("auto", gpu=False, launched="bf16") == "bf16"
+    assert training.auto_mixed_precision("auto", gpu=False, launched="fp16") == (
+        "no" if expected == "bf16" else "bf16"
+    )
 
 
 def test_prior_trains_with_plain_attention_in_bf16_on_a_cpu(monkeypatch):

@@ -91,15 +91,17 @@ def parallelism_deferred(active: bool):
 
 
 def forget_fsdp_on_cpu() -> None:
-    """Before another Accelerator is built in the same process: take back the FSDP mark
-    :func:`use_fsdp_on_cpu` left on the process state (a CPU-only process is multi-CPU to
-    Accelerate; the new run decides its strategy afresh)."""
+    """Before another Accelerator is built in the same process: take back the FSDP mark that
+    :func:`use_fsdp_on_cpu` (or, on GPUs, Accelerate's own FSDP set-up) left on the process
+    state, which the process had as multi-CPU or multi-GPU; the new run decides its strategy
+    afresh (an FSDP mark there would skip Accelerate's FSDP plugin set-up)."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     shared = PartialState._shared_state
-    if shared.get("distributed_type") == DistributedType.FSDP and not torch.cuda.is_available():
-        shared["distributed_type"] = DistributedType.MULTI_CPU
+    if shared.get("distributed_type") == DistributedType.FSDP:
+        gpu = torch.cuda.is_available()
+        shared["distributed_type"] = DistributedType.MULTI_GPU if gpu else DistributedType.MULTI_CPU
 
 
 def use_fsdp_on_cpu(accelerator, mixed_precision: str) -> None:

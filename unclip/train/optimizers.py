@@ -149,13 +149,14 @@ def auto_mixed_precision(
     config's ``mixed_precision``: configs/accelerate/*_bf16.yaml ask for bf16), else fp16 (with
     loss scaling) on a GPU, bf16 on a CPU that runs it natively, else ``no`` (fp32): the rule of
     :func:`unclip.precision.resolve_autocast`, which sampling follows too. A launch's ``no`` is
-    Accelerate's default when a config names nothing, so it leaves ``auto`` to that rule. ``gpu``:
-    whether the training runs on a GPU (default: whether one is available). Other values are
-    returned unchanged."""
+    Accelerate's default when a config names nothing, so it leaves ``auto`` to that rule, and so
+    does a launch's ``fp16`` without a GPU (Accelerate refuses fp16 on CPUs). ``gpu``: whether the
+    training runs on a GPU (default: whether one is available). Other values are returned
+    unchanged."""
     if requested != "auto":
         return requested
-    if launched in ("fp16", "bf16"):
-        return launched
     gpu = torch.cuda.is_available() if gpu is None else gpu
+    if launched == "bf16" or (launched == "fp16" and gpu):
+        return launched
     dtype = resolve_autocast("auto", "cuda" if gpu else "cpu")
     return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "no"}[dtype]
