@@ -19,7 +19,6 @@ the timed steps, where the copies' weights have drifted apart through the update
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -74,18 +73,6 @@ def child(spec: dict, queue) -> None:
         queue.put({"error": traceback.format_exc()})
 
 
-def run(spec: dict) -> dict:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(spec, queue))
-    proc.start()
-    out = queue.get()
-    proc.join()
-    if "error" in out:
-        raise RuntimeError(f"{spec['stage']}: {out['error']}")
-    return out
-
-
 def measure(stage: str, size: str, rounds: int, threads: int) -> dict:
     cache = tempfile.mkdtemp(prefix="unclip-inductor-train-")
     try:
@@ -99,8 +86,8 @@ def measure(stage: str, size: str, rounds: int, threads: int) -> dict:
             "cache": cache,
             "first_only": False,
         }
-        cold = run(spec)
-        warm = run({**spec, "first_only": True})
+        cold = bench_training.run_child(spec, child)
+        warm = bench_training.run_child({**spec, "first_only": True}, child)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     eager = common.median(cold["eager_s"])

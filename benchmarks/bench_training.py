@@ -211,10 +211,12 @@ def child(spec: dict, queue) -> None:
         queue.put({**spec, "error": traceback.format_exc()})
 
 
-def run_child(spec: dict) -> dict:
+def run_child(spec: dict, target=None) -> dict:
+    """``target(spec, queue)`` (default :func:`child`) in a forked process: what it put on the
+    queue, or a ``RuntimeError`` with the child's traceback."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(spec, queue))
+    proc = ctx.Process(target=target or child, args=(spec, queue))
     proc.start()
     out = queue.get()
     proc.join()

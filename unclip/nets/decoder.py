@@ -37,7 +37,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
-from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
+from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils.precision import KeepFp32Mixin
 
@@ -166,10 +166,8 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
         self.text_transformer = None
         token_width, pooled_width = text_width, embed_dim
         if text_encoder == "transformer":
-            vocab = check_tokenizer(text_tokenizer)
-            self.text_transformer = CaptionTransformer(
-                vocab["vocab_size"],
-                vocab["eot_token_id"],
+            self.text_transformer = CaptionTransformer.for_tokenizer(
+                text_tokenizer,
                 text_context_length,
                 text_encoder_width,
                 text_encoder_layers,

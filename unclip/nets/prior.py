@@ -39,7 +39,7 @@ from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
 from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_options
-from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer, check_tokenizer
+from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils import offload
 from unclip.utils.precision import KeepFp32Mixin
@@ -116,10 +116,8 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
             )
         self.text_transformer: Optional[CaptionTransformer] = None
         if text_encoder == "transformer":
-            vocab = check_tokenizer(text_tokenizer)
-            self.text_transformer = CaptionTransformer(
-                vocab["vocab_size"],
-                vocab["eot_token_id"],
+            self.text_transformer = CaptionTransformer.for_tokenizer(
+                text_tokenizer,
                 text_context_length,
                 text_encoder_width,
                 text_encoder_layers,

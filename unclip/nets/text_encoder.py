@@ -134,6 +134,15 @@ class CaptionTransformer(torch.nn.Module):
         self.final_norm = torch.nn.LayerNorm(width)
         self.gradient_checkpointing = False
 
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: str, context_length: int, width: int, layers: int, heads: int
+    ) -> CaptionTransformer:
+        """The transformer over the ids of caption tokenizer ``tokenizer`` (its vocabulary and end
+        token; ``ValueError`` for an unknown name)."""
+        vocab = check_tokenizer(tokenizer)
+        return cls(vocab["vocab_size"], vocab["eot_token_id"], context_length, width, layers, heads)
+
     def forward(self, ids: torch.Tensor):
         b, n = ids.shape
         if n != self.positional_embedding.shape[0]:
