@@ -118,3 +118,67 @@ def hub_cache(tmp_path, monkeypatch):
 
     add.cache = cache
     return add
+
+
+@pytest.fixture(scope="session")
+def token_parts(tmp_path_factory):
+    """Folders of a tiny dVAE (16 px → 4 × 4 tokens), a tiny DALL-E transformer over its codes
+    and two upsamplers 16 → 32 → 64 px exported as a training run does (``unclip_stage.json``
+    with their diffusion and sampling settings): ``(root, [sr32 folder, sr64 folder])``, the
+    tokenizer and transformer in ``root / "tokenizer"`` and ``root / "transformer"``. Random
+    networks, no training; :func:`token_pipeline` builds a pipeline of them."""
+    import json
+
+    from unclip.diffusion.config import DiffusionConfig, diffusion_to_save
+    from unclip.nets.decoder import UnCLIPUpsampler
+    from unclip.nets.dvae import DVAEConfig
+    from unclip.nets.token_components import TokenizerConfig, TokenModelConfig, save_component
+    from unclip.nets.token_transformer import DalleConfig
+    from unclip.pipeline.folders import STAGE_META_FILE, save_diffusers_component
+    from unclip.pipeline.tiny import tiny_upsampler_kwargs
+
+    root = tmp_path_factory.mktemp("token_parts")
+    torch.manual_seed(0)
+    dvae = DVAEConfig(image_size=16, num_codes=16, n_hid=4, blocks_per_group=1, n_init=8, groups=3)
+    tok_cfg = TokenizerConfig("dvae", dvae=dvae)
+    save_component(tok_cfg.build(), root / "tokenizer", "tokenizer", tok_cfg)
+    dalle = DalleConfig(
+        num_layers=1,
+        width=8,
+        num_heads=2,
+        text_len=8,
+        grid=4,
+        text_vocab_size=49408,
+        image_vocab_size=16,
+        sparse_attention=False,
+    )
+    net_cfg = TokenModelConfig("dalle", dalle=dalle)
+    save_component(net_cfg.build(), root / "transformer", "transformer", net_cfg)
+    ups = []
+    for lo, hi, steps in ((16, 32, 2), (32, 64, 1)):
+        up = UnCLIPUpsampler(**tiny_upsampler_kwargs(lo, hi))
+        with torch.no_grad():  # diffusers zero-inits output layers; perturb so outputs vary
+            for p in up.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        folder = root / f"sr{hi}"
+        save_diffusers_component(up, folder)
+        meta = {
+            "stage": "upsampler",
+            "name": folder.name,
+            "diffusion": diffusion_to_save(DiffusionConfig(prediction_type="v_prediction")),
+            "sampling": {"scheduler": "ddim", "steps": steps, "guidance_scale": 1.0},
+        }
+        (folder / STAGE_META_FILE).write_text(json.dumps(meta))
+        ups.append(folder)
+    return root, ups
+
+
+def token_pipeline(token_parts, upsamplers: bool = True):
+    """A fresh tiny DALL-E pipeline of the :func:`token_parts` folders (16 px, or 64 px through
+    both upsamplers)."""
+    from unclip.pipeline.token_pipeline import TokenPipeline
+
+    root, ups = token_parts
+    return TokenPipeline.from_components(
+        root / "tokenizer", root / "transformer", upsamplers=ups if upsamplers else ()
+    )

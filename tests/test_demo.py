@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import token_pipeline
 from PIL import Image
 
 from unclip import cli
@@ -16,7 +17,7 @@ try:
     import gradio as gr
 
     from unclip import demo_handlers as h
-    from unclip.demo.app import SamplingForm
+    from unclip.demo.app import SamplingForm, build_demo
 except ImportError:
     if REQUIRED:
         raise
@@ -234,3 +235,93 @@ def test_serve_bad_model_or_device_is_one_line(tmp_path, capsys):
     assert cli.main(["serve", "--device", "gpu0"]) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("unclip serve: error: --device 'gpu0': ")
+
+
+# ----------------------------------------------------------------- a token pipeline (DALL-E)
+def tab_labels(demo) -> list:
+    return [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
+
+
+def text_labels(demo) -> list:
+    return [b.label for b in demo.blocks.values() if isinstance(b, gr.Textbox)]
+
+
+@needs_gradio
+def test_token_pipeline_generate_images_seed_and_progress(token_parts, one_thread):
+    pipe = token_pipeline(token_parts)  # 4 × 4 tokens → 16 px → sr32 (2 steps) → sr64 (1 step)
+    progress = Recorder()
+    images = h.generate(pipe, "a red circle", "", 3, 5, None, progress)
+    assert len(images) == 3 and all(im.size == (64, 64) for im in images)
+    # the bar follows each image token, then each upsampler step, and ends full
+    stages = ["transformer"] * 16 + ["sr32"] * 2 + ["sr64"]
+    assert [d.split(":")[0] for _, d in progress.calls] == stages
+    assert progress.calls[15][1] == "transformer: token 16/16"
+    fractions = [f for f, _ in progress.calls]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    again = h.generate(pipe, "a red circle", " ", 3, 5)
+    other = h.generate(pipe, "a red circle", "", 3, 6)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(images, again))
+    assert not np.array_equal(np.asarray(images[0]), np.asarray(other[0]))
+    # the transformer's settings reach it (top-k 1: the most likely token at every step)
+    greedy = h.generate(pipe, "a red circle", "", 1, 5, {"transformer": {"top_k": 1}})
+    assert not np.array_equal(np.asarray(greedy[0]), np.asarray(images[0]))
+    with pytest.raises(gr.Error, match="negative_prompt applies to unCLIP pipelines"):
+        h.generate(pipe, "a red circle", "a blue square", 1, 5)
+
+
+@needs_gradio
+def test_token_pipeline_untouched_form_samples_as_the_pipeline(token_parts, tiny_clip):
+    from dataclasses import asdict
+
+    from unclip.pipeline.token_pipeline import TokenPipeline
+    from unclip.sampling.tokens import TokenSampling
+
+    plain = token_pipeline(token_parts)  # default settings (top-k, top-p, α off), no CLIP
+    tuned = TokenSampling(temperature=0.7, top_k=8, top_p=0.9, guidance_scale=3.0, candidates=2)
+    parts = (plain.tokenizer, plain.tokenizer_config, plain.transformer, plain.transformer_config)
+    reranked = TokenPipeline(*parts, tuned, clip=tiny_clip)
+    for pipe in (plain, reranked):
+        with gr.Blocks():
+            form = SamplingForm(pipe)
+        values = {c: c.value for c in form.components}
+        sent = form.read(values)
+        settings = asdict(pipe.sampling["transformer"])
+        # not offered: the cache (speed only) and, without a CLIP, candidates (1 is all it takes)
+        left_out = {"use_cache"} | ({"candidates"} if pipe.clip is None else set())
+        assert sent["transformer"] == {k: v for k, v in settings.items() if k not in left_out}
+        assert pipe.sampling_settings(sent) == pipe.sampling_settings()
+    by_label = {c.label: c for c in form.components}
+    assert set(by_label) == {
+        "transformer temperature",
+        "transformer top k (0: off)",
+        "transformer top p (0: off)",
+        "transformer guidance α (1: off)",
+        "transformer candidates (best by CLIP)",
+    }
+    values[by_label["transformer top k (0: off)"]] = 0.0  # sliders send floats
+    values[by_label["transformer guidance α (1: off)"]] = 1.0
+    values[by_label["transformer candidates (best by CLIP)"]] = 4.0
+    s = reranked.sampling_settings(form.read(values))["transformer"]
+    assert (s.top_k, s.guidance_scale, s.candidates, s.top_p) == (None, None, 4, 0.9)
+    # candidates need a CLIP to rerank with: the plain pipeline offers none, its upsamplers do
+    with gr.Blocks():
+        labels = {c.label for c in SamplingForm(plain).components}
+    assert "transformer candidates (best by CLIP)" not in labels
+    assert {"sr32 steps", "sr32 guidance", "sr64 steps", "sr64 guidance"} <= labels
+
+
+@needs_gradio
+def test_serve_builds_a_generate_only_page_for_a_token_pipeline(token_parts, tiny_pipe, tmp_path):
+    from unclip.cli import serve
+
+    token_pipeline(token_parts).save_pretrained(tmp_path / "dalle")
+    args = serve.build_parser().parse_args(["--model", str(tmp_path / "dalle")])
+    demo = serve.build_app(args)  # the command line's path up to the server
+    assert tab_labels(demo) == ["Generate"]
+    assert "Negative prompt (optional)" not in text_labels(demo)
+    (header,) = [b.value for b in demo.blocks.values() if isinstance(b, gr.Markdown)]
+    assert header.startswith("# DALL-E demo") and "Generate only" in header
+    # an unCLIP pipeline's page keeps every tab and its negative prompts
+    with_all = build_demo(tiny_pipe)
+    assert {"Generate", "Variations", "Interpolate", "Edit"} <= set(tab_labels(with_all))
+    assert "Negative prompt (optional)" in text_labels(with_all)

@@ -6,20 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import token_pipeline
 
-from unclip.diffusion.config import DiffusionConfig, diffusion_to_save
-from unclip.nets.decoder import UnCLIPUpsampler
 from unclip.nets.dvae import DVAEConfig
-from unclip.nets.token_components import (
-    TokenizerConfig,
-    TokenModelConfig,
-    save_component,
-    tokenizer_facts,
-)
-from unclip.nets.token_transformer import DalleConfig
+from unclip.nets.token_components import tokenizer_facts
 from unclip.pipeline.auto import load_pipeline
-from unclip.pipeline.folders import STAGE_META_FILE, save_diffusers_component
-from unclip.pipeline.tiny import tiny_upsampler_kwargs
 from unclip.pipeline.token_pipeline import TokenPipeline
 from unclip.sampling.stages import sample_upsampler
 from unclip.train.token_config import (
@@ -33,60 +24,12 @@ PROMPTS = ["a small red circle", "a blue square"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """Folders of a tiny dVAE (16 px → 4 × 4 tokens), a tiny DALL-E transformer over its codes
-    and two upsamplers 16 → 32 → 64 px exported as a training run does (``unclip_stage.json``
-    with their diffusion and sampling settings)."""
-    root = tmp_path_factory.mktemp("token_upsamplers")
-    torch.manual_seed(0)
-    dvae = DVAEConfig(image_size=16, num_codes=16, n_hid=4, blocks_per_group=1, n_init=8, groups=3)
-    tok_cfg = TokenizerConfig("dvae", dvae=dvae)
-    save_component(tok_cfg.build(), root / "tokenizer", "tokenizer", tok_cfg)
-    dalle = DalleConfig(
-        num_layers=1,
-        width=8,
-        num_heads=2,
-        text_len=8,
-        grid=4,
-        text_vocab_size=49408,
-        image_vocab_size=16,
-        sparse_attention=False,
-    )
-    net_cfg = TokenModelConfig("dalle", dalle=dalle)
-    save_component(net_cfg.build(), root / "transformer", "transformer", net_cfg)
-    ups = []
-    for lo, hi, steps in ((16, 32, 2), (32, 64, 1)):
-        up = UnCLIPUpsampler(**tiny_upsampler_kwargs(lo, hi))
-        with torch.no_grad():  # diffusers zero-inits output layers; perturb so outputs vary
-            for p in up.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        folder = root / f"sr{hi}"
-        save_diffusers_component(up, folder)
-        meta = {
-            "stage": "upsampler",
-            "name": folder.name,
-            "diffusion": diffusion_to_save(DiffusionConfig(prediction_type="v_prediction")),
-            "sampling": {"scheduler": "ddim", "steps": steps, "guidance_scale": 1.0},
-        }
-        (folder / STAGE_META_FILE).write_text(json.dumps(meta))
-        ups.append(folder)
-    return root, ups
-
-
-def build(parts, upsamplers=True) -> TokenPipeline:
-    root, ups = parts
-    return TokenPipeline.from_components(
-        root / "tokenizer", root / "transformer", upsamplers=ups if upsamplers else ()
-    )
-
-
 def gens():
     return [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
 
 
-def test_upsamplers_run_after_the_tokenizer_with_their_stored_settings(parts):
-    pipe = build(parts)
+def test_upsamplers_run_after_the_tokenizer_with_their_stored_settings(token_parts):
+    pipe = token_pipeline(token_parts)
     assert pipe.upsampler_names == ["sr32", "sr64"] and pipe.resolution == 64
     settings = pipe.sampling_settings()
     assert settings["sr32"].steps == 2 and settings["sr64"].steps == 1
@@ -116,8 +59,8 @@ def test_upsamplers_run_after_the_tokenizer_with_their_stored_settings(parts):
         pipe(PROMPTS, sampling={"prior": {"steps": 3}})
 
 
-def test_a_token_pipeline_folder_keeps_its_upsamplers(parts, tmp_path):
-    pipe = build(parts)
+def test_a_token_pipeline_folder_keeps_its_upsamplers(token_parts, tmp_path):
+    pipe = token_pipeline(token_parts)
     out = pipe(PROMPTS, generator=gens(), output_type="pt").images
     pipe.save_pretrained(tmp_path / "p")
     index = json.loads((tmp_path / "p" / "unclip.json").read_text())
@@ -128,16 +71,16 @@ def test_a_token_pipeline_folder_keeps_its_upsamplers(parts, tmp_path):
     assert again.upsampler_names == ["sr32", "sr64"]
     assert torch.equal(again(PROMPTS, generator=gens(), output_type="pt").images, out)
     # attaching upsamplers to a pipeline without them gives the same images
-    attached = build(parts, upsamplers=False).with_upsamplers(parts[1])
+    attached = token_pipeline(token_parts, upsamplers=False).with_upsamplers(token_parts[1])
     assert torch.equal(attached(PROMPTS, generator=gens(), output_type="pt").images, out)
 
 
-def test_upsamplers_must_chain_from_the_tokenizer_size(parts):
-    root, ups = parts
+def test_upsamplers_must_chain_from_the_tokenizer_size(token_parts):
+    root, ups = token_parts
     with pytest.raises(ValueError, match="reads 32 px images but gets 16 px"):
         TokenPipeline.from_components(root / "tokenizer", root / "transformer", upsamplers=ups[1:])
     with pytest.raises(TypeError, match="list of upsampler folders"):
-        build(parts, upsamplers=False).with_upsamplers(ups[0])
+        token_pipeline(token_parts, upsamplers=False).with_upsamplers(ups[0])
 
 
 def test_train_tokens_config_attaches_upsamplers():
@@ -181,10 +124,10 @@ def test_shapes_configs_load(family):
     assert [(s["low_res_size"], s["sample_size"]) for s in sizes] == [(32, 64), (64, 128)]
 
 
-def test_assemble_command_builds_a_token_pipeline_with_upsamplers(parts, tmp_path, capsys):
+def test_assemble_command_builds_a_token_pipeline_with_upsamplers(token_parts, tmp_path, capsys):
     from unclip.cli.assemble import main as assemble
 
-    root, ups = parts
+    root, ups = token_parts
     argv = ["--tokenizer", str(root / "tokenizer"), "--transformer", str(root / "transformer")]
     ups_argv = [a for u in ups for a in ("--upsampler", str(u))]
     assert assemble([*argv, *ups_argv, "--out", str(tmp_path / "p")]) == 0
@@ -192,7 +135,8 @@ def test_assemble_command_builds_a_token_pipeline_with_upsamplers(parts, tmp_pat
     pipe = load_pipeline(tmp_path / "p")
     assert pipe.upsampler_names == ["sr32", "sr64"]
     out = pipe(PROMPTS, generator=gens(), output_type="pt").images
-    assert torch.equal(out, build(parts)(PROMPTS, generator=gens(), output_type="pt").images)
+    again = token_pipeline(token_parts)(PROMPTS, generator=gens(), output_type="pt").images
+    assert torch.equal(out, again)
     # and `unclip generate --model` samples through them
     from unclip.cli.generate import main as generate
 

@@ -5,7 +5,8 @@
     unclip serve --model path/to/pipeline --port 8000 --device cuda
 
 Tabs: Generate, Variations, Interpolate, Edit (inpaint, image to image, text diff), with per-stage
-sampling settings and a progress bar; see :mod:`unclip.demo`. The server listens on ``--host``
+sampling settings and a progress bar; see :mod:`unclip.demo`. A DALL-E or DALL-E Mega pipeline
+folder gets the Generate tab with its transformer's settings. The server listens on ``--host``
 only (no public share link); Ctrl-C stops it.
 """
 
@@ -17,7 +18,7 @@ import sys
 
 from unclip.cli.generate import add_autocast_arg
 
-__all__ = ["main", "build_parser", "check_host", "start", "MISSING_GRADIO"]
+__all__ = ["main", "build_parser", "build_app", "check_host", "start", "MISSING_GRADIO"]
 
 MISSING_GRADIO = "the web demo needs gradio, which is not installed: pip install 'unclip[demo]'"
 #: prompts offered under the Generate tab for the bundled shapes model
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="pipeline folder, diffusers/Karlo unCLIP folder, or 'shapes' (bundled, default)",
+        help="pipeline folder (unCLIP, DALL-E or DALL-E Mega), diffusers/Karlo unCLIP folder, "
+        "or 'shapes' (bundled, default)",
     )
     p.add_argument(
         "--host",
@@ -100,12 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def start(args: argparse.Namespace, block: bool = True):
-    """Load the pipeline, build the app and serve it; with ``block=False`` return the running
-    ``gr.Blocks`` (``.close()`` stops it)."""
+def build_app(args: argparse.Namespace):
+    """Load the pipeline of any family (``--model``) and build its app, a ``gr.Blocks`` not yet
+    served."""
     import torch
 
-    from unclip.demo.app import build_demo, launch
+    from unclip.demo.app import build_demo
     from unclip.pipeline.auto import load_pipeline
 
     try:
@@ -115,7 +117,15 @@ def start(args: argparse.Namespace, block: bool = True):
     pipe = load_pipeline(args.model, autocast_dtype=args.autocast).to(device)
     bundled = args.model in (None, "shapes")
     name = "shapes (bundled)" if bundled else str(args.model)
-    demo = build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())
+    return build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())
+
+
+def start(args: argparse.Namespace, block: bool = True):
+    """Load the pipeline, build the app and serve it; with ``block=False`` return the running
+    ``gr.Blocks`` (``.close()`` stops it)."""
+    from unclip.demo.app import launch
+
+    demo = build_app(args)
     limit = int(args.max_upload_mb * 2**20)
     launch(demo, host=args.host, port=args.port, block=block, max_upload_bytes=limit)
     return demo

@@ -7,12 +7,19 @@ Tabs: Generate (prompt, negative prompt, images, seed), Variations (an uploaded 
 (two prompts, frames, a slider through them) and Edit (inpaint, image to image, text diff); one
 panel of per-stage sampling settings (steps, guidance, best-of) serves every tab, and a progress
 bar follows the denoising steps. Each tab calls a handler of :mod:`unclip.demo_handlers`.
+
+A token pipeline (DALL-E, DALL-E Mega: :class:`~unclip.pipeline.token_pipeline.TokenPipeline`)
+gets the Generate tab alone, without a negative prompt: the other tabs work on CLIP image
+embeddings, which it does not make (the page's header says so). Its panel holds the transformer's
+settings (temperature, top-k, top-p, super-conditioning α, candidates when it has a CLIP to rerank
+with) and its upsamplers' steps and guidance; the progress bar follows the image tokens, then the
+upsamplers' denoising steps.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # before gradio is imported (see unclip.demo_handlers)
@@ -20,7 +27,7 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import gradio as gr  # noqa: E402
 
-from unclip.demo.handlers import (
+from unclip.demo.handlers import (  # noqa: E402
     MAX_IMAGES,
     generate,
     img2img,
@@ -30,23 +37,51 @@ from unclip.demo.handlers import (
     variations,
     whole_number,
 )
+from unclip.nets.token_components import tokenizer_facts  # noqa: E402
+from unclip.pipeline.token_pipeline import TokenPipeline  # noqa: E402
+from unclip.sampling.tokens import TokenSampling  # noqa: E402
 
 __all__ = ["SamplingForm", "build_demo", "launch"]
 
 #: stages whose ``best_of`` the form offers (an upsampler takes 1)
 BEST_OF_STAGES = ("prior", "decoder")
+#: the page's title for each family
+TITLES = {"dalle": "DALL-E demo", "dalle_mega": "DALL-E Mega demo"}
+#: a form value → the setting it sends, given the label to name in an error
+Convert = Callable[[Any, str], Any]
+
+
+def _count(value, label: str) -> int:
+    return whole_number(value, label, 1)
+
+
+def _scale(value, label: str) -> float:
+    return float(value)
+
+
+def _off_at(off: float, whole: bool = False) -> Convert:
+    """A slider whose value ``off`` means the setting's ``None`` (top-k, top-p, α: switched off)."""
+
+    def convert(value, label: str):
+        v = whole_number(value, label, 0) if whole else float(value)
+        return None if v == off else v
+
+    return convert
 
 
 class SamplingForm:
-    """Sliders for each stage's steps and guidance (and prior/decoder best-of), starting at the
-    pipeline's own settings (so an untouched form samples as the pipeline does); :meth:`read`
-    turns their values into ``sampling=`` overrides."""
+    """Sliders for each stage's steps and guidance (and prior/decoder best-of), or a token
+    pipeline's transformer settings, starting at the pipeline's own settings (so an untouched form
+    samples as the pipeline does); :meth:`read` turns their values into ``sampling=`` overrides."""
 
     def __init__(self, pipe):
-        self.fields: list[tuple[str, str, Any]] = []
+        self.fields: list[tuple[str, str, Any, Convert]] = []
         for stage in pipe.stage_names:
             s = pipe.sampling[stage]
             with gr.Row():
+                if isinstance(s, TokenSampling):
+                    self._add_token_settings(pipe, stage, s)
+                    continue
                 self._add(
                     stage,
                     "steps",
@@ -62,6 +97,7 @@ class SamplingForm:
                         step=0.5,
                         label=f"{stage} guidance",
                     ),
+                    _scale,
                 )
                 if stage in BEST_OF_STAGES:
                     self._add_count(stage, "best_of", s.best_of, f"{stage} best of")
@@ -70,45 +106,80 @@ class SamplingForm:
                     label = f"{stage} best of, prompts with alternatives"
                     self._add_count(stage, "best_of_contrasted", s.best_of_contrasted, label)
 
+    def _add_token_settings(self, pipe, stage: str, s: TokenSampling) -> None:
+        """A token transformer's settings. The ones that can be off (``None``) are off at a value
+        they cannot take (top-k 0, top-p 0) or at α = 1, where super-conditioning's mix is the
+        conditional logits alone (which ``None`` computes in one pass instead of two)."""
+        t = s.temperature
+        temperature = gr.Slider(0.05, max(2.0, t), value=t, step=0.05, label=f"{stage} temperature")
+        self._add(stage, "temperature", temperature, _scale)
+        vocab = pipe.transformer_config.model.image_vocab_size
+        k = s.top_k or 0
+        top_k = gr.Slider(0, max(vocab, k), value=k, step=1, label=f"{stage} top k (0: off)")
+        self._add(stage, "top_k", top_k, _off_at(0, whole=True))
+        top_p = gr.Slider(0, 1, value=s.top_p or 0, step=0.01, label=f"{stage} top p (0: off)")
+        self._add(stage, "top_p", top_p, _off_at(0))
+        a = 1.0 if s.guidance_scale is None else s.guidance_scale
+        alpha = gr.Slider(
+            min(1.0, a), max(20.0, a), value=a, step=0.5, label=f"{stage} guidance α (1: off)"
+        )
+        self._add(stage, "guidance_scale", alpha, _off_at(1))
+        # candidates are reranked by the pipeline's CLIP: without one only 1 can be sampled
+        if pipe.clip is not None or s.candidates != 1:
+            self._add_count(stage, "candidates", s.candidates, f"{stage} candidates (best by CLIP)")
+
     def _add_count(self, stage: str, field: str, value: int, label: str) -> None:
         """A slider for a number of candidates, from 1 to at least 32."""
         self._add(stage, field, gr.Slider(1, max(32, value), value=value, step=1, label=label))
 
-    def _add(self, stage: str, field: str, component) -> None:
-        self.fields.append((stage, field, component))
+    def _add(self, stage: str, field: str, component, convert: Convert = _count) -> None:
+        self.fields.append((stage, field, component, convert))
 
     @property
     def components(self) -> list:
-        return [c for _, _, c in self.fields]
+        return [c for _, _, c, _ in self.fields]
 
     def read(self, values: Mapping) -> dict:
         out: dict[str, dict] = {}
-        for stage, field, component in self.fields:
-            v = values[component]
+        for stage, field, component, convert in self.fields:
             label = f"{stage} {field.replace('_', ' ')}"
-            out.setdefault(stage, {})[field] = (
-                float(v) if field == "guidance_scale" else whole_number(v, label, 1)
-            )
+            out.setdefault(stage, {})[field] = convert(values[component], label)
         return out
 
 
 def _describe(pipe, model_name: str) -> str:
+    model = f"Model: **{model_name or 'pipeline'}**"
+    images = f"images {pipe.resolution} px on {pipe.device}"
+    if isinstance(pipe, TokenPipeline):
+        size = tokenizer_facts(pipe.tokenizer_config)["image_size"]
+        stages = [
+            f"{pipe.transformer_config.type} transformer ({pipe.num_image_tokens} image tokens)",
+            f"{pipe.tokenizer_config.type} {size} px",
+            *pipe.upsampler_names,
+        ]
+        return (
+            f"# {TITLES[pipe.family]}\n{model} · stages: {' → '.join(stages)} · {images}.\n\n"
+            "Generate only: Variations, Interpolate and Edit work on CLIP image embeddings, "
+            f"which a {pipe.family} pipeline does not make, and it takes no negative prompt."
+        )
     sizes = [f"decoder {pipe.decoder.config.sample_size} px", *pipe.upsampler_names]
     stages = (["prior"] if pipe.prior is not None else []) + sizes
     return (
-        f"# unCLIP demo\nModel: **{model_name or 'pipeline'}** · stages: {' → '.join(stages)} · "
-        f"images {pipe.resolution} px on {pipe.device}. Sampling settings below apply to every tab."
+        f"# unCLIP demo\n{model} · stages: {' → '.join(stages)} · {images}. "
+        "Sampling settings below apply to every tab."
     )
 
 
 def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.Blocks:
-    """The web app of ``pipe``: a ``gr.Blocks`` to ``.queue().launch()``. Every event shares one
-    queue slot, so one request at a time uses the pipeline. ``examples``: prompts offered under
-    the Generate tab."""
+    """The web app of ``pipe`` (any family's pipeline; see the module doc): a ``gr.Blocks`` to
+    ``.queue().launch()``. Every event shares one queue slot, so one request at a time uses the
+    pipeline. ``examples``: prompts offered under the Generate tab."""
     one_at_a_time = dict(concurrency_limit=1, concurrency_id="pipeline")
-    with gr.Blocks(title="unCLIP demo", analytics_enabled=False) as demo:
+    tokens = isinstance(pipe, TokenPipeline)
+    title = TITLES[pipe.family] if tokens else "unCLIP demo"
+    with gr.Blocks(title=title, analytics_enabled=False) as demo:
         gr.Markdown(_describe(pipe, model_name))
-        with gr.Accordion("Sampling settings (every tab)", open=False):
+        with gr.Accordion("Sampling settings" + ("" if tokens else " (every tab)"), open=False):
             form = SamplingForm(pipe)
 
         def wire(button, handler, inputs: dict, outputs, after=None):
@@ -128,7 +199,10 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
             with gr.Row():
                 with gr.Column():
                     prompt = gr.Textbox(label="Prompt", elem_id="prompt", lines=2)
-                    negative = gr.Textbox(label="Negative prompt (optional)")
+                    inputs: dict[str, Any] = dict(prompt=prompt)
+                    if not tokens:
+                        negative = gr.Textbox(label="Negative prompt (optional)")
+                        inputs["negative_prompt"] = negative
                     with gr.Row():
                         count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
                         seed = gr.Number(0, precision=0, label="Seed")
@@ -136,59 +210,62 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
                     if examples:
                         gr.Examples([[e] for e in examples], inputs=[prompt])
                 gallery = gr.Gallery(label="Images", elem_id="gallery", format="png", columns=4)
-            inputs: dict[str, Any] = dict(
-                prompt=prompt, negative_prompt=negative, num_images=count, seed=seed
-            )
-            wire(go, generate, inputs, gallery)
+            wire(go, generate, dict(inputs, num_images=count, seed=seed), gallery)
 
-        with gr.Tab("Variations"):
-            with gr.Row():
-                with gr.Column():
-                    source = gr.Image(label="Image", type="pil", image_mode="RGB")
-                    caption = gr.Textbox(label="Caption for the decoder (optional)")
-                    with gr.Row():
-                        v_count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
-                        v_seed = gr.Number(0, precision=0, label="Seed")
-                    v_go = gr.Button("Make variations", variant="primary", elem_id="variations")
-                v_gallery = gr.Gallery(
-                    label="Variations", elem_id="variations-gallery", format="png", columns=4
-                )
-            inputs = dict(image=source, caption=caption, num_images=v_count, seed=v_seed)
-            wire(v_go, variations, inputs, v_gallery)
-
-        with gr.Tab("Interpolate"):
-            with gr.Row():
-                with gr.Column():
-                    start = gr.Textbox(label="Start prompt", elem_id="start-prompt")
-                    end = gr.Textbox(label="End prompt", elem_id="end-prompt")
-                    with gr.Row():
-                        frames = gr.Slider(2, MAX_IMAGES, value=5, step=1, label="Frames")
-                        i_seed = gr.Number(0, precision=0, label="Seed")
-                    i_go = gr.Button("Interpolate", variant="primary", elem_id="interpolate")
-                with gr.Column():
-                    frame = gr.Image(
-                        label="Frame", type="pil", format="png", interactive=False, height=256
-                    )
-                    pick = gr.Slider(0, 4, value=0, step=1, label="Frame (start → end)")
-                    i_gallery = gr.Gallery(
-                        label="Frames", elem_id="interpolate-gallery", format="png", columns=5
-                    )
-            stored = gr.State([])
-
-            def shown(images):
-                return images, images, images[0], gr.Slider(maximum=len(images) - 1, value=0)
-
-            inputs = dict(start=start, end=end, num_frames=frames, seed=i_seed)
-            wire(i_go, interpolate, inputs, [i_gallery, stored, frame, pick], after=shown)
-            pick.change(
-                lambda images, i: images[int(i)] if images and int(i) < len(images) else None,
-                inputs=[stored, pick],
-                outputs=frame,
-            )
-
-        with gr.Tab("Edit"):
-            _edit_tabs(wire)
+        if not tokens:
+            _embedding_tabs(wire)
     return demo
+
+
+def _embedding_tabs(wire) -> None:
+    """The tabs that work on CLIP image embeddings: an unCLIP pipeline's only."""
+    with gr.Tab("Variations"):
+        with gr.Row():
+            with gr.Column():
+                source = gr.Image(label="Image", type="pil", image_mode="RGB")
+                caption = gr.Textbox(label="Caption for the decoder (optional)")
+                with gr.Row():
+                    v_count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
+                    v_seed = gr.Number(0, precision=0, label="Seed")
+                v_go = gr.Button("Make variations", variant="primary", elem_id="variations")
+            v_gallery = gr.Gallery(
+                label="Variations", elem_id="variations-gallery", format="png", columns=4
+            )
+        inputs = dict(image=source, caption=caption, num_images=v_count, seed=v_seed)
+        wire(v_go, variations, inputs, v_gallery)
+
+    with gr.Tab("Interpolate"):
+        with gr.Row():
+            with gr.Column():
+                start = gr.Textbox(label="Start prompt", elem_id="start-prompt")
+                end = gr.Textbox(label="End prompt", elem_id="end-prompt")
+                with gr.Row():
+                    frames = gr.Slider(2, MAX_IMAGES, value=5, step=1, label="Frames")
+                    i_seed = gr.Number(0, precision=0, label="Seed")
+                i_go = gr.Button("Interpolate", variant="primary", elem_id="interpolate")
+            with gr.Column():
+                frame = gr.Image(
+                    label="Frame", type="pil", format="png", interactive=False, height=256
+                )
+                pick = gr.Slider(0, 4, value=0, step=1, label="Frame (start → end)")
+                i_gallery = gr.Gallery(
+                    label="Frames", elem_id="interpolate-gallery", format="png", columns=5
+                )
+        stored = gr.State([])
+
+        def shown(images):
+            return images, images, images[0], gr.Slider(maximum=len(images) - 1, value=0)
+
+        inputs = dict(start=start, end=end, num_frames=frames, seed=i_seed)
+        wire(i_go, interpolate, inputs, [i_gallery, stored, frame, pick], after=shown)
+        pick.change(
+            lambda images, i: images[int(i)] if images and int(i) < len(images) else None,
+            inputs=[stored, pick],
+            outputs=frame,
+        )
+
+    with gr.Tab("Edit"):
+        _edit_tabs(wire)
 
 
 def _edit_tabs(wire) -> None:

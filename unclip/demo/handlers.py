@@ -27,6 +27,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from unclip.sampling.tokens import TokenSampling  # noqa: E402
+
 __all__ = [
     "MAX_IMAGES",
     "StepProgress",
@@ -48,16 +50,22 @@ Progress = Optional[Callable[..., Any]]
 
 # ------------------------------------------------------------------------------ progress
 def sampling_plan(pipe, sampling: Optional[Mapping], stages: Sequence[str]) -> list[tuple]:
-    """``[(stage, steps)]`` in the order ``stages`` run with the resolved ``sampling``."""
+    """``[(stage, steps)]`` in the order ``stages`` run with the resolved ``sampling``; a token
+    pipeline's ``transformer`` takes one step per image token."""
     settings = pipe.sampling_settings(sampling)
-    return [(s, settings[s].steps) for s in stages if s in settings]
+    return [
+        (s, pipe.num_image_tokens if isinstance(settings[s], TokenSampling) else settings[s].steps)
+        for s in stages
+        if s in settings
+    ]
 
 
 class StepProgress:
-    """A pipeline ``callback_on_step_end`` that reports each denoising step to ``progress`` as
-    the fraction of all steps in ``plan`` (``[(stage, steps)]``) done so far, and the stage's own
-    step in ``desc``. Counting calls rather than reading step indices keeps the bar moving forward
-    when a stage runs twice (interpolation samples the prior for both ends)."""
+    """A pipeline ``callback_on_step_end`` that reports each denoising step (or a token
+    pipeline's image token) to ``progress`` as the fraction of all steps in ``plan``
+    (``[(stage, steps)]``) done so far, and the stage's own step in ``desc``. Counting calls
+    rather than reading step indices keeps the bar moving forward when a stage runs twice
+    (interpolation samples the prior for both ends)."""
 
     def __init__(self, progress: Callable[..., Any], plan: Sequence[tuple]):
         self.progress = progress
@@ -69,7 +77,8 @@ class StepProgress:
         self.done += 1
         stage = callback_kwargs["stage"]
         of = self.steps.get(stage)
-        desc = f"{stage}: step {step + 1}" + (f"/{of}" if of else "")
+        unit = "token" if stage == "transformer" else "step"
+        desc = f"{stage}: {unit} {step + 1}" + (f"/{of}" if of else "")
         self.progress(min(1.0, self.done / self.total), desc=desc)
         return None
 
@@ -177,7 +186,8 @@ def generate(
     sampling: Optional[Mapping] = None,
     progress: Progress = None,
 ) -> list[Image.Image]:
-    """Text → ``num_images`` images at ``pipe.resolution`` through every stage."""
+    """Text → ``num_images`` images at ``pipe.resolution`` through every stage (any family; a
+    token pipeline has no negative prompt and says so if given one)."""
     prompt = _text(prompt, "a prompt")
     n = whole_number(num_images, "number of images", 1, MAX_IMAGES)
     gen = _generator(seed)

@@ -68,7 +68,7 @@ from unclip.sampling.settings import (
     sampling_to_save,
     stage_settings,
 )
-from unclip.sampling.stages import sample_upsampler
+from unclip.sampling.stages import StepCallback, sample_upsampler, stage_callback
 from unclip.sampling.tokens import TokenSampling, sample_image_tokens
 from unclip.utils.config import to_dict
 from unclip.utils.images import to_output
@@ -186,6 +186,11 @@ class TokenPipeline:
         return tokenizer_facts(self.tokenizer_config)["image_size"]
 
     @property
+    def num_image_tokens(self) -> int:
+        """Image tokens sampled per image, one transformer step each (``grid²``)."""
+        return self.transformer_config.model.grid**2
+
+    @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
 
@@ -254,12 +259,19 @@ class TokenPipeline:
         negative_prompt: Optional[str] = None,
         image_embeds=None,
         last_stage: Optional[str] = None,
+        callback_on_step_end: Optional[StepCallback] = None,
     ) -> UnCLIPOutput:
         """Images for ``prompts`` (``num_images_per_prompt`` each, prompt-major). ``generator``:
         one, one per prompt, or None; each prompt's rows draw from its own generator, so a
         prompt's images do not depend on the prompts batched with it. With
         ``sampling.candidates = k > 1`` each image is the best of ``k`` by the CLIP's
-        image–caption cosine (:func:`~unclip.sampling.candidates.rerank_candidates`)."""
+        image–caption cosine (:func:`~unclip.sampling.candidates.rerank_candidates`).
+
+        ``callback_on_step_end(pipe, step, timestep, callback_kwargs)`` runs after each image
+        token (``step`` and ``timestep``: the token's raster position, ``callback_kwargs``:
+        ``{"stage": "transformer", "tokens": [B, step + 1]}``; a returned value is ignored, the
+        tokens drawn stay) and after each upsampler denoising step (as in ``UnCLIPPipeline``:
+        ``{"stage": "sr64", "latents": x_t}``, a returned ``latents`` replaces ``x_t``)."""
         if negative_prompt is not None:
             raise ValueError(
                 f"negative_prompt applies to unCLIP pipelines; a {self.family} pipeline guides "
@@ -292,6 +304,18 @@ class TokenPipeline:
             generator = [g for g in generator for _ in range(n * k)]
         device = self.device
         ids, mask = self.transformer_config.caption_ids(rows)
+        on_token = None
+        if callback_on_step_end is not None:
+            if not callable(callback_on_step_end):
+                raise TypeError(
+                    "callback_on_step_end must be callable, got "
+                    f"{type(callback_on_step_end).__name__}"
+                )
+
+            def on_token(i: int, drawn: torch.Tensor) -> None:
+                kwargs = {"stage": "transformer", "tokens": drawn}
+                callback_on_step_end(self, i, torch.tensor(i), kwargs)
+
         t0 = time.perf_counter()
         tokens = sample_image_tokens(
             self.transformer,
@@ -303,6 +327,7 @@ class TokenPipeline:
             guidance_scale=s.guidance_scale,
             generator=generator,
             use_cache=s.use_cache,
+            on_token=on_token,
         )
         t1 = time.perf_counter()
         images = self.tokenizer.decode(tokens).float()
@@ -325,6 +350,7 @@ class TokenPipeline:
                     self.diffusion[name],
                     generator=gen,
                     progress=progress,
+                    callback=stage_callback(self, name, callback_on_step_end),
                 )
                 timings[name] = time.perf_counter() - t0
                 stage_images[name] = images

@@ -20,6 +20,7 @@ rows batched with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -69,6 +70,7 @@ def sample_image_tokens(
     generator: Generator = None,
     use_cache: bool = True,
     return_logits: bool = False,
+    on_token: Optional[Callable[[int, torch.Tensor], None]] = None,
 ):
     """Sample ``grid²`` image tokens per caption.
 
@@ -84,6 +86,8 @@ def sample_image_tokens(
         use_cache: decode with the key/value cache (else rerun the prefix every step).
         return_logits: also return the logits each token was drawn from, after guidance and
             before temperature and filtering, ``[B, grid², V]`` (float32).
+        on_token: called after each token as ``on_token(i, tokens [B, i + 1])`` (the tokens
+            drawn so far, raster order), e.g. to report progress.
 
     Returns:
         image tokens ``[B, grid, grid]`` (long), and the logits when ``return_logits``.
@@ -128,6 +132,8 @@ def sample_image_tokens(
             all_logits.append(logits)
         filtered = filter_logits(logits, float(temperature), top_k, top_p)
         tokens[:, i] = draw_tokens(filtered, _uniforms(generator, b, device))
+        if on_token is not None:
+            on_token(i, tokens[:, : i + 1])
     tokens = tokens.view(b, model.grid, model.grid)
     if all_logits is not None:  # return_logits
         return tokens, torch.stack(all_logits, dim=1)
