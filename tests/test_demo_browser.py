@@ -1,6 +1,6 @@
 """`unclip serve` in a real headless Chromium: the page loads, a typed prompt and the Generate
 button give images of the pipeline's resolution in the gallery; the Interpolate tab gives its
-frames.
+frames. A DALL-E pipeline's page does the same on its one tab.
 
 Needs Debian's chromium and chromium-driver and the selenium and gradio packages (the README's test
 command installs them). Without them the test is skipped, unless UNCLIP_REQUIRE_BROWSER is set (as
@@ -11,8 +11,10 @@ import importlib.util
 import os
 import shutil
 import socket
+from contextlib import contextmanager
 
 import pytest
+from conftest import token_pipeline
 
 REQUIRED = bool(os.environ.get("UNCLIP_REQUIRE_BROWSER"))
 CHROMIUM = shutil.which("chromium")
@@ -59,26 +61,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def served(tmp_path):
-    """``unclip serve`` on a tiny random pipeline (few steps), on a free localhost port, its server
-    in a background thread; yields ``(url, resolution)``."""
+@contextmanager
+def serving(pipe, folder):
+    """``unclip serve`` on ``pipe`` saved to ``folder``, on a free localhost port, its server in a
+    background thread; yields ``(url, resolution)``."""
     if MISSING:
         pytest.fail(f"UNCLIP_REQUIRE_BROWSER is set but this machine lacks {', '.join(MISSING)}")
     from unclip.cli import serve
-    from unclip.pipeline.tiny import tiny_pipeline
 
-    pipe = tiny_pipeline(seed=0)
-    for stage, steps in FEW.items():
-        pipe.sampling[stage].steps = steps
-    pipe.save_pretrained(tmp_path / "model")
+    pipe.save_pretrained(folder)
     port = free_port()
-    args = ["--model", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", str(port)]
+    args = ["--model", str(folder), "--host", "127.0.0.1", "--port", str(port)]
     demo = serve.start(serve.build_parser().parse_args(args), block=False)
     try:
         yield f"http://127.0.0.1:{port}/", pipe.resolution
     finally:
         demo.close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A tiny random unCLIP pipeline (few steps) served: ``(url, resolution)``."""
+    from unclip.pipeline.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(seed=0)
+    for stage, steps in FEW.items():
+        pipe.sampling[stage].steps = steps
+    with serving(pipe, tmp_path / "model") as served:
+        yield served
+
+
+@pytest.fixture
+def served_tokens(tmp_path, token_parts):
+    """A tiny random DALL-E pipeline (16 image tokens, then two upsamplers) served."""
+    with serving(token_pipeline(token_parts), tmp_path / "dalle") as served:
+        yield served
 
 
 @pytest.fixture
@@ -153,3 +170,20 @@ def test_generate_and_interpolate_in_the_browser(served, browser, tmp_path):
     browser.find_element(By.ID, "interpolate").click()
     frames = wait_for_images(browser, "interpolate-gallery", tmp_path, count=5)
     assert frames == [[resolution, resolution]] * 5
+
+
+def test_generate_with_a_token_pipeline_in_the_browser(served_tokens, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, resolution = served_tokens
+    browser.get(url)
+    prompt = WebDriverWait(browser, 60).until(
+        lambda d: d.find_element(By.CSS_SELECTOR, "#prompt textarea")
+    )
+    prompt.send_keys("a small red circle on the left")
+    browser.find_element(By.ID, "generate").click()
+    sizes = wait_for_images(browser, "gallery", tmp_path, count=4)  # the page asks 4 by default
+    assert sizes == [[resolution, resolution]] * 4
+    tabs = browser.find_elements(By.XPATH, "//button[@role='tab']")
+    assert [t.text.strip() for t in tabs] == ["Generate"]
