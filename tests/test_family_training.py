@@ -53,6 +53,8 @@ def test_train_tokenizer_logs_round_trip_and_codebook_usage_and_resumes_exactly(
     if kind == "dvae":  # the schedule scaled to the run: τ falls to 1/16, β rises to 6.6
         assert logged[0]["temperature"] > logged[-1]["temperature"] == pytest.approx(1 / 16)
         assert logged[-1]["kl_weight"] == pytest.approx(6.6)
+        codes = 64  # configs/tiny/dvae.yaml: the posterior's spread, in codes, is within 1..K
+        assert all(1 <= r["token_perplexity"] <= r["posterior_perplexity"] <= codes for r in logged)
     split = ["--output-dir", str(tmp_path / "split")]
     assert train_tokenizer([str(TINY / f"{kind}.yaml"), *split, "--max-steps-this-run", "3"]) == 0
     assert not (tmp_path / "split" / "final").exists()

@@ -270,9 +270,12 @@ def quadrant_images(n=4):
     return F.interpolate(cols, size=16, mode="nearest")
 
 
-def test_dvae_round_trip_and_training_reduce_reconstruction_error():
+@pytest.mark.parametrize("recon", ["logit_laplace", "l1", "mse"])
+def test_dvae_round_trip_and_training_reduce_reconstruction_error(recon):
     torch.manual_seed(0)
-    dvae = DVAEConfig(image_size=16, num_codes=16, n_hid=8, blocks_per_group=1, n_init=8).build()
+    dvae = DVAEConfig(
+        image_size=16, num_codes=16, n_hid=8, blocks_per_group=1, n_init=8, recon=recon
+    ).build()
     x = quadrant_images()
     tokens = dvae.encode(x)
     assert tokens.shape == (4, 2, 2) and tokens.dtype == torch.long
@@ -293,8 +296,57 @@ def test_dvae_round_trip_and_training_reduce_reconstruction_error():
         loss.loss.backward()
         opt.step()
         first = loss.recon.item() if first is None else first
-    assert loss.recon.item() < first - 0.3
+    assert loss.recon.item() < (first - 0.3 if recon == "logit_laplace" else 0.75 * first)
     assert error() < 0.6 * before
+
+
+@pytest.mark.parametrize("recon", ["l1", "mse"])
+def test_dvae_plain_reconstruction_terms_score_the_decoded_pixels(recon):
+    """Under ``l1`` / ``mse`` the decoder's three channels are the pixels: ``recon`` is their
+    mean absolute / squared error (with the loss's own gumbel sample), and decoding hard
+    tokens returns them clamped to [-1, 1]."""
+    torch.manual_seed(0)
+    cfg = DVAEConfig(image_size=16, num_codes=16, n_hid=8, blocks_per_group=1, recon=recon)
+    dvae, x = cfg.build(), quadrant_images(2)
+    assert dvae.decoder[-1].out_channels == 3
+    with torch.no_grad():
+        dvae.decoder[-1].bias.add_(3.0)  # push the pixels past 1, so the clamp shows
+        loss = dvae.loss(x, 0.5, 0.0, generator=torch.Generator().manual_seed(7))
+        logits = dvae.logits(x)
+        u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(7))
+        gumbel = -torch.log(-torch.log(u))
+        pixels = dvae.decoder(dvae.decoder_in(((logits + gumbel) / 0.5).softmax(1)))
+        err = (pixels - x).abs() if recon == "l1" else (pixels - x).pow(2)
+        assert torch.allclose(loss.recon, err.mean(), atol=1e-5)
+        tokens = dvae.encode(x)
+        hard = dvae.decoder(dvae.decoder_in(F.one_hot(tokens, 16).permute(0, 3, 1, 2).float()))
+        assert hard.max() > 1
+        assert torch.allclose(dvae.decode(tokens), hard.clamp(-1, 1), atol=1e-5)
+    with pytest.raises(ValueError, match="dvae: recon must be one of logit_laplace, l1, mse"):
+        DVAEConfig(recon="l2")
+
+
+def test_dvae_posterior_perplexities_count_the_codes_in_use():
+    """``posterior_perplexity`` (of the batch's mean posterior) and ``token_perplexity`` (of each
+    token's), the tokenizer runs' collapse gauges, on logits ``[B, K, h, w]`` over 16 codes."""
+    from unclip.train.tokens import posterior_metrics
+
+    flat = torch.zeros(2, 16, 2, 2)
+    assert posterior_metrics(flat) == pytest.approx(
+        {"posterior_perplexity": 16, "token_perplexity": 16}
+    )
+    # every token sure of its code; half the tokens on code 3, half on code 5
+    sure = torch.zeros(2, 16, 2, 2)
+    sure[0, 3], sure[1, 5] = 50.0, 50.0
+    assert posterior_metrics(sure) == pytest.approx(
+        {"posterior_perplexity": 2, "token_perplexity": 1}, abs=1e-4
+    )
+    # every token split evenly between codes 3 and 5
+    split = torch.zeros(2, 16, 2, 2)
+    split[:, 3], split[:, 5] = 50.0, 50.0
+    assert posterior_metrics(split) == pytest.approx(
+        {"posterior_perplexity": 2, "token_perplexity": 2}, abs=1e-4
+    )
 
 
 def test_dvae_kl_is_to_the_uniform_prior():

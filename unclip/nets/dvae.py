@@ -5,7 +5,8 @@ Encoder: a 7 × 7 convolution, four groups of bottleneck resblocks (widths ``n_h
 with 2 × 2 max-pooling between groups (8× downsampling), then ReLU and a 1 × 1 convolution to the
 ``K`` code logits. Decoder: a 1 × 1 convolution from the ``K``-way (relaxed) one-hot codes, four
 groups (widths ``n_hid · 8, 4, 2, 1``) with nearest 2× upsampling between them, then ReLU and a
-1 × 1 convolution to the logit-Laplace parameters ``μ, ln b`` of each colour channel. The paper's
+1 × 1 convolution to the logit-Laplace parameters ``μ, ln b`` of each colour channel (or to the
+pixels themselves under a plain L1 / L2 reconstruction term, ``recon``). The paper's
 stabilisers are kept: 1 × 1 convolutions on both sides of the relaxation (a small receptive field
 there made the relaxed bound generalise better to the true one), and each resblock's residual
 branch multiplied by ``1 / n_layers²`` (``n_layers`` = resblocks per stack) so training starts
@@ -15,7 +16,13 @@ Training maximises the relaxed evidence lower bound (§2.1, eq. 1): the gumbel-s
 (Jang et al. 2016; Maddison et al. 2016) of the posterior over codes at temperature ``τ``, the
 reconstruction term under the paper's logit-Laplace distribution (appendix A.3), and ``β`` times
 the KL divergence from the posterior to the uniform prior over the ``K`` codes
-(:meth:`DVAE.loss`). :func:`dvae_schedule` anneals ``τ`` from 1 to 1/16 and raises ``β`` from 0
+(:meth:`DVAE.loss`). ``DVAEConfig.recon`` picks the reconstruction term: ``logit_laplace``
+(the paper's) or a stated substitute, ``l1`` / ``mse`` (mean absolute / squared error of pixels in
+``[-1, 1]``, the decoder's three output channels read as the pixels). With its learned scale
+``b`` the logit-Laplace charges a pixel about ``1 + ln |error|`` once ``b`` fits the error, so flat
+backgrounds earn most of the likelihood and a small object's few wrong pixels cost little; the
+plain terms charge those pixels linearly or quadratically (the shapes config uses ``mse``).
+:func:`dvae_schedule` anneals ``τ`` from 1 to 1/16 and raises ``β`` from 0
 to 6.6 with the paper's schedule (appendix A.2) rescaled to a run's length.
 """
 
@@ -31,6 +38,7 @@ from torch import nn
 
 __all__ = [
     "LOGIT_LAPLACE_EPS",
+    "RECON_TERMS",
     "DVAEConfig",
     "DVAE",
     "DVAELoss",
@@ -41,6 +49,9 @@ __all__ = [
 
 #: the logit-Laplace pixel squeeze: [0, 1] → [ε, 1 - ε] (appendix A.3: ε = 0.1)
 LOGIT_LAPLACE_EPS = 0.1
+
+#: reconstruction terms: the paper's logit-Laplace, or plain L1 / L2 on pixels in [-1, 1]
+RECON_TERMS = ("logit_laplace", "l1", "mse")
 
 
 @dataclass
@@ -57,6 +68,14 @@ class DVAEConfig:
     #: resblock groups per stack (the paper's four: 8× downsampling); ``g`` groups downsample
     #: by ``2^(g-1)``, e.g. three for 4× (32 px → 8 × 8 tokens, where 8× would leave 4 × 4)
     groups: int = 4
+    #: the reconstruction term, one of :data:`RECON_TERMS` (see the module doc)
+    recon: str = "logit_laplace"
+
+    def __post_init__(self) -> None:
+        if self.recon not in RECON_TERMS:
+            raise ValueError(
+                f"dvae: recon must be one of {', '.join(RECON_TERMS)}, got {self.recon!r}"
+            )
 
     @property
     def downsampling(self) -> int:
@@ -115,8 +134,8 @@ def _stack(widths, n_in, blocks, n_layers, decoder) -> nn.Sequential:
 class DVAELoss(NamedTuple):
     """Scalars, all per image dimension (divided by ``3 · H · W``) so ``β`` keeps the paper's
     meaning: ``loss = recon + kl_weight · kl`` is the negative relaxed ELB per dimension;
-    ``recon`` the logit-Laplace negative log-likelihood, ``kl`` the summed per-token KL to the
-    uniform prior."""
+    ``recon`` the logit-Laplace negative log-likelihood (or the plain term's error), ``kl`` the
+    summed per-token KL to the uniform prior."""
 
     loss: torch.Tensor
     recon: torch.Tensor
@@ -141,7 +160,8 @@ class DVAE(nn.Module):
         self.decoder = nn.Sequential(
             _stack(widths[::-1], c.n_init, c.blocks_per_group, n_layers, True),
             nn.ReLU(),
-            nn.Conv2d(c.n_hid, 2 * 3, 1),
+            # μ and ln b per colour channel for the logit-Laplace, the pixels otherwise
+            nn.Conv2d(c.n_hid, 2 * 3 if c.recon == "logit_laplace" else 3, 1),
         )
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
@@ -156,13 +176,15 @@ class DVAE(nn.Module):
 
     def _params(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder input ``[B, d_init, h, w]`` → ``μ, ln b`` of the logit-Laplace, each
-        ``[B, 3, H, W]``."""
+        ``[B, 3, H, W]`` (under ``l1`` / ``mse``: the unclamped pixels and an empty ``ln b``)."""
         out = self.decoder(z)
         return out[:, :3], out[:, 3:]
 
-    @staticmethod
-    def _images(mu: torch.Tensor) -> torch.Tensor:
-        """The reconstruction: the squeezed pixel ``sigmoid(μ)`` mapped back to ``[-1, 1]``."""
+    def _images(self, mu: torch.Tensor) -> torch.Tensor:
+        """The reconstruction in ``[-1, 1]``: the logit-Laplace's squeezed pixel ``sigmoid(μ)``
+        mapped back, or the plain terms' pixels clamped."""
+        if self.config.recon != "logit_laplace":
+            return mu.clamp(-1, 1)
         x = (torch.sigmoid(mu) - LOGIT_LAPLACE_EPS) / (1 - 2 * LOGIT_LAPLACE_EPS)
         return x.clamp(0, 1) * 2 - 1
 
@@ -194,7 +216,8 @@ class DVAE(nn.Module):
     ) -> DVAELoss:
         """The negative relaxed ELB of ``images [B, 3, H, W]`` in ``[-1, 1]`` (§2.1):
         codes relaxed by gumbel-softmax at ``temperature`` (``τ``), reconstruction under the
-        logit-Laplace distribution, ``kl_weight`` (``β``) times the KL to the uniform prior."""
+        logit-Laplace distribution (or ``config.recon``'s plain term), ``kl_weight`` (``β``)
+        times the KL to the uniform prior."""
         if temperature <= 0:
             raise ValueError(f"dvae: temperature must be > 0, got {temperature!r}")
         logits = self.logits(images).float()  # [B, K, h, w]
@@ -205,7 +228,14 @@ class DVAE(nn.Module):
         soft = ((logits + gumbel) / temperature).softmax(1)
         mu, log_b = self._params(self.decoder_in(soft.to(images.dtype)))
         n_dims = images[0].numel()
-        recon = logit_laplace_nll(images, mu.float(), log_b.float()).flatten(1).sum(1)
+        recon_kind = self.config.recon
+        if recon_kind == "logit_laplace":
+            per_dim = logit_laplace_nll(images, mu.float(), log_b.float())
+        elif recon_kind == "l1":
+            per_dim = (mu.float() - images.float()).abs()
+        else:
+            per_dim = (mu.float() - images.float()).pow(2)
+        recon = per_dim.flatten(1).sum(1)
         log_q = logits.log_softmax(1)
         # KL(q ‖ U(K)) = Σ_k q_k log q_k + log K, per token, summed over the grid
         kl = ((log_q.exp() * log_q).sum(1) + math.log(self.config.num_codes)).flatten(1).sum(1)

@@ -9,7 +9,10 @@ sample generator, temperature and KL weight from :func:`~unclip.nets.dvae.dvae_s
 loop's step) or the VQGAN's reconstruction + codebook + commitment (+ perceptual) loss. Every log
 step it also reports what the tokenizer does at inference, on the step's last micro-batch: the
 round trip's mean squared error (``roundtrip_mse``, images in [-1, 1] → hard tokens → images) and
-the share of the codebook its tokens use (``codebook_usage``).
+the share of the codebook its tokens use (``codebook_usage``); for the dVAE also how widely its
+posterior spreads (``posterior_perplexity``: ``exp`` of the entropy of the posterior averaged over
+the batch's tokens, the number of codes in effective use; ``token_perplexity``: ``exp`` of the
+mean per-token entropy, near 1 once each token commits to one code), to see a collapse coming.
 
 :class:`TokenModelTask`: each batch's images are tokenized by the frozen tokenizer and its captions
 by the transformer's caption BPE; the loss is the transformer's own (DALL-E: text and image
@@ -32,7 +35,13 @@ from unclip.nets.token_components import load_tokenizer, save_component, tokeniz
 from unclip.train.loop import TrainLoop
 from unclip.train.token_config import TokenizerTrainConfig, TokenModelTrainConfig
 
-__all__ = ["TokenizerTask", "TokenModelTask", "train_tokenizer", "train_token_model"]
+__all__ = [
+    "TokenizerTask",
+    "posterior_metrics",
+    "TokenModelTask",
+    "train_tokenizer",
+    "train_token_model",
+]
 
 logger = logging.getLogger("unclip.train")
 
@@ -73,6 +82,21 @@ def roundtrip_metrics(tokenizer, images: torch.Tensor, num_codes: int) -> dict:
     }
 
 
+@torch.no_grad()
+def posterior_metrics(logits: torch.Tensor) -> dict:
+    """``posterior_perplexity`` and ``token_perplexity`` (see the module doc) of the dVAE's code
+    logits ``[B, K, h, w]``."""
+    log_q = logits.float().log_softmax(1).movedim(1, -1).flatten(0, -2)  # [tokens, K]
+    q = log_q.exp()
+    mean_q = q.mean(0)
+    batch_entropy = -(mean_q * mean_q.clamp_min(1e-30).log()).sum()
+    token_entropy = -(q * log_q).sum(1).mean()
+    return {
+        "posterior_perplexity": float(batch_entropy.exp()),
+        "token_perplexity": float(token_entropy.exp()),
+    }
+
+
 class TokenizerTask:
     """The tokenizer's training task (see the module doc)."""
 
@@ -106,7 +130,10 @@ class TokenizerTask:
             s = self.schedule()
             out = model(images, s.temperature, s.kl_weight, generators[0])
             self.avg.add(
-                recon=out.recon, kl=out.kl, temperature=s.temperature, kl_weight=s.kl_weight
+                recon=out.recon,
+                kl=out.kl,
+                temperature=s.temperature,
+                kl_weight=s.kl_weight,
             )
             return out.loss
         assert self.vq_loss is not None  # the other kind, vqgan, builds its loss in __init__
@@ -124,6 +151,10 @@ class TokenizerTask:
                     self.cfg.tokenizer.model.num_codes,
                 )
             )
+            if self.kind == "dvae":
+                with torch.no_grad():
+                    logits = self.loop.unwrapped.logits(self.last_images)
+                out.update(posterior_metrics(logits))
         return out
 
 
