@@ -2,9 +2,9 @@
 CPU.
 
 PyTorch's CPU flash-attention kernel computes bf16 at about its fp32 rate, and its backward is
-slow; in the bf16 training step of the 64 px decoder, computing ``q kᵀ``, the softmax and ``p v``
-as plain bf16 matrix products makes the step about 1.1× faster (benchmarks/README.md, "What bounds
-the step"). The cost: the scores of every attention layer are kept for the backward (memory
+slow; in the bf16 training step of the decoder, computing ``q kᵀ``, the softmax and ``p v`` as
+plain bf16 matrix products is faster (measured in benchmarks/README.md, "What bounds the step").
+The cost: the scores of every attention layer are kept for the backward (memory
 quadratic in the tokens, where the fused kernel's is linear) and they are rounded to bf16 before
 the softmax (about twice the fused kernel's rounding error against fp32). In sampling's forward
 pass alone it is not faster, so only the training step uses it.
