@@ -14,7 +14,9 @@ and exits 0.
 Per stage (diffusion prior; 64 px base decoder; one upsampler, 64 → 128 px by default,
 ``--upsampler-size 256`` for the paper's 64 → 256, about 4× slower per step) both libraries build a
 model of about the same parameter count (both counts are reported), at the same resolution, batch
-and precision (fp32), and run one step at a time in their own worker process:
+and precision (fp32; ``--mixed-precision bf16``: both under bf16 autocast, unclip's
+``train.mixed_precision`` and DALLE2's trainers handed ``Accelerator(mixed_precision="bf16")``),
+and run one step at a time in their own worker process:
 
 * unclip: its real training code, ``unclip.train.loop.TrainLoop.run_step`` with the stage's task
   (``PriorTask`` / ``DecoderTask`` / ``UpsamplerTask``: condition dropout, noising, the frozen CLIP
@@ -34,8 +36,10 @@ One untimed warm-up round, then ``--rounds`` rounds of one step per library, the
 (A B, B A, ...); the only process computing is the one timing its step. Ratios are medians of the
 per-round ratios (``common.paired_ratio``). Memory: each worker's ``ru_maxrss`` (peak RSS) and its
 increase over the high-water mark after the model, optimizer, EMA and batch were built (tracemalloc
-would miss torch's allocations). Then one more step of each under ``torch.profiler``: the operators
-with the most self CPU time.
+would miss torch's allocations). Then one more step of each under ``torch.utils.flop_counter``
+(FLOPs per sample, and per CPU second of the timed steps) and one under ``torch.profiler``: the
+operators with the most self CPU time. The ratio is also computed from each step's CPU seconds,
+steadier than wall time when other jobs share the cores.
 """
 
 from __future__ import annotations
@@ -145,7 +149,7 @@ def build_unclip(stage: str, spec: dict, workdir: str) -> dict:
         "clip": {"model_name": f"bench-{size}", "model_cfg": clip.model_cfg},
         "train": {
             # fp32 like DALLE2-pytorch's trainer by default; --mixed-precision auto: the default
-            # a user of unclip gets (bf16 on a CPU that runs it natively)
+            # a user of unclip gets (bf16 on a CPU that runs it natively); bf16: both sides bf16
             "mixed_precision": spec.get("mixed_precision", "no"),
             "max_grad_norm": 1.0,
             "grad_accum_steps": 1,  # one micro-batch per step, as DALLE2's trainer call
@@ -254,6 +258,12 @@ def build_dalle2(stage: str, spec: dict, workdir: str) -> dict:
     trainer_kw = dict(
         max_grad_norm=1.0, ema_beta=0.9999, ema_update_after_step=0, ema_update_every=1
     )
+    if spec.get("mixed_precision") == "bf16":
+        # its own switch: the Accelerator its trainers are handed runs the forward under bf16
+        # autocast (accelerate's prepare + the trainers' accelerator.autocast())
+        import accelerate
+
+        trainer_kw["accelerator"] = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
     if stage == "prior":
         net = DiffusionPriorNetwork(dim=d, max_text_len=ctx, **kw)
         prior = DiffusionPrior(
@@ -387,6 +397,11 @@ def worker(lib: str, stage: str, spec: dict) -> int:
                 send({"rss_peak_mb": peak, "rss_step_increase_mb": peak - rss_built})
             elif cmd["cmd"] == "profile":
                 send(common.profile_top(built["step"], cmd["top"]))
+            elif cmd["cmd"] == "flops":  # one more step under the FLOP counter (fwd + bwd)
+                with common.flop_counter() as fc:
+                    built["step"]()
+                ops = fc.get_flop_counts().get("Global", {})
+                send({"total": fc.get_total_flops(), "by_op": {str(k): v for k, v in ops.items()}})
             else:
                 break
     finally:
@@ -452,6 +467,7 @@ def run_stage(
                 + ", ".join(f"{lib} {steps[lib][-1]['s']:.3f} s" for lib in LIBS)
             )
         memory = {lib: workers[lib].ask("memory") for lib in LIBS}
+        flops = {lib: workers[lib].ask("flops") if profile else None for lib in LIBS}
         profiles = {lib: workers[lib].ask("profile", top=top) if profile else None for lib in LIBS}
     finally:
         for w in workers.values():
@@ -476,12 +492,23 @@ def run_stage(
             "median_step_s": common.median(s),
             "samples_per_s": b / common.median(s),
             "profile": profiles[lib],
+            "flops_per_step": flops[lib],
         }
+        if flops[lib] is not None:
+            cpu_s = common.median(
+                [x * c * spec["threads"] for x, c in zip(s, out[lib]["cpu_share"])]
+            )
+            out[lib]["gflop_per_sample"] = flops[lib]["total"] / b / 1e9
+            out[lib]["gflop_per_cpu_s"] = flops[lib]["total"] / cpu_s / 1e9
     u, d = out["unclip"]["step_s"], out["dalle2"]["step_s"]
     u_net = [x - c for x, c in zip(u, out["unclip"]["text_encode_s"])]
     # speed ratio: > 1 means unclip trains faster (DALLE2 seconds ÷ unclip seconds, per round)
     out["speed_ratio"] = common.paired_ratio(d, u)
     out["speed_ratio_of_medians"] = common.median(d) / common.median(u)
+    # the same from each step's CPU seconds: steadier than wall time when other jobs share the
+    # cores (a step that is descheduled waits without computing)
+    cpu = {lib: [x * c for x, c in zip(out[lib]["step_s"], out[lib]["cpu_share"])] for lib in LIBS}
+    out["speed_ratio_cpu_time"] = common.paired_ratio(cpu["dalle2"], cpu["unclip"])
     out["speed_ratio_without_text_encoding"] = common.paired_ratio(d, u_net)
     out["unclip_text_encode_share"] = common.median(
         [c / x for x, c in zip(u, out["unclip"]["text_encode_s"])]
@@ -526,11 +553,18 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--mixed-precision",
-        choices=("no", "auto"),
+        choices=("no", "auto", "bf16"),
         default="no",
-        help="unclip's train.mixed_precision: no (fp32, as DALLE2-pytorch's trainer; default) or "
-        "auto (unclip's default: bf16 autocast on a CPU that runs it natively; results go to "
-        "bench_peers_auto.json, bench_peers_sweep_auto.json)",
+        help="no: both fp32 (DALLE2-pytorch's default; default); bf16: both under bf16 autocast "
+        "(unclip's train.mixed_precision bf16, DALLE2's trainers handed "
+        "Accelerator(mixed_precision='bf16'); results in bench_peers_bf16.json); auto: unclip's "
+        "default (bf16 autocast on a CPU that runs it natively) against DALLE2's fp32 "
+        "(bench_peers_auto.json, bench_peers_sweep_auto.json)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results name, NAME or NAME:KEY (default: by --mixed-precision and --sweep, above)",
     )
     parser.add_argument(
         "--sweep",
@@ -594,8 +628,8 @@ def main(argv=None) -> int:
             result["stages"].append(
                 run_stage(stage, stage_spec, pythons, rounds, args.top, Path(logs))
             )
-    name = "bench_peers" if args.mixed_precision == "no" else "bench_peers_auto"
-    return common.finish(name, result, started, report)
+    name = "bench_peers" if args.mixed_precision == "no" else f"bench_peers_{args.mixed_precision}"
+    return common.finish(args.out or name, result, started, report)
 
 
 # the --sweep: (stage, batch, decoder resolution or None)
@@ -628,18 +662,21 @@ def sweep(spec: dict, pythons: dict, args, result: dict, started: float) -> int:
                 }
             )
     name = "bench_peers_sweep_quick" if args.quick else "bench_peers_sweep"
-    if args.mixed_precision == "auto":
-        name += "_auto"
+    if args.mixed_precision != "no":
+        name += f"_{args.mixed_precision}"
     result["plot"] = plot_sweep(
         result["sweep"], common.RESULTS / f"{name}.png", precision_label(result)
     )
-    return common.finish(name, result, started, report_sweep)
+    return common.finish(args.out or name, result, started, report_sweep)
 
 
 def precision_label(r: dict) -> str:
-    """How each library trained: fp32 both, or unclip's resolved ``auto`` against DALLE2's fp32."""
+    """How each library trained: fp32 both, bf16 both, or unclip's resolved ``auto`` against
+    DALLE2's fp32."""
+    if r["args"].get("mixed_precision") == "bf16":
+        return "both bf16 autocast"
     mp = r.get("unclip_mixed_precision", "no")
-    return "fp32" if mp == "no" else f"unclip {mp} autocast, DALLE2 fp32"
+    return "both fp32" if mp == "no" else f"unclip {mp} autocast, DALLE2 fp32"
 
 
 def plot_sweep(rows: list[dict], path: Path, precision: str = "fp32") -> str:
@@ -722,6 +759,17 @@ def report(r: dict) -> str:
                 "d_sps": d["samples_per_s"],
                 "ratio": s["speed_ratio"],
                 "ratio_net": s["speed_ratio_without_text_encoding"],
+                "ratio_cpu": s.get("speed_ratio_cpu_time", "-"),
+                "gflop": (
+                    f"{u['gflop_per_sample']:.3g} / {d['gflop_per_sample']:.3g}"
+                    if "gflop_per_sample" in u
+                    else "-"
+                ),
+                "rate": (
+                    f"{u['gflop_per_cpu_s']:.0f} / {d['gflop_per_cpu_s']:.0f}"
+                    if "gflop_per_cpu_s" in u
+                    else "-"
+                ),
                 "enc": f"{s['unclip_text_encode_share']:.1%}",
                 "rss": f"{u['rss_peak_mb']:.0f} / {d['rss_peak_mb']:.0f}",
                 "inc": f"{u['rss_step_increase_mb']:.0f} / {d['rss_step_increase_mb']:.0f}",
@@ -736,6 +784,9 @@ def report(r: dict) -> str:
         ("DALLE2 samples/s", "d_sps"),
         ("**unclip ÷ DALLE2 speed** (median of per-round ratios)", "ratio"),
         ("same, without unclip's CLIP text encoding", "ratio_net"),
+        ("same, from CPU seconds", "ratio_cpu"),
+        ("GFLOP/sample unclip / DALLE2", "gflop"),
+        ("GFLOP per CPU s", "rate"),
         ("CLIP text encoding share of unclip's step", "enc"),
         ("peak RSS MB unclip / DALLE2", "rss"),
         ("RSS increase in steps MB", "inc"),

@@ -84,20 +84,22 @@ class StageClock:
             h.remove()
 
     def _mark(self, name):
-        self.marks.setdefault(name, time.perf_counter())
+        self.marks.setdefault(name, (time.perf_counter(), time.process_time()))
 
     def __call__(self, fn):
+        """``(times, fn())``: wall seconds per stage and ``total``, and the process's CPU seconds
+        as ``"<stage> (CPU s)"`` (steadier than wall time when other jobs share the cores)."""
         self.marks = {}
-        t0 = time.perf_counter()
+        t0 = (time.perf_counter(), time.process_time())
         out = fn()
-        end = time.perf_counter()
-        times, start = {}, t0
+        end = (time.perf_counter(), time.process_time())
+        times, cpu, start = {}, {}, t0
         for a, b in zip(self.names, self.names[1:] + [None]):
             stop = self.marks[b] if b is not None else end
-            times[a] = stop - start
+            times[a], cpu[f"{a} (CPU s)"] = stop[0] - start[0], stop[1] - start[1]
             start = stop
-        times["total"] = end - t0
-        return times, out
+        times["total"], cpu["total (CPU s)"] = end[0] - t0[0], end[1] - t0[1]
+        return {**times, **cpu}, out
 
 
 def unclip_clock(pipe: UnCLIPPipeline) -> StageClock:
@@ -245,9 +247,9 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
         call.clock = clock
         return call
 
-    def diffusers_call():
-        times, out = d_clock(
-            lambda: dpipe(
+    def diffusers_images(autocast: bool):
+        with networks_autocast(dpipe) if autocast else contextlib.nullcontext():
+            out = dpipe(
                 prompts,
                 generator=torch.Generator().manual_seed(0),
                 output_type="np",
@@ -255,15 +257,21 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
                 decoder_num_inference_steps=steps["decoder"],
                 super_res_num_inference_steps=steps["upsampler"],
             )
-        )
-        captured["diffusers"] = torch.from_numpy(out.images).permute(0, 3, 1, 2)
-        return {k: v / n for k, v in times.items()}
+        return torch.from_numpy(out.images).permute(0, 3, 1, 2).float()
+
+    def diffusers_caller(name, autocast):
+        def call():
+            times, captured[name] = d_clock(lambda: diffusers_images(autocast))
+            return {k: v / n for k, v in times.items()}
+
+        return call
 
     # intermediate outputs of diffusers' stages, for the per-stage equality check
     grabs = {}
 
     def grab_embeds(module, args_, kwargs, out):
-        grabs["image_embeds"] = kwargs["image_embeddings"].clone()
+        # the first call's (the fp32 warm-up), as the low-res input below
+        grabs.setdefault("image_embeds", kwargs["image_embeddings"].clone())
 
     def grab_low_res(module, args_, kwargs):
         grabs.setdefault("low_res_up", kwargs["sample"][:, 3:].clone())
@@ -273,10 +281,13 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
     calls = {
         "unclip": unclip_caller("unclip", pipe),
         "unclip defaults": unclip_caller("unclip defaults", fast),
-        "diffusers": diffusers_call,
+        "diffusers": diffusers_caller("diffusers", autocast=False),
     }
+    if args.bf16_both:  # both sides' networks under bf16 autocast, both NCHW (the fp32 format)
+        calls["unclip bf16"] = unclip_caller("unclip bf16", with_autocast(pipe))
+        calls["diffusers bf16"] = diffusers_caller("diffusers bf16", autocast=True)
     runs = run_rounds(calls, args.repeats)
-    for h in (h1, h2, d_clock, calls["unclip"].clock, calls["unclip defaults"].clock):
+    for h in (h1, h2, d_clock, *(c.clock for k, c in calls.items() if k.startswith("unclip"))):
         h.remove()
     ours = captured["unclip"]
     size = pipe.upsamplers[0].config.sample_size
@@ -329,7 +340,9 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
         "final_image_max_abs_diff_vs_diffusers": float(d.abs().max()),
         "final_image_mean_abs_diff_vs_diffusers": float(d.abs().mean()),
     }
+    bf16 = bf16_both(runs, captured, ours.images) if args.bf16_both else None
     return {
+        "bf16_both": bf16,
         "steps": steps,
         "guidance": {"prior": 4.0, "decoder": 8.0, "upsampler": 1.0},
         "images_per_call": n,
@@ -344,6 +357,67 @@ def bench_vs_diffusers(args, pipe: UnCLIPPipeline, tmp: Path) -> dict:
             "decoder conditioning + loop (until the first super-res UNet call); "
             f"{sr} = super-res loop + output conversion"
         ),
+    }
+
+
+@contextlib.contextmanager
+def networks_autocast(dpipe):
+    """diffusers' denoising networks (prior, decoder, both super-res UNets) each called under CPU
+    bf16 autocast with their outputs back in fp32, as unclip's ``autocast_dtype`` runs its own.
+    (The whole diffusers call under autocast does not run: its text projection then returns bf16,
+    the decoder's latents are created in that dtype, and the bicubic upsampling of the bf16
+    decoder image is not implemented.)"""
+    nets = [dpipe.prior, dpipe.decoder, dpipe.super_res_first, dpipe.super_res_last]
+    for net in nets:
+        plain = net.forward
+
+        def forward(*a, _plain=plain, **k):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = _plain(*a, **k)
+            if isinstance(out, tuple):
+                return tuple(x.float() if torch.is_tensor(x) else x for x in out)
+            for key, x in out.items():
+                out[key] = x.float()
+            return out
+
+        net.forward = forward
+    try:
+        yield
+    finally:
+        for net in nets:
+            del net.forward  # back to the class's method
+
+
+def bf16_both(runs: dict, captured: dict, unclip_fp32: torch.Tensor) -> dict:
+    """unclip and diffusers both under bf16 autocast: time ratio per stage, and how far the two
+    bf16 images are from each other and from their own fp32 images ([0, 1] units)."""
+    u, d = runs["unclip bf16"], runs["diffusers bf16"]
+
+    def diff(a, b):
+        return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean())}
+
+    ub, db = captured["unclip bf16"].images, captured["diffusers bf16"]
+    return {
+        "memory_format": "NCHW (contiguous) on both sides",
+        "ratio_unclip_over_diffusers": {
+            s: common.paired_ratio([x[s] for x in u], [x[s] for x in d]) for s in u[0]
+        },
+        "ratio_of_medians": {s: medians(u)[s] / medians(d)[s] for s in u[0]},
+        "speedup_over_fp32": {
+            lib: {
+                s: common.paired_ratio(
+                    [x[s] for x in runs[lib]], [x[s] for x in runs[f"{lib} bf16"]]
+                )
+                for s in u[0]
+            }
+            for lib in ("unclip", "diffusers")
+        },
+        "final_image_diff": {
+            "unclip bf16 vs diffusers bf16": diff(ub, db),
+            "unclip bf16 vs unclip fp32": diff(ub, unclip_fp32),
+            "diffusers bf16 vs diffusers fp32": diff(db, captured["diffusers"]),
+            "unclip fp32 vs diffusers fp32": diff(unclip_fp32, captured["diffusers"]),
+        },
     }
 
 
@@ -673,6 +747,12 @@ def main(argv=None) -> int:
         help="results/<OUT>.json (default %(default)s; the defaults against diffusers were run "
         "with --skip options and stored as bench_sampling_defaults)",
     )
+    parser.add_argument(
+        "--bf16-both",
+        action="store_true",
+        help="also time unclip and diffusers both under bf16 autocast (NCHW on both sides) "
+        "against diffusers: ratios and image differences under vs_diffusers.bf16_both",
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.repeats < 3:
@@ -757,6 +837,41 @@ def report(r: dict) -> str:
         out.append(
             "equal outputs (same seed): " + ", ".join(f"{k} = {val:.3g}" for k, val in e.items())
         )
+        bf = v.get("bf16_both")
+        if bf is not None:
+            sec = v["seconds_per_image"]
+            rows = [
+                {
+                    "stage": s,
+                    "u": sec["unclip bf16"][s],
+                    "d": sec["diffusers bf16"][s],
+                    "ratio": bf["ratio_unclip_over_diffusers"][s],
+                    "su": bf["speedup_over_fp32"]["unclip"][s],
+                    "sd": bf["speedup_over_fp32"]["diffusers"][s],
+                }
+                for s in bf["ratio_unclip_over_diffusers"]
+            ]
+            out.append(
+                common.table(
+                    rows,
+                    [
+                        ("stage", "stage"),
+                        ("unclip bf16 s/image", "u"),
+                        ("diffusers bf16 s/image", "d"),
+                        ("unclip / diffusers (median of per-round ratios)", "ratio"),
+                        ("unclip bf16 speedup over its fp32", "su"),
+                        ("diffusers bf16 speedup over its fp32", "sd"),
+                    ],
+                    f"mid model: both under bf16 autocast, {bf['memory_format']}",
+                )
+            )
+            out.append(
+                "final image differences ([0, 1]): "
+                + "; ".join(
+                    f"{k}: max {d['max_abs']:.3g}, mean {d['mean_abs']:.3g}"
+                    for k, d in bf["final_image_diff"].items()
+                )
+            )
         f = v["unclip_defaults"]
         rows = [
             {

@@ -9,10 +9,11 @@ decoder 25 × 8, super-res 7, ``UnCLIPScheduler``), one thread, fp32: text encod
 and upsampler are each run once untimed (warm-up) and once under ``torch.profiler``, through the
 pipeline's stage methods (``encode_text``, ``sample_image_embeds``, ``decode``, ``upsample``).
 Reported per stage: wall seconds, the share of the whole call, and the operators with the most
-self CPU time. Then the same with the decoder and upsampler in channels-last (``pipe.to(
-memory_format=torch.channels_last)``), the CPU speed option that applies on every machine, and,
-where the CPU runs bf16 natively, at ``from_pretrained``'s defaults (channels-last and autocast
-``"auto"``, i.e. bf16): where the time goes in what a user gets.
+self CPU time. Then the same where the CPU runs bf16 natively under bf16 autocast
+(``pipe.autocast_dtype = torch.bfloat16``, NCHW: what diffusers' networks under autocast run),
+with the decoder and upsampler in channels-last (``pipe.to(memory_format=torch.channels_last)``,
+the CPU speed option that applies on every machine), and both (autocast ``"auto"`` and
+channels-last).
 
 Writes ``benchmarks/results/bench_sampling_profile.json``.
 """
@@ -80,10 +81,14 @@ def main(argv=None) -> int:
     pipe = models.mid_pipeline()
     result = {"machine": common.machine(), "steps": steps, "variants": {}}
     result["variants"]["default"] = stages(pipe, steps, args.top)
+    pipe.autocast_dtype = "auto"  # bf16 where the CPU runs it natively, else None
+    result["defaults_autocast_dtype"] = dtype_name(pipe.autocast_dtype)
+    if pipe.autocast_dtype is not None:
+        result["variants"]["bf16"] = stages(pipe, steps, args.top)
+    pipe.autocast_dtype = None
     pipe.to(memory_format=torch.channels_last)
     result["variants"]["channels_last"] = stages(pipe, steps, args.top)
-    pipe.autocast_dtype = "auto"  # from_pretrained's default
-    result["defaults_autocast_dtype"] = dtype_name(pipe.autocast_dtype)
+    pipe.autocast_dtype = "auto"
     if pipe.autocast_dtype is not None:
         result["variants"]["defaults"] = stages(pipe, steps, args.top)
     name = "bench_sampling_profile_quick" if args.quick else "bench_sampling_profile"
@@ -94,6 +99,7 @@ def report(r: dict) -> str:
     out = [f"machine: {common.machine_line(r['machine'])}"]
     default, cl = r["variants"]["default"], r["variants"]["channels_last"]
     fast = r["variants"].get("defaults")
+    bf = r["variants"].get("bf16")
     rows = [
         {
             "stage": k,
@@ -101,6 +107,14 @@ def report(r: dict) -> str:
             "share": f"{v['share_of_call']:.1%}",
             "cl_s": cl[k]["wall_s_profiled"],
             "speedup": v["wall_s_profiled"] / cl[k]["wall_s_profiled"],
+            **(
+                {
+                    "b_s": bf[k]["wall_s_profiled"],
+                    "b_speedup": v["wall_s_profiled"] / bf[k]["wall_s_profiled"],
+                }
+                if bf
+                else {}
+            ),
             **(
                 {
                     "d_s": fast[k]["wall_s_profiled"],
@@ -120,11 +134,13 @@ def report(r: dict) -> str:
         ("channels-last s", "cl_s"),
         ("channels-last speedup (one run)", "speedup"),
     ]
+    if bf:
+        cols += [("bf16 s", "b_s"), ("bf16 speedup (one run)", "b_speedup")]
     if fast:
         cols += [
-            ("defaults s", "d_s"),
-            ("defaults share", "d_share"),
-            (f"defaults ({r['defaults_autocast_dtype']}) speedup (one run)", "d_speedup"),
+            ("bf16 + channels-last s", "d_s"),
+            ("bf16 + channels-last share", "d_share"),
+            (f"{r['defaults_autocast_dtype']} + channels-last speedup (one run)", "d_speedup"),
         ]
     steps = r["steps"]
     out.append(
@@ -135,7 +151,12 @@ def report(r: dict) -> str:
             f"super-res {steps['upsampler']} steps, fp32, 1 thread",
         )
     )
-    for variant, stages_ in (("fp32", default), ("defaults", fast or {})):
+    named = (
+        ("fp32", default),
+        ("bf16 autocast, NCHW", r["variants"].get("bf16", {})),
+        ("bf16 autocast, channels-last", fast or {}),
+    )
+    for variant, stages_ in named:
         for k, v in stages_.items():
             prow = [
                 {"op": t["op"], "ms": t["self_cpu_ms"], "share": f"{t['share']:.1%}"}

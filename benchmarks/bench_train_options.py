@@ -4,8 +4,9 @@
     python benchmarks/bench_train_options.py --quick    # tiny model, about a minute
 
 One process per stage builds the stage as ``bench_peers.py`` does (its real ``TrainLoop`` and task,
-fp32, one thread) and times one training step under each variant in alternating rounds (A B C …,
-then reversed), switching the variant on the same model and optimizer between rounds:
+fp32 unless ``--mixed-precision bf16``, one thread) and times one training step under each variant
+in alternating rounds (A B C …, then reversed), switching the variant on the same model and
+optimizer between rounds:
 
 * ``base``: what training does by default — torch's AdamW as it picks its implementation (on a
   CPU: the per-parameter loop), diffusers' ``EMAModel`` updating one parameter at a time,
@@ -17,7 +18,8 @@ then reversed), switching the variant on the same model and optimizer between ro
   convolutions without layout reorders.
 
 Reported: the median step time per variant and the median of per-round ratios to ``base``
-(> 1: faster). Writes ``benchmarks/results/bench_train_options.json``.
+(> 1: faster), from wall and from CPU seconds. Writes
+``benchmarks/results/bench_train_options.json`` (``_bf16`` with ``--mixed-precision bf16``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ VARIANTS = {
 }
 
 
-def measure(stage: str, quick: bool, rounds: int, steps: int) -> dict:
+def measure(stage: str, quick: bool, rounds: int, steps: int, precision: str = "no") -> dict:
     import bench_peers
 
     setup = bench_peers.SETUPS["quick" if quick else "full"]
@@ -46,6 +48,7 @@ def measure(stage: str, quick: bool, rounds: int, steps: int) -> dict:
         "batch": setup["batch"][stage],
         "upsampler_sizes": list(setup["upsampler_sizes"]),
         "unclip_upsampler": setup["unclip_upsampler"],
+        "mixed_precision": precision,
     }
     built = bench_peers.build_unclip(stage, spec, tempfile.mkdtemp(prefix="bench-opts-"))
     loop = built["loop"]
@@ -62,16 +65,18 @@ def measure(stage: str, quick: bool, rounds: int, steps: int) -> dict:
 
     variants = VARIANTS[stage]
     times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}  # CPU seconds: steadier than wall time on a shared machine
     for v in variants:  # warm-up: each path once (allocations, oneDNN primitive caches)
         use(v)
         built["step"]()
     for i in range(rounds):
         for v in common.rounds_order(variants, i):
             use(v)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(steps):
                 built["step"]()
             times[v].append((time.perf_counter() - t0) / steps)
+            cpu[v].append((time.process_time() - c0) / steps)
         common.log(
             f"{stage} round {i + 1}/{rounds}: "
             + ", ".join(f"{v} {times[v][-1]:.3f} s" for v in variants)
@@ -80,10 +85,12 @@ def measure(stage: str, quick: bool, rounds: int, steps: int) -> dict:
         "stage": stage,
         "batch": spec["batch"],
         "step_s": times,
+        "cpu_s": cpu,
         "variants": {
             v: {
                 "median_step_s": common.median(times[v]),
                 "speedup_vs_base": common.paired_ratio(times["base"], times[v]),
+                "speedup_vs_base_cpu_time": common.paired_ratio(cpu["base"], cpu[v]),
             }
             for v in variants
         },
@@ -96,15 +103,30 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per variant and round")
     p.add_argument("--stages", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument(
+        "--mixed-precision",
+        choices=("no", "bf16"),
+        default="no",
+        help="train.mixed_precision of every variant (default no: fp32; bf16: results in "
+        "bench_train_options_bf16.json)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     rounds = args.rounds or (2 if args.quick else 5)
-    result = {"machine": common.machine(), "quick": args.quick, "rounds": rounds, "stages": []}
+    result = {
+        "machine": common.machine(),
+        "quick": args.quick,
+        "rounds": rounds,
+        "mixed_precision": args.mixed_precision,
+        "stages": [],
+    }
     for stage in args.stages:
         steps = args.steps or (2 if args.quick or stage != "prior" else 4)
-        result["stages"].append(measure(stage, args.quick, rounds, steps))
+        result["stages"].append(measure(stage, args.quick, rounds, steps, args.mixed_precision))
     name = "bench_train_options_quick" if args.quick else "bench_train_options"
+    if args.mixed_precision != "no":
+        name += f"_{args.mixed_precision}"
     return common.finish(name, result, started, report)
 
 
@@ -119,8 +141,10 @@ def report(r: dict) -> str:
         ("variant", "variant"),
         ("median step s", "median_step_s"),
         ("speedup vs base (median of per-round ratios)", "speedup_vs_base"),
+        ("same, from CPU seconds", "speedup_vs_base_cpu_time"),
     ]
-    title = f"training-step options, fp32, 1 thread, {r['rounds']} rounds"
+    precision = {"no": "fp32", "bf16": "bf16 autocast"}[r.get("mixed_precision", "no")]
+    title = f"training-step options, {precision}, 1 thread, {r['rounds']} rounds"
     return f"machine: {common.machine_line(r['machine'])}\n" + common.table(rows, cols, title)
 
 

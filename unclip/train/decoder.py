@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from unclip.diffusion.loop import diffusion_loss, training_scheduler
+from unclip.nets.attention import explicit_attention
 from unclip.nets.clip import CLIP
 from unclip.nets.decoder import (
     Caption,
@@ -40,6 +41,7 @@ from unclip.sampling.stages import sample_upsampler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop, sample_generators
+from unclip.train.optimizers import auto_mixed_precision
 from unclip.train.repa import (
     RepaDecoder,
     alignment_loss,
@@ -189,19 +191,25 @@ class DecoderTask:
         self.null = encode_captions(cfg.decoder, clip, [""])
         self.noise_sched = training_scheduler(cfg.diffusion)
         self.parts: dict[str, list[float]] = {}
+        self.explicit_attention = torch.device(device).type == "cpu" and (
+            auto_mixed_precision(cfg.train.mixed_precision, gpu=False) == "bf16"
+        )
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
-        return decoder_loss(
-            model,
-            batch,
-            self.clip,
-            self.null,
-            generators,
-            self.cfg,
-            self.noise_sched,
-            self.device,
-            self.parts,
-        )
+        # on a CPU in bf16 the attention as plain matrix products trains faster than PyTorch's
+        # fused kernel (unclip.nets.attention); the forward's choice also sets the backward's
+        with explicit_attention(model, self.explicit_attention):
+            return decoder_loss(
+                model,
+                batch,
+                self.clip,
+                self.null,
+                generators,
+                self.cfg,
+                self.noise_sched,
+                self.device,
+                self.parts,
+            )
 
     def log_metrics(self) -> dict:
         """The mean alignment loss (``repa_loss``, before ``repa.weight``) since the last call."""

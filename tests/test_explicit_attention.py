@@ -1,0 +1,68 @@
+"""The decoder's attention as plain matrix products (unclip.nets.attention): the same outputs and
+gradients as diffusers' SDPA processor, processors put back after the block, and the decoder's
+training loss using it on a CPU in bf16 only."""
+
+import pytest
+import torch
+from conftest import CONFIGS, gens
+from diffusers.models.attention_processor import Attention, AttnAddedKVProcessor2_0
+
+from unclip.nets.attention import ExplicitAddedKVProcessor, explicit_attention
+from unclip.nets.text_encoding import TextEncoding
+from unclip.train.config import load_stage_config
+
+TINY = CONFIGS / "tiny" / "decoder.yaml"
+
+
+def _processors(model):
+    return [type(m.processor) for m in model.modules() if isinstance(m, Attention)]
+
+
+def _forward(pipe, x, cond):
+    out = pipe.decoder(x, torch.tensor([10, 500]), cond=cond)
+    out.square().mean().backward()
+    return out.detach(), x.grad.clone()
+
+
+def test_explicit_attention_equals_sdpa_with_a_text_mask(tiny_pipe):
+    dec = tiny_pipe.decoder
+    assert AttnAddedKVProcessor2_0 in _processors(dec)
+    text = tiny_pipe.encode_text(["a red circle", "two blue squares and a long caption"])
+    both = TextEncoding.cat([tiny_pipe.null_text(1), text[:1]])
+    assert not both.text_mask.all()  # padding masked out: the mask path is exercised
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # one conditioning for both passes, outside their graphs
+        cond = dec.condition(torch.randn(2, tiny_pipe.clip.embed_dim, generator=g), both)
+    size = dec.config.sample_size
+    x0 = torch.randn(2, 3, size, size, generator=g)
+    ref, ref_grad = _forward(tiny_pipe, x0.clone().requires_grad_(), cond)
+    with explicit_attention(dec) as swapped:
+        assert swapped > 0 and AttnAddedKVProcessor2_0 not in _processors(dec)
+        out, grad = _forward(tiny_pipe, x0.clone().requires_grad_(), cond)
+    assert AttnAddedKVProcessor2_0 in _processors(dec)  # put back
+    assert ExplicitAddedKVProcessor not in _processors(dec)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
+    # under bf16 autocast: within bf16 rounding of the fused kernel's bf16 result
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        fused = dec(x0, torch.tensor([10, 500]), cond=cond).float()
+        with explicit_attention(dec):
+            plain = dec(x0, torch.tensor([10, 500]), cond=cond).float()
+    assert ((plain - fused).norm() / fused.norm()).item() < 0.03
+
+
+@pytest.mark.parametrize("precision, expected", [("bf16", True), ("no", False)])
+def test_decoder_training_loss_uses_it_on_a_cpu_in_bf16_only(tiny_clip, precision, expected):
+    from unclip.train.decoder import DecoderTask, build_image_model
+
+    cfg = load_stage_config(TINY, [f"train.mixed_precision={precision}"])
+    torch.manual_seed(0)
+    model = build_image_model(cfg, tiny_clip)
+    task = DecoderTask(cfg, tiny_clip, "cpu")
+    seen = []
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    attn.register_forward_pre_hook(lambda m, a: seen.append(type(m.processor)))
+    batch = {"image": torch.rand(2, 3, 16, 16) * 2 - 1, "caption": ["a red circle", "two"]}
+    task.loss(model, batch, gens(1, 2))
+    assert seen and all((p is ExplicitAddedKVProcessor) == expected for p in seen)
+    assert type(attn.processor) is AttnAddedKVProcessor2_0  # put back after the loss
