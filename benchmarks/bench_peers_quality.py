@@ -1,10 +1,19 @@
-"""Prior quality per CPU-minute: this library's trainer vs DALLE2-pytorch's, on the shapes world.
+"""Time to quality: this library's trainers vs DALLE2-pytorch's, prior and decoder, shapes world.
 
     python benchmarks/bench_peers_quality.py --peers-python /work/venv-peers/bin/python
-    python benchmarks/bench_peers_quality.py --budget 1200 ...   # CPU seconds per trainer
-    python benchmarks/bench_peers_quality.py --quick ...         # about two minutes: runs the path
+    python benchmarks/bench_peers_quality.py --stage prior --budget 1200 ...  # CPU s per trainer
+    python benchmarks/bench_peers_quality.py --quick ...   # a few minutes: runs every path
 
-``bench_peers.py`` compares one training step; this compares what a CPU budget buys. Both trainers
+``bench_peers.py`` compares one training step; this compares what CPU time buys, as curves: each
+trainer keeps its EMA weights at 1/8, 1/4, 1/2 and all of its steps (``peers_marks.py``; the CPU
+time spent keeping them is not counted), and after training each kept model is scored. The time
+to quality of a trainer is the CPU time at which its curve first reaches a threshold (by default
+the best score both curves reach), interpolated linearly between the two marks around it. The
+marks lie on one run's warmup-cosine schedule, so an early mark is a model still at a high
+learning rate, not what a run of that length would end with (the same for both trainers).
+
+The decoder half is ``peers_decoder.py`` (its docstring: the models, options and scoring). For
+the prior, both trainers
 train a diffusion prior of the same size (the shapes recipe's, ``configs/shapes/prior.yaml``: a
 4-layer transformer of width 128 over the bundled shapes CLIP's 64-d embeddings; DALLE2's
 ``DiffusionPriorNetwork`` sized to the same parameter count, reported) on the same rows: ``--rows``
@@ -29,7 +38,8 @@ guidance 2, best of 2 by similarity to the caption; DALLE2: its ``p_sample_loop`
 to the true image embedding and to the caption's text embedding. For scale: the mean cosine of the
 true embeddings to their mean, what a prior that ignores the caption reaches.
 
-Writes ``benchmarks/results/bench_peers_quality.json`` (``_quick`` with ``--quick``).
+Writes ``benchmarks/results/bench_peers_quality.json`` (``_quick`` with ``--quick``) and, where
+matplotlib is installed, a ``.png`` of both curves per stage.
 """
 
 from __future__ import annotations
@@ -113,10 +123,17 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
         },
         work / "dalle2_data.pt",
     )
+    return summary(work)
+
+
+def summary(work: Path) -> dict:
+    """What the prior's data was, read back from the tensors :func:`prepare` saved."""
+    data = torch.load(work / "dalle2_data.pt")
+    truth = data["eval_truth"]
     return {
-        "rows": len(images),
-        "distinct_captions": len(unique),
-        "eval_captions": len(captions),
+        "rows": len(data["image_embed"]),
+        "distinct_captions": len(data["text_embed"]),
+        "eval_captions": len(truth),
         "baseline_cos_true_to_mean_true": float(
             F.cosine_similarity(truth, truth.mean(0, keepdim=True)).mean()
         ),
@@ -303,6 +320,7 @@ WORKERS = {
     ("decoder", "unclip"): peers_decoder.run_unclip,
     ("decoder", "dalle2"): peers_decoder.run_dalle2,
 }
+LIBS = ("unclip", "dalle2")
 # what each stage's curve is scored by, and its name in the tables
 QUALITY = {
     "prior": ("cos_to_true_image_embed", "cos to true image embed"),
@@ -324,7 +342,7 @@ def run_pair(stage: str, args, work: Path, budget: float, calib: int) -> dict:
         [str(common.ROOT), str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
     )
     procs = {}
-    for lib, python in (("unclip", sys.executable), ("dalle2", args.peers_python)):
+    for lib, python in zip(LIBS, (sys.executable, args.peers_python)):
         log = (work / f"{stage}_{lib}.log").open("w")
         cmd = [python, __file__, "--worker", stage, lib, str(work), str(budget), str(calib)]
         procs[lib] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=common.ROOT)
@@ -346,10 +364,10 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=65536, help="prior: shapes-world training rows")
     p.add_argument("--eval", type=int, default=256, help="prior: held-out captions to sample")
     p.add_argument(
-        "--decoder-budget", type=float, default=900.0, help="decoder: CPU seconds per trainer"
+        "--decoder-budget", type=float, default=450.0, help="decoder: CPU seconds per trainer"
     )
     p.add_argument(
-        "--decoder-rows", type=int, default=32768, help="decoder: scenes handed to DALLE2"
+        "--decoder-rows", type=int, default=12288, help="decoder: scenes handed to DALLE2"
     )
     p.add_argument(
         "--decoder-eval", type=int, default=48, help="decoder: held-out single-object prompts"
@@ -358,6 +376,12 @@ def main(argv=None) -> int:
     p.add_argument("--decoder-threshold", type=float, default=None, help="default: both reach it")
     p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp folder)")
     p.add_argument("--quick", action="store_true", help="a few seconds of training each")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a stage's finished trainer results from --work (same budgets) instead of "
+        "training again",
+    )
     p.add_argument(
         "--peers-python",
         default=os.environ.get("UNCLIP_PEERS_PYTHON", sys.executable),
@@ -399,28 +423,40 @@ def main(argv=None) -> int:
     for stage in stages:
         work = args.work / stage
         work.mkdir(parents=True, exist_ok=True)
+        reuse = args.reuse and all((work / f"{stage}_{lib}.json").is_file() for lib in LIBS)
         if stage == "prior":
-            common.log(f"embedding {args.rows} shapes-world rows")
+            if not reuse:
+                common.log(f"embedding {args.rows} shapes-world rows")
             r = {
                 "budget_cpu_seconds": args.budget,
                 "recipe": RECIPE,
                 "dalle2_network": DALLE2_NET,
-                **prepare(work, args.rows, args.eval),
+                **(summary(work) if reuse else prepare(work, args.rows, args.eval)),
             }
-            r["trainers"] = run_pair(stage, args, work, args.budget, calib)
-            threshold = args.prior_threshold
+            budget, steps, threshold = args.budget, calib, args.prior_threshold
         else:
-            common.log(f"rendering {args.decoder_rows} shapes-world scenes for DALLE2")
+            if not reuse:
+                common.log(f"rendering {args.decoder_rows} shapes-world scenes for DALLE2")
             r = {
                 "budget_cpu_seconds": args.decoder_budget,
                 "recipe": peers_decoder.RECIPE,
                 "dalle2_unet": peers_decoder.DALLE2_UNET,
                 "dalle2_decoder": peers_decoder.DALLE2_DECODER,
                 "sampling": peers_decoder.SAMPLING,
-                **peers_decoder.prepare(work, args.decoder_rows, args.decoder_eval),
+                **(
+                    peers_decoder.summary(work)
+                    if reuse
+                    else peers_decoder.prepare(work, args.decoder_rows, args.decoder_eval)
+                ),
             }
-            r["trainers"] = run_pair(stage, args, work, args.decoder_budget, dcalib)
-            threshold = args.decoder_threshold
+            budget, steps, threshold = args.decoder_budget, dcalib, args.decoder_threshold
+        if reuse:
+            common.log(f"{stage}: the trainers' results already in {work}")
+            r["trainers"] = {
+                lib: json.loads((work / f"{stage}_{lib}.json").read_text()) for lib in LIBS
+            }
+        else:
+            r["trainers"] = run_pair(stage, args, work, budget, steps)
         curves = {lib: row["curve"] for lib, row in r["trainers"].items()}
         r["time_to_threshold"] = threshold_summary(curves, QUALITY[stage][0], threshold)
         result["stages"][stage] = r

@@ -105,7 +105,17 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
         {"captions": held, "truth": truth.float(), "text_tokens": eval_tokens},
         work / "decoder_eval.pt",
     )
-    return {"rows": rows, "distinct_captions": len(unique), "eval_prompts": n_eval}
+    return summary(work)
+
+
+def summary(work: Path) -> dict:
+    """What the decoder's data was, read back from the tensors :func:`prepare` saved."""
+    data = torch.load(work / "dalle2_decoder_data.pt")
+    return {
+        "rows": len(data["images"]),
+        "distinct_captions": len(data["text_tokens"]),
+        "eval_prompts": len(torch.load(work / "decoder_eval.pt")["captions"]),
+    }
 
 
 def single_all(images_uint8, captions) -> float:
