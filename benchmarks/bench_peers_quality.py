@@ -319,6 +319,8 @@ WORKERS = {
     ("prior", "dalle2"): run_dalle2,
     ("decoder", "unclip"): peers_decoder.run_unclip,
     ("decoder", "dalle2"): peers_decoder.run_dalle2,
+    ("decoder-rescore", "unclip"): lambda work, *_: peers_decoder.rescore(work, "unclip"),
+    ("decoder-rescore", "dalle2"): lambda work, *_: peers_decoder.rescore(work, "dalle2"),
 }
 LIBS = ("unclip", "dalle2")
 # what each stage's curve is scored by, and its name in the tables
@@ -346,7 +348,7 @@ def run_pair(stage: str, args, work: Path, budget: float, calib: int) -> dict:
         log = (work / f"{stage}_{lib}.log").open("w")
         cmd = [python, __file__, "--worker", stage, lib, str(work), str(budget), str(calib)]
         procs[lib] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=common.ROOT)
-        common.log(f"training the {stage} with {lib} for {budget:.0f} CPU s (log: {log.name})")
+        common.log(f"{stage} with {lib}, {budget:.0f} CPU s (log: {log.name})")
     rows = {}
     for lib, proc in procs.items():
         if proc.wait() != 0:
@@ -381,6 +383,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="take a stage's finished trainer results from --work (same budgets) instead of "
         "training again",
+    )
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="with --reuse: score the decoders' kept weights again",
     )
     p.add_argument(
         "--peers-python",
@@ -455,10 +462,14 @@ def main(argv=None) -> int:
             r["trainers"] = {
                 lib: json.loads((work / f"{stage}_{lib}.json").read_text()) for lib in LIBS
             }
+            if stage == "decoder" and args.rescore:
+                r["trainers"] = run_pair("decoder-rescore", args, work, budget, steps)
         else:
             r["trainers"] = run_pair(stage, args, work, budget, steps)
         curves = {lib: row["curve"] for lib, row in r["trainers"].items()}
         r["time_to_threshold"] = threshold_summary(curves, QUALITY[stage][0], threshold)
+        if stage == "decoder":  # the graded figure, for curves that stay at 0 whole-image right
+            r["time_to_threshold_parts"] = threshold_summary(curves, "single_parts")
         result["stages"][stage] = r
     if tmp is not None:
         tmp.cleanup()
@@ -486,7 +497,8 @@ def report(r: dict) -> str:
         title = (
             f"{stage}, {s['budget_cpu_seconds']:.0f} CPU s each; CPU minutes to {label} "
             f"{tt['threshold']:.3f}: unclip {_fmt(tt['unclip'])}, DALLE2 {_fmt(tt['dalle2'])}; "
-            f"DALLE2 / unclip {tt['ratio_dalle2_over_unclip'] or float('nan'):.2f}"
+            f"DALLE2 / unclip {tt['ratio_dalle2_over_unclip'] or float('nan'):.2f}, "
+            f"{tt['ratio_is']}"
         )
         out.append(common.table(rows, cols, title))
     return "\n\n".join(out)

@@ -118,21 +118,87 @@ def summary(work: Path) -> dict:
     }
 
 
-def single_all(images_uint8, captions) -> float:
+PARTS = ("color", "shape", "size", "position", "objects")
+
+
+def single_scores(images_uint8, captions) -> dict:
+    """The detector's single-object scores: ``single_all`` (every part right, the figure
+    ``unclip shapes-eval`` reports), each part's fraction, and their mean ``single_parts`` (a
+    graded figure for models not yet getting whole images right)."""
     from unclip.shapes.detector import evaluate_images
 
-    return evaluate_images(list(images_uint8), captions)["single"]["all"]
+    single = evaluate_images(list(images_uint8), captions)["single"]
+    parts = {k: single[k] for k in PARTS}
+    return {
+        "single_all": single["all"],
+        "single_parts": sum(parts.values()) / len(parts),
+        "single": parts,
+    }
+
+
+def _point(mark: dict, images, captions, seconds: float) -> dict:
+    return {
+        "step": mark["step"],
+        "cpu_seconds": mark["cpu_seconds"],
+        **single_scores(images, captions),
+        "seconds_per_image": seconds / len(captions),
+    }
+
+
+def rescore(work: Path, lib: str) -> dict:
+    """Score again the weights a finished run kept (``decoder_<lib>.json`` in ``work``)."""
+    row = json.loads((work / f"decoder_{lib}.json").read_text())
+    folder = work / ("unclip_decoder/marks" if lib == "unclip" else "d2_marks")
+    marks = [{**m, "path": str(folder / f"step_{m['step']:07d}.pt")} for m in row["curve"]]
+    row["curve"] = score_unclip(work, marks) if lib == "unclip" else score_dalle2(work, marks)
+    return row
 
 
 # --------------------------------------------------------------------------------------- unclip
-def run_unclip(work: Path, budget: float, calib: int) -> dict:
+UNCLIP_SAMPLING = {"scheduler": "ddim", "best_of": 1, **SAMPLING}
+
+
+def score_unclip(work: Path, marks: list[dict]) -> list[dict]:
     import common
-    from bench_ar_prior import steps_for_budget, train
-    from peers_marks import CpuClock, mark_steps, unclip_marks
 
     from unclip.nets.decoder import UnCLIPDecoder
     from unclip.pipeline.pipeline import UnCLIPPipeline
     from unclip.utils.images import to_output
+
+    folder = work / "unclip_decoder" / "run" / "final" / "decoder"
+    decoder = UnCLIPDecoder.from_pretrained(folder).eval()
+    meta = json.loads((folder / "unclip_stage.json").read_text())
+    ev = torch.load(work / "decoder_eval.pt")
+    clip = common.fp32_pipeline().clip
+    curve = []
+    for mark in marks:
+        decoder.load_state_dict(torch.load(mark["path"]))
+        pipe = UnCLIPPipeline(clip, None, decoder, [], diffusion={"decoder": meta["diffusion"]})
+        n = len(ev["captions"])
+        t0 = time.perf_counter()
+        images = []
+        for s in range(0, n, 32):
+            caps = ev["captions"][s : s + 32]
+            res = pipe(
+                caps,
+                generator=[torch.Generator().manual_seed(s + i) for i in range(len(caps))],
+                sampling={"decoder": UNCLIP_SAMPLING},
+                output_type="pt",
+                progress=False,
+                image_embeds=ev["truth"][s : s + 32],
+                last_stage="decoder",
+            )
+            images.extend(to_output(res.images, "uint8"))
+        curve.append(_point(mark, images, ev["captions"], time.perf_counter() - t0))
+        common.log(f"unclip decoder at step {mark['step']}: {curve[-1]}")
+    return curve
+
+
+def run_unclip(work: Path, budget: float, calib: int) -> dict:
+    from bench_ar_prior import steps_for_budget, train
+    from peers_marks import CpuClock, mark_steps, unclip_marks
+
+    from unclip.nets.decoder import UnCLIPDecoder
 
     overrides = [f"data.batch_size={RECIPE['batch_size']}"] + [
         f"train.{k}={v}" for k, v in RECIPE.items() if k != "batch_size"
@@ -144,41 +210,9 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
         clock.start()
         cpu, wall, records = train("decoder", out, [f"train.max_steps={plan['steps']}", *overrides])
     folder = out / "final" / "decoder"
-    decoder = UnCLIPDecoder.from_pretrained(folder).eval()
+    decoder = UnCLIPDecoder.from_pretrained(folder)
     meta = json.loads((folder / "unclip_stage.json").read_text())
-    ev = torch.load(work / "decoder_eval.pt")
-    pipe = common.fp32_pipeline()
-    sampling = {"decoder": {"scheduler": "ddim", "best_of": 1, **SAMPLING}}
-    curve = []
-    for mark in marks:
-        decoder.load_state_dict(torch.load(mark["path"]))
-        pipe = UnCLIPPipeline(
-            pipe.clip, None, decoder, [], diffusion={"decoder": meta["diffusion"]}
-        )
-        n = len(ev["captions"])
-        t0 = time.perf_counter()
-        images = []
-        for s in range(0, n, 32):
-            caps = ev["captions"][s : s + 32]
-            res = pipe(
-                caps,
-                generator=[torch.Generator().manual_seed(s + i) for i in range(len(caps))],
-                sampling=sampling,
-                output_type="pt",
-                progress=False,
-                image_embeds=ev["truth"][s : s + 32],
-                last_stage="decoder",
-            )
-            images.extend(to_output(res.images, "uint8"))
-        curve.append(
-            {
-                "step": mark["step"],
-                "cpu_seconds": mark["cpu_seconds"],
-                "single_all": single_all(images, ev["captions"]),
-                "seconds_per_image": (time.perf_counter() - t0) / n,
-            }
-        )
-        common.log(f"unclip decoder at step {mark['step']}: {curve[-1]['single_all']:.3f}")
+    curve = score_unclip(work, marks)
     return {
         **plan,
         "params": sum(p.numel() for p in decoder.parameters()),
@@ -188,50 +222,55 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
             :: max(1, len(records) // 200)
         ],
         "curve": curve,
-        "sampling": {**sampling["decoder"], "diffusion": meta["diffusion"]},
+        "sampling": {**UNCLIP_SAMPLING, "diffusion": meta["diffusion"]},
     }
 
 
 # --------------------------------------------------------------------------------------- DALLE2
-def run_dalle2(work: Path, budget: float, calib: int) -> dict:
+def build_dalle2(work: Path, steps: int, data: dict | None = None):
+    """DALLE2's decoder and its trainer with a schedule of ``steps``, sized from the data."""
     from dalle2_pytorch import Decoder, DecoderTrainer, Unet
+
+    data = data or torch.load(work / "dalle2_decoder_data.pt")
+    d = data["image_embed"].shape[1]
+    random.seed(0)
+    torch.manual_seed(0)
+    unet = Unet(
+        image_embed_dim=d,
+        text_embed_dim=d,
+        cond_on_text_encodings=True,
+        max_text_len=data["text_tokens"].shape[1],
+        **DALLE2_UNET,
+    )
+    decoder = Decoder(
+        unet=unet,
+        image_sizes=(data["images"].shape[-1],),
+        sample_timesteps=SAMPLING["steps"],
+        image_cond_drop_prob=RECIPE["image_embed_drop_prob"],
+        text_cond_drop_prob=RECIPE["text_drop_prob"],
+        **DALLE2_DECODER,
+    )
+    trainer = DecoderTrainer(
+        decoder,
+        lr=RECIPE["lr"],
+        wd=RECIPE["weight_decay"],
+        max_grad_norm=RECIPE["max_grad_norm"],
+        warmup_steps=RECIPE["warmup_steps"],
+        cosine_decay_max_steps=steps,
+        ema_beta=RECIPE["ema_decay"],
+        ema_update_after_step=0,
+        ema_update_every=1,
+    )
+    return decoder, trainer
+
+
+def run_dalle2(work: Path, budget: float, calib: int) -> dict:
     from peers_marks import CpuClock, keep, mark_steps
 
     data = torch.load(work / "dalle2_decoder_data.pt")
-    d = data["image_embed"].shape[1]
-    ctx = data["text_tokens"].shape[1]
-    res = data["images"].shape[-1]
 
     def build(steps: int):
-        random.seed(0)
-        torch.manual_seed(0)
-        unet = Unet(
-            image_embed_dim=d,
-            text_embed_dim=d,
-            cond_on_text_encodings=True,
-            max_text_len=ctx,
-            **DALLE2_UNET,
-        )
-        decoder = Decoder(
-            unet=unet,
-            image_sizes=(res,),
-            sample_timesteps=SAMPLING["steps"],
-            image_cond_drop_prob=RECIPE["image_embed_drop_prob"],
-            text_cond_drop_prob=RECIPE["text_drop_prob"],
-            **DALLE2_DECODER,
-        )
-        trainer = DecoderTrainer(
-            decoder,
-            lr=RECIPE["lr"],
-            wd=RECIPE["weight_decay"],
-            max_grad_norm=RECIPE["max_grad_norm"],
-            warmup_steps=RECIPE["warmup_steps"],
-            cosine_decay_max_steps=steps,
-            ema_beta=RECIPE["ema_decay"],
-            ema_update_after_step=0,
-            ema_update_every=1,
-        )
-        return decoder, trainer
+        return build_dalle2(work, steps, data)
 
     order = torch.Generator().manual_seed(0)
 
@@ -270,6 +309,24 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
     t0 = time.perf_counter()
     cpu_s, losses, marks = train(trainer, steps, set(mark_steps(steps)), None, work / "d2_marks")
     wall = time.perf_counter() - t0
+    curve = score_dalle2(work, marks, decoder)
+    return {
+        "cpu_seconds_per_step": step_s,
+        "fixed_cpu_seconds": fixed,
+        "steps": steps,
+        "params": sum(p.numel() for p in decoder.unets[0].parameters()),
+        "train_cpu_seconds": cpu_s,
+        "train_wall_seconds": wall,
+        "loss_curve": losses[:: max(1, len(losses) // 200)],
+        "curve": curve,
+        "sampling": {"sample_timesteps": SAMPLING["steps"], "cond_scale": 2.0, "ddim_eta": 0.0},
+        "options": {**DALLE2_UNET, **DALLE2_DECODER},
+    }
+
+
+def score_dalle2(work: Path, marks: list[dict], decoder=None) -> list[dict]:
+    if decoder is None:
+        decoder = build_dalle2(work, 1)[0]
     ev = torch.load(work / "decoder_eval.pt")
     unet = decoder.unets[0]
     decoder.eval()
@@ -280,32 +337,14 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
         t0 = time.perf_counter()
         images = []
         with torch.no_grad():
-            n = len(ev["captions"])
-            for s in range(0, n, 32):
+            for s in range(0, len(ev["captions"]), 32):
                 x = decoder.sample(
                     image_embed=ev["truth"][s : s + 32],
                     text_encodings=ev["text_tokens"][s : s + 32],
                     cond_scale=SAMPLING["guidance_scale"],
                 )
-                images += list((x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1))
-        curve.append(
-            {
-                "step": mark["step"],
-                "cpu_seconds": mark["cpu_seconds"],
-                "single_all": single_all([i.numpy() for i in images], ev["captions"]),
-                "seconds_per_image": (time.perf_counter() - t0) / n,
-            }
-        )
-        print(f"dalle2 decoder at step {mark['step']}: {curve[-1]['single_all']:.3f}", flush=True)
-    return {
-        "cpu_seconds_per_step": step_s,
-        "fixed_cpu_seconds": fixed,
-        "steps": steps,
-        "params": sum(p.numel() for p in unet.parameters()),
-        "train_cpu_seconds": cpu_s,
-        "train_wall_seconds": wall,
-        "loss_curve": losses[:: max(1, len(losses) // 200)],
-        "curve": curve,
-        "sampling": {"sample_timesteps": SAMPLING["steps"], "cond_scale": 2.0, "ddim_eta": 0.0},
-        "options": {**DALLE2_UNET, **DALLE2_DECODER},
-    }
+                x = (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+                images += [i.numpy() for i in x]
+        curve.append(_point(mark, images, ev["captions"], time.perf_counter() - t0))
+        print(f"dalle2 decoder at step {mark['step']}: {curve[-1]}", flush=True)
+    return curve

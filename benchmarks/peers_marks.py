@@ -101,6 +101,17 @@ def threshold_summary(curves: dict, key: str, threshold=None) -> dict:
         out[lib] = {"cpu_minutes": None if t is None else t / 60, "how": how}
     a, b = out["unclip"]["cpu_minutes"], out["dalle2"]["cpu_minutes"]
     out["ratio_dalle2_over_unclip"] = b / a if a and b else None
+    # a curve already past the threshold at its first mark gives only an upper bound on its time
+    early = {lib for lib in curves if out[lib]["how"] == "at or before the first mark"}
+    out["ratio_is"] = (
+        "exact (interpolated)"
+        if not early
+        else "a lower bound"
+        if early == {"unclip"}
+        else "an upper bound"
+        if early == {"dalle2"}
+        else "unknown (both at or before their first mark)"
+    )
     return out
 
 
