@@ -163,7 +163,6 @@ def score_unclip(work: Path, marks: list[dict]) -> list[dict]:
 
     from unclip.nets.decoder import UnCLIPDecoder
     from unclip.pipeline.pipeline import UnCLIPPipeline
-    from unclip.utils.images import to_output
 
     folder = work / "unclip_decoder" / "run" / "final" / "decoder"
     decoder = UnCLIPDecoder.from_pretrained(folder).eval()
@@ -188,7 +187,9 @@ def score_unclip(work: Path, marks: list[dict]) -> list[dict]:
                 image_embeds=ev["truth"][s : s + 32],
                 last_stage="decoder",
             )
-            images.extend(to_output(res.images, "uint8"))
+            # output_type "pt" is in [0, 1], as DALLE2's samples
+            x = (res.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+            images += [i.numpy() for i in x]
         curve.append(_point(mark, images, ev["captions"], time.perf_counter() - t0))
         common.log(f"unclip decoder at step {mark['step']}: {curve[-1]}")
     return curve
