@@ -14,7 +14,8 @@ CLIP-encoded beforehand, in a fresh order each epoch.
 Scoring: ``n`` held-out single-object prompts (``unclip shapes-eval``'s, prompt seed 1000), each
 decoded once from the true CLIP image embedding of its rendered scene and its caption, DDIM 25
 steps, guidance 2, by both; the shapes detector's "all right" fraction (colour, shape, size,
-position and one object) as ``unclip shapes-eval`` reports it.
+position and one object) as ``unclip shapes-eval`` reports it, each part's fraction, and the mean
+of the five parts (a graded figure while whole images are still rarely right).
 """
 
 from __future__ import annotations

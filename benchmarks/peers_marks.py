@@ -95,12 +95,22 @@ def threshold_summary(curves: dict, key: str, threshold=None) -> dict:
     ratio DALLE2 ÷ unclip (> 1: unclip reaches it sooner)."""
     if threshold is None:
         threshold = min(max(p[key] for p in c) for c in curves.values())
+        start = min(c[0][key] for c in curves.values())
+        if threshold <= start:  # a curve never rises above where the lower one starts: the lowest
+            # score above that start which a curve reaches (the other then never reaches it)
+            above = [p[key] for c in curves.values() for p in c if p[key] > start]
+            threshold = min(above, default=threshold)
     out = {"threshold": threshold, "key": key}
     for lib, curve in curves.items():
         t, how = time_to(curve, key, threshold)
         out[lib] = {"cpu_minutes": None if t is None else t / 60, "how": how}
+        out[lib]["last_mark_cpu_minutes"] = curve[-1]["cpu_seconds"] / 60
     a, b = out["unclip"]["cpu_minutes"], out["dalle2"]["cpu_minutes"]
     out["ratio_dalle2_over_unclip"] = b / a if a and b else None
+    if a and b is None:  # DALLE2 never reached it: its whole run bounds its time from below
+        out["ratio_dalle2_over_unclip"] = out["dalle2"]["last_mark_cpu_minutes"] / a
+        out["ratio_is"] = "a lower bound (DALLE2 never reached the threshold)"
+        return out
     # a curve already past the threshold at its first mark gives only an upper bound on its time
     early = {lib for lib in curves if out[lib]["how"] == "at or before the first mark"}
     out["ratio_is"] = (
