@@ -51,6 +51,8 @@ import torch.nn.functional as F
 CONFIGS = {
     "diffusion": common.ROOT / "configs" / "shapes" / "prior.yaml",
     "ar": common.ROOT / "configs" / "shapes" / "prior_ar.yaml",
+    # not a prior: bench_peers_quality.py trains the shapes decoder with the helpers below
+    "decoder": common.ROOT / "configs" / "shapes" / "decoder.yaml",
 }
 CLIP_FOLDER = common.ROOT / "unclip" / "bundled" / "shapes" / "clip"
 EVAL_SEED = 977  # a shapes_seed the training stream (shapes_seed 0) does not use
@@ -73,13 +75,14 @@ def stage_config(kind: str, out: Path, overrides: list[str]):
 
 
 def train(kind: str, out: Path, overrides: list[str]) -> tuple[float, float, list[dict]]:
-    """Train one prior; ``(CPU seconds, wall seconds, metrics records)``. The run is this process
-    on one thread with no data workers, so the process's CPU time is all of it."""
+    """Train one prior (or the decoder); ``(CPU seconds, wall seconds, metrics records)``. The run
+    is this process on one thread with no data workers, so the process's CPU time is all of it."""
+    from unclip.train.decoder import train_decoder
     from unclip.train.prior import train_prior
 
     cfg = stage_config(kind, out, overrides)
     t0, c0 = time.perf_counter(), time.process_time()
-    train_prior(cfg, overwrite=True)
+    (train_decoder if kind == "decoder" else train_prior)(cfg, overwrite=True)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return cpu, wall, records
@@ -119,16 +122,22 @@ def eval_set(n: int):
     return clip, batch["caption"], image_embed.float(), text
 
 
-def evaluate(kind: str, folder: Path, clip, captions, truth, text, repeats: int) -> dict:
+def evaluate(
+    kind: str, folder: Path, clip, captions, truth, text, repeats: int, weights=None
+) -> dict:
+    """Sample the prior exported in ``folder`` (with the state dict saved at ``weights`` if
+    given) for ``captions`` and score the samples against ``truth`` and the captions."""
     from unclip.diffusion.config import DiffusionConfig
     from unclip.nets.priors import load_prior
-    from unclip.sampling.settings import SamplingConfig
+    from unclip.sampling.settings import sampling_for
     from unclip.sampling.stages import sample_prior
     from unclip.utils.config import from_dict
 
     prior = load_prior(folder / "prior").eval()
+    if weights is not None:
+        prior.load_state_dict(torch.load(weights))
     meta = json.loads((folder / "prior" / "unclip_stage.json").read_text())
-    settings = from_dict(SamplingConfig, meta["sampling"])
+    settings = sampling_for("prior", meta["sampling"], ar=kind == "ar")
     diffusion = from_dict(DiffusionConfig, meta["diffusion"])
     null = clip.encode_text([""])
     n = len(captions)
@@ -163,7 +172,6 @@ def end_to_end(folder: Optional[Path], num: int) -> dict:
     from unclip.diffusion.config import DiffusionConfig
     from unclip.nets.priors import load_prior
     from unclip.pipeline.pipeline import UnCLIPPipeline
-    from unclip.sampling.settings import SamplingConfig
     from unclip.shapes.evaluate import evaluate_pipeline
     from unclip.utils.config import from_dict
 
@@ -171,7 +179,7 @@ def end_to_end(folder: Optional[Path], num: int) -> dict:
     if folder is not None:
         meta = json.loads((folder / "prior" / "unclip_stage.json").read_text())
         diffusion = {**pipe.diffusion, "prior": from_dict(DiffusionConfig, meta["diffusion"])}
-        sampling = {**pipe.sampling, "prior": from_dict(SamplingConfig, meta["sampling"])}
+        sampling = {**pipe.sampling, "prior": meta["sampling"]}  # checked by the pipeline
         prior = load_prior(folder / "prior").eval()
         pipe = UnCLIPPipeline(
             pipe.clip, prior, pipe.decoder, pipe.upsamplers, diffusion=diffusion, sampling=sampling

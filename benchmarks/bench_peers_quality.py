@@ -1,10 +1,19 @@
-"""Prior quality per CPU-minute: this library's trainer vs DALLE2-pytorch's, on the shapes world.
+"""Time to quality: this library's trainers vs DALLE2-pytorch's, prior and decoder, shapes world.
 
     python benchmarks/bench_peers_quality.py --peers-python /work/venv-peers/bin/python
-    python benchmarks/bench_peers_quality.py --budget 1200 ...   # CPU seconds per trainer
-    python benchmarks/bench_peers_quality.py --quick ...         # about two minutes: runs the path
+    python benchmarks/bench_peers_quality.py --stage prior --budget 1200 ...  # CPU s per trainer
+    python benchmarks/bench_peers_quality.py --quick ...   # a few minutes: runs every path
 
-``bench_peers.py`` compares one training step; this compares what a CPU budget buys. Both trainers
+``bench_peers.py`` compares one training step; this compares what CPU time buys, as curves: each
+trainer keeps its EMA weights at 1/8, 1/4, 1/2 and all of its steps (``peers_marks.py``; the CPU
+time spent keeping them is not counted), and after training each kept model is scored. The time
+to quality of a trainer is the CPU time at which its curve first reaches a threshold (by default
+the best score both curves reach), interpolated linearly between the two marks around it. The
+marks lie on one run's warmup-cosine schedule, so an early mark is a model still at a high
+learning rate, not what a run of that length would end with (the same for both trainers).
+
+The decoder half is ``peers_decoder.py`` (its docstring: the models, options and scoring). For
+the prior, both trainers
 train a diffusion prior of the same size (the shapes recipe's, ``configs/shapes/prior.yaml``: a
 4-layer transformer of width 128 over the bundled shapes CLIP's 64-d embeddings; DALLE2's
 ``DiffusionPriorNetwork`` sized to the same parameter count, reported) on the same rows: ``--rows``
@@ -29,7 +38,8 @@ guidance 2, best of 2 by similarity to the caption; DALLE2: its ``p_sample_loop`
 to the true image embedding and to the caption's text embedding. For scale: the mean cosine of the
 true embeddings to their mean, what a prior that ignores the caption reaches.
 
-Writes ``benchmarks/results/bench_peers_quality.json`` (``_quick`` with ``--quick``).
+Writes ``benchmarks/results/bench_peers_quality.json`` (``_quick`` with ``--quick``) and, where
+matplotlib is installed, a ``.png`` of both curves per stage.
 """
 
 from __future__ import annotations
@@ -45,8 +55,10 @@ import time
 from pathlib import Path
 
 import common
+import peers_decoder
 import torch
 import torch.nn.functional as F
+from peers_marks import CpuClock, keep, mark_steps, plot, threshold_summary, unclip_marks
 
 RECIPE = {
     "batch_size": 64,
@@ -111,10 +123,17 @@ def prepare(work: Path, rows: int, n_eval: int) -> dict:
         },
         work / "dalle2_data.pt",
     )
+    return summary(work)
+
+
+def summary(work: Path) -> dict:
+    """What the prior's data was, read back from the tensors :func:`prepare` saved."""
+    data = torch.load(work / "dalle2_data.pt")
+    truth = data["eval_truth"]
     return {
-        "rows": len(images),
-        "distinct_captions": len(unique),
-        "eval_captions": len(captions),
+        "rows": len(data["image_embed"]),
+        "distinct_captions": len(data["text_embed"]),
+        "eval_captions": len(truth),
         "baseline_cos_true_to_mean_true": float(
             F.cosine_similarity(truth, truth.mean(0, keepdim=True)).mean()
         ),
@@ -143,7 +162,12 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
     ]
     plan = steps_for_budget("diffusion", work / "unclip", budget, calib, overrides)
     out = work / "unclip" / "run"
-    cpu, wall, records = train("diffusion", out, [f"train.max_steps={plan['steps']}", *overrides])
+    clock, marks = CpuClock(), []
+    with unclip_marks(mark_steps(plan["steps"]), work / "unclip" / "marks", clock, marks):
+        clock.start()
+        cpu, wall, records = train(
+            "diffusion", out, [f"train.max_steps={plan['steps']}", *overrides]
+        )
     clip, captions, truth, text = eval_set(int(os.environ["BENCH_EVAL"]))
     from unclip.nets.priors import load_prior
 
@@ -152,13 +176,22 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
         for n, p in load_prior(out / "final" / "prior").named_parameters()
         if "clip_mean" not in n and "clip_std" not in n
     )
+    curve = [
+        {
+            "step": m["step"],
+            "cpu_seconds": m["cpu_seconds"],
+            **evaluate("diffusion", out / "final", clip, captions, truth, text, 1, m["path"]),
+        }
+        for m in marks
+    ]
     return {
         **plan,
         "params": params,
         "train_cpu_seconds": cpu,
         "train_wall_seconds": wall,
         "loss_curve": _thin([(r["step"], r["loss"]) for r in records if "loss" in r]),
-        **evaluate("diffusion", out / "final", clip, captions, truth, text, 1),
+        "curve": curve,
+        **{k: v for k, v in curve[-1].items() if k not in ("step", "cpu_seconds")},
     }
 
 
@@ -207,9 +240,9 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
                 cap = data["caption_index"][idx]
                 yield data["image_embed"][idx], data["text_embed"][cap], data["text_tokens"][cap]
 
-    def train(trainer, steps):
-        stream, curve = batches(), []
-        c0 = time.process_time()
+    def train(trainer, steps, marks=(), folder=None):
+        stream, curve, kept = batches(), [], []
+        clock = CpuClock()
         for step in range(1, steps + 1):
             image_embed, text_embed, tokens = next(stream)
             loss = trainer(
@@ -217,7 +250,12 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
             )
             trainer.update()
             curve.append((step, float(loss)))
-        return time.process_time() - c0, curve
+            if step in marks:
+                cpu = clock.now()
+                with clock.pause():
+                    path = keep(trainer.ema_diffusion_prior.ema_model.state_dict(), folder, step)
+                kept.append({"step": step, "cpu_seconds": cpu, "path": str(path)})
+        return clock.now(), curve, kept
 
     cpu = [train(build(10 * calib)[1], n)[0] for n in (calib, 2 * calib)]
     step_s = max(1e-6, (cpu[1] - cpu[0]) / calib)
@@ -225,14 +263,36 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
     steps = max(1, int((budget - fixed) / step_s))
     prior, trainer = build(steps)
     t0 = time.perf_counter()
-    cpu_s, curve = train(trainer, steps)
+    cpu_s, losses, marks = train(trainer, steps, set(mark_steps(steps)), work / "d2_marks")
     wall = time.perf_counter() - t0
     ema = trainer.ema_diffusion_prior.ema_model.eval()
+    curve = []
+    for m in marks:
+        ema.load_state_dict(torch.load(m["path"]))
+        curve.append(
+            {"step": m["step"], "cpu_seconds": m["cpu_seconds"], **score_dalle2(ema, data)}
+        )
+    return {
+        "cpu_seconds_per_step": step_s,
+        "fixed_cpu_seconds": fixed,
+        "steps": steps,
+        "params": sum(p.numel() for p in prior.net.parameters()),
+        "train_cpu_seconds": cpu_s,
+        "train_wall_seconds": wall,
+        "loss_curve": _thin(losses),
+        "curve": curve,
+        **{k: v for k, v in curve[-1].items() if k not in ("step", "cpu_seconds")},
+    }
+
+
+def score_dalle2(ema, data: dict) -> dict:
+    """DALLE2's prior (EMA weights) sampled for the held-out captions, scored as unclip's is."""
     text_embed, tokens, truth = (
         data["eval_text_embed"],
         data["eval_text_tokens"],
         data["eval_truth"],
     )
+    d = truth.shape[1]
     n, best_of = len(truth), 2
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -247,13 +307,6 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
     pick = (emb @ F.normalize(text_embed, dim=-1)[..., None]).squeeze(-1).argmax(1)
     emb = emb[torch.arange(n), pick]
     return {
-        "cpu_seconds_per_step": step_s,
-        "fixed_cpu_seconds": fixed,
-        "steps": steps,
-        "params": sum(p.numel() for p in prior.net.parameters()),
-        "train_cpu_seconds": cpu_s,
-        "train_wall_seconds": wall,
-        "loss_curve": _thin(curve),
         "cos_to_true_image_embed": float(F.cosine_similarity(emb, truth).mean()),
         "cos_to_text_embed": float(F.cosine_similarity(emb, text_embed).mean()),
         "seconds_per_embedding": seconds / n,
@@ -261,33 +314,96 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
     }
 
 
-def worker(lib: str, work: Path, budget: float, calib: int) -> int:
+WORKERS = {
+    ("prior", "unclip"): run_unclip,
+    ("prior", "dalle2"): run_dalle2,
+    ("decoder", "unclip"): peers_decoder.run_unclip,
+    ("decoder", "dalle2"): peers_decoder.run_dalle2,
+    ("decoder-rescore", "unclip"): lambda work, *_: peers_decoder.rescore(work, "unclip"),
+    ("decoder-rescore", "dalle2"): lambda work, *_: peers_decoder.rescore(work, "dalle2"),
+}
+LIBS = ("unclip", "dalle2")
+# what each stage's curve is scored by, and its name in the tables
+QUALITY = {
+    "prior": ("cos_to_true_image_embed", "cos to true image embed"),
+    "decoder": ("single_all", "single-object all right"),
+}
+
+
+def worker(stage: str, lib: str, work: Path, budget: float, calib: int) -> int:
     torch.set_num_threads(1)
-    row = (run_unclip if lib == "unclip" else run_dalle2)(work, budget, calib)
-    (work / f"{lib}.json").write_text(json.dumps(row))
+    row = WORKERS[stage, lib](work, budget, calib)
+    (work / f"{stage}_{lib}.json").write_text(json.dumps(row))
     return 0
+
+
+def run_pair(stage: str, args, work: Path, budget: float, calib: int) -> dict:
+    """Both trainers of ``stage`` at the same time, one core each; their result rows."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BENCH_EVAL=str(args.eval))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(common.ROOT), str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    procs = {}
+    for lib, python in zip(LIBS, (sys.executable, args.peers_python)):
+        log = (work / f"{stage}_{lib}.log").open("w")
+        cmd = [python, __file__, "--worker", stage, lib, str(work), str(budget), str(calib)]
+        procs[lib] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=common.ROOT)
+        common.log(f"{stage} with {lib}, {budget:.0f} CPU s (log: {log.name})")
+    rows = {}
+    for lib, proc in procs.items():
+        if proc.wait() != 0:
+            tail = (work / f"{stage}_{lib}.log").read_text().splitlines()[-30:]
+            raise RuntimeError(f"the {lib} {stage} trainer failed:\n" + "\n".join(tail))
+        rows[lib] = json.loads((work / f"{stage}_{lib}.json").read_text())
+    return rows
 
 
 # --------------------------------------------------------------------------------------- parent
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=600.0, help="training CPU seconds per trainer")
-    p.add_argument("--rows", type=int, default=65536, help="shapes-world training rows")
-    p.add_argument("--eval", type=int, default=256, help="held-out captions to sample")
+    p.add_argument("--stage", choices=("prior", "decoder", "both"), default="both")
+    p.add_argument("--budget", type=float, default=300.0, help="prior: CPU seconds per trainer")
+    p.add_argument("--rows", type=int, default=65536, help="prior: shapes-world training rows")
+    p.add_argument("--eval", type=int, default=256, help="prior: held-out captions to sample")
+    p.add_argument(
+        "--decoder-budget", type=float, default=450.0, help="decoder: CPU seconds per trainer"
+    )
+    p.add_argument(
+        "--decoder-rows", type=int, default=12288, help="decoder: scenes handed to DALLE2"
+    )
+    p.add_argument(
+        "--decoder-eval", type=int, default=48, help="decoder: held-out single-object prompts"
+    )
+    p.add_argument("--prior-threshold", type=float, default=None, help="default: both reach it")
+    p.add_argument("--decoder-threshold", type=float, default=None, help="default: both reach it")
     p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp folder)")
     p.add_argument("--quick", action="store_true", help="a few seconds of training each")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a stage's finished trainer results from --work (same budgets) instead of "
+        "training again",
+    )
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="with --reuse: score the decoders' kept weights again",
+    )
     p.add_argument(
         "--peers-python",
         default=os.environ.get("UNCLIP_PEERS_PYTHON", sys.executable),
         help="interpreter of the environment with dalle2_pytorch (env UNCLIP_PEERS_PYTHON)",
     )
     p.add_argument(
-        "--worker", nargs=4, metavar=("LIB", "WORK", "BUDGET", "CALIB"), help=argparse.SUPPRESS
+        "--worker",
+        nargs=5,
+        metavar=("STAGE", "LIB", "WORK", "BUDGET", "CALIB"),
+        help=argparse.SUPPRESS,
     )
     args = p.parse_args(argv)
     if args.worker:
-        lib, work, budget, calib = args.worker
-        return worker(lib, Path(work), float(budget), int(calib))
+        stage, lib, work, budget, calib = args.worker
+        return worker(stage, lib, Path(work), float(budget), int(calib))
     from bench_peers import skip_message
 
     probe = subprocess.run(
@@ -301,66 +417,95 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     name = "bench_peers_quality_quick" if args.quick else "bench_peers_quality"
-    calib = CALIBRATION_STEPS
+    calib = dcalib = CALIBRATION_STEPS
     if args.quick:
         args.budget, args.rows, args.eval, calib = 10.0, 2048, 32, 3
+        args.decoder_budget, args.decoder_rows, args.decoder_eval, dcalib = 20.0, 512, 8, 3
     tmp = None
     if args.work is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench_peers_quality_")
         args.work = Path(tmp.name)
-    common.log(f"embedding {args.rows} shapes-world rows")
-    result = {
-        "machine": common.machine(),
-        "dalle2_pytorch": probe.stdout.strip(),
-        "budget_cpu_seconds": args.budget,
-        "recipe": RECIPE,
-        "dalle2_network": DALLE2_NET,
-        **prepare(args.work, args.rows, args.eval),
-        "trainers": {},
-    }
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BENCH_EVAL=str(args.eval))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(common.ROOT), str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    procs = {}
-    for lib, python in (("unclip", sys.executable), ("dalle2", args.peers_python)):
-        log = (args.work / f"{lib}.log").open("w")
-        cmd = [python, __file__, "--worker", lib, str(args.work), str(args.budget), str(calib)]
-        procs[lib] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=common.ROOT)
-        common.log(
-            f"training {lib} for {args.budget:.0f} CPU s (log: {args.work / (lib + '.log')})"
-        )
-    for lib, proc in procs.items():
-        if proc.wait() != 0:
-            tail = (args.work / f"{lib}.log").read_text().splitlines()[-30:]
-            raise RuntimeError(f"the {lib} trainer failed:\n" + "\n".join(tail))
-        result["trainers"][lib] = json.loads((args.work / f"{lib}.json").read_text())
+    result = {"machine": common.machine(), "dalle2_pytorch": probe.stdout.strip(), "stages": {}}
+    stages = ("prior", "decoder") if args.stage == "both" else (args.stage,)
+    for stage in stages:
+        work = args.work / stage
+        work.mkdir(parents=True, exist_ok=True)
+        reuse = args.reuse and all((work / f"{stage}_{lib}.json").is_file() for lib in LIBS)
+        if stage == "prior":
+            if not reuse:
+                common.log(f"embedding {args.rows} shapes-world rows")
+            r = {
+                "budget_cpu_seconds": args.budget,
+                "recipe": RECIPE,
+                "dalle2_network": DALLE2_NET,
+                **(summary(work) if reuse else prepare(work, args.rows, args.eval)),
+            }
+            budget, steps, threshold = args.budget, calib, args.prior_threshold
+        else:
+            if not reuse:
+                common.log(f"rendering {args.decoder_rows} shapes-world scenes for DALLE2")
+            r = {
+                "budget_cpu_seconds": args.decoder_budget,
+                "recipe": peers_decoder.RECIPE,
+                "dalle2_unet": peers_decoder.DALLE2_UNET,
+                "dalle2_decoder": peers_decoder.DALLE2_DECODER,
+                "sampling": peers_decoder.SAMPLING,
+                **(
+                    peers_decoder.summary(work)
+                    if reuse
+                    else peers_decoder.prepare(work, args.decoder_rows, args.decoder_eval)
+                ),
+            }
+            budget, steps, threshold = args.decoder_budget, dcalib, args.decoder_threshold
+        if reuse:
+            common.log(f"{stage}: the trainers' results already in {work}")
+            r["trainers"] = {
+                lib: json.loads((work / f"{stage}_{lib}.json").read_text()) for lib in LIBS
+            }
+            if stage == "decoder" and args.rescore:
+                r["trainers"] = run_pair("decoder-rescore", args, work, budget, steps)
+        else:
+            r["trainers"] = run_pair(stage, args, work, budget, steps)
+        curves = {lib: row["curve"] for lib, row in r["trainers"].items()}
+        r["time_to_threshold"] = threshold_summary(curves, QUALITY[stage][0], threshold)
+        if stage == "decoder":  # the graded figure, for curves that stay at 0 whole-image right
+            r["time_to_threshold_parts"] = threshold_summary(curves, "single_parts")
+        result["stages"][stage] = r
     if tmp is not None:
         tmp.cleanup()
+    result["plot"] = plot(result, common.RESULTS / f"{name}.png")
     return common.finish(name, result, started, report)
 
 
 def report(r: dict) -> str:
-    rows = [{"trainer": k, **v} for k, v in r["trainers"].items()]
-    for row in rows:
-        row["samples"] = row["steps"] * r["recipe"]["batch_size"]
-    cols = [
-        ("trainer", "trainer"),
-        ("params", "params"),
-        ("CPU s per step", "cpu_seconds_per_step"),
-        ("steps", "steps"),
-        ("samples seen", "samples"),
-        ("training CPU s", "train_cpu_seconds"),
-        ("cos to true image embed", "cos_to_true_image_embed"),
-        ("cos to text embed", "cos_to_text_embed"),
-        ("s per embedding", "seconds_per_embedding"),
-    ]
-    title = (
-        f"diffusion prior on the shapes world, {r['budget_cpu_seconds']:.0f} CPU s each, "
-        f"{r['rows']} rows; scored on {r['eval_captions']} held-out captions (a prior that ignores "
-        f"the caption: cos {r['baseline_cos_true_to_mean_true']:.3f})"
-    )
-    return common.table(rows, cols, title)
+    out = []
+    for stage, s in r["stages"].items():
+        key, label = QUALITY[stage]
+        rows = []
+        for lib, t in s["trainers"].items():
+            marks = {f"m{i}": f"{p[key]:.3f} @ {p['cpu_seconds'] / 60:.1f}" for i, p in
+                     enumerate(t["curve"])}  # fmt: skip
+            rows.append({"trainer": lib, **t, **marks})
+        cols = [
+            ("trainer", "trainer"),
+            ("params", "params"),
+            ("CPU s per step", "cpu_seconds_per_step"),
+            ("steps", "steps"),
+            ("training CPU s", "train_cpu_seconds"),
+        ] + [(f"{label} @ CPU min, mark {i + 1}", f"m{i}") for i in range(len(rows[0]["curve"]))]
+        tt = s["time_to_threshold"]
+        title = (
+            f"{stage}, {s['budget_cpu_seconds']:.0f} CPU s each; CPU minutes to {label} "
+            f"{tt['threshold']:.3f}: unclip {_fmt(tt['unclip'])}, DALLE2 {_fmt(tt['dalle2'])}; "
+            f"DALLE2 / unclip {tt['ratio_dalle2_over_unclip'] or float('nan'):.2f}, "
+            f"{tt['ratio_is']}"
+        )
+        out.append(common.table(rows, cols, title))
+    return "\n\n".join(out)
+
+
+def _fmt(t: dict) -> str:
+    return "never" if t["cpu_minutes"] is None else f"{t['cpu_minutes']:.2f} ({t['how']})"
 
 
 if __name__ == "__main__":
