@@ -138,13 +138,15 @@ def plot(result: dict, path: Path) -> str:
         for s, key, label in (
             ("prior", "cos_to_true_image_embed", "cos to true image embedding"),
             ("decoder", "single_all", "single-object prompts all right (%)"),
+            ("decoder", "single_parts", "single-object parts right, mean (%)"),
         )
         if s in result["stages"]
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
     for ax, (stage, key, label) in zip(axes[0], panels):
         r = result["stages"][stage]
-        scale = 100 if key == "single_all" else 1
+        scale = 100 if key.startswith("single") else 1
+        line = r["time_to_threshold_parts" if key == "single_parts" else "time_to_threshold"]
         for lib, name in (("unclip", "unclip"), ("dalle2", "DALLE2-pytorch")):
             curve = r["trainers"][lib]["curve"]
             ax.plot(
@@ -153,7 +155,7 @@ def plot(result: dict, path: Path) -> str:
                 "o-",
                 label=name,
             )
-        ax.axhline(scale * r["time_to_threshold"]["threshold"], color="grey", ls=":", lw=1)
+        ax.axhline(scale * line["threshold"], color="grey", ls=":", lw=1)
         ax.set(title=f"{stage}: quality vs training CPU time", xlabel="CPU minutes", ylabel=label)
         ax.legend()
     fig.tight_layout()
