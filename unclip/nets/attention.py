@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def explicit_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator
     after."""
     from diffusers.models.attention_processor import Attention, AttnAddedKVProcessor2_0
 
-    swapped = []
+    swapped: list[tuple[Attention, Any]] = []
     if enabled:
         for m in model.modules():
             if isinstance(m, Attention) and type(m.processor) is AttnAddedKVProcessor2_0:

@@ -29,7 +29,7 @@ from typing import Optional, Union, cast
 import torch
 
 from unclip.nets.dalle_transformer import DalleTransformer
-from unclip.nets.dvae import dvae_schedule
+from unclip.nets.dvae import DVAE, dvae_schedule
 from unclip.nets.mega_transformer import MegaTransformer
 from unclip.nets.token_components import load_tokenizer, save_component, tokenizer_facts
 from unclip.train.loop import TrainLoop
@@ -152,8 +152,9 @@ class TokenizerTask:
                 )
             )
             if self.kind == "dvae":
+                dvae = cast(DVAE, self.loop.unwrapped)
                 with torch.no_grad():
-                    logits = self.loop.unwrapped.logits(self.last_images)
+                    logits = dvae.logits(self.last_images)
                 out.update(posterior_metrics(logits))
         return out
 
