@@ -366,13 +366,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=65536, help="prior: shapes-world training rows")
     p.add_argument("--eval", type=int, default=256, help="prior: held-out captions to sample")
     p.add_argument(
-        "--decoder-budget", type=float, default=450.0, help="decoder: CPU seconds per trainer"
+        "--decoder-budget", type=float, default=900.0, help="decoder: CPU seconds per trainer"
     )
     p.add_argument(
         "--decoder-rows", type=int, default=12288, help="decoder: scenes handed to DALLE2"
     )
     p.add_argument(
-        "--decoder-eval", type=int, default=48, help="decoder: held-out single-object prompts"
+        "--decoder-eval", type=int, default=96, help="decoder: held-out single-object prompts"
     )
     p.add_argument("--prior-threshold", type=float, default=None, help="default: both reach it")
     p.add_argument("--decoder-threshold", type=float, default=None, help="default: both reach it")

@@ -111,6 +111,9 @@ def threshold_summary(curves: dict, key: str, threshold=None) -> dict:
         out["ratio_dalle2_over_unclip"] = out["dalle2"]["last_mark_cpu_minutes"] / a
         out["ratio_is"] = "a lower bound (DALLE2 never reached the threshold)"
         return out
+    if a is None:  # unclip never reached it: no ratio to state
+        out["ratio_is"] = "none (unclip never reached the threshold)"
+        return out
     # a curve already past the threshold at its first mark gives only an upper bound on its time
     early = {lib for lib in curves if out[lib]["how"] == "at or before the first mark"}
     out["ratio_is"] = (

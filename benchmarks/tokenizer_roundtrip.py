@@ -85,7 +85,8 @@ def main(argv=None) -> None:
     rows += [roundtrip(f, samples) for f in args.folders]
     if args.grid is not None:
         # the first three of each kind (heldout_samples lists the singles, then the pairs)
-        pick = [*range(3), *range(args.num, args.num + 3)]
+        k = min(3, args.num)
+        pick = [*range(k), *range(args.num, args.num + k)]
         tiles = [renders[i] for i in pick]
         tiles += [row["images"][i] for row in rows[1:] for i in pick]
         big = [Image.fromarray(t).resize((64, 64), Image.NEAREST) for t in tiles]
