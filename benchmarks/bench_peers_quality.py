@@ -58,7 +58,15 @@ import common
 import peers_decoder
 import torch
 import torch.nn.functional as F
-from peers_marks import CpuClock, keep, mark_steps, plot, threshold_summary, unclip_marks
+from peers_marks import (
+    CpuClock,
+    dalle2_trainer_settings,
+    keep,
+    mark_steps,
+    plot,
+    threshold_summary,
+    unclip_marks,
+)
 
 RECIPE = {
     "batch_size": 64,
@@ -216,17 +224,7 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
             condition_on_text_encodings=True,
             predict_x_start=True,
         )
-        trainer = DiffusionPriorTrainer(
-            prior,
-            lr=RECIPE["lr"],
-            wd=RECIPE["weight_decay"],
-            max_grad_norm=RECIPE["max_grad_norm"],
-            warmup_steps=RECIPE["warmup_steps"],
-            cosine_decay_max_steps=steps,
-            ema_beta=RECIPE["ema_decay"],
-            ema_update_after_step=0,
-            ema_update_every=1,
-        )
+        trainer = DiffusionPriorTrainer(prior, **dalle2_trainer_settings(RECIPE, steps))
         return prior, trainer
 
     order = torch.Generator().manual_seed(0)

@@ -232,6 +232,7 @@ def run_unclip(work: Path, budget: float, calib: int) -> dict:
 def build_dalle2(work: Path, steps: int, data: dict | None = None):
     """DALLE2's decoder and its trainer with a schedule of ``steps``, sized from the data."""
     from dalle2_pytorch import Decoder, DecoderTrainer, Unet
+    from peers_marks import dalle2_trainer_settings
 
     data = data or torch.load(work / "dalle2_decoder_data.pt")
     d = data["image_embed"].shape[1]
@@ -252,17 +253,7 @@ def build_dalle2(work: Path, steps: int, data: dict | None = None):
         text_cond_drop_prob=RECIPE["text_drop_prob"],
         **DALLE2_DECODER,
     )
-    trainer = DecoderTrainer(
-        decoder,
-        lr=RECIPE["lr"],
-        wd=RECIPE["weight_decay"],
-        max_grad_norm=RECIPE["max_grad_norm"],
-        warmup_steps=RECIPE["warmup_steps"],
-        cosine_decay_max_steps=steps,
-        ema_beta=RECIPE["ema_decay"],
-        ema_update_after_step=0,
-        ema_update_every=1,
-    )
+    trainer = DecoderTrainer(decoder, **dalle2_trainer_settings(RECIPE, steps))
     return decoder, trainer
 
 

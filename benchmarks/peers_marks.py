@@ -42,6 +42,21 @@ class CpuClock:
             self.paused += time.process_time() - c
 
 
+def dalle2_trainer_settings(recipe: dict, steps: int) -> dict:
+    """DALLE2-pytorch trainer keywords for ``recipe`` (the knobs both libraries share) over a run
+    of ``steps``: the same for its prior and decoder trainers, EMA updated every step."""
+    return dict(
+        lr=recipe["lr"],
+        wd=recipe["weight_decay"],
+        max_grad_norm=recipe["max_grad_norm"],
+        warmup_steps=recipe["warmup_steps"],
+        cosine_decay_max_steps=steps,
+        ema_beta=recipe["ema_decay"],
+        ema_update_after_step=0,
+        ema_update_every=1,
+    )
+
+
 def keep(state_dict: dict, folder: Path, step: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:07d}.pt"
