@@ -98,7 +98,7 @@ def main():
             stage = load_stage_config(cfg, [*overrides, f"train.output_dir={tmp}"])
             loop = TrainLoop(stage, overwrite=True)
             clip = CLIP.from_config(stage.clip)
-            model, task = _build(stage, clip, "cpu")
+            model, task = _build(stage, clip, "cpu", loop.mixed_precision)
             model = loop.prepare(model)
             batch = _synthetic_batch(stage, clip, stage.data.batch_size)
             with loop.accelerator.accumulate(model):

@@ -66,3 +66,37 @@ def test_decoder_training_loss_uses_it_on_a_cpu_in_bf16_only(tiny_clip, precisio
     task.loss(model, batch, gens(1, 2))
     assert seen and all((p is ExplicitAddedKVProcessor) == expected for p in seen)
     assert type(attn.processor) is AttnAddedKVProcessor2_0  # put back after the loss
+
+
+def test_the_launch_precision_decides_it_under_auto(tiny_clip, tmp_path, monkeypatch):
+    """``accelerate launch --mixed_precision bf16`` with ``train.mixed_precision: auto`` trains in
+    bf16 even on a CPU where ``auto`` alone picks fp32: the tasks use the plain attention then."""
+    from unclip.train.decoder import DecoderTask, build_image_model
+    from unclip.train.loop import TrainLoop
+    from unclip.train.prior import PriorTask
+    from unclip.utils import precision
+
+    monkeypatch.setattr(precision, "native_cpu_bf16", lambda: False)  # auto alone: fp32
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    cfg = load_stage_config(TINY, ["train.mixed_precision=auto", f"train.output_dir={tmp_path}"])
+    loop = TrainLoop(cfg)  # as train_decoder builds its task: from the loop's precision
+    try:
+        assert loop.mixed_precision == loop.accelerator.mixed_precision == "bf16"
+        torch.manual_seed(0)
+        model = build_image_model(cfg, tiny_clip)
+        task = DecoderTask(cfg, tiny_clip, loop.device, loop.mixed_precision)
+        seen = []
+        attn = next(m for m in model.modules() if isinstance(m, Attention))
+        attn.register_forward_pre_hook(lambda m, a: seen.append(type(m.processor)))
+        batch = {"image": torch.rand(2, 3, 16, 16) * 2 - 1, "caption": ["a red circle", "two"]}
+        task.loss(model, batch, gens(1, 2))
+        assert seen and all(p is ExplicitAddedKVProcessor for p in seen)
+    finally:
+        loop.accelerator.end_training()
+        loop.release_output_dir()
+    # built without the loop, the tasks resolve the launch's precision the same way
+    assert DecoderTask(cfg, tiny_clip, "cpu").explicit_attention
+    prior_cfg = load_stage_config(CONFIGS / "tiny" / "prior.yaml", ["train.mixed_precision=auto"])
+    assert PriorTask(prior_cfg, tiny_clip, "cpu").plain_attention
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    assert not DecoderTask(cfg, tiny_clip, "cpu").explicit_attention  # auto alone: fp32

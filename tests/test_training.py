@@ -486,7 +486,7 @@ def test_bf16_mixed_precision_on_cpu(tmp_path):
 
 
 def test_auto_mixed_precision_uses_bf16_only_where_the_cpu_runs_it(monkeypatch):
-    from unclip.train import loop as training
+    from unclip.train import optimizers as training
     from unclip.utils import precision
 
     assert (

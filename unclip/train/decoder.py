@@ -41,7 +41,7 @@ from unclip.sampling.stages import sample_upsampler
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import make_batches
 from unclip.train.loop import TrainLoop, sample_generators
-from unclip.train.optimizers import auto_mixed_precision
+from unclip.train.optimizers import run_mixed_precision
 from unclip.train.repa import (
     RepaDecoder,
     alignment_loss,
@@ -186,14 +186,15 @@ class DecoderTask:
 
     name = "decoder"
 
-    def __init__(self, cfg: StageConfig, clip: CLIP, device):
+    def __init__(self, cfg: StageConfig, clip: CLIP, device, mixed_precision: Optional[str] = None):
         self.cfg, self.clip, self.device = cfg, clip, device
         self.null = encode_captions(cfg.decoder, clip, [""])
         self.noise_sched = training_scheduler(cfg.diffusion)
         self.parts: dict[str, list[float]] = {}
-        self.explicit_attention = torch.device(device).type == "cpu" and (
-            auto_mixed_precision(cfg.train.mixed_precision, gpu=False) == "bf16"
-        )
+        # the precision the run trains in (TrainLoop.mixed_precision): under ``auto`` an
+        # ``accelerate launch --mixed_precision bf16`` trains in bf16 whatever the CPU
+        mp = mixed_precision or run_mixed_precision(cfg.train.mixed_precision, gpu=False)
+        self.explicit_attention = torch.device(device).type == "cpu" and mp == "bf16"
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
         # on a CPU in bf16 the attention as plain matrix products trains faster than PyTorch's
@@ -357,7 +358,11 @@ def train_decoder(
         model = build_image_model(cfg, clip)
     model = loop.prepare(model)
     model.train()
-    task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, loop.device)
+    task: DecoderTask | UpsamplerTask
+    if cfg.stage == "decoder":
+        task = DecoderTask(cfg, clip, loop.device, loop.mixed_precision)
+    else:
+        task = UpsamplerTask(cfg, clip, loop.device)
     data = decoder_batches(
         cfg,
         clip,

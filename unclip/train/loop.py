@@ -65,8 +65,8 @@ from unclip.train.init_weights import load_initial_weights
 from unclip.train.launch import launch_shortfall
 from unclip.train.optimizers import (
     PRECONDITIONED,
-    auto_mixed_precision,
     make_optimizer,
+    run_mixed_precision,
     warmup_cosine,
 )
 from unclip.train.repa import exported_model
@@ -147,9 +147,7 @@ class TrainLoop(RunFolder):
             check_fits("data.batch_size", cfg.data.batch_size, 12 * res * res, f"{res}px images")
         self.out = Path(t.output_dir)
         # auto follows an Accelerate config's fp16/bf16; an explicit train.mixed_precision wins
-        mp = auto_mixed_precision(
-            t.mixed_precision, launched=os.environ.get("ACCELERATE_MIXED_PRECISION")
-        )
+        mp = run_mixed_precision(t.mixed_precision)
         # DDP: the gradients are views into the communication buckets (one gradient copy fewer);
         # PowerSGD is registered after prepare (dist_utils.register_powersgd)
         handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]

@@ -36,6 +36,7 @@ other tensor and counter, so a resumed run repeats an uninterrupted one exactly.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
@@ -160,3 +161,13 @@ def auto_mixed_precision(
         return launched
     dtype = resolve_autocast("auto", "cuda" if gpu else "cpu")
     return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "no"}[dtype]
+
+
+def run_mixed_precision(requested: str, gpu: bool | None = None) -> str:
+    """The precision a run trains in: ``requested`` (``train.mixed_precision``) resolved by
+    :func:`auto_mixed_precision` with this process's launch precision (``accelerate launch
+    --mixed_precision``, or its config's, sets ``ACCELERATE_MIXED_PRECISION``), as
+    :class:`~unclip.train.loop.TrainLoop` hands it to Accelerate."""
+    return auto_mixed_precision(
+        requested, gpu, launched=os.environ.get("ACCELERATE_MIXED_PRECISION")
+    )

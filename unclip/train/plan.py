@@ -381,7 +381,7 @@ def measure_step(
             if token_family:
                 model, task = _build_token_family(cfg, device, loop)
             else:
-                model, task = _build(cfg, clip, device)
+                model, task = _build(cfg, clip, device, loop.mixed_precision)
             weights = mem.current - clip_bytes
             params = list(model.parameters())
             trainable = [p for p in params if p.requires_grad]
@@ -550,8 +550,9 @@ def _build_token_family(cfg, device, loop):
         return cfg.tokenizer.build(), TokenizerTask(cfg, loop)
 
 
-def _build(cfg, clip, device):
-    """The stage's network and training task, built by the training commands' own functions."""
+def _build(cfg, clip, device, mixed_precision: str):
+    """The stage's network and training task, built by the training commands' own functions, for
+    a run in ``mixed_precision`` (the loop's)."""
     with torch.device(device):
         if cfg.stage == "prior":
             from unclip.train.prior import PriorTask, build_prior_model
@@ -565,9 +566,10 @@ def _build(cfg, clip, device):
                 return model, ARPriorTask(cfg, clip, device)
             d = clip.embed_dim
             model.set_embedding_stats(torch.zeros(d), torch.ones(d))
-            return model, PriorTask(cfg, clip, device)
+            return model, PriorTask(cfg, clip, device, mixed_precision)
         from unclip.train.decoder import DecoderTask, UpsamplerTask, build_image_model
 
-        model = build_image_model(cfg, clip)
-        task = (DecoderTask if cfg.stage == "decoder" else UpsamplerTask)(cfg, clip, device)
-        return model, task
+        net = build_image_model(cfg, clip)
+        if cfg.stage == "decoder":
+            return net, DecoderTask(cfg, clip, device, mixed_precision)
+        return net, UpsamplerTask(cfg, clip, device)

@@ -69,7 +69,7 @@ def real_cpu_step_peak(cfg) -> int:
             with mem, fsdp_storage_resizes(mem):
                 torch.manual_seed(cfg.train.seed)
                 clip = CLIP.from_config(cfg.clip)
-                model, task = _build(cfg, clip, "cpu")
+                model, task = _build(cfg, clip, "cpu", loop.mixed_precision)
                 model = loop.prepare(model)
                 model.train()
                 batches = [_synthetic_batch(cfg, clip, cfg.data.batch_size)]

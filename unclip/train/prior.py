@@ -35,7 +35,7 @@ from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_stream
 from unclip.train.embed import STATS_FILE, load_stats
 from unclip.train.loop import TrainLoop
-from unclip.train.optimizers import auto_mixed_precision
+from unclip.train.optimizers import run_mixed_precision
 from unclip.train.prior_batches import embed_batch
 from unclip.train.text_cache import TextEncodingCache
 
@@ -144,7 +144,7 @@ class PriorTask:
 
     name = "prior"
 
-    def __init__(self, cfg: StageConfig, clip: CLIP, device):
+    def __init__(self, cfg: StageConfig, clip: CLIP, device, mixed_precision: Optional[str] = None):
         self.cfg, self.clip, self.device = cfg, clip, device
         # own caption transformer: its empty caption's ids, and no CLIP token states cached
         own = cfg.prior_section.text_encoder == "transformer"
@@ -156,10 +156,10 @@ class PriorTask:
             clip, cfg.data.batch_size, cfg.train.text_cache_mb, tokens=not own
         )
         self.cosines: list[float] = []
-        device = torch.device(device)
-        self.plain_attention = device.type == "cpu" and (
-            auto_mixed_precision(cfg.train.mixed_precision, gpu=False) == "bf16"
-        )
+        # the precision the run trains in (TrainLoop.mixed_precision): under ``auto`` an
+        # ``accelerate launch --mixed_precision bf16`` trains in bf16 whatever the CPU
+        mp = mixed_precision or run_mixed_precision(cfg.train.mixed_precision, gpu=False)
+        self.plain_attention = torch.device(device).type == "cpu" and mp == "bf16"
 
     def log_metrics(self) -> dict:
         """``embed_cosine``: the mean cosine between predicted and true image embeddings since
@@ -243,7 +243,7 @@ def train_prior(
             else "ignoring the option",
         )
     loop.prepare(model).train()
-    task = PriorTask(cfg, clip, loop.device)
+    task = PriorTask(cfg, clip, loop.device, loop.mixed_precision)
     data = loop.batches(cfg.data, clip.image_size)
     if loop.run(task, data):
         loop.export_stage("prior", clip)
