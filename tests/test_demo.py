@@ -314,13 +314,15 @@ def test_token_pipeline_untouched_form_samples_as_the_pipeline(token_parts, tiny
 def test_serve_builds_a_generate_only_page_for_a_token_pipeline(token_parts, tiny_pipe, tmp_path):
     from unclip.cli import serve
 
-    token_pipeline(token_parts).save_pretrained(tmp_path / "dalle")
-    args = serve.build_parser().parse_args(["--model", str(tmp_path / "dalle")])
+    token_pipeline(token_parts).save_pretrained(tmp_path / "tokens")
+    args = serve.build_parser().parse_args(["--model", str(tmp_path / "tokens")])
     demo = serve.build_app(args)  # the command line's path up to the server
     assert tab_labels(demo) == ["Generate"]
     assert "Negative prompt (optional)" not in text_labels(demo)
     (header,) = [b.value for b in demo.blocks.values() if isinstance(b, gr.Markdown)]
     assert header.startswith("# DALL-E demo") and "Generate only" in header
+    # the family's name, not its id (``dalle``), wherever the header names it
+    assert "a DALL-E pipeline" in header and "dalle" not in header
     # an unCLIP pipeline's page keeps every tab and its negative prompts
     with_all = build_demo(tiny_pipe)
     assert {"Generate", "Variations", "Interpolate", "Edit"} <= set(tab_labels(with_all))

@@ -45,8 +45,8 @@ __all__ = ["SamplingForm", "build_demo", "launch"]
 
 #: stages whose ``best_of`` the form offers (an upsampler takes 1)
 BEST_OF_STAGES = ("prior", "decoder")
-#: the page's title for each family
-TITLES = {"dalle": "DALL-E demo", "dalle_mega": "DALL-E Mega demo"}
+#: the name a token family's page shows for its family id (``TokenPipeline.family``)
+FAMILY_NAMES = {"dalle": "DALL-E", "dalle_mega": "DALL-E Mega"}
 #: a form value → the setting it sends, given the label to name in an error
 Convert = Callable[[Any, str], Any]
 
@@ -152,15 +152,16 @@ def _describe(pipe, model_name: str) -> str:
     images = f"images {pipe.resolution} px on {pipe.device}"
     if isinstance(pipe, TokenPipeline):
         size = tokenizer_facts(pipe.tokenizer_config)["image_size"]
+        name = FAMILY_NAMES[pipe.family]  # the transformer's type sets the family
         stages = [
-            f"{pipe.transformer_config.type} transformer ({pipe.num_image_tokens} image tokens)",
+            f"{name} transformer ({pipe.num_image_tokens} image tokens)",
             f"{pipe.tokenizer_config.type} {size} px",
             *pipe.upsampler_names,
         ]
         return (
-            f"# {TITLES[pipe.family]}\n{model} · stages: {' → '.join(stages)} · {images}.\n\n"
+            f"# {name} demo\n{model} · stages: {' → '.join(stages)} · {images}.\n\n"
             "Generate only: Variations, Interpolate and Edit work on CLIP image embeddings, "
-            f"which a {pipe.family} pipeline does not make, and it takes no negative prompt."
+            f"which a {name} pipeline does not make, and it takes no negative prompt."
         )
     sizes = [f"decoder {pipe.decoder.config.sample_size} px", *pipe.upsampler_names]
     stages = (["prior"] if pipe.prior is not None else []) + sizes
@@ -176,7 +177,7 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
     pipeline. ``examples``: prompts offered under the Generate tab."""
     one_at_a_time = dict(concurrency_limit=1, concurrency_id="pipeline")
     tokens = isinstance(pipe, TokenPipeline)
-    title = TITLES[pipe.family] if tokens else "unCLIP demo"
+    title = f"{FAMILY_NAMES[pipe.family]} demo" if tokens else "unCLIP demo"
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
         gr.Markdown(_describe(pipe, model_name))
         with gr.Accordion("Sampling settings" + ("" if tokens else " (every tab)"), open=False):
