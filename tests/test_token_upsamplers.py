@@ -83,6 +83,15 @@ def test_upsamplers_must_chain_from_the_tokenizer_size(token_parts):
         token_pipeline(token_parts, upsamplers=False).with_upsamplers(ups[0])
 
 
+def test_a_step_callback_that_is_not_callable_is_refused_before_sampling(token_parts):
+    pipe = token_pipeline(token_parts, upsamplers=False)
+    g = torch.Generator().manual_seed(0)
+    before = g.get_state()
+    with pytest.raises(TypeError, match="^callback_on_step_end must be callable, got int$"):
+        pipe(PROMPTS, generator=g, output_type="pt", callback_on_step_end=3)
+    assert torch.equal(g.get_state(), before)  # not a token drawn
+
+
 def test_train_tokens_config_attaches_upsamplers():
     cfg = load_token_model_train_config(
         {
