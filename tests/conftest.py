@@ -40,6 +40,25 @@ def gens(*seeds):
     return [torch.Generator().manual_seed(s) for s in seeds]
 
 
+def sample_tiny_prior(prior, clip, text, settings):
+    """``sample_prior`` of ``prior`` on the encoded ``text`` without gradients: ``clip``'s empty
+    caption as the guidance's null, x0 prediction, one generator seeded 0; ``(best,
+    candidates)``."""
+    from unclip.diffusion.config import DiffusionConfig
+    from unclip.sampling.stages import sample_prior
+
+    with torch.no_grad():
+        return sample_prior(
+            prior,
+            text,
+            lambda n: clip.encode_text([""] * n),
+            settings,
+            DiffusionConfig(prediction_type="sample"),
+            generator=torch.Generator().manual_seed(0),
+            progress=False,
+        )
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is several times faster than two on a busy machine (module-wide)."""

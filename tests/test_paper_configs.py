@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import CONFIGS, EXACT
+from conftest import CONFIGS, EXACT, sample_tiny_prior
 from diffusers.models.attention_processor import Attention
 
 from unclip import UnCLIPPipeline
@@ -381,9 +381,7 @@ def test_prior_embedding_scale_is_the_papers_fixed_17_2(tiny_clip):
 def test_full_scale_priors_sampler_and_the_autoregressive_prior_config(tiny_clip):
     """The diffusion prior samples with the ancestral 'unclip' sampler at the paper's 64 steps
     (run here on a tiny prior); the autoregressive prior config is the paper's decoder size."""
-    from unclip.diffusion.config import DiffusionConfig
     from unclip.sampling.settings import PriorSampling
-    from unclip.sampling.stages import sample_prior
 
     cfg = load_stage_config(CONFIGS / "prior_vit_l14.yaml")
     assert (cfg.sampling.scheduler, cfg.sampling.steps) == ("unclip", 64)
@@ -392,17 +390,7 @@ def test_full_scale_priors_sampler_and_the_autoregressive_prior_config(tiny_clip
     runs = []
     for scheduler in ("unclip", "ddim"):
         settings = PriorSampling(scheduler=scheduler, steps=4, guidance_scale=2.0)
-        with torch.no_grad():
-            best, _ = sample_prior(
-                prior,
-                text,
-                lambda n: tiny_clip.encode_text([""] * n),
-                settings,
-                DiffusionConfig(prediction_type="sample"),
-                generator=torch.Generator().manual_seed(0),
-                progress=False,
-            )
-        runs.append(best)
+        runs.append(sample_tiny_prior(prior, tiny_clip, text, settings)[0])
     assert torch.isfinite(runs[0]).all() and not torch.equal(*runs)  # ancestral noise added
     ar = load_stage_config(CONFIGS / "prior_ar_vit_l14.yaml")
     assert ar.prior.type == "ar" and ar.prior.num_layers == 24

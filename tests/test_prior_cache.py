@@ -3,13 +3,12 @@ the same predictions as the plain forward, used by the sampler, and out of the w
 
 import pytest
 import torch
+from conftest import sample_tiny_prior
 
-from unclip.diffusion.config import DiffusionConfig
 from unclip.nets.prior import PrefixCache, UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
 from unclip.pipeline.tiny import tiny_prior_kwargs
 from unclip.sampling.settings import PriorSampling
-from unclip.sampling.stages import sample_prior
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,16 +102,7 @@ def test_sampler_runs_the_three_new_positions_per_step(tiny_clip):
         lambda _, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True
     )
     settings = PriorSampling(scheduler="ddim", steps=4, guidance_scale=3.0, best_of=2)
-    with torch.no_grad():
-        best, cands = sample_prior(
-            prior,
-            text,
-            lambda n: tiny_clip.encode_text([""] * n),
-            settings,
-            DiffusionConfig(prediction_type="sample"),
-            generator=torch.Generator().manual_seed(0),
-            progress=False,
-        )
+    best, cands = sample_tiny_prior(prior, tiny_clip, text, settings)
     hook.remove()
     # the text positions (tokens + text embedding) once, then three positions per step
     assert lengths == [tiny_clip.context_length + 1] + [3] * 4
@@ -155,16 +145,7 @@ def _sample_lengths(prior, tiny_clip, steps=3):
     )
     settings = PriorSampling(scheduler="ddim", steps=steps, guidance_scale=3.0)
     try:
-        with torch.no_grad():
-            best, _ = sample_prior(
-                prior,
-                tiny_clip.encode_text(CAPTIONS),
-                lambda n: tiny_clip.encode_text([""] * n),
-                settings,
-                DiffusionConfig(prediction_type="sample"),
-                generator=torch.Generator().manual_seed(0),
-                progress=False,
-            )
+        best, _ = sample_tiny_prior(prior, tiny_clip, tiny_clip.encode_text(CAPTIONS), settings)
     finally:
         hook.remove()
     return lengths, best
