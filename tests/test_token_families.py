@@ -143,6 +143,12 @@ def test_image_logits_are_causal_and_ignore_caption_padding(family):
     # ids under a false mask are padding, whatever their value
     other = torch.where(mask, ids, torch.full_like(ids, 17))
     assert torch.allclose(model.image_logits(other, mask, image), base, atol=1e-6)
+    # a whole grid of tokens leaves nothing to predict: refused, naming the most it takes
+    whole = torch.cat([image, image[:, :1]], 1)
+    with pytest.raises(
+        ValueError, match=f"^{family}: feed at most {n} image tokens .*got {n + 1}$"
+    ):
+        model.image_logits(ids, mask, whole)
 
 
 # ------------------------------------------------------------------------------- sampling

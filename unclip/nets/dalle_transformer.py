@@ -31,7 +31,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from unclip.nets.blocks import TransformerBlock
-from unclip.nets.token_common import attend_cached, drop_captions, init_weights
+from unclip.nets.token_common import (
+    attend_cached,
+    check_teacher_forcing,
+    drop_captions,
+    init_weights,
+)
 
 __all__ = [
     "MASK_KINDS",
@@ -286,11 +291,7 @@ class DalleTransformer(nn.Module):
         text row ``p`` predicts caption slot ``p`` (padding included) from the ones before it;
         image row ``i`` predicts image token ``i`` from the caption and image tokens ``< i``."""
         c = self.config
-        if image_tokens.shape[1] >= c.image_len:
-            raise ValueError(
-                f"dalle: feed at most {c.image_len - 1} image tokens (the last one is only "
-                f"predicted), got {image_tokens.shape[1]}"
-            )
+        check_teacher_forcing("dalle", image_tokens, c.image_len)
         x = self._embed(self.pad_text(text_ids, text_mask), image_tokens, 0)
         h = self._run(x, 0, None)
         return self.text_head(h[:, : c.text_len]), self.image_head(h[:, c.text_len :])

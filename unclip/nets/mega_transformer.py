@@ -21,7 +21,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from unclip.nets.blocks import FeedForward, SelfAttention
-from unclip.nets.token_common import attend_cached, drop_captions, init_weights
+from unclip.nets.token_common import (
+    attend_cached,
+    check_teacher_forcing,
+    drop_captions,
+    init_weights,
+)
 
 __all__ = ["MegaConfig", "MegaLayer", "MegaTransformer"]
 
@@ -220,10 +225,7 @@ class MegaTransformer(nn.Module):
         ``image_tokens [B, n]`` (``n < grid²``) → logits ``[B, n+1, image_vocab_size]``; row
         ``i`` predicts image token ``i`` from the caption and image tokens ``< i``."""
         c = self.config
-        if image_tokens.shape[1] >= c.image_len:
-            raise ValueError(
-                f"mega: feed at most {c.image_len - 1} image tokens, got {image_tokens.shape[1]}"
-            )
+        check_teacher_forcing("mega", image_tokens, c.image_len)
         bos = image_tokens.new_full((image_tokens.shape[0], 1), c.image_vocab_size)
         return self._decode(
             torch.cat([bos, image_tokens], 1), 0, self.encode(text_ids, text_mask), None, None

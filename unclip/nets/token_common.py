@@ -1,6 +1,6 @@
 """What DALL-E's and DALL-E Mega's token transformers share: attention over a key/value cache,
-caption dropout (the unconditional pass of super-conditioning), initialisation and parameter
-counting.
+caption dropout (the unconditional pass of super-conditioning), initialisation, parameter
+counting and the teacher-forcing length check.
 
 Both networks share one interface, which :mod:`unclip.sampling.tokens` samples through:
 ``image_logits(text_ids, text_mask, image_tokens [B, n]) → [B, n+1, V_image]`` (teacher forcing:
@@ -19,7 +19,13 @@ from torch import nn
 
 from unclip.nets.blocks import SelfAttention
 
-__all__ = ["attend_cached", "init_weights", "drop_captions", "parameter_count"]
+__all__ = [
+    "attend_cached",
+    "init_weights",
+    "drop_captions",
+    "parameter_count",
+    "check_teacher_forcing",
+]
 
 
 def attend_cached(
@@ -67,3 +73,13 @@ def drop_captions(model, text_ids, text_mask, p: float, generator):
 def parameter_count(module: nn.Module) -> int:
     """Number of parameters (works on the meta device)."""
     return sum(math.prod(p.shape) for p in module.parameters())
+
+
+def check_teacher_forcing(family: str, image_tokens: torch.Tensor, image_len: int) -> None:
+    """``image_logits`` takes at most ``image_len - 1`` image tokens: its rows predict tokens
+    ``0 .. n``, and there is no token ``image_len`` to predict."""
+    if image_tokens.shape[1] >= image_len:
+        raise ValueError(
+            f"{family}: feed at most {image_len - 1} image tokens (the last one is only "
+            f"predicted), got {image_tokens.shape[1]}"
+        )
