@@ -63,6 +63,7 @@ from peers_marks import (
     dalle2_trainer_settings,
     keep,
     mark_steps,
+    parse_marks,
     plot,
     threshold_summary,
     unclip_marks,
@@ -338,6 +339,8 @@ def worker(stage: str, lib: str, work: Path, budget: float, calib: int) -> int:
 def run_pair(stage: str, args, work: Path, budget: float, calib: int) -> dict:
     """Both trainers of ``stage`` at the same time, one core each; their result rows."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BENCH_EVAL=str(args.eval))
+    if args.marks:
+        env["BENCH_MARKS"] = args.marks
     env["PYTHONPATH"] = os.pathsep.join(
         [str(common.ROOT), str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
     )
@@ -377,6 +380,17 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=None, help="run folder (default: a temp folder)")
     p.add_argument("--quick", action="store_true", help="a few seconds of training each")
     p.add_argument(
+        "--marks",
+        default=None,
+        help="fractions of each run at which weights are kept and scored, e.g. "
+        "1/64,1/32,1/16,1/8,1/4,1/2,1 (default 1/8,1/4,1/2,1)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results name under benchmarks/results/ (default bench_peers_quality[_quick])",
+    )
+    p.add_argument(
         "--reuse",
         action="store_true",
         help="take a stage's finished trainer results from --work (same budgets) instead of "
@@ -414,7 +428,9 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(1)
     started = time.perf_counter()
-    name = "bench_peers_quality_quick" if args.quick else "bench_peers_quality"
+    name = args.out or ("bench_peers_quality_quick" if args.quick else "bench_peers_quality")
+    if args.marks:
+        parse_marks(args.marks)  # a bad spec fails here, not in both workers
     calib = dcalib = CALIBRATION_STEPS
     if args.quick:
         args.budget, args.rows, args.eval, calib = 10.0, 2048, 32, 3

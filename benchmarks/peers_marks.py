@@ -7,6 +7,7 @@ Not part of the library; imported by the benchmark's workers (both virtualenvs) 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -16,8 +17,27 @@ import torch
 MARKS = (1 / 8, 1 / 4, 1 / 2, 1.0)
 
 
+def parse_marks(spec: str) -> tuple[float, ...]:
+    """``"1/64,1/16,0.5,1"`` -> fractions in (0, 1]; the run's last step is always a mark."""
+    out = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        num, _, den = part.partition("/")
+        try:
+            f = float(num) / float(den or 1)
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"--marks: {part!r} is not a fraction such as 1/16 or 0.25") from None
+        if not 0 < f <= 1:
+            raise ValueError(f"--marks: {part!r} is outside (0, 1]; give fractions of the run")
+        out.add(f)
+    return tuple(sorted(out | {1.0}))
+
+
 def mark_steps(steps: int) -> list[int]:
-    return sorted({max(1, round(f * steps)) for f in MARKS})
+    """The steps at which EMA weights are kept: ``MARKS``, or the fractions the parent passes its
+    workers in ``BENCH_MARKS`` (``--marks``)."""
+    spec = os.environ.get("BENCH_MARKS")
+    fractions = parse_marks(spec) if spec else MARKS
+    return sorted({max(1, round(f * steps)) for f in fractions})
 
 
 class CpuClock:
