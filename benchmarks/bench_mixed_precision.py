@@ -33,9 +33,9 @@ import sys
 import tempfile
 import time
 
-import bench_peers
 import common
 import models
+import peers_models
 import torch
 import torch.nn.functional as F
 
@@ -68,12 +68,12 @@ def shapes_batches(clip, n: int, batch: int, split: str, res: int = 64) -> list[
 def run(stage: str, mp: str, batches: list[dict], held_out: list[dict], lr: float, work) -> dict:
     steps = len(batches)
     spec = {
-        **bench_peers.SETUPS["full"],
+        **peers_models.SETUPS["full"],
         "batch": len(batches[0]["caption"]),
         "mixed_precision": mp,
         "train": {"lr": lr, "warmup_steps": max(1, steps // 10), "max_steps": steps},
     }
-    built = bench_peers.build_unclip(stage, spec, work)
+    built = peers_models.build_unclip(stage, spec, work)
     loop, task = built["loop"], built["task"]
     keep = ("caption", "image_embed") if stage == "prior" else ("caption", "image", "image_embed")
     losses, seconds = [], []
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     for stage in args.stages:
         batch, steps, lr = plan[stage]
         torch.manual_seed(0)  # the CLIP build_unclip builds: the one the runs condition on
-        clip = models.clip_model(bench_peers.SETUPS["full"]["size"])
+        clip = models.clip_model(peers_models.SETUPS["full"]["size"])
         common.log(f"[{stage}] {steps} steps x batch {batch}: rendering and embedding the scenes")
         batches = shapes_batches(clip, steps, batch, "train")
         held_out = shapes_batches(clip, max(1, HELD_OUT // batch), batch, "heldout")

@@ -40,9 +40,9 @@ VARIANTS = {
 
 
 def measure(stage: str, quick: bool, rounds: int, steps: int, precision: str = "no") -> dict:
-    import bench_peers
+    import peers_models
 
-    setup = bench_peers.SETUPS["quick" if quick else "full"]
+    setup = peers_models.SETUPS["quick" if quick else "full"]
     spec = {
         "size": setup["size"],
         "batch": setup["batch"][stage],
@@ -50,7 +50,7 @@ def measure(stage: str, quick: bool, rounds: int, steps: int, precision: str = "
         "unclip_upsampler": setup["unclip_upsampler"],
         "mixed_precision": precision,
     }
-    built = bench_peers.build_unclip(stage, spec, tempfile.mkdtemp(prefix="bench-opts-"))
+    built = peers_models.build_unclip(stage, spec, tempfile.mkdtemp(prefix="bench-opts-"))
     loop = built["loop"]
     optimizer = getattr(loop.optimizer, "optimizer", loop.optimizer)
 
