@@ -45,6 +45,10 @@ def plot_sweep(rows: list[dict], path: Path, precision: str = "fp32") -> str:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (title, x, keep) in zip(axes, panels):
         sel = sorted((r for r in rows if keep(r)), key=lambda r: r[x])
+        if not sel:  # a quick sweep leaves some panels without points: log axes need data
+            ax.set(title=f"{title} (no points in this sweep)")
+            ax.axis("off")
+            continue
         for lib, label in (("unclip", "unclip"), ("dalle2", "DALLE2-pytorch")):
             ax.plot(
                 [r[x] for r in sel], [r[f"{lib}_samples_per_s"] for r in sel], "o-", label=label
