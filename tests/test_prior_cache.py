@@ -1,5 +1,7 @@
 """The prior's text-position cache (``UnCLIPPrior.conditioned``, ``unclip.prior.PrefixCache``):
-the same predictions as the plain forward, used by the sampler, and out of the way afterwards."""
+the same predictions as the plain forward, used by the sampler, and out of the way afterwards. And
+the forward without the batch's trailing text padding (``UnCLIPPrior._forward_trimmed``): the same
+predictions and gradients as diffusers' forward over the whole sequence."""
 
 import pytest
 import torch
@@ -125,8 +127,10 @@ def test_a_rows_prediction_does_not_depend_on_the_other_texts(tiny_clip):
 
 def test_cached_prediction_under_bf16_autocast_equals_the_forward(tiny_clip):
     """Under autocast the cache adds positions and the prediction token in the hidden states'
-    dtype, as diffusers does, so both paths round alike."""
+    dtype, as diffusers does, so both paths round alike (the cache runs the whole text, as
+    diffusers' forward over the whole sequence does)."""
     prior = random_prior(tiny_clip)
+    prior.trim_text_padding = False
     text = guided_text(tiny_clip)
     x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -302,3 +306,89 @@ def test_cached_prediction_with_a_lora_adapter(tiny_clip):
         got = fn(x, 11)
     assert not torch.allclose(want, base, atol=1e-3)  # the adapter changes the prediction
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def positions_seen(prior: UnCLIPPrior, run) -> list[int]:
+    """The sequence lengths the first transformer block sees while ``run()`` runs."""
+    seen: list[int] = []
+    block = prior.transformer.transformer_blocks[0]
+    handle = block.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+def prediction_and_grads(prior: UnCLIPPrior, x, t, text, trim: bool):
+    prior.trim_text_padding = trim
+    prior.zero_grad()
+    out = prior(x, t, text)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    grads = {n: p.grad.clone() for n, p in prior.named_parameters() if p.grad is not None}
+    prior.trim_text_padding = True
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"normformer": True, "ff_activation": "swiglu"}],
+    ids=["diffusers-blocks", "normformer-swiglu"],
+)
+def test_trimmed_forward_equals_the_whole_sequence_with_gradients(tiny_clip, options):
+    prior = random_prior(tiny_clip, **options).train()
+    text = guided_text(tiny_clip, repeats=1)
+    longest = int(text.text_mask.sum(1).max())
+    n = text.text_tokens.shape[1]
+    assert longest < n
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(2))
+    t = torch.arange(len(text)) * 150
+    seen = positions_seen(prior, lambda: prediction_and_grads(prior, x, t, text, True))
+    assert seen == [longest + 4]  # the text up to the longest caption, then the four others
+    got, got_grads = prediction_and_grads(prior, x, t, text, True)
+    assert positions_seen(prior, lambda: prediction_and_grads(prior, x, t, text, False)) == [n + 4]
+    want, want_grads = prediction_and_grads(prior, x, t, text, False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        # the attention's key biases have a gradient of exactly zero in exact arithmetic
+        # (a bias added to every key shifts a query's scores alike); both sides round near 1e-7
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    pos = got_grads["transformer.positional_embedding"][0]
+    assert pos[longest:n].abs().max() == 0  # padding positions get no gradient either way
+    assert pos[:longest].abs().max() > 0 and pos[n:].abs().max() > 0
+
+
+def test_trimmed_forward_under_bf16_autocast_is_close_to_the_whole_sequence(tiny_clip):
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip, repeats=1)
+    x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = prior(x, torch.tensor(400), text)
+        prior.trim_text_padding = False
+        want = prior(x, torch.tensor(400), text)
+    assert got.dtype == want.dtype
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= 0.02 * scale
+
+
+def test_whole_sequence_where_trimming_does_not_apply(tiny_clip):
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip, repeats=1)
+    n = text.text_tokens.shape[1]
+    x = torch.randn(len(text), tiny_clip.embed_dim)
+
+    def run(txt=text):
+        with torch.no_grad():
+            prior(x, 5, txt)
+
+    assert positions_seen(prior, run) != [n + 4]  # trimmed by default
+    # a forward hook on the transformer must see its call
+    handle = prior.transformer.register_forward_hook(lambda *a: None)
+    assert positions_seen(prior, run) == [n + 4]
+    handle.remove()
+    # no padding common to every row: nothing to trim
+    full = TextEncoding(
+        text.text_embed, text.text_tokens, torch.ones_like(text.text_mask, dtype=torch.bool)
+    )
+    assert positions_seen(prior, lambda: run(full)) == [n + 4]

@@ -37,6 +37,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models import ModelMixin, PriorTransformer
 from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
+from torch._subclasses.fake_tensor import is_fake
 
 from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_options
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
@@ -220,6 +221,9 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         """``x_t [B, D]``, ``t [B]`` or scalar, ``text`` with ``B`` rows → predicted
         ``x_0 [B, D]``."""
         tokens, mask = self.text_inputs(text)
+        keep = self._text_positions_kept(tokens, mask)
+        if keep is not None:
+            return self._forward_trimmed(x_t, t, text.text_embed, tokens, mask, keep)
         out = self.transformer(
             x_t.to(self.dtype),
             timestep=t,
@@ -229,6 +233,78 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
             return_dict=False,
         )[0]
         return out
+
+    #: run the transformer without the text padding every row of a batch has at its end (see
+    #: :meth:`_forward_trimmed`); off, every call runs diffusers' forward over all positions
+    trim_text_padding: bool = True
+
+    def _text_positions_kept(
+        self, tokens: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> Optional[int]:
+        """How many leading text positions :meth:`_forward_trimmed` keeps, or None where the
+        whole sequence runs through diffusers' forward: nothing to trim, trimming switched off,
+        forward hooks or a replaced ``forward`` on the transformer (which the trimmed path never
+        calls), a sequence laid out otherwise, or shapes that must not depend on the data (a
+        graph being compiled, fake tensors)."""
+        tr = self.transformer
+        if not self.trim_text_padding or mask is None or tr.prd_embedding is None:
+            return None
+        n = tokens.shape[1]
+        if tr.positional_embedding.shape[1] != n + 4 or n == 0:
+            return None
+        if torch.compiler.is_compiling() or is_fake(mask):  # one graph per shape otherwise
+            return None
+        if torch.nn.modules.module._has_any_global_hook() or not _calls_as_defined(tr):
+            return None
+        positions = torch.arange(1, n + 1, device=mask.device)
+        # the last position any row attends to; at least one, so the sequence keeps its layout
+        keep = max(1, int(torch.where(mask.bool().any(0), positions, 0).max()))
+        return keep if keep < n else None
+
+    def _forward_trimmed(
+        self,
+        x_t: torch.Tensor,
+        t,
+        text_embed: torch.Tensor,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        keep: int,
+    ) -> torch.Tensor:
+        """diffusers' ``PriorTransformer`` forward over ``[the first keep text tokens, text
+        embedding, time, x_t, prediction]``, each position with the positional embedding and
+        causal mask entries it has in the whole sequence.
+
+        The dropped positions are padding in every row: as keys they are masked with an additive
+        ``-10000``, whose softmax weight is exactly zero, and as queries their outputs reach no
+        other position, so the prediction and every gradient equal the whole sequence's up to
+        float rounding, while the blocks' work shrinks with the sequence (captions are mostly far
+        shorter than the context). Reading ``keep`` off the mask costs one device sync per call."""
+        tr = self.transformer
+        b, n, dtype = x_t.shape[0], tokens.shape[1], self.dtype
+        kept = torch.cat([torch.arange(keep), torch.arange(n, n + 4)]).to(tokens.device)
+        tokens, mask = tokens[:, :keep], mask[:, :keep]
+        # as diffusers: a Python number is a whole timestep, a tensor keeps its dtype
+        t = torch.as_tensor(t, device=x_t.device, dtype=None if torch.is_tensor(t) else torch.long)
+        t = (t[None] if t.dim() == 0 else t) * torch.ones(b, dtype=t.dtype, device=x_t.device)
+        time = tr.time_embedding(tr.time_proj(t).to(dtype))
+        proj = text_embed.to(dtype)
+        if tr.embedding_proj_norm is not None:
+            proj = tr.embedding_proj_norm(proj)
+        if tr.encoder_hidden_states_proj is not None:
+            tokens = tr.encoder_hidden_states_proj(tokens)
+        x = tr.proj_in(x_t.to(dtype))
+        prd = tr.prd_embedding.to(x.dtype).expand(b, -1, -1)
+        h = torch.cat([tokens, tr.embedding_proj(proj)[:, None], time[:, None], x[:, None], prd], 1)
+        h = h + tr.positional_embedding[:, kept].to(x.dtype)
+        bias = F.pad((1 - mask.to(h.dtype)) * -10000.0, (0, 4), value=0.0)
+        causal = tr.causal_attention_mask[0][kept][:, kept]
+        heads = tr.config.num_attention_heads
+        attn_mask = (bias[:, None, :] + causal).to(h.dtype).repeat_interleave(heads, dim=0)
+        if tr.norm_in is not None:
+            h = tr.norm_in(h)
+        for block in tr.transformer_blocks:
+            h = block(h, attention_mask=attn_mask)
+        return tr.proj_to_clip_embeddings(tr.norm_out(h)[:, -1])
 
     def conditioned(
         self, text: TextEncoding
