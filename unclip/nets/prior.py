@@ -254,7 +254,9 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
             return None
         if torch.compiler.is_compiling() or is_fake(mask):  # one graph per shape otherwise
             return None
-        if torch.nn.modules.module._has_any_global_hook() or not _calls_as_defined(tr):
+        # global module hooks (a FLOP counter's, a profiler's) see every module that computes
+        # either way; only hooks on the transformer itself would miss its call
+        if not _calls_as_defined(tr):
             return None
         positions = torch.arange(1, n + 1, device=mask.device)
         # the last position any row attends to; at least one, so the sequence keeps its layout
