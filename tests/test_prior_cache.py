@@ -392,3 +392,20 @@ def test_whole_sequence_where_trimming_does_not_apply(tiny_clip):
         text.text_embed, text.text_tokens, torch.ones_like(text.text_mask, dtype=torch.bool)
     )
     assert positions_seen(prior, lambda: run(full)) == [n + 4]
+
+
+def test_a_flop_counter_sees_the_trimmed_work(tiny_clip):
+    """FlopCounterMode's global module hooks do not turn trimming off: it counts what runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    prior = random_prior(tiny_clip)
+    text = guided_text(tiny_clip, repeats=1)
+    x = torch.randn(len(text), tiny_clip.embed_dim)
+    counts = {}
+    for trim in (True, False):
+        prior.trim_text_padding = trim
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            prior(x, 5, text)
+        counts[trim] = counter.get_total_flops()
+    n, longest = text.text_tokens.shape[1], int(text.text_mask.sum(1).max())
+    assert counts[True] < counts[False] * (longest + 4) / (n + 4) * 1.5
