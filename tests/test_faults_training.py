@@ -431,6 +431,10 @@ UPSAMPLER_BAD = [
     ("upsampler_train.max_noise_level=-1", "upsampler_train.max_noise_level must be an integer"),
     ("upsampler_train.blur_sigma=[0.6, 0.4]", "upsampler_train.blur_sigma must be [low, high]"),
     ("upsampler_train.crop_size=0", "upsampler_train.crop_size must be an integer >= 1"),
+    (
+        "upsampler.attention_head_dim=5",
+        "upsampler.attention_head_dim (5) must divide the mid block's",
+    ),
 ]
 
 

@@ -235,6 +235,27 @@ def test_attention_free_upsampler_has_no_attention():
         assert load_stage_config(CONFIGS / f"{name}.yaml").upsampler.add_attention is False
 
 
+def test_upsampler_attention_head_width_is_a_setting_defaulting_to_diffusers():
+    kwargs = dict(tiny_upsampler_kwargs(16, 32))
+    width = kwargs["block_out_channels"][-1]
+    saved = {k: v for k, v in UpsamplerConfig(**kwargs).build().config.items() if k[0] != "_"}
+    saved.pop("attention_head_dim")  # weights saved before the setting existed
+    old = UnCLIPUpsampler.from_config(saved)
+    wide = UpsamplerConfig(**kwargs, attention_head_dim=width // 2).build()
+
+    def heads(model):
+        return [m.heads for m in model.modules() if isinstance(m, Attention)]
+
+    assert heads(old) == [width // 8] and heads(wide) == [2]
+    # the same parameters: the head width only splits the same projections differently
+    assert [p.shape for p in old.parameters()] == [p.shape for p in wide.parameters()]
+    with pytest.raises(ValueError, match=r"attention_head_dim \(5\) must divide the mid block's"):
+        UpsamplerConfig(**kwargs, attention_head_dim=5)
+    with pytest.raises(ValueError, match=r"attention_head_dim \(5\) must divide the mid block's"):
+        UnCLIPUpsampler(**kwargs, attention_head_dim=5)
+    UpsamplerConfig(**kwargs, add_attention=False, attention_head_dim=5)  # no attention, no heads
+
+
 def test_full_scale_decoder_has_the_papers_parameter_count():
     """Built on the meta device from configs/decoder_64.yaml: the paper's 3.5B, of which the
     caption transformer is what frozen-CLIP tokens would leave out."""

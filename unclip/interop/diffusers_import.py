@@ -300,6 +300,8 @@ def _load_upsampler(
         final_step_model=True,
         resnet_time_scale_shift=first["resnet_time_scale_shift"],
         add_attention=first["add_attention"],
+        # diffusers' None: one head over all the mid block's channels
+        attention_head_dim=first["attention_head_dim"] or first["block_out_channels"][-1],
         clamp_low_res=False,
     )
     try:

@@ -218,8 +218,10 @@ class UpsamplerConfig:
     ``noise_level`` is the fixed noise level (a diffusion timestep) of the low-res image at
     sampling. How the low-res conditioning is corrupted during training is a training setting (the
     stage config's ``upsampler_train:`` section). ``add_attention``: self-attention in the UNet's
-    mid block (the paper's upsamplers are convolution-only: false). ``dropout``: in the residual
-    blocks during training (paper: 0.1 in the first upsampler). :meth:`build` makes the network.
+    mid block (the paper's upsamplers are convolution-only: false), in heads of
+    ``attention_head_dim`` channels (default 8, diffusers' and that of weights saved before the
+    setting; 32 or 64 run several times faster on a CPU). ``dropout``: in the residual blocks
+    during training (paper: 0.1 in the first upsampler). :meth:`build` makes the network.
     """
 
     sample_size: int = 256
@@ -236,9 +238,16 @@ class UpsamplerConfig:
     noise_level: int = 0
     add_attention: bool = True
     dropout: float = 0.0
+    attention_head_dim: int = 8
 
     def __post_init__(self) -> None:
         _check_dropout("upsampler.dropout", self.dropout)
+        width = self.block_out_channels[-1] if self.block_out_channels else 0
+        if self.add_attention and (self.attention_head_dim < 1 or width % self.attention_head_dim):
+            raise ConfigError(
+                f"upsampler.attention_head_dim ({self.attention_head_dim}) must divide the mid "
+                f"block's {width} channels (the last of upsampler.block_out_channels)"
+            )
 
     def build(self):
         """The :class:`~unclip.decoder.UnCLIPUpsampler` this config describes."""

@@ -377,7 +377,10 @@ class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[m
 
     ``forward(x_t [B,3,H,W], t, low_res_up [B,3,H,W], noise_level [B]) → [B,3,H,W]`` where
     ``low_res_up`` is the (corrupted, noised) low-res image already upsampled to ``H×W``.
-    ``add_attention``: self-attention in the UNet's mid block (the paper's upsamplers have none).
+    ``add_attention``: self-attention in the UNet's mid block (the paper's upsamplers have none),
+    in heads of ``attention_head_dim`` channels (diffusers' ``UNet2DModel`` default, 8, also what
+    weights saved without the setting were trained with; wider heads compute the same number of
+    FLOPs much faster on a CPU, see benchmarks/README.md).
     ``dropout``: in the residual blocks during training (paper: 0.1 in the first upsampler).
     """
 
@@ -402,11 +405,18 @@ class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[m
         add_attention: bool = True,
         clamp_low_res: bool = True,
         dropout: float = 0.0,
+        attention_head_dim: int = 8,
     ):
         super().__init__()
         if sample_size <= low_res_size:
             raise ValueError(
                 f"upsampler sample_size ({sample_size}) must exceed low_res_size ({low_res_size})"
+            )
+        width = block_out_channels[-1]
+        if add_attention and (attention_head_dim < 1 or width % attention_head_dim):
+            raise ValueError(
+                f"upsampler attention_head_dim ({attention_head_dim}) must divide the mid block's "
+                f"{width} channels (the last of block_out_channels)"
             )
 
         def make():
@@ -422,6 +432,7 @@ class UnCLIPUpsampler(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[m
                 class_embed_type="identity" if noise_level_conditioning else None,
                 resnet_time_scale_shift=resnet_time_scale_shift,
                 add_attention=add_attention,
+                attention_head_dim=attention_head_dim,
                 dropout=check_dropout(dropout),
             )
 
