@@ -1,17 +1,23 @@
-"""Loss per sample in bf16 autocast against fp32: does the faster arithmetic learn as much from each
-sample? The mid model's prior and 64 px decoder (benchmarks/models.py, as bench_peers.py builds
-them in unclip's real ``TrainLoop``) trained on the same shapes-world samples.
+"""Loss per sample of a faster variant of a training step against the reference: does it learn as
+much from each sample? The mid model's prior and 64 px decoder in bf16 autocast against fp32, and
+its 64 -> 128 px upsampler with mid-block attention heads of 32 channels against diffusers' 8
+(benchmarks/models.py, as bench_peers.py builds them in unclip's real ``TrainLoop``), trained on
+the same shapes-world samples.
 
     python benchmarks/bench_mixed_precision.py            # about 40 minutes on one core
+    python benchmarks/bench_mixed_precision.py --stages upsampler --out bench_upsampler_heads
     python benchmarks/bench_mixed_precision.py --quick    # a few steps: runs the path
 
-Per stage, three runs from the same initial weights, one thread each, one after the other:
+Per stage, three runs from the same initial weights (the upsampler's head width only splits the
+same projections differently), one thread each, one after the other:
 
-* ``fp32``: ``train.mixed_precision: "no"``;
-* ``bf16``: ``"bf16"`` (what ``auto`` picks on a CPU that runs bf16 natively; elsewhere bf16 is
-  emulated, slower, and not what ``auto`` picks, but its numerics are the same);
-* ``fp32, other order``: fp32 on the same samples in another order, the run-to-run spread that a
-  difference between the first two is measured against.
+* the reference: ``train.mixed_precision: "no"`` (``fp32``); for the upsampler, heads of 8
+  channels (``heads_8``);
+* the variant: ``"bf16"`` (what ``auto`` picks on a CPU that runs it natively; elsewhere bf16 is
+  emulated, slower, and not what ``auto`` picks, but its numerics are the same); for the
+  upsampler, heads of 32 (``heads_32``, fp32);
+* the reference on the same samples in another order, the run-to-run spread that a difference
+  between the first two is measured against.
 
 The samples are shapes-world scenes at the decoder's 64 px with their captions, conditioned on the
 CLIP image embedding of the scene (the benchmark's random CLIP: a fixed function of the image,
@@ -43,9 +49,21 @@ from unclip.shapes.world import ShapesWorld
 from unclip.utils.images import pil_to_tensor
 
 #: per stage: batch, steps, learning rate (warmup 10 % of the steps, then cosine to 1e-6)
-PLAN = {"prior": (32, 300, 3e-4), "decoder": (4, 150, 2e-4)}
-QUICK = {"prior": (8, 6, 3e-4), "decoder": (2, 3, 2e-4)}
+PLAN = {"prior": (32, 300, 3e-4), "decoder": (4, 150, 2e-4), "upsampler": (2, 150, 2e-4)}
+QUICK = {"prior": (8, 6, 3e-4), "decoder": (2, 3, 2e-4), "upsampler": (2, 3, 2e-4)}
 HELD_OUT = 64  # scenes
+#: per stage: (name, build_unclip spec overrides) of the reference and the variant
+PRECISION = [("fp32", {"mixed_precision": "no"}), ("bf16", {"mixed_precision": "bf16"})]
+VARIANTS = {
+    "prior": PRECISION,
+    "decoder": PRECISION,
+    "upsampler": [
+        ("heads_8", {"unclip_upsampler": {"attention_head_dim": 8}}),
+        ("heads_32", {"unclip_upsampler": {"attention_head_dim": 32}}),
+    ],
+}
+#: the resolution of each stage's training images
+RES = {"prior": 64, "decoder": 64, "upsampler": 128}
 
 
 def shapes_batches(clip, n: int, batch: int, split: str, res: int = 64) -> list[dict]:
@@ -65,13 +83,15 @@ def shapes_batches(clip, n: int, batch: int, split: str, res: int = 64) -> list[
     return out
 
 
-def run(stage: str, mp: str, batches: list[dict], held_out: list[dict], lr: float, work) -> dict:
+def run(
+    stage: str, overrides: dict, batches: list[dict], held_out: list[dict], lr: float, work
+) -> dict:
     steps = len(batches)
     spec = {
         **peers_models.SETUPS["full"],
         "batch": len(batches[0]["caption"]),
-        "mixed_precision": mp,
         "train": {"lr": lr, "warmup_steps": max(1, steps // 10), "max_steps": steps},
+        **overrides,
     }
     built = peers_models.build_unclip(stage, spec, work)
     loop, task = built["loop"], built["task"]
@@ -118,31 +138,33 @@ def main(argv=None) -> int:
         torch.manual_seed(0)  # the CLIP build_unclip builds: the one the runs condition on
         clip = models.clip_model(peers_models.SETUPS["full"]["size"])
         common.log(f"[{stage}] {steps} steps x batch {batch}: rendering and embedding the scenes")
-        batches = shapes_batches(clip, steps, batch, "train")
-        held_out = shapes_batches(clip, max(1, HELD_OUT // batch), batch, "heldout")
+        batches = shapes_batches(clip, steps, batch, "train", RES[stage])
+        held_out = shapes_batches(clip, max(1, HELD_OUT // batch), batch, "heldout", RES[stage])
         other = batches[:]
         random.Random(1).shuffle(other)
         runs = {}
-        for name, mp, data in (
-            ("fp32", "no", batches),
-            ("bf16", "bf16", batches),
-            ("fp32, other order", "no", other),
+        (ref, ref_spec), (var, var_spec) = VARIANTS[stage]
+        for name, overrides, data in (
+            (ref, ref_spec, batches),
+            (var, var_spec, batches),
+            (f"{ref}, other order", ref_spec, other),
         ):
             with tempfile.TemporaryDirectory() as work:
-                runs[name] = run(stage, mp, data, held_out, lr, work)
+                runs[name] = run(stage, overrides, data, held_out, lr, work)
             common.log(
                 f"[{stage}] {name}: held-out loss {runs[name]['held_out_loss']:.5f}, "
                 f"{runs[name]['seconds_per_step']:.3f} s/step"
             )
         last = slice(2 * steps // 3, None)
         mean_last = {k: sum(r["losses"][last]) / len(r["losses"][last]) for k, r in runs.items()}
-        paired = [b / a for a, b in zip(runs["fp32"]["losses"][last], runs["bf16"]["losses"][last])]
+        paired = [b / a for a, b in zip(runs[ref]["losses"][last], runs[var]["losses"][last])]
         result["stages"][stage] = {
             "batch": batch,
             "steps": steps,
             "lr": lr,
+            "variants": {ref: ref_spec, var: var_spec},
             "mean_train_loss_last_third": mean_last,
-            "median_paired_ratio_bf16_over_fp32_last_third": common.median(paired),
+            f"median_paired_ratio_{var}_over_{ref}_last_third": common.median(paired),
             "held_out_loss": {k: r["held_out_loss"] for k, r in runs.items()},
             "seconds_per_step": {k: r["seconds_per_step"] for k, r in runs.items()},
             "runs": runs,
@@ -175,13 +197,14 @@ def report(r: dict) -> str:
                 ("held-out loss (fp32 eval)", "held"),
                 ("s/step", "sps"),
             ],
-            "loss per sample: bf16 autocast vs fp32, same samples, same noise",
+            "loss per sample: variant vs reference, same samples, same noise",
         ),
     ]
     for stage, s in r["stages"].items():
+        ref, var = list(s.get("variants", {"fp32": {}, "bf16": {}}))
         out.append(
-            f"{stage}: median per-step loss ratio bf16 / fp32 (last third) "
-            f"{s['median_paired_ratio_bf16_over_fp32_last_third']:.4f}"
+            f"{stage}: median per-step loss ratio {var} / {ref} (last third) "
+            f"{s[f'median_paired_ratio_{var}_over_{ref}_last_third']:.4f}"
         )
     return "\n".join(out)
 
