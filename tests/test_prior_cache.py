@@ -9,7 +9,7 @@ from conftest import sample_tiny_prior
 
 from unclip.nets.prior import PrefixCache, UnCLIPPrior
 from unclip.nets.text_encoding import TextEncoding
-from unclip.pipeline.tiny import tiny_prior_kwargs
+from unclip.pipeline.tiny import TINY_TEXT_ENCODER, tiny_prior_kwargs
 from unclip.sampling.settings import PriorSampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -332,14 +332,21 @@ def prediction_and_grads(prior: UnCLIPPrior, x, t, text, trim: bool):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"normformer": True, "ff_activation": "swiglu"}],
-    ids=["diffusers-blocks", "normformer-swiglu"],
+    [
+        {},
+        {"normformer": True, "ff_activation": "swiglu"},
+        {"text_encoder": "transformer", **TINY_TEXT_ENCODER},
+    ],
+    ids=["diffusers-blocks", "normformer-swiglu", "own-caption-transformer"],
 )
 def test_trimmed_forward_equals_the_whole_sequence_with_gradients(tiny_clip, options):
     prior = random_prior(tiny_clip, **options).train()
     text = guided_text(tiny_clip, repeats=1)
-    longest = int(text.text_mask.sum(1).max())
-    n = text.text_tokens.shape[1]
+    if prior.has_text_encoder:  # the caption transformer's own tokens and mask
+        text = text.with_caption_ids(prior.tokenize([""] * len(CAPTIONS) + CAPTIONS))
+    with torch.no_grad():
+        _, mask = prior.text_inputs(text)
+    longest, n = int(mask.sum(1).max()), mask.shape[1]
     assert longest < n
     x = torch.randn(len(text), tiny_clip.embed_dim, generator=torch.Generator().manual_seed(2))
     t = torch.arange(len(text)) * 150
@@ -383,10 +390,14 @@ def test_whole_sequence_where_trimming_does_not_apply(tiny_clip):
             prior(x, 5, txt)
 
     assert positions_seen(prior, run) != [n + 4]  # trimmed by default
-    # a forward hook on the transformer must see its call
+    # a forward or backward hook on the transformer must see its call
     handle = prior.transformer.register_forward_hook(lambda *a: None)
     assert positions_seen(prior, run) == [n + 4]
     handle.remove()
+    handle = prior.transformer.register_full_backward_hook(lambda *a: None)
+    assert positions_seen(prior, run) == [n + 4]
+    handle.remove()
+    assert positions_seen(prior, run) != [n + 4]
     # no padding common to every row: nothing to trim
     full = TextEncoding(
         text.text_embed, text.text_tokens, torch.ones_like(text.text_mask, dtype=torch.bool)

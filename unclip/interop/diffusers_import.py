@@ -300,10 +300,10 @@ def _load_upsampler(
         final_step_model=True,
         resnet_time_scale_shift=first["resnet_time_scale_shift"],
         add_attention=first["add_attention"],
-        # diffusers' None: one head over all the mid block's channels
-        attention_head_dim=first["attention_head_dim"] or first["block_out_channels"][-1],
         clamp_low_res=False,
     )
+    if first["attention_head_dim"] is not None:  # None (one head per block) fails the check below
+        kwargs["attention_head_dim"] = first["attention_head_dim"]
     try:
         up = UnCLIPUpsampler(**kwargs)
     except (ValueError, TypeError) as exc:

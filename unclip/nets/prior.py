@@ -43,6 +43,7 @@ from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_opti
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils import offload
+from unclip.utils.devices import under_fake_tensors
 from unclip.utils.precision import KeepFp32Mixin
 
 __all__ = ["UnCLIPPrior", "prior_caption_ids"]
@@ -243,20 +244,22 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
     ) -> Optional[int]:
         """How many leading text positions :meth:`_forward_trimmed` keeps, or None where the
         whole sequence runs through diffusers' forward: nothing to trim, trimming switched off,
-        forward hooks or a replaced ``forward`` on the transformer (which the trimmed path never
-        calls), a sequence laid out otherwise, or shapes that must not depend on the data (a
-        graph being compiled, fake tensors)."""
+        forward or backward hooks or a replaced ``forward`` on the transformer (which the trimmed
+        path never calls), a sequence laid out otherwise, or shapes that must not depend on the
+        data (a graph being compiled or traced, fake or meta tensors)."""
         tr = self.transformer
         if not self.trim_text_padding or mask is None or tr.prd_embedding is None:
             return None
         n = tokens.shape[1]
         if tr.positional_embedding.shape[1] != n + 4 or n == 0:
             return None
-        if torch.compiler.is_compiling() or is_fake(mask):  # one graph per shape otherwise
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # one graph for every batch
+            return None
+        if is_fake(mask) or under_fake_tensors() or mask.device.type == "meta":  # no values
             return None
         # global module hooks (a FLOP counter's, a profiler's) see every module that computes
         # either way; only hooks on the transformer itself would miss its call
-        if not _calls_as_defined(tr):
+        if not _calls_as_defined(tr) or tr._backward_hooks or tr._backward_pre_hooks:
             return None
         positions = torch.arange(1, n + 1, device=mask.device)
         # the last position any row attends to; at least one, so the sequence keeps its layout
@@ -279,8 +282,10 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         The dropped positions are padding in every row: as keys they are masked with an additive
         ``-10000``, whose softmax weight is exactly zero, and as queries their outputs reach no
         other position, so the prediction and every gradient equal the whole sequence's up to
-        float rounding, while the blocks' work shrinks with the sequence (captions are mostly far
-        shorter than the context). Reading ``keep`` off the mask costs one device sync per call."""
+        float rounding (with dropout, equal in distribution: its masks are drawn for the kept
+        positions only), while the blocks' work shrinks with the sequence (captions are mostly
+        far shorter than the context). Reading ``keep`` off the mask costs one device sync per
+        call."""
         tr = self.transformer
         b, n, dtype = x_t.shape[0], tokens.shape[1], self.dtype
         kept = torch.cat([torch.arange(keep), torch.arange(n, n + 4)]).to(tokens.device)
