@@ -21,9 +21,9 @@ def parse_marks(spec: str) -> tuple[float, ...]:
     """``"1/64,1/16,0.5,1"`` -> fractions in (0, 1]; the run's last step is always a mark."""
     out = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        num, _, den = part.partition("/")
+        num, slash, den = part.partition("/")
         try:
-            f = float(num) / float(den or 1)
+            f = float(num) / float(den if slash else 1)
         except (ValueError, ZeroDivisionError):
             raise ValueError(f"--marks: {part!r} is not a fraction such as 1/16 or 0.25") from None
         if not 0 < f <= 1:
