@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unclip.pipeline.tiny import TINY_TEXT_ENCODER
 from unclip.train.config import load_stage_config
 from unclip.train.plan import measure_step
 from unclip.train.strategies import (
@@ -94,6 +95,21 @@ def test_gradient_checkpointing_lowers_activations_and_measures_the_recompute():
     assert off.recompute == 0 and on.recompute > 0
     assert on.activations < off.activations
     assert on.weights == off.weights and on.optimizer == off.optimizer
+    # backward runs the checkpointed blocks' forward once more, and only theirs
+    trained = on.forward_flops - on.clip_flops
+    assert off.recompute_flops == 0 and 0 < on.recompute_flops < trained
+    extra = (on.train_flops_per_sample - off.train_flops_per_sample) * on.micro_batch
+    assert extra == pytest.approx(on.recompute_flops)
+
+
+def test_recompute_flops_of_a_prior_count_its_caption_transformer_only():
+    """A prior checkpoints the blocks of its own caption transformer, not its denoiser."""
+    own = [f"prior.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()]
+    m = measure_step(tiny("prior", *own, "train.gradient_checkpointing=true"))
+    off = measure_step(tiny("prior", *own))
+    trained = m.forward_flops - m.clip_flops
+    assert 0 < m.recompute_flops < trained / 2
+    assert off.recompute_flops == 0 and off.forward_flops == m.forward_flops
 
 
 def test_plan_estimate_bounds_a_real_cpu_step():

@@ -230,6 +230,7 @@ class StepMeasure:
     text_cache: int = 0  # the prior's caption-encoding cache at its budget (train.text_cache_mb)
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
     clip_flops: int = 0  # the frozen CLIP's part of it (no backward)
+    recompute_flops: int = 0  # its part inside checkpointed blocks, which backward runs again
     backward_peak: int = 0  # measured during a micro-batch's backward (before AdamW's moments)
     optimizer_path: str = ""  # which AdamW implementation ran
     checkpoint_files: dict = dataclasses.field(default_factory=dict)  # file → tensor bytes
@@ -241,12 +242,12 @@ class StepMeasure:
 
     @property
     def train_flops_per_sample(self) -> float:
-        """The trained network's forward + backward (twice the forward), plus the recomputed
-        forward with gradient checkpointing — the usual 3× (4×) rule — and the frozen CLIP's
-        forward once."""
+        """The trained network's forward + backward (twice the forward) — the usual 3× rule —
+        plus, with gradient checkpointing, the forward of the checkpointed blocks once more (what
+        backward recomputes, counted as it ran: only the blocks the model checkpoints), and the
+        frozen CLIP's forward once."""
         trained = self.forward_flops - self.clip_flops
-        factor = 4 if self.gradient_checkpointing else 3
-        return (trained * factor + self.clip_flops) / self.micro_batch
+        return (trained * 3 + self.recompute_flops + self.clip_flops) / self.micro_batch
 
     @property
     def static(self) -> int:
@@ -350,13 +351,20 @@ def measure_step(
         fake = _FakeCUDA()
         mem = MemoryTracker(device_type)
         recompute = [0]
+        # the FLOP counter of the micro-batch being counted, and the FLOPs run inside checkpointed
+        # blocks during its forward: what backward runs once more
+        counter: list[Optional[FlopCounterMode]] = [None]
+        recompute_flops = [0]
         real_checkpoint = torch.utils.checkpoint.checkpoint
 
         def measured_checkpoint(fn, *args, **kwargs):
             # a checkpointed block's forward temporaries are what backward recomputes
             start, mem.peak = mem.peak, mem.current
             base = mem.current
+            flops = counter[0].get_total_flops() if counter[0] is not None else 0
             out = real_checkpoint(fn, *args, **kwargs)
+            if counter[0] is not None:
+                recompute_flops[0] += counter[0].get_total_flops() - flops
             recompute[0] = max(recompute[0], mem.peak - base)
             mem.peak = max(start, mem.peak)
             return out
@@ -412,8 +420,10 @@ def measure_step(
                     clip_flops[0] = 0
                     # FLOPs are the same every micro-batch: counted once
                     counting = FlopCounterMode(display=False) if forward_flops is None else None
+                    counter[0] = counting
                     with autocast_copies(params) as casts, counting or contextlib.nullcontext():
                         loss = task.loss(model, batch, gens)
+                    counter[0] = None
                     if counting is not None:
                         forward_flops, frozen_flops = counting.get_total_flops(), clip_flops[0]
                     act = max(act, mem.current - before)
@@ -466,6 +476,7 @@ def measure_step(
                 activations=act,
                 autocast_copies=copies,
                 recompute=recompute[0],
+                recompute_flops=recompute_flops[0],
                 transient=2 * largest,
                 block_weights=max([_bytes(u) for u in units] or [0]),
                 root_weights=_bytes(model) - sum(_bytes(u) for u in units),
