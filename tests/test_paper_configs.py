@@ -127,6 +127,7 @@ def test_gradient_checkpointing_covers_the_caption_transformer():
 
     pipe = tiny_pipeline(decoder_kwargs=TINY_TEXT_ENCODER)
     decoder = pipe.decoder.train()
+    decoder.text_transformer.trim_padding = False  # the whole context, as the paper's captions
     ids = decoder.tokenize(["a red circle", "a blue square"])
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     embeds = torch.randn(2, pipe.clip.embed_dim, generator=torch.Generator().manual_seed(1))

@@ -214,7 +214,12 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
             return self.text_token_proj(text.text_tokens.to(self.dtype)), text.text_mask
         self.check_text(text)
         assert text.caption_ids is not None  # check_text raised otherwise
-        states, mask, _ = self.text_transformer(text.caption_ids.to(self.device))
+        ids = text.caption_ids.to(self.device)
+        states, mask, _ = self.text_transformer(ids)
+        # the caption transformer stops at the batch's longest caption; the prior's positions are
+        # laid out for the whole context, so the rest comes back as masked padding
+        missing = ids.shape[1] - states.shape[1]
+        states, mask = F.pad(states, (0, 0, 0, missing)), F.pad(mask, (0, missing), value=False)
         return self.text_token_proj(states.to(self.dtype)), mask
 
     # ------------------------------------------------------------------ network

@@ -23,6 +23,9 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 from open_clip.tokenizer import SimpleTokenizer
+from torch._subclasses.fake_tensor import is_fake
+
+from unclip.utils.devices import under_fake_tensors
 
 __all__ = [
     "CaptionBlock",
@@ -100,13 +103,23 @@ class CaptionBlock(torch.nn.Module):
 
 
 class CaptionTransformer(torch.nn.Module):
-    """``forward(ids [B, L]) → (states [B, L, W], mask [B, L], final [B, W])``.
+    """``forward(ids [B, L]) → (states [B, K, W], mask [B, K], final [B, W])``.
 
     Bidirectional over the real tokens (start to end token; padding is masked out as a key), so
     ``final``, the end token's state, summarises the whole caption. ``states`` are after the final
     LayerNorm. Supports diffusers-style gradient checkpointing (``gradient_checkpointing`` and
     ``_gradient_checkpointing_func`` are set by the decoder's ``enable_gradient_checkpointing``).
+
+    ``K`` is the batch's longest caption, start and end tokens included: the positions after it
+    are padding in every row, which no real token attends to, so the real tokens' states are the
+    same without them (to float rounding) while the work shrinks with the captions (a 256-token
+    context holds captions of a few dozen tokens). Every consumer reads the states with ``mask``.
+    ``K = L`` where the length must not depend on the data (a graph being compiled or traced, fake
+    or meta tensors) or with ``trim_padding`` off.
     """
+
+    #: run only up to the batch's longest caption (see above); an attribute, not a config setting
+    trim_padding: bool = True
 
     # declared for the checker: set on the instance by the decoder's enable_gradient_checkpointing
     _gradient_checkpointing_func: Callable[..., torch.Tensor]
@@ -153,8 +166,11 @@ class CaptionTransformer(torch.nn.Module):
             )
         is_eot = ids == self.eot_token_id
         last = torch.where(is_eot.any(1), is_eot.int().argmax(1), n - 1)
-        mask = torch.arange(n, device=ids.device)[None] <= last[:, None]  # [B, L]
-        x = self.token_embedding(ids) + self.positional_embedding.to(self.token_embedding.weight)
+        keep = self._kept_positions(last, n)
+        ids = ids[:, :keep]
+        mask = torch.arange(keep, device=ids.device)[None] <= last[:, None]  # [B, K]
+        positions = self.positional_embedding[:keep]
+        x = self.token_embedding(ids) + positions.to(self.token_embedding.weight)
         attn_mask = mask[:, None, None, :]  # keys only: every position attends to the caption
         for block in self.blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
@@ -163,3 +179,11 @@ class CaptionTransformer(torch.nn.Module):
                 x = block(x, attn_mask)
         x = self.final_norm(x)
         return x, mask, x[torch.arange(b, device=x.device), last]
+
+    def _kept_positions(self, last: torch.Tensor, n: int) -> int:
+        """The positions up to the batch's last end token (one device sync), or all ``n``."""
+        if not self.trim_padding or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return n
+        if is_fake(last) or under_fake_tensors() or last.device.type == "meta":
+            return n
+        return int(last.max()) + 1
