@@ -383,3 +383,19 @@ def test_dry_run_names_a_parameter_that_gets_no_gradient(monkeypatch):
     monkeypatch.setattr(plan, "_build", build_with_a_cut)
     with pytest.raises(RuntimeError, match=r"unet\.conv_in\.weight"):
         measure_step(tiny("sr32"))
+
+
+def test_throughput_names_the_caption_context_a_real_batch_trims():
+    """The dry run counts every caption at the whole context (no values to find the longest
+    in); its throughput line says so where training trims: a diffusion prior, a decoder with its
+    own caption transformer."""
+    from unclip.train.strategies import throughput_line
+
+    own = [f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()]
+    prior, decoder, own_decoder = measured("prior"), measured("decoder"), measured("decoder", *own)
+    assert prior.trimmed_text_positions == 32  # the tiny CLIP's context
+    assert decoder.trimmed_text_positions == 0
+    assert own_decoder.trimmed_text_positions == TINY_TEXT_ENCODER["text_context_length"]
+    line = throughput_line(prior, gpus=8, global_batch=64, max_steps=10)
+    assert "every caption counted at its whole 32-token context" in line
+    assert "caption" not in throughput_line(decoder, gpus=8, global_batch=64, max_steps=10)

@@ -231,6 +231,9 @@ class StepMeasure:
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
     clip_flops: int = 0  # the frozen CLIP's part of it (no backward)
     recompute_flops: int = 0  # its part inside checkpointed blocks, which backward runs again
+    # caption positions counted in full that a real batch runs only up to its longest caption
+    # (the dry run's tensors hold no values to find it in); 0 where every position runs
+    trimmed_text_positions: int = 0
     backward_peak: int = 0  # measured during a micro-batch's backward (before AdamW's moments)
     optimizer_path: str = ""  # which AdamW implementation ran
     checkpoint_files: dict = dataclasses.field(default_factory=dict)  # file → tensor bytes
@@ -293,6 +296,19 @@ def _count(tensors) -> int:
             seen.add(id(st))
             total += _round(st.nbytes())
     return total
+
+
+def _trimmed_text_positions(cfg, clip) -> int:
+    """The caption context a real step of ``cfg`` runs only up to a batch's longest caption: a
+    diffusion prior's text positions (its own caption transformer's or the CLIP's), a decoder's
+    own caption transformer's; 0 for the rest."""
+    stage = getattr(cfg, "stage", "")
+    section = getattr(cfg, stage, None) if stage in ("prior", "decoder") else None
+    if section is None or getattr(section, "type", "diffusion") != "diffusion":
+        return 0
+    if getattr(section, "text_encoder", "clip") == "transformer":
+        return int(section.text_context_length)
+    return int(clip.context_length) if stage == "prior" and clip is not None else 0
 
 
 def measure_step(
@@ -477,6 +493,7 @@ def measure_step(
                 autocast_copies=copies,
                 recompute=recompute[0],
                 recompute_flops=recompute_flops[0],
+                trimmed_text_positions=_trimmed_text_positions(cfg, clip),
                 transient=2 * largest,
                 block_weights=max([_bytes(u) for u in units] or [0]),
                 root_weights=_bytes(model) - sum(_bytes(u) for u in units),

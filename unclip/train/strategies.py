@@ -367,6 +367,12 @@ def throughput_line(m: StepMeasure, gpus: int, global_batch: int, max_steps: int
         f"{UTILISATION:.0%} of an "
         f"A100's {A100_FP16_FLOPS / 1e12:.0f} TFLOP/s fp16: {rate:.1f} samples/s per GPU, "
         f"{max_steps} steps of {global_batch} samples on {gpus} GPUs in {days:.1f} days"
+        + (
+            f"; every caption counted at its whole {m.trimmed_text_positions}-token context, where "
+            "training runs a batch to its longest caption (an upper bound; docs/full_scale.md)"
+            if m.trimmed_text_positions
+            else ""
+        )
     )
 
 
