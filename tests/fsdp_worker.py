@@ -91,7 +91,7 @@ def main():
         from unclip.nets.clip import CLIP
         from unclip.train.config import load_stage_config
         from unclip.train.loop import TrainLoop
-        from unclip.train.plan import _build, _synthetic_batch
+        from unclip.train.plan_build import _build, _synthetic_batch
 
         overrides = [*common[1:], "train.grad_accum_steps=2"]
         with tempfile.TemporaryDirectory() as tmp:

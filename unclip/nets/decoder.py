@@ -240,7 +240,8 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
 
     def _caption_states(self, text: Caption):
         """Caption token states ``[B, L, W]``, their mask ``[B, L]`` and the pooled caption vector
-        added to the time embedding."""
+        added to the time embedding (``L``: the CLIP's context, or for the decoder's own caption
+        transformer the batch's longest caption, see :class:`CaptionTransformer`)."""
         if self.text_transformer is None:
             if not isinstance(text, TextEncoding):
                 raise TypeError(
@@ -267,7 +268,7 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
         drop_image: Optional[torch.Tensor] = None,
     ):
         """Context tokens ``[B, n+L, X]``, their mask ``[B, n+L]`` and the additive time
-        embedding."""
+        embedding (``L`` as in :meth:`_caption_states`)."""
         b = image_embed.shape[0]
         image_embed = image_embed.to(self.dtype)
         if drop_image is not None:

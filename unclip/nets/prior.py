@@ -219,8 +219,8 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         # the caption transformer stops at the batch's longest caption; the prior's positions are
         # laid out for the whole context, so the rest comes back as masked padding
         missing = ids.shape[1] - states.shape[1]
-        states, mask = F.pad(states, (0, 0, 0, missing)), F.pad(mask, (0, missing), value=False)
-        return self.text_token_proj(states.to(self.dtype)), mask
+        tokens = F.pad(self.text_token_proj(states.to(self.dtype)), (0, 0, 0, missing))
+        return tokens, F.pad(mask, (0, missing), value=False)
 
     # ------------------------------------------------------------------ network
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, text: TextEncoding) -> torch.Tensor:
@@ -468,7 +468,8 @@ class PrefixCache:
             h = tr.norm_in(h)
         mask = (self.text_bias[:, None, :] + causal[:n, :n])[:, None]
         # every row, repeated texts too: a content-independent batch keeps each row's numbers
-        # independent of the other rows' texts (as the plain forward's are) and runs on fake
+        # independent of the other rows' texts (as the plain forward's are, to rounding where a
+        # caption transformer's length follows the batch's longest caption) and runs on fake
         # tensors; the repeats cost one pass over the text positions per sampling run
         self._recorded: tuple[list, list] = ([None] * len(self.attns), [None] * len(self.attns))
         with self._attending(record=True):

@@ -40,7 +40,7 @@ import tempfile
 import weakref
 from collections.abc import Iterator
 from functools import partial
-from typing import Any, Optional
+from typing import Optional
 from unittest import mock
 
 import torch
@@ -59,6 +59,13 @@ from unclip.train.plan_backward import (
     fake_backward,
     gpu_attention,
     tensor_inputs_recorded,
+)
+from unclip.train.plan_build import (
+    _build,
+    _build_token_family,
+    _is_token_family,
+    _synthetic_batch,
+    _trimmed_text_positions,
 )
 from unclip.utils.precision import dtype_name
 
@@ -246,9 +253,9 @@ class StepMeasure:
     @property
     def train_flops_per_sample(self) -> float:
         """The trained network's forward + backward (twice the forward) — the usual 3× rule —
-        plus, with gradient checkpointing, the forward of the checkpointed blocks once more (what
-        backward recomputes, counted as it ran: only the blocks the model checkpoints), and the
-        frozen CLIP's forward once."""
+        plus, with gradient checkpointing, backward's recomputes of the checkpointed blocks (as
+        far as they ran: PyTorch stops one once it has what backward needs), and the frozen CLIP's
+        forward once."""
         trained = self.forward_flops - self.clip_flops
         return (trained * 3 + self.recompute_flops + self.clip_flops) / self.micro_batch
 
@@ -267,27 +274,6 @@ class StepMeasure:
         return max(backward, self.forward_peak, measured, self.optimizer_peak)
 
 
-def _synthetic_batch(cfg, clip, b: int) -> dict:
-    """A micro-batch of the stage's data with the right shapes (values do not matter)."""
-    batch: dict[str, Any] = {
-        "caption": ["a red circle above a blue square on a white background"] * b
-    }
-    if _is_token_family(cfg):
-        size = cfg.data.resolution
-        batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
-    elif cfg.stage == "prior" and cfg.data.source == "embeddings":
-        batch["image_embed"] = torch.randn(b, clip.embed_dim)
-    else:
-        size = clip.image_size if cfg.stage == "prior" else cfg.data.resolution
-        if cfg.stage == "decoder" and cfg.data.clip_view == "full":
-            batch["clip_image"] = torch.rand(b, 3, clip.image_size, clip.image_size) * 2 - 1
-        if cfg.stage == "upsampler" and cfg.upsampler_train.crop_size:
-            # already the crop: a random crop's offsets are values, which fake tensors do not have
-            size = cfg.upsampler_train.crop_size
-        batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
-    return batch
-
-
 def _count(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -296,19 +282,6 @@ def _count(tensors) -> int:
             seen.add(id(st))
             total += _round(st.nbytes())
     return total
-
-
-def _trimmed_text_positions(cfg, clip) -> int:
-    """The caption context a real step of ``cfg`` runs only up to a batch's longest caption: a
-    diffusion prior's text positions (its own caption transformer's or the CLIP's), a decoder's
-    own caption transformer's; 0 for the rest."""
-    stage = getattr(cfg, "stage", "")
-    section = getattr(cfg, stage, None) if stage in ("prior", "decoder") else None
-    if section is None or getattr(section, "type", "diffusion") != "diffusion":
-        return 0
-    if getattr(section, "text_encoder", "clip") == "transformer":
-        return int(section.text_context_length)
-    return int(clip.context_length) if stage == "prior" and clip is not None else 0
 
 
 def measure_step(
@@ -367,8 +340,8 @@ def measure_step(
         fake = _FakeCUDA()
         mem = MemoryTracker(device_type)
         recompute = [0]
-        # the FLOP counter of the micro-batch being counted, and the FLOPs run inside checkpointed
-        # blocks during its forward: what backward runs once more
+        # the FLOP counter of the micro-batch being counted (through its backward), and the FLOPs
+        # backward's recomputes of checkpointed blocks run
         counter: list[Optional[FlopCounterMode]] = [None]
         recompute_flops = [0]
         real_checkpoint = torch.utils.checkpoint.checkpoint
@@ -377,10 +350,21 @@ def measure_step(
             # a checkpointed block's forward temporaries are what backward recomputes
             start, mem.peak = mem.peak, mem.current
             base = mem.current
-            flops = counter[0].get_total_flops() if counter[0] is not None else 0
-            out = real_checkpoint(fn, *args, **kwargs)
-            if counter[0] is not None:
-                recompute_flops[0] += counter[0].get_total_flops() - flops
+            calls = [0]
+
+            def counted(*a, **kw):
+                # the first call is the forward, a later one backward's recompute, which PyTorch
+                # stops as soon as it has what backward needs: counted as far as it runs
+                calls[0] += 1
+                if calls[0] == 1 or counter[0] is None:
+                    return fn(*a, **kw)
+                flops = counter[0].get_total_flops()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    recompute_flops[0] += counter[0].get_total_flops() - flops
+
+            out = real_checkpoint(counted, *args, **kwargs)
             recompute[0] = max(recompute[0], mem.peak - base)
             mem.peak = max(start, mem.peak)
             return out
@@ -439,7 +423,6 @@ def measure_step(
                     counter[0] = counting
                     with autocast_copies(params) as casts, counting or contextlib.nullcontext():
                         loss = task.loss(model, batch, gens)
-                    counter[0] = None
                     if counting is not None:
                         forward_flops, frozen_flops = counting.get_total_flops(), clip_flops[0]
                     act = max(act, mem.current - before)
@@ -450,7 +433,9 @@ def measure_step(
                     mem.reset_peak()
                     held = [loss]
                     del loss
-                    loop.backward(held.pop())  # no reference left here to keep the graph
+                    with counting or contextlib.nullcontext():  # (entering it clears its counts)
+                        loop.backward(held.pop())  # no reference left here to keep the graph
+                    counter[0] = None
                     bwd_peak = max(bwd_peak, mem.peak)
             missing = missing_gradients(loop.unwrapped)
             if missing:
@@ -544,60 +529,3 @@ def _count_flops_of(obj, methods) -> list[int]:
 
         setattr(obj, name, run)
     return counter
-
-
-def _is_token_family(cfg) -> bool:
-    """A DALL-E / DALL-E Mega run (:mod:`unclip.train.token_config`) rather than a stage's."""
-    return not hasattr(cfg, "stage")
-
-
-class _TokensOfShape(torch.nn.Module):
-    """The frozen tokenizer of a token-model plan: tokens of the right shape (zeros). A trained
-    tokenizer folder need not exist to plan the transformer; the tokenizer's own weights (frozen,
-    forward only) are not counted."""
-
-    def __init__(self, grid: int):
-        super().__init__()
-        self.grid = grid
-
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
-        b = images.shape[0]
-        return torch.zeros(b, self.grid, self.grid, dtype=torch.long, device=images.device)
-
-
-def _build_token_family(cfg, device, loop):
-    """The network and task of a tokenizer or token-model run, built by its training code."""
-    from unclip.train.tokens import TokenizerTask, TokenModelTask
-
-    with torch.device(device):
-        if hasattr(cfg, "transformer"):
-            model = cfg.transformer.build()
-            model.gradient_checkpointing = cfg.train.gradient_checkpointing
-            tokens = _TokensOfShape(cfg.transformer.model.grid)
-            return model, TokenModelTask(cfg, tokens, loop)
-        return cfg.tokenizer.build(), TokenizerTask(cfg, loop)
-
-
-def _build(cfg, clip, device, mixed_precision: str):
-    """The stage's network and training task, built by the training commands' own functions, for
-    a run in ``mixed_precision`` (the loop's)."""
-    with torch.device(device):
-        if cfg.stage == "prior":
-            from unclip.train.prior import PriorTask, build_prior_model
-
-            model = build_prior_model(cfg, clip)
-            if cfg.prior.type == "ar":
-                from unclip.train.ar_prior import ARPriorTask
-
-                # only shapes matter here: the unfitted (all-zero) edges give every sample code 0
-                model.fitted.fill_(1.0)
-                return model, ARPriorTask(cfg, clip, device)
-            d = clip.embed_dim
-            model.set_embedding_stats(torch.zeros(d), torch.ones(d))
-            return model, PriorTask(cfg, clip, device, mixed_precision)
-        from unclip.train.decoder import DecoderTask, UpsamplerTask, build_image_model
-
-        net = build_image_model(cfg, clip)
-        if cfg.stage == "decoder":
-            return net, DecoderTask(cfg, clip, device, mixed_precision)
-        return net, UpsamplerTask(cfg, clip, device)

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import torch
 
 from unclip.train.loop import TrainLoop
-from unclip.train.plan import MemoryTracker, _build, _synthetic_batch
+from unclip.train.plan import MemoryTracker
+from unclip.train.plan_build import _build, _synthetic_batch
 
 __all__ = ["real_cpu_step_peak", "fsdp_storage_resizes"]
 

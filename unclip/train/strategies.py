@@ -362,8 +362,8 @@ def throughput_line(m: StepMeasure, gpus: int, global_batch: int, max_steps: int
     return (
         f"throughput: {per_sample / 1e12:.2f} TFLOP per training sample (forward counted per op, "
         "the trained network's x3 for backward"
-        f"{', the checkpointed blocks once more' if m.recompute_flops else ''}, the frozen CLIP's "
-        "once); at "
+        f"{', the recomputes of checkpointed blocks' if m.recompute_flops else ''}, "
+        "the frozen CLIP's once); at "
         f"{UTILISATION:.0%} of an "
         f"A100's {A100_FP16_FLOPS / 1e12:.0f} TFLOP/s fp16: {rate:.1f} samples/s per GPU, "
         f"{max_steps} steps of {global_batch} samples on {gpus} GPUs in {days:.1f} days"
