@@ -37,13 +37,12 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models import ModelMixin, PriorTransformer
 from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
-from torch._subclasses.fake_tensor import is_fake
 
 from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_options
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils import offload
-from unclip.utils.devices import under_fake_tensors
+from unclip.utils.devices import lengths_may_follow_values
 from unclip.utils.precision import KeepFp32Mixin
 
 __all__ = ["UnCLIPPrior", "prior_caption_ids"]
@@ -258,9 +257,7 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         n = tokens.shape[1]
         if tr.positional_embedding.shape[1] != n + 4 or n == 0:
             return None
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # one graph for every batch
-            return None
-        if is_fake(mask) or under_fake_tensors() or mask.device.type == "meta":  # no values
+        if not lengths_may_follow_values(mask):
             return None
         # global module hooks (a FLOP counter's, a profiler's) see every module that computes
         # either way; only hooks on the transformer itself would miss its call

@@ -23,9 +23,8 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 from open_clip.tokenizer import SimpleTokenizer
-from torch._subclasses.fake_tensor import is_fake
 
-from unclip.utils.devices import under_fake_tensors
+from unclip.utils.devices import lengths_may_follow_values
 
 __all__ = [
     "CaptionBlock",
@@ -182,8 +181,6 @@ class CaptionTransformer(torch.nn.Module):
 
     def _kept_positions(self, last: torch.Tensor, n: int) -> int:
         """The positions up to the batch's last end token (one device sync), or all ``n``."""
-        if not self.trim_padding or torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return n
-        if is_fake(last) or under_fake_tensors() or last.device.type == "meta":
+        if not self.trim_padding or not lengths_may_follow_values(last):
             return n
         return int(last.max()) + 1

@@ -51,3 +51,14 @@ def under_fake_tensors() -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+def lengths_may_follow_values(t: torch.Tensor) -> bool:
+    """Whether a length read off ``t``'s values may set the shapes that follow: not while a graph
+    is compiled or traced (one graph serves every batch), nor on fake or meta tensors (they hold
+    no values: the ``unclip plan`` dry runs)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return not (is_fake(t) or under_fake_tensors() or t.device.type == "meta")
