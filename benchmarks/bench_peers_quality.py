@@ -61,11 +61,13 @@ import torch.nn.functional as F
 from peers_marks import (
     CpuClock,
     dalle2_trainer_settings,
-    keep,
+    epoch_batches,
     mark_steps,
     parse_marks,
     plot,
+    steps_in_budget,
     threshold_summary,
+    train_with_marks,
     unclip_marks,
 )
 
@@ -230,36 +232,26 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
 
     order = torch.Generator().manual_seed(0)
 
-    def batches():
-        n, b = len(data["image_embed"]), RECIPE["batch_size"]
-        while True:
-            perm = torch.randperm(n, generator=order)
-            for i in range(0, n - b + 1, b):
-                idx = perm[i : i + b]
-                cap = data["caption_index"][idx]
-                yield data["image_embed"][idx], data["text_embed"][cap], data["text_tokens"][cap]
-
     def train(trainer, steps, marks=(), folder=None):
-        stream, curve, kept = batches(), [], []
-        clock = CpuClock()
-        for step in range(1, steps + 1):
-            image_embed, text_embed, tokens = next(stream)
+        indices = epoch_batches(len(data["image_embed"]), RECIPE["batch_size"], order)
+
+        def step():
+            idx = next(indices)
+            cap = data["caption_index"][idx]
             loss = trainer(
-                text_embed=text_embed, image_embed=image_embed.clone(), text_encodings=tokens
+                text_embed=data["text_embed"][cap],
+                image_embed=data["image_embed"][idx].clone(),
+                text_encodings=data["text_tokens"][cap],
             )
             trainer.update()
-            curve.append((step, float(loss)))
-            if step in marks:
-                cpu = clock.now()
-                with clock.pause():
-                    path = keep(trainer.ema_diffusion_prior.ema_model.state_dict(), folder, step)
-                kept.append({"step": step, "cpu_seconds": cpu, "path": str(path)})
-        return clock.now(), curve, kept
+            return loss
 
-    cpu = [train(build(10 * calib)[1], n)[0] for n in (calib, 2 * calib)]
-    step_s = max(1e-6, (cpu[1] - cpu[0]) / calib)
-    fixed = max(0.0, cpu[0] - step_s * calib)
-    steps = max(1, int((budget - fixed) / step_s))
+        ema = trainer.ema_diffusion_prior.ema_model.state_dict
+        return train_with_marks(step, ema, steps, marks, folder)
+
+    step_s, fixed, steps = steps_in_budget(
+        lambda n: train(build(10 * calib)[1], n)[0], budget, calib
+    )
     prior, trainer = build(steps)
     t0 = time.perf_counter()
     cpu_s, losses, marks = train(trainer, steps, set(mark_steps(steps)), work / "d2_marks")

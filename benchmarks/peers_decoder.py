@@ -258,7 +258,7 @@ def build_dalle2(work: Path, steps: int, data: dict | None = None):
 
 
 def run_dalle2(work: Path, budget: float, calib: int) -> dict:
-    from peers_marks import CpuClock, keep, mark_steps
+    from peers_marks import epoch_batches, mark_steps, steps_in_budget, train_with_marks
 
     data = torch.load(work / "dalle2_decoder_data.pt")
 
@@ -267,40 +267,28 @@ def run_dalle2(work: Path, budget: float, calib: int) -> dict:
 
     order = torch.Generator().manual_seed(0)
 
-    def batches():
-        n, b = len(data["images"]), RECIPE["batch_size"]
-        while True:
-            perm = torch.randperm(n, generator=order)
-            for i in range(0, n - b + 1, b):
-                idx = perm[i : i + b]
-                cap = data["caption_index"][idx]
-                images = data["images"][idx].float() / 255
-                yield images, data["image_embed"][idx], data["text_tokens"][cap]
+    def train(trainer, steps, marks=(), folder=None):
+        indices = epoch_batches(len(data["images"]), RECIPE["batch_size"], order)
 
-    def train(trainer, steps, marks=(), clock=None, folder=None):
-        stream, curve, kept = batches(), [], []
-        clock = clock or CpuClock()
-        clock.start()
-        for step in range(1, steps + 1):
-            images, image_embed, tokens = next(stream)
-            loss = trainer(images, image_embed=image_embed, text_encodings=tokens, unet_number=1)
+        def step():
+            idx = next(indices)
+            images = data["images"][idx].float() / 255
+            tokens = data["text_tokens"][data["caption_index"][idx]]
+            loss = trainer(
+                images, image_embed=data["image_embed"][idx], text_encodings=tokens, unet_number=1
+            )
             trainer.update(1)
-            curve.append((step, float(loss)))
-            if step in marks:
-                cpu = clock.now()
-                with clock.pause():
-                    sd = trainer.ema_unets[0].ema_model.state_dict()
-                    path = str(keep(sd, folder, step))
-                    kept.append({"step": step, "cpu_seconds": cpu, "path": path})
-        return clock.now(), curve, kept
+            return loss
 
-    cpu = [train(build(10 * calib)[1], n)[0] for n in (calib, 2 * calib)]
-    step_s = max(1e-6, (cpu[1] - cpu[0]) / calib)
-    fixed = max(0.0, cpu[0] - step_s * calib)
-    steps = max(1, int((budget - fixed) / step_s))
+        ema = trainer.ema_unets[0].ema_model.state_dict
+        return train_with_marks(step, ema, steps, marks, folder)
+
+    step_s, fixed, steps = steps_in_budget(
+        lambda n: train(build(10 * calib)[1], n)[0], budget, calib
+    )
     decoder, trainer = build(steps)
     t0 = time.perf_counter()
-    cpu_s, losses, marks = train(trainer, steps, set(mark_steps(steps)), None, work / "d2_marks")
+    cpu_s, losses, marks = train(trainer, steps, set(mark_steps(steps)), work / "d2_marks")
     wall = time.perf_counter() - t0
     curve = score_dalle2(work, marks, decoder)
     return {

@@ -77,6 +77,41 @@ def dalle2_trainer_settings(recipe: dict, steps: int) -> dict:
     )
 
 
+def epoch_batches(n: int, b: int, generator: torch.Generator):
+    """Index batches of ``b`` of ``n`` rows, forever: each epoch a new permutation drawn from
+    ``generator``, its last partial batch dropped."""
+    while True:
+        perm = torch.randperm(n, generator=generator)
+        for i in range(0, n - b + 1, b):
+            yield perm[i : i + b]
+
+
+def train_with_marks(step, ema_state, steps: int, marks=(), folder=None, clock=None):
+    """A DALLE2-pytorch run: ``steps`` calls of ``step() -> loss``, keeping ``ema_state()`` (its
+    EMA weights) at each step in ``marks`` under ``folder``; the CPU time spent keeping them is not
+    counted. ``(cpu_seconds, [(step, loss)], [{"step", "cpu_seconds", "path"}])``."""
+    clock = clock or CpuClock()
+    clock.start()
+    curve, kept = [], []
+    for i in range(1, steps + 1):
+        curve.append((i, float(step())))
+        if i in marks:
+            cpu = clock.now()
+            with clock.pause():
+                path = keep(ema_state(), folder, i)
+            kept.append({"step": i, "cpu_seconds": cpu, "path": str(path)})
+    return clock.now(), curve, kept
+
+
+def steps_in_budget(cpu_seconds_of, budget: float, calib: int) -> tuple[float, float, int]:
+    """``(CPU s per step, fixed CPU s, steps)`` filling ``budget`` CPU seconds, from
+    ``cpu_seconds_of(n)``, the CPU seconds of a run of ``n`` steps, at ``calib`` and twice that."""
+    cpu = [cpu_seconds_of(n) for n in (calib, 2 * calib)]
+    step_s = max(1e-6, (cpu[1] - cpu[0]) / calib)
+    fixed = max(0.0, cpu[0] - step_s * calib)
+    return step_s, fixed, max(1, int((budget - fixed) / step_s))
+
+
 def keep(state_dict: dict, folder: Path, step: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:07d}.pt"

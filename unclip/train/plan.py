@@ -237,7 +237,7 @@ class StepMeasure:
     text_cache: int = 0  # the prior's caption-encoding cache at its budget (train.text_cache_mb)
     forward_flops: int = 0  # one micro-batch's forward (frozen CLIP included), counted per op
     clip_flops: int = 0  # the frozen CLIP's part of it (no backward)
-    recompute_flops: int = 0  # its part inside checkpointed blocks, which backward runs again
+    recompute_flops: int = 0  # what backward's recomputes of checkpointed blocks ran, counted
     # caption positions counted in full that a real batch runs only up to its longest caption
     # (the dry run's tensors hold no values to find it in); 0 where every position runs
     trimmed_text_positions: int = 0
