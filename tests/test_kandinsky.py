@@ -1,0 +1,584 @@
+"""Kandinsky 2.2: tiny random prior and decoder folders built offline from diffusers' own classes
+(``KandinskyV22PriorPipeline(...).save_pretrained`` and its decoder, image-to-image and inpainting
+pipelines), read by :mod:`unclip.interop.kandinsky` and sampled by unclip's samplers.
+
+The reference is diffusers' pipelines on the same folders: same prompts, negative prompts, seeds
+or latents, steps, guidance and size → image embeddings and images equal to <= 1e-4.
+"""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from diffusers import (
+    DDPMScheduler,
+    KandinskyV22Img2ImgPipeline,
+    KandinskyV22InpaintPipeline,
+    KandinskyV22Pipeline,
+    KandinskyV22PriorPipeline,
+    PriorTransformer,
+    UnCLIPScheduler,
+    UNet2DConditionModel,
+    VQModel,
+)
+from diffusers.pipelines.kandinsky2_2.pipeline_kandinsky2_2_inpainting import (
+    prepare_mask,
+    prepare_mask_and_masked_image,
+)
+from PIL import Image
+from transformers import (
+    CLIPImageProcessor,
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    CLIPVisionConfig,
+    CLIPVisionModelWithProjection,
+)
+
+from unclip.interop.clip import bpe_vocab
+from unclip.interop.kandinsky import (
+    card_prior,
+    check_pair,
+    kandinsky_kind,
+    read_kandinsky_decoder,
+    read_kandinsky_prior,
+)
+from unclip.sampling.kandinsky import prior_text, sample_prior_embeds
+from unclip.sampling.latent import (
+    grow_repaint_mask,
+    img2img_inputs,
+    img2img_latents,
+    inpaint_inputs,
+    inpaint_latents,
+    sample_latents,
+)
+
+L, W, D = 16, 32, 32  # context length, text width, CLIP embedding size
+SIZE = 32  # image side: 16 × 16 latents under a 2× MoVQ
+STEPS = 3
+PROMPTS = ["a red circle!", "two blue squares"]
+NEGATIVES = ["blurry", "a green triangle"]
+TOL = 1e-4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _perturb(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random offsets on every parameter, so zero-initialised or swapped weights show."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return module.eval()
+
+
+def _tokenizer() -> CLIPTokenizer:
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab, merges = bpe_vocab()
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(tmp) / "merges.txt").write_text(
+            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+        )
+        return CLIPTokenizer.from_pretrained(tmp, pad_token="!", model_max_length=L)
+
+
+def build_prior(root: Path) -> KandinskyV22PriorPipeline:
+    """A Kandinsky-2.2-shaped prior folder (gelu CLIP towers, as ViT-bigG's) with tiny random
+    weights, saved to ``root``."""
+    torch.manual_seed(0)
+    text = CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            hidden_size=W,
+            intermediate_size=64,
+            projection_dim=D,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=L,
+            hidden_act="gelu",
+            pad_token_id=0,
+        )
+    )
+    vision = CLIPVisionModelWithProjection(
+        CLIPVisionConfig(
+            hidden_size=W,
+            intermediate_size=64,
+            projection_dim=D,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            hidden_act="gelu",
+        )
+    )
+    prior = _perturb(
+        PriorTransformer(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            num_layers=2,
+            embedding_dim=D,
+            num_embeddings=L,
+            additional_embeddings=4,
+        ),
+        3,
+    )
+    with torch.no_grad():
+        prior.clip_std.copy_(torch.rand(1, D) + 0.5)
+        prior.clip_mean.copy_(torch.randn(1, D) * 0.1)
+    pipe = KandinskyV22PriorPipeline(
+        prior=prior,
+        image_encoder=_perturb(vision, 2),
+        text_encoder=_perturb(text, 1),
+        tokenizer=_tokenizer(),
+        scheduler=UnCLIPScheduler(
+            variance_type="fixed_small_log",
+            prediction_type="sample",
+            clip_sample=True,
+            clip_sample_range=10.0,
+        ),
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        ),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(str(root), safe_serialization=True)
+    return pipe
+
+
+def _unet(in_channels: int, seed: int) -> UNet2DConditionModel:
+    return _perturb(
+        UNet2DConditionModel(
+            sample_size=16,
+            in_channels=in_channels,
+            out_channels=8,
+            addition_embed_type="image",
+            down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+            up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+            mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            norm_num_groups=8,
+            encoder_hid_dim=D,
+            encoder_hid_dim_type="image_proj",
+            cross_attention_dim=24,
+            attention_head_dim=4,
+            resnet_time_scale_shift="scale_shift",
+            class_embed_type=None,
+        ),
+        seed,
+    )
+
+
+def _movq(seed: int) -> VQModel:
+    return _perturb(
+        VQModel(
+            # MoVQ's spatial norm has 32 groups whatever norm_num_groups says
+            block_out_channels=(32, 64),
+            down_block_types=("DownEncoderBlock2D", "AttnDownEncoderBlock2D"),
+            up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"),
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            layers_per_block=1,
+            norm_num_groups=8,
+            norm_type="spatial",
+            num_vq_embeddings=12,
+            vq_embed_dim=4,
+        ),
+        seed,
+    )
+
+
+def _ddpm(clip_sample: bool = False) -> DDPMScheduler:
+    """The decoder scheduler kandinsky-2-2-decoder ships (its steps draw noise from the
+    generator); ``clip_sample`` bounds the predicted latents, which a random UNet otherwise drives
+    to ~30 in three steps."""
+    return DDPMScheduler(
+        beta_schedule="linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=clip_sample,
+        steps_offset=1,
+        prediction_type="epsilon",
+        variance_type="fixed_small",
+    )
+
+
+def build_decoder(
+    root: Path, cls=KandinskyV22Pipeline, in_channels: int = 4, clip_sample: bool = False
+):
+    torch.manual_seed(0)
+    pipe = cls(unet=_unet(in_channels, 4), scheduler=_ddpm(clip_sample), movq=_movq(5))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(str(root), safe_serialization=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def prior_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k22") / "prior"
+    return root, build_prior(root)
+
+
+@pytest.fixture(scope="module")
+def decoder_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k22") / "decoder"
+    return root, build_decoder(root)
+
+
+@pytest.fixture(scope="module")
+def inpaint_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k22") / "decoder-inpaint"
+    # bounded latents: diffusers' inpainting ends on channels-last latents (the layout of its
+    # one-channel mask), and MoVQ rounds differently on them; on latents of ~30 that alone moves
+    # pixels by 2e-4, on latents in [-1, 1] by far less than the tolerance
+    return root, build_decoder(root, KandinskyV22InpaintPipeline, in_channels=9, clip_sample=True)
+
+
+@pytest.fixture(scope="module")
+def prior(prior_folder):
+    return read_kandinsky_prior(prior_folder[0])
+
+
+@pytest.fixture(scope="module")
+def decoder(decoder_folder):
+    return read_kandinsky_decoder(decoder_folder[0])
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _max_diff(a, b) -> float:
+    a, b = torch.as_tensor(np.asarray(a)), torch.as_tensor(np.asarray(b))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a.float() - b.float()).abs().max())
+
+
+def _np_images(decoder, latents) -> np.ndarray:
+    """Images ``[B, H, W, 3]`` in [0, 1] as diffusers' ``output_type="np"`` gives them."""
+    with torch.no_grad():
+        images = decoder.decode(latents)
+    return (images * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def _embeds(seed: int, rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = _gen(seed)
+    return torch.randn(rows, D, generator=gen), torch.randn(rows, D, generator=gen)
+
+
+# ------------------------------------------------------------------------------------ reading
+def test_folders_are_told_apart_and_read(prior_folder, decoder_folder, inpaint_folder, tmp_path):
+    assert kandinsky_kind(prior_folder[0]) == "prior"
+    assert kandinsky_kind(decoder_folder[0]) == "decoder"
+    assert kandinsky_kind(inpaint_folder[0]) == "decoder"
+    assert kandinsky_kind(tmp_path) is None
+    dec = read_kandinsky_decoder(inpaint_folder[0])["decoder"]
+    assert dec.inpaint and dec.learned_variance and dec.scale_factor == 2
+    assert dec.latent_size(SIZE, SIZE) == (16, 16)
+
+
+def test_prior_text_matches_the_tokenizer_and_text_encoder(prior_folder, prior):
+    """The prompt "!" holds the pad token: the mask still covers it, as the tokenizer's does."""
+    dpipe = prior_folder[1]
+    prompts = PROMPTS + ["!", ""]
+    tok = dpipe.tokenizer(prompts, padding="max_length", max_length=L, return_tensors="pt")
+    with torch.no_grad():
+        ref = dpipe.text_encoder(tok.input_ids)
+    enc = prior_text(prior["clip"], prompts)
+    assert torch.equal(enc.text_mask, tok.attention_mask.bool())
+    assert _max_diff(enc.text_embed, ref.text_embeds) <= TOL
+    assert _max_diff(enc.text_tokens, ref.last_hidden_state) <= TOL
+
+
+# -------------------------------------------------------------------------------------- prior
+@pytest.mark.parametrize("negative", [None, NEGATIVES], ids=["zero-image", "negative-prompt"])
+def test_prior_embeddings_match_diffusers(prior_folder, prior, negative):
+    ref = prior_folder[1](
+        PROMPTS,
+        negative_prompt=negative,
+        num_images_per_prompt=2,
+        num_inference_steps=STEPS,
+        guidance_scale=4.0,
+        generator=_gen(1),
+    )
+    got = sample_prior_embeds(
+        prior["prior"],
+        prior["prior_scheduler"],
+        prior["clip"],
+        PROMPTS,
+        negative,
+        num_images_per_prompt=2,
+        num_inference_steps=STEPS,
+        guidance_scale=4.0,
+        generator=_gen(1),
+        progress=False,
+    )
+    assert got[0].shape == (4, D)
+    assert _max_diff(got[0], ref.image_embeds) <= TOL
+    assert _max_diff(got[1], ref.negative_image_embeds) <= TOL
+    # the negative really is what its rule says: not the positive, and (without a negative
+    # prompt) one embedding repeated
+    assert _max_diff(got[0], got[1]) > 1e-2
+    if negative is None:
+        assert torch.equal(got[1], got[1][:1].expand_as(got[1]))
+
+
+def test_prior_with_given_latents_and_no_guidance_matches_diffusers(prior_folder, prior):
+    latents = torch.randn(2, D, generator=_gen(2))
+    kwargs = dict(num_inference_steps=STEPS, guidance_scale=1.0, latents=latents)
+    ref = prior_folder[1](PROMPTS, generator=_gen(3), **kwargs)
+    got = sample_prior_embeds(
+        prior["prior"],
+        prior["prior_scheduler"],
+        prior["clip"],
+        PROMPTS,
+        generator=_gen(3),
+        progress=False,
+        **kwargs,
+    )
+    assert _max_diff(got[0], ref.image_embeds) <= TOL
+
+
+# ------------------------------------------------------------------------------------ decoder
+# unguided, diffusers repeats the embeddings for several images per prompt only when guided
+@pytest.mark.parametrize("guidance, per_prompt", [(4.0, 2), (1.0, 1)])
+def test_decoder_images_match_diffusers(decoder_folder, decoder, guidance, per_prompt):
+    embed, negative = _embeds(4)
+    kwargs = dict(
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance,
+        num_images_per_prompt=per_prompt,
+    )
+    ref = decoder_folder[1](
+        image_embeds=embed,
+        negative_image_embeds=negative,
+        generator=_gen(5),
+        output_type="np",
+        **kwargs,
+    ).images
+    latents = sample_latents(
+        decoder["decoder"],
+        decoder["scheduler"],
+        embed,
+        negative,
+        generator=_gen(5),
+        progress=False,
+        **kwargs,
+    )
+    assert latents.shape == (2 * per_prompt, 4, 16, 16)
+    assert _max_diff(_np_images(decoder["decoder"], latents), ref) <= TOL
+
+
+def test_decoder_with_given_latents_matches_diffusers(decoder_folder, decoder):
+    embed, negative = _embeds(6, rows=1)
+    start = torch.randn(1, 4, 16, 16, generator=_gen(7))
+    kwargs = dict(height=SIZE, width=SIZE, num_inference_steps=STEPS, latents=start)
+    ref = decoder_folder[1](
+        image_embeds=embed,
+        negative_image_embeds=negative,
+        generator=_gen(8),
+        output_type="np",
+        **kwargs,
+    ).images
+    latents = sample_latents(
+        decoder["decoder"],
+        decoder["scheduler"],
+        embed,
+        negative,
+        generator=_gen(8),
+        progress=False,
+        **kwargs,
+    )
+    assert _max_diff(_np_images(decoder["decoder"], latents), ref) <= TOL
+
+
+def _picture(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+
+
+def test_img2img_matches_diffusers(decoder_folder, decoder):
+    embed, negative = _embeds(9, rows=1)
+    ref_pipe = KandinskyV22Img2ImgPipeline(**decoder_folder[1].components)
+    ref_pipe.set_progress_bar_config(disable=True)
+    picture = _picture(0)
+    ref = ref_pipe(
+        image_embeds=embed,
+        negative_image_embeds=negative,
+        image=picture,
+        height=SIZE,
+        width=SIZE,
+        strength=0.5,
+        num_inference_steps=4,
+        num_images_per_prompt=2,
+        generator=_gen(10),
+        output_type="np",
+    ).images
+    dec = decoder["decoder"]
+    images = img2img_inputs(picture, SIZE, SIZE, dec.scale_factor, dec.latent_channels)
+    assert images.shape == (1, 3, SIZE, SIZE)
+    latents = img2img_latents(
+        dec,
+        decoder["scheduler"],
+        embed,
+        negative,
+        images,
+        strength=0.5,
+        num_inference_steps=4,
+        num_images_per_prompt=2,
+        generator=_gen(10),
+        progress=False,
+    )
+    assert _max_diff(_np_images(dec, latents), ref) <= TOL
+
+
+def _band_mask() -> Image.Image:
+    mask = np.zeros((SIZE, SIZE), dtype=np.uint8)
+    mask[8:20, 4:28] = 255  # repaint a band
+    return Image.fromarray(mask)
+
+
+def test_inpaint_inputs_match_diffusers_preprocessing():
+    picture, mask_image = _picture(1), _band_mask()
+    keep, ref_images = prepare_mask_and_masked_image(picture, mask_image, SIZE, SIZE)
+    images, repaint = inpaint_inputs(picture, mask_image, SIZE, SIZE)
+    assert torch.equal(images, ref_images)
+    assert torch.equal(repaint, 1 - keep)  # diffusers turns the mask into the kept region
+
+
+def test_inpainting_matches_diffusers(inpaint_folder):
+    root, ref_pipe = inpaint_folder
+    parts = read_kandinsky_decoder(root)
+    embed, negative = _embeds(11, rows=1)
+    picture, mask_image = _picture(1), _band_mask()
+    kwargs = dict(height=SIZE, width=SIZE, num_inference_steps=STEPS, num_images_per_prompt=2)
+    ref = ref_pipe(
+        image_embeds=embed,
+        negative_image_embeds=negative,
+        image=picture,
+        mask_image=mask_image,
+        generator=_gen(12),
+        output_type="np",
+        **kwargs,
+    ).images
+    images, repaint = inpaint_inputs(picture, mask_image, SIZE, SIZE)
+    latents = inpaint_latents(
+        parts["decoder"],
+        parts["scheduler"],
+        embed,
+        negative,
+        images,
+        repaint,
+        generator=_gen(12),
+        progress=False,
+        **kwargs,
+    )
+    out = _np_images(parts["decoder"], latents)
+    assert _max_diff(out, ref) <= TOL
+    # the kept region survives in latent space (MoVQ's attention mixes it in pixel space): the
+    # band is latent rows 4-9, grown by one; below it the latents are the image's own
+    with torch.no_grad():
+        kept = parts["decoder"].encode(images).repeat_interleave(2, dim=0)
+    assert _max_diff(latents[:, :, 11:], kept[:, :, 11:]) <= TOL
+    assert _max_diff(latents[:, :, 5:9, 4:12], kept[:, :, 5:9, 4:12]) > 1e-2
+
+
+def test_repaint_mask_grows_as_diffusers_prepare_mask():
+    gen = _gen(13)
+    keep = (torch.rand(3, 1, 9, 11, generator=gen) > 0.2).float()
+    assert torch.equal(grow_repaint_mask(keep), prepare_mask(keep.clone()))
+
+
+# ------------------------------------------------------------------------------------- errors
+def test_foreign_and_broken_folders_are_refused_in_one_line(prior_folder, decoder_folder, tmp_path):
+    with pytest.raises(ValueError, match="not a Kandinsky 2.2 decoder folder.*KandinskyV22Prior"):
+        read_kandinsky_decoder(prior_folder[0])
+    with pytest.raises(ValueError, match="not a Kandinsky 2.2 prior folder"):
+        read_kandinsky_prior(decoder_folder[0])
+    broken = Path(shutil.copytree(decoder_folder[0], tmp_path / "decoder"))
+    shutil.rmtree(broken / "movq")
+    with pytest.raises(ValueError, match="movq: component folder .* is missing"):
+        read_kandinsky_decoder(broken)
+    index = json.loads((broken / "model_index.json").read_text())
+    index["movq"] = ["diffusers", "AutoencoderKL"]
+    (broken / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="movq: .*'AutoencoderKL'; expected VQModel"):
+        read_kandinsky_decoder(broken)
+    text_unet = Path(shutil.copytree(decoder_folder[0], tmp_path / "text-unet"))
+    cfg = json.loads((text_unet / "unet" / "config.json").read_text())
+    cfg["addition_embed_type"] = None
+    (text_unet / "unet" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unet: config addition_embed_type = None"):
+        read_kandinsky_decoder(text_unet)
+
+
+def test_pickle_only_weights_are_refused(decoder_folder, tmp_path):
+    folder = Path(shutil.copytree(decoder_folder[0], tmp_path / "decoder"))
+    weights = folder / "movq" / "diffusion_pytorch_model.safetensors"
+    weights.rename(folder / "movq" / "diffusion_pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickle"):
+        read_kandinsky_decoder(folder)
+
+
+def test_sampler_misuse_is_a_clear_error(decoder, inpaint_folder, prior):
+    embed, negative = _embeds(14, rows=1)
+    dec, sched = decoder["decoder"], decoder["scheduler"]
+    with pytest.raises(ValueError, match="needs an inpainting decoder"):
+        inpaint_latents(
+            dec,
+            sched,
+            embed,
+            negative,
+            torch.zeros(1, 3, SIZE, SIZE),
+            torch.zeros(1, 1, SIZE, SIZE),
+        )
+    inpaint = read_kandinsky_decoder(inpaint_folder[0])
+    with pytest.raises(ValueError, match="inpainting decoder: sample it with inpaint_latents"):
+        sample_latents(inpaint["decoder"], inpaint["scheduler"], embed, negative)
+    with pytest.raises(ValueError, match=r"image_embeds must be \[B, 32\]"):
+        sample_latents(dec, sched, embed[:, :8], negative[:, :8])
+    with pytest.raises(ValueError, match="strength 0.1 of 4 steps runs no step"):
+        img2img_latents(
+            dec,
+            sched,
+            embed,
+            negative,
+            torch.zeros(1, 3, SIZE, SIZE),
+            strength=0.1,
+            num_inference_steps=4,
+        )
+    with pytest.raises(ValueError, match="1 negative prompts for 2 prompts"):
+        sample_prior_embeds(
+            prior["prior"], prior["prior_scheduler"], prior["clip"], PROMPTS, ["blurry"]
+        )
+    with pytest.raises(ValueError, match="mask tensors must be in"):
+        inpaint_inputs(torch.zeros(3, SIZE, SIZE), torch.full((SIZE, SIZE), 2.0), SIZE, SIZE)
+    with pytest.raises(ValueError, match="reads 16"):
+        clip = prior["clip"]
+        check_pair(clip, _Wide(16))
+
+
+class _Wide:
+    def __init__(self, dim):
+        self.embed_dim = dim
+
+
+def test_card_prior_reads_the_model_card(decoder_folder, tmp_path):
+    folder = Path(shutil.copytree(decoder_folder[0], tmp_path / "decoder"))
+    assert card_prior(folder) is None or isinstance(card_prior(folder), str)
+    (folder / "README.md").write_text(
+        "---\nprior:\n- kandinsky-community/kandinsky-2-2-prior\n---\n# decoder\n"
+    )
+    assert card_prior(folder) == "kandinsky-community/kandinsky-2-2-prior"
