@@ -17,11 +17,13 @@ The negative image embedding, diffusers' rule: without a negative prompt it is t
 embedding of an all-zero input (the CLIP of "no image"); with one, the negative prompts are sampled
 in the same batch as the prompts (after them, guided against themselves, so unguided in effect)
 and their embeddings are the negatives. The initial noise is then drawn for both halves at once.
+
+``autocast_dtype`` runs the prior's calls under ``torch.autocast`` (``None``, the default: exact).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
 import torch
@@ -93,12 +95,16 @@ def sample_prior_embeds(
     latents: Optional[torch.Tensor] = None,
     progress: bool = True,
     callback: Callback = None,
+    autocast_dtype: Optional[torch.dtype] = None,
+    on_stage: Optional[Callable[[str], None]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(image_embed, negative_image_embed)``, each ``[B·n, D]`` for ``B`` prompts and ``n =
     num_images_per_prompt`` (images of one prompt adjacent). ``negative_prompt``: one per prompt
     (a string for a single prompt). ``latents``: the initial noise ``[B·n, D]`` (``[2·B·n, D]``
     with a negative prompt: the negatives' rows after the prompts') instead of a draw from
-    ``generator``. ``callback(i, t, x)`` as in :func:`~unclip.diffusion.loop.denoise_steps`."""
+    ``generator``. ``callback(i, t, x)`` as in :func:`~unclip.diffusion.loop.denoise_steps`.
+    ``on_stage(name)`` is called before ``"clip"`` or ``"prior"`` runs (a pipeline's model
+    offload brings that component in)."""
     prompts = _prompt_list(prompt, "prompt")
     negatives = (
         None if negative_prompt is None else _prompt_list(negative_prompt, "negative_prompt")
@@ -128,12 +134,17 @@ def sample_prior_embeds(
     # diffusers samples the negative prompts beside the prompts, each guided against the negative
     rows = prompts + negatives if negatives is not None else prompts
     uncond_rows = 2 * negatives if negatives is not None else [""] * len(rows)
-    param = next(prior.parameters())
-    device, dtype = param.device, param.dtype
+    stage = on_stage or (lambda name: None)
+    stage("clip")
     text = _repeat(prior_text(clip, rows), n)
     if scale != 1:
         uncond = _repeat(prior_text(clip, uncond_rows), n)
         text = TextEncoding(*(torch.cat([u, c]) for u, c in zip(_fields(uncond), _fields(text))))
+    b = len(rows) * n
+    zero = zero_image_embed(clip, b) if negatives is None else None
+    stage("prior")
+    param = next(prior.parameters())
+    device, dtype = param.device, param.dtype
     embed = text.text_embed.to(device, dtype)
     tokens = text.text_tokens.to(device, dtype)
     mask = text.text_mask.to(device)
@@ -147,7 +158,6 @@ def sample_prior_embeds(
             attention_mask=mask,
         ).predicted_image_embedding
 
-    b = len(rows) * n
     scheduler.set_timesteps(num_inference_steps, device=device)
     x = initial_noise((b, prior.config.embedding_dim), scheduler, generator, latents, device, dtype)
     x = denoise_steps(
@@ -159,12 +169,14 @@ def sample_prior_embeds(
         progress=progress,
         desc="prior",
         callback=callback,
+        autocast_dtype=autocast_dtype,
     )
     image_embed = prior.post_process_latents(x)
     if negatives is not None:
         image_embed, negative = image_embed.chunk(2)
         return image_embed, negative
-    return image_embed, zero_image_embed(clip, b).to(image_embed.device, image_embed.dtype)
+    assert zero is not None
+    return image_embed, zero.to(image_embed.device, image_embed.dtype)
 
 
 def _fields(enc: TextEncoding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

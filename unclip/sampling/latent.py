@@ -11,6 +11,9 @@ diffusers' ``KandinskyV22Pipeline``, ``KandinskyV22Img2ImgPipeline`` and
                              generator=torch.Generator().manual_seed(0))
     images = decoder.decode(latents)            # [B, 3, 512, 512] in [-1, 1]
 
+``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the UNet calls under ``torch.autocast``; the
+default ``None`` computes in the weights' dtype, as diffusers does.
+
 Conventions kept from diffusers so that the same seeds give the same images:
 
 * guidance runs only for ``guidance_scale > 1`` (diffusers' rule; at or below 1 the conditional
@@ -133,6 +136,7 @@ def sample_latents(
     latents: Optional[torch.Tensor] = None,
     progress: bool = True,
     callback: Callback = None,
+    autocast_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Latents ``[B·n, C, h, w]`` (``n = num_images_per_prompt``, ``(h, w)`` =
     ``decoder.latent_size(height, width)``) for ``image_embed [B, D]``, guided away from
@@ -160,6 +164,7 @@ def sample_latents(
         progress=progress,
         desc="decoder",
         callback=callback,
+        autocast_dtype=autocast_dtype,
     )
 
 
@@ -177,6 +182,7 @@ def img2img_latents(
     generator: Generator = None,
     progress: bool = True,
     callback: Callback = None,
+    autocast_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Latents ``[B·n, C, h, w]`` of ``images [B, 3, H, W]`` (in [-1, 1], sides multiples of
     ``decoder.scale_factor``) redrawn towards ``image_embed [B, D]``: the images' latents noised
@@ -220,6 +226,7 @@ def img2img_latents(
         progress=progress,
         desc="decoder",
         callback=callback,
+        autocast_dtype=autocast_dtype,
     )
 
 
@@ -253,6 +260,7 @@ def inpaint_latents(
     latents: Optional[torch.Tensor] = None,
     progress: bool = True,
     callback: Callback = None,
+    autocast_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Latents ``[B·n, C, h, w]`` that keep ``images [B, 3, H, W]`` (in [-1, 1]) where ``mask
     [B, 1, H, W]`` is 0 and repaint it, conditioned on ``image_embed [B, D]``, where it is 1
@@ -318,6 +326,7 @@ def inpaint_latents(
         progress=progress,
         desc="decoder",
         callback=keep_known,
+        autocast_dtype=autocast_dtype,
     )
 
 
