@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from diffusers import (
     DDPMScheduler,
+    KandinskyV22CombinedPipeline,
     KandinskyV22Img2ImgPipeline,
     KandinskyV22InpaintPipeline,
     KandinskyV22Pipeline,
@@ -53,6 +54,8 @@ from unclip.interop.kandinsky import (
     read_kandinsky_decoder,
     read_kandinsky_prior,
 )
+from unclip.pipeline.auto import load_pipeline, pipeline_family
+from unclip.pipeline.kandinsky import KandinskyPipeline, KandinskySampling
 from unclip.sampling.kandinsky import prior_text, sample_prior_embeds
 from unclip.sampling.latent import (
     grow_repaint_mask,
@@ -582,3 +585,85 @@ def test_card_prior_reads_the_model_card(decoder_folder, tmp_path):
         "---\nprior:\n- kandinsky-community/kandinsky-2-2-prior\n---\n# decoder\n"
     )
     assert card_prior(folder) == "kandinsky-community/kandinsky-2-2-prior"
+
+
+# ----------------------------------------------------------------------------------- pipeline
+@pytest.fixture(scope="module")
+def pipe(prior_folder, decoder_folder):
+    return KandinskyPipeline.from_pretrained(decoder_folder[0], prior=prior_folder[0])
+
+
+def test_pipeline_matches_diffusers_combined_pipeline(prior_folder, decoder_folder, pipe):
+    """One call, one generator, diffusers' keywords: the images of KandinskyV22CombinedPipeline
+    (AutoPipelineForText2Image's class for these folders)."""
+    p, d = prior_folder[1], decoder_folder[1]
+    combined = KandinskyV22CombinedPipeline(
+        unet=d.unet,
+        scheduler=d.scheduler,
+        movq=d.movq,
+        prior_prior=p.prior,
+        prior_image_encoder=p.image_encoder,
+        prior_text_encoder=p.text_encoder,
+        prior_tokenizer=p.tokenizer,
+        prior_scheduler=p.scheduler,
+        prior_image_processor=p.image_processor,
+    )
+    combined.set_progress_bar_config(disable=True)
+    kwargs = dict(
+        negative_prompt=NEGATIVES,
+        num_inference_steps=STEPS,
+        prior_num_inference_steps=STEPS,
+        guidance_scale=3.0,
+        prior_guidance_scale=5.0,
+        num_images_per_prompt=2,
+        height=SIZE,
+        width=SIZE,
+        output_type="np",
+    )
+    ref = combined(PROMPTS, generator=_gen(15), **kwargs).images
+    out = pipe(PROMPTS, generator=_gen(15), progress=False, **kwargs)
+    assert out.images.shape == (4, SIZE, SIZE, 3)
+    assert _max_diff(out.images, ref) <= TOL
+    assert out.image_embeds.shape == (4, D)
+
+
+def test_load_pipeline_finds_the_prior_in_the_model_card(
+    prior_folder, decoder_folder, pipe, tmp_path
+):
+    folder = Path(shutil.copytree(decoder_folder[0], tmp_path / "decoder"))
+    (folder / "README.md").write_text(f"---\nprior:\n- {prior_folder[0]}\n---\n")
+    assert pipeline_family(folder) == "kandinsky"
+    loaded = load_pipeline(folder)
+    assert isinstance(loaded, KandinskyPipeline) and loaded.stage_names == ["prior", "decoder"]
+    assert loaded.sampling_settings()["decoder"] == KandinskySampling(100, 4.0)  # diffusers'
+    kwargs = dict(
+        num_inference_steps=2,
+        prior_num_inference_steps=2,
+        height=SIZE,
+        width=SIZE,
+        output_type="pt",
+        progress=False,
+    )
+    a = loaded("a cat", generator=_gen(16), **kwargs).images
+    b = pipe("a cat", generator=_gen(16), **kwargs).images
+    assert torch.equal(a, b)
+    # the components rebuild it, as diffusers' pipelines do
+    again = KandinskyPipeline(**loaded.components)
+    assert torch.equal(again("a cat", generator=_gen(16), **kwargs).images, b)
+
+
+def test_pipeline_refusals_name_what_to_do(prior_folder, decoder_folder, pipe):
+    with pytest.raises(ValueError, match="is a Kandinsky 2.2 prior folder; load the decoder"):
+        load_pipeline(prior_folder[0])
+    with pytest.raises(ValueError, match="decoder folder, not a prior one"):
+        KandinskyPipeline.from_pretrained(decoder_folder[0], prior=decoder_folder[0])
+    alone = KandinskyPipeline.from_pretrained(decoder_folder[0], prior=False)
+    assert alone.stage_names == ["decoder"]
+    with pytest.raises(ValueError, match="has no prior: load it with prior="):
+        alone("a cat")
+    with pytest.raises(ValueError, match="unknown setting 'best_of'"):
+        pipe("a cat", sampling={"decoder": {"best_of": 2}})
+    with pytest.raises(ValueError, match=r"sampling\['prior'\]: steps must be"):
+        pipe("a cat", prior_num_inference_steps=0)
+    with pytest.raises(ValueError, match="memory_format: not supported for a Kandinsky"):
+        load_pipeline(decoder_folder[0], memory_format=torch.channels_last)

@@ -46,6 +46,7 @@ __all__ = [
     "read_kandinsky_decoder",
     "card_prior",
     "check_pair",
+    "read_kandinsky_folder",
 ]
 
 _TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
@@ -240,3 +241,20 @@ def card_prior(folder: Union[str, Path]) -> Optional[str]:
             "e.g. 'prior: [kandinsky-community/kandinsky-2-2-prior]'"
         )
     return None
+
+
+def read_kandinsky_folder(folder: Union[str, Path], variant: Optional[str] = None) -> dict:
+    """A Kandinsky 2.2 folder's parts for :class:`~unclip.pipeline.kandinsky.KandinskyPipeline`
+    (the ``kandinsky`` entry point of ``unclip.pipeline_readers``): ``{"kind": "prior", "prior",
+    "clip", "prior_scheduler"}`` or ``{"kind": "decoder", "decoder", "scheduler",
+    "card_prior"}`` (the prior its model card names, or None)."""
+    kind = kandinsky_kind(folder)
+    if kind == "prior":
+        return {"kind": "prior", **read_kandinsky_prior(folder, variant)}
+    if kind == "decoder":
+        parts = read_kandinsky_decoder(folder, variant)
+        return {"kind": "decoder", **parts, "card_prior": card_prior(folder)}
+    raise ValueError(
+        f"{folder} is not a Kandinsky 2.2 folder: its model_index.json must name "
+        f"{' or '.join([*PRIOR_PIPELINES, *DECODER_PIPELINES])}"
+    )

@@ -5,7 +5,10 @@
     pipe = load_pipeline(None)                          # the bundled unCLIP shapes model
 
 A local folder whose ``unclip.json`` names a token family (``"family": "dalle"`` or
-``"dalle_mega"``) loads as :class:`~unclip.pipeline.token_pipeline.TokenPipeline`; everything else
+``"dalle_mega"``) loads as :class:`~unclip.pipeline.token_pipeline.TokenPipeline`; a local diffusers
+Kandinsky 2.2 decoder folder (its ``model_index.json`` names a ``KandinskyV22`` pipeline) as
+:class:`~unclip.pipeline.kandinsky.KandinskyPipeline`, with the prior its model card names or
+``prior=``; everything else
 (unCLIP folders, which name no family or ``"unclip"``, diffusers folders, Hub ids, ``None`` for the
 bundled model) goes to :meth:`UnCLIPPipeline.from_pretrained <unclip.pipeline.pipeline.
 UnCLIPPipeline.from_pretrained>` with the same keyword arguments.
@@ -30,11 +33,15 @@ __all__ = ["load_pipeline", "pipeline_family", "AutoPipeline", "is_pipeline"]
 
 
 def pipeline_family(path: Union[str, os.PathLike, None]) -> str:
-    """The family of the pipeline at ``path``: ``dalle``, ``dalle_mega`` or ``unclip`` (anything
-    that is not a local folder naming a token family)."""
+    """The family of the pipeline at ``path``: ``dalle``, ``dalle_mega``, ``kandinsky`` (a local
+    diffusers Kandinsky 2.2 folder) or ``unclip`` (anything else)."""
     if path is None:
         return "unclip"
     index = Path(path) / PIPELINE_FILE
+    diffusers_index = Path(path) / "model_index.json"
+    if not index.is_file() and diffusers_index.is_file():
+        name = read_json(diffusers_index, "model_index.json").get("_class_name")
+        return "kandinsky" if str(name).startswith("KandinskyV22") else "unclip"
     if not index.is_file():
         return "unclip"
     family = read_json(index, "pipeline").get("family", "unclip")
@@ -51,11 +58,14 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
     :meth:`UnCLIPPipeline.from_pretrained` takes them. A token pipeline takes ``autocast_dtype``
     (it samples in full precision: the setting is accepted and recorded as None); the Hub and
     dtype options are refused for it with what to do."""
-    if pipeline_family(path) == "unclip":
+    family = pipeline_family(path)
+    if family == "unclip":
         from unclip.pipeline.pipeline import UnCLIPPipeline
 
         return UnCLIPPipeline.from_pretrained(path, **kwargs)
     assert path is not None  # None is the bundled unCLIP model
+    if family == "kandinsky":
+        return _load_kandinsky(path, kwargs)
     external = bool(kwargs.pop("allow_external_components", False))
     given = {k: v for k, v in kwargs.items() if v is not None and k != "autocast_dtype"}
     if given:
@@ -64,6 +74,20 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
             "leave them out"
         )
     return TokenPipeline.from_pretrained(path, allow_external_components=external)
+
+
+def _load_kandinsky(path, kwargs: dict):
+    from unclip.pipeline.kandinsky import KandinskyPipeline
+
+    own = {"prior", "torch_dtype", "autocast_dtype", "variant", "revision", "cache_dir"}
+    own.add("local_files_only")
+    given = {k for k, v in kwargs.items() if v is not None and k not in own}
+    if given:
+        raise ValueError(
+            f"{', '.join(sorted(given))}: not supported for a Kandinsky 2.2 folder ({path}); "
+            "leave them out"
+        )
+    return KandinskyPipeline.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in own})
 
 
 def is_pipeline(obj) -> TypeIs[Union[UnCLIPPipeline, TokenPipeline]]:

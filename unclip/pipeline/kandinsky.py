@@ -1,0 +1,395 @@
+"""Kandinsky 2.2 (the unCLIP family in its latent form): a prior from text to a CLIP image
+embedding, a UNet over MoVQ latents conditioned on it, and MoVQ's decoder.
+
+    pipe = KandinskyPipeline.from_pretrained("kandinsky-2-2-decoder", prior="kandinsky-2-2-prior")
+    image = pipe("a red cat, 4k photo", generator=torch.Generator().manual_seed(0)).images[0]
+
+    load_pipeline("kandinsky-2-2-decoder")     # the same; the prior its model card names
+
+``__call__`` takes diffusers' ``KandinskyV22CombinedPipeline`` keywords with its defaults (prior:
+25 steps, guidance 4; decoder: 100 steps, guidance 4; 512 × 512) and draws from one generator in
+the same order (prior, then decoder), so a seed gives diffusers' images. One difference:
+diffusers' combined pipeline hands ``latents`` to the prior; here ``latents`` are the decoder's
+initial latents, as ``KandinskyV22Pipeline`` takes them, and ``prior_latents`` the prior's.
+
+The components are diffusers' and unclip's own networks: ``decoder`` a
+:class:`~unclip.nets.latent_decoder.LatentDecoder` (UNet + MoVQ) with its diffusers ``scheduler``;
+``prior`` diffusers' ``PriorTransformer`` with its ``prior_scheduler`` and the ``clip``
+(:class:`~unclip.nets.clip.CLIP`, text and image towers) it reads. A pipeline without a prior
+decodes given image embeddings (:meth:`KandinskyPipeline.decode`). Folders are read by the
+``unclip.pipeline_readers`` entry point ``kandinsky`` (:mod:`unclip.interop.kandinsky`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+from unclip.diffusion.loop import Generator
+from unclip.nets.clip import CLIP
+from unclip.nets.latent_decoder import LatentDecoder
+from unclip.pipeline.base import BasePipeline, ResolvedSampling
+from unclip.pipeline.output import UnCLIPOutput
+from unclip.sampling.kandinsky import sample_prior_embeds
+from unclip.sampling.latent import sample_latents
+from unclip.sampling.stages import StepCallback, stage_callback
+from unclip.sampling.utils import check_output_type
+from unclip.utils.images import to_output
+from unclip.utils.registry import EntryPointRegistry
+
+__all__ = ["KandinskyPipeline", "KandinskySampling", "KANDINSKY_DEFAULTS", "PIPELINE_READERS"]
+
+#: entry point group of folder readers by family: ``kandinsky`` = reader(folder, variant=None)
+#: returning ``{"kind": "prior" | "decoder", ...components}``
+PIPELINE_READERS = EntryPointRegistry("unclip.pipeline_readers")
+
+
+@dataclasses.dataclass(frozen=True)
+class KandinskySampling:
+    """One stage's settings: ``steps`` (``num_inference_steps``) and ``guidance_scale``
+    (classifier-free guidance runs only above 1, as in diffusers)."""
+
+    steps: int
+    guidance_scale: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        g = self.guidance_scale
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g == g or g < 0:
+            raise ValueError(f"guidance_scale must be a number >= 0, got {g!r}")
+
+
+#: diffusers' defaults (KandinskyV22CombinedPipeline)
+KANDINSKY_DEFAULTS = {
+    "prior": KandinskySampling(25, 4.0),
+    "decoder": KandinskySampling(100, 4.0),
+}
+
+
+class KandinskyPipeline(BasePipeline):
+    """Kandinsky 2.2's prior and latent decoder (see the module doc). ``sampling``: per-stage
+    defaults, ``{"prior": {"steps": 25, "guidance_scale": 4.0}, "decoder": {...}}``."""
+
+    def __init__(
+        self,
+        decoder: LatentDecoder,
+        scheduler,
+        prior: Optional[torch.nn.Module] = None,
+        clip: Optional[CLIP] = None,
+        prior_scheduler=None,
+        sampling: Optional[Mapping[str, Any]] = None,
+    ):
+        self._init_base()
+        if not isinstance(decoder, LatentDecoder):
+            raise TypeError(f"decoder must be a LatentDecoder, got {type(decoder).__name__}")
+        parts = {"prior": prior, "clip": clip, "prior_scheduler": prior_scheduler}
+        given = [k for k, v in parts.items() if v is not None]
+        if given and len(given) != len(parts):
+            missing = [k for k, v in parts.items() if v is None]
+            raise ValueError(
+                f"a prior needs prior, clip and prior_scheduler together; {', '.join(missing)} "
+                "missing (or pass none of them to decode given image embeddings)"
+            )
+        if clip is not None and clip.embed_dim != decoder.embed_dim:
+            raise ValueError(
+                f"the prior gives {clip.embed_dim}-wide image embeddings but the decoder reads "
+                f"{decoder.embed_dim}; pass the prior made for this decoder"
+            )
+        self.decoder, self.scheduler = decoder, scheduler
+        self.prior, self.clip, self.prior_scheduler = prior, clip, prior_scheduler
+        self.upsamplers = []
+        self.diffusion = {}
+        self.sampling = dict(self._resolve(KANDINSKY_DEFAULTS, sampling))
+
+    # ------------------------------------------------------------------ what the base asks
+    def modules(self) -> dict[str, torch.nn.Module]:
+        mods: dict[str, torch.nn.Module] = {"decoder": self.decoder}
+        if self.prior is not None:
+            assert self.clip is not None
+            mods["clip"], mods["prior"] = self.clip, self.prior
+        return mods
+
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        nets: dict[str, torch.nn.Module] = {"decoder": self.decoder.unet}
+        if self.prior is not None:
+            nets["prior"] = self.prior
+        return nets
+
+    @property
+    def stage_names(self) -> list[str]:
+        return (["prior"] if self.prior is not None else []) + ["decoder"]
+
+    def sampling_settings(self, sampling: Optional[Mapping] = None) -> ResolvedSampling:
+        return self._resolve(self.sampling, sampling)
+
+    def _anchor(self) -> torch.nn.Module:
+        return self.decoder.unet
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {
+            "decoder": self.decoder,
+            "scheduler": self.scheduler,
+            "prior": self.prior,
+            "clip": self.clip,
+            "prior_scheduler": self.prior_scheduler,
+            "sampling": {k: dataclasses.asdict(v) for k, v in self.sampling.items()},
+        }
+
+    def _image_networks(self) -> list[torch.nn.Module]:
+        return [self.decoder]
+
+    def _resolve(self, base: Mapping, sampling: Optional[Mapping]) -> ResolvedSampling:
+        if isinstance(sampling, ResolvedSampling):
+            return sampling
+        out = ResolvedSampling(base)
+        for stage, values in (sampling or {}).items():
+            if stage not in KANDINSKY_DEFAULTS:
+                raise ValueError(
+                    f"sampling: no stage {stage!r} in a Kandinsky pipeline (stages: prior, decoder)"
+                )
+            if isinstance(values, KandinskySampling):
+                out[stage] = values
+                continue
+            if not isinstance(values, Mapping):
+                raise TypeError(f"sampling[{stage!r}] must be a dict of settings, got {values!r}")
+            unknown = sorted(set(values) - {"steps", "guidance_scale"})
+            if unknown:
+                raise ValueError(
+                    f"sampling[{stage!r}]: unknown setting {unknown[0]!r} (a Kandinsky stage has "
+                    "steps and guidance_scale)"
+                )
+            try:
+                out[stage] = dataclasses.replace(out[stage], **values)
+            except ValueError as exc:
+                raise ValueError(f"sampling[{stage!r}]: {exc}") from None
+        return out
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: Union[str, os.PathLike],
+        prior: Union[str, os.PathLike, None, bool] = None,
+        *,
+        torch_dtype: Union[torch.dtype, str, None] = None,
+        variant: Optional[str] = None,
+        revision: Optional[str] = None,
+        cache_dir: Union[str, os.PathLike, None] = None,
+        local_files_only: Optional[bool] = None,
+        sampling: Optional[Mapping[str, Any]] = None,
+        autocast_dtype=None,
+    ) -> KandinskyPipeline:
+        """The pipeline of a Kandinsky 2.2 decoder folder (text-to-image, image-to-image or
+        inpainting layout) or Hub id, with its prior: ``prior`` (a prior folder or Hub id), else
+        the one the decoder's model card names (``prior: [...]`` in ``README.md``), as diffusers'
+        ``AutoPipelineForText2Image`` finds it; ``prior=False`` loads the decoder alone. A prior
+        folder given as ``path`` needs the decoder's: pass the decoder and ``prior=``.
+        ``torch_dtype`` casts the weights; ``autocast_dtype`` (``None``: exact, ``"auto"``,
+        ``torch.bfloat16``...) as :attr:`autocast_dtype`; ``variant`` reads
+        ``*.<variant>.safetensors``;
+        ``revision``, ``cache_dir`` and ``local_files_only`` apply to Hub ids."""
+        from unclip.io.hub import resolve_folder
+        from unclip.utils.precision import parse_dtype
+
+        dtype = parse_dtype(torch_dtype)
+
+        def read(source, what: str) -> tuple[dict, Any]:
+            folder = resolve_folder(
+                source,
+                what=what,
+                variant=variant,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+            )
+            try:
+                reader = PIPELINE_READERS["kandinsky"]
+            except KeyError:
+                raise ValueError(
+                    "no Kandinsky folder reader is installed (the unclip.pipeline_readers entry "
+                    "point); reinstall unclip (pip install -e . in a checkout)"
+                ) from None
+            return reader(folder, variant=variant), folder
+
+        parts, folder = read(path, "Kandinsky decoder")
+        if parts.pop("kind") != "decoder":
+            raise ValueError(
+                f"{path} is a Kandinsky 2.2 prior folder; load the decoder folder and pass this "
+                f"one as prior=, e.g. KandinskyPipeline.from_pretrained(<decoder>, prior={path!r})"
+            )
+        prior_source = prior
+        if prior is None:
+            prior_source = parts.pop("card_prior", None)
+        parts.pop("card_prior", None)
+        if prior_source not in (None, False):
+            prior_parts, _ = read(prior_source, "Kandinsky prior")
+            if prior_parts.pop("kind") != "prior":
+                raise ValueError(
+                    f"prior={prior_source!r} is a Kandinsky 2.2 decoder folder, not a prior one"
+                )
+            prior_parts.pop("card_prior", None)
+            parts.update(prior_parts)
+        pipe = cls(**parts, sampling=sampling)._freeze()
+        if dtype is not None:
+            pipe.to(dtype=dtype)
+        pipe.autocast_dtype = autocast_dtype
+        return pipe
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def sample_image_embeds(
+        self,
+        prompt: Union[str, Sequence[str]],
+        negative_prompt: Union[str, Sequence[str], None] = None,
+        num_images_per_prompt: int = 1,
+        generator: Generator = None,
+        latents: Optional[torch.Tensor] = None,
+        sampling: Optional[Mapping] = None,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(image_embeds, negative_image_embeds)`` ``[B·n, D]`` from the prior
+        (:func:`~unclip.sampling.kandinsky.sample_prior_embeds`)."""
+        if self.prior is None:
+            raise ValueError(
+                "this Kandinsky pipeline has no prior: load it with prior=<prior folder> or pass "
+                "image embeddings to decode()"
+            )
+        assert self.clip is not None
+        s = self.sampling_settings(sampling)["prior"]
+        return sample_prior_embeds(
+            self.prior,
+            self.prior_scheduler,
+            self.clip,
+            prompt,
+            negative_prompt,
+            num_images_per_prompt=num_images_per_prompt,
+            num_inference_steps=s.steps,
+            guidance_scale=s.guidance_scale,
+            generator=generator,
+            latents=latents,
+            progress=self._progress(progress),
+            callback=stage_callback(self, "prior", callback_on_step_end),
+            autocast_dtype=self.autocast_dtype,
+            on_stage=self._onload,
+        )
+
+    @torch.no_grad()
+    def decode(
+        self,
+        image_embeds: torch.Tensor,
+        negative_image_embeds: torch.Tensor,
+        height: int = 512,
+        width: int = 512,
+        num_images_per_prompt: int = 1,
+        generator: Generator = None,
+        latents: Optional[torch.Tensor] = None,
+        sampling: Optional[Mapping] = None,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+        output_type: str = "latent",
+    ):
+        """Images of ``image_embeds [B, D]`` guided away from ``negative_image_embeds [B, D]``:
+        latents ``[B·n, C, h, w]`` for ``output_type="latent"``, else decoded by MoVQ and
+        returned as :func:`~unclip.utils.images.to_output` gives them."""
+        check_output_type(output_type)
+        if self.decoder.inpaint:
+            raise ValueError(
+                "this is an inpainting decoder (kandinsky-2-2-decoder-inpaint): it repaints "
+                "masked images and cannot draw from noise alone"
+            )
+        s = self.sampling_settings(sampling)["decoder"]
+        self._onload("decoder")
+        x = sample_latents(
+            self.decoder,
+            self.scheduler,
+            image_embeds.to(self.device),
+            negative_image_embeds.to(self.device),
+            height=height,
+            width=width,
+            num_inference_steps=s.steps,
+            guidance_scale=s.guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            generator=generator,
+            latents=latents,
+            progress=self._progress(progress),
+            callback=stage_callback(self, "decoder", callback_on_step_end),
+            autocast_dtype=self.autocast_dtype,
+        )
+        if output_type == "latent":
+            return x
+        return to_output(self.decoder.decode(x), output_type)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: Union[str, Sequence[str]],
+        negative_prompt: Union[str, Sequence[str], None] = None,
+        num_inference_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        num_images_per_prompt: int = 1,
+        height: int = 512,
+        width: int = 512,
+        prior_guidance_scale: Optional[float] = None,
+        prior_num_inference_steps: Optional[int] = None,
+        generator: Generator = None,
+        latents: Optional[torch.Tensor] = None,
+        prior_latents: Optional[torch.Tensor] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+        sampling: Optional[Mapping] = None,
+        progress: bool = True,
+    ):
+        """Images for ``prompt`` (a string or a list), ``num_images_per_prompt`` each, of
+        ``height × width`` pixels. Steps and guidance default to the pipeline's settings
+        (diffusers': prior 25 / 4.0, decoder 100 / 4.0); the keywords or ``sampling={"prior":
+        {...}, "decoder": {...}}`` override them. ``negative_prompt``: one per prompt.
+        ``latents [B·n, C, h, w]``: the decoder's initial latents; ``prior_latents``: the
+        prior's (see :func:`~unclip.sampling.kandinsky.sample_prior_embeds`).
+        ``callback_on_step_end(pipe, step, timestep, {"stage", "latents"})`` runs after every
+        step of both stages. Returns an :class:`~unclip.pipeline.output.UnCLIPOutput` (images as
+        ``output_type`` says: ``"pil"``, ``"np"``, ``"pt"`` in [0, 1], ``"uint8"``, or
+        ``"latent"``: the decoder's latents), or with ``return_dict=False`` the tuple
+        ``(images,)``."""
+        check_output_type(output_type)
+        overrides: dict[str, dict] = {k: dict(v) for k, v in (sampling or {}).items()}
+        for stage, key, value in (
+            ("prior", "steps", prior_num_inference_steps),
+            ("prior", "guidance_scale", prior_guidance_scale),
+            ("decoder", "steps", num_inference_steps),
+            ("decoder", "guidance_scale", guidance_scale),
+        ):
+            if value is not None:
+                overrides.setdefault(stage, {})[key] = value
+        settings = self.sampling_settings(overrides)
+        image_embeds, negative = self.sample_image_embeds(
+            prompt,
+            negative_prompt,
+            num_images_per_prompt=num_images_per_prompt,
+            generator=generator,
+            latents=prior_latents,
+            sampling=settings,
+            progress=progress,
+            callback_on_step_end=callback_on_step_end,
+        )
+        images = self.decode(
+            image_embeds,
+            negative,
+            height=height,
+            width=width,
+            generator=generator,
+            latents=latents,
+            sampling=settings,
+            progress=progress,
+            callback_on_step_end=callback_on_step_end,
+            output_type=output_type,
+        )
+        if not return_dict:
+            return (images,)
+        return UnCLIPOutput(images=images, image_embeds=image_embeds)
