@@ -47,6 +47,7 @@ from transformers import (
 )
 
 from unclip.interop.clip import bpe_vocab
+from unclip.interop.diffusers_import import load_diffusers_unclip
 from unclip.interop.kandinsky import (
     card_prior,
     check_pair,
@@ -653,6 +654,8 @@ def test_load_pipeline_finds_the_prior_in_the_model_card(
 
 
 def test_pipeline_refusals_name_what_to_do(prior_folder, decoder_folder, pipe):
+    with pytest.raises(ValueError, match="is a Kandinsky 2.2 folder .* KandinskyPipeline"):
+        load_diffusers_unclip(decoder_folder[0])
     with pytest.raises(ValueError, match="is a Kandinsky 2.2 prior folder; load the decoder"):
         load_pipeline(prior_folder[0])
     with pytest.raises(ValueError, match="decoder folder, not a prior one"):

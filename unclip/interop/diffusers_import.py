@@ -145,6 +145,12 @@ def _load_parts(
 def _read_index(root: Path) -> tuple[str, set]:
     index = read_json(root / "model_index.json", "model_index.json")
     kind = index.get("_class_name")
+    if str(kind).startswith("KandinskyV22"):
+        raise ValueError(
+            f"{root} is a Kandinsky 2.2 folder ({kind}), another family: load the decoder folder "
+            "with unclip.pipeline.auto.load_pipeline or KandinskyPipeline.from_pretrained "
+            "(unclip.pipeline.kandinsky), giving the prior folder as prior="
+        )
     if kind not in LAYOUTS:
         raise ValueError(
             f"{root} is not a diffusers unCLIP pipeline: model_index.json names {kind!r}; expected "
