@@ -38,6 +38,7 @@ from unclip.train.config import (
     load_config_naming_source,
 )
 from unclip.train.loop import TrainLoop
+from unclip.train.run_folder import releases_folder
 from unclip.utils.config import ConfigError
 from unclip.utils.images import pil_to_tensor
 
@@ -371,6 +372,7 @@ def attribute_retrieval(
     return out
 
 
+@releases_folder
 def train_clip(
     cfg: ClipTrainConfig,
     resume: Optional[str] = None,

@@ -25,6 +25,7 @@ from unclip.nets.text_encoding import TextEncoding
 from unclip.train.config import StageConfig
 from unclip.train.data.loader import batches, make_stream
 from unclip.train.loop import TrainLoop
+from unclip.train.run_folder import releases_folder
 from unclip.train.text_cache import TextEncodingCache
 
 __all__ = ["ARPriorTask", "ar_prior_loss", "fit_embeddings", "fit_ar_prior", "train_ar_prior"]
@@ -111,6 +112,7 @@ class ARPriorTask:
         return ar_prior_loss(model, batch, self.text, self.null, generators, self.cfg, self.device)
 
 
+@releases_folder
 def train_ar_prior(
     cfg: StageConfig,
     resume: Optional[str] = None,

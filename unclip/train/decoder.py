@@ -50,6 +50,7 @@ from unclip.train.repa import (
     clip_features,
     exported_model,
 )
+from unclip.train.run_folder import releases_folder
 from unclip.utils.images import image_grid
 
 __all__ = [
@@ -330,6 +331,7 @@ def decoder_batches(
     )
 
 
+@releases_folder
 def train_decoder(
     cfg: StageConfig,
     resume: Optional[str] = None,

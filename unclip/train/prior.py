@@ -37,6 +37,7 @@ from unclip.train.embed import STATS_FILE, load_stats
 from unclip.train.loop import TrainLoop
 from unclip.train.optimizers import run_mixed_precision
 from unclip.train.prior_batches import embed_batch
+from unclip.train.run_folder import releases_folder
 from unclip.train.text_cache import TextEncodingCache
 
 __all__ = ["PriorTask", "prior_loss", "embedding_stats", "train_prior", "build_prior_model"]
@@ -204,6 +205,7 @@ def build_prior_model(cfg: StageConfig, clip: CLIP) -> UnCLIPPrior | UnCLIPARPri
     return model
 
 
+@releases_folder
 def train_prior(
     cfg: StageConfig,
     resume: Optional[str] = None,

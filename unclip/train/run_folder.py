@@ -6,7 +6,11 @@
   (``--resume``) or starts afresh (``overwrite``: the old run's files are removed first), and
   while a run uses the folder it holds ``run.lock`` (:class:`RunLock`): a second run started in
   the same folder, a ``--resume latest`` among them, is refused with the first one's process id
-  and host; the lock of a run that was killed is taken over with a warning naming it;
+  and host; the lock of a run that was killed is taken over with a warning naming it. A folder
+  that holds only what a launch writes before its first step (:func:`nothing_to_lose`: no
+  logged step, sample, checkpoint, export or file of the user's) is a launch that crashed
+  early: the same command starts it afresh. A run that fails lets go of its folder at once
+  (:func:`releases_folder`);
 * checkpoints every ``checkpoint_every`` steps and at the end, keeping the last ``keep_last``:
   safetensors and JSON only, written to a temporary folder with a manifest (sizes, SHA-256) last
   and renamed (:mod:`unclip.train.checkpoint`); exact resume (model, optimizer, LR schedule, EMA,
@@ -23,17 +27,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
+import functools
 import gc
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -53,7 +60,17 @@ from unclip.utils.config import save_config
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-__all__ = ["LOCK_FILE", "RUN_FILES", "RunFolder", "RunLock", "RunState", "describe_holder"]
+__all__ = [
+    "LOCK_FILE",
+    "RUN_FILES",
+    "RunFolder",
+    "RunLock",
+    "RunState",
+    "describe_holder",
+    "nothing_to_lose",
+    "releases_folder",
+    "RELAUNCHABLE",
+]
 
 logger = logging.getLogger("unclip.train")
 
@@ -76,6 +93,52 @@ LOCK_FILE = "run.lock"
 # the locks this process holds, by folder: a run in this process that ended by an exception
 # without releasing its folder (a notebook, a test) is taken over by the next one
 _HELD: dict[str, RunLock] = {}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def releases_folder(train: _F) -> _F:
+    """Decorate a training entry point (``train_prior(cfg, ...)`` and the like): when it raises,
+    the run locks it took are released before the exception propagates. A live Python session
+    (a notebook keeps the failed call's frames, and with them the loop, in its last traceback)
+    would otherwise hold the folder until it exits, and every other process would be told the
+    folder is in use by a run that is long over."""
+
+    @functools.wraps(train)
+    def wrapper(*args, **kwargs):
+        before = set(map(id, _HELD.values()))
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            for lock in [lock for lock in _HELD.values() if id(lock) not in before]:
+                lock.release()
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+#: what a launch writes in ``output_dir`` before its first step: such a folder is relaunched
+RELAUNCHABLE = ("config.yaml", "logs", "checkpoints", "metrics.jsonl")
+
+
+def nothing_to_lose(folder: Path, held: list[str]) -> bool:
+    """Whether ``folder``, holding the entries ``held`` (names, ``run.lock`` left out), holds
+    only what a launch writes before its first step, so that starting afresh there loses
+    nothing: ``config.yaml``, ``logs`` (the trackers' start), ``checkpoints`` with at most
+    partial ``*.tmp`` folders in it, an empty ``metrics.jsonl``. That is what a launch that
+    crashed early leaves (a bad data path, a CUDA or launcher error, a kill at start-up), and
+    the same command relaunches it. A logged step, a sample grid, a checkpoint (a ``.old`` one
+    mid-rename among them), ``final`` or a file of the user's is a run's work: ``--resume`` or
+    ``--overwrite`` says what to do with it."""
+    if not held or any(name not in RELAUNCHABLE for name in held):
+        return False
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_symlink() or (metrics.exists() and metrics.stat().st_size > 0):
+        return False
+    ckpts = folder / "checkpoints"
+    if ckpts.is_symlink() or (ckpts.exists() and not ckpts.is_dir()):
+        return False
+    return not ckpts.is_dir() or all(p.name.endswith(".tmp") for p in ckpts.iterdir())
 
 
 def describe_holder(record: dict) -> str:
@@ -102,12 +165,12 @@ class RunLock:
     def acquire(self) -> Optional[dict]:
         """Take the lock. Returns the record of a stale lock taken over (its process is gone),
         else ``None``; a lock held by a running process is a ``ValueError`` naming it."""
-        key = str(self.path.resolve())
+        key = str(self.folder.resolve() / LOCK_FILE)  # the folder's, not a planted link's target
         earlier = _HELD.pop(key, None)
         if earlier is not None:  # this process's own, from a run that did not finish
             earlier.release()
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -127,6 +190,36 @@ class RunLock:
         _HELD[key] = self
         atexit.register(self.release)
         return stale or None
+
+    def _open(self) -> int:
+        """The lock file, opened for reading and writing, and certainly the run's own: a symbolic
+        link is never followed (``O_NOFOLLOW``) and anything but a plain file of this user with
+        no other name (a hard link, a FIFO, another user's file) is refused before a byte of it
+        is read or written. The record is rewritten in place, so a lock file planted in a shared
+        folder as a link to another file would otherwise have that file emptied."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        how = "remove it and start the run again"
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or self.path.is_symlink():
+                raise ValueError(
+                    f"{self.path} is a symbolic link (to {os.readlink(self.path)}); a run never "
+                    f"follows its lock file anywhere else: {how}"
+                ) from None
+            raise
+        info = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(info.st_mode):
+            problem = "is not a plain file"
+        elif info.st_nlink != 1:
+            problem = f"has {info.st_nlink} names (a hard link to another file)"
+        elif info.st_uid != os.geteuid():
+            problem = f"belongs to another user (uid {info.st_uid})"
+        if problem:
+            os.close(fd)
+            raise ValueError(f"{self.path} {problem}, so it is not this run's lock file: {how}")
+        return fd
 
     def release(self) -> None:
         """Empty the record and drop the lock (a no-op when not held)."""
@@ -210,15 +303,17 @@ class RunFolder:
 
     # ------------------------------------------------------------------ the run folder
     def claim_output_dir(self, overwrite: bool) -> None:
-        """Refuse an ``output_dir`` that already holds files unless this run resumes; take the
-        folder's lock (:class:`RunLock`: a run still using it is refused); with ``overwrite``,
-        remove the earlier run's files (:data:`RUN_FILES`) first. Every process looks before any
-        writes; the main process holds the lock."""
+        """Refuse an ``output_dir`` that already holds files unless this run resumes or the files
+        are only those of a launch that never checkpointed (:func:`nothing_to_lose`); take the
+        folder's lock (:class:`RunLock`: a run still using it is refused); with ``overwrite``, or
+        for such a relaunch, remove the earlier run's files (:data:`RUN_FILES`) first. Every
+        process looks before any writes; the main process holds the lock."""
         out = self.out
         if out.exists() and not out.is_dir():
             raise ValueError(f"train.output_dir {out} is a file; choose a folder")
         held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
-        if held and not self.resume and not overwrite:
+        relaunch = bool(held) and not self.resume and not overwrite and nothing_to_lose(out, held)
+        if held and not self.resume and not overwrite and not relaunch:
             raise ValueError(
                 f"train.output_dir {out} already holds files ({', '.join(held[:4])}"
                 f"{', ...' if len(held) > 4 else ''}): continue that run with --resume latest, "
@@ -235,14 +330,22 @@ class RunFolder:
                     describe_holder(stale),
                 )
         self.accelerator.wait_for_everyone()
-        if overwrite and held and self.accelerator.is_main_process:
+        if (overwrite or relaunch) and held and self.accelerator.is_main_process:
             for name in RUN_FILES:
                 path = out / name
-                if path.is_dir():
+                if path.is_symlink() or (path.exists() and not path.is_dir()):
+                    path.unlink()  # a link itself, never what it points to
+                elif path.is_dir():
                     shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-            logger.info("--overwrite: removed the earlier run's files from %s", out)
+            if relaunch:
+                logger.info(
+                    "train.output_dir %s held only what a launch that failed before its first "
+                    "step leaves (%s): removed it, starting afresh",
+                    out,
+                    ", ".join(held),
+                )
+            else:
+                logger.info("--overwrite: removed the earlier run's files from %s", out)
         self.accelerator.wait_for_everyone()
 
     def release_output_dir(self) -> None:
