@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unclip.nets.token_common import check_decoded
+
 __all__ = [
     "LOGIT_LAPLACE_EPS",
     "RECON_TERMS",
@@ -189,13 +191,16 @@ class DVAE(nn.Module):
         return x.clamp(0, 1) * 2 - 1
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, check: bool = True) -> torch.Tensor:
         """Tokens ``[B, h, w]`` → images ``[B, 3, fh, fw]`` in ``[-1, 1]``. The 1 × 1
-        convolution of a one-hot code is its weight column, so the codes are looked up."""
+        convolution of a one-hot code is its weight column, so the codes are looked up.
+        ``check``: NaN/inf pixels are a one-line ``ValueError`` (:func:`check_decoded`); off
+        where a diverging run's metrics should show them instead."""
         w = self.decoder_in.weight[:, :, 0, 0]  # [d_init, K]
         bias = cast(torch.Tensor, self.decoder_in.bias)  # decoder_in is built with a bias
         z = F.embedding(tokens, w.T) + bias  # [B, h, w, d_init]
-        return self._images(self._params(z.permute(0, 3, 1, 2))[0])
+        images = self._images(self._params(z.permute(0, 3, 1, 2))[0])
+        return check_decoded("dvae", images, self) if check else images
 
     def forward(
         self,

@@ -25,6 +25,7 @@ __all__ = [
     "drop_captions",
     "parameter_count",
     "check_teacher_forcing",
+    "check_decoded",
 ]
 
 
@@ -83,3 +84,17 @@ def check_teacher_forcing(family: str, image_tokens: torch.Tensor, image_len: in
             f"{family}: feed at most {image_len - 1} image tokens (the last one is only "
             f"predicted), got {image_tokens.shape[1]}"
         )
+
+
+def check_decoded(kind: str, images: torch.Tensor, tokenizer: nn.Module) -> torch.Tensor:
+    """``images``, a tokenizer's decoding, if every value is finite; else one ``ValueError`` line
+    naming the decoder. A NaN pixel would otherwise leave as black (numpy's cast of NaN to
+    uint8, with only its warning), as the unCLIP stages' own check
+    (:func:`unclip.sampling.utils.check_finite`) prevents there."""
+    if torch.isfinite(images).all():
+        return images
+    if not all(torch.isfinite(p).all() for p in tokenizer.parameters()):
+        why = "its weights hold NaN/inf; check the tokenizer folder (or retrain it)"
+    else:
+        why = "its weights are finite, so the decoder overflowed (try full precision)"
+    raise ValueError(f"the tokenizer decoder ({kind}) produced NaN/inf pixels: {why}")

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from diffusers.models.autoencoders.vq_model import VQModel
 from torch import nn
 
+from unclip.nets.token_common import check_decoded
+
 __all__ = [
     "VQGANConfig",
     "VQGAN",
@@ -152,11 +154,12 @@ class VQGAN(nn.Module):
         return self.quantize(images)[2]
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens ``[B, h, w]`` → images ``[B, 3, f·h, f·w]``, clamped to ``[-1, 1]``."""
+    def decode(self, tokens: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Tokens ``[B, h, w]`` → images ``[B, 3, f·h, f·w]``, clamped to ``[-1, 1]``.
+        ``check``: NaN/inf pixels are a one-line ``ValueError`` (:func:`check_decoded`)."""
         z_q = self.codebook()[tokens].permute(0, 3, 1, 2)
-        out = self.model.decoder(self.model.post_quant_conv(z_q))
-        return out.clamp(-1, 1)
+        out = self.model.decoder(self.model.post_quant_conv(z_q)).clamp(-1, 1)
+        return check_decoded("vqgan", out, self) if check else out
 
     def forward(self, images: torch.Tensor):
         """Training forward: :meth:`reconstruct` (so a distributed wrapper's forward runs it)."""

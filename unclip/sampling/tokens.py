@@ -20,6 +20,7 @@ rows batched with it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -28,9 +29,79 @@ import torch
 
 from unclip.sampling.ar import filter_logits
 
-__all__ = ["guided_logits", "sample_image_tokens", "draw_tokens", "TokenSampling"]
+__all__ = [
+    "guided_logits",
+    "sample_image_tokens",
+    "draw_tokens",
+    "check_logits",
+    "check_token_settings",
+    "TokenSampling",
+    "MIN_TEMPERATURE",
+    "MAX_CANDIDATES",
+]
 
 Generator = Union[None, torch.Generator, list[torch.Generator]]
+
+#: the smallest temperature taken: the logits are divided by it in float32, and below this a
+#: trained model's logits (|l| up to ~1e3) stay far from overflowing to inf (which would make
+#: every probability NaN and every token 0); top_k=1 is the way to sample greedily
+MIN_TEMPERATURE = 1e-6
+
+#: the most candidates per requested image: each is a whole image sampled token by token and
+#: decoded before the reranker scores them all, so memory and time grow with the count (DALL-E
+#: reranked 512 for its paper's figures; the web demo stops at 32)
+MAX_CANDIDATES = 512
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_token_settings(
+    where: str,
+    temperature,
+    top_k=None,
+    top_p=None,
+    guidance_scale=None,
+) -> None:
+    """Refuse, in one ``ValueError`` line naming ``where`` (``sampling`` or the argument list),
+    settings that would draw every token from NaN probabilities: a temperature that is not a
+    finite number of at least :data:`MIN_TEMPERATURE`, a top-p outside (0, 1], a non-integer
+    top-k, a guidance scale (super-conditioning's α) that is not finite. Unchecked, each of them
+    samples token 0 everywhere: one flat picture for every prompt, with no error."""
+    t = temperature
+    if not (_number(t) and math.isfinite(t) and t >= MIN_TEMPERATURE):
+        raise ValueError(
+            f"{where}.temperature must be a finite number >= {MIN_TEMPERATURE:g} (for greedy "
+            f"sampling use top_k=1), got {t!r}"
+        )
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"{where}.top_k must be an integer >= 1 or null, got {top_k!r}")
+    if top_p is not None and not (_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"{where}.top_p must be in (0, 1] or null, got {top_p!r}")
+    g = guidance_scale
+    if g is not None and not (_number(g) and math.isfinite(g)):
+        raise ValueError(
+            f"{where}.guidance_scale (super-conditioning's alpha) must be a finite number or "
+            f"null (off), got {g!r}"
+        )
+
+
+def check_logits(logits: torch.Tensor, stage: str, index: int, model=None) -> None:
+    """Stop with one ``ValueError`` line naming ``stage`` when the logits that token ``index`` is
+    drawn from hold NaN or +inf (-inf only excludes a token): every probability would be NaN
+    and the token 0, so the image would silently be one flat colour. The message blames the
+    weights when they hold NaN/inf (checked only then), else the settings."""
+    bad = torch.isnan(logits) | (logits == float("inf"))
+    if not bad.any():
+        return
+    where = f"{stage} produced NaN/inf logits at image token {index}"
+    if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise ValueError(f"{where}: its weights hold NaN/inf; check the transformer folder")
+    raise ValueError(
+        f"{where}: its weights are finite, so the settings overflowed float32 (lower "
+        "guidance_scale, raise temperature) or the captions' inputs hold NaN/inf"
+    )
 
 
 def guided_logits(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,12 +163,7 @@ def sample_image_tokens(
     Returns:
         image tokens ``[B, grid, grid]`` (long), and the logits when ``return_logits``.
     """
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    check_token_settings("sample_image_tokens", temperature, top_k, top_p, guidance_scale)
     b, length = text_ids.shape
     if isinstance(generator, (list, tuple)) and len(generator) != b:
         raise ValueError(f"{len(generator)} generators for {b} captions; pass one, or one per row")
@@ -128,9 +194,12 @@ def sample_image_tokens(
         if guidance_scale is not None:  # guided
             uncond, cond = logits.chunk(2)
             logits = guided_logits(uncond, cond, float(guidance_scale))
+        check_logits(logits, "the token transformer", i, model)
         if all_logits is not None:
             all_logits.append(logits)
         filtered = filter_logits(logits, float(temperature), top_k, top_p)
+        # the guided logits were finite: only the temperature can have overflowed them
+        check_logits(filtered, "the token transformer (after temperature)", i)
         tokens[:, i] = draw_tokens(filtered, _uniforms(generator, b, device))
         if on_token is not None:
             on_token(i, tokens[:, : i + 1])
@@ -159,13 +228,17 @@ class TokenSampling:
         self.validate()
 
     def validate(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ValueError(f"sampling.temperature must be > 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"sampling.top_k must be an integer >= 1 or null, got {self.top_k!r}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1] or null, got {self.top_p!r}")
-        if not isinstance(self.candidates, int) or self.candidates < 1:
+        """Every setting checked where the type is made (a config, ``unclip.json``, an API
+        override, the web form, an export all build one): :func:`check_token_settings`, and
+        ``candidates`` an integer in 1 … :data:`MAX_CANDIDATES`."""
+        check_token_settings(
+            "sampling", self.temperature, self.top_k, self.top_p, self.guidance_scale
+        )
+        c = self.candidates
+        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_CANDIDATES:
             raise ValueError(
-                f"sampling.candidates must be an integer >= 1, got {self.candidates!r}"
+                f"sampling.candidates must be an integer in 1 … {MAX_CANDIDATES} (each candidate "
+                f"is a whole image sampled and decoded before the reranker picks one), got {c!r}"
             )
+        if not isinstance(self.use_cache, bool):
+            raise ValueError(f"sampling.use_cache must be true or false, got {self.use_cache!r}")

@@ -33,6 +33,7 @@ from unclip.nets.dvae import DVAE, dvae_schedule
 from unclip.nets.mega_transformer import MegaTransformer
 from unclip.nets.token_components import load_tokenizer, save_component, tokenizer_facts
 from unclip.train.loop import TrainLoop
+from unclip.train.run_folder import releases_folder
 from unclip.train.token_config import TokenizerTrainConfig, TokenModelTrainConfig
 
 __all__ = [
@@ -73,7 +74,8 @@ def roundtrip_metrics(tokenizer, images: torch.Tensor, num_codes: int) -> dict:
     tokenizer.eval()
     try:
         tokens = tokenizer.encode(images)
-        recon = tokenizer.decode(tokens)
+        # a diverging run's NaN shows in its logged roundtrip_mse rather than stopping it here
+        recon = tokenizer.decode(tokens, check=False)
     finally:
         tokenizer.train(was_training)
     return {
@@ -159,6 +161,7 @@ class TokenizerTask:
         return out
 
 
+@releases_folder
 def train_tokenizer(
     cfg: TokenizerTrainConfig,
     resume: Optional[str] = None,
@@ -222,6 +225,7 @@ class TokenModelTask:
         return self.avg.pop()
 
 
+@releases_folder
 def train_token_model(
     cfg: TokenModelTrainConfig,
     resume: Optional[str] = None,
