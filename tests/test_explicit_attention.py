@@ -9,6 +9,7 @@ from diffusers.models.attention_processor import Attention, AttnAddedKVProcessor
 
 from unclip.nets.attention import ExplicitAddedKVProcessor, explicit_attention
 from unclip.nets.text_encoding import TextEncoding
+from unclip.pipeline.tiny import TINY_TEXT_ENCODER
 from unclip.train.config import load_stage_config
 
 TINY = CONFIGS / "tiny" / "decoder.yaml"
@@ -100,3 +101,55 @@ def test_the_launch_precision_decides_it_under_auto(tiny_clip, tmp_path, monkeyp
     assert PriorTask(prior_cfg, tiny_clip, "cpu").plain_attention
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     assert not DecoderTask(cfg, tiny_clip, "cpu").explicit_attention  # auto alone: fp32
+
+
+def _bf16_gradients(path, overrides, clip, checkpointing: bool) -> dict:
+    """The gradients of one bf16 training loss of a config's network (built by the training code,
+    with or without gradient checkpointing) on a CPU, where the tasks choose their attention
+    around the loss only."""
+    from unclip.train.plan_build import _build, _synthetic_batch
+
+    switch = f"train.gradient_checkpointing={str(checkpointing).lower()}"
+    cfg = load_stage_config(path, ["train.mixed_precision=bf16", *overrides, switch])
+    torch.manual_seed(0)
+    model, task = _build(cfg, clip, "cpu", "bf16")
+    model.train()
+    batch = _synthetic_batch(cfg, clip, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = task.loss(model, batch, gens(1, 2))
+    loss.backward()  # after the loss: the recompute runs here, its attention chosen again
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "stage, overrides",
+    [
+        ("decoder", []),
+        # the prior checkpoints its own caption transformer, whose SDPA runs the math kernel
+        ("prior", [f"prior.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()]),
+    ],
+)
+def test_bf16_checkpointing_recomputes_with_the_attention_the_forward_ran(
+    tiny_clip, stage, overrides
+):
+    """Under bf16 with gradient checkpointing the backward's recompute runs the attention the
+    loss chose (PyTorch refuses a recompute that saves other tensors): the gradients are those of
+    the same step without checkpointing."""
+    if stage == "prior":
+        overrides = ["prior.text_encoder=transformer", *overrides]
+    path = CONFIGS / "tiny" / f"{stage}.yaml"
+    plain = _bf16_gradients(path, overrides, tiny_clip, False)
+    checkpointed = _bf16_gradients(path, overrides, tiny_clip, True)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 0
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, msg=name)
+
+
+def test_the_bf16_checkpointed_decoder_trains_through_the_command(tmp_path):
+    from unclip.cli.train_decoder import main
+
+    assert main(
+        [str(TINY), "train.mixed_precision=bf16", "train.gradient_checkpointing=true",
+         "train.max_steps=2", "train.progress=false", f"train.output_dir={tmp_path}"]
+    ) == 0  # fmt: skip
+    assert (tmp_path / "final" / "decoder").is_dir()

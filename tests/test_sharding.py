@@ -493,6 +493,36 @@ def test_fsdp_on_two_cpu_processes(tmp_path, reset_accelerate):
         check_fsdp_plan(peaks)
 
 
+@pytest.mark.slow
+def test_fsdp_bf16_with_gradient_checkpointing_on_two_cpu_processes(tmp_path):
+    """fsdp_8gpu_bf16.yaml on 2 gloo processes with the decoder's own checkpointing (as the
+    full-scale decoder trains): the backward's recomputes run the attention the bf16 forward ran
+    on a CPU, in the UNet and in the caption transformer, and the run trains to its export."""
+    proc = subprocess.run(
+        [
+            *TORCHRUN,
+            "-m",
+            "unclip.cli.train_decoder",
+            str(CONFIGS / "tiny" / "decoder.yaml"),
+            "train.mixed_precision=auto",  # the launch's bf16
+            "train.gradient_checkpointing=true",
+            "train.max_steps=2",
+            "train.progress=false",
+            f"train.output_dir={tmp_path}",
+            *[f"decoder.{k}={v}" for k, v in TINY_TEXT_ENCODER.items()],
+        ],
+        env={**os.environ, **fsdp_env("fsdp_8gpu_bf16.yaml"), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x.split("unclip.train: ")[-1] for x in proc.stderr.splitlines() if "FSDP2: " in x]
+    layout = layout_of(lines[:1])
+    assert layout["mesh"] == "shard 2" and layout["precision"] == ("bfloat16", "float32")
+    assert (tmp_path / "final" / "decoder").is_dir()
+
+
 #: fsdp_hybrid_16gpu.yaml on 4 CPU processes: 2 replicas, each sharded over 2 (the smallest launch
 #: with a 2-D mesh: on 2 processes Accelerate either drops the size-1 replicate dimension from
 #: FSDP's mesh, or refuses a dp_shard of 1)

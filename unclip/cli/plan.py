@@ -95,7 +95,8 @@ def _load_any_config(path, overrides):
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # overrides may follow an option (``CONFIG --accelerate-config F train.x=1``), as in training
+    args = parser.parse_intermixed_args(argv)
     if (args.config is None) == (args.sample is None):
         parser.error("give a stage CONFIG to plan training, or --sample to plan sampling")
     if (args.offload or args.attention_slicing or args.dtype or args.autocast) and not args.sample:

@@ -11,15 +11,22 @@ pass alone it is not faster, so only the training step uses it.
 
 :func:`explicit_attention` swaps the processors of diffusers' ``AttnAddedKVProcessor2_0`` blocks
 for :class:`ExplicitAddedKVProcessor` for the span of a ``with`` block and puts them back after.
+
+Activation checkpointing recomputes a block in backward, after such a block has ended: the training
+tasks choose the attention (these processors, or PyTorch's math kernel for SDPA) around the loss
+only, and a recompute with another attention saves other tensors, which PyTorch refuses
+(``CheckpointError``). :func:`checkpoint` recomputes with the attention its forward ran.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
+from torch.nn.attention import _cur_sdpa_kernel_backends, sdpa_kernel
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -95,3 +102,48 @@ def explicit_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator
     finally:
         for m, processor in swapped:
             m.processor = processor
+
+
+def recompute_as_forward(
+    module: Optional[torch.nn.Module] = None,
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (called when the forward runs):
+    nothing around the forward, and around the recompute the SDPA kernels enabled now and the
+    attention processors ``module``'s layers (diffusers' ``Attention``) have now."""
+    backends = _cur_sdpa_kernel_backends()
+    processors = (
+        []
+        if module is None
+        else [(m, m.processor) for m in module.modules() if hasattr(m, "processor")]
+    )
+    return contextlib.nullcontext(), _as_before(backends, processors)
+
+
+@contextlib.contextmanager
+def _as_before(backends: list, processors: list[tuple[torch.nn.Module, Any]]) -> Iterator[None]:
+    now = [(m, m.processor) for m, _ in processors]
+    kernels = (
+        contextlib.nullcontext()
+        if set(_cur_sdpa_kernel_backends()) == set(backends)
+        else sdpa_kernel(backends)
+    )
+    try:
+        for m, processor in processors:
+            m.processor = processor
+        with kernels:
+            yield
+    finally:
+        for m, processor in now:
+            m.processor = processor
+
+
+def checkpoint(function: Callable, *args, module: Optional[torch.nn.Module] = None, **kwargs):
+    """``torch.utils.checkpoint.checkpoint(function, *args, **kwargs)`` (non-reentrant) whose
+    recompute runs the attention this forward ran (:func:`recompute_as_forward`; ``module``: the
+    module whose attention layers' processors to keep, ``function`` itself if it is a module)."""
+    if module is None and isinstance(function, torch.nn.Module):
+        module = function
+    context = functools.partial(recompute_as_forward, module)
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, context_fn=context, **kwargs
+    )

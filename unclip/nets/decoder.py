@@ -37,6 +37,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
+from unclip.nets.attention import checkpoint
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils.precision import KeepFp32Mixin
@@ -187,7 +188,8 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
         only their resnets, so the attention layers' saved activations, and the half-precision
         weight copies autocast keeps for them, would dominate the decoder's training memory
         (measured with ``unclip plan``, docs/full_scale.md)."""
-        super().enable_gradient_checkpointing(gradient_checkpointing_func)
+        # recomputed with the attention the forward ran (unclip.nets.attention.checkpoint)
+        super().enable_gradient_checkpointing(gradient_checkpointing_func or checkpoint)
         from diffusers.models.attention_processor import Attention
 
         for module in self.unet.modules():
@@ -366,9 +368,7 @@ def _checkpointed_forward(module: torch.nn.Module, *args, **kwargs):
     its ``forward``: a bound method follows the module through ``copy.deepcopy``."""
     forward = type(module).forward
     if module.training and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(
-            forward, module, *args, use_reentrant=False, **kwargs
-        )
+        return checkpoint(forward, module, *args, module=module, **kwargs)
     return forward(module, *args, **kwargs)
 
 

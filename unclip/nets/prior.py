@@ -38,6 +38,7 @@ from diffusers.models import ModelMixin, PriorTransformer
 from diffusers.models import attention_processor as attn_procs
 from diffusers.models.attention_processor import Attention
 
+from unclip.nets.attention import checkpoint
 from unclip.nets.blocks import SelfAttention, TransformerBlock, check_block_options
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
@@ -156,6 +157,12 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
         )
         with torch.no_grad():  # identity statistics until set from data
             self.transformer.clip_std.fill_(1.0)
+
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
+        """diffusers' checkpointing of the own caption transformer's blocks, recomputed with the
+        SDPA kernels their forward ran (the training step on a CPU in bf16 picks the math kernel
+        around the loss only: :func:`unclip.nets.attention.checkpoint`)."""
+        super().enable_gradient_checkpointing(gradient_checkpointing_func or checkpoint)
 
     # ------------------------------------------------------------------ statistics
     def set_embedding_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
