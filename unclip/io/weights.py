@@ -9,6 +9,7 @@ with :func:`register_folder_format`.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -108,6 +109,27 @@ def variant_file(name: str, variant: Optional[str]) -> str:
     return f"{stem}.{variant}{dot}{ext}"
 
 
+def name_variant_files(folder: Path, variant: str) -> list[Path]:
+    """Rename every safetensors weights file under ``folder`` (and sharded indexes, with the
+    shard names they list) to its ``variant``'s name (:func:`variant_file`), as diffusers'
+    ``save_pretrained(variant=...)`` writes them; returns the new paths."""
+    if not isinstance(variant, str) or not variant or not variant.replace("_", "").isalnum():
+        raise ValueError(
+            f"variant must be a short name of letters, digits or '_' (e.g. 'fp16'), got {variant!r}"
+        )
+    renamed = []
+    for index in sorted(Path(folder).rglob("*.safetensors.index.json")):
+        meta = json.loads(index.read_text())
+        meta["weight_map"] = {k: variant_file(v, variant) for k, v in meta["weight_map"].items()}
+        target = index.with_name(variant_file(index.name, variant))
+        target.write_text(json.dumps(meta, indent=2))
+        index.unlink()
+        renamed.append(target)
+    for file in sorted(Path(folder).rglob("*.safetensors")):
+        renamed.append(file.rename(file.with_name(variant_file(file.name, variant))))
+    return renamed
+
+
 def load_weights(
     folder: Path, component: str, variant: Optional[str] = None
 ) -> dict[str, torch.Tensor]:
@@ -165,20 +187,53 @@ def state_mismatch(
     return "; ".join(p for p in parts if p)
 
 
-def check_state(component: str, expected: dict, got: dict, folder: Path) -> None:
-    """Raise ``ValueError`` naming the component and key on a missing, unexpected or mis-shaped
-    weight."""
+def _shape(value) -> tuple:
+    """A tensor's shape, or a shape given as such."""
+    return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+
+
+def _close(key: str, among) -> str:
+    """``"; closest: 'x'"`` when one of ``among`` is close to ``key`` (a renamed or misspelt
+    weight), else ``""``."""
+    close = difflib.get_close_matches(key, sorted(among), n=1, cutoff=0.6)
+    return f" (closest in the other side: {close[0]!r})" if close else ""
+
+
+def check_state(component: str, expected: Mapping, got: Mapping, folder: Path) -> None:
+    """Raise ``ValueError`` naming the component, ``folder`` (or weights file) and key on a
+    missing, unexpected or mis-shaped weight, with the closest key of the other side where one
+    is close. ``expected`` and ``got`` map names to tensors (meta ones do) or to shapes."""
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
     for key, value in expected.items():
         if key not in got:
-            raise ValueError(f"{component}: weight {key!r} is missing from {folder}")
-        if tuple(got[key].shape) != tuple(value.shape):
             raise ValueError(
-                f"{component}: weight {key!r} has shape {tuple(got[key].shape)} but "
-                f"{component}/config.json implies {tuple(value.shape)}"
+                f"{component}: weight {key!r} is missing from {folder}{_close(key, unexpected)}"
             )
-    for key in got:
-        if key not in expected:
+        if _shape(got[key]) != _shape(value):
             raise ValueError(
-                f"{component}: unexpected weight {key!r} in {folder} (not part of the model "
-                f"described by {component}/config.json)"
+                f"{component}: weight {key!r} has shape {_shape(got[key])} in {folder} but "
+                f"{component}/config.json implies {_shape(value)}"
             )
+    for key in unexpected:
+        raise ValueError(
+            f"{component}: unexpected weight {key!r} in {folder} (not part of the model "
+            f"described by {component}/config.json){_close(key, missing)}"
+        )
+
+
+def safetensors_shapes(file, component: str) -> dict[str, tuple]:
+    """``{name: shape}`` from a safetensors file's header, without reading a tensor; a pickle
+    (by its name) is refused before it is opened, a truncated or corrupt file is a one-line
+    ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    if Path(file).suffix in PICKLE_SUFFIXES:
+        raise pickle_refusal(file, component)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"{component}: {file} is truncated or corrupt ({exc}); re-download or re-export it"
+        ) from None

@@ -22,7 +22,8 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from unclip.io.weights import load_safetensors, read_json
+from unclip.io.safety import pickle_refusal, pickles_in
+from unclip.io.weights import check_state, load_safetensors, read_json, safetensors_shapes
 from unclip.nets.dalle_transformer import DalleConfig, DalleTransformer
 from unclip.nets.dvae import DVAEConfig
 from unclip.nets.mega_transformer import MegaConfig, MegaTransformer
@@ -157,17 +158,46 @@ def save_component(module: torch.nn.Module, folder, component: str, cfg) -> Path
 
 
 def _load(folder, component: str):
+    """The one loading path of both components, validating before it builds: ``config.json``
+    present, naming this component and holding a ``config`` that the strict loader accepts (a
+    known ``type``, every field checked); the weights ``model.safetensors`` only (a pickle is
+    refused before it is opened), their names and shapes read from the file's header and
+    matched against the module the config describes, built on the meta device; only then the
+    network is built and the tensors read. Each failure is one line naming the file and what
+    was expected."""
     folder = Path(folder)
-    meta = read_json(folder / CONFIG_FILE, component)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"{component}: {folder} is not a folder; give the {component} folder (config.json "
+            "+ model.safetensors)"
+        )
+    file = folder / CONFIG_FILE
+    meta = read_json(file, component)
     if meta.get("component") != component:
         raise ValueError(
-            f"{folder / CONFIG_FILE} describes a {meta.get('component')!r} component, not a "
+            f"{file} describes a {meta.get('component')!r} component, not a "
             f"{component}; give the {component} folder"
         )
-    cfg = from_dict(_SCHEMAS[component], meta["config"], source=str(folder / CONFIG_FILE))
+    if not isinstance(meta.get("config"), dict):
+        raise ValueError(
+            f"{component}: {file} has no 'config' mapping (the {component}'s settings, which "
+            "save_component writes); re-export the folder"
+        )
+    cfg = from_dict(_SCHEMAS[component], meta["config"], source=str(file))
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        if pickles_in(folder):
+            raise pickle_refusal(pickles_in(folder)[0], component, folder)
+        raise FileNotFoundError(f"{component}: {weights} is missing; re-export the folder")
+    shapes = safetensors_shapes(weights, component)
+    try:
+        with torch.device("meta"):  # the shapes the config implies, with no memory taken
+            expected = cfg.build().state_dict()
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{file}: {exc}") from None
+    check_state(component, expected, shapes, weights)
     model = cfg.build()
-    state = load_safetensors(folder / WEIGHTS_FILE, component)
-    model.load_state_dict(state)
+    model.load_state_dict(load_safetensors(weights, component))
     return model.eval(), cfg
 
 
