@@ -158,10 +158,18 @@ class DalleLoss(NamedTuple):
     image: torch.Tensor
 
 
-def _block(block, x, mask, cache):
-    """One pre-LN block over ``x`` with the attention through the key/value ``cache``."""
-    x = x + attend_cached(block.attn, block.attn_norm(x), mask, cache)
-    return x + block.ff(block.ff_norm(x))
+class DalleBlock(TransformerBlock):
+    """A :class:`~unclip.nets.blocks.TransformerBlock` (built without NormFormer, so there is no
+    attention output norm) whose forward runs the attention through a key/value cache. The
+    network calls each block as a module, so a wrapper that hooks the blocks' calls (FSDP2
+    gathers a block's sharded weights in its forward) sees every use of its weights."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, mask: torch.Tensor, cache: Optional[dict] = None
+    ) -> torch.Tensor:
+        """One pre-LN block over ``x`` with the attention through the key/value ``cache``."""
+        x = x + attend_cached(self.attn, self.attn_norm(x), mask, cache)
+        return x + self.ff(self.ff_norm(x))
 
 
 class DalleTransformer(nn.Module):
@@ -172,8 +180,8 @@ class DalleTransformer(nn.Module):
     start token. The image tokens have their own embedding. Positions: a learned embedding per
     text slot; image slots add a row and a column embedding of the token they hold. Two heads
     after the final LayerNorm: caption slots predict over BPE + padding tokens, image slots over
-    the image codes. Blocks are :class:`unclip.transformer_blocks.TransformerBlock` (pre-LN,
-    GELU, biases, as GPT-3, which the paper follows)."""
+    the image codes. Blocks are :class:`DalleBlock`s (:class:`unclip.nets.blocks.TransformerBlock`:
+    pre-LN, GELU, biases, as GPT-3, which the paper follows)."""
 
     def __init__(self, config: DalleConfig):
         super().__init__()
@@ -186,7 +194,7 @@ class DalleTransformer(nn.Module):
         self.image_row = nn.Embedding(c.grid, d)
         self.image_col = nn.Embedding(c.grid, d)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d, c.num_heads, d // c.num_heads, dropout=c.dropout)
+            DalleBlock(d, c.num_heads, d // c.num_heads, dropout=c.dropout)
             for _ in range(c.num_layers)
         )
         self.norm_out = nn.LayerNorm(d)
@@ -265,18 +273,14 @@ class DalleTransformer(nn.Module):
         """Blocks and the final norm over the slots ``start … start+T-1`` of ``x [B, T, d]``,
         attending to the cached slots before them."""
         t = x.shape[1]
-        # TransformerBlock.forward, step by step, so the attention can use the cache (the blocks
-        # are built without NormFormer, so there is no attention output norm to apply)
         for i, block in enumerate(self.blocks):
             mask = self.mask(self.layer_kinds[i], x.device)[start : start + t, : start + t]
             cache = None if caches is None else caches[i]
             if self.gradient_checkpointing and self.training and cache is None:
                 # keep only each block's input; backward recomputes the block
-                x = torch.utils.checkpoint.checkpoint(
-                    _block, block, x, mask, None, use_reentrant=False
-                )
+                x = torch.utils.checkpoint.checkpoint(block, x, mask, None, use_reentrant=False)
             else:
-                x = _block(block, x, mask, cache)
+                x = block(x, mask, cache)
         return self.norm_out(x)
 
     def forward(

@@ -99,7 +99,7 @@ class DVAEConfig:
         return DVAE(self)
 
 
-class _ResBlock(nn.Module):
+class DVAEBlock(nn.Module):
     """``x ↦ id(x) + (1 / n_layers²) · res(x)``, ``res`` a bottleneck of width ``n_out / 4``:
     encoder ``3×3, 3×3, 3×3, 1×1`` convolutions, decoder ``1×1, 3×3, 3×3, 3×3``, each after a
     ReLU; ``id`` a 1 × 1 convolution when the width changes."""
@@ -126,7 +126,7 @@ def _stack(widths, n_in, blocks, n_layers, decoder) -> nn.Sequential:
     mods: list[nn.Module] = []
     for g, w in enumerate(widths):
         for i in range(blocks):
-            mods.append(_ResBlock(n_in if i == 0 else w, w, n_layers, decoder))
+            mods.append(DVAEBlock(n_in if i == 0 else w, w, n_layers, decoder))
         n_in = w
         if g < len(widths) - 1:
             mods.append(nn.Upsample(scale_factor=2) if decoder else nn.MaxPool2d(2))

@@ -117,12 +117,16 @@ class MegaLayer(nn.Module):
         cross: Optional[tuple] = None,
     ) -> torch.Tensor:
         """``x [B, T, d]``; ``self_mask`` bool, broadcastable to ``[B, heads, T, S]``;
-        ``cross``: ``(keys, values, mask [B, 1, 1, L])`` of the encoder states."""
+        ``cross``: ``(keys, values, mask [B, 1, 1, L])`` of the encoder states, or
+        ``(encoder_states [B, L, d], mask)`` to compute the keys and values here (teacher
+        forcing: inside the layer's own call, where FSDP2 has gathered its weights)."""
         x = x + self.self_attn_out_norm(
             attend_cached(self.self_attn, self.self_attn_norm(x), self_mask, cache)
         )
         if self.cross_attn is not None:
             assert cross is not None, "a decoder layer needs the encoder's keys and values"
+            if len(cross) == 2:
+                cross = (*self.cross_kv(cross[0]), cross[1])
             k, v, mask = cross
             a = self.cross_attn
             h = self.cross_attn_norm(x)
@@ -209,10 +213,9 @@ class MegaTransformer(nn.Module):
         q = pos[:, None]
         mask = torch.arange(start + t, device=tokens.device)[None, :] <= q  # causal [T, S]
         for i, layer in enumerate(self.decoder):
-            k, v = cross_kv[i] if cross_kv is not None else layer.cross_kv(encoded[0])
-            x = self._layer(
-                layer, x, mask, None if caches is None else caches[i], (k, v, encoded[1])
-            )
+            # without precomputed keys and values the layer computes them in its own call
+            cross = encoded if cross_kv is None else (*cross_kv[i], encoded[1])
+            x = self._layer(layer, x, mask, None if caches is None else caches[i], cross)
         return self.lm_head(self.decoder_norm(x))
 
     def forward(

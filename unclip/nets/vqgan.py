@@ -171,7 +171,9 @@ class VQGAN(nn.Module):
         z_e, z_q, _ = self.quantize(images)
         x_hat = self.model.post_quant_conv(z_e + (z_q - z_e).detach())
         x_hat = self.model.decoder(x_hat)
-        return x_hat, z_e, z_q
+        # z_q is a view of the gathered codebook rows: FSDP2 warns on views a forward returns
+        # (an in-place op on one would skip its backward hook), so hand back a tensor of its own
+        return x_hat, z_e, z_q.clone()
 
 
 class VQGANLoss(nn.Module):

@@ -88,14 +88,16 @@ def is_sharded(accelerator) -> bool:
 
 #: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):
 #: the prior's transformer blocks (diffusers' or, with DALL-E Mega's options, the project's own
-#: :class:`~unclip.transformer_blocks.TransformerBlock`), or else the resnet and attention blocks
-#: of a diffusers UNet and the blocks of the decoder's own caption transformer (``text_encoder:
-#: transformer``, 1.31B of the full-scale decoder's 3.56B parameters). What no block holds
-#: (embeddings, projections, the caption's token embedding) stays in the root group, gathered for
-#: the whole step.
+#: :class:`~unclip.transformer_blocks.TransformerBlock`) and the token transformers' layers
+#: (DALL-E's, Mega's), or else the resnet and attention blocks of a diffusers UNet (the VQGAN's
+#: too) and the blocks of the decoder's own caption transformer (``text_encoder: transformer``,
+#: 1.31B of the full-scale decoder's 3.56B parameters), or else the dVAE's residual blocks. What
+#: no block holds (embeddings, projections, the caption's token embedding) stays in the root
+#: group, gathered for the whole step.
 FSDP_BLOCKS = (
-    ("BasicTransformerBlock", "TransformerBlock", "MegaLayer"),
+    ("BasicTransformerBlock", "TransformerBlock", "MegaLayer", "DalleBlock"),
     ("ResnetBlock2D", "Attention", "CaptionBlock"),
+    ("DVAEBlock",),
 )
 
 
@@ -537,22 +539,37 @@ def optimizer_state_sharded(optimizer, full: dict) -> dict:
 
 
 # ------------------------------------------------------------------ export
+def remember_build(model: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> None:
+    """Keep ``build`` (a zero-argument function building ``model``'s architecture) on a network
+    that is no diffusers ``ModelMixin``, for :func:`full_copy` under sharding."""
+    object.__setattr__(model, "rebuild", build)  # a plain attribute, not a submodule
+
+
 def full_copy(model: torch.nn.Module, state: dict) -> torch.nn.Module:
     """A plain (unsharded, CPU) copy of ``model`` holding the whole weights ``state``, for writing
     a component folder under sharding. Built from the model's config (diffusers ``ModelMixin``)
-    on the meta device, then given the tensors, so no second random initialisation runs."""
-    if not (hasattr(model, "config") and hasattr(type(model), "from_config")):
-        raise TypeError(
-            f"exporting a sharded {type(model).__name__} needs a diffusers ModelMixin (built from "
-            "its config); train this component without FSDP/DeepSpeed"
-        )
-    mixin: Any = model  # a diffusers ModelMixin (checked above): config and from_config
+    or, for a network that is no ``ModelMixin`` (the token families'), by the zero-argument
+    function its trainer stored (:func:`remember_build`), on the meta device, then given the
+    tensors, so no second random initialisation runs. (``type(model)`` of an FSDP2 module is
+    FSDP's subclass, whose constructor cannot rebuild it.)"""
+    build = getattr(model, "rebuild", None)
+    if build is None:
+        if not (hasattr(model, "config") and hasattr(type(model), "from_config")):
+            raise TypeError(
+                f"exporting a sharded {type(model).__name__} needs a diffusers ModelMixin (built "
+                "from its config); train this component without FSDP/DeepSpeed"
+            )
+        mixin: Any = model  # a diffusers ModelMixin (checked above): config and from_config
+
+        def build():
+            return type(mixin).from_config(dict(mixin.config))
+
     with torch.device("meta"):
-        copy = type(mixin).from_config(dict(mixin.config))
+        copy = build()
     copy.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*copy.named_parameters(), *copy.named_buffers()] if t.is_meta]
     if left:  # non-persistent buffers are not in a state dict: build them for real
-        copy = type(mixin).from_config(dict(mixin.config))
+        copy = build()
         copy.load_state_dict(state, strict=True)
     return copy.eval()
 

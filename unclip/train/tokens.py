@@ -32,6 +32,7 @@ from unclip.nets.dalle_transformer import DalleTransformer
 from unclip.nets.dvae import DVAE, dvae_schedule
 from unclip.nets.mega_transformer import MegaTransformer
 from unclip.nets.token_components import load_tokenizer, save_component, tokenizer_facts
+from unclip.train import distributed as dist_utils
 from unclip.train.loop import TrainLoop
 from unclip.train.run_folder import releases_folder
 from unclip.train.token_config import TokenizerTrainConfig, TokenModelTrainConfig
@@ -146,18 +147,21 @@ class TokenizerTask:
     def log_metrics(self) -> dict:
         out = self.avg.pop()
         if self.last_images is not None:
-            out.update(
-                roundtrip_metrics(
-                    self.loop.unwrapped,
-                    self.last_images,
-                    self.cfg.tokenizer.model.num_codes,
+            # encode and decode are not the training forward: under FSDP2 their weights are
+            # shards until gathered (every process logs, so every process gathers)
+            with dist_utils.root_unsharded(self.loop.unwrapped):
+                out.update(
+                    roundtrip_metrics(
+                        self.loop.unwrapped,
+                        self.last_images,
+                        self.cfg.tokenizer.model.num_codes,
+                    )
                 )
-            )
-            if self.kind == "dvae":
-                dvae = cast(DVAE, self.loop.unwrapped)
-                with torch.no_grad():
-                    logits = dvae.logits(self.last_images)
-                out.update(posterior_metrics(logits))
+                if self.kind == "dvae":
+                    dvae = cast(DVAE, self.loop.unwrapped)
+                    with torch.no_grad():
+                        logits = dvae.logits(self.last_images)
+                    out.update(posterior_metrics(logits))
         return out
 
 
@@ -175,6 +179,8 @@ def train_tokenizer(
     torch.manual_seed(cfg.train.seed)
     with torch.device(loop.device):
         model = cfg.tokenizer.build()
+    # a sharded run's export builds a plain copy to hold the gathered weights
+    dist_utils.remember_build(model, cfg.tokenizer.build)
     if cfg.train.gradient_checkpointing:
         logger.warning("the tokenizers have no gradient checkpointing; ignoring the option")
     model = loop.prepare(model)
@@ -254,6 +260,7 @@ def train_token_model(
     tokenizer = tokenizer.to(loop.device).requires_grad_(False)
     with torch.device(loop.device):
         net = cfg.transformer.build()
+    dist_utils.remember_build(net, cfg.transformer.build)  # as train_tokenizer does
     net.gradient_checkpointing = cfg.train.gradient_checkpointing
     model = loop.prepare(net)
     model.train()
