@@ -65,7 +65,10 @@ def test_a_diffusers_users_script_runs_on_the_bundled_model(pipe):
     assert pipe.autocast_dtype is None
     again = UnCLIPPipeline.from_pipe(pipe)
     again.set_progress_bar_config(disable=True)
-    assert {"clip", "prior", "decoder", "sr64", "sr128", "reranker"} <= set(again.components)
+    assert set(again.modules()) == {"clip", "prior", "decoder", "sr64", "sr128", "reranker"}
+    # components are the constructor's arguments: they rebuild the pipeline over the same modules
+    rebuilt = UnCLIPPipeline(**again.components)
+    assert rebuilt.upsamplers == again.upsamplers and rebuilt.reranker is again.reranker
     kw = dict(
         prior_num_inference_steps=3,
         decoder_num_inference_steps=4,

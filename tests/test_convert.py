@@ -330,7 +330,8 @@ def test_a_diffusers_users_script_matches_diffusers_with_the_defaults(karlo, ref
     assert images.dtype == np.float32 and images.shape[-1] == 3
     assert 0.0 <= images.min() and images.max() <= 1.0
     assert _max_diff(torch.from_numpy(images).permute(0, 3, 1, 2), reference) <= 1e-4
-    assert {"clip", "prior", "decoder", "sr32"} <= set(pipe.components)
+    assert {"clip", "prior", "decoder", "sr32"} <= set(pipe.modules())
+    assert UnCLIPPipeline(**pipe.components).modules()["sr32"] is pipe.modules()["sr32"]
     again = UnCLIPPipeline.from_pipe(pipe)
     assert again.decoder is pipe.decoder  # shared, not copied
     out = again(PROMPTS, num_images_per_prompt=2, **steps, generator=seed(0), output_type="np")

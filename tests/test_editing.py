@@ -73,10 +73,13 @@ def test_a_zero_text_diff_reproduces_the_inverted_image(base_pipe):
     cos = torch.nn.functional.cosine_similarity(out.image_embeds[0], out.image_embeds[2], dim=0)
     assert cos < 0.999
     # the inversion is not noise: the decode from x_T is closer to the image than one from noise
+    from unclip.pipeline import editing
+
     with torch.no_grad():
-        noise = base_pipe._ddim_run(
-            base_pipe._ddim_denoiser(
-                inv.image_embeds, None, base_pipe._edit_settings(None, 6, 1.0)
+        noise = editing._ddim_run(
+            base_pipe,
+            editing._ddim_denoiser(
+                base_pipe, inv.image_embeds, None, editing._edit_settings(base_pipe, None, 6, 1.0)
             ),
             torch.randn_like(inv.latents),
             False,

@@ -395,3 +395,48 @@ def test_shapes_world_extra_colors():
         ShapesWorld(extra_colors={"red": (1, 2, 3)})
     with pytest.raises(ValueError, match="at least 90 from every color"):
         ShapesWorld(extra_colors={"crimson": (235, 45, 45)})
+
+
+def test_lora_adapter_listing_switching_and_file_sources(trained, tmp_path):
+    """diffusers' adapter listing and switches: get_list_adapters by stage; disable_lora gives
+    the base images bit for bit and enable_lora the adapted ones, a scale set while disabled
+    waits for enable_lora; delete_adapters removes by name; load_lora_weights reads the
+    adapter's weights file, a folder with weight_name (a renamed copy), and refuses a file with
+    weight_name."""
+    import shutil
+
+    pipe = tiny_pipeline(seed=0)
+    base = images(pipe)
+    dec = adapter_dir(trained, "decoder")
+    pipe.load_lora_weights(dec / "adapter_model.safetensors", adapter_name="dec")
+    pipe.load_lora_weights(adapter_dir(trained, "prior"), adapter_name="pri")
+    assert pipe.get_list_adapters() == {"decoder": ["dec"], "prior": ["pri"]}
+    adapted = images(pipe)
+    assert not torch.equal(adapted, base)
+    pipe.disable_lora()
+    assert pipe.get_active_adapters() == [] and torch.equal(images(pipe), base)
+    pipe.set_lora_scale(1.0, name="dec")  # recorded, applied by enable_lora
+    assert torch.equal(images(pipe), base)
+    with pytest.raises(ValueError, match="enable_lora"):
+        pipe.merge_lora()
+    pipe.enable_lora()
+    assert torch.equal(images(pipe), adapted)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        pipe.delete_adapters(["dec", "nope"])
+    assert pipe.get_list_adapters() == {"decoder": ["dec"], "prior": ["pri"]}  # none removed
+    pipe.delete_adapters("pri")
+    assert pipe.get_list_adapters() == {"decoder": ["dec"]}
+    pipe.delete_adapters(["dec"])
+    assert torch.equal(images(pipe), base)
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(dec, renamed)
+    (renamed / "adapter_model.safetensors").rename(renamed / "decoder_style.safetensors")
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors is missing"):
+        pipe.load_lora_weights(renamed)
+    pipe.load_lora_weights(renamed, weight_name="decoder_style.safetensors", adapter_name="r")
+    assert pipe.get_list_adapters() == {"decoder": ["r"]}
+    with pytest.raises(ValueError, match="weight_name= and subfolder= go with a folder"):
+        pipe.load_lora_weights(dec / "adapter_model.safetensors", weight_name="x.safetensors")
+    with pytest.raises(ValueError, match="weight_name must be a .safetensors file name"):
+        pipe.load_lora_weights(renamed, weight_name="../x.safetensors")

@@ -967,13 +967,18 @@ def test_shapes_finalize_sets_sampling_stores_fp16_and_closes_the_reranker_vocab
 
 def _run_recording_choices(pipe, **kw):
     """``run(pipe, **kw)`` with the decoder's batch rows of every network call and every
-    ``pipe.rerank`` result recorded: ``(output, rows, kept)``."""
+    candidate choice (:func:`~unclip.sampling.candidates.rerank_candidates`) recorded:
+    ``(output, rows, kept)``."""
+    from unclip.sampling import candidates
+
     rows, kept = [], []
     hook = pipe.decoder.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
-    rerank = pipe.rerank
+    rerank = candidates.rerank_candidates
     try:
         with mock.patch.object(
-            pipe, "rerank", lambda *a, **k: kept.append(rerank(*a, **k)) or kept[-1]
+            candidates,
+            "rerank_candidates",
+            lambda *a, **k: kept.append(rerank(*a, **k)) or kept[-1],
         ):
             out = run(pipe, **kw)
     finally:

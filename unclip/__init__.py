@@ -20,6 +20,11 @@ __version__ = "0.1.0"
 # public name -> the core module that defines it
 _EXPORTS = {
     "UnCLIPPipeline": "unclip.pipeline.pipeline",
+    "TokenPipeline": "unclip.pipeline.token_pipeline",
+    "KandinskyPipeline": "unclip.pipeline.kandinsky",
+    "BasePipeline": "unclip.pipeline.base",
+    "load_pipeline": "unclip.pipeline.auto",
+    "AutoPipeline": "unclip.pipeline.auto",
     "UnCLIPOutput": "unclip.pipeline.output",
     "slerp": "unclip.sampling.utils",
     "CLIP": "unclip.nets.clip",
@@ -34,6 +39,11 @@ _EXPORTS = {
 
 __all__ = [
     "UnCLIPPipeline",
+    "TokenPipeline",
+    "KandinskyPipeline",
+    "BasePipeline",
+    "load_pipeline",
+    "AutoPipeline",
     "UnCLIPOutput",
     "CLIP",
     "FrozenCLIP",
@@ -53,8 +63,12 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
     from unclip.nets.prior import UnCLIPPrior
     from unclip.nets.text_encoding import TextEncoding
+    from unclip.pipeline.auto import AutoPipeline, load_pipeline
+    from unclip.pipeline.base import BasePipeline
+    from unclip.pipeline.kandinsky import KandinskyPipeline
     from unclip.pipeline.output import UnCLIPOutput
     from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.pipeline.token_pipeline import TokenPipeline
     from unclip.sampling.utils import slerp
     from unclip.utils.config import load_config
 

@@ -16,6 +16,9 @@ import types
 import warnings
 
 #: old module -> {module it lives in now: names}
+#: the release that drops the old import paths
+REMOVED_IN = "0.3.0"
+
 MOVED: dict[str, dict[str, tuple[str, ...]]] = {
     "unclip.ar_prior": {
         "unclip.nets.ar_prior": (
@@ -165,7 +168,6 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "read_image",
             "read_mask",
         ),
-        "unclip.pipeline.editing": ("EditingMixin",),
     },
     "unclip.files": {
         "unclip.utils.files": (
@@ -275,7 +277,6 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
         ),
     },
     "unclip.offload": {
-        "unclip.pipeline.offload": ("OffloadMixin",),
         "unclip.utils.offload": (
             "Activate",
             "ENTRY_METHODS",
@@ -303,8 +304,6 @@ MOVED: dict[str, dict[str, tuple[str, ...]]] = {
             "bundled_model_path",
         ),
         "unclip.pipeline.jobs": ("generate_to_folder",),
-        "unclip.pipeline.output": ("UnCLIPOutput",),
-        "unclip.pipeline.pipeline": ("UnCLIPPipeline",),
         "unclip.sampling.settings": (
             "DEFAULT_SAMPLING",
             "EVERY_UPSAMPLER",
@@ -498,7 +497,7 @@ def moved_attribute(old_module: str, name: str):
                 _warned.add((old_module, name))
                 warnings.warn(
                     f"{old_module}.{name} moved to {new_module}.{name}; import it from there "
-                    "(the old path will be removed in a later release)",
+                    f"(the old path will be removed in unclip {REMOVED_IN})",
                     FutureWarning,
                     stacklevel=3,
                 )

@@ -280,7 +280,7 @@ def export_diffusers(
     conventions they assume (e.g. L2-normalised CLIP embeddings) are listed in
     ``unclip_export.json``.
     """
-    pipe._refuse_unmerged_lora("export_diffusers")  # peft's layer names are not diffusers'
+    pipe._check_savable("export_diffusers")  # peft's layer names are not diffusers'
     report = export_report(pipe)
     out_dir = Path(out_dir)
     if parts is not None:

@@ -453,17 +453,27 @@ def save_adapter(
     (folder / LORA_META).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def read_adapter(path: Union[str, os.PathLike]) -> AdapterFolder:
+def read_adapter(path: Union[str, os.PathLike], weight_name: Optional[str] = None) -> AdapterFolder:
     """Read an adapter folder written by :func:`save_adapter` (safetensors only; a pickled
-    ``adapter_model.bin`` is refused)."""
+    ``adapter_model.bin`` is refused). ``weight_name``: the weights file's name in the folder
+    when it is not ``adapter_model.safetensors`` (a renamed copy)."""
     peft = require_peft()
     path = Path(path)
+    if weight_name is not None:
+        if Path(weight_name).name != weight_name or not weight_name.endswith(".safetensors"):
+            raise ValueError(
+                f"weight_name must be a .safetensors file name inside the adapter folder, got "
+                f"{weight_name!r}"
+            )
+        if not (path / weight_name).is_file():
+            raise FileNotFoundError(f"LoRA adapter weights {path / weight_name} not found")
+    weights_file = weight_name or ADAPTER_WEIGHTS
     if not path.is_dir():
         raise FileNotFoundError(
             f"LoRA adapter folder not found: {path}; give the folder a run with train.lora "
             "exported (<output_dir>/final/<stage>_lora)"
         )
-    for needed in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, LORA_META):
+    for needed in (weights_file, ADAPTER_CONFIG, LORA_META):
         if not (path / needed).is_file():
             if needed == ADAPTER_WEIGHTS and (path / "adapter_model.bin").is_file():
                 raise ValueError(
@@ -479,7 +489,7 @@ def read_adapter(path: Union[str, os.PathLike]) -> AdapterFolder:
         raise ValueError(f"{path / LORA_META} is not an unclip LoRA record (format {LORA_FORMAT})")
     config = peft.LoraConfig.from_pretrained(str(path))
     # a truncated or corrupt file is a one-line error naming it
-    weights = load_safetensors(path / ADAPTER_WEIGHTS, "LoRA adapter")
+    weights = load_safetensors(path / weights_file, "LoRA adapter")
     return AdapterFolder(path, config, weights, meta)
 
 

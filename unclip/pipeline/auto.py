@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from unclip.io.weights import read_json
+from unclip.pipeline.base import BasePipeline
 from unclip.pipeline.folders import PIPELINE_FILE
 from unclip.pipeline.token_pipeline import TOKEN_FAMILIES, TokenPipeline
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
-
-    from unclip.pipeline.pipeline import UnCLIPPipeline
 
 __all__ = ["load_pipeline", "pipeline_family", "AutoPipeline", "is_pipeline"]
 
@@ -55,9 +54,9 @@ def pipeline_family(path: Union[str, os.PathLike, None]) -> str:
 
 def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
     """The pipeline at ``path`` (see the module doc); ``kwargs`` as
-    :meth:`UnCLIPPipeline.from_pretrained` takes them. A token pipeline takes ``autocast_dtype``
-    (it samples in full precision: the setting is accepted and recorded as None); the Hub and
-    dtype options are refused for it with what to do."""
+    :meth:`UnCLIPPipeline.from_pretrained` takes them. A token pipeline folder takes the dtype,
+    autocast, memory-format and device options; the Hub options are refused for it with what to
+    do."""
     family = pipeline_family(path)
     if family == "unclip":
         from unclip.pipeline.pipeline import UnCLIPPipeline
@@ -66,14 +65,15 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
     assert path is not None  # None is the bundled unCLIP model
     if family == "kandinsky":
         return _load_kandinsky(path, kwargs)
-    external = bool(kwargs.pop("allow_external_components", False))
-    given = {k: v for k, v in kwargs.items() if v is not None and k != "autocast_dtype"}
+    own = {"torch_dtype", "dtype", "autocast_dtype", "memory_format", "device_map"}
+    own.add("allow_external_components")
+    given = {k: v for k, v in kwargs.items() if v is not None and k not in own}
     if given:
         raise ValueError(
             f"{', '.join(sorted(given))}: not supported for a token pipeline folder ({path}); "
             "leave them out"
         )
-    return TokenPipeline.from_pretrained(path, allow_external_components=external)
+    return TokenPipeline.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in own})
 
 
 def _load_kandinsky(path, kwargs: dict):
@@ -90,11 +90,9 @@ def _load_kandinsky(path, kwargs: dict):
     return KandinskyPipeline.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in own})
 
 
-def is_pipeline(obj) -> TypeIs[Union[UnCLIPPipeline, TokenPipeline]]:
+def is_pipeline(obj) -> TypeIs[BasePipeline]:
     """Whether ``obj`` is a loaded pipeline of any family (rather than a path or name)."""
-    from unclip.pipeline.pipeline import UnCLIPPipeline
-
-    return isinstance(obj, (UnCLIPPipeline, TokenPipeline))
+    return isinstance(obj, BasePipeline)
 
 
 class AutoPipeline:

@@ -1,24 +1,24 @@
-"""diffusers' pipeline interface on :class:`~unclip.pipeline.pipeline.UnCLIPPipeline`.
+"""diffusers' call and loading keywords, as a pipeline family checks and maps them.
 
-The pipeline is not a :class:`diffusers.DiffusionPipeline`: that class loads and saves
+A pipeline is not a :class:`diffusers.DiffusionPipeline`: that class loads and saves
 ``model_index.json`` folders whose components are diffusers, transformers or library classes
 registered by name, while an unclip folder holds its own component types (an open_clip CLIP, an
 autoregressive prior, upsamplers of any number) and sampling defaults per stage. Instead the
 pipeline answers what a diffusers user types: the flat keywords of diffusers' ``UnCLIPPipeline``
-(:func:`flat_sampling`), ``return_dict``, ``components``, ``set_progress_bar_config``,
-``from_pipe`` and ``enable_sequential_cpu_offload``. diffusers folders load through
-``UnCLIPPipeline.from_pretrained`` as they are (:mod:`unclip.interop`).
+(:func:`flat_sampling`), ``callback_on_step_end_tensor_inputs``, the initial latents and
+``from_pretrained``'s keywords, checked here; ``return_dict``, ``components``,
+``set_progress_bar_config``, ``from_pipe`` and the offload methods are the pipeline base's
+(:mod:`unclip.pipeline.base`). diffusers folders load through ``from_pretrained`` as they are
+(:mod:`unclip.interop`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Self, Union
+from typing import Optional, Union
 
 import torch
-
-from unclip.pipeline.base import PipelineBase
 
 #: diffusers' UnCLIPPipeline keywords → (stage key of ``sampling=``, setting)
 FLAT_KEYWORDS = {
@@ -85,87 +85,6 @@ def check_latents_fit(latents: dict, groups: dict, settings: dict, embeds_given:
                 f"prior_latents: one row of noise per image needs the prior's best_of 1, got "
                 f"{settings['prior'].best_of}; pass sampling={{'prior': {{'best_of': 1}}}}"
             )
-
-
-class DiffusersInterfaceMixin(PipelineBase):
-    """``components``, ``set_progress_bar_config``, ``from_pipe`` and
-    ``enable_sequential_cpu_offload``, as on a diffusers pipeline."""
-
-    @property
-    def components(self) -> dict[str, Any]:
-        """The pipeline's modules by name (``clip``, ``prior``, ``decoder``, ``sr<size>``,
-        ``reranker``), plus ``diffusion`` and ``sampling`` (the settings per stage): enough to
-        build the same pipeline again, ``UnCLIPPipeline.from_pipe(pipe)``."""
-        modules = self.modules()
-        return {
-            **modules,
-            "diffusion": dict(self.diffusion),
-            "sampling": dict(self.sampling),
-        }
-
-    def set_progress_bar_config(self, **kwargs) -> None:
-        """``disable=True`` turns the progress bars of every later call off (``progress=False``
-        everywhere), as in diffusers; other tqdm options are not supported."""
-        unknown = sorted(set(kwargs) - {"disable"})
-        if unknown:
-            raise ValueError(
-                f"set_progress_bar_config: only 'disable' is supported, got {', '.join(unknown)}"
-            )
-        self._progress_config = dict(kwargs)
-
-    def _progress(self, progress: bool) -> bool:
-        config = getattr(self, "_progress_config", {})
-        return bool(progress) and not config.get("disable", False)
-
-    @classmethod
-    def from_pipe(cls, pipeline, **kwargs) -> Self:
-        """A new pipeline over ``pipeline``'s modules (no copy: they are shared), with any of
-        ``clip``, ``prior``, ``decoder``, ``upsamplers``, ``reranker``, ``diffusion``, ``sampling``
-        or ``prior_clip_range`` replaced by ``kwargs``; the autocast setting carries over."""
-        own = {
-            "clip": pipeline.clip,
-            "prior": pipeline.prior,
-            "decoder": pipeline.decoder,
-            "upsamplers": list(pipeline.upsamplers),
-            "diffusion": dict(pipeline.diffusion),
-            "sampling": dict(pipeline.sampling),
-            "prior_clip_range": pipeline.prior_clip_range,
-            "reranker": pipeline.reranker,
-        }
-        unknown = sorted(set(kwargs) - set(own))
-        if unknown:
-            raise TypeError(
-                f"from_pipe: unknown argument {unknown[0]!r} (it takes: {', '.join(own)})"
-            )
-        pipe = cls(**{**own, **kwargs})
-        pipe._autocast_dtype = pipeline._autocast_dtype
-        pipe.card_info = dict(pipeline.card_info)
-        return pipe
-
-    def enable_sequential_cpu_offload(
-        self, gpu_id: Optional[int] = None, device: Union[torch.device, str, None] = None
-    ) -> None:
-        """Keep every weight on the CPU and copy each submodule to the accelerator only for its
-        own forward (Accelerate's ``cpu_offload``): the least accelerator memory, and the slowest.
-        ``device`` (default ``cuda:<gpu_id or 0>``) must exist. :meth:`enable_model_cpu_offload`
-        moves whole components instead, which is much faster."""
-        from accelerate import cpu_offload
-
-        target = torch.device(device) if device is not None else torch.device("cuda", gpu_id or 0)
-        if target.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                "enable_sequential_cpu_offload: no CUDA device is available (torch sees none); "
-                "it only helps with an accelerator, pass device= to name another"
-            )
-        if self.model_cpu_offload is not None:
-            raise ValueError(
-                "enable_sequential_cpu_offload: model offload is on; call "
-                "disable_model_cpu_offload() first"
-            )
-        self.to("cpu")
-        for module in self.modules().values():
-            cpu_offload(module, execution_device=target)
-        self._sequential_device = target
 
 
 def check_from_pretrained_options(

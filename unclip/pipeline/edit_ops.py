@@ -46,11 +46,12 @@ class EditOutput(UnCLIPOutput):
 
 @dataclass
 class Inversion:
-    """Result of :meth:`EditingMixin.invert`: ``latents [B, 3, s, s]`` (the decoder's ``x_T``),
-    the ``image_embeds [B, D]`` and caption it was inverted with, the ``image`` at the decoder's
-    resolution in [-1, 1], its ``reconstruction`` (decoded back from ``latents``, when asked) and
-    ``error``, the root-mean-square difference of the two in [-1, 1] units (None without a
-    reconstruction), and the ``fixed_point`` iterations of each inverted step."""
+    """Result of :func:`unclip.pipeline.editing.invert` (``pipe.invert``): ``latents [B, 3, s, s]``
+    (the decoder's ``x_T``), the ``image_embeds [B, D]`` and caption it was inverted with, the
+    ``image`` at the decoder's resolution in [-1, 1], its ``reconstruction`` (decoded back from
+    ``latents``, when asked) and ``error``, the root-mean-square difference of the two in [-1, 1]
+    units (None without a reconstruction), and the ``fixed_point`` iterations of each inverted
+    step."""
 
     latents: torch.Tensor
     image_embeds: torch.Tensor

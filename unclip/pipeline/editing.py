@@ -1,5 +1,6 @@
 """Editing with the cascade (DALL-E 2 paper §3): DDIM inversion, text diffs, interpolation between
-inverted images, inpainting and image-to-image. :class:`UnCLIPPipeline` carries these methods::
+inverted images, inpainting and image-to-image. Each edit is a function taking the pipeline first;
+:class:`~unclip.pipeline.pipeline.UnCLIPPipeline` carries each as a method of the same name::
 
     inv = pipe.invert(image)                       # x_T of the decoder's deterministic DDIM
     inv.error                                      # round-trip RMSE of the reconstruction
@@ -14,7 +15,7 @@ overrides per stage, ``output_type``, ``progress``; results are :class:`EditOutp
 DDIM here is the deterministic update written out (:func:`ddim_step`, :func:`ddim_invert_step`):
 the step from ``x_t`` to ``x_s`` is affine in ``x_t`` for a fixed model output, so the inverse step
 solves it exactly for that output. Plain DDIM inversion evaluates the model at ``x_s`` instead of
-the unknown ``x_t`` (Song et al. 2021; Dhariwal & Nichol 2021); :meth:`EditingMixin.invert` then
+the unknown ``x_t`` (Song et al. 2021; Dhariwal & Nichol 2021); :func:`invert` then
 refines each step's ``x_t`` by damped fixed-point iteration (``fixed_point``; the idea of
 Pan et al. 2023 and Garibi et al. 2024), re-evaluating the model at the current estimate, so that
 the decode's step from it lands on ``x_s``. Neither direction clips ``x̂_0``. Images are resized
@@ -30,6 +31,7 @@ inpainted lower-resolution image as their condition.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -42,7 +44,7 @@ from tqdm.auto import tqdm
 
 from unclip.diffusion.loop import Generator, denoise_steps, make_scheduler, scheduler_step
 from unclip.diffusion.schedulers import scheduler_label
-from unclip.pipeline.base import PipelineBase
+from unclip.pipeline.cascade import UnCLIPCascade
 from unclip.pipeline.edit_ops import (
     FIXED_POINT_DAMPING,
     RESAMPLING_SCHEDULERS,
@@ -83,485 +85,513 @@ from unclip.utils.images import as_image_input, to_output
 from unclip.utils.offload import releases_gpu
 
 __all__ = [
-    "EditingMixin",
+    "invert",
+    "text_diff",
+    "interpolate_inverted",
+    "img2img",
+    "inpaint",
+    "variations",
 ]
 
 
-# ------------------------------------------------------------------------------------ mixin
-class EditingMixin(PipelineBase):
-    """Edits of :class:`~unclip.pipeline.UnCLIPPipeline` (see the module doc)."""
+def _edit_settings(
+    pipe: UnCLIPCascade, sampling, steps=None, guidance_scale=None
+) -> SamplingConfig:
+    # a copy: the resolved settings are shared with the other stages of the call
+    s = replace(pipe._stage_settings("decoder", sampling))
+    assert isinstance(s, DecoderSampling)
+    if steps is not None:
+        s.steps = steps
+    if guidance_scale is not None:
+        s.guidance_scale = guidance_scale
+    # one DDIM path, no candidates to choose among
+    s.scheduler, s.best_of, s.rerank_at, s.rerank_contrast = "ddim", 1, None, None
+    s.prune_at = s.prune_keep = s.best_of_contrasted = None
+    out = resolve_sampling({"decoder": s})["decoder"]
+    assert isinstance(out, DecoderSampling)
+    return out
 
-    def _edit_settings(self, sampling, steps=None, guidance_scale=None) -> SamplingConfig:
-        s = self._stage_settings("decoder", sampling)
-        assert isinstance(s, DecoderSampling)
-        if steps is not None:
-            s.steps = steps
-        if guidance_scale is not None:
-            s.guidance_scale = guidance_scale
-        # one DDIM path, no candidates to choose among
-        s.scheduler, s.best_of, s.rerank_at, s.rerank_contrast = "ddim", 1, None, None
-        s.prune_at = s.prune_keep = s.best_of_contrasted = None
-        out = resolve_sampling({"decoder": s})["decoder"]
-        assert isinstance(out, DecoderSampling)
-        return out
 
-    def _ddim_denoiser(self, embeds, caption, settings: SamplingConfig) -> Denoiser:
-        b = embeds.shape[0]
-        text, null = self._decoder_captions(None if caption is None else [caption] * b, b)
-        self._onload("decoder")
-        return decoder_denoiser(
-            self.decoder, embeds, text, null, settings, self.diffusion["decoder"]
+def _ddim_denoiser(pipe: UnCLIPCascade, embeds, caption, settings: SamplingConfig) -> Denoiser:
+    b = embeds.shape[0]
+    text, null = pipe._decoder_captions(None if caption is None else [caption] * b, b)
+    pipe._onload("decoder")
+    return decoder_denoiser(pipe.decoder, embeds, text, null, settings, pipe.diffusion["decoder"])
+
+
+def _ddim_run(
+    pipe: UnCLIPCascade,
+    d: Denoiser,
+    x: torch.Tensor,
+    invert: bool,
+    progress: bool,
+    desc: str,
+    fixed_point: int = 0,
+):
+    pred = pipe.diffusion["decoder"].prediction_type
+    ts, levels = list(d.scheduler.timesteps), _levels(d)
+    order = range(len(ts) - 1, -1, -1) if invert else range(len(ts))
+    x = x.to(pipe.device, torch.float32)
+    for i in tqdm(order, desc=desc, disable=not progress, leave=False):
+        out = d.output(x, ts[i], pipe.autocast_dtype).float()
+        a_t, a_s = levels[i]
+        if not invert:
+            x = ddim_step(out, x, a_t, a_s, pred)
+            continue
+        x_t = ddim_invert_step(out, x, a_t, a_s, pred)
+        for _ in range(fixed_point):
+            # the decode evaluates the model at x_t, not at x_s: solve the step again with
+            # the output at the current estimate of x_t
+            out = d.output(x_t, ts[i], pipe.autocast_dtype).float()
+            solved = ddim_invert_step(out, x, a_t, a_s, pred)
+            x_t = x_t + FIXED_POINT_DAMPING * (solved - x_t)
+        x = x_t
+    return check_finite(desc, x)
+
+
+@releases_gpu
+@torch.no_grad()
+def invert(
+    pipe: UnCLIPCascade,
+    image,
+    caption: Optional[str] = None,
+    steps: int = 50,
+    guidance_scale: float = 1.0,
+    image_embeds: Optional[torch.Tensor] = None,
+    reconstruct: bool = True,
+    progress: bool = True,
+    fixed_point: int = 2,
+) -> Inversion:
+    """DDIM inversion of the decoder: image(s) → the ``x_T`` from which the decoder's
+    deterministic DDIM (``steps`` steps, ``guidance_scale``, conditioned on the images' CLIP
+    embeddings, or ``image_embeds``, and ``caption``, default the empty one) decodes them back.
+    Guidance 1 inverts best (guided updates are not the gradient of one model).
+    ``fixed_point``: damped fixed-point iterations that refine each inverted step, one more
+    decoder evaluation each (0: plain DDIM inversion, which can diverge at few steps). With
+    ``reconstruct`` the round trip is decoded and its RMSE reported (``Inversion.error``)."""
+    progress = pipe._progress(progress)
+    fixed_point = _check_fixed_point(fixed_point)
+    x = read_image(image)
+    small = at_size(x, pipe.decoder.config.sample_size).to(pipe.device)
+    if image_embeds is None:
+        image_embeds = pipe.clip.encode_image(x.to(pipe.device))
+    embeds = image_embeds.to(pipe.device).float()
+    if embeds.shape[0] != small.shape[0]:
+        raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
+    s = _edit_settings(pipe, None, check_count(steps, "steps"), guidance_scale)
+    d = _ddim_denoiser(pipe, embeds, caption, s)
+    latents = _ddim_run(pipe, d, small, True, progress, "invert", fixed_point)
+    inv = Inversion(
+        latents, embeds, small, s.steps, s.guidance_scale, caption, fixed_point=fixed_point
+    )
+    if reconstruct:
+        rec = _ddim_run(pipe, d, latents, False, progress, "reconstruct").clamp(-1, 1)
+        inv.reconstruction = rec
+        inv.error = float((rec - small).pow(2).mean().sqrt())
+    return inv
+
+
+def _finish(
+    pipe: UnCLIPCascade, small, gens, sampling, output_type, progress, callback, embeds, **extra
+):
+    final = pipe.upsample(small, gens, sampling, progress=progress, callback_on_step_end=callback)
+    return EditOutput(to_output(final, output_type), embeds, **extra)
+
+
+@releases_gpu
+@torch.no_grad()
+def text_diff(
+    pipe: UnCLIPCascade,
+    image,
+    source_caption: str,
+    target_caption: str,
+    num_steps: int = 5,
+    max_theta: float = 0.5,
+    steps: int = 50,
+    guidance_scale: float = 1.0,
+    caption: Optional[str] = None,
+    generator: Optional[torch.Generator] = None,
+    sampling: Optional[dict] = None,
+    output_type: str = "pil",
+    progress: bool = True,
+    callback_on_step_end=None,
+    fixed_point: int = 2,
+) -> EditOutput:
+    """A text diff (paper §3.3): the image's CLIP embedding ``z_i`` rotated towards
+    ``z_d = norm(z_t − z_t0)``, the difference of the target and source captions' text
+    embeddings, ``slerp(z_i, z_d, θ)`` for ``num_steps`` values of θ from 0 to ``max_theta``,
+    each decoded from the image's inverted ``x_T`` (:meth:`invert` with ``steps``,
+    ``guidance_scale``, the decoder ``caption`` and ``fixed_point``) and upsampled from the
+    same seed. θ = 0 reproduces the inversion's reconstruction; ``info["theta"]`` lists the
+    θ values and ``info["inversion_error"]`` the round trip's RMSE."""
+    progress = pipe._progress(progress)
+    sampling = pipe.sampling_settings(sampling)  # resolved once for every stage
+    check_output_type(output_type)
+    n = check_count(num_steps, "num_steps")
+    if not 0 < float(max_theta) <= 1:
+        raise ValueError(f"text_diff: max_theta must be in (0, 1], got {max_theta!r}")
+    for name, c in (("source_caption", source_caption), ("target_caption", target_caption)):
+        if not isinstance(c, str) or not c.strip():
+            raise ValueError(f"text_diff: {name} must be a non-empty string")
+    if read_image(image).shape[0] != 1:
+        raise ValueError("text_diff takes one image; call it once per image")
+    inv = invert(
+        pipe, image, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point
+    )
+    z = pipe.clip.encode_text([source_caption, target_caption]).text_embed.float()
+    diff = z[1] - z[0]
+    if float(diff.norm()) < 1e-6:
+        raise ValueError(
+            "text_diff: the source and target captions encode identically; give two captions "
+            "that differ in what should change"
         )
+    z_d = F.normalize(diff, dim=-1)[None].to(inv.image_embeds)
+    thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
+    # rotate on the unit sphere and keep the image embedding's norm (a CLIP whose embeddings
+    # are not normalised, e.g. Karlo's, would otherwise scale the direction down)
+    z_i = inv.image_embeds
+    norm = z_i.norm(dim=-1, keepdim=True)
+    embeds = torch.cat([slerp(F.normalize(z_i, dim=-1), z_d, th) * norm for th in thetas])
+    d = _ddim_denoiser(pipe, embeds, caption, _edit_settings(pipe, None, steps, guidance_scale))
+    small = _ddim_run(pipe, d, inv.latents.repeat(n, 1, 1, 1), False, progress, "text diff")
+    gens = _same_seed(generator, n)
+    info = {"theta": thetas, "inversion_error": inv.error}
+    return _finish(
+        pipe,
+        small.clamp(-1, 1),
+        gens,
+        sampling,
+        output_type,
+        progress,
+        callback_on_step_end,
+        embeds,
+        latents=inv.latents,
+        info=info,
+    )
 
-    def _ddim_run(
-        self,
-        d: Denoiser,
-        x: torch.Tensor,
-        invert: bool,
-        progress: bool,
-        desc: str,
-        fixed_point: int = 0,
-    ):
-        pred = self.diffusion["decoder"].prediction_type
-        ts, levels = list(d.scheduler.timesteps), _levels(d)
-        order = range(len(ts) - 1, -1, -1) if invert else range(len(ts))
-        x = x.to(self.device, torch.float32)
-        for i in tqdm(order, desc=desc, disable=not progress, leave=False):
-            out = d.output(x, ts[i], self.autocast_dtype).float()
-            a_t, a_s = levels[i]
-            if not invert:
-                x = ddim_step(out, x, a_t, a_s, pred)
-                continue
-            x_t = ddim_invert_step(out, x, a_t, a_s, pred)
-            for _ in range(fixed_point):
-                # the decode evaluates the model at x_t, not at x_s: solve the step again with
-                # the output at the current estimate of x_t
-                out = d.output(x_t, ts[i], self.autocast_dtype).float()
-                solved = ddim_invert_step(out, x, a_t, a_s, pred)
-                x_t = x_t + FIXED_POINT_DAMPING * (solved - x_t)
-            x = x_t
-        return check_finite(desc, x)
 
-    @releases_gpu
-    @torch.no_grad()
-    def invert(
-        self,
-        image,
-        caption: Optional[str] = None,
-        steps: int = 50,
-        guidance_scale: float = 1.0,
-        image_embeds: Optional[torch.Tensor] = None,
-        reconstruct: bool = True,
-        progress: bool = True,
-        fixed_point: int = 2,
-    ) -> Inversion:
-        """DDIM inversion of the decoder: image(s) → the ``x_T`` from which the decoder's
-        deterministic DDIM (``steps`` steps, ``guidance_scale``, conditioned on the images' CLIP
-        embeddings, or ``image_embeds``, and ``caption``, default the empty one) decodes them back.
-        Guidance 1 inverts best (guided updates are not the gradient of one model).
-        ``fixed_point``: damped fixed-point iterations that refine each inverted step, one more
-        decoder evaluation each (0: plain DDIM inversion, which can diverge at few steps). With
-        ``reconstruct`` the round trip is decoded and its RMSE reported (``Inversion.error``)."""
-        fixed_point = _check_fixed_point(fixed_point)
-        x = read_image(image)
-        small = at_size(x, self.decoder.config.sample_size).to(self.device)
-        if image_embeds is None:
-            image_embeds = self.clip.encode_image(x.to(self.device))
-        embeds = image_embeds.to(self.device).float()
-        if embeds.shape[0] != small.shape[0]:
-            raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
-        s = self._edit_settings(None, check_count(steps, "steps"), guidance_scale)
-        d = self._ddim_denoiser(embeds, caption, s)
-        latents = self._ddim_run(d, small, True, progress, "invert", fixed_point)
-        inv = Inversion(
-            latents, embeds, small, s.steps, s.guidance_scale, caption, fixed_point=fixed_point
-        )
-        if reconstruct:
-            rec = self._ddim_run(d, latents, False, progress, "reconstruct").clamp(-1, 1)
-            inv.reconstruction = rec
-            inv.error = float((rec - small).pow(2).mean().sqrt())
-        return inv
+@releases_gpu
+@torch.no_grad()
+def interpolate_inverted(
+    pipe: UnCLIPCascade,
+    start,
+    end,
+    num_steps: int = 5,
+    steps: int = 50,
+    guidance_scale: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    sampling: Optional[dict] = None,
+    output_type: str = "pil",
+    progress: bool = True,
+    callback_on_step_end=None,
+    caption: Optional[str] = None,
+    fixed_point: int = 2,
+) -> EditOutput:
+    """Interpolation between two images that keeps each image's inverted latent (paper §3.2,
+    figure 4): both are inverted (:meth:`invert` with ``steps``, ``guidance_scale``, the
+    decoder ``caption``, default the empty one, and ``fixed_point``); frame ``w`` decodes
+    ``slerp`` of the two CLIP embeddings from ``slerp`` of the two ``x_T`` with that caption,
+    so the end frames reconstruct the images. ``info["weight"]`` lists the weights."""
+    progress = pipe._progress(progress)
+    sampling = pipe.sampling_settings(sampling)  # resolved once for every stage
+    check_output_type(output_type)
+    if check_count(num_steps, "num_steps") < 2:
+        raise ValueError("interpolate_inverted: num_steps must be >= 2")
+    invs = [
+        invert(pipe, x, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point)
+        for x in (start, end)
+    ]
+    if any(i.latents.shape[0] != 1 for i in invs):
+        raise ValueError("interpolate_inverted takes one start and one end image")
+    ws = [i / (num_steps - 1) for i in range(num_steps)]
+    embeds = torch.cat([slerp(invs[0].image_embeds, invs[1].image_embeds, w) for w in ws])
+    lat = [i.latents.flatten(1) for i in invs]
+    shape = invs[0].latents.shape[1:]
+    latents = torch.cat([slerp(lat[0], lat[1], w).view(1, *shape) for w in ws])
+    d = _ddim_denoiser(pipe, embeds, caption, _edit_settings(pipe, None, steps, guidance_scale))
+    small = _ddim_run(pipe, d, latents, False, progress, "interpolate")
+    info = {"weight": ws, "inversion_error": [i.error for i in invs]}
+    return _finish(
+        pipe,
+        small.clamp(-1, 1),
+        _same_seed(generator, num_steps),
+        sampling,
+        output_type,
+        progress,
+        callback_on_step_end,
+        embeds,
+        latents=latents,
+        info=info,
+    )
 
-    def _finish(self, small, gens, sampling, output_type, progress, callback, embeds, **extra):
-        final = self.upsample(
-            small, gens, sampling, progress=progress, callback_on_step_end=callback
-        )
-        return EditOutput(to_output(final, output_type), embeds, **extra)
 
-    @releases_gpu
-    @torch.no_grad()
-    def text_diff(
-        self,
-        image,
-        source_caption: str,
-        target_caption: str,
-        num_steps: int = 5,
-        max_theta: float = 0.5,
-        steps: int = 50,
-        guidance_scale: float = 1.0,
-        caption: Optional[str] = None,
-        generator: Optional[torch.Generator] = None,
-        sampling: Optional[dict] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end=None,
-        fixed_point: int = 2,
-    ) -> EditOutput:
-        """A text diff (paper §3.3): the image's CLIP embedding ``z_i`` rotated towards
-        ``z_d = norm(z_t − z_t0)``, the difference of the target and source captions' text
-        embeddings, ``slerp(z_i, z_d, θ)`` for ``num_steps`` values of θ from 0 to ``max_theta``,
-        each decoded from the image's inverted ``x_T`` (:meth:`invert` with ``steps``,
-        ``guidance_scale``, the decoder ``caption`` and ``fixed_point``) and upsampled from the
-        same seed. θ = 0 reproduces the inversion's reconstruction; ``info["theta"]`` lists the
-        θ values and ``info["inversion_error"]`` the round trip's RMSE."""
-        check_output_type(output_type)
-        n = check_count(num_steps, "num_steps")
-        if not 0 < float(max_theta) <= 1:
-            raise ValueError(f"text_diff: max_theta must be in (0, 1], got {max_theta!r}")
-        for name, c in (("source_caption", source_caption), ("target_caption", target_caption)):
-            if not isinstance(c, str) or not c.strip():
-                raise ValueError(f"text_diff: {name} must be a non-empty string")
-        if read_image(image).shape[0] != 1:
-            raise ValueError("text_diff takes one image; call it once per image")
-        inv = self.invert(
-            image, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point
-        )
-        z = self.clip.encode_text([source_caption, target_caption]).text_embed.float()
-        diff = z[1] - z[0]
-        if float(diff.norm()) < 1e-6:
+def _edit_embeds(
+    pipe: UnCLIPCascade, prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
+):
+    if image_embeds is not None:
+        emb = torch.as_tensor(image_embeds).float().to(pipe.device)
+        emb = emb[None] if emb.ndim == 1 else emb
+        if emb.shape[0] == 1:
+            emb = emb.repeat(n, 1)
+        if emb.shape != (n, pipe.clip.embed_dim):
             raise ValueError(
-                "text_diff: the source and target captions encode identically; give two captions "
-                "that differ in what should change"
+                f"image_embeds: expected [{n}, {pipe.clip.embed_dim}] (or one row), got "
+                f"{tuple(emb.shape)}"
             )
-        z_d = F.normalize(diff, dim=-1)[None].to(inv.image_embeds)
-        thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
-        # rotate on the unit sphere and keep the image embedding's norm (a CLIP whose embeddings
-        # are not normalised, e.g. Karlo's, would otherwise scale the direction down)
-        z_i = inv.image_embeds
-        norm = z_i.norm(dim=-1, keepdim=True)
-        embeds = torch.cat([slerp(F.normalize(z_i, dim=-1), z_d, th) * norm for th in thetas])
-        d = self._ddim_denoiser(embeds, caption, self._edit_settings(None, steps, guidance_scale))
-        small = self._ddim_run(d, inv.latents.repeat(n, 1, 1, 1), False, progress, "text diff")
-        gens = _same_seed(generator, n)
-        info = {"theta": thetas, "inversion_error": inv.error}
-        return self._finish(
-            small.clamp(-1, 1),
-            gens,
-            sampling,
-            output_type,
-            progress,
-            callback_on_step_end,
-            embeds,
-            latents=inv.latents,
-            info=info,
-        )
+        return emb
+    if pipe.prior is None:
+        raise ValueError("this pipeline has no prior; pass image_embeds=")
+    return pipe.sample_image_embeds(
+        [prompt] * n,  # one row per image, so generators given per image serve each row
+        1,
+        gen,
+        sampling,
+        progress=progress,
+        callback_on_step_end=cb,
+        negative_prompt=negative_prompt,
+    )
 
-    @releases_gpu
-    @torch.no_grad()
-    def interpolate_inverted(
-        self,
-        start,
-        end,
-        num_steps: int = 5,
-        steps: int = 50,
-        guidance_scale: float = 1.0,
-        generator: Optional[torch.Generator] = None,
-        sampling: Optional[dict] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end=None,
-        caption: Optional[str] = None,
-        fixed_point: int = 2,
-    ) -> EditOutput:
-        """Interpolation between two images that keeps each image's inverted latent (paper §3.2,
-        figure 4): both are inverted (:meth:`invert` with ``steps``, ``guidance_scale``, the
-        decoder ``caption``, default the empty one, and ``fixed_point``); frame ``w`` decodes
-        ``slerp`` of the two CLIP embeddings from ``slerp`` of the two ``x_T`` with that caption,
-        so the end frames reconstruct the images. ``info["weight"]`` lists the weights."""
-        check_output_type(output_type)
-        if check_count(num_steps, "num_steps") < 2:
-            raise ValueError("interpolate_inverted: num_steps must be >= 2")
-        invs = [
-            self.invert(
-                x, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point
-            )
-            for x in (start, end)
-        ]
-        if any(i.latents.shape[0] != 1 for i in invs):
-            raise ValueError("interpolate_inverted takes one start and one end image")
-        ws = [i / (num_steps - 1) for i in range(num_steps)]
-        embeds = torch.cat([slerp(invs[0].image_embeds, invs[1].image_embeds, w) for w in ws])
-        lat = [i.latents.flatten(1) for i in invs]
-        shape = invs[0].latents.shape[1:]
-        latents = torch.cat([slerp(lat[0], lat[1], w).view(1, *shape) for w in ws])
-        d = self._ddim_denoiser(embeds, caption, self._edit_settings(None, steps, guidance_scale))
-        small = self._ddim_run(d, latents, False, progress, "interpolate")
-        info = {"weight": ws, "inversion_error": [i.error for i in invs]}
-        return self._finish(
-            small.clamp(-1, 1),
-            _same_seed(generator, num_steps),
-            sampling,
-            output_type,
-            progress,
-            callback_on_step_end,
-            embeds,
-            latents=latents,
-            info=info,
-        )
 
-    def _edit_embeds(self, prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb):
-        if image_embeds is not None:
-            emb = torch.as_tensor(image_embeds).float().to(self.device)
-            emb = emb[None] if emb.ndim == 1 else emb
-            if emb.shape[0] == 1:
-                emb = emb.repeat(n, 1)
-            if emb.shape != (n, self.clip.embed_dim):
-                raise ValueError(
-                    f"image_embeds: expected [{n}, {self.clip.embed_dim}] (or one row), got "
-                    f"{tuple(emb.shape)}"
-                )
-            return emb
-        if self.prior is None:
-            raise ValueError("this pipeline has no prior; pass image_embeds=")
-        return self.sample_image_embeds(
-            [prompt] * n,  # one row per image, so generators given per image serve each row
-            1,
-            gen,
-            sampling,
-            progress=progress,
-            callback_on_step_end=cb,
-            negative_prompt=negative_prompt,
-        )
+def _edit_start(pipe: UnCLIPCascade, image, prompt, num_images, generator, what):
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{what}: prompt must be a non-empty string")
+    x = read_image(image)
+    if x.shape[0] != 1:
+        raise ValueError(f"{what} takes one image; call it once per image")
+    n = check_count(num_images, "num_images")
+    return x, n, expand_generator(generator, 1, n, "generator")
 
-    def _edit_start(self, image, prompt, num_images, generator, what):
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{what}: prompt must be a non-empty string")
-        x = read_image(image)
-        if x.shape[0] != 1:
-            raise ValueError(f"{what} takes one image; call it once per image")
-        n = check_count(num_images, "num_images")
-        return x, n, expand_generator(generator, 1, n, "generator")
 
-    def _edit_decoder(self, embeds, prompt, n, sampling, negative_prompt) -> Denoiser:
-        text, null = self._decoder_captions([prompt] * n, n)
-        if negative_prompt is not None:
-            null = self._decoder_negative(negative_prompt, n)
-        s = self._stage_settings("decoder", sampling)
-        assert isinstance(s, DecoderSampling)
-        self._onload("decoder")
-        return decoder_denoiser(self.decoder, embeds, text, null, s, self.diffusion["decoder"])
+def _edit_decoder(pipe: UnCLIPCascade, embeds, prompt, n, sampling, negative_prompt) -> Denoiser:
+    text, null = pipe._decoder_captions([prompt] * n, n)
+    if negative_prompt is not None:
+        null = pipe._decoder_negative(negative_prompt, n)
+    s = pipe._stage_settings("decoder", sampling)
+    assert isinstance(s, DecoderSampling)
+    pipe._onload("decoder")
+    return decoder_denoiser(pipe.decoder, embeds, text, null, s, pipe.diffusion["decoder"])
 
-    @releases_gpu
-    @torch.no_grad()
-    def img2img(
-        self,
-        image,
-        prompt: str,
-        strength: float = 0.6,
-        num_images: int = 1,
-        generator: Generator = None,
-        sampling: Optional[dict] = None,
-        negative_prompt: Optional[str] = None,
-        image_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        return_intermediates: bool = False,
-        progress: bool = True,
-        callback_on_step_end=None,
-    ) -> EditOutput:
-        """Image-to-image (SDEdit, Meng et al. 2022): the image at the decoder's resolution,
-        noised to the level of the decoder sampler's step ``(1 − strength)·steps``, denoised
-        from there conditioned on ``prompt`` (its prior sample, or ``image_embeds``), then
-        upsampled. ``strength`` in (0, 1]: 1 keeps almost nothing of the image, small values
-        keep its layout and colours. The decoder's ``best_of`` is not used (one sample per
-        image)."""
-        check_output_type(output_type)
-        if not isinstance(strength, (int, float)) or not 0 < float(strength) <= 1:
-            raise ValueError(f"img2img: strength must be in (0, 1], got {strength!r}")
-        x, n, gen = self._edit_start(image, prompt, num_images, generator, "img2img")
-        cb = callback_on_step_end
-        embeds = self._edit_embeds(
-            prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
-        )
-        d = self._edit_decoder(embeds, prompt, n, sampling, negative_prompt)
-        steps = d.settings.steps
-        run = max(1, min(steps, round(float(strength) * steps)))
-        sched = d.scheduler
-        # second-order solvers list each timestep twice (UnCLIPScheduler has no order: first)
-        start = (steps - run) * getattr(sched, "order", 1)
-        if hasattr(sched, "set_begin_index"):
-            sched.set_begin_index(start)  # where sigma-indexed samplers read add_noise's level
-        known = at_size(x, self.decoder.config.sample_size).to(self.device).repeat(n, 1, 1, 1)
-        noise = randn_tensor(known.shape, generator=gen, device=self.device, dtype=known.dtype)
-        # the sampler's own forward process: sigma-space samplers (Euler, ...) scale x_t
-        # differently from the variance-preserving one the model was trained with
-        x_t = sched.add_noise(known, noise, sched.timesteps[start].reshape(1).repeat(n))
-        small = denoise_steps(
-            d.fn,
-            x_t,
-            d.scheduler,
-            guidance_scale=d.settings.guidance_scale,
-            start=start,
-            generator=gen,
-            learned_variance=d.learned_variance,
-            progress=progress,
-            desc="img2img",
-            autocast_dtype=self.autocast_dtype,
-            callback=stage_callback(self, "decoder", cb),
-        )
-        small = check_finite("decoder", small).float().clamp(-1, 1)
-        out = self._finish(
-            small,
-            gen,
-            sampling,
-            output_type,
-            progress,
-            cb,
-            embeds,
-            info={"strength": float(strength), "decoder_steps_run": run},
-        )
-        if return_intermediates:
-            out.stage_images = {"decoder": small}
-        return out
 
-    @releases_gpu
-    @torch.no_grad()
-    def inpaint(
-        self,
-        image,
-        mask,
-        prompt: str,
-        num_images: int = 1,
-        resample: int = 4,
-        generator: Generator = None,
-        sampling: Optional[dict] = None,
-        negative_prompt: Optional[str] = None,
-        image_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        return_intermediates: bool = False,
-        progress: bool = True,
-        callback_on_step_end=None,
-    ) -> EditOutput:
-        """Regenerate the masked region of ``image`` to ``prompt`` and keep the rest (see the
-        module doc). ``mask``: the image's size, white/1/True = regenerate (:func:`read_mask`).
-        The prompt describes the whole edited image; its prior sample (or ``image_embeds``)
-        conditions the decoder. ``resample``: RePaint passes per decoder step (1 = plain
-        replacement; more harmonise the new region with the kept one, at that many times the
-        decoder's cost; the decoder's sampler must then be one of
-        :data:`RESAMPLING_SCHEDULERS`). The unmasked pixels of every stage's output are the
-        image's, resized to that stage, bit for bit."""
-        check_output_type(output_type)
-        resample = check_count(resample, "resample")
-        x, n, gen = self._edit_start(image, prompt, num_images, generator, "inpaint")
-        m = read_mask(mask, x.shape[-2], x.shape[-1])
-        settings = self.sampling_settings(sampling)
-        dec = settings["decoder"]
-        assert isinstance(dec, DecoderSampling)
-        spec = dec.scheduler
-        stateless = (DDIMScheduler, DDPMScheduler, UnCLIPScheduler)
-        built = make_scheduler(
-            spec, self.diffusion["decoder"], learned_variance=self.decoder.config.learned_variance
+@releases_gpu
+@torch.no_grad()
+def img2img(
+    pipe: UnCLIPCascade,
+    image,
+    prompt: str,
+    strength: float = 0.6,
+    num_images: int = 1,
+    generator: Generator = None,
+    sampling: Optional[dict] = None,
+    negative_prompt: Optional[str] = None,
+    image_embeds: Optional[torch.Tensor] = None,
+    output_type: str = "pil",
+    return_intermediates: bool = False,
+    progress: bool = True,
+    callback_on_step_end=None,
+) -> EditOutput:
+    """Image-to-image (SDEdit, Meng et al. 2022): the image at the decoder's resolution,
+    noised to the level of the decoder sampler's step ``(1 − strength)·steps``, denoised
+    from there conditioned on ``prompt`` (its prior sample, or ``image_embeds``), then
+    upsampled. ``strength`` in (0, 1]: 1 keeps almost nothing of the image, small values
+    keep its layout and colours. The decoder's ``best_of`` is not used (one sample per
+    image)."""
+    progress = pipe._progress(progress)
+    sampling = pipe.sampling_settings(sampling)  # resolved once for every stage
+    check_output_type(output_type)
+    if not isinstance(strength, (int, float)) or not 0 < float(strength) <= 1:
+        raise ValueError(f"img2img: strength must be in (0, 1], got {strength!r}")
+    x, n, gen = _edit_start(pipe, image, prompt, num_images, generator, "img2img")
+    cb = callback_on_step_end
+    embeds = _edit_embeds(
+        pipe, prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
+    )
+    d = _edit_decoder(pipe, embeds, prompt, n, sampling, negative_prompt)
+    steps = d.settings.steps
+    run = max(1, min(steps, round(float(strength) * steps)))
+    sched = d.scheduler
+    # second-order solvers list each timestep twice (UnCLIPScheduler has no order: first)
+    start = (steps - run) * getattr(sched, "order", 1)
+    if hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(start)  # where sigma-indexed samplers read add_noise's level
+    known = at_size(x, pipe.decoder.config.sample_size).to(pipe.device).repeat(n, 1, 1, 1)
+    noise = randn_tensor(known.shape, generator=gen, device=pipe.device, dtype=known.dtype)
+    # the sampler's own forward process: sigma-space samplers (Euler, ...) scale x_t
+    # differently from the variance-preserving one the model was trained with
+    x_t = sched.add_noise(known, noise, sched.timesteps[start].reshape(1).repeat(n))
+    small = denoise_steps(
+        d.fn,
+        x_t,
+        d.scheduler,
+        guidance_scale=d.settings.guidance_scale,
+        start=start,
+        generator=gen,
+        learned_variance=d.learned_variance,
+        progress=progress,
+        desc="img2img",
+        autocast_dtype=pipe.autocast_dtype,
+        callback=stage_callback(pipe, "decoder", cb),
+    )
+    small = check_finite("decoder", small).float().clamp(-1, 1)
+    out = _finish(
+        pipe,
+        small,
+        gen,
+        sampling,
+        output_type,
+        progress,
+        cb,
+        embeds,
+        info={"strength": float(strength), "decoder_steps_run": run},
+    )
+    if return_intermediates:
+        out.stage_images = {"decoder": small}
+    return out
+
+
+@releases_gpu
+@torch.no_grad()
+def inpaint(
+    pipe: UnCLIPCascade,
+    image,
+    mask,
+    prompt: str,
+    num_images: int = 1,
+    resample: int = 4,
+    generator: Generator = None,
+    sampling: Optional[dict] = None,
+    negative_prompt: Optional[str] = None,
+    image_embeds: Optional[torch.Tensor] = None,
+    output_type: str = "pil",
+    return_intermediates: bool = False,
+    progress: bool = True,
+    callback_on_step_end=None,
+) -> EditOutput:
+    """Regenerate the masked region of ``image`` to ``prompt`` and keep the rest (see the
+    module doc). ``mask``: the image's size, white/1/True = regenerate (:func:`read_mask`).
+    The prompt describes the whole edited image; its prior sample (or ``image_embeds``)
+    conditions the decoder. ``resample``: RePaint passes per decoder step (1 = plain
+    replacement; more harmonise the new region with the kept one, at that many times the
+    decoder's cost; the decoder's sampler must then be one of
+    :data:`RESAMPLING_SCHEDULERS`). The unmasked pixels of every stage's output are the
+    image's, resized to that stage, bit for bit."""
+    progress = pipe._progress(progress)
+    check_output_type(output_type)
+    resample = check_count(resample, "resample")
+    x, n, gen = _edit_start(pipe, image, prompt, num_images, generator, "inpaint")
+    m = read_mask(mask, x.shape[-2], x.shape[-1])
+    settings = sampling = pipe.sampling_settings(sampling)  # resolved once for every stage
+    dec = settings["decoder"]
+    assert isinstance(dec, DecoderSampling)
+    spec = dec.scheduler
+    stateless = (DDIMScheduler, DDPMScheduler, UnCLIPScheduler)
+    built = make_scheduler(
+        spec, pipe.diffusion["decoder"], learned_variance=pipe.decoder.config.learned_variance
+    )
+    if resample > 1 and not isinstance(built, stateless):
+        raise ValueError(
+            f"inpaint: resample={resample} needs a decoder sampler that keeps no history "
+            f"({', '.join(RESAMPLING_SCHEDULERS)}), not {scheduler_label(spec)!r}; "
+            "use resample=1 or another sampler"
         )
-        if resample > 1 and not isinstance(built, stateless):
+    cb = callback_on_step_end
+    embeds = _edit_embeds(
+        pipe, prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
+    )
+    d = _edit_decoder(pipe, embeds, prompt, n, sampling, negative_prompt)
+    out = _masked(pipe, d, x, m, "decoder", resample, gen, progress, cb)
+    stages = {"decoder": out}
+    for name, up in zip(pipe.upsampler_names, pipe.upsamplers):
+        pipe._onload(name)
+        s = settings[name]
+        assert isinstance(s, UpsamplerSampling)
+        du = upsampler_denoiser(up, out, s, pipe.diffusion[name], gen)
+        out = _masked(pipe, du, x, m, name, 1, gen, progress, cb)
+        stages[name] = out
+    res = EditOutput(to_output(out, output_type), embeds, info={"resample": resample})
+    if return_intermediates:
+        res.stage_images = stages
+    return res
+
+
+def _masked(pipe: UnCLIPCascade, d: Denoiser, image, mask, stage, resample, gen, progress, cb):
+    """One stage's masked sampling: ``d``'s reverse process with the unmasked region replaced
+    at every step by ``image`` noised to the next step's level, ``resample`` passes per step;
+    the result's unmasked pixels are exactly ``image`` at the stage's size."""
+    b, size = d.shape[0], d.shape[-1]
+    known = at_size(image, size).to(pipe.device).repeat(b, 1, 1, 1)
+    regen = mask_at_size(mask, size).to(pipe.device)
+    sched, ts = d.scheduler, d.scheduler.timesteps
+    ac = sched.alphas_cumprod
+    x = randn_tensor(d.shape, generator=gen, device=pipe.device) * sched.init_noise_sigma
+    callback = stage_callback(pipe, stage, cb)
+
+    def noised(level):
+        # the sampler's own forward process at the level its next step starts from (a
+        # sigma-indexed sampler reads it from its step index, already advanced)
+        noise = randn_tensor(known.shape, generator=gen, device=pipe.device)
+        return sched.add_noise(known, noise, level.reshape(1).repeat(b))
+
+    for i in tqdm(range(len(ts)), desc=f"inpaint {stage}", disable=not progress, leave=False):
+        last = i + 1 == len(ts)
+        for r in range(1 if last else resample):
+            out = d.output(x, ts[i], pipe.autocast_dtype)
+            x_next = scheduler_step(sched, out, i, x, gen)
+            x_next = torch.where(regen, x_next, known if last else noised(ts[i + 1]))
+            if r + 1 < resample and not last:  # RePaint: back to step i's level, again
+                ratio = float(ac[int(ts[i])] / ac[int(ts[i + 1])])
+                noise = randn_tensor(x.shape, generator=gen, device=pipe.device)
+                x = math.sqrt(ratio) * x_next + math.sqrt(1 - ratio) * noise
+        x = x_next
+        if callback is not None:
+            new = callback(i, ts[i], x)
+            x = x if new is None else new
+    x = check_finite(stage, x).float().clamp(-1, 1)
+    return torch.where(regen, x, known)
+
+
+@releases_gpu
+@torch.no_grad()
+def variations(
+    pipe: UnCLIPCascade,
+    image,
+    num_images: int = 1,
+    generator: Generator = None,
+    caption: Optional[str] = None,
+    sampling: Optional[dict] = None,
+    output_type: str = "pil",
+    progress: bool = True,
+    callback_on_step_end: Optional[StepCallback] = None,
+) -> UnCLIPOutput:
+    """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1). ``image``: one
+    image (a path, a PIL image, an array or a tensor), or a list of them: ``num_images``
+    variations of each, image-major (``generator``: one, one per input image, or one per
+    output). ``caption``: one for all, or one per input image. ``callback_on_step_end``: see
+    :meth:`__call__`."""
+    progress = pipe._progress(progress)
+    sampling = pipe.sampling_settings(sampling)  # resolved once for every stage
+    check_output_type(output_type)
+    n = check_count(num_images, "num_images")
+    images = list(image) if isinstance(image, (list, tuple)) else [image]
+    if not images:
+        raise ValueError("variations: no image given")
+    embed = torch.cat([pipe.clip.encode_image(as_image_input(x)) for x in images])
+    if embed.shape[0] != len(images):
+        raise ValueError(
+            "variations: a batch tensor holds several images; pass a list of images instead"
+        )
+    embeds = embed.repeat_interleave(n, dim=0)
+    if caption is None:
+        text = None
+    else:
+        captions = [caption] * len(images) if isinstance(caption, str) else list(caption)
+        if len(captions) != len(images):
             raise ValueError(
-                f"inpaint: resample={resample} needs a decoder sampler that keeps no history "
-                f"({', '.join(RESAMPLING_SCHEDULERS)}), not {scheduler_label(spec)!r}; "
-                "use resample=1 or another sampler"
+                f"variations: {len(captions)} captions for {len(images)} images; give one "
+                "for all, or one per image"
             )
-        cb = callback_on_step_end
-        embeds = self._edit_embeds(
-            prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
-        )
-        d = self._edit_decoder(embeds, prompt, n, sampling, negative_prompt)
-        out = self._masked(d, x, m, "decoder", resample, gen, progress, cb)
-        stages = {"decoder": out}
-        for name, up in zip(self.upsampler_names, self.upsamplers):
-            self._onload(name)
-            s = settings[name]
-            assert isinstance(s, UpsamplerSampling)
-            du = upsampler_denoiser(up, out, s, self.diffusion[name], gen)
-            out = self._masked(du, x, m, name, 1, gen, progress, cb)
-            stages[name] = out
-        res = EditOutput(to_output(out, output_type), embeds, info={"resample": resample})
-        if return_intermediates:
-            res.stage_images = stages
-        return res
-
-    def _masked(self, d: Denoiser, image, mask, stage, resample, gen, progress, cb):
-        """One stage's masked sampling: ``d``'s reverse process with the unmasked region replaced
-        at every step by ``image`` noised to the next step's level, ``resample`` passes per step;
-        the result's unmasked pixels are exactly ``image`` at the stage's size."""
-        b, size = d.shape[0], d.shape[-1]
-        known = at_size(image, size).to(self.device).repeat(b, 1, 1, 1)
-        regen = mask_at_size(mask, size).to(self.device)
-        sched, ts = d.scheduler, d.scheduler.timesteps
-        ac = sched.alphas_cumprod
-        x = randn_tensor(d.shape, generator=gen, device=self.device) * sched.init_noise_sigma
-        callback = stage_callback(self, stage, cb)
-
-        def noised(level):
-            # the sampler's own forward process at the level its next step starts from (a
-            # sigma-indexed sampler reads it from its step index, already advanced)
-            noise = randn_tensor(known.shape, generator=gen, device=self.device)
-            return sched.add_noise(known, noise, level.reshape(1).repeat(b))
-
-        for i in tqdm(range(len(ts)), desc=f"inpaint {stage}", disable=not progress, leave=False):
-            last = i + 1 == len(ts)
-            for r in range(1 if last else resample):
-                out = d.output(x, ts[i], self.autocast_dtype)
-                x_next = scheduler_step(sched, out, i, x, gen)
-                x_next = torch.where(regen, x_next, known if last else noised(ts[i + 1]))
-                if r + 1 < resample and not last:  # RePaint: back to step i's level, again
-                    ratio = float(ac[int(ts[i])] / ac[int(ts[i + 1])])
-                    noise = randn_tensor(x.shape, generator=gen, device=self.device)
-                    x = math.sqrt(ratio) * x_next + math.sqrt(1 - ratio) * noise
-            x = x_next
-            if callback is not None:
-                new = callback(i, ts[i], x)
-                x = x if new is None else new
-        x = check_finite(stage, x).float().clamp(-1, 1)
-        return torch.where(regen, x, known)
-
-    @releases_gpu
-    @torch.no_grad()
-    def variations(
-        self,
-        image,
-        num_images: int = 1,
-        generator: Generator = None,
-        caption: Optional[str] = None,
-        sampling: Optional[dict] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ) -> UnCLIPOutput:
-        """Image → CLIP image embedding → ``num_images`` decodings (paper §3.1). ``image``: one
-        image (a path, a PIL image, an array or a tensor), or a list of them: ``num_images``
-        variations of each, image-major (``generator``: one, one per input image, or one per
-        output). ``caption``: one for all, or one per input image. ``callback_on_step_end``: see
-        :meth:`__call__`."""
-        check_output_type(output_type)
-        n = check_count(num_images, "num_images")
-        images = list(image) if isinstance(image, (list, tuple)) else [image]
-        if not images:
-            raise ValueError("variations: no image given")
-        embed = torch.cat([self.clip.encode_image(as_image_input(x)) for x in images])
-        if embed.shape[0] != len(images):
-            raise ValueError(
-                "variations: a batch tensor holds several images; pass a list of images instead"
-            )
-        embeds = embed.repeat_interleave(n, dim=0)
-        if caption is None:
-            text = None
-        else:
-            captions = [caption] * len(images) if isinstance(caption, str) else list(caption)
-            if len(captions) != len(images):
-                raise ValueError(
-                    f"variations: {len(captions)} captions for {len(images)} images; give one "
-                    "for all, or one per image"
-                )
-            text = [c for c in captions for _ in range(n)]
-        gen = expand_generator(generator, len(images), n, "generator")
-        cb: dict[str, Any] = {"progress": progress, "callback_on_step_end": callback_on_step_end}
-        small = self.decode(embeds, text, gen, sampling, **cb)
-        final = self.upsample(small, gen, sampling, **cb)
-        return UnCLIPOutput(to_output(final, output_type), embeds)
+        text = [c for c in captions for _ in range(n)]
+    gen = expand_generator(generator, len(images), n, "generator")
+    cb: dict[str, Any] = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+    small = pipe.decode(embeds, text, gen, sampling, **cb)
+    final = pipe.upsample(small, gen, sampling, **cb)
+    return UnCLIPOutput(to_output(final, output_type), embeds)

@@ -180,6 +180,11 @@ def generate_to_folder(
         hub = {"revision": revision, "cache_dir": cache_dir}
         pipe = load_pipeline(model, **hub)
         name = str(model or DEFAULT_MODEL)
+    if lora and not hasattr(pipe, "load_lora"):
+        raise ValueError(
+            f"LoRA adapters apply to unCLIP pipelines; this is a {pipe.family} pipeline (leave "
+            "--lora out)"
+        )
     # adapters already on a caller's pipeline are recorded too; those loaded here are unloaded
     # at the end, so the caller's pipeline is left as it was given
     adapters = [

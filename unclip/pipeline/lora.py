@@ -1,7 +1,10 @@
-"""The pipeline's LoRA methods: ``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora``.
+"""LoRA adapters on a pipeline's stages: ``load_lora``, ``set_lora_scale``, ``merge_lora``,
+``unload_lora``, and diffusers' names for them.
 
-:class:`LoraMixin` is a base of :class:`~unclip.pipeline.UnCLIPPipeline`; the adapter operations on
-one stage component and the adapter folders are in :mod:`unclip.lora`.
+:class:`LoraMixin` is a capability on the pipeline base
+(:class:`~unclip.pipeline.base.BasePipeline`) that a family takes on by inheriting it, as
+diffusers' loader mixins are; the adapter operations
+on one stage component and the adapter folders are in :mod:`unclip.nets.lora`.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
+from unclip.io.hub import resolve_folder
 from unclip.nets.lora import (
     AdapterFolder,
     add_adapter,
@@ -28,7 +33,7 @@ from unclip.nets.lora import (
     set_adapter_scale,
     unfuse_adapters,
 )
-from unclip.pipeline.base import PipelineBase
+from unclip.pipeline.base import BasePipeline
 
 __all__ = ["LoraMixin", "LoadedAdapter"]
 
@@ -48,11 +53,12 @@ class LoadedAdapter:
     path: str
 
 
-class LoraMixin(PipelineBase):
-    """``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora`` for
-    :class:`~unclip.pipeline.pipeline.UnCLIPPipeline` (see the module doc), and diffusers' names:
-    ``load_lora_weights``, ``set_adapters``, ``fuse_lora``, ``unfuse_lora``,
-    ``unload_lora_weights``."""
+class LoraMixin(BasePipeline):
+    """``load_lora``, ``set_lora_scale``, ``merge_lora``, ``unload_lora`` (see the module doc),
+    and diffusers' names: ``load_lora_weights``, ``set_adapters``, ``disable_lora``,
+    ``enable_lora``, ``delete_adapters``, ``get_list_adapters``, ``get_active_adapters``,
+    ``fuse_lora``, ``unfuse_lora``, ``unload_lora_weights``. The adapted stages are the
+    components other than the CLIPs."""
 
     @property
     def lora_adapters(self) -> dict[str, LoadedAdapter]:
@@ -68,6 +74,7 @@ class LoraMixin(PipelineBase):
         scale: float = 1.0,
         stage: Optional[str] = None,
         name: Optional[str] = None,
+        weight_name: Optional[str] = None,
     ) -> str:
         """Load a LoRA adapter folder onto the stage it was trained for and return its name.
 
@@ -78,7 +85,7 @@ class LoraMixin(PipelineBase):
         ``ValueError`` and leaves the pipeline as it was; one trained on other base weights or with
         another CLIP loads with a warning (the results may be off)."""
         scale = _check_scale(scale)
-        adapter = read_adapter(path)
+        adapter = read_adapter(path, weight_name)
         want = adapter.stage
         stages = self._adaptable_stages()
         if stage is not None and stage != want:
@@ -106,7 +113,8 @@ class LoraMixin(PipelineBase):
             remove_adapter(model, name)  # whatever was injected: the pipeline as it was
             raise
         self._warn_if_other_base(adapter, model, want)
-        set_adapter_scale(model, name, scale)
+        # loaded while LoRA is disabled: off until enable_lora
+        set_adapter_scale(model, name, 0.0 if self.__dict__.get("_lora_disabled") else scale)
         self.lora_adapters[name] = LoadedAdapter(want, float(scale), str(adapter.path))
         return name
 
@@ -130,11 +138,14 @@ class LoraMixin(PipelineBase):
                 f"{want}; this pipeline's: {have}); its effect may not be the one it learned",
                 stacklevel=3,
             )
-        clip_want = _fingerprint_for(meta, "clip_fingerprint", self.clip.dtype)
-        if clip_want is not None and clip_want != self.clip.fingerprint():
+        clip = getattr(self, "clip", None)  # the conditioning CLIP of a family that has one
+        if clip is None:
+            return
+        clip_want = _fingerprint_for(meta, "clip_fingerprint", clip.dtype)
+        if clip_want is not None and clip_want != clip.fingerprint():
             warnings.warn(
                 f"LoRA adapter {adapter.path} was trained with another CLIP (fingerprint "
-                f"{clip_want}; this pipeline's: {self.clip.fingerprint()})",
+                f"{clip_want}; this pipeline's: {clip.fingerprint()})",
                 stacklevel=3,
             )
 
@@ -153,7 +164,8 @@ class LoraMixin(PipelineBase):
         scale = _check_scale(scale)
         for n in self._named(name):
             info = self.lora_adapters[n]
-            set_adapter_scale(self._adaptable_stages()[info.stage], n, scale)
+            if not self.__dict__.get("_lora_disabled"):  # else enable_lora applies it
+                set_adapter_scale(self._adaptable_stages()[info.stage], n, scale)
             info.scale = scale
 
     def merge_lora(self) -> None:
@@ -163,6 +175,7 @@ class LoraMixin(PipelineBase):
         load the pipeline again.)"""
         if not self.lora_adapters:
             raise ValueError("merge_lora: no LoRA adapter is loaded")
+        self._refuse_disabled("merge_lora")
         self._offload_all()  # with model offload: change the weights where they live, on the CPU
         for stage in {info.stage for info in self.lora_adapters.values()}:
             merge_adapters(self._adaptable_stages()[stage])
@@ -181,15 +194,43 @@ class LoraMixin(PipelineBase):
         self,
         pretrained_model_name_or_path: Union[str, os.PathLike],
         adapter_name: Optional[str] = None,
-        **kwargs,
+        *,
+        weight_name: Optional[str] = None,
+        subfolder: Optional[str] = None,
+        revision: Optional[str] = None,
+        cache_dir: Union[str, os.PathLike, None] = None,
+        local_files_only: Optional[bool] = None,
+        token: Union[str, bool, None] = None,
+        scale: float = 1.0,
+        stage: Optional[str] = None,
     ) -> str:
-        """diffusers' name for :meth:`load_lora`: an unclip adapter folder (``unclip
-        train-decoder ... train.lora.rank=8`` exports one); ``adapter_name`` its name."""
+        """diffusers' name for :meth:`load_lora`: an unclip adapter (``unclip train-decoder ...
+        train.lora.rank=8`` exports one) given as its folder, its ``adapter_model.safetensors``
+        file, a folder and ``weight_name`` (its weights file's name there), or a Hub repo id
+        (``subfolder``, ``revision``, ``cache_dir``, ``local_files_only``, ``token`` as in
+        ``from_pretrained``); ``adapter_name`` its name. Returns the name."""
         self._refuse_fused("load_lora_weights")
-        unknown = sorted(set(kwargs) - {"scale", "stage"})
-        if unknown:
-            raise TypeError(f"load_lora_weights: unknown argument {unknown[0]!r}")
-        return self.load_lora(pretrained_model_name_or_path, name=adapter_name, **kwargs)
+        source = Path(pretrained_model_name_or_path).expanduser()
+        if source.is_file():  # the weights file of an adapter folder
+            if weight_name is not None or subfolder is not None:
+                raise ValueError(
+                    f"load_lora_weights: {source} is a file; weight_name= and subfolder= go with "
+                    "a folder or a Hub repo id"
+                )
+            folder, weight_name = source.parent, source.name
+        else:
+            folder = resolve_folder(
+                pretrained_model_name_or_path,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                subfolder=subfolder,
+                what="LoRA adapter",
+                token=token,
+            )
+        return self.load_lora(
+            folder, scale=scale, stage=stage, name=adapter_name, weight_name=weight_name
+        )
 
     def set_adapters(
         self,
@@ -215,14 +256,48 @@ class LoraMixin(PipelineBase):
             self.set_lora_scale(chosen.get(n, 0.0), n)
 
     def get_active_adapters(self) -> list[str]:
-        """The loaded adapters whose scale is not 0."""
+        """The loaded adapters whose scale is not 0 (and LoRA not disabled)."""
+        if self.__dict__.get("_lora_disabled"):
+            return []
         return [n for n, info in self.lora_adapters.items() if info.scale != 0]
+
+    def get_list_adapters(self) -> dict[str, list[str]]:
+        """``{stage: [adapter names]}`` of the loaded adapters, as diffusers' (keyed by
+        component)."""
+        out: dict[str, list[str]] = {}
+        for n, info in self.lora_adapters.items():
+            out.setdefault(info.stage, []).append(n)
+        return out
+
+    def disable_lora(self) -> None:
+        """Turn every loaded adapter's update off (the base pipeline's images bit for bit) and
+        keep the adapters and their scales for :meth:`enable_lora`."""
+        self._refuse_fused("disable_lora")
+        for n, info in self.lora_adapters.items():
+            set_adapter_scale(self._adaptable_stages()[info.stage], n, 0.0)
+        self.__dict__["_lora_disabled"] = True
+
+    def enable_lora(self) -> None:
+        """Turn the adapters :meth:`disable_lora` turned off back on, each at its scale."""
+        self.__dict__.pop("_lora_disabled", None)
+        for n, info in self.lora_adapters.items():
+            set_adapter_scale(self._adaptable_stages()[info.stage], n, info.scale)
+
+    def delete_adapters(self, adapter_names: Union[str, list[str]]) -> None:
+        """Remove the named adapters (diffusers' name for :meth:`unload_lora` by name)."""
+        self._refuse_fused("delete_adapters")
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for n in names:
+            self._named(n)  # every name checked before any is removed
+        for n in names:
+            self.unload_lora(n)
 
     def fuse_lora(self, lora_scale: float = 1.0, adapter_names: Optional[list[str]] = None) -> None:
         """Add the loaded adapters (or ``adapter_names``), each at its scale times ``lora_scale``,
         into the weights; sampling then costs what the base pipeline costs. :meth:`unfuse_lora`
         takes them out again; :meth:`unload_lora_weights` afterwards keeps them in."""
         self._refuse_fused("fuse_lora")
+        self._refuse_disabled("fuse_lora")
         names = self._named(None) if adapter_names is None else list(adapter_names)
         if not names:
             raise ValueError("fuse_lora: no LoRA adapter is loaded")
@@ -264,6 +339,14 @@ class LoraMixin(PipelineBase):
     def _refuse_fused(self, action: str) -> None:
         if self.__dict__.get("_fused_lora"):
             raise ValueError(f"{action}: adapters are fused; call unfuse_lora() first")
+
+    def _refuse_disabled(self, action: str) -> None:
+        if self.__dict__.get("_lora_disabled"):
+            raise ValueError(f"{action}: LoRA is disabled; call enable_lora() first")
+
+    def _check_savable(self, action: str) -> None:
+        super()._check_savable(action)
+        self._refuse_unmerged_lora(action)
 
     def _refuse_unmerged_lora(self, action: str) -> None:
         if self.lora_adapters:

@@ -1,4 +1,5 @@
-"""Attention memory options of :class:`~unclip.pipeline.UnCLIPPipeline`::
+"""Attention memory options, a capability of the pipeline families whose networks use diffusers'
+attention layers (:class:`MemoryMixin`)::
 
     pipe.enable_attention_slicing()        # attention computed a few heads at a time
     pipe.disable_attention_slicing()       # back to PyTorch's scaled-dot-product attention
@@ -6,7 +7,7 @@
 
 Slicing trades speed for peak memory: the attention matrix of only ``slice_size`` heads exists at
 once (``"auto"``: half the heads, ``"max"``: one head). Results equal the unsliced ones to float
-rounding. :meth:`UnCLIPPipeline.to` turns xformers on by itself when the pipeline moves to a CUDA
+rounding. A pipeline's ``to`` turns xformers on by itself when the pipeline moves to a CUDA
 device and the ``xformers`` package is installed (``pipe.use_xformers = False`` keeps it off).
 """
 
@@ -17,7 +18,7 @@ from typing import Union
 
 import torch
 
-from unclip.pipeline.base import PipelineBase
+from unclip.pipeline.base import BasePipeline
 
 __all__ = ["MemoryMixin", "xformers_available"]
 
@@ -47,7 +48,7 @@ def _sliced_without_temb(slice_size: int):
     return SlicedAttn(slice_size)
 
 
-class MemoryMixin(PipelineBase):
+class MemoryMixin(BasePipeline):
     """Attention slicing and xformers for every denoising network (see the module doc)."""
 
     #: ``"auto"``: enable xformers in :meth:`to` on CUDA when installed; False: never
@@ -106,10 +107,14 @@ class MemoryMixin(PipelineBase):
                 attn.set_use_memory_efficient_attention_xformers(False)
         self._xformers_on = False
 
+    def _device_changed(self) -> None:
+        super()._device_changed()
+        self._auto_xformers()
+
     def _auto_xformers(self) -> None:
-        """Called by :meth:`to`: xformers on when on CUDA, installed, not turned off and no
-        attention slicing was asked for; off again when the pipeline leaves CUDA (its kernels are
-        CUDA only)."""
+        """Called when the components move: xformers on when on CUDA, installed, not turned off
+        and no attention slicing was asked for; off again when the pipeline leaves CUDA (its
+        kernels are CUDA only)."""
         if self.use_xformers != "auto" or not xformers_available():
             return
         if self.device.type != "cuda":

@@ -10,20 +10,20 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from unclip.utils.files import check_output_folder, write_file
 from unclip.utils.images import image_grid, save_image
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "UnCLIPOutput",
     "check_output_folder",
 ]
+
+
+_FIELDS = ("images", "image_embeds", "text_embeds", "stage_images", "timings")
 
 
 @dataclass
@@ -48,10 +48,17 @@ class UnCLIPOutput:
         outputs give their fields."""
         return tuple(v for v in (self.images, self.image_embeds, self.text_embeds) if v is not None)
 
+    def keys(self) -> list[str]:
+        """The fields that are set (not None), as diffusers' outputs list them."""
+        return [k for k in _FIELDS if getattr(self, k) is not None]
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys()
+
     def __getitem__(self, key):
         """``out[0]`` (the images), ``out["images"]``: as diffusers' outputs index."""
         if isinstance(key, str):
-            if key not in ("images", "image_embeds", "text_embeds", "stage_images", "timings"):
+            if key not in _FIELDS:
                 raise KeyError(key)
             return getattr(self, key)
         return self.to_tuple()[key]

@@ -29,77 +29,61 @@ A pipeline may carry a second CLIP, ``reranker``, used only to choose among deco
 ``unclip.json`` names the components and the default sampling settings; each component has its own
 subfolder with ``config.json`` and safetensors weights.
 
-This module is the pipeline object; the work it delegates lives beside it: each stage's sampling
-step and the settings resolution in :mod:`unclip.sampling` (usable without a pipeline), pipeline
-folders in :mod:`unclip.io`, and :class:`UnCLIPOutput` with :func:`generate_to_folder` in
-:mod:`unclip.output` (both re-exported here).
+The class is the cascade's components and stages (:class:`~unclip.pipeline.cascade.UnCLIPCascade`,
+on :class:`~unclip.pipeline.base.BasePipeline`: devices, autocast, offload, the upsampler chain,
+settings resolution, folders and diffusers' surface, shared with every family) plus what composes
+from them here: the text-to-image call, interpolation, the edits (functions in
+:mod:`unclip.pipeline.editing`, carried as methods) and loading (:mod:`unclip.pipeline.loading`).
+Each stage's sampling step and the settings types are in :mod:`unclip.sampling`, usable without a
+pipeline.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Optional, Union
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Self, Union
 
 import torch
 
-from unclip.diffusion.config import DiffusionConfig
 from unclip.diffusion.loop import Generator
-from unclip.nets.clip import CLIP
-from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
-from unclip.nets.prior import UnCLIPPrior
-from unclip.nets.priors import prior_type
-from unclip.nets.text_encoding import TextEncoding, check_prompts
+from unclip.nets.text_encoding import check_prompts
+from unclip.pipeline import editing, loading
 from unclip.pipeline.batching import generators_by_group, joined_outputs, negatives_per_row
-from unclip.pipeline.devices import DevicesMixin
+from unclip.pipeline.cascade import UnCLIPCascade
 from unclip.pipeline.diffusers_api import (
-    DiffusersInterfaceMixin,
     check_callback_inputs,
     check_latents_fit,
     flat_sampling,
 )
 from unclip.pipeline.edit_ops import EditOutput, Inversion
-from unclip.pipeline.editing import EditingMixin
 from unclip.pipeline.folders import (
     PIPELINE_FILE,
     bundled_model_path,
 )
-from unclip.pipeline.loading import LoadingMixin
-from unclip.pipeline.lora import LoraMixin
-from unclip.pipeline.memory import MemoryMixin
-from unclip.pipeline.offload import OffloadMixin
 from unclip.pipeline.output import UnCLIPOutput
-from unclip.pipeline.stages import StagesMixin
 from unclip.sampling.candidates import (
     CandidateSelection,
     check_rerank_at,
-    rerank_candidates,
-    sample_decoder_candidates,
 )
-from unclip.sampling.scorers import image_text_cosines
 from unclip.sampling.settings import (
     DEFAULT_SAMPLING,
     EVERY_UPSAMPLER,
     SAMPLING_FIELDS,
     DecoderSampling,
-    StageSampling,
-    resolve_sampling,
-    stage_settings,
 )
 from unclip.sampling.stages import (
     StepCallback,
 )
 from unclip.sampling.utils import (
-    check_components,
     check_count,
     check_embeds,
     check_output_type,
-    expand_generator,
     rows_of,
     slerp,
     stages_until,
 )
-from unclip.utils.images import to_output
+from unclip.utils.images import as_image_input, to_output
 from unclip.utils.offload import releases_gpu
 
 __all__ = [
@@ -116,121 +100,155 @@ __all__ = [
 ]
 
 
-class UnCLIPPipeline(
-    StagesMixin,
-    LoadingMixin,
-    DevicesMixin,
-    DiffusersInterfaceMixin,
-    EditingMixin,
-    MemoryMixin,
-    OffloadMixin,
-    LoraMixin,
-):
-    """The unCLIP cascade (see module doc). Build from components or :meth:`from_pretrained`."""
+class UnCLIPPipeline(UnCLIPCascade):
+    """The unCLIP text-to-image pipeline (see the module doc). Build from components
+    (``UnCLIPPipeline(clip, prior, decoder, upsamplers, ...)``) or :meth:`from_pretrained`."""
 
-    def __init__(
+    # ------------------------------------------------------------------ folders
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: Union[str, os.PathLike, None] = None,
+        *,
+        revision: Optional[str] = None,
+        cache_dir: Union[str, os.PathLike, None] = None,
+        local_files_only: Optional[bool] = None,
+        torch_dtype: Union[torch.dtype, str, None] = None,
+        dtype: Union[torch.dtype, str, None] = None,
+        variant: Optional[str] = None,
+        autocast_dtype=None,
+        memory_format: Optional[torch.memory_format] = torch.channels_last,
+        token: Union[str, bool, None] = None,
+        use_safetensors: Optional[bool] = None,
+        low_cpu_mem_usage: Optional[bool] = None,
+        device_map: Union[str, torch.device, None] = None,
+        allow_external_components: bool = False,
+    ) -> Self:
+        """Load a folder written by :meth:`save_pretrained`, a diffusers ``UnCLIPPipeline``
+        folder, or either from the Hugging Face Hub by repo id (``"org/name"``).
+
+        ``path=None`` or ``"shapes"`` loads the bundled offline shapes model. A repo id is
+        fetched once into the Hub cache (``cache_dir``, default ``HF_HUB_CACHE``) at ``revision``
+        (branch, tag or commit; default ``main``), safetensors weights only
+        (:mod:`unclip.io.hub`); ``local_files_only=True`` or ``HF_HUB_OFFLINE=1`` use the cache
+        only. ``torch_dtype`` (or ``dtype``, diffusers' newer name; ``torch.float16``/
+        ``bfloat16``/``float32`` or its name): cast the weights as :meth:`to` does. ``variant``
+        (e.g. ``"fp16"``): read ``*.fp16.safetensors`` weights.
+
+        Exact by default, as diffusers is: the networks compute in the weights' dtype (float32
+        unless ``torch_dtype`` says otherwise). Faster arithmetic is asked for:
+        ``autocast_dtype="auto"`` runs the denoising networks under float16 autocast on a GPU
+        and bfloat16 on a CPU that runs it natively (:attr:`autocast_dtype`; ``"bf16"``,
+        ``"fp16"``: that one). The image networks store their weights channels-last
+        (``memory_format``; ``None`` keeps the default layout; results equal to float rounding).
+
+        diffusers' keywords: ``token`` (a Hub token), ``use_safetensors`` (only safetensors are
+        ever loaded; ``False`` is an error), ``low_cpu_mem_usage`` (accepted: components are
+        built and then filled from their files), ``device_map`` (a device the whole pipeline
+        moves to, e.g. ``"cuda"``).
+
+        The components are read from inside the folder: a component name in ``unclip.json``
+        that leads outside it (``../other/decoder``) is refused unless
+        ``allow_external_components=True``.
+        """
+        return loading.load_unclip_pipeline(
+            cls,
+            path,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            torch_dtype=loading.one_dtype(torch_dtype, dtype),
+            variant=variant,
+            autocast_dtype=autocast_dtype,
+            memory_format=memory_format,
+            token=token,
+            use_safetensors=use_safetensors,
+            low_cpu_mem_usage=low_cpu_mem_usage,
+            device_map=device_map,
+            allow_external_components=allow_external_components,
+        )
+
+    @classmethod
+    def from_components(
+        cls,
+        clip: Union[str, os.PathLike],
+        decoder: Union[str, os.PathLike],
+        prior: Union[str, os.PathLike, None] = None,
+        upsamplers: Sequence[Union[str, os.PathLike]] = (),
+        reranker: Union[str, os.PathLike, None] = None,
+        *,
+        autocast_dtype=None,
+        memory_format: Optional[torch.memory_format] = torch.channels_last,
+    ) -> Self:
+        """Assemble a pipeline from component folders exported by the training commands
+        (``<output_dir>/final/<name>``, each with ``config.json``, weights and
+        ``unclip_stage.json``); ``reranker``: a CLIP folder (e.g. ``unclip train-clip``'s
+        ``<output_dir>/clip``) that scores decoder candidates instead of the conditioning CLIP.
+        ``autocast_dtype``, ``memory_format``: as in :meth:`from_pretrained`."""
+        return loading.assemble_unclip_pipeline(
+            cls,
+            clip,
+            decoder,
+            prior,
+            upsamplers,
+            reranker,
+            autocast_dtype=autocast_dtype,
+            memory_format=memory_format,
+        )
+
+    def _write_folder(self, path, model_card: Mapping) -> None:
+        loading.write_unclip_folder(self, path, model_card)
+
+    # ------------------------------------------------------------------ edits (pipeline.editing)
+    invert = editing.invert
+    text_diff = editing.text_diff
+    interpolate_inverted = editing.interpolate_inverted
+    img2img = editing.img2img
+    inpaint = editing.inpaint
+    variations = editing.variations
+
+    @releases_gpu
+    @torch.no_grad()
+    def interpolate(
         self,
-        clip: CLIP,
-        prior: Optional[UnCLIPPrior],
-        decoder: UnCLIPDecoder,
-        upsamplers: Sequence[UnCLIPUpsampler] = (),
-        diffusion: Optional[dict] = None,
+        start,
+        end,
+        num_steps: int = 5,
+        generator: Optional[torch.Generator] = None,
         sampling: Optional[dict] = None,
-        prior_clip_range: Optional[float] = 10.0,
-        reranker: Optional[CLIP] = None,
-    ):
-        self.clip = clip
-        if reranker is not None and not isinstance(reranker, CLIP):
-            raise TypeError(f"reranker must be a CLIP (or None), got {type(reranker).__name__}")
-        # a CLIP used only to score decoder candidates (rerank); None: the conditioning CLIP scores
-        # them
-        self.reranker = reranker
-        # the prior sampler clips predicted x_0 (normalised embedding) to [-r, r]; None disables
-        # (Karlo: 5)
-        self.prior_clip_range = None if prior_clip_range is None else float(prior_clip_range)
-        self.prior = prior
-        self.decoder = decoder
-        self.upsamplers = list(upsamplers)
-        self.diffusion: dict[str, DiffusionConfig]
-        self.sampling: dict[str, StageSampling]
-        self.diffusion, self.sampling = stage_settings(
-            self.stage_names, diffusion, sampling, ar_stages=self._ar_stages()
-        )
-        check_components(
-            clip, prior, decoder, dict(zip(self.upsampler_names, self.upsamplers)), reranker
-        )
-        for m in self.modules().values():
-            m.eval()
-        self._null_text: Optional[TextEncoding] = None
-        # None, "auto" or a dtype (autocast_dtype resolves it); from_pretrained sets "auto"
-        self._autocast_dtype: Union[str, torch.dtype, None] = None
-        # the model card fields save_pretrained writes (unclip.card.CARD_FIELDS); from_pretrained
-        # reads them from the folder's README.md
-        self.card_info: dict = {}
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ) -> UnCLIPOutput:
+        """Slerp between the CLIP image embeddings of two images or two prompts (paper §3.2).
 
-    # ------------------------------------------------------------------ structure
-    @property
-    def upsampler_names(self) -> list[str]:
-        return [f"sr{u.config.sample_size}" for u in self.upsamplers]
-
-    @property
-    def stage_names(self) -> list[str]:
-        return (["prior"] if self.prior is not None else []) + ["decoder"] + self.upsampler_names
-
-    @property
-    def resolution(self) -> int:
-        """Side of the final images."""
-        return (
-            self.upsamplers[-1].config.sample_size
-            if self.upsamplers
-            else self.decoder.config.sample_size
-        )
-
-    def modules(self) -> dict[str, torch.nn.Module]:
-        mods = {"clip": self.clip, "decoder": self.decoder}
-        if self.prior is not None:
-            mods["prior"] = self.prior
-        mods.update(zip(self.upsampler_names, self.upsamplers))
-        if self.reranker is not None:
-            mods["reranker"] = self.reranker
-        return mods
-
-    @property
-    def rerank_clip(self) -> CLIP:
-        """The CLIP that scores decoder candidates in :meth:`rerank`: the ``reranker`` component if
-        the pipeline has one, else the conditioning CLIP (``clip``)."""
-        return self.reranker if self.reranker is not None else self.clip
-
-    # ------------------------------------------------------------------ settings
-    def sampling_settings(self, sampling: Optional[Mapping] = None) -> dict[str, StageSampling]:
-        """The settings every stage samples with: ``{stage: settings}`` for :attr:`stage_names`
-        (:class:`~unclip.sampling.settings.PriorSampling` or ``ARPriorSampling``,
-        ``DecoderSampling``, ``UpsamplerSampling``).
-
-        ``sampling``: overrides ``{key: {setting: value}}``; a key is a stage name or
-        ``"upsampler"`` (every upsampler; an upsampler's own key wins), a setting one the stage
-        has. A value may also be a settings object. ``"prior"`` and ``"upsampler"`` may be given
-        for a pipeline without that stage (they are checked, then unused). Unknown keys or fields
-        and invalid values are a ``ValueError`` naming them; the result is a copy (changing it
-        changes nothing)."""
-        return resolve_sampling(
-            {name: self.sampling[name] for name in self.stage_names},
-            sampling,
-            ar_stages=self._ar_stages(),
-        )
-
-    def _ar_stages(self) -> tuple[str, ...]:
-        return ("prior",) if self.prior is not None and prior_type(self.prior) == "ar" else ()
-
-    def _stage_settings(self, stage: str, sampling: Optional[Mapping]) -> StageSampling:
-        return self.sampling_settings(sampling)[stage]
+        ``start``, ``end``: an image (a path to an existing file, a ``Path``, a PIL image, an
+        array or a tensor) or a prompt (any other string). Prompts go through the prior first.
+        Every frame is decoded from the same initial noise so
+        the frames differ only by the embedding. ``callback_on_step_end``: see :meth:`__call__`.
+        """
+        check_output_type(output_type)
+        if check_count(num_steps, "num_steps") < 2:
+            raise ValueError("interpolate: num_steps must be >= 2")
+        progress = self._progress(progress)
+        sampling = self.sampling_settings(sampling)  # resolved once for every stage
+        seed_gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        cb: dict[str, Any] = {"progress": progress, "callback_on_step_end": callback_on_step_end}
+        ends = []
+        for x in (start, end):
+            if isinstance(x, str) and not os.path.isfile(x):
+                ends.append(self.sample_image_embeds(x, 1, seed_gen, sampling, **cb))
+            else:
+                ends.append(self.clip.encode_image(as_image_input(x)))
+        ws = torch.linspace(0, 1, num_steps)
+        embeds = torch.cat([slerp(ends[0], ends[1], float(w)) for w in ws])
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
+        gens = [torch.Generator().manual_seed(seed) for _ in range(num_steps)]
+        small = self.decode(embeds, None, gens, sampling, **cb)
+        final = self.upsample(small, gens, sampling, **cb)
+        return UnCLIPOutput(to_output(final, output_type), embeds)
 
     # ------------------------------------------------------------------ composed
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     @releases_gpu
     @torch.no_grad()
     def __call__(
@@ -313,7 +331,8 @@ class UnCLIPPipeline(
             negatives = negatives_per_row(negative_prompt, len(prompts), "prompts")
         check_output_type(output_type)
         n = check_count(num_images_per_prompt)
-        settings = self.sampling_settings(sampling)  # validate everything before any compute
+        # resolved once, before any compute; every stage reads these objects
+        settings = self.sampling_settings(sampling)
         ups = stages_until(self.upsampler_names, last_stage)
         if image_embeds is not None:
             image_embeds = check_embeds(image_embeds, self.clip.embed_dim)
@@ -337,12 +356,12 @@ class UnCLIPPipeline(
         parts, order = [], []
         for k, rows in groups.items():
             parts.append(
-                self._generate(
+                self._sample_group(
                     [prompts[i] for i in rows],
                     n,
                     k,
                     gens[k],
-                    sampling,
+                    settings,
                     image_embeds=rows_of(image_embeds, rows, n),
                     negatives=None if negatives is None else [negatives[i] for i in rows],
                     upsamplers=ups,
@@ -359,107 +378,3 @@ class UnCLIPPipeline(
         if not return_dict:
             return (images,)
         return UnCLIPOutput(images, embeds, text_embeds, stage_images, timings)
-
-    def _generate(
-        self,
-        prompts: list[str],
-        n: int,
-        k: int,
-        generator: Generator,
-        sampling: Optional[Mapping],
-        *,
-        image_embeds: Optional[torch.Tensor],
-        negatives: Optional[list[str]],
-        upsamplers: list[str],
-        progress: bool,
-        callback_on_step_end: Optional[StepCallback],
-        latents: Optional[dict] = None,
-    ) -> tuple:
-        """One group of prompts that draw ``k`` decoder candidates per image, through every stage:
-        encode → prior → decoder candidates → upsamplers. Returns ``(final images, image embeds,
-        text embeds, {stage: images}, {stage: seconds})``. ``latents``: initial noise per stage
-        (``"prior"``, ``"decoder"``, ``"sr"``: the first upsampler's), one row per image."""
-        latents = latents or {}
-        timings: dict[str, float] = {}
-        t0 = self._now()
-        text = self.encode_text(prompts)
-        gen = expand_generator(generator, len(prompts), n * k, "generator", candidates=k)
-        text_k = text.repeat_interleave(n * k)
-        # the negative caption of each row (each distinct one is encoded once)
-        neg_k = None if negatives is None else [c for c in negatives for _ in range(n * k)]
-        if image_embeds is None:
-            embeds = self.sample_image_embeds(
-                text_k,
-                1,
-                gen,
-                sampling,
-                progress=progress,
-                callback_on_step_end=callback_on_step_end,
-                negative_prompt=neg_k,
-                latents=latents.get("prior"),
-            )
-            timings["prior"] = self._now() - t0
-            t0 = self._now()
-        else:
-            embeds = image_embeds.to(self.device).repeat_interleave(k, dim=0)
-        captions_k = [p for p in prompts for _ in range(n * k)]
-        inputs = self._decoder_inputs(
-            embeds, captions_k if self.decoder.has_text_encoder else text_k, sampling, neg_k
-        )
-        contrast = inputs[4].rerank_contrast
-
-        def choose(images, group, keep):
-            # one prompt per image: each consecutive group of candidates shares it
-            return self.rerank(images, captions_k[::k], group, contrast, keep=keep)
-
-        small, keep = sample_decoder_candidates(
-            *inputs,
-            choose,
-            k,
-            **self._decoder_run(gen, progress, callback_on_step_end),
-            latents=latents.get("decoder"),
-        )
-        embeds, text_k = embeds[keep], text_k[keep]
-        timings["decoder"] = self._now() - t0
-        gen = gen[::k] if isinstance(gen, list) else gen
-        final, stage_images = small, {"decoder": small}
-        for i, name in enumerate(upsamplers):
-            t0 = self._now()
-            final = self.upsample(
-                final,
-                gen,
-                sampling,
-                stages=[name],
-                progress=progress,
-                callback_on_step_end=callback_on_step_end,
-                latents=latents.get("sr") if i == 0 else None,
-            )
-            timings[name] = self._now() - t0
-            stage_images[name] = final
-        return final, embeds, text_k.text_embed, stage_images, timings
-
-    @releases_gpu
-    @torch.no_grad()
-    def rerank(
-        self,
-        images: torch.Tensor,
-        prompts: Union[str, Sequence[str]],
-        k: int,
-        contrast: Union[str, Callable[[str], list[str]], None] = None,
-        keep: int = 1,
-    ) -> torch.Tensor:
-        """Indices ``[B]`` of the best of each consecutive group of ``k`` candidates
-        (``images [B·k, 3, H, W]`` in [-1, 1]) by the cosine between :attr:`rerank_clip`'s
-        embeddings of the image and of its prompt. ``prompts``: one per image (``B·k``), one per
-        group (``B``), or one string for all; ``k = 1`` keeps every image. ``contrast`` (the
-        decoder's ``rerank_contrast``): score by the CLIP's preference for the prompt over its
-        alternatives instead; ``keep``: each group's ``keep`` best, ``[B·keep]``
-        (:func:`~unclip.sampling.rerank_candidates`)."""
-        return rerank_candidates(self.rerank_clip, images, prompts, k, contrast, keep)
-
-    @releases_gpu
-    @torch.no_grad()
-    def clip_scores(self, images: torch.Tensor, text_embed: torch.Tensor) -> torch.Tensor:
-        """Cosine similarity ``[B]`` between images ``[B, 3, H, W]`` in [-1, 1] and text embeddings
-        ``[B, D]``."""
-        return image_text_cosines(self.clip, images, text_embed)

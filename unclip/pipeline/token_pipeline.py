@@ -11,7 +11,7 @@ is decoded here), so ``unclip generate --model``, ``unclip evaluate`` and ``uncl
 run it unchanged. Sampling settings live under the one stage ``transformer``
 (:class:`~unclip.sampling.tokens.TokenSampling`).
 
-A folder (:meth:`TokenPipeline.save_pretrained`) is self-describing: ``unclip.json`` with
+A folder (``save_pretrained``) is self-describing: ``unclip.json`` with
 ``family`` (``dalle`` or ``dalle_mega``, from the transformer's type), the component folders and
 the default sampling settings; ``tokenizer/``, ``transformer/`` (``config.json`` +
 ``model.safetensors`` + ``README.md``) and, when there is one, ``clip/`` (the reranking CLIP, also
@@ -31,19 +31,19 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Optional, Self, Union, cast
 
 import torch
 
 from unclip.diffusion.config import diffusion_to_save
+from unclip.diffusion.loop import Generator
 from unclip.io.weights import read_json
 from unclip.nets.clip import CLIP, check_prompts
 from unclip.nets.decoder import UnCLIPUpsampler
-from unclip.nets.token_common import parameter_count
 from unclip.nets.token_components import (
     TokenizerConfig,
     TokenModelConfig,
@@ -52,12 +52,15 @@ from unclip.nets.token_components import (
     save_component,
     tokenizer_facts,
 )
+from unclip.pipeline.base import BasePipeline, ResolvedSampling
+from unclip.pipeline.diffusers_api import check_from_pretrained_options
 from unclip.pipeline.folders import (
     PIPELINE_FILE,
     component_folder,
     load_upsampler_folder,
     save_diffusers_component,
 )
+from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.candidates import rerank_candidates
 from unclip.sampling.settings import (
@@ -68,10 +71,13 @@ from unclip.sampling.settings import (
     sampling_to_save,
     stage_settings,
 )
-from unclip.sampling.stages import StepCallback, sample_upsampler, stage_callback
+from unclip.sampling.stages import StepCallback
 from unclip.sampling.tokens import TokenSampling, sample_image_tokens
+from unclip.sampling.utils import check_count, check_output_type, expand_generator, stages_until
 from unclip.utils.config import to_dict
 from unclip.utils.images import to_output
+from unclip.utils.offload import releases_gpu
+from unclip.utils.precision import parse_autocast, parse_dtype
 
 if TYPE_CHECKING:
     from unclip.nets.dvae import DVAE
@@ -85,10 +91,11 @@ TOKEN_FAMILIES = tuple(FAMILY_OF.values())
 FORMAT_VERSION = 1
 
 
-class TokenPipeline:
-    """Caption → image tokens → image (see the module doc)."""
-
-    lora_adapters: dict = {}
+class TokenPipeline(MemoryMixin, BasePipeline):
+    """Caption → image tokens → image (see the module doc). It stands on the pipeline base
+    (:class:`~unclip.pipeline.base.BasePipeline`: devices, dtype, autocast, offload, the upsampler
+    chain, ``components``, ``from_pipe``, ``save_pretrained``), with the attention-memory options
+    for its upsamplers; it has no LoRA adapters."""
 
     def __init__(
         self,
@@ -105,7 +112,9 @@ class TokenPipeline:
         """``upsamplers``: run in turn after the tokenizer decoder, the first reading the
         tokenizer's resolution, each the one before's; ``upsampler_diffusion`` /
         ``upsampler_sampling``: ``{name: settings}`` (``sr64``: a config or its dict, as stored
-        in ``unclip.json``), each defaulting to the upsampler defaults."""
+        in ``unclip.json``), each defaulting to the upsampler defaults. The networks are put in
+        eval mode without gradients: a token pipeline samples (training builds its own)."""
+        self._init_base()
         facts = tokenizer_facts(tokenizer_config)
         model = transformer_config.model
         if facts["grid"] != model.grid or facts["num_codes"] != model.image_vocab_size:
@@ -115,10 +124,12 @@ class TokenPipeline:
                 f"over {model.image_vocab_size}; pair a transformer with the tokenizer it was "
                 "trained on"
             )
+        if sampling is not None and not isinstance(sampling, TokenSampling):
+            raise TypeError(f"sampling must be a TokenSampling, got {type(sampling).__name__}")
         # a dVAE or a VQGAN (what TokenizerConfig builds): decode is theirs
-        self.tokenizer = cast("Union[DVAE, VQGAN]", tokenizer.eval())
+        self.tokenizer = cast("Union[DVAE, VQGAN]", tokenizer)
         self.tokenizer_config = tokenizer_config
-        self.transformer, self.transformer_config = transformer.eval(), transformer_config
+        self.transformer, self.transformer_config = transformer, transformer_config
         self.upsamplers = list(upsamplers)
         size = facts["image_size"]
         for up in self.upsamplers:
@@ -136,8 +147,10 @@ class TokenPipeline:
             raise ValueError(f"two upsamplers make the same size: {', '.join(names)}")
         self.diffusion, up_sampling = stage_settings(names, upsampler_diffusion, upsampler_sampling)
         self.sampling = {"transformer": sampling or TokenSampling(), **up_sampling}
+        if clip is not None and not isinstance(clip, CLIP):
+            raise TypeError(f"clip must be a CLIP (or None), got {type(clip).__name__}")
         self.clip = clip
-        self.card_info: dict = {}
+        self._freeze()
 
     @property
     def transformer_sampling(self) -> TokenSampling:
@@ -145,33 +158,48 @@ class TokenPipeline:
         s = self.sampling["transformer"]
         assert isinstance(s, TokenSampling), type(s).__name__
         return s
-        for m in self.modules().values():
-            m.requires_grad_(False)
+
+    # ------------------------------------------------------------------ the base's hooks
+    @property
+    def stage_names(self) -> list[str]:
+        return ["transformer", *self.upsampler_names]
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        mods = {"tokenizer": self.tokenizer, "transformer": self.transformer}
+        mods.update(zip(self.upsampler_names, self.upsamplers))
+        if self.clip is not None:
+            mods["clip"] = self.clip
+        return mods
+
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        """The networks of every sampling step: the token transformer and the upsampler UNets."""
+        nets: dict[str, torch.nn.Module] = {"transformer": self.transformer}
+        for name, up in zip(self.upsampler_names, self.upsamplers):
+            nets[name] = up.unet
+            if up.final_unet is not None:
+                nets[f"{name}.final"] = up.final_unet
+        return nets
+
+    def _anchor(self) -> torch.nn.Module:
+        return self.transformer
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {
+            "tokenizer": self.tokenizer,
+            "tokenizer_config": self.tokenizer_config,
+            "transformer": self.transformer,
+            "transformer_config": self.transformer_config,
+            "sampling": self.transformer_sampling,
+            "clip": self.clip,
+            "upsamplers": list(self.upsamplers),
+            "upsampler_diffusion": {n: self.diffusion[n] for n in self.upsampler_names},
+            "upsampler_sampling": {n: self.sampling[n] for n in self.upsampler_names},
+        }
 
     # ------------------------------------------------------------------ facts
     @property
-    def upsampler_names(self) -> list[str]:
-        return [f"sr{u.config.sample_size}" for u in self.upsamplers]
-
-    @property
-    def stage_names(self) -> tuple[str, ...]:
-        return ("transformer", *self.upsampler_names)
-
-    @property
     def family(self) -> str:
         return FAMILY_OF[self.transformer_config.type]
-
-    @property
-    def autocast_dtype(self) -> None:
-        """None: the token pipeline samples in full precision (a setting is accepted and has no
-        effect, so callers that set it for any pipeline work unchanged)."""
-        return None
-
-    @autocast_dtype.setter
-    def autocast_dtype(self, value) -> None:
-        pass
-
-    autocast_setting = None
 
     @property
     def reranker(self) -> Optional[CLIP]:
@@ -190,35 +218,19 @@ class TokenPipeline:
         """Image tokens sampled per image, one transformer step each (``grid²``)."""
         return self.transformer_config.model.grid**2
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    def modules(self) -> dict[str, torch.nn.Module]:
-        mods = {"tokenizer": self.tokenizer, "transformer": self.transformer}
-        mods.update(zip(self.upsampler_names, self.upsamplers))
-        if self.clip is not None:
-            mods["clip"] = self.clip
-        return mods
-
-    def to(self, device=None, dtype=None) -> TokenPipeline:
-        for m in self.modules().values():
-            m.to(device=device, dtype=dtype)
-        return self
-
-    def parameter_counts(self) -> dict[str, int]:
-        return {k: parameter_count(m) for k, m in self.modules().items()}
-
-    def load_lora(self, *args, **kwargs):
-        raise ValueError(f"LoRA adapters apply to unCLIP pipelines; this is a {self.family} one")
-
     # ------------------------------------------------------------------ settings
-    def sampling_settings(self, sampling: Optional[Mapping] = None) -> dict:
+    def sampling_settings(self, sampling: Optional[Mapping] = None) -> ResolvedSampling:
         """``{"transformer": TokenSampling, <upsampler>: UpsamplerSampling, ...}``: the folder's
         defaults with ``sampling`` overrides (``{"transformer": {setting: value}}`` or a
         :class:`TokenSampling`; ``{"sr64": {...}}`` or ``{"upsampler": {...}}`` for the
         upsamplers, as in ``UnCLIPPipeline``); unknown keys or settings are a ``ValueError``
-        naming them."""
+        naming them. A :class:`~unclip.pipeline.base.ResolvedSampling` is returned as it is."""
+        if isinstance(sampling, ResolvedSampling):
+            return sampling
+        if sampling is not None and not isinstance(sampling, Mapping):
+            raise TypeError(
+                f"sampling must be a mapping of stage to settings, got {type(sampling).__name__}"
+            )
         sampling = dict(sampling or {})
         valid = [*self.stage_names, EVERY_UPSAMPLER]
         for key in sampling:
@@ -228,11 +240,16 @@ class TokenPipeline:
                     f"{', '.join(valid)} ('transformer' settings: temperature, top_k, top_p, "
                     "guidance_scale, candidates, use_cache)"
                 )
-        base = self.sampling["transformer"]
+        base = self.transformer_sampling
         value = sampling.pop("transformer", None)
         if isinstance(value, TokenSampling):
             base = value
         elif value is not None:
+            if not isinstance(value, Mapping):
+                raise TypeError(
+                    "sampling['transformer'] must be a TokenSampling or a mapping of its "
+                    f"settings, got {type(value).__name__}"
+                )
             fields = set(to_dict(base))
             unknown = [k for k in value if k not in fields]
             if unknown:
@@ -242,36 +259,55 @@ class TokenPipeline:
                 )
             base = replace(base, **value)
         ups = resolve_sampling({n: self.sampling[n] for n in self.upsampler_names}, sampling)
-        return {"transformer": replace(base), **ups}
+        return ResolvedSampling({"transformer": replace(base), **ups})
 
     # ------------------------------------------------------------------ sampling
+    @releases_gpu
     @torch.no_grad()
     def __call__(
         self,
-        prompts: Union[str, Sequence[str]],
+        prompt: Union[str, Sequence[str], None] = None,
         num_images_per_prompt: int = 1,
-        generator=None,
-        *,
+        generator: Generator = None,
         sampling: Optional[Mapping] = None,
         output_type: str = "pil",
         return_intermediates: bool = False,
-        progress: bool = False,
-        negative_prompt: Optional[str] = None,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
         image_embeds=None,
         last_stage: Optional[str] = None,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ) -> UnCLIPOutput:
-        """Images for ``prompts`` (``num_images_per_prompt`` each, prompt-major). ``generator``:
-        one, one per prompt, or None; each prompt's rows draw from its own generator, so a
-        prompt's images do not depend on the prompts batched with it. With
-        ``sampling.candidates = k > 1`` each image is the best of ``k`` by the CLIP's
-        image–caption cosine (:func:`~unclip.sampling.candidates.rerank_candidates`).
+        negative_prompt: Optional[str] = None,
+        *,
+        return_dict: bool = True,
+        prompts: Union[str, Sequence[str], None] = None,
+    ) -> Union[UnCLIPOutput, tuple]:
+        """Images for ``prompt`` (one caption or a list; ``num_images_per_prompt`` each,
+        prompt-major), with :meth:`UnCLIPPipeline.__call__
+        <unclip.pipeline.pipeline.UnCLIPPipeline.__call__>`'s signature. ``generator``: one, one
+        per prompt, one per image, or None; each image's candidates draw from its generator, so
+        an image does not depend on the prompts batched with it. With ``sampling.candidates = k >
+        1`` each image is the best of ``k`` by the CLIP's image–caption cosine
+        (:func:`~unclip.sampling.candidates.rerank_candidates`). ``output_type`` and
+        ``return_dict`` as there; the networks run under :attr:`autocast_dtype` when it is set.
 
         ``callback_on_step_end(pipe, step, timestep, callback_kwargs)`` runs after each image
         token (``step`` and ``timestep``: the token's raster position, ``callback_kwargs``:
         ``{"stage": "transformer", "tokens": [B, step + 1]}``; a returned value is ignored, the
         tokens drawn stay) and after each upsampler denoising step (as in ``UnCLIPPipeline``:
-        ``{"stage": "sr64", "latents": x_t}``, a returned ``latents`` replaces ``x_t``)."""
+        ``{"stage": "sr64", "latents": x_t}``, a returned ``latents`` replaces ``x_t``).
+        ``prompts=``: the earlier name of ``prompt`` (deprecated)."""
+        if prompts is not None:
+            if prompt is not None:
+                raise TypeError("give prompt (or its deprecated name prompts), not both")
+            warnings.warn(
+                "TokenPipeline(prompts=...) is deprecated; the argument is called prompt, as in "
+                "every pipeline",
+                FutureWarning,
+                stacklevel=2,
+            )
+            prompt = prompts
+        if prompt is None:
+            raise TypeError("TokenPipeline.__call__: give prompt, a caption or a list of them")
         if negative_prompt is not None:
             raise ValueError(
                 f"negative_prompt applies to unCLIP pipelines; a {self.family} pipeline guides "
@@ -284,24 +320,23 @@ class TokenPipeline:
                 f"last_stage: a {self.family} pipeline has no stage {last_stage!r} (it has "
                 f"tokenizer{''.join(', ' + n for n in self.upsampler_names)})"
             )
-        prompts = check_prompts(prompts)
-        settings = self.sampling_settings(sampling)
+        check_output_type(output_type)
+        prompts_ = check_prompts(prompt)
+        n = check_count(num_images_per_prompt)
+        progress = self._progress(progress)
+        settings = self.sampling_settings(sampling)  # resolved once, read by every stage
         s = settings["transformer"]
+        assert isinstance(s, TokenSampling)
         if s.candidates > 1 and self.clip is None:
             raise ValueError(
                 "sampling.transformer.candidates > 1 reranks with a CLIP, which this pipeline "
                 "lacks; set candidates=1 or build the pipeline with rerank_clip"
             )
-        n, k = int(num_images_per_prompt), s.candidates
-        if n < 1:
-            raise ValueError(f"num_images_per_prompt must be >= 1, got {n}")
-        rows = [p for p in prompts for _ in range(n * k)]
-        if isinstance(generator, (list, tuple)):
-            if len(generator) != len(prompts):
-                raise ValueError(
-                    f"{len(generator)} generators for {len(prompts)} prompts; pass one per prompt"
-                )
-            generator = [g for g in generator for _ in range(n * k)]
+        k = s.candidates
+        rows = [p for p in prompts_ for _ in range(n * k)]
+        gen = expand_generator(generator, len(prompts_), n * k, "generator", candidates=k)
+        if gen is not None and not isinstance(gen, torch.Generator):
+            gen = list(gen)
         device = self.device
         ids, mask = self.transformer_config.caption_ids(rows)
         on_token = None
@@ -316,51 +351,57 @@ class TokenPipeline:
                 kwargs = {"stage": "transformer", "tokens": drawn}
                 callback_on_step_end(self, i, torch.tensor(i), kwargs)
 
-        t0 = time.perf_counter()
-        tokens = sample_image_tokens(
-            self.transformer,
-            ids.to(device),
-            mask.to(device),
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            guidance_scale=s.guidance_scale,
-            generator=generator,
-            use_cache=s.use_cache,
-            on_token=on_token,
-        )
-        t1 = time.perf_counter()
+        t0 = self._now()
+        self._onload("transformer")
+        autocast = self.autocast_dtype
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            tokens = sample_image_tokens(
+                self.transformer,
+                ids.to(device),
+                mask.to(device),
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                guidance_scale=s.guidance_scale,
+                generator=gen,
+                use_cache=s.use_cache,
+                on_token=on_token,
+            )
+        t1 = self._now()
+        self._onload("tokenizer")
         images = self.tokenizer.decode(tokens).float()
-        t2 = time.perf_counter()
+        t2 = self._now()
         timings = {"transformer": t1 - t0, "tokenizer": t2 - t1}
         if k > 1 and self.clip is not None:  # (candidates > 1 without a CLIP: refused above)
+            self._onload("clip")
             best = rerank_candidates(self.clip, images, rows, k)
             images = images[best]
-            timings["rerank"] = time.perf_counter() - t2
+            timings["rerank"] = self._now() - t2
         stage_images = {"tokenizer": images}
         if last_stage in (None, *self.upsampler_names):
             # the generators carry on from the token sampling, one per kept image
-            gen = generator[::k] if isinstance(generator, list) else generator
-            for name, up in zip(self.upsampler_names, self.upsamplers):
-                t0 = time.perf_counter()
-                images = sample_upsampler(
-                    up,
-                    images.to(up.device),
-                    settings[name],
-                    self.diffusion[name],
-                    generator=gen,
+            gen = gen[::k] if isinstance(gen, list) else gen
+            for name in stages_until(self.upsampler_names, last_stage):
+                t0 = self._now()
+                images = self.upsample(
+                    images,
+                    gen,
+                    settings,
+                    stages=[name],
                     progress=progress,
-                    callback=stage_callback(self, name, callback_on_step_end),
+                    callback_on_step_end=callback_on_step_end,
                 )
-                timings[name] = time.perf_counter() - t0
+                timings[name] = self._now() - t0
                 stage_images[name] = images
-                if name == last_stage:
-                    break
         text_embeds = None
         if self.clip is not None:
-            text_embeds = self.clip.encode_text([p for p in prompts for _ in range(n)]).text_embed
+            self._onload("clip")
+            text_embeds = self.clip.encode_text([p for p in prompts_ for _ in range(n)]).text_embed
+        out = to_output(images, output_type)
+        if not return_dict:
+            return (out,)
         return UnCLIPOutput(
-            images=to_output(images, output_type),
+            images=out,
             image_embeds=None,
             text_embeds=text_embeds,
             stage_images=stage_images if return_intermediates else {},
@@ -377,7 +418,7 @@ class TokenPipeline:
         sampling: Optional[TokenSampling] = None,
         rerank_clip: Union[str, os.PathLike, None] = None,
         upsamplers: Sequence[Union[str, os.PathLike]] = (),
-    ) -> TokenPipeline:
+    ) -> Self:
         """A pipeline from component folders (``final/tokenizer`` of ``unclip
         train-tokenizer``, ``final/transformer`` of ``unclip train-tokens``) and, optionally, a
         CLIP folder to rerank with and upsampler folders to run after the tokenizer (see
@@ -387,7 +428,7 @@ class TokenPipeline:
         clip = CLIP.from_pretrained(rerank_clip).eval() if rerank_clip is not None else None
         return cls(tok, tok_cfg, net, net_cfg, sampling, clip).with_upsamplers(upsamplers)
 
-    def with_upsamplers(self, folders: Sequence[Union[str, os.PathLike]]) -> TokenPipeline:
+    def with_upsamplers(self, folders: Sequence[Union[str, os.PathLike]]) -> Self:
         """This pipeline with the upsamplers in ``folders`` (in order; each an upsampler that a
         training run exported, ``<output_dir>/final/sr64``, or one inside an unCLIP pipeline
         folder, e.g. ``unclip/bundled/shapes/sr64``) after the tokenizer decoder in place of
@@ -403,18 +444,9 @@ class TokenPipeline:
             name = f"sr{up.config.sample_size}"
             ups.append(up)
             diffusion[name], sampling[name] = d, smp
-        pipe = type(self)(
-            self.tokenizer,
-            self.tokenizer_config,
-            self.transformer,
-            self.transformer_config,
-            self.transformer_sampling,
-            self.clip,
-            ups,
-            diffusion,
-            sampling,
+        pipe = type(self).from_pipe(
+            self, upsamplers=ups, upsampler_diffusion=diffusion, upsampler_sampling=sampling
         )
-        pipe.card_info = dict(self.card_info)
         device = self.device
         for up in ups:
             if up.device != device:  # moving in place warns needlessly otherwise (diffusers)
@@ -425,11 +457,24 @@ class TokenPipeline:
     def from_pretrained(
         cls,
         path: Union[str, os.PathLike],
+        *,
+        torch_dtype: Union[torch.dtype, str, None] = None,
+        dtype: Union[torch.dtype, str, None] = None,
+        autocast_dtype=None,
+        memory_format: Optional[torch.memory_format] = None,
+        device_map: Union[str, torch.device, None] = None,
         allow_external_components: bool = False,
-        **_ignored,
-    ) -> TokenPipeline:
+    ) -> Self:
         """Load a folder written by :meth:`save_pretrained` (its components from inside it, as
-        :func:`~unclip.pipeline.folders.component_folder` checks)."""
+        :func:`~unclip.pipeline.folders.component_folder` checks). ``torch_dtype`` (or
+        ``dtype``), ``autocast_dtype``, ``memory_format`` (the upsamplers' weights) and
+        ``device_map`` (one device) as in :meth:`UnCLIPPipeline.from_pretrained
+        <unclip.pipeline.pipeline.UnCLIPPipeline.from_pretrained>`; exact by default."""
+        from unclip.pipeline.loading import one_dtype
+
+        _, device = check_from_pretrained_options(None, None, None, device_map)
+        weights_dtype = parse_dtype(one_dtype(torch_dtype, dtype))
+        autocast = parse_autocast(autocast_dtype)
         path = Path(path)
         index = read_json(path / PIPELINE_FILE, "pipeline")
         if index.get("family") not in TOKEN_FAMILIES:
@@ -453,7 +498,7 @@ class TokenPipeline:
         if not isinstance(names, list):
             raise ValueError(f"{path / PIPELINE_FILE}: components.upsamplers must be a list")
         ups = [UnCLIPUpsampler.from_pretrained(sub(n)) for n in names]
-        return cls(
+        pipe = cls(
             tok,
             tok_cfg,
             net,
@@ -464,11 +509,12 @@ class TokenPipeline:
             index.get("diffusion", {}),
             {k: v for k, v in stored.items() if k != "transformer"},
         )
+        pipe._loaded_defaults(autocast, memory_format, weights_dtype)
+        return pipe if device is None else pipe.to(device)
 
-    def save_pretrained(self, folder: Union[str, os.PathLike]) -> Path:
-        """Write the folder described in the module doc."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+    def _write_folder(self, folder: Path, model_card: Mapping) -> None:
+        """The folder described in the module doc (``model_card``'s ``license`` and
+        ``description``, when given, go into its ``README.md``)."""
         save_component(self.tokenizer, folder / "tokenizer", "tokenizer", self.tokenizer_config)
         save_component(
             self.transformer, folder / "transformer", "transformer", self.transformer_config
@@ -504,5 +550,9 @@ class TokenPipeline:
             + f".\n\n| component | parameters |\n| --- | --- |\n{rows}\n\n"
             "Load with `unclip.pipeline.auto.load_pipeline(folder)`; sample with "
             "`unclip generate --model FOLDER`.\n"
+            + "".join(
+                f"\n**{key.capitalize()}:** {model_card[key]}\n"
+                for key in ("description", "license")
+                if model_card.get(key)
+            )
         )
-        return folder

@@ -26,7 +26,7 @@ from unclip.nets.text_encoding import TextEncoding
 from unclip.sampling.settings import ARPriorSampling, SamplingConfig, sampling_as
 from unclip.sampling.utils import check_finite
 
-__all__ = ["filter_logits", "sample_ar_prior"]
+__all__ = ["filter_logits", "sample_ar_prior", "row_uniforms", "draw_tokens"]
 
 
 def filter_logits(
@@ -51,8 +51,9 @@ def filter_logits(
     return logits
 
 
-def _uniforms(generator: Generator, n: int, device) -> torch.Tensor:
-    """``[n]`` uniforms in [0, 1): one per row from its own generator, or all from one."""
+def row_uniforms(generator: Generator, n: int, device) -> torch.Tensor:
+    """``[n]`` uniforms in [0, 1): one per row from its own generator, or all from one (every
+    autoregressive sampler draws its codes from these)."""
     if isinstance(generator, (list, tuple)):
         u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generator])
     elif isinstance(generator, torch.Generator):
@@ -62,11 +63,12 @@ def _uniforms(generator: Generator, n: int, device) -> torch.Tensor:
     return u.to(device)
 
 
-def _draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Codes ``[N]`` by inverse CDF: the first code whose cumulative probability exceeds ``u``."""
+def draw_tokens(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens ``[N]`` from ``logits [N, V]`` (``-inf``: excluded) by inverse CDF: the first token
+    whose cumulative probability exceeds ``u [N]`` (uniforms in [0, 1))."""
     cdf = logits.float().softmax(-1).cumsum(-1)
-    code = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
-    return code.clamp(max=logits.shape[-1] - 1)
+    token = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
+    return token.clamp(max=logits.shape[-1] - 1)
 
 
 @torch.no_grad()
@@ -100,7 +102,7 @@ def sample_ar_prior(
         )
     cond = text.repeat_interleave(n_best).to(device=device)
     if s.dot_product_quantile is None:  # the paper: a dot product from the top half
-        quantile = 0.5 + 0.5 * _uniforms(generator, batch, device)
+        quantile = 0.5 + 0.5 * row_uniforms(generator, batch, device)
     else:
         quantile = torch.full((batch,), float(s.dot_product_quantile), device=device)
     dot = prior.dot_token_at(quantile)
@@ -130,7 +132,7 @@ def sample_ar_prior(
             uncond, logits = logits.chunk(2)
             logits = uncond + s.guidance_scale * (logits - uncond)
         logits = filter_logits(logits, temperature, s.top_k, s.top_p)
-        codes[:, i] = _draw(logits, _uniforms(generator, batch, device))
+        codes[:, i] = draw_tokens(logits, row_uniforms(generator, batch, device))
         if callback is not None and callback(i, torch.tensor(i), codes[:, : i + 1]) is not None:
             raise ValueError(
                 "prior: callback_on_step_end returned latents, but the autoregressive prior's "

@@ -210,7 +210,8 @@ def sample_decoder_candidates(
     null_text: Callable[[int], Caption],
     settings: DecoderSampling,
     diffusion: DiffusionConfig,
-    choose: Callable[[torch.Tensor, int, int], torch.Tensor],
+    scorer: CLIP,
+    prompts: Sequence[str],
     count: int,
     *,
     generator: Generator = None,
@@ -221,8 +222,8 @@ def sample_decoder_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder over ``count`` consecutive candidates per image (the rows of ``image_embed``
     and ``text``; other arguments as :func:`~unclip.sampling.stages.sample_decoder`), keeping one
-    per image. ``choose(images, k, keep)`` returns the indices of each consecutive group of ``k``
-    candidates' ``keep`` best (:func:`rerank_candidates` with a CLIP and the prompts).
+    per image: each image's best by :func:`rerank_candidates` with the CLIP ``scorer``, the
+    image's prompt (``prompts``: one per image) and the settings' ``rerank_contrast``.
 
     With the settings' ``rerank_at`` below ``steps`` the choice is made after that step, from each
     candidate's predicted final image, and only the chosen rows are denoised on (after
@@ -230,6 +231,12 @@ def sample_decoder_candidates(
     Returns ``(images [B, 3, s, s] in [-1, 1], kept indices [B])`` into the candidates given."""
     settings = sampling_as(DecoderSampling, "decoder", settings)
     sel = CandidateSelection.of(settings)
+    contrast = settings.rerank_contrast
+
+    def choose(images: torch.Tensor, k: int, keep: int) -> torch.Tensor:
+        # one prompt per image: each consecutive group of k candidates shares it
+        return rerank_candidates(scorer, images, prompts, k, contrast, keep=keep)
+
     if not sel.early(count):
         images = sample_decoder(
             decoder, image_embed, text, null_text, settings, diffusion,

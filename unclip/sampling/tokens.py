@@ -6,8 +6,9 @@ Guidance is DALL-E Mega's *super-conditioning* (classifier-free guidance on logi
 2021): each step runs the caption and the empty caption (the model's ``null_text``) and samples
 from ``logits = uncond + α · (cond − uncond)``. Mega is trained for it by dropping captions
 (``loss(..., cond_drop_prob=...)``); DALL-E did not use it, but the same option applies to a
-DALL-E transformer trained with dropped captions. ``guidance_scale=None`` runs the conditional
-pass only; any number, 1 included, runs both passes (at α = 1 the mix is the conditional logits).
+DALL-E transformer trained with dropped captions. ``guidance_scale=None`` or ``1`` runs the
+conditional pass only (at α = 1 the mix is the conditional logits), as the AR prior and the
+diffusion stages read a scale of 1; any other number runs both passes.
 
 With ``use_cache`` (the default) each step runs only the newest position against each layer's
 key/value cache; without it each step reruns the whole sequence so far. Both compute the same
@@ -27,7 +28,8 @@ from typing import Optional, Union
 
 import torch
 
-from unclip.sampling.ar import filter_logits
+from unclip.diffusion.loop import is_guided
+from unclip.sampling.ar import draw_tokens, filter_logits, row_uniforms
 
 __all__ = [
     "guided_logits",
@@ -109,25 +111,6 @@ def guided_logits(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> tor
     return uncond + scale * (cond - uncond)
 
 
-def _uniforms(generator: Generator, n: int, device) -> torch.Tensor:
-    """``[n]`` uniforms in [0, 1): one per row from its own generator, or all from one."""
-    if isinstance(generator, (list, tuple)):
-        u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generator])
-    elif generator is not None:
-        u = torch.rand(n, generator=generator, device=generator.device)
-    else:
-        u = torch.rand(n)
-    return u.to(device)
-
-
-def draw_tokens(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Tokens ``[N]`` from ``logits [N, V]`` (``-inf``: excluded) by inverse CDF: the first token
-    whose cumulative probability exceeds ``u [N]`` (uniforms in [0, 1))."""
-    cdf = logits.float().softmax(-1).cumsum(-1)
-    token = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
-    return token.clamp(max=logits.shape[-1] - 1)
-
-
 @torch.no_grad()
 def sample_image_tokens(
     model,
@@ -152,7 +135,8 @@ def sample_image_tokens(
         text_ids, text_mask: captions ``[B, L]`` and their mask (``None``: all tokens).
         temperature, top_k, top_p: applied to the (guided) logits in that order
             (:func:`unclip.ar_sampling.filter_logits`); ``None`` switches top-k / top-p off.
-        guidance_scale: ``α`` of super-conditioning, or ``None`` for none (see the module doc).
+        guidance_scale: ``α`` of super-conditioning, or ``None`` (or 1) for none (see the module
+            doc).
         generator: one generator, one per row (a list of ``B``), or ``None`` (global RNG).
         use_cache: decode with the key/value cache (else rerun the prefix every step).
         return_logits: also return the logits each token was drawn from, after guidance and
@@ -170,7 +154,9 @@ def sample_image_tokens(
     device = text_ids.device
     if text_mask is None:
         text_mask = torch.ones_like(text_ids, dtype=torch.bool)
-    guided = guidance_scale is not None
+    # α = 1 is the conditional logits: one pass, as the AR prior and the diffusion stages do
+    alpha = None if guidance_scale is None or not is_guided(guidance_scale) else guidance_scale
+    guided = alpha is not None
     if guided:
         null_ids, null_mask = model.null_text(b, length, device)
         text_ids = torch.cat([null_ids, text_ids])
@@ -191,16 +177,16 @@ def sample_image_tokens(
             prev = tokens[:, i - 1]
             logits = model.step(torch.cat([prev, prev]) if guided else prev, state)
         logits = logits.float()
-        if guidance_scale is not None:  # guided
+        if alpha is not None:
             uncond, cond = logits.chunk(2)
-            logits = guided_logits(uncond, cond, float(guidance_scale))
+            logits = guided_logits(uncond, cond, float(alpha))
         check_logits(logits, "the token transformer", i, model)
         if all_logits is not None:
             all_logits.append(logits)
         filtered = filter_logits(logits, float(temperature), top_k, top_p)
         # the guided logits were finite: only the temperature can have overflowed them
         check_logits(filtered, "the token transformer (after temperature)", i)
-        tokens[:, i] = draw_tokens(filtered, _uniforms(generator, b, device))
+        tokens[:, i] = draw_tokens(filtered, row_uniforms(generator, b, device))
         if on_token is not None:
             on_token(i, tokens[:, : i + 1])
     tokens = tokens.view(b, model.grid, model.grid)

@@ -1,14 +1,15 @@
 """Training configuration: one :class:`StageConfig` per training run of one stage.
 
-A stage config is the architecture and sampling sections of :mod:`unclip.config` plus what only
+A stage config is the architecture and sampling sections (:mod:`unclip.nets.config`,
+:mod:`unclip.sampling.settings`) plus what only
 training needs: the data (:class:`DataConfig`), the optimisation recipe (:class:`TrainConfig`) and,
 for an upsampler, how its low-res conditioning is made (:class:`UpsamplerTrainConfig`). It is a YAML
 file plus dotted command-line overrides such as ``train.lr=3e-4``, loaded strictly.
 
 Example::
 
-    from unclip.config import to_yaml
     from unclip.train.config import load_stage_config
+    from unclip.utils.config import to_yaml
     cfg = load_stage_config("configs/tiny/prior.yaml", ["train.lr=3e-4", "data.batch_size=4"])
     print(to_yaml(cfg))
 """

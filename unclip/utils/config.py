@@ -1,10 +1,10 @@
-"""Architecture and sampling configuration schemas, and a strict YAML loader.
+"""The strict config loader every schema of the package goes through.
 
-The schemas here describe what a pipeline is made of: the frozen CLIP (:class:`ClipConfig`), the
-networks (:class:`PriorConfig`, :class:`DecoderConfig`, :class:`UpsamplerConfig`, each with a
-``build`` method returning the model it describes), the noise schedule (:class:`DiffusionConfig`)
-and the sampling settings (:class:`SamplingConfig`). Training runs add their own sections on top of
-these (:mod:`unclip.train.config`).
+The schemas live with what they describe: the networks' in :mod:`unclip.nets.config`
+(:class:`~unclip.nets.config.PriorConfig`, :class:`~unclip.nets.config.DecoderConfig`, ...), the
+CLIP's in :mod:`unclip.nets.clip`, the noise schedule's in :mod:`unclip.diffusion.config`, the
+sampling settings in :mod:`unclip.sampling.settings`, a training run's in
+:mod:`unclip.train.config`.
 
 Loading is strict: an unknown or misspelt key is an error that names the key, the file and the
 closest valid key; values are type-checked; the resolved config is printable (:func:`to_yaml`) and
@@ -12,7 +12,8 @@ saved beside every checkpoint (:func:`save_config`).
 
 Example::
 
-    from unclip.config import DecoderConfig, load_config, to_yaml
+    from unclip.nets.config import DecoderConfig
+    from unclip.utils.config import load_config, to_yaml
     cfg = load_config({"sample_size": 32}, ["layers_per_block=2"], schema=DecoderConfig)
     print(to_yaml(cfg))
 """

@@ -1,5 +1,5 @@
-"""The hooks of per-stage model offload for :class:`~unclip.pipeline.pipeline.UnCLIPPipeline`
-(its methods are :class:`~unclip.pipeline.offload.OffloadMixin`'s)::
+"""The hooks of per-stage model offload for every pipeline family (its methods are the pipeline
+base's, :class:`~unclip.pipeline.base.BasePipeline`)::
 
     pipe.enable_model_cpu_offload()        # each component on cuda:0 only while it runs
     pipe.enable_model_cpu_offload(gpu_id=1)
