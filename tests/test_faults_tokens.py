@@ -178,3 +178,58 @@ def test_a_pipeline_with_a_nan_tokenizer_raises_instead_of_black_images(token_pa
     pipe = TokenPipeline.from_components(work / "tokenizer", root / "transformer")
     with pytest.raises(ValueError, match=r"^the tokenizer decoder \(dvae\) produced NaN/inf"):
         pipe("a red square", output_type="pt")
+
+
+# --------------------------------------------------------------------------------------------------
+# resume over another tokenizer
+# --------------------------------------------------------------------------------------------------
+def test_a_resume_over_another_tokenizer_is_refused(token_parts, tmp_path, capsys):
+    """The frozen tokenizer replaced between a checkpoint and `--resume latest` once trained on on
+    the other tokenizer's codes without a word: the run records the tokenizer's fingerprint in its
+    checkpoints and a resume over another one is one line naming both; the same tokenizer
+    resumes."""
+    from safetensors.torch import load_file, save_file
+
+    root, _ = token_parts
+    out = tmp_path / "run"
+    argv = [
+        str(CONFIGS / "tiny" / "dalle.yaml"),
+        "data.resolution=16",
+        "transformer.dalle.image_vocab_size=16",
+        "transformer.dalle.text_len=8",
+        "train.max_steps=2",
+        "train.checkpoint_every=1",
+        "--output-dir",
+        str(out),
+    ]
+    status = run_main(
+        "unclip train-tokens",
+        train_tokens,
+        [*argv, f"tokenizer={root / 'tokenizer'}", "--max-steps-this-run", "1"],
+    )
+    assert status == 0, capsys.readouterr().err
+    capsys.readouterr()
+    other = tmp_path / "other_tokenizer"  # the same architecture, other weights
+    shutil.copytree(root / "tokenizer", other)
+    state = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in state.items()}, str(other / "model.safetensors"))
+    status = run_main(
+        "unclip train-tokens", train_tokens, [*argv, f"tokenizer={other}", "--resume", "latest"]
+    )
+    _one_line(
+        capsys,
+        status,
+        "unclip train-tokens",
+        "step_00000001 was trained over the tokenizer",
+        str(root / "tokenizer"),
+        str(other),
+        "resume with the tokenizer the run started with",
+    )
+    assert not (out / "final").exists()
+    status = run_main(
+        "unclip train-tokens",
+        train_tokens,
+        [*argv, f"tokenizer={root / 'tokenizer'}", "--resume", "latest"],
+    )
+    assert status == 0, capsys.readouterr().err
+    assert (out / "final" / "transformer").is_dir()

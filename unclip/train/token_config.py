@@ -100,7 +100,11 @@ class TokenModelTrainConfig:
     rerank ``sampling.candidates`` (e.g. ``unclip/bundled/shapes/clip``; null: none).
     ``upsamplers``: upsampler folders the exported pipeline runs after the tokenizer decoder, in
     order (e.g. ``[unclip/bundled/shapes/sr64, unclip/bundled/shapes/sr128]`` for 32 → 128 px;
-    each copied into the pipeline folder with its settings); empty: none."""
+    each copied into the pipeline folder with its settings); empty: none.
+    ``tokenizer_sha256``: the SHA-256 of the tokenizer's weights file, which ``train-tokens``
+    fills in when it starts, so the run's ``config.yaml`` and every checkpoint's record which
+    tokenizer the codes came from and a resume over another one is refused; a value given here
+    must match the tokenizer's (null: any)."""
 
     transformer: TokenModelConfig = field(default_factory=lambda: TokenModelConfig("dalle"))
     tokenizer: str = "runs/tokenizer/final/tokenizer"
@@ -109,6 +113,16 @@ class TokenModelTrainConfig:
     sampling: TokenSampling = field(default_factory=TokenSampling)
     rerank_clip: Optional[str] = None
     upsamplers: list[str] = field(default_factory=list)
+    tokenizer_sha256: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        value = self.tokenizer_sha256
+        ok = value is None or (
+            isinstance(value, str)
+            and len(value) == 64
+            and all(c in "0123456789abcdef" for c in value)
+        )
+        check_range("tokenizer_sha256", value, ok, "64 lowercase hex digits or null")
 
 
 def load_tokenizer_train_config(path, overrides=()) -> TokenizerTrainConfig:

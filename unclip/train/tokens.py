@@ -23,7 +23,10 @@ so resume is exact).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+from pathlib import Path
 from typing import Optional, Union, cast
 
 import torch
@@ -31,7 +34,12 @@ import torch
 from unclip.nets.dalle_transformer import DalleTransformer
 from unclip.nets.dvae import DVAE, dvae_schedule
 from unclip.nets.mega_transformer import MegaTransformer
-from unclip.nets.token_components import load_tokenizer, save_component, tokenizer_facts
+from unclip.nets.token_components import (
+    WEIGHTS_FILE,
+    load_tokenizer,
+    save_component,
+    tokenizer_facts,
+)
 from unclip.train import distributed as dist_utils
 from unclip.train.loop import TrainLoop
 from unclip.train.run_folder import releases_folder
@@ -231,6 +239,65 @@ class TokenModelTask:
         return self.avg.pop()
 
 
+def tokenizer_fingerprint(cfg: TokenModelTrainConfig) -> str:
+    """The SHA-256 of the weights file of ``cfg.tokenizer`` (a folder :func:`load_tokenizer`
+    accepted); a ``tokenizer_sha256`` the config gives must be it."""
+    h = hashlib.sha256()
+    with open(Path(cfg.tokenizer) / WEIGHTS_FILE, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    if cfg.tokenizer_sha256 is not None and cfg.tokenizer_sha256 != digest:
+        raise ValueError(
+            f"tokenizer_sha256={cfg.tokenizer_sha256[:12]}… but the tokenizer {cfg.tokenizer} "
+            f"has sha256 {digest[:12]}…: give the tokenizer the config names, or set "
+            "tokenizer_sha256=null"
+        )
+    return digest
+
+
+def _checkpoint_resumed(cfg: TokenModelTrainConfig, resume: str) -> Optional[Path]:
+    """The checkpoint ``--resume`` names: a folder, or for ``latest`` the newest finished one
+    (manifest written; the loop also checks its files, and skips a damaged one for an older one
+    of the same run)."""
+    from unclip.train import checkpoint as ckpt
+
+    if resume != "latest":
+        return Path(resume)
+    done = [
+        p
+        for p in ckpt.completed_checkpoints(Path(cfg.train.output_dir) / "checkpoints")
+        if (p / ckpt.MANIFEST).is_file()
+    ]
+    return done[-1] if done else None
+
+
+def check_resumed_tokenizer(cfg: TokenModelTrainConfig, resume: str) -> None:
+    """Refuse a resume over another tokenizer than the checkpoint's run trained over (its codes
+    are what the transformer learned to predict): the checkpoint's ``config.yaml`` records the
+    tokenizer's fingerprint (``tokenizer_sha256``). Checkpoints written before the fingerprint
+    was recorded are not checked."""
+    import yaml
+
+    path = _checkpoint_resumed(cfg, resume)
+    saved = path / "config.yaml" if path is not None else None
+    if saved is None or not saved.is_file():
+        return  # nothing to resume, or not a checkpoint: the loop says so
+    try:
+        recorded = yaml.safe_load(saved.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return  # a damaged checkpoint: the loop's manifest check names it
+    digest = recorded.get("tokenizer_sha256") if isinstance(recorded, dict) else None
+    if digest is None or digest == cfg.tokenizer_sha256:
+        return
+    raise ValueError(
+        f"checkpoint {path} was trained over the tokenizer {recorded.get('tokenizer')} (sha256 "
+        f"{str(digest)[:12]}…), but tokenizer={cfg.tokenizer} has sha256 "
+        f"{str(cfg.tokenizer_sha256)[:12]}…: resume with the tokenizer the run started with, or "
+        "start afresh with --overwrite"
+    )
+
+
 @releases_folder
 def train_token_model(
     cfg: TokenModelTrainConfig,
@@ -255,6 +322,10 @@ def train_token_model(
             f"data.resolution={cfg.data.resolution} but the tokenizer works at "
             f"{facts['image_size']} px; set data.resolution={facts['image_size']}"
         )
+    # recorded in the run's config.yaml and every checkpoint's (the caller's cfg is left as is)
+    cfg = dataclasses.replace(cfg, tokenizer_sha256=tokenizer_fingerprint(cfg))
+    if resume:
+        check_resumed_tokenizer(cfg, resume)
     loop = TrainLoop(cfg, resume=resume, max_steps_this_run=max_steps_this_run, overwrite=overwrite)
     torch.manual_seed(cfg.train.seed)
     tokenizer = tokenizer.to(loop.device).requires_grad_(False)
