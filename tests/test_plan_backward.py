@@ -83,3 +83,13 @@ def test_a_copy_to_the_cpu_sends_its_gradient_back_to_the_gpu():
         loss = (w.cpu() * 2).sum()  # a copy to the CPU: its backward copies back
         fake_backward(loss)
         assert w.grad.device.type == "cuda"
+
+
+def test_a_gradient_in_another_layout_is_stored_in_the_parameters():
+    """A channels-last weight whose gradient arrives contiguous: stored in the weight's layout, as
+    ``AccumulateGrad`` does, on real tensors too."""
+    w = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    x = torch.randn(4, 3, 2, 2)
+    fake_backward((w.contiguous() * x).sum())
+    assert w.grad.stride() == w.stride()
+    torch.testing.assert_close(w.grad, x)

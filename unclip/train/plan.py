@@ -47,7 +47,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from unclip.train.decoder import clip_device
 from unclip.train.distributed import fsdp_units
@@ -274,6 +274,49 @@ class StepMeasure:
         return max(backward, self.forward_peak, measured, self.optimizer_peak)
 
 
+class _FlopCount(TorchDispatchMode):
+    """Counts the FLOPs of the ops that reach it (``torch.utils.flop_counter``'s formulas; an op
+    without one is decomposed, as ``FlopCounterMode`` does) into every count open in :meth:`count`.
+
+    It sits below the :class:`MemoryTracker`: the tracker sees each op as the step calls it, not
+    the decomposition's temporaries, which no real kernel allocates (above it, they made a counted
+    backward peak higher than a real step's). ``FlopCounterMode`` itself also attributes FLOPs to
+    modules with multi-grad hooks on every module's inputs and outputs, whose reference cycles kept
+    checkpointed blocks' recomputed tensors alive until the garbage collector ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.open: list[list[int]] = []
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator[list[int]]:
+        """``[flops]`` of the ops run inside the block."""
+        total = [0]
+        self.open.append(total)
+        try:
+            yield total
+        finally:
+            # by identity: two counts holding the same number are equal lists
+            self.open = [t for t in self.open if t is not total]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.open:
+            return func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None and func is not torch.ops.prim.device.default:
+            with self:  # the decomposition's ops come back here to be counted
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            for total in self.open:
+                total[0] += flops
+        return out
+
+
 def _count(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -340,9 +383,10 @@ def measure_step(
         fake = _FakeCUDA()
         mem = MemoryTracker(device_type)
         recompute = [0]
-        # the FLOP counter of the micro-batch being counted (through its backward), and the FLOPs
+        # the FLOPs of the micro-batch being counted (through its backward), and the FLOPs
         # backward's recomputes of checkpointed blocks run
-        counter: list[Optional[FlopCounterMode]] = [None]
+        flops = _FlopCount()
+        counter: list[Optional[list[int]]] = [None]
         recompute_flops = [0]
         real_checkpoint = torch.utils.checkpoint.checkpoint
 
@@ -358,11 +402,12 @@ def measure_step(
                 calls[0] += 1
                 if calls[0] == 1 or counter[0] is None:
                     return fn(*a, **kw)
-                flops = counter[0].get_total_flops()
+                total = counter[0]
+                before = total[0]
                 try:
                     return fn(*a, **kw)
                 finally:
-                    recompute_flops[0] += counter[0].get_total_flops() - flops
+                    recompute_flops[0] += total[0] - before
 
             out = real_checkpoint(counted, *args, **kwargs)
             recompute[0] = max(recompute[0], mem.peak - base)
@@ -371,6 +416,7 @@ def measure_step(
 
         with (
             fake,
+            flops,  # below the tracker (see _FlopCount)
             mem,
             mock.patch("torch.utils.checkpoint.checkpoint", measured_checkpoint),
             gpu_attention() if device_type == "cuda" else contextlib.nullcontext(),
@@ -384,7 +430,7 @@ def measure_step(
                 with torch.device(clip_device(cfg, device)):
                     clip = CLIP.from_config(cfg.clip)
                 methods = ("encode_text", "encode_image", "layer_features")
-                clip_flops = _count_flops_of(clip, methods)
+                clip_flops = _count_flops_of(clip, methods, flops)
             clip_bytes = mem.current
             if token_family:
                 model, task = _build_token_family(cfg, device, loop)
@@ -419,12 +465,14 @@ def measure_step(
                     gens = loop.generators(cfg.data.batch_size)
                     clip_flops[0] = 0
                     # FLOPs are the same every micro-batch: counted once
-                    counting = FlopCounterMode(display=False) if forward_flops is None else None
-                    counter[0] = counting
-                    with autocast_copies(params) as casts, counting or contextlib.nullcontext():
+                    counting = forward_flops is None
+                    with (
+                        autocast_copies(params) as casts,
+                        flops.count() if counting else contextlib.nullcontext() as forward,
+                    ):
                         loss = task.loss(model, batch, gens)
-                    if counting is not None:
-                        forward_flops, frozen_flops = counting.get_total_flops(), clip_flops[0]
+                    if counting:
+                        forward_flops, frozen_flops = forward[0], clip_flops[0]
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)
                     fwd_peak = max(fwd_peak, mem.peak)
@@ -433,7 +481,8 @@ def measure_step(
                     mem.reset_peak()
                     held = [loss]
                     del loss
-                    with counting or contextlib.nullcontext():  # (entering it clears its counts)
+                    with flops.count() if counting else contextlib.nullcontext() as backward:
+                        counter[0] = backward
                         loop.backward(held.pop())  # no reference left here to keep the graph
                     counter[0] = None
                     bwd_peak = max(bwd_peak, mem.peak)
@@ -514,7 +563,7 @@ def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _count_flops_of(obj, methods) -> list[int]:
+def _count_flops_of(obj, methods, flops: _FlopCount) -> list[int]:
     """Wrap ``obj``'s ``methods`` so the FLOPs they run are added to the returned counter (the
     frozen CLIP runs forward only: it is counted once, not with the backward's factor)."""
     counter = [0]
@@ -522,9 +571,9 @@ def _count_flops_of(obj, methods) -> list[int]:
         fn = getattr(obj, name)
 
         def run(*args, _fn=fn, **kwargs):
-            with FlopCounterMode(display=False) as inner:
+            with flops.count() as inner:
                 out = _fn(*args, **kwargs)
-            counter[0] += inner.get_total_flops()
+            counter[0] += inner[0]
             return out
 
         setattr(obj, name, run)

@@ -118,7 +118,12 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         return
     if leaf.grad is None:
         if grad.dtype != leaf.dtype or grad.stride() != leaf.stride():
-            grad = grad.to(leaf.dtype).as_strided(leaf.shape, leaf.stride()).copy_(grad)
+            # a fresh tensor in the parameter's layout (a view of the gradient's own storage
+            # would copy onto itself)
+            like = torch.empty_strided(
+                leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device
+            )
+            grad = like.copy_(grad)
         leaf.grad = grad.detach()
     else:
         leaf.grad.add_(grad)
