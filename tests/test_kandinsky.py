@@ -23,7 +23,9 @@ transformers = pytest.importorskip("transformers")
 from diffusers import (
     DDPMScheduler,
     KandinskyV22CombinedPipeline,
+    KandinskyV22Img2ImgCombinedPipeline,
     KandinskyV22Img2ImgPipeline,
+    KandinskyV22InpaintCombinedPipeline,
     KandinskyV22InpaintPipeline,
     KandinskyV22Pipeline,
     KandinskyV22PriorPipeline,
@@ -670,3 +672,104 @@ def test_pipeline_refusals_name_what_to_do(prior_folder, decoder_folder, pipe):
         pipe("a cat", prior_num_inference_steps=0)
     with pytest.raises(ValueError, match="memory_format: not supported for a Kandinsky"):
         load_pipeline(decoder_folder[0], memory_format=torch.channels_last)
+
+
+def _combined(cls, prior_pipe, decoder_pipe):
+    """diffusers' combined pipeline ``cls`` over a prior and a decoder pipeline's components."""
+    p, d = prior_pipe, decoder_pipe
+    combined = cls(
+        unet=d.unet,
+        scheduler=d.scheduler,
+        movq=d.movq,
+        prior_prior=p.prior,
+        prior_image_encoder=p.image_encoder,
+        prior_text_encoder=p.text_encoder,
+        prior_tokenizer=p.tokenizer,
+        prior_scheduler=p.scheduler,
+        prior_image_processor=p.image_processor,
+    )
+    combined.set_progress_bar_config(disable=True)
+    return combined
+
+
+def test_img2img_and_inpaint_methods_match_diffusers_combined_pipelines(
+    prior_folder, decoder_folder, inpaint_folder, pipe
+):
+    """pipe.img2img and pipe.inpaint: one call with a prompt, one generator, diffusers' keywords,
+    the images of KandinskyV22Img2ImgCombinedPipeline / KandinskyV22InpaintCombinedPipeline (what
+    AutoPipelineForImage2Image / ForInpainting build); given embeddings, those of the decoder
+    pipelines alone; an inpainting call on the text-to-image decoder says what to load."""
+    picture, mask_image = _picture(0), _band_mask()
+    common = dict(
+        negative_prompt="blurry",
+        num_inference_steps=4,
+        prior_num_inference_steps=STEPS,
+        guidance_scale=3.0,
+        prior_guidance_scale=5.0,
+        num_images_per_prompt=2,
+        height=SIZE,
+        width=SIZE,
+        output_type="np",
+    )
+    combined = _combined(KandinskyV22Img2ImgCombinedPipeline, prior_folder[1], decoder_folder[1])
+    ref = combined("a cat", image=picture, strength=0.5, generator=_gen(20), **common).images
+    out = pipe.img2img(picture, "a cat", strength=0.5, generator=_gen(20), progress=False, **common)
+    assert out.images.shape == (2, SIZE, SIZE, 3) and _max_diff(out.images, ref) <= TOL
+
+    embed, negative = _embeds(9, rows=1)
+    alone = KandinskyV22Img2ImgPipeline(**decoder_folder[1].components)
+    alone.set_progress_bar_config(disable=True)
+    kw = dict(height=SIZE, width=SIZE, strength=0.5, num_inference_steps=4, output_type="np")
+    ref = alone(
+        image_embeds=embed, negative_image_embeds=negative, image=picture,
+        num_images_per_prompt=2, generator=_gen(10), **kw,
+    ).images  # fmt: skip
+    (images,) = pipe.img2img(
+        picture, image_embeds=embed, negative_image_embeds=negative, num_images_per_prompt=2,
+        generator=_gen(10), return_dict=False, progress=False, **kw,
+    )  # fmt: skip
+    assert _max_diff(images, ref) <= TOL
+    with pytest.raises(ValueError, match="inpainting needs an inpainting decoder"):
+        pipe.inpaint(picture, mask_image, "a cat")
+
+    inpainter = KandinskyPipeline.from_pretrained(inpaint_folder[0], prior=prior_folder[0])
+    combined = _combined(KandinskyV22InpaintCombinedPipeline, prior_folder[1], inpaint_folder[1])
+    ref = combined("a cat", image=picture, mask_image=mask_image, generator=_gen(21), **common)
+    out = inpainter.inpaint(
+        picture, mask_image, "a cat", generator=_gen(21), progress=False, **common
+    )
+    assert _max_diff(out.images, ref.images) <= TOL
+    with pytest.raises(ValueError, match="inpainting decoder .* use inpaint"):
+        inpainter.img2img(picture, "a cat")
+
+
+def test_variations_and_mix_decode_image_tower_embeddings(pipe):
+    """Variations decode the image tower's embedding of the image (guided away from no image's);
+    a mix of one image at weight 1 is its variation; prompts mix in through the prior; the
+    attention-memory options give the same images."""
+    from unclip.sampling.kandinsky import zero_image_embed
+
+    picture = _picture(3)
+    kw = dict(height=SIZE, width=SIZE, output_type="pt", progress=False)
+    few = {"decoder": {"steps": 2}, "prior": {"steps": 2}}
+    out = pipe.variations(picture, 2, generator=_gen(30), sampling=few, **kw)
+    embed = pipe.clip.encode_image(picture)
+    assert torch.equal(out.image_embeds, embed.repeat(2, 1))
+    direct = pipe.decode(
+        embed.repeat(2, 1), zero_image_embed(pipe.clip, 2), generator=_gen(30), sampling=few,
+        height=SIZE, width=SIZE, output_type="pt", progress=False,
+    )  # fmt: skip
+    assert torch.equal(out.images, direct)
+    mixed = pipe.mix([picture, "a cat"], [1.0, 0.0], 2, generator=_gen(30), sampling=few, **kw)
+    assert mixed.image_embeds.shape == (2, D)
+    halves = pipe.mix([picture, "a cat"], [0.5, 0.5], 2, generator=_gen(30), sampling=few, **kw)
+    cat, _ = pipe.sample_image_embeds("a cat", generator=_gen(30), sampling=few, progress=False)
+    torch.testing.assert_close(halves.image_embeds[:1], 0.5 * embed + 0.5 * cat)
+    with pytest.raises(ValueError, match="2 images/prompts and 1 weights"):
+        pipe.mix([picture, "a cat"], [1.0])
+    pipe.enable_attention_slicing("max")
+    try:
+        sliced = pipe.variations(picture, 2, generator=_gen(30), sampling=few, **kw)
+    finally:
+        pipe.disable_attention_slicing()
+    assert _max_diff(sliced.images, out.images) <= TOL  # float rounding of the sliced sums

@@ -33,12 +33,20 @@ from unclip.diffusion.loop import Generator
 from unclip.nets.clip import CLIP
 from unclip.nets.latent_decoder import LatentDecoder
 from unclip.pipeline.base import BasePipeline, ResolvedSampling
+from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.output import UnCLIPOutput
-from unclip.sampling.kandinsky import sample_prior_embeds
-from unclip.sampling.latent import sample_latents
+from unclip.sampling.kandinsky import sample_prior_embeds, zero_image_embed
+from unclip.sampling.latent import (
+    img2img_inputs,
+    img2img_latents,
+    inpaint_inputs,
+    inpaint_latents,
+    sample_latents,
+)
 from unclip.sampling.stages import StepCallback, stage_callback
-from unclip.sampling.utils import check_output_type
+from unclip.sampling.utils import check_count, check_output_type
 from unclip.utils.images import to_output
+from unclip.utils.offload import releases_gpu
 from unclip.utils.registry import EntryPointRegistry
 
 __all__ = ["KandinskyPipeline", "KandinskySampling", "KANDINSKY_DEFAULTS", "PIPELINE_READERS"]
@@ -71,9 +79,12 @@ KANDINSKY_DEFAULTS = {
 }
 
 
-class KandinskyPipeline(BasePipeline):
+class KandinskyPipeline(MemoryMixin, BasePipeline):
     """Kandinsky 2.2's prior and latent decoder (see the module doc). ``sampling``: per-stage
-    defaults, ``{"prior": {"steps": 25, "guidance_scale": 4.0}, "decoder": {...}}``."""
+    defaults, ``{"prior": {"steps": 25, "guidance_scale": 4.0}, "decoder": {...}}``. Beside
+    text-to-image: :meth:`img2img`, :meth:`inpaint` (with an inpainting decoder),
+    :meth:`variations` and :meth:`mix` (weighted prompts and images, diffusers' ``interpolate``),
+    and the attention-memory options."""
 
     def __init__(
         self,
@@ -241,6 +252,7 @@ class KandinskyPipeline(BasePipeline):
         return pipe
 
     # ------------------------------------------------------------------ sampling
+    @releases_gpu
     @torch.no_grad()
     def sample_image_embeds(
         self,
@@ -279,6 +291,7 @@ class KandinskyPipeline(BasePipeline):
             on_stage=self._onload,
         )
 
+    @releases_gpu
     @torch.no_grad()
     def decode(
         self,
@@ -325,6 +338,7 @@ class KandinskyPipeline(BasePipeline):
             return x
         return to_output(self.decoder.decode(x), output_type)
 
+    @releases_gpu
     @torch.no_grad()
     def __call__(
         self,
@@ -393,3 +407,326 @@ class KandinskyPipeline(BasePipeline):
         if not return_dict:
             return (images,)
         return UnCLIPOutput(images=images, image_embeds=image_embeds)
+
+    # ------------------------------------------------------------------ editing
+    def _overrides(self, sampling, **flat) -> ResolvedSampling:
+        """``sampling`` with diffusers' flat keywords (``stage_key=value``) folded in, resolved."""
+        overrides: dict[str, dict] = {k: dict(v) for k, v in (sampling or {}).items()}
+        for name, value in flat.items():
+            if value is not None:
+                stage, key = name.split("__")
+                overrides.setdefault(stage, {})[key] = value
+        return self.sampling_settings(overrides)
+
+    def _embeds(
+        self, prompt, negative_prompt, image_embeds, negative_image_embeds, n, generator,
+        settings, progress, callback_on_step_end,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The decoder's conditioning: the prior's embeddings of ``prompt`` (``n`` per prompt),
+        or ``image_embeds`` given (``[B·n, D]``) with ``negative_image_embeds`` (default: the
+        image tower's embedding of no image, as diffusers' prior gives without a negative
+        prompt)."""
+        if image_embeds is not None:
+            if prompt is not None or negative_prompt is not None:
+                raise ValueError(
+                    "give prompt (and negative_prompt) or image_embeds, not both: the embeddings "
+                    "replace the prior's"
+                )
+            if not isinstance(image_embeds, torch.Tensor) or image_embeds.ndim != 2:
+                raise TypeError("image_embeds must be a [B, D] tensor")
+            if negative_image_embeds is None:
+                if self.clip is None:
+                    raise ValueError(
+                        "negative_image_embeds are needed with image_embeds on a pipeline "
+                        "without a prior (its CLIP gives the default)"
+                    )
+                negative_image_embeds = zero_image_embed(self.clip, image_embeds.shape[0])
+            if negative_image_embeds.shape != image_embeds.shape:
+                raise ValueError(
+                    f"negative_image_embeds {tuple(negative_image_embeds.shape)} must match "
+                    f"image_embeds {tuple(image_embeds.shape)}"
+                )
+            return image_embeds.to(self.device), negative_image_embeds.to(self.device)
+        if prompt is None:
+            raise TypeError("give prompt, or image_embeds")
+        return self.sample_image_embeds(
+            prompt,
+            negative_prompt,
+            num_images_per_prompt=n,
+            generator=generator,
+            sampling=settings,
+            progress=progress,
+            callback_on_step_end=callback_on_step_end,
+        )
+
+    def _finish(self, latents, output_type: str, return_dict: bool, embeds):
+        images = latents if output_type == "latent" else to_output(
+            self.decoder.decode(latents), output_type
+        )  # fmt: skip
+        if not return_dict:
+            return (images,)
+        return UnCLIPOutput(images=images, image_embeds=embeds)
+
+    @releases_gpu
+    @torch.no_grad()
+    def img2img(
+        self,
+        image,
+        prompt: Union[str, Sequence[str], None] = None,
+        negative_prompt: Union[str, Sequence[str], None] = None,
+        *,
+        strength: float = 0.3,
+        height: int = 512,
+        width: int = 512,
+        num_inference_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        prior_num_inference_steps: Optional[int] = None,
+        prior_guidance_scale: Optional[float] = None,
+        num_images_per_prompt: int = 1,
+        image_embeds: Optional[torch.Tensor] = None,
+        negative_image_embeds: Optional[torch.Tensor] = None,
+        generator: Generator = None,
+        sampling: Optional[Mapping] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ):
+        """``image`` (one per prompt: PIL images or ``[B, 3, H, W]`` tensors in [-1, 1]) redrawn
+        towards ``prompt``, as diffusers' ``KandinskyV22Img2ImgCombinedPipeline``: resized to
+        ``height × width``, its latents noised ``strength`` of the way back (0.3: close to the
+        image; 1: from noise) and denoised. ``image_embeds`` (``[B, D]``) replace the prior's."""
+        check_output_type(output_type)
+        n = check_count(num_images_per_prompt)
+        settings = self._overrides(
+            sampling,
+            decoder__steps=num_inference_steps,
+            decoder__guidance_scale=guidance_scale,
+            prior__steps=prior_num_inference_steps,
+            prior__guidance_scale=prior_guidance_scale,
+        )
+        progress = self._progress(progress)
+        embeds, negative = self._embeds(
+            prompt, negative_prompt, image_embeds, negative_image_embeds,
+            n if image_embeds is None else 1, generator, settings, progress, callback_on_step_end,
+        )  # fmt: skip
+        dec = self.decoder
+        if dec.inpaint:
+            raise ValueError(
+                "this is an inpainting decoder (kandinsky-2-2-decoder-inpaint): use inpaint(); "
+                "image-to-image needs the text-to-image decoder"
+            )
+        pictures = img2img_inputs(image, height, width, dec.scale_factor, dec.latent_channels)
+        rows = embeds.shape[0] // (n if image_embeds is None else 1)
+        if pictures.shape[0] != rows:
+            raise ValueError(
+                f"img2img: {pictures.shape[0]} images for {rows} prompts; give one each"
+            )
+        s = settings["decoder"]
+        self._onload("decoder")
+        # the prior drew n rows per prompt; the decoder takes one image per embedding row
+        latents = img2img_latents(
+            dec,
+            self.scheduler,
+            embeds,
+            negative,
+            pictures.to(self.device).repeat_interleave(embeds.shape[0] // rows, dim=0),
+            strength=strength,
+            num_inference_steps=s.steps,
+            guidance_scale=s.guidance_scale,
+            num_images_per_prompt=1 if image_embeds is None else n,
+            generator=generator,
+            progress=progress,
+            callback=stage_callback(self, "decoder", callback_on_step_end),
+            autocast_dtype=self.autocast_dtype,
+        )
+        return self._finish(latents, output_type, return_dict, embeds)
+
+    @releases_gpu
+    @torch.no_grad()
+    def inpaint(
+        self,
+        image,
+        mask_image,
+        prompt: Union[str, Sequence[str], None] = None,
+        negative_prompt: Union[str, Sequence[str], None] = None,
+        *,
+        height: int = 512,
+        width: int = 512,
+        num_inference_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        prior_num_inference_steps: Optional[int] = None,
+        prior_guidance_scale: Optional[float] = None,
+        num_images_per_prompt: int = 1,
+        image_embeds: Optional[torch.Tensor] = None,
+        negative_image_embeds: Optional[torch.Tensor] = None,
+        generator: Generator = None,
+        latents: Optional[torch.Tensor] = None,
+        sampling: Optional[Mapping] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ):
+        """Repaint ``image`` where ``mask_image`` is white (1) towards ``prompt`` and keep it where
+        it is black (0), diffusers' convention since 0.19, with an inpainting decoder
+        (``kandinsky-2-2-decoder-inpaint``); the inputs as
+        :func:`~unclip.sampling.latent.inpaint_inputs` takes them, one per prompt."""
+        check_output_type(output_type)
+        if not self.decoder.inpaint:
+            raise ValueError(
+                "inpainting needs an inpainting decoder: load kandinsky-2-2-decoder-inpaint (its "
+                "UNet reads the masked image too) with this prior"
+            )
+        n = check_count(num_images_per_prompt)
+        settings = self._overrides(
+            sampling,
+            decoder__steps=num_inference_steps,
+            decoder__guidance_scale=guidance_scale,
+            prior__steps=prior_num_inference_steps,
+            prior__guidance_scale=prior_guidance_scale,
+        )
+        progress = self._progress(progress)
+        embeds, negative = self._embeds(
+            prompt, negative_prompt, image_embeds, negative_image_embeds,
+            n if image_embeds is None else 1, generator, settings, progress, callback_on_step_end,
+        )  # fmt: skip
+        pictures, repaint = inpaint_inputs(image, mask_image, height, width)
+        rows = embeds.shape[0] // (n if image_embeds is None else 1)
+        if pictures.shape[0] != rows:
+            raise ValueError(
+                f"inpaint: {pictures.shape[0]} images for {rows} prompts; give one each"
+            )
+        per = embeds.shape[0] // rows
+        s = settings["decoder"]
+        self._onload("decoder")
+        out = inpaint_latents(
+            self.decoder,
+            self.scheduler,
+            embeds,
+            negative,
+            pictures.to(self.device).repeat_interleave(per, dim=0),
+            repaint.to(self.device).repeat_interleave(per, dim=0),
+            height=height,
+            width=width,
+            num_inference_steps=s.steps,
+            guidance_scale=s.guidance_scale,
+            num_images_per_prompt=1 if image_embeds is None else n,
+            generator=generator,
+            latents=latents,
+            progress=progress,
+            callback=stage_callback(self, "decoder", callback_on_step_end),
+            autocast_dtype=self.autocast_dtype,
+        )
+        return self._finish(out, output_type, return_dict, embeds)
+
+    def _image_embed(self, image) -> torch.Tensor:
+        """The prior's image tower's embedding ``[B, D]`` of PIL image(s) or a ``[B, 3, H, W]``
+        tensor in [-1, 1] (what the prior was trained to produce)."""
+        if self.clip is None:
+            raise ValueError(
+                "this Kandinsky pipeline has no prior, so no image tower to embed images with: "
+                "load it with prior=<prior folder>"
+            )
+        self._onload("clip")
+        return self.clip.encode_image(image).to(self.device)
+
+    @releases_gpu
+    @torch.no_grad()
+    def variations(
+        self,
+        image,
+        num_images: int = 1,
+        *,
+        height: int = 512,
+        width: int = 512,
+        generator: Generator = None,
+        sampling: Optional[Mapping] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ):
+        """``num_images`` new images of each input image (PIL image(s) or a tensor in [-1, 1]):
+        its image-tower embedding decoded from noise (the paper's variations), guided away from
+        the embedding of no image."""
+        check_output_type(output_type)
+        n = check_count(num_images, "num_images")
+        embeds = self._image_embed(image)
+        return self._decode_embeds(
+            embeds.repeat_interleave(n, dim=0), height, width, generator, sampling, output_type,
+            return_dict, progress, callback_on_step_end,
+        )  # fmt: skip
+
+    @releases_gpu
+    @torch.no_grad()
+    def mix(
+        self,
+        images_and_prompts: Sequence[Any],
+        weights: Sequence[float],
+        num_images: int = 1,
+        *,
+        height: int = 512,
+        width: int = 512,
+        generator: Generator = None,
+        sampling: Optional[Mapping] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ):
+        """Images of a weighted mix of prompts and images (diffusers' prior ``interpolate``): each
+        prompt's prior embedding and each image's image-tower embedding, summed with ``weights``
+        (one each, as given: weights summing to 1 keep the embedding's scale), then decoded
+        ``num_images`` times, guided away from the embedding of no image. The prior draws each
+        prompt's embedding from ``generator`` first, in order."""
+        check_output_type(output_type)
+        n = check_count(num_images, "num_images")
+        items, ws = list(images_and_prompts), [float(w) for w in weights]
+        if not items or len(items) != len(ws):
+            raise ValueError(
+                f"mix: {len(items)} images/prompts and {len(ws)} weights; give one weight each"
+            )
+        if not all(w == w and abs(w) != float("inf") for w in ws):
+            raise ValueError(f"mix: weights must be finite numbers, got {ws}")
+        settings = self.sampling_settings(sampling)
+        progress = self._progress(progress)
+        parts = []
+        for item in items:
+            if isinstance(item, str):
+                embed, _ = self.sample_image_embeds(
+                    item, generator=generator, sampling=settings, progress=progress,
+                    callback_on_step_end=callback_on_step_end,
+                )  # fmt: skip
+            else:
+                embed = self._image_embed(item)
+                if embed.shape[0] != 1:
+                    raise ValueError("mix: give each image on its own (one image per entry)")
+            parts.append(embed)
+        mixed = sum(w * e for w, e in zip(ws, parts))
+        assert isinstance(mixed, torch.Tensor)
+        return self._decode_embeds(
+            mixed.repeat_interleave(n, dim=0), height, width, generator, settings, output_type,
+            return_dict, progress, callback_on_step_end,
+        )  # fmt: skip
+
+    def _decode_embeds(
+        self, embeds, height, width, generator, sampling, output_type, return_dict, progress,
+        callback_on_step_end,
+    ):  # fmt: skip
+        assert self.clip is not None  # the callers embedded with it
+        negative = zero_image_embed(self.clip, embeds.shape[0]).to(embeds)
+        images = self.decode(
+            embeds,
+            negative,
+            height=height,
+            width=width,
+            generator=generator,
+            sampling=sampling,
+            progress=progress,
+            callback_on_step_end=callback_on_step_end,
+            output_type=output_type,
+        )
+        if not return_dict:
+            return (images,)
+        return UnCLIPOutput(images=images, image_embeds=embeds)

@@ -71,7 +71,7 @@ def recover_folder(target: Union[str, os.PathLike]) -> None:
         _fsync_dir(target.parent)
 
 
-def write_folder(target: Union[str, os.PathLike], write: Callable[[Path], None]) -> Path:
+def write_folder(target: Union[str, os.PathLike], write: Callable[[Path], object]) -> Path:
     """Write folder ``target`` whole: ``write(tmp)`` fills ``<target>.tmp`` beside it (a leftover of
     a killed writer is cleared first), which then replaces ``target`` and everything that was in
     it (:func:`replace_folder`); on failure ``target`` is left as it was."""
