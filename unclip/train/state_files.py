@@ -182,13 +182,20 @@ def data_cursors(saved: dict) -> dict:
     """A process's data position as ``data_<rank>.json`` holds it (``{}``: none) in the form
     :func:`~unclip.train.data.loader.make_batches` takes back: each worker's raw position and, from
     checkpoints that have them, the shard counts with which the streams pass consumed shards
-    unopened (without them, the streams list those shards)."""
+    unopened (without them, the streams list those shards), the shard list's id and the shard
+    each worker was reading, which a resume checks the data against."""
     if not saved:
         return {}
     positions = {int(k): int(v) for k, v in saved["positions"].items()}
     out = {"num_workers": int(saved["num_workers"]), "positions": positions}
     if saved.get("shards"):
         out["shards"] = {str(k): [int(x) for x in v] for k, v in saved["shards"].items()}
+    if saved.get("shard_list"):
+        out["shard_list"] = str(saved["shard_list"])
+    if saved.get("heads"):
+        out["heads"] = {
+            int(k): [str(v[0]), *(int(x) for x in v[1:])] for k, v in saved["heads"].items()
+        }
     return out
 
 

@@ -34,7 +34,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     ``cursors``: ``{logical worker: raw position}`` from the batches delivered before (their
     ``data_cursor``, :func:`cursors_of`); a worker with one resumes there, skipping what it read
-    without decoding it, instead of re-reading its ``start`` samples.
+    without decoding it, instead of re-reading its ``start`` samples. ``heads``: ``{logical
+    worker: the shard it was reading}`` (webdataset), given to the stream with its cursor.
     """
 
     def __init__(
@@ -44,9 +45,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
         start: int = 0,
         batch_size: int = 1,
         cursors: Optional[dict[int, int]] = None,
+        heads: Optional[dict[int, list]] = None,
     ):
         super().__init__()
         self.cursors = dict(cursors or {})
+        self.heads = dict(heads or {})
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if not isinstance(start, int) or start < 0:
@@ -73,14 +76,18 @@ class StreamDataset(torch.utils.data.IterableDataset):
         logical, start = self.worker_plan(worker, num_workers)
         cursor = self.cursors.get(logical)
         extra = {} if cursor is None else {"cursor": cursor}
+        if cursor is not None and logical in self.heads:
+            extra["head"] = self.heads[logical]
         return iter(self.factory(start=start, worker=logical, num_workers=num_workers, **extra))
 
 
 def cursors_of(batch: dict, known: dict) -> None:
     """Record the ``data_cursor`` of a collated batch in ``known`` (``{"num_workers": k,
-    "positions": {logical worker: raw position}, "shards": {shard: [samples, size, mtime_ns]}}``,
-    what a resumed loader is given back; ``shards`` gathers the shard counts webdataset cursors
-    carry, with which a resumed stream passes the shards it consumed unopened)."""
+    "positions": {logical worker: raw position}, "shards": {shard: [samples, size, mtime_ns]},
+    "shard_list": id, "heads": {logical worker: [shard, size, mtime_ns]}}``, what a resumed
+    loader is given back; ``shards`` gathers the shard counts webdataset cursors carry, with which
+    a resumed stream passes the shards it consumed unopened; ``shard_list`` and ``heads``, what
+    it checks the data against before it resumes)."""
     cursor = batch.get("data_cursor")
     if cursor is None:
         return
@@ -94,6 +101,9 @@ def cursors_of(batch: dict, known: dict) -> None:
     known["positions"][worker] = position
     if len(cursor) > 3:
         known.setdefault("shards", {}).update(cursor[3])
+    if len(cursor) > 4:
+        known["shard_list"] = cursor[4]["list"]
+        known.setdefault("heads", {})[worker] = cursor[4]["head"]
 
 
 def collate(samples: list[dict]) -> dict:
@@ -113,7 +123,7 @@ def collate(samples: list[dict]) -> dict:
                 news = {}
                 for v in values:
                     news.update(v[3])
-                out[key] = (*values[-1][:3], news)
+                out[key] = (*values[-1][:3], news, *values[-1][4:])
         elif isinstance(values[0], torch.Tensor):
             out[key] = torch.stack(values)
         else:

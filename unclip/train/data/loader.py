@@ -86,15 +86,17 @@ def make_stream(
     ``clip_image``, the original image at that size (:mod:`unclip.train.data.sources`); ignored
     with ``data.embeddings_path``, whose precomputed embeddings replace it. ``worker`` may also hold
     ``cursor``: the file sources resume there without decoding what came before (the shapes world
-    draws any sample directly and needs none), and ``shard_counts``: the webdataset shards' sample
-    counts the run recorded, with which it passes the shards before its cursor unopened."""
+    draws any sample directly and needs none), ``shard_counts``: the webdataset shards' sample
+    counts the run recorded, with which it passes the shards before its cursor unopened, and
+    ``shard_list``/``head``: the shard list and the shard in progress the cursor was taken on,
+    which the stream checks before it resumes."""
     cursor = worker.pop("cursor", None)
-    shard_counts = worker.pop("shard_counts", None)
+    recorded = {k: worker.pop(k, None) for k in ("shard_counts", "shard_list", "head")}
     split = dict(rank=rank, world_size=world_size, start=start, **worker)
     if cursor is not None and data.source != "shapes":
         split["cursor"] = cursor
-        if data.source == "webdataset" and shard_counts:
-            split["shard_counts"] = shard_counts
+        if data.source == "webdataset":
+            split.update((k, v) for k, v in recorded.items() if v)
     if data.embeddings_path:  # images paired with their precomputed CLIP embeddings
         from unclip.train.data.paired import paired_stream
 
@@ -148,11 +150,18 @@ def make_batches(
     DataLoader with ``data.num_workers`` worker processes when > 0 (exact resume either way, see
     ``StreamDataset``). ``clip_resolution``: as in :func:`make_stream`. ``cursors``: where each
     worker's stream stood (``TrainLoop.data_cursors``, saved in checkpoints): the streams skip to
-    it without decoding the samples before; ignored if the number of workers changed."""
-    positions, shards = {}, None
-    if cursors and cursors.get("num_workers") == max(1, data.num_workers):
+    it without decoding the samples before. Data that is not what the cursors were taken on (the
+    number of workers, the shard list, a shard in progress changed) is refused here, in this
+    process, in one line (:func:`~unclip.train.data.resume.check_resume`)."""
+    positions, shards, heads, shard_list = {}, None, {}, None
+    if cursors and data.source != "shapes":
+        from unclip.train.data.resume import check_resume
+
+        check_resume(data, cursors)
         positions = {int(k): int(v) for k, v in cursors.get("positions", {}).items()}
         shards = cursors.get("shards")
+        heads = {int(k): v for k, v in cursors.get("heads", {}).items()}
+        shard_list = cursors.get("shard_list")
     # this rank's stream from a start position (and a DataLoader worker's share of it)
     stream_from = functools.partial(
         make_stream,
@@ -163,9 +172,12 @@ def make_batches(
         world_size=world_size,
         clip_resolution=clip_resolution,
         **({"shard_counts": shards} if shards else {}),
+        **({"shard_list": shard_list} if shard_list else {}),
     )
     if data.num_workers <= 0:
         at = {"cursor": positions[0]} if 0 in positions else {}
+        if at and 0 in heads:
+            at["head"] = heads[0]
         return batches(stream_from(start=start, **at), data.batch_size)
 
     from unclip.train.data.batching import StreamDataset
@@ -174,7 +186,9 @@ def make_batches(
         data.embeddings_path
     ):  # check the pairing now, before the workers start (they reuse the cached check)
         stream_from()
-    ds = StreamDataset(stream_from, start=start, batch_size=data.batch_size, cursors=positions)
+    ds = StreamDataset(
+        stream_from, start=start, batch_size=data.batch_size, cursors=positions, heads=heads
+    )
     return torch.utils.data.DataLoader(
         ds,
         batch_size=data.batch_size,

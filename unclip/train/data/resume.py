@@ -1,9 +1,12 @@
 """What a webdataset stream needs to resume at its cursor without replaying what it consumed: which
 raw samples its shuffle buffer holds there (:func:`buffer_positions`, in bulk from the buffer's
-random draws) and those samples themselves (:func:`fetch_samples`, read from their shards)."""
+random draws) and those samples themselves (:func:`fetch_samples`, read from their shards); and
+what tells that the data is no longer what the cursor was taken on (:func:`check_resume`): the
+number of DataLoader workers, the shard list and the shard each worker was reading."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Optional
 
@@ -11,7 +14,16 @@ import numpy as np
 
 from unclip.train.data.tars import file_stamp, iter_tar_samples, read_listed, shard_listing
 
-__all__ = ["buffer_positions", "buffered_and_rest", "fetch_samples", "shard_changed"]
+__all__ = [
+    "buffer_positions",
+    "buffered_and_rest",
+    "check_resume",
+    "fetch_samples",
+    "head_changed",
+    "shard_changed",
+    "shard_list_changed",
+    "shard_list_id",
+]
 
 
 def buffer_positions(
@@ -46,6 +58,68 @@ def shard_changed(url: str, had: int, has: int) -> ValueError:
         f"it, it now has {has}; a resumed run reads again the samples its shuffle buffer held, "
         "so restore the shard as it was (do not modify shards during a run)"
     )
+
+
+def shard_list_id(urls: Sequence[str]) -> str:
+    """``"<number of shards>:<hash of their URLs in order>"``: what a cursor records of the shard
+    list, whose length and order seed every epoch's shard permutation (the list itself would be
+    a megabyte per checkpoint at LAION's 100k shards)."""
+    digest = hashlib.sha256("\n".join(urls).encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{len(urls)}:{digest[:16]}"
+
+
+def shard_list_changed(had: str, has: str) -> ValueError:
+    n_had, n_has = had.split(":")[0], has.split(":")[0]
+    what = (
+        f"{n_had} shards then, {n_has} now"
+        if n_had != n_has
+        else f"{n_had} shards then and now, not the same or not in the same order"
+    )
+    return ValueError(
+        f"the webdataset's shard list (data.path) changed since the checkpoint ({what}): every "
+        "epoch's shard order follows from the list, so the resumed stream would train some "
+        "samples twice and skip others; resume with the shards the run read, or start a new run "
+        "from the checkpoint's weights (train.init_weights)"
+    )
+
+
+def head_changed(url: str, had: Sequence[int], has: Optional[Sequence[int]]) -> ValueError:
+    now = "it is gone" if has is None else f"size {has[0]} bytes, modified at {has[1]} ns now"
+    return ValueError(
+        f"shard {url}, which the run was reading at the checkpoint, changed on disk since "
+        f"(size {had[0]} bytes, modified at {had[1]} ns then; {now}): the resumed stream would "
+        "read other samples than the run had in its shuffle buffer and still to come; restore "
+        "the shard as it was (do not modify shards during a run)"
+    )
+
+
+def check_resume(data, cursors: dict) -> None:
+    """Refuse, in one line naming what changed and what to do, a resume whose data is not what the
+    checkpoint's ``cursors`` (:func:`~unclip.train.data.batching.cursors_of`) were taken on: the
+    number of DataLoader workers (each reads its own part of the data, so the parts change with
+    it), the webdataset shard list, or a shard a worker was reading. A consumed shard that changed
+    is left to the stream, which refuses it only if it still needs its samples."""
+    from unclip.train.data.tars import expand_urls
+
+    had = cursors.get("num_workers")
+    workers = max(1, int(data.num_workers))
+    if had is not None and int(had) != workers and cursors.get("positions"):
+        raise ValueError(
+            f"data.num_workers={data.num_workers} but the checkpoint's run read its data with "
+            f"{had} DataLoader worker(s), each its own part of the data: a resume with another "
+            f"number would train some samples twice and skip others; resume with "
+            f"data.num_workers={had}"
+        )
+    if data.source != "webdataset":
+        return
+    listed = cursors.get("shard_list")
+    if listed is not None:
+        now = shard_list_id(expand_urls(data.path))
+        if now != listed:
+            raise shard_list_changed(listed, now)
+    for _, head in sorted(cursors.get("heads", {}).items()):
+        if len(head) > 1 and file_stamp(head[0]) != list(head[1:]):
+            raise head_changed(head[0], head[1:], file_stamp(head[0]))
 
 
 def fetch_samples(

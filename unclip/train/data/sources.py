@@ -62,7 +62,13 @@ from PIL import Image
 
 from unclip._compat import package_getattr
 from unclip.train.data.batching import StreamDataset, collate
-from unclip.train.data.resume import buffer_positions, buffered_and_rest
+from unclip.train.data.resume import (
+    buffer_positions,
+    buffered_and_rest,
+    head_changed,
+    shard_list_changed,
+    shard_list_id,
+)
 from unclip.train.data.tars import (
     expand_urls,
     file_stamp,
@@ -391,9 +397,16 @@ class WebDatasetStream(_Stream):
     :func:`~unclip.train.data.batching.cursors_of`) passes the consumed shards unopened, computes
     what the shuffle buffer held from its random draws alone and reads those samples and the rest
     of the shard the cursor stands in; a consumed shard whose size or mtime changed is reported
-    and still passed by its count. A shard without a count is listed by its headers (local) or
-    read, not decoded (``pipe:``/remote). At a ``start`` count the skipped samples are read and
-    decoded. ``split``: the keyword arguments of the data split (module doc).
+    and still passed by its count, unless the shuffle buffer still held samples of it, which is
+    refused. A shard without a count is listed by its headers (local) or read, not decoded
+    (``pipe:``/remote). At a ``start`` count the skipped samples are read and decoded. ``split``:
+    the keyword arguments of the data split (module doc).
+
+    The ``data_cursor`` ends with ``{"list": ..., "head": [shard, size, mtime_ns]}``: the shard
+    list's :func:`~unclip.train.data.resume.shard_list_id` and the shard being read (no stamp for
+    ``pipe:``/remote ones). Given back as ``shard_list`` and ``head``, a resume refuses another
+    shard list and a shard in progress that changed since (size or modification time) instead of
+    training on other samples than the run would have.
     """
 
     what = "webdataset sample"
@@ -405,12 +418,18 @@ class WebDatasetStream(_Stream):
         *,
         shuffle_buffer: int = 1000,
         shard_counts: Optional[dict] = None,
+        shard_list: Optional[str] = None,
+        head: Optional[list] = None,
         **split,
     ):
         super().__init__(**split)
         self.urls = expand_urls(urls)
+        self.list_id = shard_list_id(self.urls)
         self.shard_counts = dict(shard_counts or {})
+        # what the cursor resumed at was taken on (None: a checkpoint from before they were kept)
+        self.shard_list, self.head = shard_list, (list(head) if head else None)
         self._news: dict[str, list[int]] = {}
+        self._reading: list = []  # the shard being read, with the stamp it had when opened
         self.resolution, self.shuffle_buffer = int(resolution), int(shuffle_buffer)
         if len(self.urls) < self.world_size:
             raise ValueError(
@@ -448,6 +467,7 @@ class WebDatasetStream(_Stream):
                     (raws, got, stamp), head = head, None
                 else:
                     raws, got, stamp = iter_tar_samples([url]), 0, file_stamp(url)
+                self._reading = [url, *(stamp or ())]
                 # one sample ahead, so a shard is counted as its last sample leaves: a cursor
                 # then carries the count of every shard read to its end before it
                 raws = iter(raws)
@@ -489,6 +509,12 @@ class WebDatasetStream(_Stream):
         their sample counts (``shard_counts``, else listed by their headers or, ``pipe:``/remote,
         read), the samples still in the buffer are read from their shards, and the shard the
         cursor stands in is read on from there."""
+        if self.shard_list is not None and self.shard_list != self.list_id:
+            raise shard_list_changed(self.shard_list, self.list_id)
+        if self.head is not None and len(self.head) > 1:
+            now = file_stamp(self.head[0])
+            if now != self.head[1:]:
+                raise head_changed(self.head[0], self.head[1:], now)
         consumed = skip + buffer  # inputs the buffer had taken
         slots = buffer_positions(rng, buffer, skip) if buffer else np.zeros(0, np.int64)
         wanted = np.unique(slots)
@@ -519,6 +545,14 @@ class WebDatasetStream(_Stream):
                 last_epoch, epoch = pos - first, epoch + 1
                 continue
             break
+        needed = [u for u, _ in where.values() if u in changed]
+        if needed:
+            raise ValueError(
+                f"shard {needed[0]} changed on disk since the run counted it (size or "
+                f"modification time) and {len(needed)} of its samples were still in the shuffle "
+                "buffer at the checkpoint: the resumed stream would train on other samples; "
+                "restore the shard as it was (do not modify shards during a run)"
+            )
         if changed:
             logger.warning(
                 "%s: %d consumed shard(s) differ in size or modification time from when the run "
@@ -528,6 +562,13 @@ class WebDatasetStream(_Stream):
                 next(iter(changed)),
             )
         index = consumed - pos  # of the next sample in the shard the cursor stands in
+        if index and self.head is not None and self.head[0] != url:
+            # the shards before it were counted otherwise than the run counted them
+            raise ValueError(
+                f"{self.describe()}: the cursor of consumer {c} of {n} stands in shard {url}, "
+                f"the run was reading {self.head[0]}: the shards changed since the checkpoint; "
+                "restore them as they were (do not modify shards during a run)"
+            )
         fetched, head = buffered_and_rest(where.values(), url, index, listings)
         buf[:] = [dict(fetched[where[int(p)]]) for p in slots]
         if last_epoch:
@@ -558,7 +599,7 @@ class WebDatasetStream(_Stream):
 
     def _cursor_news(self) -> tuple:
         news, self._news = self._news, {}
-        return (news,)
+        return news, {"list": self.list_id, "head": list(self._reading)}
 
     def _raw_from(self, c: int, n: int, skip: int) -> Iterator:
         return self._raw(c, n, skip)
