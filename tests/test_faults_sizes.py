@@ -69,3 +69,53 @@ def test_plan_refuses_a_micro_batch_past_the_gpu(capsys):
 
     status = run_main("unclip plan", plan_main, [str(SR32), "--micro-batch", "100000000"])
     _one_line(capsys, status, "plan", "--micro-batch 100000000", "--gpu-memory 80GiB")
+
+
+def test_generate_counts_the_decoders_activations_per_candidate(tiny_dir, tmp_path, capsys):
+    """The check once counted four 16 px images per candidate (12 KiB) and let 100,000 candidates
+    through as 1.2 GB; the decoder's activations are some 40 times that. A count the images-only
+    estimate passes (a quarter of the memory there is) is refused, and the estimate per
+    candidate is within 30 % of what the tiny decoder's candidates really take."""
+    from unclip.cli.generate import main as generate_main
+    from unclip.pipeline.jobs import _LiveBytes, decoder_bytes_per_candidate
+    from unclip.pipeline.pipeline import UnCLIPPipeline
+    from unclip.utils.limits import available_memory
+
+    images_only = 4 * 3 * 16 * 16 * 4
+    count = available_memory() // (4 * images_only)
+    args = ["a red circle", "--model", str(tiny_dir), "--out", str(tmp_path / "o")]
+    status = run_main("unclip generate", generate_main, [*args, "--decoder-best-of", str(count)])
+    _one_line(capsys, status, "generate", f"--decoder-best-of {count}", "activations")
+    assert not (tmp_path / "o").exists()
+
+    pipe = UnCLIPPipeline.from_pretrained(tiny_dir, autocast_dtype=None)
+
+    def peak(k):  # the live bytes of a call drawing k candidates
+        meter = _LiveBytes()
+        with meter:
+            pipe("a", sampling={"decoder": {"best_of": k}}, progress=False, output_type="pt")
+        return meter.peak
+
+    real = (peak(12) - peak(4)) / 8
+    estimate = decoder_bytes_per_candidate(pipe.decoder, guided=True)
+    assert 0.7 < estimate / real < 1.3, (estimate, real)
+    assert estimate > 20 * images_only
+
+
+def test_a_token_pipeline_refuses_a_batch_past_memory(token_parts):
+    """`TokenPipeline` samples every candidate of every image at once and had no check: a
+    request past the memory there is is one line before anything is allocated (candidates
+    themselves are bounded by sampling.candidates' stated maximum)."""
+    from conftest import token_pipeline
+
+    from unclip.utils.limits import available_memory
+
+    pipe = token_pipeline(token_parts, upsamplers=False)
+    n = available_memory() // 1024  # ~10 KiB per image of the tiny pipeline: ten times too many
+    with pytest.raises(ValueError) as err:
+        pipe("a red square", num_images_per_prompt=n, output_type="pt")
+    msg = str(err.value)
+    assert msg.startswith(f"{n} image(s) (prompts × num_images_per_prompt) × sampling.candidates")
+    assert "key/value cache" in msg and "lower it" in msg and "\n" not in msg
+    images = pipe("a red square", num_images_per_prompt=2, output_type="pt").images
+    assert images.shape[0] == 2

@@ -233,3 +233,55 @@ def test_a_resume_over_another_tokenizer_is_refused(token_parts, tmp_path, capsy
     )
     assert status == 0, capsys.readouterr().err
     assert (out / "final" / "transformer").is_dir()
+
+
+# --------------------------------------------------------------------------------------------------
+# sizes: degenerate and absurd configs are config errors with the bound stated
+# --------------------------------------------------------------------------------------------------
+#: (command, config, override, what the one-line message says)
+BAD_SIZES = [
+    ("tokenizer", "dvae", "tokenizer.dvae.num_codes=0", "dvae.num_codes must be an integer in 2"),
+    ("tokenizer", "dvae", "tokenizer.dvae.num_codes=1000000000", "2 … 262,144, got 1000000000"),
+    ("tokenizer", "dvae", "tokenizer.dvae.n_hid=0", "dvae.n_hid must be an integer in 1 … 8,192"),
+    ("tokenizer", "dvae", "tokenizer.dvae.groups=0", "dvae.groups must be an integer in 1 … 8"),
+    ("tokenizer", "vqgan", "tokenizer.vqgan.num_codes=0", "vqgan.num_codes must be an integer"),
+    ("tokenizer", "vqgan", "tokenizer.vqgan.block_out_channels=[]", "a list of 1 … 8 widths"),
+    ("tokenizer", "vqgan", "tokenizer.vqgan.block_out_channels=[8,0]", "block_out_channels[1]"),
+    ("tokenizer", "vqgan", "tokenizer.vqgan.commitment_weight=.nan", "a finite number >= 0"),
+    ("tokens", "dalle", "transformer.dalle.grid=0", "dalle.grid must be an integer in 1 … 128"),
+    ("tokens", "dalle", "transformer.dalle.num_layers=0", "dalle.num_layers must be an integer"),
+    ("tokens", "dalle", "transformer.dalle.image_vocab_size=1000000000", "dalle.image_vocab_size"),
+    ("tokens", "mega", "transformer.mega.width=0", "mega.width must be an integer in 1 … 65,536"),
+    ("tokens", "mega", "transformer.mega.dropout=1.5", "mega.dropout must be in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize(("command", "config", "override", "message"), BAD_SIZES)
+def test_degenerate_or_absurd_token_sizes_are_config_errors(
+    command, config, override, message, tmp_path, capsys
+):
+    """`num_codes: 0` once failed in a zero-size convolution deep inside, `1e9` tried to allocate
+    256 GB: every size of the token families' configs has a stated bound, checked when the
+    config loads (before any tokenizer folder is read or network built)."""
+    from unclip.cli.train_tokenizer import main as train_tokenizer
+
+    main = train_tokenizer if command == "tokenizer" else train_tokens
+    out = tmp_path / "run"
+    argv = [str(CONFIGS / "tiny" / f"{config}.yaml"), override, "--output-dir", str(out)]
+    status = run_main(f"unclip train-{command}", main, argv)
+    _one_line(capsys, status, f"unclip train-{command}", message)
+    assert not out.exists()
+
+
+def test_a_tokenizer_folder_with_a_degenerate_size_names_the_file(token_parts, tmp_path):
+    root, _ = token_parts
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(root / "tokenizer", folder)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["config"]["dvae"]["num_codes"] = 0
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(folder)
+    msg = str(err.value)
+    assert str(folder / "config.json") in msg and "dvae.num_codes must be an integer in 2" in msg
+    assert "\n" not in msg

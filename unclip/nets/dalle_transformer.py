@@ -32,8 +32,12 @@ from torch import nn
 
 from unclip.nets.blocks import TransformerBlock
 from unclip.nets.token_common import (
+    MAX_CODES,
+    MAX_GRID,
     attend_cached,
+    check_sizes,
     check_teacher_forcing,
+    check_weights,
     drop_captions,
     init_weights,
 )
@@ -134,14 +138,34 @@ class DalleConfig:
     def image_len(self) -> int:
         return self.grid * self.grid
 
+    def __post_init__(self) -> None:
+        self.check()
+
     def check(self) -> None:
+        """Sizes within stated bounds (a degenerate or absurd one is a config error, not a crash
+        deep inside or an allocation past any memory), weights finite."""
+        check_sizes(
+            "dalle",
+            self,
+            {
+                "num_layers": (1, 1024),
+                "width": (1, 65536),
+                "num_heads": (1, 1024),
+                "text_len": (1, 4096),
+                "grid": (1, MAX_GRID),
+                "text_vocab_size": (1, 2**20),
+                "image_vocab_size": (2, MAX_CODES),
+                "conv_kernel": (1, 2 * MAX_GRID - 1),
+            },
+        )
         if self.width % self.num_heads:
             raise ValueError(
                 f"dalle: width {self.width} is not divisible by num_heads {self.num_heads}"
             )
-        for name in ("num_layers", "text_len", "grid", "text_vocab_size", "image_vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"dalle: {name} must be >= 1, got {getattr(self, name)!r}")
+        check_weights("dalle", self, ("text_loss_weight", "image_loss_weight"))
+        check_weights("dalle", self, ("init_std",), positive=True)
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"dalle.dropout must be in [0, 1), got {self.dropout!r}")
 
     def build(self) -> DalleTransformer:
         """The network (on the current default device: ``with torch.device("meta"):`` builds it

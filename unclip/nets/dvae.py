@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unclip.nets.token_common import check_decoded
+from unclip.nets.token_common import MAX_CODES, MAX_GRID, check_decoded, check_sizes
 
 __all__ = [
     "LOGIT_LAPLACE_EPS",
@@ -78,6 +78,27 @@ class DVAEConfig:
             raise ValueError(
                 f"dvae: recon must be one of {', '.join(RECON_TERMS)}, got {self.recon!r}"
             )
+        check_sizes(
+            "dvae",
+            self,
+            {
+                "image_size": (8, 4096),
+                "num_codes": (2, MAX_CODES),
+                "n_hid": (1, 8192),
+                "n_init": (1, 8192),
+                "blocks_per_group": (1, 64),
+                "groups": (1, 8),
+            },
+        )
+        self._check_grid()
+
+    def _check_grid(self) -> None:
+        if self.image_size % self.downsampling:
+            raise ValueError(
+                f"dvae: image_size must be a multiple of {self.downsampling} ({self.groups} "
+                f"groups), got {self.image_size}"
+            )
+        check_sizes("dvae", self, {"grid": (1, MAX_GRID)})
 
     @property
     def downsampling(self) -> int:
@@ -89,13 +110,7 @@ class DVAEConfig:
         return self.image_size // self.downsampling
 
     def build(self) -> DVAE:
-        if self.groups < 1:
-            raise ValueError(f"dvae: groups must be >= 1, got {self.groups}")
-        if self.image_size % self.downsampling:
-            raise ValueError(
-                f"dvae: image_size must be a multiple of {self.downsampling} ({self.groups} "
-                f"groups), got {self.image_size}"
-            )
+        self.__post_init__()  # fields set after the config was made are checked too
         return DVAE(self)
 
 

@@ -22,8 +22,12 @@ from torch import nn
 
 from unclip.nets.blocks import FeedForward, SelfAttention
 from unclip.nets.token_common import (
+    MAX_CODES,
+    MAX_GRID,
     attend_cached,
+    check_sizes,
     check_teacher_forcing,
+    check_weights,
     drop_captions,
     init_weights,
 )
@@ -58,7 +62,34 @@ class MegaConfig:
     def image_len(self) -> int:
         return self.grid * self.grid
 
+    def __post_init__(self) -> None:
+        self.check()
+
     def check(self) -> None:
+        """Sizes within stated bounds (see :meth:`DalleConfig.check`), the GLU's width reachable,
+        the special tokens inside the caption vocabulary."""
+        check_sizes(
+            "mega",
+            self,
+            {
+                "encoder_layers": (1, 1024),
+                "decoder_layers": (1, 1024),
+                "width": (1, 65536),
+                "num_heads": (1, 1024),
+                "glu_width": (1, 262144),
+                "text_len": (2, 4096),
+                "grid": (1, MAX_GRID),
+                "text_vocab_size": (3, 2**20),
+                "image_vocab_size": (2, MAX_CODES),
+            },
+        )
+        top = self.text_vocab_size - 1
+        check_sizes(
+            "mega", self, {k: (0, top) for k in ("text_bos_id", "text_pad_id", "text_eos_id")}
+        )
+        check_weights("mega", self, ("init_std",), positive=True)
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"mega.dropout must be in [0, 1), got {self.dropout!r}")
         if self.width % self.num_heads:
             raise ValueError(f"mega: width {self.width} is not divisible by {self.num_heads} heads")
         # FeedForward sizes a GLU as (2 · ff_mult · width) // 3: glu_width must be reachable

@@ -26,7 +26,48 @@ __all__ = [
     "parameter_count",
     "check_teacher_forcing",
     "check_decoded",
+    "check_sizes",
+    "check_weights",
+    "MAX_CODES",
+    "MAX_GRID",
 ]
+
+#: the largest codebook a tokenizer may have and a transformer may predict over (2^18: beyond any
+#: published image tokenizer; DALL-E's dVAE has 8,192 codes, Mega's VQGAN 16,384)
+MAX_CODES = 2**18
+#: the most image tokens per side: DALL-E's masks are [S, S] with S = grid² + caption, so 128
+#: (16,384 image tokens) already takes a few hundred MB per mask kind (DALL-E: 32, Mega: 16)
+MAX_GRID = 128
+
+
+def check_sizes(family: str, cfg, bounds: dict) -> None:
+    """Each field ``name`` of ``cfg`` must be an integer in ``bounds[name] = (low, high)``: a
+    ``ValueError`` ``"<family>.<name> must be an integer in low … high, got value"`` otherwise.
+    Checked when the config is made, so a degenerate size (0 codes: a zero-size convolution deep
+    inside) or an absurd one (10⁹ codes: a 256 GB allocation) is a config error, not a crash."""
+    for name, (low, high) in bounds.items():
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(
+                f"{family}.{name} must be an integer in {low:,} … {high:,}, got {value!r}"
+            )
+
+
+def check_weights(family: str, cfg, names, positive: bool = False) -> None:
+    """Each field of ``names`` must be a finite number >= 0 (``positive``: > 0)."""
+    for name in names:
+        value = getattr(cfg, name)
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, (int, float))
+            and math.isfinite(value)
+            and (value > 0 if positive else value >= 0)
+        )
+        if not ok:
+            raise ValueError(
+                f"{family}.{name} must be a finite number {'>' if positive else '>='} 0, got "
+                f"{value!r}"
+            )
 
 
 def attend_cached(

@@ -183,7 +183,12 @@ def _load(folder, component: str):
             f"{component}: {file} has no 'config' mapping (the {component}'s settings, which "
             "save_component writes); re-export the folder"
         )
-    cfg = from_dict(_SCHEMAS[component], meta["config"], source=str(file))
+    try:
+        cfg = from_dict(_SCHEMAS[component], meta["config"], source=str(file))
+    except ValueError as exc:  # a section's own check (a size out of its bounds) names no file
+        if str(file) in str(exc):
+            raise
+        raise ConfigError(f"{file}: {exc}") from None
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         if pickles_in(folder):

@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from diffusers.models.autoencoders.vq_model import VQModel
 from torch import nn
 
-from unclip.nets.token_common import check_decoded
+from unclip.nets.token_common import (
+    MAX_CODES,
+    MAX_GRID,
+    check_decoded,
+    check_sizes,
+    check_weights,
+)
 
 __all__ = [
     "VQGANConfig",
@@ -72,6 +78,46 @@ class VQGANConfig:
     #: DALL-E Mega used; on, far more of a small codebook stays in use
     l2_codes: bool = False
 
+    def __post_init__(self) -> None:
+        widths = self.block_out_channels
+        if not isinstance(widths, (list, tuple)) or not 1 <= len(widths) <= 8:
+            raise ValueError(
+                f"vqgan.block_out_channels must be a list of 1 … 8 widths (one per level), got "
+                f"{widths!r}"
+            )
+        self.block_out_channels = tuple(widths)
+        check_sizes(
+            "vqgan",
+            self,
+            {
+                "image_size": (8, 4096),
+                "num_codes": (2, MAX_CODES),
+                "layers_per_block": (1, 64),
+                "latent_channels": (1, 8192),
+                "norm_num_groups": (1, 1024),
+                "discriminator_layers": (1, 8),
+            },
+        )
+        for i, width in enumerate(widths):
+            if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= 8192:
+                raise ValueError(
+                    f"vqgan.block_out_channels[{i}] must be an integer in 1 … 8,192, got {width!r}"
+                )
+            if width % self.norm_num_groups:  # GroupNorm splits each level's channels evenly
+                raise ValueError(
+                    f"vqgan.block_out_channels[{i}]={width} is not a multiple of "
+                    f"norm_num_groups={self.norm_num_groups}"
+                )
+        check_weights(
+            "vqgan", self, ("commitment_weight", "perceptual_weight", "adversarial_weight")
+        )
+        if self.image_size % self.downsampling:
+            raise ValueError(
+                f"vqgan: image_size must be a multiple of {self.downsampling} ({len(widths)} "
+                f"levels), got {self.image_size}"
+            )
+        check_sizes("vqgan", self, {"grid": (1, MAX_GRID)})
+
     @property
     def downsampling(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
@@ -82,6 +128,7 @@ class VQGANConfig:
 
     def build(self) -> VQGAN:
         """The tokenizer network (its loss: :meth:`build_loss`)."""
+        self.__post_init__()  # fields set after the config was made are checked too
         n = len(self.block_out_channels)
         down = ["DownEncoderBlock2D"] * n
         up = ["UpDecoderBlock2D"] * n

@@ -333,6 +333,9 @@ class TokenPipeline(MemoryMixin, BasePipeline):
                 "lacks; set candidates=1 or build the pipeline with rerank_clip"
             )
         k = s.candidates
+        from unclip.pipeline.jobs import check_token_batch_fits  # jobs loads the pipelines
+
+        check_token_batch_fits(self, s, len(prompts_) * n)  # all rows at once: memory first
         rows = [p for p in prompts_ for _ in range(n * k)]
         gen = expand_generator(generator, len(prompts_), n * k, "generator", candidates=k)
         if gen is not None and not isinstance(gen, torch.Generator):
