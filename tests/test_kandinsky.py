@@ -773,3 +773,38 @@ def test_variations_and_mix_decode_image_tower_embeddings(pipe):
     finally:
         pipe.disable_attention_slicing()
     assert _max_diff(sliced.images, out.images) <= TOL  # float rounding of the sliced sums
+
+
+def test_hub_ids_load_and_generate_writes_a_kandinsky_folder(
+    prior_folder, decoder_folder, pipe, hub_cache, tmp_path
+):
+    """load_pipeline takes a Kandinsky decoder's Hub id and finds the prior its model card names
+    (another Hub id), as AutoPipelineForText2Image does, from the offline cache; `unclip
+    generate --model` samples it into a folder with its record."""
+    from unclip.pipeline.jobs import generate_to_folder
+
+    decoder = Path(shutil.copytree(decoder_folder[0], tmp_path / "decoder"))
+    (decoder / "README.md").write_text("---\nprior:\n- org/k22-prior\n---\n")
+    hub_cache("org/k22-decoder", decoder)
+    hub_cache("org/k22-prior", prior_folder[0])
+    loaded = load_pipeline("org/k22-decoder")
+    assert isinstance(loaded, KandinskyPipeline) and loaded.stage_names == ["prior", "decoder"]
+    kwargs = dict(num_inference_steps=2, prior_num_inference_steps=2, height=SIZE, width=SIZE)
+    kwargs.update(output_type="pt", progress=False)
+    a = loaded("a cat", generator=_gen(16), **kwargs).images
+    assert torch.equal(a, pipe("a cat", generator=_gen(16), **kwargs).images)
+
+    loaded.resolution = SIZE  # a call's default size (diffusers' 512 without it)
+    record = generate_to_folder(
+        loaded,
+        ["a cat", "a dog"],
+        tmp_path / "out",
+        num_images_per_prompt=2,
+        sampling={"prior": {"steps": 2}, "decoder": {"steps": 2}},
+        progress=False,
+    )
+    assert [f["file"] for f in record["files"]] == ["000_00.png", "000_01.png", "001_00.png",
+                                                     "001_01.png"]  # fmt: skip
+    assert record["resolution"] == SIZE and (tmp_path / "out" / "grid.png").is_file()
+    with Image.open(tmp_path / "out" / "000_00.png") as image:
+        assert image.size == (SIZE, SIZE)

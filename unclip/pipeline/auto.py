@@ -58,6 +58,16 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
     autocast, memory-format and device options; the Hub options are refused for it with what to
     do."""
     family = pipeline_family(path)
+    if family == "unclip" and _is_hub_id(path):
+        # a Hub repo holds any family's folder: fetch it (once, into the cache) and look
+        family = pipeline_family(_fetched(path, kwargs))
+        if family == "kandinsky":  # its prior is found from the repo id, as diffusers does
+            return _load_kandinsky(path, kwargs)
+        if family != "unclip":
+            raise ValueError(
+                f"{path} holds a {family} pipeline; token pipelines load from a local folder "
+                "(download it, e.g. with `hf download`, and pass the folder)"
+            )
     if family == "unclip":
         from unclip.pipeline.pipeline import UnCLIPPipeline
 
@@ -74,6 +84,22 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
             "leave them out"
         )
     return TokenPipeline.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in own})
+
+
+def _is_hub_id(path) -> bool:
+    from unclip.io.hub import is_repo_id
+
+    return path is not None and not Path(path).expanduser().exists() and is_repo_id(str(path))
+
+
+def _fetched(repo_id, kwargs: dict) -> Path:
+    """The local snapshot of ``repo_id`` (the Hub options in ``kwargs`` apply)."""
+    from unclip.pipeline.folders import resolve_pipeline_folder
+
+    hub = {k: kwargs.get(k) for k in ("revision", "cache_dir", "local_files_only", "variant")}
+    if kwargs.get("token") is not None:
+        hub["token"] = kwargs["token"]
+    return resolve_pipeline_folder(repo_id, **hub)
 
 
 def _load_kandinsky(path, kwargs: dict):

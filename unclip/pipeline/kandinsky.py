@@ -32,6 +32,7 @@ import torch
 from unclip.diffusion.loop import Generator
 from unclip.nets.clip import CLIP
 from unclip.nets.latent_decoder import LatentDecoder
+from unclip.nets.text_encoding import check_prompts
 from unclip.pipeline.base import BasePipeline, ResolvedSampling
 from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.output import UnCLIPOutput
@@ -44,7 +45,7 @@ from unclip.sampling.latent import (
     sample_latents,
 )
 from unclip.sampling.stages import StepCallback, stage_callback
-from unclip.sampling.utils import check_count, check_output_type
+from unclip.sampling.utils import check_count, check_output_type, expand_generator
 from unclip.utils.images import to_output
 from unclip.utils.offload import releases_gpu
 from unclip.utils.registry import EntryPointRegistry
@@ -94,8 +95,14 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         clip: Optional[CLIP] = None,
         prior_scheduler=None,
         sampling: Optional[Mapping[str, Any]] = None,
+        resolution: int = 512,
     ):
+        """``resolution``: the side of the images a call makes when it gives no ``height`` /
+        ``width`` (diffusers' 512 by default)."""
         self._init_base()
+        if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
+            raise ValueError(f"resolution must be a positive integer, got {resolution!r}")
+        self.resolution = resolution
         if not isinstance(decoder, LatentDecoder):
             raise TypeError(f"decoder must be a LatentDecoder, got {type(decoder).__name__}")
         parts = {"prior": prior, "clip": clip, "prior_scheduler": prior_scheduler}
@@ -149,7 +156,11 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             "clip": self.clip,
             "prior_scheduler": self.prior_scheduler,
             "sampling": {k: dataclasses.asdict(v) for k, v in self.sampling.items()},
+            "resolution": self.resolution,
         }
+
+    def _size(self, height: Optional[int], width: Optional[int]) -> tuple[int, int]:
+        return (height or self.resolution), (width or self.resolution)
 
     def _image_networks(self) -> list[torch.nn.Module]:
         return [self.decoder]
@@ -297,8 +308,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         self,
         image_embeds: torch.Tensor,
         negative_image_embeds: torch.Tensor,
-        height: int = 512,
-        width: int = 512,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
         latents: Optional[torch.Tensor] = None,
@@ -311,6 +322,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         latents ``[B·n, C, h, w]`` for ``output_type="latent"``, else decoded by MoVQ and
         returned as :func:`~unclip.utils.images.to_output` gives them."""
         check_output_type(output_type)
+        height, width = self._size(height, width)
         if self.decoder.inpaint:
             raise ValueError(
                 "this is an inpainting decoder (kandinsky-2-2-decoder-inpaint): it repaints "
@@ -347,8 +359,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         num_inference_steps: Optional[int] = None,
         guidance_scale: Optional[float] = None,
         num_images_per_prompt: int = 1,
-        height: int = 512,
-        width: int = 512,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         prior_guidance_scale: Optional[float] = None,
         prior_num_inference_steps: Optional[int] = None,
         generator: Generator = None,
@@ -372,6 +384,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         ``"latent"``: the decoder's latents), or with ``return_dict=False`` the tuple
         ``(images,)``."""
         check_output_type(output_type)
+        height, width = self._size(height, width)
         overrides: dict[str, dict] = {k: dict(v) for k, v in (sampling or {}).items()}
         for stage, key, value in (
             ("prior", "steps", prior_num_inference_steps),
@@ -382,6 +395,10 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             if value is not None:
                 overrides.setdefault(stage, {})[key] = value
         settings = self.sampling_settings(overrides)
+        if isinstance(generator, (list, tuple)):
+            # one generator per prompt (or per image): one per row of the stages' batches
+            rows = len(check_prompts(prompt))
+            generator = expand_generator(generator, rows, num_images_per_prompt, "generator")
         image_embeds, negative = self.sample_image_embeds(
             prompt,
             negative_prompt,
@@ -476,8 +493,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         negative_prompt: Union[str, Sequence[str], None] = None,
         *,
         strength: float = 0.3,
-        height: int = 512,
-        width: int = 512,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_inference_steps: Optional[int] = None,
         guidance_scale: Optional[float] = None,
         prior_num_inference_steps: Optional[int] = None,
@@ -497,6 +514,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         ``height × width``, its latents noised ``strength`` of the way back (0.3: close to the
         image; 1: from noise) and denoised. ``image_embeds`` (``[B, D]``) replace the prior's."""
         check_output_type(output_type)
+        height, width = self._size(height, width)
         n = check_count(num_images_per_prompt)
         settings = self._overrides(
             sampling,
@@ -551,8 +569,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         prompt: Union[str, Sequence[str], None] = None,
         negative_prompt: Union[str, Sequence[str], None] = None,
         *,
-        height: int = 512,
-        width: int = 512,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_inference_steps: Optional[int] = None,
         guidance_scale: Optional[float] = None,
         prior_num_inference_steps: Optional[int] = None,
@@ -573,6 +591,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         (``kandinsky-2-2-decoder-inpaint``); the inputs as
         :func:`~unclip.sampling.latent.inpaint_inputs` takes them, one per prompt."""
         check_output_type(output_type)
+        height, width = self._size(height, width)
         if not self.decoder.inpaint:
             raise ValueError(
                 "inpainting needs an inpainting decoder: load kandinsky-2-2-decoder-inpaint (its "
@@ -638,8 +657,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         image,
         num_images: int = 1,
         *,
-        height: int = 512,
-        width: int = 512,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         generator: Generator = None,
         sampling: Optional[Mapping] = None,
         output_type: str = "pil",
@@ -666,8 +685,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         weights: Sequence[float],
         num_images: int = 1,
         *,
-        height: int = 512,
-        width: int = 512,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         generator: Generator = None,
         sampling: Optional[Mapping] = None,
         output_type: str = "pil",
