@@ -259,9 +259,17 @@ def test_shipped_accelerate_configs_have_a_plan():
         **{
             name.replace(".yaml", "_bf16.yaml"): want
             for name, want in got.items()
-            if not name.startswith("deepspeed") and "_bf16" not in name
+            if "_bf16" not in name
         },
     }
+    for name in got:  # every bf16 twin is its fp16 file but for the precision
+        if name.endswith("_bf16.yaml"):
+            fp16 = (ROOT / "configs/accelerate" / name.replace("_bf16", "")).read_text()
+            bf16 = (ROOT / "configs/accelerate" / name).read_text()
+            settings = [line for line in fp16.splitlines() if not line.startswith("#")]
+            assert [line for line in bf16.splitlines() if not line.startswith("#")] == [
+                line.replace("mixed_precision: fp16", "mixed_precision: bf16") for line in settings
+            ], name
     # every strategy the plan can suggest is launched by a shipped file
     for strategy in STRATEGIES.values():
         assert (ROOT / strategy.launch).is_file(), strategy.launch
@@ -277,6 +285,11 @@ def test_cli_plan_prints_and_writes_json(tmp_path, capsys):
     )  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0 and "fake-CUDA training step passed" in text and "fits: DDP" in text
+    # the launch it names is the bf16 twin docs/full_scale.md recommends, and the fp16 file
+    assert (
+        "--config_file configs/accelerate/ddp_8gpu_bf16.yaml (fp16, for GPUs without bf16: "
+        "configs/accelerate/ddp_8gpu.yaml)" in text
+    )
     report = json.loads(out.read_text())
     assert report["choice"] == "DDP" and report["gpus"] == report["shard_gpus"] == 2
     assert report["measure"]["mixed_precision"] == "fp16"

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--sample: the weights' dtype (default float16)",
     )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="read the command as the plan would (the configs with their overrides, the "
+        "Accelerate file, the micro-batch's fit) and stop before the dry run",
+    )
     add_autocast_arg(p, default=None)  # None: not given (auto), so that it needs --sample
     p.add_argument(
         "--attention-slicing",
@@ -119,6 +125,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from unclip.utils.limits import check_fits
 
     memory = parse_memory(args.gpu_memory)
+    if args.sample and args.check_only:
+        from pathlib import Path
+
+        for path in args.sample:  # a pipeline folder is read by the dry run itself
+            if not Path(path).is_dir():
+                _load_any_config(path, [])
+        print(f"read {len(args.sample)} stage(s) to sample; dry run skipped (--check-only)")
+        return 0
     if args.sample:
         from unclip.train.plan_sampling import format_sampling, measure_sampling
 
@@ -161,6 +175,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         limit=memory,
         limit_name=f"one GPU's memory (--gpu-memory {args.gpu_memory})",
     )
+    if args.check_only:
+        print(f"read {args.config} with {len(args.overrides)} override(s); dry run skipped")
+        return 0
     measure = measure_step(cfg, micro_batch=args.micro_batch)
     rows, choice = memory_plan(measure, shard_gpus, memory, strategy, cfg.train.grad_accum_steps)
     print(format_plan(measure, rows, choice, shard_gpus, memory, cfg.train.max_steps, gpus))

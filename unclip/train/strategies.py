@@ -109,6 +109,16 @@ STRATEGIES = {
 }
 
 
+def _recommended(launch: str) -> str:
+    """The shipped file to launch a suggested strategy with: its bf16 twin, which
+    docs/full_scale.md recommends on A100s (no loss scaling), naming the fp16 file for GPUs without
+    bf16; a file the user gave stays as given."""
+    if launch not in {s.launch for s in STRATEGIES.values()}:
+        return launch
+    twin = launch.replace(".yaml", "_bf16.yaml")
+    return f"{twin} (fp16, for GPUs without bf16: {launch})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """What an Accelerate config file launches: the strategy, the GPUs each share of the state is
@@ -438,9 +448,9 @@ def format_plan(
             "train.gradient_checkpointing, use more GPUs or a smaller model"
         )
     else:
-        launch = f" — accelerate launch --config_file {choice.strategy.launch}" * bool(
-            choice.strategy.launch
-        )
+        launch = ""
+        if choice.strategy.launch:
+            launch = f" — accelerate launch --config_file {_recommended(choice.strategy.launch)}"
         out.append(
             f"fits: {choice.strategy.name}, micro-batch {choice.micro_batch}, gradient "
             f"accumulation {choice.grad_accum_steps}, predicted peak {_gib(choice.peak)} {unit}"
