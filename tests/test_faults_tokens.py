@@ -285,3 +285,56 @@ def test_a_tokenizer_folder_with_a_degenerate_size_names_the_file(token_parts, t
     msg = str(err.value)
     assert str(folder / "config.json") in msg and "dvae.num_codes must be an integer in 2" in msg
     assert "\n" not in msg
+
+
+# --------------------------------------------------------------------------------------------------
+# the VQGAN's perceptual weights
+# --------------------------------------------------------------------------------------------------
+def _perceptual_file(tmp_path, name: str, kind: str):
+    from safetensors.torch import save_file
+
+    from unclip.nets.vqgan import PerceptualLoss
+
+    state = {f"features.{k}": v for k, v in PerceptualLoss().features.state_dict().items()}
+    path = tmp_path / name
+    if kind == "pickle":
+        torch.save(state, path)
+    elif kind == "corrupt":  # a pickle under the safetensors name: its "header" is nonsense
+        torch.save(state, path)
+    elif kind == "truncated":
+        save_file(state, str(path))
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # another network's weights: one tensor of another shape
+        state["features.0.weight"] = torch.zeros(8, 3, 3, 3)
+        save_file(state, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "message"),
+    [
+        ("vgg.pth", "pickle", "is a pickle, which can run code when loaded"),
+        ("vgg.safetensors", "corrupt", "is truncated or corrupt"),
+        ("vgg.safetensors", "truncated", "is truncated or corrupt"),
+        ("vgg.safetensors", "shape", "'features.0.weight' has shape (8, 3, 3, 3), VGG16"),
+    ],
+)
+def test_perceptual_weights_that_are_a_pickle_or_corrupt_are_one_line(
+    tmp_path, capsys, name, kind, message
+):
+    """VQGAN perceptual weights that were a pickle (refused by torch's weights-only unpickler,
+    nothing ran) or a corrupt file once showed a raw UnpicklingError / SafetensorError
+    traceback: each is one line naming the file, a pickle refused before it is opened and the
+    files checked when the config loads, before the run claims its folder."""
+    from unclip.cli.train_tokenizer import main as train_tokenizer
+    from unclip.nets.vqgan import PerceptualLoss
+
+    path = _perceptual_file(tmp_path, name, kind)
+    out = tmp_path / "run"
+    argv = [str(CONFIGS / "tiny" / "vqgan.yaml"), f"tokenizer.vqgan.perceptual_weights={path}"]
+    status = run_main("unclip train-tokenizer", train_tokenizer, [*argv, "--output-dir", str(out)])
+    _one_line(capsys, status, "unclip train-tokenizer", str(path), message)
+    assert not out.exists()
+    with pytest.raises(ValueError) as err:  # the Python API's loader says the same
+        PerceptualLoss.from_file(str(path))
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -45,6 +45,7 @@ __all__ = [
     "PatchDiscriminator",
     "discriminator_hinge_loss",
     "load_state_file",
+    "check_state_file",
 ]
 
 
@@ -308,9 +309,9 @@ class PerceptualLoss(nn.Module):
     weighted per channel (``lin0`` … ``lin4``, LPIPS's learned layers; 1 when the file has none),
     averaged over space and summed over taps. Images in ``[-1, 1]``, normalised as VGG expects.
 
-    Weights come from a local file only (:meth:`from_file`): a safetensors (or weights-only
-    torch) state dict with torchvision's ``features.*`` keys and optional ``lin{i}.weight``
-    ``[1, C, 1, 1]``."""
+    Weights come from a local ``.safetensors`` file only (:meth:`from_file`; a pickle is refused
+    before it is opened) with torchvision's ``features.*`` keys and optional ``lin{i}.weight``
+    ``[1, C, 1, 1]``; a missing, corrupt or mis-shaped file is one line naming it."""
 
     shift: torch.Tensor  # buffers registered in __init__
     scale: torch.Tensor
@@ -326,17 +327,38 @@ class PerceptualLoss(nn.Module):
         self.register_buffer("scale", torch.tensor([0.458, 0.448, 0.450]).view(1, 3, 1, 1))
 
     @classmethod
+    def check_file(cls, path: str, what: str = "perceptual weights") -> None:
+        """Refuse, reading only the file's header, weights :meth:`from_file` could not load: a
+        missing, pickle, truncated or corrupt file (:func:`check_state_file`), a VGG16 feature
+        weight missing or of another shape, an LPIPS ``lin{i}.weight`` of another shape. One
+        ``ValueError`` line naming the file."""
+        from unclip.io.weights import safetensors_shapes
+
+        check_state_file(path, what)
+        got = safetensors_shapes(path, what)
+        with torch.device("meta"):  # the shapes, with no memory taken
+            net = cls()
+        want = {f"features.{k}": tuple(v.shape) for k, v in net.features.state_dict().items()}
+        for i in range(len(_VGG_TAPS)):
+            if f"lin{i}.weight" in got:
+                want[f"lin{i}.weight"] = tuple(getattr(net, f"lin{i}").shape)
+        for key, shape in want.items():
+            if key not in got:
+                raise ValueError(
+                    f"{what}: {path} has no VGG16 {key!r} (expected torchvision's vgg16 state "
+                    "dict keys)"
+                )
+            if tuple(got[key]) != shape:
+                raise ValueError(
+                    f"{what}: {path}: {key!r} has shape {tuple(got[key])}, VGG16/LPIPS's is {shape}"
+                )
+
+    @classmethod
     def from_file(cls, path: str) -> PerceptualLoss:
-        state = load_state_file(path)
+        cls.check_file(path)
+        state = load_state_file(path, "perceptual weights")
         net = cls()
-        feats = {k[len("features.") :]: v for k, v in state.items() if k.startswith("features.")}
-        missing = [k for k in net.features.state_dict() if k not in feats]
-        if missing:
-            raise ValueError(
-                f"perceptual weights {path}: no VGG16 'features.{missing[0]}' (expected "
-                "torchvision's vgg16 state dict keys)"
-            )
-        net.features.load_state_dict({k: feats[k] for k in net.features.state_dict()})
+        net.features.load_state_dict({k: state[f"features.{k}"] for k in net.features.state_dict()})
         for i in range(len(_VGG_TAPS)):
             if f"lin{i}.weight" in state:
                 getattr(net, f"lin{i}").copy_(state[f"lin{i}.weight"].abs())
@@ -357,14 +379,27 @@ class PerceptualLoss(nn.Module):
         return total
 
 
-def load_state_file(path: str) -> dict:
-    """A state dict from a local ``.safetensors`` file, or a weights-only torch file (no
-    arbitrary pickles). ``ValueError`` naming the file when it does not exist."""
+def check_state_file(path: str, what: str) -> None:
+    """Refuse, in one ``ValueError`` line naming ``path`` and reading only its header, a weights
+    file ``what`` (``perceptual weights``) that is missing, not a ``.safetensors`` file (a pickle
+    is refused before it is opened: loading one can run code) or truncated or corrupt."""
+    from unclip.io.safety import PICKLE_SUFFIXES, pickle_refusal
+    from unclip.io.weights import check_safetensors
+
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"weights file {path} does not exist; give the path of a local file")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        raise ValueError(f"{what}: {path} does not exist; give the path of a local file")
+    if p.suffix in PICKLE_SUFFIXES:
+        raise pickle_refusal(p, what)
+    if p.suffix != ".safetensors":
+        raise ValueError(f"{what}: {path} is not a .safetensors file; give one")
+    check_safetensors(p, what)
 
-        return load_file(str(p))
-    return torch.load(p, map_location="cpu", weights_only=True)
+
+def load_state_file(path: str, what: str = "weights") -> dict:
+    """The tensors of the local ``.safetensors`` file ``path``, checked by
+    :func:`check_state_file` first (no pickle is ever opened)."""
+    from unclip.io.weights import load_safetensors
+
+    check_state_file(path, what)
+    return load_safetensors(path, what)

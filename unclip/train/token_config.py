@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from unclip.nets.token_components import TokenizerConfig, TokenModelConfig
+from unclip.nets.vqgan import PerceptualLoss
 from unclip.sampling.tokens import TokenSampling
 from unclip.train.config import (
     DataConfig,
@@ -82,6 +83,11 @@ class TokenizerTrainConfig:
             )
             check_range(name, value, ok, "an integer >= 1 or null")
         vqgan = self.tokenizer.vqgan  # set when type is vqgan (TokenizerConfig checks)
+        if self.tokenizer.type == "vqgan" and vqgan is not None and vqgan.perceptual_weights:
+            # a config error before the run claims its folder (only the file's header is read)
+            PerceptualLoss.check_file(
+                vqgan.perceptual_weights, "tokenizer.vqgan.perceptual_weights"
+            )
         if self.tokenizer.type == "vqgan" and vqgan is not None and vqgan.discriminator_weights:
             raise ConfigError(
                 "tokenizer.vqgan.discriminator_weights: the adversarial term needs the "
