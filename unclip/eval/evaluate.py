@@ -203,10 +203,38 @@ def _iter_generated(
         idx = range(start, min(num, start + batch_size))
         batch = [prompts[i % len(prompts)] for i in idx]
         gens = [torch.Generator(device=pipe.device).manual_seed(sample_seed(seed, i)) for i in idx]
-        out = pipe(batch, 1, generator=gens, sampling=sampling, output_type="pil", progress=False)
-        yield [M.to_eval_image(image, resolution) for image in out.images], batch
+        out = pipe(batch, 1, generator=gens, sampling=sampling, output_type="pt", progress=False)
+        x = out.images  # [B, 3, H, W] in [0, 1]
+        finite = torch.isfinite(x).flatten(1).all(1)
+        if not bool(finite.all()):
+            # cast to 8 bits a NaN reads 0: a black image that would be scored as a sample
+            i = int(idx[int((~finite).nonzero()[0])])
+            raise ValueError(
+                f"sample {i} ({prompts[i % len(prompts)]!r}) has NaN/inf pixels: the model is "
+                "broken (check its weights) or its sampling settings overflow; nothing was scored"
+            )
+        # the pipeline's own PIL conversion (round(255 x)), after the check
+        arr = (x.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+        yield [M.to_eval_image(Image.fromarray(a), resolution) for a in arr], batch
         bar.update(len(batch))
     bar.close()
+
+
+def _read_caption(path: Path) -> str:
+    """A sample's caption file: UTF-8 text, whitespace runs joined; an empty one (the sample
+    would be scored against "") or one that is not UTF-8 is a ``ValueError`` naming it."""
+    try:
+        caption = " ".join(path.read_text(encoding="utf-8").split())
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"caption file {path} is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
+    if not caption:
+        raise ValueError(
+            f"caption file {path} is empty: every sample needs the caption it was drawn for"
+        )
+    return caption
 
 
 def _iter_folder(
@@ -233,7 +261,7 @@ def _iter_folder(
                 skipped.append(str(p.relative_to(folder)))
                 continue
             imgs.append(arr)
-            caps.append(" ".join(p.with_suffix(".txt").read_text(encoding="utf-8").split()))
+            caps.append(_read_caption(p.with_suffix(".txt")))
         if imgs:
             yield imgs, caps
 

@@ -49,6 +49,8 @@ __all__ = [
     "clip_score_summary",
     "clip_fingerprint",
     "to_eval_image",
+    "to_rgb8",
+    "UnreadableImage",
     "read_image",
     "save_stats",
     "load_stats",
@@ -388,9 +390,46 @@ def clip_fingerprint(clip) -> str:
 
 
 # ---------------------------------------------------------------------------------------- images
+class UnreadableImage(ValueError):
+    """An image whose pixels the evaluation cannot read faithfully: refused, not skipped (a
+    silently misread image would be scored)."""
+
+
+#: PIL's modes of 16-bit grey pixels (a PNG's 16-bit grey; older Pillow reads it as ``I``)
+_GREY16 = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def to_rgb8(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB, its pixels read at their own depth: 16-bit grey scaled to 8 bits
+    (PIL's ``convert("RGB")`` clips it, so nearly every pixel reads white), an alpha channel
+    dropped only when every pixel is opaque. 32-bit integer or float pixels (no fixed range)
+    and transparent pixels (whose colour depends on a background) are an
+    :class:`UnreadableImage` saying what to save instead. (PIL reads a 16-bit-per-channel RGB
+    PNG at 8 bits itself.)"""
+    mode = image.mode
+    if mode in _GREY16 or (mode == "I" and image.format == "PNG"):
+        grey = np.asarray(image, dtype=np.float64) / 257  # 65535 → 255
+        return Image.fromarray(np.clip(np.round(grey), 0, 255).astype(np.uint8)).convert("RGB")
+    if mode in ("I", "F"):
+        depth = "32-bit integer" if mode == "I" else "floating-point"
+        raise UnreadableImage(
+            f"its {depth} pixels have no fixed range; save it as an 8- or 16-bit PNG"
+        )
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        if int(np.asarray(rgba)[..., 3].min()) < 255:
+            raise UnreadableImage(
+                "it has transparent pixels, whose colour depends on a background; flatten it "
+                "onto one (or save it without alpha)"
+            )
+        return rgba.convert("RGB")
+    return image.convert("RGB")
+
+
 def to_eval_image(image: Image.Image, resolution: int) -> np.ndarray:
-    """The fixed evaluation preprocessing (:data:`PREPROCESSING`) → uint8 ``[R, R, 3]``."""
-    image = image.convert("RGB")
+    """The fixed evaluation preprocessing (:data:`PREPROCESSING`) → uint8 ``[R, R, 3]``; the
+    pixels read by :func:`to_rgb8`."""
+    image = to_rgb8(image)
     w, h = image.size
     if (w, h) != (resolution, resolution):
         nh, nw, top, left = resize_crop_box(h, w, resolution)
@@ -402,11 +441,15 @@ def to_eval_image(image: Image.Image, resolution: int) -> np.ndarray:
 
 
 def read_image(path: Path, resolution: int) -> Optional[np.ndarray]:
-    """:func:`to_eval_image` of a file, or None if it cannot be decoded (callers count the skip)."""
+    """:func:`to_eval_image` of a file, or None if it cannot be decoded (callers count the skip).
+    An image decoded but not readable faithfully (:func:`to_rgb8`) is a ``ValueError`` naming
+    the file."""
     try:
         with Image.open(path) as im:
             im.load()
             return to_eval_image(im, resolution)
+    except UnreadableImage as exc:
+        raise ValueError(f"{path}: {exc}") from None
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
         return None
 
