@@ -808,3 +808,48 @@ def test_hub_ids_load_and_generate_writes_a_kandinsky_folder(
     assert record["resolution"] == SIZE and (tmp_path / "out" / "grid.png").is_file()
     with Image.open(tmp_path / "out" / "000_00.png") as image:
         assert image.size == (SIZE, SIZE)
+
+
+def test_save_pretrained_writes_diffusers_layouts_that_both_libraries_load(
+    prior_folder, decoder_folder, inpaint_folder, pipe, tmp_path
+):
+    """save_pretrained (and `unclip convert`) write the decoder's diffusers layout with the prior's
+    in prior/: KandinskyPipeline loads the folder whole, diffusers loads each part, and both draw
+    the images of the pipeline that was saved; an inpainting decoder saves as one."""
+    from unclip.cli.convert import main as convert
+
+    kwargs = dict(num_inference_steps=2, prior_num_inference_steps=2, height=SIZE, width=SIZE)
+    before = pipe("a cat", generator=_gen(40), output_type="np", progress=False, **kwargs).images
+    pipe.save_pretrained(tmp_path / "k22")
+    again = KandinskyPipeline.from_pretrained(tmp_path / "k22")
+    assert again.stage_names == ["prior", "decoder"]
+    after = again("a cat", generator=_gen(40), output_type="np", progress=False, **kwargs).images
+    assert np.array_equal(after, before)
+    # diffusers draws from the saved folders what it draws from the ones they came from (the
+    # tiny random decoder amplifies the prior's float rounding past TOL at default guidance, so
+    # the comparison with unclip's own images is the combined-pipeline test's)
+    prior = KandinskyV22PriorPipeline.from_pretrained(tmp_path / "k22" / "prior")
+    decoder = KandinskyV22Pipeline.from_pretrained(tmp_path / "k22")
+    ref = _combined(KandinskyV22CombinedPipeline, prior, decoder)
+    ref = ref("a cat", generator=_gen(40), output_type="np", **kwargs).images
+    source = _combined(KandinskyV22CombinedPipeline, prior_folder[1], decoder_folder[1])
+    assert np.array_equal(
+        ref, source("a cat", generator=_gen(40), output_type="np", **kwargs).images
+    )
+
+    decoder_copy = Path(shutil.copytree(decoder_folder[0], tmp_path / "src"))
+    (decoder_copy / "README.md").write_text(f"---\nprior:\n- {prior_folder[0]}\n---\n")
+    assert convert([str(decoder_copy), str(tmp_path / "converted")]) == 0
+    converted = KandinskyPipeline.from_pretrained(tmp_path / "converted")
+    images = converted("a cat", generator=_gen(40), output_type="np", progress=False, **kwargs)
+    assert np.array_equal(images.images, before)
+    with pytest.raises(ValueError, match="prior folder; convert the decoder folder"):
+        convert([str(prior_folder[0]), str(tmp_path / "nope")])
+
+    inpainter = KandinskyPipeline.from_pretrained(inpaint_folder[0], prior=False)
+    inpainter.save_pretrained(tmp_path / "inpaint")
+    assert (
+        KandinskyV22InpaintPipeline.from_pretrained(tmp_path / "inpaint").unet.config.in_channels
+        == 9
+    )
+    assert not (tmp_path / "inpaint" / "prior").exists()

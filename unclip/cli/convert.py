@@ -3,6 +3,7 @@
 unclip convert karlo-v1-alpha karlo-unclip            # diffusers/Karlo → native unclip folder
 unclip convert my-unclip my-diffusers --to diffusers  # native unclip → diffusers folder
 unclip convert org/karlo-repo karlo-unclip             # a Hugging Face Hub repo id as the source
+unclip convert kandinsky-community/kandinsky-2-2-decoder k22  # decoder + its prior in k22/prior
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ def main(argv=None) -> int:
         )
     except ImportError as exc:  # a missing optional dependency (transformers) is the user's to fix
         raise ValueError(str(exc)) from exc
-    if args.to == "unclip":
+    if pipe.family == "kandinsky":
+        print(
+            f"wrote Kandinsky 2.2 folder {args.dst} in diffusers' layouts (stages: "
+            f"{', '.join(pipe.stage_names)}; the prior in prior/)"
+        )
+    elif args.to == "unclip":
         print(f"wrote unclip pipeline {args.dst} (stages: {', '.join(pipe.stage_names)})")
     else:
         names = sorted(p.name for p in Path(args.dst).iterdir() if p.is_dir())

@@ -42,15 +42,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from unclip._compat import package_getattr
 from unclip.interop.diffusers_export import export_diffusers, export_problems
 from unclip.interop.diffusers_import import TEXT_PROJ, load_diffusers_unclip
+from unclip.interop.kandinsky import kandinsky_kind
 from unclip.io.card import read_card_info
 from unclip.io.hub import is_repo_id, resolve_folder
 from unclip.pipeline.folders import BUNDLED, bundled_model_path
 from unclip.pipeline.pipeline import UnCLIPPipeline
+
+if TYPE_CHECKING:
+    from unclip.pipeline.kandinsky import KandinskyPipeline
 
 __all__ = ["load_diffusers_unclip", "export_diffusers", "export_problems", "convert", "TEXT_PROJ"]
 
@@ -65,7 +69,7 @@ def convert(
     cache_dir: Union[str, Path, None] = None,
     local_files_only: Optional[bool] = None,
     parts: Optional[Sequence[str]] = None,
-) -> UnCLIPPipeline:
+) -> Union[UnCLIPPipeline, KandinskyPipeline]:
     """Convert the pipeline folder ``src`` into ``dst`` and return the converted pipeline.
 
     ``to="unclip"``: ``src`` is a diffusers/Karlo folder (with ``model_index.json``), ``dst``
@@ -74,7 +78,9 @@ def convert(
     folder. ``src`` may also be a Hub repo id (``org/name``) of either kind, fetched at
     ``revision`` into ``cache_dir`` (:func:`unclip.hub.resolve_folder`), or the name of a bundled
     model (``"shapes"``). ``dst`` is created; it must be empty unless ``overwrite``. ``parts``
-    (``to="diffusers"`` only): export only those parts (:func:`export_diffusers`).
+    (``to="diffusers"`` only): export only those parts (:func:`export_diffusers`). A Kandinsky
+    2.2 decoder folder (or Hub id) is written in its native layout either way: diffusers'
+    decoder layout with the prior (from its model card) in ``dst/prior``.
     """
     if to not in ("unclip", "diffusers"):
         raise ValueError(f"to must be 'unclip' or 'diffusers', got {to!r}")
@@ -98,6 +104,23 @@ def convert(
         )
     if src.resolve() == dst.resolve():
         raise ValueError("source and output folders must differ")
+    if kandinsky_kind(src) is not None:
+        # Kandinsky 2.2: its native folder is diffusers' layouts (the decoder's with the prior in
+        # prior/), the same either way
+        if parts is not None:
+            raise ValueError(
+                "--parts applies to unCLIP pipelines; a Kandinsky folder is written whole"
+            )
+        from unclip.pipeline.kandinsky import KandinskyPipeline
+
+        if kandinsky_kind(src) == "prior":
+            raise ValueError(
+                f"{src} is a Kandinsky 2.2 prior folder; convert the decoder folder (its prior is "
+                "found from its model card, or sits in its prior/ subfolder)"
+            )
+        kandinsky = KandinskyPipeline.from_pretrained(src)
+        kandinsky.save_pretrained(dst)
+        return kandinsky
     if to == "diffusers":
         pipe = UnCLIPPipeline.from_pretrained(src)
         export_diffusers(pipe, dst, parts=parts)

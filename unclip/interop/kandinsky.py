@@ -18,6 +18,12 @@ Component mapping (diffusers → unclip):
   LatentDecoder`; ``scheduler`` (``DDPMScheduler``, or any diffusers scheduler the folder names)
   as it is.
 
+:func:`write_kandinsky_folder` writes the other way, diffusers' own layouts: the decoder's at the
+folder's root and the prior's in its ``prior/`` subfolder, each loadable by diffusers as it is
+(``KandinskyV22Pipeline.from_pretrained(folder)``,
+``KandinskyV22PriorPipeline.from_pretrained(folder / "prior")``); ``KandinskyPipeline`` loads the
+whole folder back.
+
 Only safetensors weights are read. A folder of another pipeline, a missing or foreign component,
 or widths that do not fit together are one-line ``ValueError``\\ s naming the component.
 :func:`kandinsky_kind` tells a prior folder from a decoder folder; :func:`card_prior` reads the
@@ -26,6 +32,7 @@ prior a decoder folder's model card names, as diffusers' ``AutoPipelineForText2I
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional, Union, cast
 
@@ -33,7 +40,13 @@ import diffusers
 from diffusers.models import PriorTransformer, UNet2DConditionModel, VQModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from unclip.interop.clip import clip_from_transformers
+from unclip.interop.clip import (
+    bpe_vocab,
+    clip_from_transformers,
+    text_config_to_transformers,
+    text_state_to_transformers,
+    vision_state_to_transformers,
+)
 from unclip.io.weights import read_json, safe_model_from_pretrained
 from unclip.nets.clip import CLIP
 from unclip.nets.latent_decoder import LatentDecoder
@@ -47,6 +60,7 @@ __all__ = [
     "card_prior",
     "check_pair",
     "read_kandinsky_folder",
+    "write_kandinsky_folder",
 ]
 
 _TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
@@ -258,3 +272,98 @@ def read_kandinsky_folder(folder: Union[str, Path], variant: Optional[str] = Non
         f"{folder} is not a Kandinsky 2.2 folder: its model_index.json must name "
         f"{' or '.join([*PRIOR_PIPELINES, *DECODER_PIPELINES])}"
     )
+
+
+def _vision_config(clip: CLIP) -> dict:
+    """``CLIPVisionConfig`` kwargs for the open_clip image tower of ``clip`` (the inverse of
+    :func:`~unclip.interop.clip.clip_model_cfg`'s reading)."""
+    vc = clip.model_cfg["vision_cfg"]
+    width = int(vc["width"])
+    return dict(
+        hidden_size=width,
+        intermediate_size=int(width * float(vc.get("mlp_ratio", 4.0))),
+        projection_dim=clip.embed_dim,
+        num_hidden_layers=int(vc["layers"]),
+        num_attention_heads=width // int(vc.get("head_width", 64)),
+        image_size=int(vc["image_size"]),
+        patch_size=int(vc["patch_size"]),
+        num_channels=3,
+        layer_norm_eps=1e-5,
+        hidden_act="quick_gelu" if clip.model_cfg.get("quick_gelu") else "gelu",
+    )
+
+
+def _prior_pipeline(parts: dict):
+    """diffusers' ``KandinskyV22PriorPipeline`` over a prior's parts (``prior``, ``clip`` with
+    both towers, ``prior_scheduler``)."""
+    import tempfile
+
+    from diffusers import KandinskyV22PriorPipeline
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        CLIPVisionConfig,
+        CLIPVisionModelWithProjection,
+    )
+
+    clip: CLIP = parts["clip"]
+    if not clip.has_vision:
+        raise ValueError("the prior's CLIP has no image tower; a Kandinsky prior folder needs one")
+    state = clip.model.state_dict()
+    text = CLIPTextModelWithProjection(CLIPTextConfig(**text_config_to_transformers(clip)))
+    vision = CLIPVisionModelWithProjection(CLIPVisionConfig(**_vision_config(clip)))
+    text_layers = int(clip.model_cfg["text_cfg"]["layers"])
+    vision_layers = int(clip.model_cfg["vision_cfg"]["layers"])
+    for name, module, weights in (
+        ("text_encoder", text, text_state_to_transformers(state, text_layers)),
+        ("image_encoder", vision, vision_state_to_transformers(state, vision_layers)),
+    ):
+        missing, unexpected = module.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("position_ids")]:
+            raise AssertionError(f"{name} export: missing {missing}, unexpected {unexpected}")
+    pad = (clip.tokenizer_cfg or {}).get("pad_token", "<|endoftext|>")
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab, merges = bpe_vocab()
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(tmp) / "merges.txt").write_text(
+            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+        )
+        tokenizer = CLIPTokenizer.from_pretrained(
+            tmp, pad_token=pad, model_max_length=clip.context_length
+        )
+    size = int(clip.model_cfg["vision_cfg"]["image_size"])
+    processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size=size)
+    return KandinskyV22PriorPipeline(
+        prior=parts["prior"],
+        image_encoder=vision.eval(),
+        text_encoder=text.eval(),
+        tokenizer=tokenizer,
+        scheduler=parts["prior_scheduler"],
+        image_processor=processor,
+    )
+
+
+def write_kandinsky_folder(
+    folder: Union[str, Path],
+    decoder: LatentDecoder,
+    scheduler,
+    prior=None,
+    clip: Optional[CLIP] = None,
+    prior_scheduler=None,
+) -> Path:
+    """Write a Kandinsky pipeline's parts in diffusers' layouts (see the module doc): the
+    decoder (``KandinskyV22Pipeline``, or ``KandinskyV22InpaintPipeline`` for an inpainting UNet)
+    at ``folder``, the prior (when given) in ``folder / "prior"``; safetensors weights. The
+    entry point ``kandinsky`` of ``unclip.pipeline_writers``."""
+    from diffusers import KandinskyV22InpaintPipeline, KandinskyV22Pipeline
+
+    root = Path(folder)
+    cls = KandinskyV22InpaintPipeline if decoder.inpaint else KandinskyV22Pipeline
+    pipe: Any = cls(unet=decoder.unet, scheduler=scheduler, movq=decoder.movq)
+    pipe.save_pretrained(str(root), safe_serialization=True)
+    if prior is not None:
+        parts = {"prior": prior, "clip": clip, "prior_scheduler": prior_scheduler}
+        _prior_pipeline(parts).save_pretrained(str(root / "prior"), safe_serialization=True)
+    return root

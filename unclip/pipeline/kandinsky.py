@@ -50,11 +50,20 @@ from unclip.utils.images import to_output
 from unclip.utils.offload import releases_gpu
 from unclip.utils.registry import EntryPointRegistry
 
-__all__ = ["KandinskyPipeline", "KandinskySampling", "KANDINSKY_DEFAULTS", "PIPELINE_READERS"]
+__all__ = [
+    "KandinskyPipeline",
+    "KandinskySampling",
+    "KANDINSKY_DEFAULTS",
+    "PIPELINE_READERS",
+    "PIPELINE_WRITERS",
+]
 
 #: entry point group of folder readers by family: ``kandinsky`` = reader(folder, variant=None)
 #: returning ``{"kind": "prior" | "decoder", ...components}``
 PIPELINE_READERS = EntryPointRegistry("unclip.pipeline_readers")
+#: entry point group of folder writers by family: ``kandinsky`` = writer(folder, decoder,
+#: scheduler, prior=None, clip=None, prior_scheduler=None)
+PIPELINE_WRITERS = EntryPointRegistry("unclip.pipeline_writers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
     text-to-image: :meth:`img2img`, :meth:`inpaint` (with an inpainting decoder),
     :meth:`variations` and :meth:`mix` (weighted prompts and images, diffusers' ``interpolate``),
     and the attention-memory options."""
+
+    family = "kandinsky"
 
     def __init__(
         self,
@@ -245,7 +256,9 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                 f"one as prior=, e.g. KandinskyPipeline.from_pretrained(<decoder>, prior={path!r})"
             )
         prior_source = prior
-        if prior is None:
+        if prior is None and _holds_prior(folder / "prior"):
+            prior_source = folder / "prior"  # save_pretrained's layout: the prior beside
+        elif prior is None:
             prior_source = parts.pop("card_prior", None)
         parts.pop("card_prior", None)
         if prior_source not in (None, False):
@@ -261,6 +274,27 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             pipe.to(dtype=dtype)
         pipe.autocast_dtype = autocast_dtype
         return pipe
+
+    def _write_folder(self, path, model_card: Mapping) -> None:
+        """diffusers' layouts (:func:`unclip.interop.kandinsky.write_kandinsky_folder`): the
+        decoder's at ``path``, the prior's in ``path/prior``; :meth:`from_pretrained` reads both
+        back. The pipeline's sampling defaults and resolution are not stored (diffusers' folders
+        have no place for them): a reloaded pipeline has diffusers' defaults."""
+        try:
+            writer = PIPELINE_WRITERS["kandinsky"]
+        except KeyError:
+            raise ValueError(
+                "no Kandinsky folder writer is installed (the unclip.pipeline_writers entry "
+                "point); reinstall unclip (pip install -e . in a checkout)"
+            ) from None
+        writer(
+            path,
+            self.decoder,
+            self.scheduler,
+            prior=self.prior,
+            clip=self.clip,
+            prior_scheduler=self.prior_scheduler,
+        )
 
     # ------------------------------------------------------------------ sampling
     @releases_gpu
@@ -749,3 +783,19 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         if not return_dict:
             return (images,)
         return UnCLIPOutput(images=images, image_embeds=embeds)
+
+
+def _holds_prior(folder) -> bool:
+    """Whether ``folder`` holds a diffusers Kandinsky 2.2 prior layout (its model_index.json)."""
+    import json
+    from pathlib import Path
+
+    index = Path(folder) / "model_index.json"
+    if not index.is_file():
+        return False
+    try:
+        return str(json.loads(index.read_text()).get("_class_name", "")).startswith(
+            "KandinskyV22Prior"
+        )
+    except (ValueError, OSError):
+        return False
