@@ -293,7 +293,8 @@ def test_dvae_round_trip_and_training_reduce_reconstruction_error(recon):
     before = error()
     opt = torch.optim.Adam(dvae.parameters(), 1e-2)
     first = None
-    for i in range(40):
+    # 80 steps: mse's hard round trip only starts to follow the soft one after ~50 on this torch
+    for i in range(80):
         loss = dvae.loss(
             x, temperature=1.0, kl_weight=0.0, generator=torch.Generator().manual_seed(i)
         )
