@@ -4,13 +4,13 @@ samples of the bundled model against float32, per candidate rule.
     python benchmarks/bench_dtype.py     # about 2 minutes here (bf16 is emulated on AVX2-only CPUs)
 
 Rules: everything in the half dtype; the prior's embedding statistics (``clip_mean``/``clip_std``)
-in float32, the rule ``unclip.precision`` applies; plus the CLIP in open_clip's own low-precision
-mode (``convert_weights_to_lp``: LayerNorms, embeddings and the positional table stay float32); plus
-the sampler's latents and scheduler arithmetic in float32 (the network output cast up each step).
-Measured on 8 shapes prompts, one prior candidate each, the model's default prior settings,
-seeds 0..7: 1 − cosine of the text embeddings and of the sampled image embeddings to float32's
-(the largest over the prompts), and the relative L2 distance of the text token states and of the
-sampled image embeddings (the mean).
+in float32, the rule ``unclip.utils.precision`` applies; plus the CLIP in open_clip's own
+low-precision mode (``convert_weights_to_lp``: LayerNorms, embeddings and the positional table stay
+float32); plus the sampler's latents and scheduler arithmetic in float32 (the network output cast up
+each step). Measured on 8 shapes prompts, one prior candidate each, the model's default prior
+settings, seeds 0..7: 1 − cosine of the text embeddings and of the sampled image embeddings to
+float32's (the largest over the prompts), and the relative L2 distance of the text token states and
+of the sampled image embeddings (the mean).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ UP_3 = ("SimpleCrossAttnUpBlock2D", "SimpleCrossAttnUpBlock2D", "ResnetUpsampleB
 
 # name → (clip kwargs, prior kwargs, decoder kwargs, upsampler kwargs)
 SIZES = {
-    # unclip.tiny's sizes (the test suite's models)
+    # unclip.pipeline.tiny's sizes (the test suite's models)
     "tiny": dict(
         clip=dict(embed_dim=32, width=32, layers=2, context_length=32),
         prior=tiny_prior_kwargs(),

@@ -23,8 +23,8 @@ from unclip.cli import STARTED
 from unclip.cli.errors import seed_type
 from unclip.diffusion.config import SCHEDULERS
 
-#: the sampler names ``--help`` lists (unclip.schedulers.SCHEDULER_ALIASES, without importing
-#: diffusers for ``--help``)
+#: the sampler names ``--help`` lists (unclip.diffusion.schedulers.SCHEDULER_ALIASES, without
+#: importing diffusers for ``--help``)
 SAMPLER_NAMES = (*SCHEDULERS, "euler", "euler_a", "heun", "unipc", "deis", "dpm2", "dpm++2s", "lms")
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "sampling_overrides",
 ]
 
-#: ``--batch-size`` default; equals ``unclip.output.DEFAULT_BATCH_SIZE`` (kept here so that
+#: ``--batch-size`` default; equals ``unclip.pipeline.jobs.DEFAULT_BATCH_SIZE`` (kept here so that
 #: ``--help`` imports no torch)
 DEFAULT_BATCH_SIZE = 16
 #: (flag prefix, ``sampling=`` key, help label)
@@ -77,7 +77,7 @@ def add_hub_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-#: ``--autocast`` choices (unclip.precision.parse_autocast reads them)
+#: ``--autocast`` choices (unclip.utils.precision.parse_autocast reads them)
 AUTOCAST_CHOICES = ("auto", "bf16", "fp16", "none")
 
 

@@ -6,7 +6,7 @@
 Tabs: Generate (prompt, negative prompt, images, seed), Variations (an uploaded image), Interpolate
 (two prompts, frames, a slider through them) and Edit (inpaint, image to image, text diff); one
 panel of per-stage sampling settings (steps, guidance, best-of) serves every tab, and a progress
-bar follows the denoising steps. Each tab calls a handler of :mod:`unclip.demo_handlers`.
+bar follows the denoising steps. Each tab calls a handler of :mod:`unclip.demo.handlers`.
 
 A token pipeline (DALL-E, DALL-E Mega: :class:`~unclip.pipeline.token_pipeline.TokenPipeline`)
 gets the Generate tab alone, without a negative prompt: the other tabs work on CLIP image
@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-# before gradio is imported (see unclip.demo_handlers)
+# before gradio is imported (see unclip.demo.handlers)
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import gradio as gr  # noqa: E402

@@ -3,7 +3,7 @@
 Noise schedules and update rules come from diffusers schedulers; this module only chooses them by
 name (:func:`make_scheduler`), computes the training target (:func:`diffusion_loss`: ``epsilon``,
 ``sample`` (x_0) or ``v_prediction``, optional min-SNR-γ weighting, Hang et al. 2023, and for a
-learned variance the Improved-DDPM hybrid loss of :mod:`unclip.vlb`) and runs the
+learned variance the Improved-DDPM hybrid loss of :mod:`unclip.diffusion.vlb`) and runs the
 reverse process with classifier-free guidance (:func:`sample_loop`, Ho & Salimans 2022)::
 
     eps_hat = eps(x_t | ∅) + s · (eps(x_t | c) − eps(x_t | ∅))
@@ -115,7 +115,7 @@ def make_scheduler(
 ):
     """A diffusers scheduler for sampling, by name: ``ddpm``, ``ddim``, ``dpm++`` or ``unclip``
     (configured here), or any other diffusers scheduler by alias, class name or instance
-    (:func:`unclip.schedulers.build_scheduler`).
+    (:func:`unclip.diffusion.schedulers.build_scheduler`).
 
     ``clip_sample_range`` clips predicted x_0 to ``[-r, r]`` (1 for images; None disables, e.g. for
     prior embeddings under DPM-Solver++). ``learned_variance``: the model outputs ``2C`` channels
@@ -219,15 +219,14 @@ def diffusion_loss(
     ``torch.Generator`` per sample, so results do not depend on how samples are grouped into
     batches), or from the global RNG when ``generators`` is None; ``timestep_shift`` s ≠ 1 draws
     ``t`` from the shifted density instead (:func:`shifted_timesteps`). ``prediction_type``:
-    ``epsilon`` (target eps), ``sample`` (target x_0) or ``v_prediction`` (target
-    v = α·eps − σ·x_0). ``min_snr_gamma`` weights each sample by ``min(SNR, γ)`` expressed for
-    the chosen target.
-    ``learned_variance``: the model outputs ``2C`` channels, its mean parameter then the variance
-    interpolation ``v`` of :mod:`unclip.vlb`; the loss adds the hybrid loss's variational-bound
-    term ``vlb_weight · T · L_t`` (Improved DDPM: ``L_simple + λ·L_vlb``, ``L_t`` in bits/dim, the
-    mean under a stop-gradient so only the variance learns from it; min-SNR weighting applies to
-    the ``L_simple`` part only).
-    Returns a scalar (``reduction="mean"``) or the per-sample losses ``[B]`` (``reduction="none"``).
+    ``epsilon`` (target eps), ``sample`` (target x_0) or ``v_prediction`` (target v = α·eps −
+    σ·x_0). ``min_snr_gamma`` weights each sample by ``min(SNR, γ)`` expressed for the chosen
+    target. ``learned_variance``: the model outputs ``2C`` channels, its mean parameter then the
+    variance interpolation ``v`` of :mod:`unclip.diffusion.vlb`; the loss adds the hybrid loss's
+    variational-bound term ``vlb_weight · T · L_t`` (Improved DDPM: ``L_simple + λ·L_vlb``, ``L_t``
+    in bits/dim, the mean under a stop-gradient so only the variance learns from it; min-SNR
+    weighting applies to the ``L_simple`` part only). Returns a scalar (``reduction="mean"``) or the
+    per-sample losses ``[B]`` (``reduction="none"``).
     """
     b = x_0.shape[0]
     T = scheduler.config["num_train_timesteps"]

@@ -13,11 +13,11 @@ options of its own::
 
 Whatever is given, the stage's training facts win: the noise schedule (``num_train_timesteps``,
 ``beta_schedule``) and ``prediction_type`` come from the stage's
-:class:`~unclip.config.DiffusionConfig`; an instance keeps its other options (solver order, Karras
-sigmas, ...). A scheduler that cannot serve the stage is refused with the reason: one that samples
-another kind of model (flow matching), one that cannot use the stage's prediction type, or one
-that needs a learned variance the model does not output. A saved pipeline or ``generate.json``
-records an instance by its class name (its own options are not stored).
+:class:`~unclip.diffusion.config.DiffusionConfig`; an instance keeps its other options (solver
+order, Karras sigmas, ...). A scheduler that cannot serve the stage is refused with the reason: one
+that samples another kind of model (flow matching), one that cannot use the stage's prediction type,
+or one that needs a learned variance the model does not output. A saved pipeline or
+``generate.json`` records an instance by its class name (its own options are not stored).
 """
 
 from __future__ import annotations

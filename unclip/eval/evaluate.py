@@ -15,7 +15,7 @@ Writes ``report.json``, ``report.md`` (a markdown table), ``grid.png`` (the firs
 Samples
 -------
 Sample ``i`` uses prompt ``i mod P`` and its own ``torch.Generator`` seeded with
-:func:`unclip.pipeline_utils.sample_seed` ``(seed, i)``, so a sample does not depend on the batch
+:func:`unclip.sampling.utils.sample_seed` ``(seed, i)``, so a sample does not depend on the batch
 size or on the other prompts.
 
 Fixed preprocessing (decides comparability; recorded in every report and stats cache)
@@ -525,7 +525,7 @@ def evaluate(
     report.update(num_samples=n, batch_size=batch_size, skipped=skipped)
     if pipe is not None:
         report["sample_seeds"] = (
-            "sample i: torch.Generator seeded with unclip.pipeline_utils.sample_seed(seed, i), "
+            "sample i: torch.Generator seeded with unclip.sampling.utils.sample_seed(seed, i), "
             "prompt i mod P"
         )
     if skipped.get("blank_prompt_lines"):

@@ -385,7 +385,7 @@ def clip_score_summary(cosines: torch.Tensor) -> dict:
 
 def clip_fingerprint(clip) -> str:
     """Short sha256 of a CLIP's config and weights (identifies the CLIP behind cached CLIP
-    features); see :meth:`unclip.clip.CLIP.fingerprint`."""
+    features); see :meth:`unclip.nets.clip.CLIP.fingerprint`."""
     return clip.fingerprint()
 
 

@@ -1,7 +1,8 @@
 """CLIP helpers for :mod:`unclip.interop.diffusers`: transformers CLIP ↔ open_clip, CLIP tokenizer
 files.
 
-* :func:`clip_from_transformers` builds a :class:`~unclip.clip.CLIP` from a diffusers pipeline's
+* :func:`clip_from_transformers` builds a :class:`~unclip.nets.clip.CLIP` from a diffusers
+pipeline's
   ``text_encoder/`` (``CLIPTextModelWithProjection``), ``tokenizer/`` and optional
   ``image_encoder/`` (``CLIPVisionModelWithProjection``). Without an image encoder the vision tower
   is a tiny placeholder and ``has_vision=False``.
@@ -154,7 +155,7 @@ def check_tokenizer(folder: Path, context_length: int) -> str:
 
     The vocabulary and merges must equal open_clip's. When transformers is installed the real
     ``CLIPTokenizer`` is also run on probe strings (punctuation, unicode, padding) and must give the
-    same ids and attention masks as :class:`~unclip.clip.CompatTokenizer`.
+    same ids and attention masks as :class:`~unclip.nets.clip_tokenizer.CompatTokenizer`.
     """
     vocab, merges, pad, max_len = read_tokenizer(folder)
     ref_vocab, ref_merges = bpe_vocab()
@@ -375,8 +376,8 @@ def clip_from_transformers(
     feature_extractor: Optional[dict] = None,
     variant: Optional[str] = None,
 ) -> CLIP:
-    """A :class:`~unclip.clip.CLIP` from ``root/text_encoder``, ``root/tokenizer`` and (optionally)
-    ``root/image_encoder`` (``variant``: their ``*.<variant>.safetensors`` weights)."""
+    """A :class:`~unclip.nets.clip.CLIP` from ``root/text_encoder``, ``root/tokenizer`` and
+    (optionally) ``root/image_encoder`` (``variant``: their ``*.<variant>.safetensors`` weights)."""
     text_cfg = read_json(root / "text_encoder" / "config.json", "text_encoder")
     vision_cfg = (
         read_json(root / "image_encoder" / "config.json", "image_encoder")

@@ -11,7 +11,8 @@
 Component mapping (diffusers → unclip):
 
 * ``text_encoder`` (CLIPTextModelWithProjection) → open_clip text tower (:mod:`unclip.interop.clip`)
-* ``tokenizer`` (CLIPTokenizer) → :class:`~unclip.clip.CompatTokenizer` (checked: same BPE)
+* ``tokenizer`` (CLIPTokenizer) → :class:`~unclip.nets.clip_tokenizer.CompatTokenizer` (checked:
+same BPE)
 * ``image_encoder`` (variations layout only) → open_clip vision tower; otherwise a placeholder and
   ``CLIP.has_vision=False``
 * ``prior`` (PriorTransformer, clip_mean/std) → ``UnCLIPPrior.transformer``
@@ -76,7 +77,7 @@ def convert(
     becomes a native unclip pipeline folder. ``to="diffusers"``: ``src`` is any folder
     ``UnCLIPPipeline.from_pretrained`` loads, ``dst`` becomes a diffusers ``UnCLIPPipeline``
     folder. ``src`` may also be a Hub repo id (``org/name``) of either kind, fetched at
-    ``revision`` into ``cache_dir`` (:func:`unclip.hub.resolve_folder`), or the name of a bundled
+    ``revision`` into ``cache_dir`` (:func:`unclip.io.hub.resolve_folder`), or the name of a bundled
     model (``"shapes"``). ``dst`` is created; it must be empty unless ``overwrite``. ``parts``
     (``to="diffusers"`` only): export only those parts (:func:`export_diffusers`). A Kandinsky
     2.2 decoder folder (or Hub id) is written in its native layout either way: diffusers'

@@ -69,7 +69,7 @@ def safe_model_from_pretrained(load: Callable, path, component: str, **kwargs):
     """diffusers' ``ModelMixin.from_pretrained`` (bound as ``load``) restricted to safetensors: a
     folder with only pickle weights is refused with how to convert them, a truncated safetensors
     file is a one-line error naming it, and diffusers is told ``use_safetensors=True`` so it never
-    falls back to unpickling. ``path`` may be a Hub repo id (:func:`unclip.hub.resolve_folder`:
+    falls back to unpickling. ``path`` may be a Hub repo id (:func:`unclip.io.hub.resolve_folder`:
     ``revision``, ``cache_dir``, ``local_files_only``, ``subfolder`` and ``variant`` are honoured
     there); ``torch_dtype`` and the other keyword arguments go to diffusers."""
     from unclip.io.hub import is_repo_id, resolve_folder

@@ -64,7 +64,7 @@ class ARBlock(nn.Module):
     """A pre-LayerNorm transformer block (attention, then a 4× GELU MLP) with an optional key/value
     cache for decoding one position at a time.
 
-    DALL-E Mega's options (as in :mod:`unclip.transformer_blocks`, whose feed-forward it reuses):
+    DALL-E Mega's options (as in :mod:`unclip.nets.blocks`, whose feed-forward it reuses):
     ``normformer`` adds a LayerNorm on the attention output, a learned scale per head and a
     LayerNorm over the feed-forward's hidden units; ``ff_activation`` ``geglu``/``swiglu`` makes
     the feed-forward a GLU of the same parameter count. With both off the block and its weight

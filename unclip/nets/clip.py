@@ -162,7 +162,7 @@ class CLIP(torch.nn.Module):
     ) -> CLIP:
         """Load a folder written by :meth:`save_pretrained` (``config.json`` +
         ``model.safetensors``), or a Hub repo id's (``org/name``, ``subfolder``: e.g. ``"clip"``
-        of a pipeline repo; see :func:`unclip.hub.resolve_folder` for ``revision``,
+        of a pipeline repo; see :func:`unclip.io.hub.resolve_folder` for ``revision``,
         ``cache_dir``, ``local_files_only``). ``torch_dtype``: cast the weights after loading;
         ``variant``: read ``model.<variant>.safetensors``."""
         from unclip.io.hub import resolve_folder
@@ -286,7 +286,7 @@ class CLIP(torch.nn.Module):
         create_pr: bool = False,
     ):
         """Upload the folder :meth:`save_pretrained` writes to the Hub model repo ``repo_id``
-        (created if needed; :func:`unclip.hub.push_folder`); returns the ``CommitInfo``."""
+        (created if needed; :func:`unclip.io.hub.push_folder`); returns the ``CommitInfo``."""
         from unclip.io.hub import push_folder
 
         return push_folder(

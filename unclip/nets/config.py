@@ -57,7 +57,7 @@ class PriorConfig:
     (num_embeddings), text_embed, time, x_t, prediction token] and predicts x_0 (the un-noised,
     normalised image embedding). ``ar``: a causal transformer of the same size
     (``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``dropout``) predicting the
-    PCA-quantised image embedding one code at a time (:class:`~unclip.ar_prior.UnCLIPARPrior`),
+    PCA-quantised image embedding one code at a time (:class:`~unclip.nets.ar_prior.UnCLIPARPrior`),
     with the code settings in ``ar`` (:class:`ARPriorOptions`; only for ``type: ar``).
     ``embed_scale`` (diffusion only): the diffusion runs on ``embed_scale ·`` the unit-norm image
     embedding, the paper's fixed 17.2 (Ramesh et al. 2022, Appendix C), instead of each
@@ -65,7 +65,7 @@ class PriorConfig:
     is stored as those statistics (mean 0, std ``1/embed_scale``). The CLIP supplies the widths
     (``embed_dim``, ``text_width``, ``context_length``); :meth:`build` makes the network.
 
-    DALL-E Mega's transformer recipe for either prior (:mod:`unclip.transformer_blocks`):
+    DALL-E Mega's transformer recipe for either prior (:mod:`unclip.nets.blocks`):
     ``normformer`` adds NormFormer's LayerNorms after attention and after the feed-forward's
     activation and a learned scale per attention head (Shleifer et al. 2021); ``ff_activation``
     ``geglu``/``swiglu`` makes the feed-forward a GLU with 2/3 of the hidden width, the same
@@ -125,8 +125,8 @@ class PriorConfig:
             self.ar = ARPriorOptions()
 
     def build(self, clip):
-        """The prior this config describes (:class:`~unclip.prior.UnCLIPPrior` or
-        :class:`~unclip.ar_prior.UnCLIPARPrior`), sized for ``clip``."""
+        """The prior this config describes (:class:`~unclip.nets.prior.UnCLIPPrior` or
+        :class:`~unclip.nets.ar_prior.UnCLIPARPrior`), sized for ``clip``."""
         skip = ("type", "ar", "embed_scale")  # embed_scale is stored as the statistics
         arch = {k: v for k, v in to_dict(self).items() if k not in skip}
         if self.type == "ar":
@@ -160,7 +160,7 @@ class DecoderConfig:
     UNet's residual blocks during training (paper: 0.1).
     ``learned_variance``: 6 output channels, the mean parameter and a per-channel variance
     interpolation (Improved DDPM; the paper's and Karlo's decoder), trained with
-    ``diffusion.vlb_weight`` (see :mod:`unclip.vlb`).
+    ``diffusion.vlb_weight`` (see :mod:`unclip.diffusion.vlb`).
     :meth:`build` makes the network, sized for a CLIP.
     """
 
@@ -205,7 +205,8 @@ class DecoderConfig:
             _check_text_encoder("decoder", self)
 
     def build(self, clip):
-        """The :class:`~unclip.decoder.UnCLIPDecoder` this config describes, sized for ``clip``."""
+        """The :class:`~unclip.nets.decoder.UnCLIPDecoder` this config describes, sized for
+        ``clip``."""
         from unclip.nets.decoder import UnCLIPDecoder
 
         return UnCLIPDecoder.from_clip(clip, **to_dict(self))
@@ -250,7 +251,7 @@ class UpsamplerConfig:
             )
 
     def build(self):
-        """The :class:`~unclip.decoder.UnCLIPUpsampler` this config describes."""
+        """The :class:`~unclip.nets.decoder.UnCLIPUpsampler` this config describes."""
         from unclip.nets.decoder import UnCLIPUpsampler
 
         return UnCLIPUpsampler(**to_dict(self))

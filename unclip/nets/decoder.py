@@ -7,7 +7,7 @@ normalised) caption token states; the pooled text embedding is also added to the
 (as in GLIDE and Karlo). A learned null image embedding replaces ``image_embed`` for the
 unconditional pass and for dropout in training; the null caption is the CLIP encoding of the empty
 string. With ``text_encoder="transformer"`` the decoder encodes the caption itself, as the paper's
-decoder (GLIDE's) does: a trainable :class:`~unclip.text_encoder.CaptionTransformer` over the
+decoder (GLIDE's) does: a trainable :class:`~unclip.nets.text_encoder.CaptionTransformer` over the
 caption's token ids (``text`` is then ids ``[B, L]`` from :meth:`UnCLIPDecoder.tokenize`, the null
 caption the empty string's ids); its token states replace the CLIP ones and its final token's
 state replaces the pooled CLIP text embedding.
@@ -321,7 +321,7 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
 
     @classmethod
     def from_clip(cls, clip, **kwargs) -> UnCLIPDecoder:
-        """A decoder sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
+        """A decoder sized for ``clip`` (a :class:`~unclip.nets.clip.CLIP`)."""
         return cls(embed_dim=clip.embed_dim, text_width=clip.text_width, **kwargs)
 
     @classmethod
@@ -335,7 +335,7 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
 
 
 def encode_captions(config, clip, prompts: Sequence[str]) -> Caption:
-    """Captions as a decoder with ``config`` (a :class:`~unclip.config.DecoderConfig` or a
+    """Captions as a decoder with ``config`` (a :class:`~unclip.nets.config.DecoderConfig` or a
     decoder's ``config``) takes them: ``clip.encode_text`` for ``text_encoder: clip``, else token
     ids from the decoder's tokenizer (what its own text transformer reads)."""
     if getattr(config, "text_encoder", "clip") == "clip":

@@ -2,13 +2,13 @@
 
 A LoRA adapter adds a trainable low-rank update ``ΔW = (alpha / rank) · B A`` beside chosen layers
 of a stage's network (by default its attention projections) while the base weights stay frozen, so a
-fine-tune is a few hundred kilobytes instead of a whole component. The adapter is injected into
-the stage component itself (:class:`~unclip.prior.UnCLIPPrior`,
-:class:`~unclip.decoder.UnCLIPDecoder`, :class:`~unclip.decoder.UnCLIPUpsampler`) with peft's
-``inject_adapter_in_model``, so module names are those of the component's state dict
+fine-tune is a few hundred kilobytes instead of a whole component. The adapter is injected into the
+stage component itself (:class:`~unclip.nets.prior.UnCLIPPrior`,
+:class:`~unclip.nets.decoder.UnCLIPDecoder`, :class:`~unclip.nets.decoder.UnCLIPUpsampler`) with
+peft's ``inject_adapter_in_model``, so module names are those of the component's state dict
 (``unet.down_blocks.1.attentions.0.to_q``) and a target may also name unCLIP's own layers.
 
-Usage on a pipeline (the methods of :class:`unclip.pipeline_lora.LoraMixin`)::
+Usage on a pipeline (the methods of :class:`unclip.pipeline.lora.LoraMixin`)::
 
     pipe = UnCLIPPipeline.from_pretrained()
     pipe.load_lora("runs/pink/final/decoder_lora")        # the stage is read from the folder

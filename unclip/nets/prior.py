@@ -13,7 +13,7 @@
   embedding stays an input (paper §2.2). diffusers' ``UnCLIPPipeline`` cannot hold such a prior;
 * ``x_0`` prediction (the transformer predicts the clean normalised embedding);
 * optionally DALL-E Mega's transformer recipe (``normformer``, ``ff_activation``): the
-  transformer's blocks are then :class:`~unclip.transformer_blocks.TransformerBlock` instead of
+  transformer's blocks are then :class:`~unclip.nets.blocks.TransformerBlock` instead of
   diffusers' ``BasicTransformerBlock`` (embeddings, masks and output head stay diffusers'). With
   both options at their defaults the network is diffusers' ``PriorTransformer`` unchanged, so
   existing weights load and export as before; a prior with either option cannot be exported to
@@ -55,7 +55,7 @@ class PriorLoading:
 
     @classmethod
     def from_clip(cls, clip, **kwargs):
-        """A prior sized for ``clip`` (a :class:`~unclip.clip.CLIP`)."""
+        """A prior sized for ``clip`` (a :class:`~unclip.nets.clip.CLIP`)."""
         return cls(
             embed_dim=clip.embed_dim,
             text_width=clip.text_width,
@@ -76,7 +76,7 @@ class PriorLoading:
 # ignore: diffusers types ModelMixin.to through functools.wraps, its class defaults by None
 class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[misc]
     """Prior network. ``forward(x_t [B,D], t [B], text) → x_0 prediction [B,D]`` (normalised
-    space). ``normformer`` / ``ff_activation``: see :mod:`unclip.transformer_blocks`.
+    space). ``normformer`` / ``ff_activation``: see :mod:`unclip.nets.blocks`.
     ``text_encoder``: ``"clip"`` (the CLIP token states of ``text``) or ``"transformer"`` (its own
     caption transformer of ``text_encoder_width/layers/heads`` over ``text_context_length`` ids
     of ``text_tokenizer``, read from ``text.caption_ids``; ``context_length`` is then unused)."""
@@ -84,7 +84,7 @@ class UnCLIPPrior(PriorLoading, KeepFp32Mixin, ModelMixin, ConfigMixin):  # type
     # enable_gradient_checkpointing reaches the own caption transformer's blocks only (diffusers'
     # PriorTransformer has no checkpointing); a prior without one refuses it
     _supports_gradient_checkpointing = True
-    # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.precision)
+    # the embedding statistics stay float32 in a float16/bfloat16 prior (unclip.utils.precision)
     _keep_in_fp32_modules = ["clip_mean", "clip_std"]  # type: ignore[assignment]  # base: None
 
     if TYPE_CHECKING:
@@ -383,7 +383,7 @@ def is_compiled(module: torch.nn.Module) -> bool:
 
 def _forward_replaced(module: torch.nn.Module) -> bool:
     """Whether ``module`` has an instance ``forward`` other than its own method or the one model
-    offload installs (:class:`unclip.offload.ModelOffloader`, whose hook only brings the
+    offload installs (:class:`unclip.utils.offload.ModelOffloader`, whose hook only brings the
     component's weights to the device before any submodule runs)."""
     forward = vars(module).get("forward")
     if forward is None or getattr(forward, "__func__", None) is type(module).forward:

@@ -1,5 +1,5 @@
-"""The two prior types, by name: ``diffusion`` (:class:`~unclip.prior.UnCLIPPrior`) and ``ar``
-(:class:`~unclip.ar_prior.UnCLIPARPrior`), and loading a prior folder as the type it holds.
+"""The two prior types, by name: ``diffusion`` (:class:`~unclip.nets.prior.UnCLIPPrior`) and ``ar``
+(:class:`~unclip.nets.ar_prior.UnCLIPARPrior`), and loading a prior folder as the type it holds.
 
 A prior folder's ``config.json`` records its class (``_class_name``, written by diffusers'
 ``save_pretrained``), so a pipeline or component folder loads the prior it was saved with.

@@ -5,7 +5,7 @@ DALL-E 2's decoder is GLIDE's 3.5B model (Ramesh et al. 2022, §2.1 and Appendix
 2021, §4): the caption is encoded by a transformer of width 2048 with 24 residual blocks over a
 256-token context, trained jointly with the UNet. Its final token's state is projected and added to
 the timestep embedding, and all its token states are projected into the context of every attention
-layer (:class:`~unclip.decoder.UnCLIPDecoder` does both). The paper's diffusion prior likewise
+layer (:class:`~unclip.nets.decoder.UnCLIPDecoder` does both). The paper's diffusion prior likewise
 encodes the caption with its own transformer over 256 tokens (Appendix C); there the token states
 are the prior transformer's text tokens (:class:`~unclip.nets.prior.UnCLIPPrior`). The small
 models instead condition on frozen CLIP token states (``text_encoder: clip``).

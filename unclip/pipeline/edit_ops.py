@@ -36,8 +36,9 @@ FIXED_POINT_DAMPING = 0.5
 
 @dataclass
 class EditOutput(UnCLIPOutput):
-    """:class:`~unclip.output.UnCLIPOutput` of an edit, plus ``latents`` (the decoder's starting
-    ``x_T`` when it came from an inversion) and ``info`` (per-image values such as ``theta`` or
+    """:class:`~unclip.pipeline.output.UnCLIPOutput` of an edit, plus ``latents`` (the decoder's
+    starting ``x_T`` when it came from an inversion) and ``info`` (per-image values such as
+    ``theta`` or
     ``strength``, and the inversion's round-trip ``inversion_error``)."""
 
     latents: Optional[torch.Tensor] = None

@@ -125,7 +125,7 @@ CLIP_STAGES = ("prior", "decoder")
 def stage_meta(stage: str, name: str, diffusion: dict, sampling: dict, clip) -> dict:
     """The ``unclip_stage.json`` of an exported component: its stage kind, name, diffusion and
     sampling settings (dicts) and, for the stages the CLIP conditions (:data:`CLIP_STAGES`), the
-    fingerprint of the CLIP it was trained with (:meth:`~unclip.clip.CLIP.fingerprint`), which
+    fingerprint of the CLIP it was trained with (:meth:`~unclip.nets.clip.CLIP.fingerprint`), which
     :func:`load_components` checks."""
     meta = {"stage": stage, "name": name, "diffusion": diffusion, "sampling": sampling}
     if stage in CLIP_STAGES:
@@ -242,7 +242,7 @@ def load_components(
 def resolve_pipeline_folder(path: Union[str, os.PathLike, None] = None, **hub) -> Path:
     """The folder ``path`` names: ``None`` or a bundled model's name (``"shapes"``) is that bundled
     model's folder; anything else an existing folder or a Hub repo id's snapshot
-    (:func:`unclip.hub.resolve_folder`, which takes ``hub``: ``revision``, ``cache_dir``,
+    (:func:`unclip.io.hub.resolve_folder`, which takes ``hub``: ``revision``, ``cache_dir``,
     ``local_files_only``, ``variant``); else ``FileNotFoundError``."""
     from unclip.io.hub import resolve_folder
 

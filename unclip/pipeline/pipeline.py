@@ -14,12 +14,12 @@ Each stage is a public method, and everything else composes from them::
     pipe.interpolate("a red circle", "a blue square", num_steps=5)
     keep = pipe.rerank(small, ["a red circle"] * 4, k=4)  # best of each group of 4 by CLIP score
     pipe.sampling_settings({"decoder": {"steps": 50}})  # {stage: SamplingConfig}, validated
-    pipe.load_lora("runs/x/final/decoder_lora", scale=0.8)  # a LoRA adapter (unclip.lora)
+    pipe.load_lora("runs/x/final/decoder_lora", scale=0.8)  # a LoRA adapter (unclip.nets.lora)
 
-Sampling settings (:class:`~unclip.config.SamplingConfig`: scheduler, steps, guidance_scale,
-best_of) are stored per stage in ``pipe.sampling``; every sampling method takes ``sampling=``
-overrides keyed by stage (``"prior"``, ``"decoder"``, an upsampler's name such as ``"sr64"``, or
-``"upsampler"`` for every upsampler), resolved and checked by
+Sampling settings (:class:`~unclip.sampling.settings.SamplingConfig`: scheduler, steps,
+guidance_scale, best_of) are stored per stage in ``pipe.sampling``; every sampling method takes
+``sampling=`` overrides keyed by stage (``"prior"``, ``"decoder"``, an upsampler's name such as
+``"sr64"``, or ``"upsampler"`` for every upsampler), resolved and checked by
 :meth:`UnCLIPPipeline.sampling_settings`. The decoder's ``best_of`` is the number of base-resolution
 candidates decoded per image; :meth:`UnCLIPPipeline.rerank` keeps the one that
 :attr:`UnCLIPPipeline.rerank_clip` scores closest to the prompt.

@@ -1,10 +1,10 @@
 """Per-stage sampling: the settings each stage samples with, and each stage's sampling step.
 
-Settings: a stage samples with a :class:`~unclip.config.SamplingConfig` (scheduler, steps,
-guidance_scale, best_of) and the :class:`~unclip.config.DiffusionConfig` it was trained with (noise
-schedule, prediction type). :func:`stage_settings` gives every stage its own settings or the
-defaults of its kind (:data:`DEFAULT_SAMPLING`, :data:`DEFAULT_DIFFUSION`);
-:func:`resolve_sampling` applies and checks ``sampling=`` overrides.
+Settings: a stage samples with its settings (:mod:`unclip.sampling.settings`: scheduler, steps,
+guidance_scale, best_of, ...) and the :class:`~unclip.diffusion.config.DiffusionConfig` it was
+trained with (noise schedule, prediction type); that module's ``stage_settings`` gives every stage
+its own settings or the defaults of its kind, and its ``resolve_sampling`` applies and checks
+``sampling=`` overrides. This module holds the steps that use them.
 
 Steps: :func:`sample_prior`, :func:`sample_decoder` and :func:`sample_upsampler` each run one
 stage's reverse process with classifier-free guidance from that stage's network and settings alone,
@@ -150,8 +150,8 @@ def sample_prior(
     the initial noise. ``autocast_dtype``, ``callback``: as
     :func:`~unclip.diffusion.sample_loop`.
 
-    An autoregressive prior (:class:`~unclip.ar_prior.UnCLIPARPrior`) is sampled by
-    :func:`~unclip.ar_sampling.sample_ar_prior` (``diffusion`` and ``clip_range`` do not apply to
+    An autoregressive prior (:class:`~unclip.nets.ar_prior.UnCLIPARPrior`) is sampled by
+    :func:`~unclip.sampling.ar.sample_ar_prior` (``diffusion`` and ``clip_range`` do not apply to
     it, nor do ``latents``)."""
     # a torch.compile wrapper is not an instance of the class it wraps
     if isinstance(getattr(prior, "_orig_mod", prior), UnCLIPARPrior):

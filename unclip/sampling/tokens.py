@@ -134,7 +134,7 @@ def sample_image_tokens(
             ``start``/``step``/``image_logits``/``null_text`` interface and a ``grid``).
         text_ids, text_mask: captions ``[B, L]`` and their mask (``None``: all tokens).
         temperature, top_k, top_p: applied to the (guided) logits in that order
-            (:func:`unclip.ar_sampling.filter_logits`); ``None`` switches top-k / top-p off.
+            (:func:`unclip.sampling.ar.filter_logits`); ``None`` switches top-k / top-p off.
         guidance_scale: ``α`` of super-conditioning, or ``None`` (or 1) for none (see the module
             doc).
         generator: one generator, one per row (a list of ``B``), or ``None`` (global RNG).

@@ -9,7 +9,7 @@ model built from the config dict (``clip.model_cfg``). Images are shapes renders
 size with a mild noise/blur augmentation (so embeddings of slightly grainy generated samples stay
 meaningful); captions are the world's own.
 
-Writes ``<output_dir>/final/clip`` (a :class:`~unclip.clip.CLIP` folder, loadable with
+Writes ``<output_dir>/final/clip`` (a :class:`~unclip.nets.clip.CLIP` folder, loadable with
 ``CLIP.from_pretrained`` or as ``clip.pretrained=<output_dir>/final/clip/model.safetensors``;
 weights optionally stored in fp16, upcast to the fp32 model on load) and
 ``<output_dir>/retrieval.json`` (:func:`attribute_retrieval` on held-out renders).
@@ -91,7 +91,7 @@ class ClipDataConfig:
     extra_colors: Optional[dict[str, list[int]]] = None
 
     def __post_init__(self) -> None:
-        """Range-check every number (:class:`~unclip.config.ConfigError` naming the key)."""
+        """Range-check every number (:class:`~unclip.utils.config.ConfigError` naming the key)."""
         check_at_least("data.resolution", self.resolution, 1)
         check_at_least("data.batch_size", self.batch_size, 1)
         check_at_least("data.seed", self.seed, 0)

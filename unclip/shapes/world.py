@@ -553,7 +553,7 @@ class ShapesWorld:
 def caption_vocabulary() -> list[str]:
     """Every word (and punctuation mark) a caption of this world can contain: the templates' words,
     the position phrases, relations, size words, color, shape and background names, and the
-    articles. For a closed-vocabulary CLIP file (:func:`unclip.clip.closed_vocabulary_ids`)."""
+    articles. For a closed-vocabulary CLIP file (:func:`unclip.nets.clip.closed_vocabulary_ids`)."""
     text = " ".join(
         [
             *_SINGLE_TEMPLATES,

@@ -547,8 +547,8 @@ def check_decoder_options(cfg: StageConfig) -> None:
 
 
 def load_config_naming_source(path, overrides, schema):
-    """:func:`unclip.config.load_config`, with the file named in the range errors of the training
-    sections too (they are raised where the values enter, which does not know the file)."""
+    """:func:`unclip.utils.config.load_config`, with the file named in the range errors of the
+    training sections too (they are raised where the values enter, which does not know the file)."""
     try:
         return load_config(path, overrides, schema=schema)
     except ConfigError as exc:

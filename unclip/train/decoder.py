@@ -76,7 +76,7 @@ def decoder_loss(
     model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched, device, parts=None
 ):
     """Denoising loss of the base decoder on one micro-batch, with condition dropout (``null``:
-    the empty caption as the decoder takes captions, :func:`~unclip.decoder.encode_captions`);
+    the empty caption as the decoder takes captions, :func:`~unclip.nets.decoder.encode_captions`);
     with a ``repa:`` section ``model`` is a :class:`~unclip.train.repa.RepaDecoder` and the
     alignment loss is added (and its value appended to ``parts["repa"]`` if ``parts`` is given)."""
     images = batch["image"].to(device)

@@ -88,7 +88,7 @@ def is_sharded(accelerator) -> bool:
 
 #: the blocks FSDP shards as separate groups (gathered one at a time in forward and backward):
 #: the prior's transformer blocks (diffusers' or, with DALL-E Mega's options, the project's own
-#: :class:`~unclip.transformer_blocks.TransformerBlock`) and the token transformers' layers
+#: :class:`~unclip.nets.blocks.TransformerBlock`) and the token transformers' layers
 #: (DALL-E's, Mega's), or else the resnet and attention blocks of a diffusers UNet (the VQGAN's
 #: too) and the blocks of the decoder's own caption transformer (``text_encoder: transformer``,
 #: 1.31B of the full-scale decoder's 3.56B parameters), or else the dVAE's residual blocks. What

@@ -26,7 +26,7 @@ samples. :class:`TrainLoop` does the rest, as guided-diffusion's ``TrainLoop``::
   step in progress), exact resume, export of the EMA weights;
 * per-sample randomness: every sample's noise, timestep and condition dropout come from a
   ``torch.Generator`` seeded by ``(seed, rank, sample number)``
-  (:func:`unclip.pipeline_utils.sample_seed`), so results do not depend on how samples are grouped
+  (:func:`unclip.sampling.utils.sample_seed`), so results do not depend on how samples are grouped
   into micro-batches and resume is exact;
 * logging: tqdm (loss, samples/s), ``metrics.jsonl`` and Accelerate trackers.
 """

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a stage (``train.lora``): the training side of :mod:`unclip.lora`.
+"""LoRA fine-tuning of a stage (``train.lora``): the training side of :mod:`unclip.nets.lora`.
 
     unclip train-decoder configs/shapes/decoder.yaml train.lora.rank=8 \\
         train.init_weights=unclip/bundled/shapes/decoder data.source=folder data.path=my_images \\

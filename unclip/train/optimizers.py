@@ -147,10 +147,10 @@ def auto_mixed_precision(
 ) -> str:
     """Resolve ``mixed_precision: auto``: the launch's half precision if it names one
     (``launched``: ``accelerate launch``'s ``ACCELERATE_MIXED_PRECISION``, from the Accelerate
-    config's ``mixed_precision``: configs/accelerate/*_bf16.yaml ask for bf16), else fp16 (with
-    loss scaling) on a GPU, bf16 on a CPU that runs it natively, else ``no`` (fp32): the rule of
-    :func:`unclip.precision.resolve_autocast`, which sampling follows too. A launch's ``no`` is
-    Accelerate's default when a config names nothing, so it leaves ``auto`` to that rule, and so
+    config's ``mixed_precision``: configs/accelerate/*_bf16.yaml ask for bf16), else fp16 (with loss
+    scaling) on a GPU, bf16 on a CPU that runs it natively, else ``no`` (fp32): the rule of
+    :func:`unclip.utils.precision.resolve_autocast`, which sampling follows too. A launch's ``no``
+    is Accelerate's default when a config names nothing, so it leaves ``auto`` to that rule, and so
     does a launch's ``fp16`` without a GPU (Accelerate refuses fp16 on CPUs). ``gpu``: whether the
     training runs on a GPU (default: whether one is available). Other values are returned
     unchanged."""

@@ -472,6 +472,7 @@ def measure_step(
                     ):
                         loss = task.loss(model, batch, gens)
                     if counting:
+                        assert forward is not None  # the counter's list, when counting
                         forward_flops, frozen_flops = forward[0], clip_flops[0]
                     act = max(act, mem.current - before)
                     largest = max(largest, mem.largest)

@@ -46,7 +46,7 @@ class SampleMeasure:
     offload: bool = False
     #: stage → the components with weights on the GPU while it sampled
     resident: dict = dataclasses.field(default_factory=dict)
-    #: the tensors kept in float32 under a half dtype (:mod:`unclip.precision`'s rule)
+    #: the tensors kept in float32 under a half dtype (:mod:`unclip.utils.precision`'s rule)
     fp32_tensors: list = dataclasses.field(default_factory=list)
     attention_slicing: Optional[str] = None
     #: the autocast setting and, per denoising network, the CUDA autocast dtype it ran under
@@ -197,7 +197,7 @@ def _replace_tensors(module: torch.nn.Module, convert, attributes: bool = False)
 
 
 def _kept_fp32(components: dict, dtype: torch.dtype) -> dict[int, str]:
-    """``id(tensor) → name`` of the tensors :func:`unclip.precision.cast_floating` keeps in
+    """``id(tensor) → name`` of the tensors :func:`unclip.utils.precision.cast_floating` keeps in
     float32 when the pipeline is cast to ``dtype`` (each class's ``_keep_in_fp32_modules``)."""
     from unclip.utils.precision import HALF_DTYPES, _kept
 
@@ -266,7 +266,7 @@ def measure_sampling(
     ``offload``: with :meth:`~unclip.pipeline.UnCLIPPipeline.enable_model_cpu_offload` (weights
     wait on the CPU; each component is on the GPU only while it runs). ``attention_slicing``:
     :meth:`~unclip.pipeline.UnCLIPPipeline.enable_attention_slicing`'s argument. Floating tensors
-    take ``dtype`` except those the pipeline keeps in float32 (:mod:`unclip.precision`).
+    take ``dtype`` except those the pipeline keeps in float32 (:mod:`unclip.utils.precision`).
     ``autocast_dtype``: the pipeline's :attr:`~unclip.pipeline.UnCLIPPipeline.autocast_dtype`
     (``"auto"``, a loaded pipeline's default, is float16 autocast over float32 weights on a GPU
     and none over half-precision ones); the measure records the autocast state each network

@@ -44,7 +44,7 @@ def _block_output(output):
 
 
 def clip_features(clip: CLIP, images: torch.Tensor, layer: str) -> torch.Tensor:
-    """The target features: :meth:`CLIP.layer_features <unclip.clip.CLIP.layer_features>` of
+    """The target features: :meth:`CLIP.layer_features <unclip.nets.clip.CLIP.layer_features>` of
     the clean images at ``repa.clip_layer`` (a CLIP method, so ``unclip plan`` counts the pass
     as the frozen CLIP's forward)."""
     return clip.layer_features(images, layer, key="repa.clip_layer")

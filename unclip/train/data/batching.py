@@ -75,7 +75,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         logical, start = self.worker_plan(worker, num_workers)
         cursor = self.cursors.get(logical)
-        extra = {} if cursor is None else {"cursor": cursor}
+        extra: dict[str, Any] = {} if cursor is None else {"cursor": cursor}
         if cursor is not None and logical in self.heads:
             extra["head"] = self.heads[logical]
         return iter(self.factory(start=start, worker=logical, num_workers=num_workers, **extra))

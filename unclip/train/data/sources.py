@@ -319,8 +319,8 @@ class _Stream:
 # Folder
 # --------------------------------------------------------------------------------------------------
 class FolderStream(_Stream):
-    """Images (those :func:`unclip.images.list_images` lists, recursively) with same-stem ``.txt``
-    captions, looping over epochs.
+    """Images (those :func:`unclip.utils.images.list_images` lists, recursively) with same-stem
+    ``.txt`` captions, looping over epochs.
 
     Epoch ``e`` visits the files in a permutation seeded by ``(seed, e)`` (sorted order if
     ``shuffle=False``); consumer ``c`` of ``n`` (module doc) takes every ``n``-th file from position
