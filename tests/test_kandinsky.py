@@ -773,6 +773,9 @@ def test_variations_and_mix_decode_image_tower_embeddings(pipe):
     finally:
         pipe.disable_attention_slicing()
     assert _max_diff(sliced.images, out.images) <= TOL  # float rounding of the sliced sums
+    # disabling puts each layer's own processor back: the images of a pipeline never sliced
+    unsliced = pipe.variations(picture, 2, generator=_gen(30), sampling=few, **kw)
+    assert torch.equal(unsliced.images, out.images)
 
 
 def test_hub_ids_load_and_generate_writes_a_kandinsky_folder(

@@ -510,6 +510,27 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             callback_on_step_end=callback_on_step_end,
         )
 
+    def _edit_conditioning(
+        self, prompt, negative_prompt, image_embeds, negative_image_embeds, n, generator,
+        sampling, flat, progress, callback_on_step_end,
+    ):  # fmt: skip
+        """An edit's resolved settings (``flat``: diffusers' decoder and prior steps and
+        guidance), progress setting and conditioning (:meth:`_embeds`)."""
+        steps, guidance, prior_steps, prior_guidance = flat
+        settings = self._overrides(
+            sampling,
+            decoder__steps=steps,
+            decoder__guidance_scale=guidance,
+            prior__steps=prior_steps,
+            prior__guidance_scale=prior_guidance,
+        )
+        progress = self._progress(progress)
+        embeds, negative = self._embeds(
+            prompt, negative_prompt, image_embeds, negative_image_embeds,
+            n if image_embeds is None else 1, generator, settings, progress, callback_on_step_end,
+        )  # fmt: skip
+        return settings, progress, embeds, negative
+
     def _finish(self, latents, output_type: str, return_dict: bool, embeds):
         images = latents if output_type == "latent" else to_output(
             self.decoder.decode(latents), output_type
@@ -550,17 +571,15 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         check_output_type(output_type)
         height, width = self._size(height, width)
         n = check_count(num_images_per_prompt)
-        settings = self._overrides(
-            sampling,
-            decoder__steps=num_inference_steps,
-            decoder__guidance_scale=guidance_scale,
-            prior__steps=prior_num_inference_steps,
-            prior__guidance_scale=prior_guidance_scale,
+        flat = (
+            num_inference_steps,
+            guidance_scale,
+            prior_num_inference_steps,
+            prior_guidance_scale,
         )
-        progress = self._progress(progress)
-        embeds, negative = self._embeds(
-            prompt, negative_prompt, image_embeds, negative_image_embeds,
-            n if image_embeds is None else 1, generator, settings, progress, callback_on_step_end,
+        settings, progress, embeds, negative = self._edit_conditioning(
+            prompt, negative_prompt, image_embeds, negative_image_embeds, n, generator, sampling,
+            flat, progress, callback_on_step_end,
         )  # fmt: skip
         dec = self.decoder
         if dec.inpaint:
@@ -569,11 +588,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                 "image-to-image needs the text-to-image decoder"
             )
         pictures = img2img_inputs(image, height, width, dec.scale_factor, dec.latent_channels)
-        rows = embeds.shape[0] // (n if image_embeds is None else 1)
-        if pictures.shape[0] != rows:
-            raise ValueError(
-                f"img2img: {pictures.shape[0]} images for {rows} prompts; give one each"
-            )
+        per = _per_image(pictures, embeds, n, image_embeds is None, "img2img")
         s = settings["decoder"]
         self._onload("decoder")
         # the prior drew n rows per prompt; the decoder takes one image per embedding row
@@ -582,7 +597,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             self.scheduler,
             embeds,
             negative,
-            pictures.to(self.device).repeat_interleave(embeds.shape[0] // rows, dim=0),
+            pictures.to(self.device).repeat_interleave(per, dim=0),
             strength=strength,
             num_inference_steps=s.steps,
             guidance_scale=s.guidance_scale,
@@ -632,25 +647,18 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                 "UNet reads the masked image too) with this prior"
             )
         n = check_count(num_images_per_prompt)
-        settings = self._overrides(
-            sampling,
-            decoder__steps=num_inference_steps,
-            decoder__guidance_scale=guidance_scale,
-            prior__steps=prior_num_inference_steps,
-            prior__guidance_scale=prior_guidance_scale,
+        flat = (
+            num_inference_steps,
+            guidance_scale,
+            prior_num_inference_steps,
+            prior_guidance_scale,
         )
-        progress = self._progress(progress)
-        embeds, negative = self._embeds(
-            prompt, negative_prompt, image_embeds, negative_image_embeds,
-            n if image_embeds is None else 1, generator, settings, progress, callback_on_step_end,
+        settings, progress, embeds, negative = self._edit_conditioning(
+            prompt, negative_prompt, image_embeds, negative_image_embeds, n, generator, sampling,
+            flat, progress, callback_on_step_end,
         )  # fmt: skip
         pictures, repaint = inpaint_inputs(image, mask_image, height, width)
-        rows = embeds.shape[0] // (n if image_embeds is None else 1)
-        if pictures.shape[0] != rows:
-            raise ValueError(
-                f"inpaint: {pictures.shape[0]} images for {rows} prompts; give one each"
-            )
-        per = embeds.shape[0] // rows
+        per = _per_image(pictures, embeds, n, image_embeds is None, "inpaint")
         s = settings["decoder"]
         self._onload("decoder")
         out = inpaint_latents(
@@ -799,3 +807,14 @@ def _holds_prior(folder) -> bool:
         )
     except (ValueError, OSError):
         return False
+
+
+def _per_image(
+    pictures: torch.Tensor, embeds: torch.Tensor, n: int, sampled: bool, what: str
+) -> int:
+    """Embedding rows per input image (the prior drew ``n`` per prompt when ``sampled``), after
+    checking that there is one image per prompt."""
+    rows = embeds.shape[0] // (n if sampled else 1)
+    if pictures.shape[0] != rows:
+        raise ValueError(f"{what}: {pictures.shape[0]} images for {rows} prompts; give one each")
+    return embeds.shape[0] // rows

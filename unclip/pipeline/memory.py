@@ -63,8 +63,12 @@ class MemoryMixin(BasePipeline):
             raise ValueError(
                 f"slice_size must be 'auto', 'max' or an integer >= 1, got {slice_size!r}"
             )
+        # the processors to put back: diffusers' own "unsliced" choice is not always the one the
+        # layer had (AttnAddedKVProcessor2_0 comes back as the slower AttnAddedKVProcessor)
+        saved = self.__dict__.setdefault("_unsliced_processors", {})
         for net in self.denoisers().values():
             for attn in _attention_modules(net):
+                saved.setdefault(attn, attn.processor)
                 heads = attn.sliceable_head_dim
                 if isinstance(slice_size, str):
                     size = {"auto": max(1, heads // 2), "max": 1}[slice_size]
@@ -78,10 +82,15 @@ class MemoryMixin(BasePipeline):
                     attn.set_processor(_sliced_without_temb(min(int(size), heads)))
 
     def disable_attention_slicing(self) -> None:
-        """Full attention again (PyTorch's scaled-dot-product attention)."""
+        """Full attention again: each layer's processor from before slicing (PyTorch's
+        scaled-dot-product attention), so the images are those of a pipeline never sliced."""
+        saved = self.__dict__.pop("_unsliced_processors", {})
         for net in self.denoisers().values():
             for attn in _attention_modules(net):
-                attn.set_attention_slice(None)
+                if attn in saved:
+                    attn.set_processor(saved[attn])
+                else:
+                    attn.set_attention_slice(None)
 
     def enable_xformers_memory_efficient_attention(self) -> None:
         """xformers' memory-efficient attention in every denoiser; needs a CUDA device and the
