@@ -856,3 +856,34 @@ def test_save_pretrained_writes_diffusers_layouts_that_both_libraries_load(
         == 9
     )
     assert not (tmp_path / "inpaint" / "prior").exists()
+
+
+def test_any_diffusers_scheduler_per_stage(decoder_folder, pipe):
+    """sampling={"decoder": {"scheduler": name}} samples with that diffusers scheduler built from
+    the folder's config, as a diffusers user swaps one in; the prior takes one too; an unknown
+    name is refused naming the choices."""
+    from diffusers import DDIMScheduler
+
+    embed, negative = _embeds(5, rows=1)
+    ref_pipe = KandinskyV22Pipeline(**decoder_folder[1].components)
+    ref_pipe.scheduler = DDIMScheduler.from_config(ref_pipe.scheduler.config)
+    ref_pipe.set_progress_bar_config(disable=True)
+    kw = dict(height=SIZE, width=SIZE, num_inference_steps=4, output_type="np")
+    ref = ref_pipe(image_embeds=embed, negative_image_embeds=negative, generator=_gen(6), **kw)
+    ours = pipe.decode(
+        embed, negative, height=SIZE, width=SIZE, generator=_gen(6), output_type="np",
+        sampling={"decoder": {"steps": 4, "scheduler": "ddim"}}, progress=False,
+    )  # fmt: skip
+    assert _max_diff(ours, ref.images) <= TOL
+    default = pipe.decode(
+        embed, negative, height=SIZE, width=SIZE, generator=_gen(6), output_type="np",
+        sampling={"decoder": {"steps": 4}}, progress=False,
+    )  # fmt: skip
+    assert _max_diff(default, ours) > 1e-3  # the folder's DDPM draws noise every step; DDIM not
+    assert type(pipe.scheduler).__name__ == "DDPMScheduler"  # the pipeline's own is untouched
+    both = {"prior": {"steps": 2, "scheduler": "euler"}, "decoder": {"steps": 2}}
+    kw = dict(height=SIZE, width=SIZE, output_type="pt", progress=False)
+    out = pipe("a cat", sampling=both, generator=_gen(7), **kw)
+    assert torch.isfinite(out.images).all()
+    with pytest.raises(ValueError, match="unknown sampler 'ddimm'; did you mean 'ddim'"):
+        pipe("a cat", sampling={"decoder": {"scheduler": "ddimm"}})

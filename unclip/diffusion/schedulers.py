@@ -34,6 +34,7 @@ from diffusers.schedulers.scheduling_euler_ancestral_discrete import (
 
 __all__ = [
     "SCHEDULER_ALIASES",
+    "scheduler_class",
     "scheduler_label",
     "check_scheduler_spec",
     "build_scheduler",
@@ -87,6 +88,24 @@ def _class(name: str):
             "diffusers scheduler class (e.g. 'KDPM2DiscreteScheduler') or a scheduler instance"
         )
     return cls
+
+
+#: the diffusers class of each built-in name, for pipelines that build a scheduler from a
+#: folder's scheduler config rather than from a stage's DiffusionConfig
+BUILTIN_CLASSES = {
+    "ddpm": "DDPMScheduler",
+    "ddim": "DDIMScheduler",
+    "dpm++": "DPMSolverMultistepScheduler",
+    "unclip": "UnCLIPScheduler",
+}
+
+
+def scheduler_class(name: str) -> type:
+    """The diffusers scheduler class a built-in name (``"ddim"``, ...), an alias (``"euler"``,
+    ...) or a class name names (the ancestral Euler sampler with float64 sigmas, see below);
+    ``ValueError`` naming the choices."""
+    cls = _class(BUILTIN_CLASSES.get(name, name))
+    return EulerAncestralDiscreteScheduler if cls is _EulerAncestral else cls
 
 
 class EulerAncestralDiscreteScheduler(_EulerAncestral):

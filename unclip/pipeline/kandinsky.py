@@ -68,13 +68,24 @@ PIPELINE_WRITERS = EntryPointRegistry("unclip.pipeline_writers")
 
 @dataclasses.dataclass(frozen=True)
 class KandinskySampling:
-    """One stage's settings: ``steps`` (``num_inference_steps``) and ``guidance_scale``
-    (classifier-free guidance runs only above 1, as in diffusers)."""
+    """One stage's settings: ``steps`` (``num_inference_steps``), ``guidance_scale``
+    (classifier-free guidance runs only above 1, as in diffusers) and ``scheduler``: ``None``
+    for the folder's own, else a diffusers scheduler by alias (``"ddim"``, ``"euler_a"``,
+    ``"unipc"``, ...) or class name, built from the folder's scheduler config as diffusers users
+    swap one in (``DDIMScheduler.from_config(pipe.scheduler.config)``)."""
 
     steps: int
     guidance_scale: float
+    scheduler: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.scheduler is not None:
+            if not isinstance(self.scheduler, str):
+                raise TypeError(
+                    f"scheduler must be a scheduler name (e.g. 'ddim') or None, got "
+                    f"{self.scheduler!r}"
+                )
+            _scheduler_class(self.scheduler)  # an unknown name fails here, naming the choices
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
         g = self.guidance_scale
@@ -170,6 +181,14 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             "resolution": self.resolution,
         }
 
+    def _scheduler(self, stage: str, settings: KandinskySampling):
+        """The stage's scheduler: the folder's own, or the one ``settings`` names built from its
+        config (a fresh one per call)."""
+        base = self.prior_scheduler if stage == "prior" else self.scheduler
+        if settings.scheduler is None:
+            return base
+        return _scheduler_class(settings.scheduler).from_config(base.config)
+
     def _size(self, height: Optional[int], width: Optional[int]) -> tuple[int, int]:
         return (height or self.resolution), (width or self.resolution)
 
@@ -190,11 +209,11 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                 continue
             if not isinstance(values, Mapping):
                 raise TypeError(f"sampling[{stage!r}] must be a dict of settings, got {values!r}")
-            unknown = sorted(set(values) - {"steps", "guidance_scale"})
+            unknown = sorted(set(values) - {"steps", "guidance_scale", "scheduler"})
             if unknown:
                 raise ValueError(
                     f"sampling[{stage!r}]: unknown setting {unknown[0]!r} (a Kandinsky stage has "
-                    "steps and guidance_scale)"
+                    "steps, guidance_scale and scheduler)"
                 )
             try:
                 out[stage] = dataclasses.replace(out[stage], **values)
@@ -321,7 +340,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         s = self.sampling_settings(sampling)["prior"]
         return sample_prior_embeds(
             self.prior,
-            self.prior_scheduler,
+            self._scheduler("prior", s),
             self.clip,
             prompt,
             negative_prompt,
@@ -366,7 +385,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         self._onload("decoder")
         x = sample_latents(
             self.decoder,
-            self.scheduler,
+            self._scheduler("decoder", s),
             image_embeds.to(self.device),
             negative_image_embeds.to(self.device),
             height=height,
@@ -594,7 +613,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         # the prior drew n rows per prompt; the decoder takes one image per embedding row
         latents = img2img_latents(
             dec,
-            self.scheduler,
+            self._scheduler("decoder", s),
             embeds,
             negative,
             pictures.to(self.device).repeat_interleave(per, dim=0),
@@ -663,7 +682,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         self._onload("decoder")
         out = inpaint_latents(
             self.decoder,
-            self.scheduler,
+            self._scheduler("decoder", s),
             embeds,
             negative,
             pictures.to(self.device).repeat_interleave(per, dim=0),
@@ -818,3 +837,9 @@ def _per_image(
     if pictures.shape[0] != rows:
         raise ValueError(f"{what}: {pictures.shape[0]} images for {rows} prompts; give one each")
     return embeds.shape[0] // rows
+
+
+def _scheduler_class(name: str) -> Any:
+    from unclip.diffusion.schedulers import scheduler_class
+
+    return scheduler_class(name)
