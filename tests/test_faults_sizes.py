@@ -77,7 +77,7 @@ def test_generate_counts_the_decoders_activations_per_candidate(tiny_dir, tmp_pa
     estimate passes (a quarter of the memory there is) is refused, and the estimate per
     candidate is within 30 % of what the tiny decoder's candidates really take."""
     from unclip.cli.generate import main as generate_main
-    from unclip.pipeline.jobs import _LiveBytes, decoder_bytes_per_candidate
+    from unclip.pipeline.limits import _LiveBytes, decoder_bytes_per_candidate
     from unclip.pipeline.pipeline import UnCLIPPipeline
     from unclip.utils.limits import available_memory
 
@@ -119,3 +119,16 @@ def test_a_token_pipeline_refuses_a_batch_past_memory(token_parts):
     assert "key/value cache" in msg and "lower it" in msg and "\n" not in msg
     images = pipe("a red square", num_images_per_prompt=2, output_type="pt").images
     assert images.shape[0] == 2
+
+
+def test_the_unclip_pipeline_call_refuses_candidates_past_memory(tiny_pipe):
+    """The Python API checks decoder candidates as `unclip generate` does, before anything is
+    sampled, naming the call's setting."""
+    from unclip.utils.limits import available_memory
+
+    count = available_memory() // 1024  # ~500 KiB per tiny candidate: far past the memory
+    with pytest.raises(ValueError) as err:
+        tiny_pipe("a red circle", sampling={"decoder": {"best_of": count}}, progress=False)
+    msg = str(err.value)
+    assert msg.startswith(f"sampling['decoder']['best_of'] {count}") and "\n" not in msg
+    assert "activations" in msg

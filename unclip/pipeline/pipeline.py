@@ -61,6 +61,7 @@ from unclip.pipeline.folders import (
     PIPELINE_FILE,
     bundled_model_path,
 )
+from unclip.pipeline.limits import check_candidates_fit
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.candidates import (
     CandidateSelection,
@@ -343,6 +344,8 @@ class UnCLIPPipeline(UnCLIPCascade):
                 )
         dec = settings["decoder"]
         assert isinstance(dec, DecoderSampling)
+        # every candidate of a group's images is denoised at once: refuse what cannot fit first
+        check_candidates_fit(self, settings, len(prompts) * n, cli=False)
         selection = CandidateSelection.of(dec)
         groups = selection.groups(prompts)
         if any(selection.early(k) for k in groups):

@@ -333,7 +333,7 @@ class TokenPipeline(MemoryMixin, BasePipeline):
                 "lacks; set candidates=1 or build the pipeline with rerank_clip"
             )
         k = s.candidates
-        from unclip.pipeline.jobs import check_token_batch_fits  # jobs loads the pipelines
+        from unclip.pipeline.limits import check_token_batch_fits
 
         check_token_batch_fits(self, s, len(prompts_) * n)  # all rows at once: memory first
         rows = [p for p in prompts_ for _ in range(n * k)]
