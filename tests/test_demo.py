@@ -1,4 +1,4 @@
-"""The web demo's handlers (unclip.demo_handlers) on a tiny pipeline, its sampling form, and
+"""The web demo's handlers (unclip.demo.handlers) on a tiny pipeline, its sampling form, and
 `unclip serve`'s command line; the page itself is tested in a browser in test_demo_browser.py."""
 
 import os
@@ -16,7 +16,7 @@ REQUIRED = bool(os.environ.get("UNCLIP_REQUIRE_BROWSER"))
 try:
     import gradio as gr
 
-    from unclip import demo_handlers as h
+    from unclip.demo import handlers as h
     from unclip.demo.app import SamplingForm, build_demo
 except ImportError:
     if REQUIRED:

@@ -1,4 +1,4 @@
-"""Per-stage model offload (unclip.offload): on fake CUDA tensors each component is on the GPU
+"""Per-stage model offload (unclip.utils.offload): on fake CUDA tensors each component is on the GPU
 only while its stage runs, and on real CPU tensors the hooks change no image."""
 
 from pathlib import Path
@@ -77,7 +77,7 @@ def test_edits_and_variations_under_offload_on_fake_cuda():
 
 def test_half_precision_rule_and_attention_slicing_on_fake_cuda():
     """Fake CUDA at fp16: the prior's embedding statistics stay float32 as torch_dtype keeps them
-    (unclip.precision) and the cascade still samples with no dtype mismatch; attention sliced one
+    (unclip.utils.precision) and the cascade still samples with no dtype mismatch; attention sliced one
     head at a time runs on CUDA and lowers the attention stages' peaks."""
     from unclip.train.plan_sampling import measure_sampling
 

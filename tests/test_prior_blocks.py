@@ -1,5 +1,5 @@
 """DALL-E Mega's transformer options for the prior: NormFormer and GLU feed-forwards
-(``unclip.transformer_blocks``, ``prior.normformer``, ``prior.ff_activation``)."""
+(``unclip.nets.blocks``, ``prior.normformer``, ``prior.ff_activation``)."""
 
 import pytest
 import torch

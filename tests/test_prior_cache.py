@@ -1,4 +1,4 @@
-"""The prior's text-position cache (``UnCLIPPrior.conditioned``, ``unclip.prior.PrefixCache``):
+"""The prior's text-position cache (``UnCLIPPrior.conditioned``, ``unclip.nets.prior.PrefixCache``):
 the same predictions as the plain forward, used by the sampler, and out of the way afterwards. And
 the forward without the batch's trailing text padding (``UnCLIPPrior._forward_trimmed``): the same
 predictions and gradients as diffusers' forward over the whole sequence."""
