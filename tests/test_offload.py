@@ -77,8 +77,8 @@ def test_edits_and_variations_under_offload_on_fake_cuda():
 
 def test_half_precision_rule_and_attention_slicing_on_fake_cuda():
     """Fake CUDA at fp16: the prior's embedding statistics stay float32 as torch_dtype keeps them
-    (unclip.utils.precision) and the cascade still samples with no dtype mismatch; attention sliced one
-    head at a time runs on CUDA and lowers the attention stages' peaks."""
+    (unclip.utils.precision) and the cascade still samples with no dtype mismatch; attention
+    sliced one head at a time runs on CUDA and lowers the attention stages' peaks."""
     from unclip.train.plan_sampling import measure_sampling
 
     cfgs = [str(TINY / f"{n}.yaml") for n in ("prior", "decoder", "sr32")]
