@@ -58,10 +58,12 @@ def test_accelerate_config_files_parse(monkeypatch):
         "fsdp_grad_op_8gpu.yaml",
         "fsdp_hybrid_16gpu.yaml",
         "fsdp_offload_8gpu.yaml",
+        "deepspeed_zero2_8gpu.yaml",
+        "deepspeed_zero3_8gpu.yaml",
     }
-    # a bf16 variant of each DDP/FSDP config, the same but for the precision
+    # a bf16 variant of each config, the same but for the precision
     bf16 = {name.replace(".yaml", "_bf16.yaml") for name in fp16}
-    assert names == fp16 | bf16 | {"deepspeed_zero2_8gpu.yaml", "deepspeed_zero3_8gpu.yaml"}
+    assert names == fp16 | bf16
     for path in ACCELERATE_CONFIGS:
         cfg = load_config_from_file(str(path))
         assert cfg.mixed_precision == ("bf16" if path.name in bf16 else "fp16"), path.name
