@@ -849,6 +849,8 @@ def test_save_pretrained_writes_diffusers_layouts_that_both_libraries_load(
     with pytest.raises(ValueError, match="prior folder; convert the decoder folder"):
         convert([str(prior_folder[0]), str(tmp_path / "nope")])
 
+    with pytest.raises(ValueError, match="without a model card; leave model_card out"):
+        pipe.save_pretrained(tmp_path / "carded", model_card={"license": "mit"})
     inpainter = KandinskyPipeline.from_pretrained(inpaint_folder[0], prior=False)
     inpainter.save_pretrained(tmp_path / "inpaint")
     assert (

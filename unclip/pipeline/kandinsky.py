@@ -298,7 +298,13 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         """diffusers' layouts (:func:`unclip.interop.kandinsky.write_kandinsky_folder`): the
         decoder's at ``path``, the prior's in ``path/prior``; :meth:`from_pretrained` reads both
         back. The pipeline's sampling defaults and resolution are not stored (diffusers' folders
-        have no place for them): a reloaded pipeline has diffusers' defaults."""
+        have no place for them): a reloaded pipeline has diffusers' defaults. A model card is not
+        written: ``model_card=`` is refused rather than dropped."""
+        if model_card:
+            raise ValueError(
+                "save_pretrained: a Kandinsky folder is written in diffusers' layouts, without a "
+                f"model card; leave model_card out (got {', '.join(sorted(model_card))})"
+            )
         try:
             writer = PIPELINE_WRITERS["kandinsky"]
         except KeyError:
