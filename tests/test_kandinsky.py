@@ -889,3 +889,27 @@ def test_any_diffusers_scheduler_per_stage(decoder_folder, pipe):
     assert torch.isfinite(out.images).all()
     with pytest.raises(ValueError, match="unknown sampler 'ddimm'; did you mean 'ddim'"):
         pipe("a cat", sampling={"decoder": {"scheduler": "ddimm"}})
+
+
+def test_generator_lists_and_settings_objects_in_every_call(pipe, decoder_folder):
+    """One generator per prompt, with a negative prompt (the prior samples the negatives beside
+    the prompts) and in the edits; a stage's settings given as a KandinskySampling; the push
+    writer's folder (its card names only the repo)."""
+    kw = dict(height=SIZE, width=SIZE, output_type="pt", progress=False)
+    few = {"prior": KandinskySampling(2, 4.0), "decoder": {"steps": 2}}
+    out = pipe(["a cat", "a dog"], negative_prompt=["blurry", "dark"], num_images_per_prompt=2,
+               generator=[_gen(1), _gen(2)], sampling=few, **kw)  # fmt: skip
+    alone = pipe("a dog", negative_prompt="dark", num_images_per_prompt=2, generator=[_gen(2)],
+                 sampling=few, **kw)  # fmt: skip
+    assert out.images.shape[0] == 4
+    # a prompt's rows draw from its own generator (compared at the prior's output: the tiny
+    # decoder amplifies batch-size rounding, see the save test)
+    torch.testing.assert_close(out.image_embeds[2:], alone.image_embeds, atol=1e-5, rtol=1e-5)
+    picture = _picture(4)
+    gens = [_gen(1), _gen(2)]
+    edited = pipe.img2img([picture, picture], ["a cat", "a dog"], num_images_per_prompt=2,
+                          generator=gens, sampling=few, strength=0.5, **kw)  # fmt: skip
+    assert edited.images.shape[0] == 4
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe._push_writer("me/k22")(Path(tmp))
+        assert (Path(tmp) / "prior" / "model_index.json").is_file()

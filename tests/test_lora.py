@@ -440,3 +440,31 @@ def test_lora_adapter_listing_switching_and_file_sources(trained, tmp_path):
         pipe.load_lora_weights(dec / "adapter_model.safetensors", weight_name="x.safetensors")
     with pytest.raises(ValueError, match="weight_name must be a .safetensors file name"):
         pipe.load_lora_weights(renamed, weight_name="../x.safetensors")
+
+
+def test_fused_adapters_refuse_what_would_unfuse_them_wrongly(trained):
+    """While adapters are fused, the calls that change their scale or remove them refuse (unfusing
+    subtracts the update at the current scale); a bad name in fuse_lora changes nothing; an adapter
+    loaded after disabling and unloading every adapter is active; from_pipe refuses shared
+    modules that hold adapters."""
+    pipe = tiny_pipeline(seed=0)
+    pipe.load_lora_weights(adapter_dir(trained, "decoder"), adapter_name="d")
+    adapted = images(pipe)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'typo'"):
+        pipe.fuse_lora(lora_scale=0.5, adapter_names=["d", "typo"])
+    assert torch.equal(images(pipe), adapted) and pipe.lora_adapters["d"].scale == 1.0
+    with pytest.raises(ValueError, match="unload_lora"):
+        UnCLIPPipeline.from_pipe(pipe)
+    pipe.fuse_lora()
+    for call in (pipe.enable_lora, lambda: pipe.set_lora_scale(0.5), pipe.unload_lora,
+                 pipe.merge_lora, lambda: pipe.save_pretrained("never")):  # fmt: skip
+        with pytest.raises(ValueError, match="fused; call unfuse_lora"):
+            call()
+    pipe.unfuse_lora()
+    unfused = images(pipe)  # fuse and unfuse round the base weights: the reference from here
+    pipe.disable_lora()
+    pipe.unload_lora()
+    without = images(pipe)
+    assert not torch.equal(without, unfused)
+    pipe.load_lora_weights(adapter_dir(trained, "decoder"), adapter_name="again")
+    assert pipe.get_active_adapters() == ["again"] and torch.equal(images(pipe), unfused)

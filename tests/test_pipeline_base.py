@@ -69,6 +69,13 @@ def test_save_pretrained_variant_and_safe_serialization(tiny_pipe, tmp_path):
     assert names and all(n.endswith(".fp16.safetensors") for n in names)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         UnCLIPPipeline.from_pretrained(tmp_path / "v")  # the plain weights are not there
+    # a variant saved into a folder with the plain weights leaves them there (diffusers' layout)
+    tiny_pipe.save_pretrained(tmp_path / "both")
+    tiny_pipe.save_pretrained(tmp_path / "both", variant="fp16")
+    both = sorted(p.name for p in (tmp_path / "both" / "decoder").glob("*.safetensors"))
+    assert len(both) == 2 and any(".fp16." in n for n in both)
+    assert not list((tmp_path / "both").rglob("*.fp16.fp16.*"))
+    UnCLIPPipeline.from_pretrained(tmp_path / "both", memory_format=None)
     loaded = UnCLIPPipeline.from_pretrained(tmp_path / "v", variant="fp16", memory_format=None)
     assert torch.equal(images(loaded), images(tiny_pipe))
     assert all(not p.requires_grad for m in loaded.modules().values() for p in m.parameters())
@@ -143,6 +150,10 @@ def test_the_token_pipeline_stands_on_the_base(token_parts, tmp_path):
     )
     with pytest.raises(TypeError, match="unexpected keyword argument 'revision'"):
         TokenPipeline.from_pretrained(tmp_path / "tok", revision="main")
+    with pytest.raises(ValueError, match="loads plain weights only"):
+        pipe.save_pretrained(tmp_path / "tok16", variant="fp16")
+    with pytest.raises(ValueError, match="training would be dropped"):
+        pipe.save_pretrained(tmp_path / "tok2", model_card={"training": "shapes"})
     assert not hasattr(pipe, "load_lora")  # a capability it lacks is absent, not stubbed
 
 
@@ -153,3 +164,21 @@ def test_public_import_paths_need_no_compat():
         from unclip.pipeline import KandinskyPipeline, UnCLIPPipeline  # noqa: F401
     assert issubclass(UnCLIPPipeline, BasePipeline) and issubclass(KandinskyPipeline, BasePipeline)
     assert issubclass(TokenPipeline, BasePipeline)
+
+
+def test_from_pipe_refuses_shared_modules_with_offload_hooks(tiny_pipe):
+    from unclip import UnCLIPPipeline
+
+    pipe = UnCLIPPipeline(**tiny_pipe.components)
+    pipe._sequential_device = torch.device("cuda", 0)  # as enable_sequential_cpu_offload leaves it
+    with pytest.raises(ValueError, match="CPU offload on"):
+        UnCLIPPipeline.from_pipe(pipe)
+
+
+def test_a_token_pipeline_loads_from_a_hub_id(token_parts, hub_cache, tmp_path):
+    from unclip.pipeline import TokenPipeline, load_pipeline
+
+    token_pipeline(token_parts, upsamplers=False).save_pretrained(tmp_path / "tok")
+    hub_cache("org/tiny-dalle", tmp_path / "tok")
+    loaded = load_pipeline("org/tiny-dalle")
+    assert isinstance(loaded, TokenPipeline) and loaded.family == "dalle"

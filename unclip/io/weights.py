@@ -109,14 +109,21 @@ def variant_file(name: str, variant: Optional[str]) -> str:
     return f"{stem}.{variant}{dot}{ext}"
 
 
-def name_variant_files(folder: Path, variant: str) -> list[Path]:
-    """Rename every safetensors weights file under ``folder`` (and sharded indexes, with the
-    shard names they list) to its ``variant``'s name (:func:`variant_file`), as diffusers'
-    ``save_pretrained(variant=...)`` writes them; returns the new paths."""
+def check_variant(variant) -> str:
+    """A weights variant's name (``"fp16"``): letters, digits or ``_``; ``ValueError`` else."""
     if not isinstance(variant, str) or not variant or not variant.replace("_", "").isalnum():
         raise ValueError(
             f"variant must be a short name of letters, digits or '_' (e.g. 'fp16'), got {variant!r}"
         )
+    return variant
+
+
+def name_variant_files(folder: Path, variant: str) -> list[Path]:
+    """Rename every safetensors weights file under ``folder`` (and sharded indexes, with the
+    shard names they list) to its ``variant``'s name (:func:`variant_file`), as diffusers'
+    ``save_pretrained(variant=...)`` writes them; returns the new paths. ``folder`` should hold
+    only the files just written (every weights file in it is renamed)."""
+    check_variant(variant)
     renamed = []
     for index in sorted(Path(folder).rglob("*.safetensors.index.json")):
         meta = json.loads(index.read_text())

@@ -63,11 +63,10 @@ def load_pipeline(path: Union[str, os.PathLike, None] = None, **kwargs):
         family = pipeline_family(_fetched(path, kwargs))
         if family == "kandinsky":  # its prior is found from the repo id, as diffusers does
             return _load_kandinsky(path, kwargs)
-        if family != "unclip":
-            raise ValueError(
-                f"{path} holds a {family} pipeline; token pipelines load from a local folder "
-                "(download it, e.g. with `hf download`, and pass the folder)"
-            )
+        if family != "unclip":  # a token family: its snapshot loads as a local folder
+            path = _fetched(path, kwargs)
+            hub = ("revision", "cache_dir", "local_files_only", "token", "variant")
+            kwargs = {k: v for k, v in kwargs.items() if k not in hub}
     if family == "unclip":
         from unclip.pipeline.pipeline import UnCLIPPipeline
 
@@ -105,8 +104,8 @@ def _fetched(repo_id, kwargs: dict) -> Path:
 def _load_kandinsky(path, kwargs: dict):
     from unclip.pipeline.kandinsky import KandinskyPipeline
 
-    own = {"prior", "torch_dtype", "autocast_dtype", "variant", "revision", "cache_dir"}
-    own.add("local_files_only")
+    own = {"prior", "torch_dtype", "dtype", "autocast_dtype", "variant", "revision", "cache_dir"}
+    own |= {"local_files_only", "token"}
     given = {k for k, v in kwargs.items() if v is not None and k not in own}
     if given:
         raise ValueError(

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,7 +54,7 @@ from unclip.diffusion.config import DiffusionConfig
 from unclip.diffusion.loop import Generator
 from unclip.io.card import check_card_fields
 from unclip.io.hub import push_folder
-from unclip.io.weights import name_variant_files
+from unclip.io.weights import check_variant, name_variant_files
 from unclip.nets.decoder import UnCLIPUpsampler
 from unclip.sampling.settings import UpsamplerSampling
 from unclip.sampling.stages import StepCallback, sample_upsampler, stage_callback
@@ -83,6 +85,9 @@ class BasePipeline:
     _autocast_dtype: Union[str, torch.dtype, None] = None
     _offloader: Optional[ModelOffloader] = None
     _sequential_device: Optional[torch.device] = None
+    #: whether the family's from_pretrained reads ``variant=`` weights (save_pretrained refuses
+    #: to write what cannot be read back)
+    _reads_variants: bool = True
 
     # ------------------------------------------------------------------ what a family defines
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -348,6 +353,16 @@ class BasePipeline:
                 f"{cls.__name__}.from_pipe takes a {cls.__name__}, got "
                 f"{type(pipeline).__name__}; each family is built from its own components"
             )
+        if pipeline._offloader is not None or pipeline._sequential_device is not None:
+            raise ValueError(
+                "from_pipe: the pipeline has CPU offload on, whose hooks sit in the shared "
+                "modules; call disable_model_cpu_offload() (or build it again) first"
+            )
+        if getattr(pipeline, "lora_adapters", None):
+            raise ValueError(
+                "from_pipe: LoRA adapters are loaded into the shared modules; merge_lora() or "
+                "unload_lora() first"
+            )
         own = pipeline.components
         unknown = sorted(set(kwargs) - set(own))
         if unknown:
@@ -416,12 +431,25 @@ class BasePipeline:
                 "arguments go with push_to_hub=True)"
             )
         self._check_savable("save_pretrained")
+        if variant is not None:
+            check_variant(variant)
+            if not self._reads_variants:
+                raise ValueError(
+                    f"save_pretrained(variant=...): a {type(self).__name__} folder loads plain "
+                    "weights only; save without variant"
+                )
         info = {**self.card_info, **check_card_fields(model_card)}
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
-        self._write_folder(folder, info)
         if variant:
-            name_variant_files(folder, variant)
+            # renamed where only this save's files are, then moved in beside what the folder holds
+            # (another variant's weights stay)
+            with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+                self._write_folder(Path(tmp), info)
+                name_variant_files(Path(tmp), variant)
+                shutil.copytree(tmp, folder, dirs_exist_ok=True)
+        else:
+            self._write_folder(folder, info)
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or folder.name
             self.push_to_hub(repo_id, model_card=model_card, variant=variant, **push_kwargs)

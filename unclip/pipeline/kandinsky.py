@@ -229,10 +229,12 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         prior: Union[str, os.PathLike, None, bool] = None,
         *,
         torch_dtype: Union[torch.dtype, str, None] = None,
+        dtype: Union[torch.dtype, str, None] = None,
         variant: Optional[str] = None,
         revision: Optional[str] = None,
         cache_dir: Union[str, os.PathLike, None] = None,
         local_files_only: Optional[bool] = None,
+        token: Union[str, bool, None] = None,
         sampling: Optional[Mapping[str, Any]] = None,
         autocast_dtype=None,
     ) -> KandinskyPipeline:
@@ -244,11 +246,13 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         ``torch_dtype`` casts the weights; ``autocast_dtype`` (``None``: exact, ``"auto"``,
         ``torch.bfloat16``...) as :attr:`autocast_dtype`; ``variant`` reads
         ``*.<variant>.safetensors``;
-        ``revision``, ``cache_dir`` and ``local_files_only`` apply to Hub ids."""
+        ``revision``, ``cache_dir``, ``local_files_only`` and ``token`` apply to Hub ids;
+        ``dtype`` is diffusers' newer name of ``torch_dtype``."""
         from unclip.io.hub import resolve_folder
+        from unclip.pipeline.loading import one_dtype
         from unclip.utils.precision import parse_dtype
 
-        dtype = parse_dtype(torch_dtype)
+        weights_dtype = parse_dtype(one_dtype(torch_dtype, dtype))
 
         def read(source, what: str) -> tuple[dict, Any]:
             folder = resolve_folder(
@@ -258,6 +262,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                 revision=revision,
                 cache_dir=cache_dir,
                 local_files_only=local_files_only,
+                token=token,
             )
             try:
                 reader = PIPELINE_READERS["kandinsky"]
@@ -289,8 +294,8 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             prior_parts.pop("card_prior", None)
             parts.update(prior_parts)
         pipe = cls(**parts, sampling=sampling)._freeze()
-        if dtype is not None:
-            pipe.to(dtype=dtype)
+        if weights_dtype is not None:
+            pipe.to(dtype=weights_dtype)
         pipe.autocast_dtype = autocast_dtype
         return pipe
 
@@ -300,10 +305,11 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         back. The pipeline's sampling defaults and resolution are not stored (diffusers' folders
         have no place for them): a reloaded pipeline has diffusers' defaults. A model card is not
         written: ``model_card=`` is refused rather than dropped."""
-        if model_card:
+        fields = sorted(set(model_card) - {"repo_id"})  # repo_id: push_to_hub's own
+        if fields:
             raise ValueError(
                 "save_pretrained: a Kandinsky folder is written in diffusers' layouts, without a "
-                f"model card; leave model_card out (got {', '.join(sorted(model_card))})"
+                f"model card; leave model_card out (got {', '.join(fields)})"
             )
         try:
             writer = PIPELINE_WRITERS["kandinsky"]
@@ -444,7 +450,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         ``(images,)``."""
         check_output_type(output_type)
         height, width = self._size(height, width)
-        overrides: dict[str, dict] = {k: dict(v) for k, v in (sampling or {}).items()}
+        overrides = _editable(sampling)
         for stage, key, value in (
             ("prior", "steps", prior_num_inference_steps),
             ("prior", "guidance_scale", prior_guidance_scale),
@@ -487,7 +493,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
     # ------------------------------------------------------------------ editing
     def _overrides(self, sampling, **flat) -> ResolvedSampling:
         """``sampling`` with diffusers' flat keywords (``stage_key=value``) folded in, resolved."""
-        overrides: dict[str, dict] = {k: dict(v) for k, v in (sampling or {}).items()}
+        overrides = _editable(sampling)
         for name, value in flat.items():
             if value is not None:
                 stage, key = name.split("__")
@@ -516,6 +522,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                         "negative_image_embeds are needed with image_embeds on a pipeline "
                         "without a prior (its CLIP gives the default)"
                     )
+                self._onload("clip")  # under model offload: the image tower makes it
                 negative_image_embeds = zero_image_embed(self.clip, image_embeds.shape[0])
             if negative_image_embeds.shape != image_embeds.shape:
                 raise ValueError(
@@ -540,8 +547,12 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         sampling, flat, progress, callback_on_step_end,
     ):  # fmt: skip
         """An edit's resolved settings (``flat``: diffusers' decoder and prior steps and
-        guidance), progress setting and conditioning (:meth:`_embeds`)."""
+        guidance), progress setting, conditioning (:meth:`_embeds`) and generator(s): a list of
+        one per prompt (or per image) becomes one per row."""
         steps, guidance, prior_steps, prior_guidance = flat
+        if isinstance(generator, (list, tuple)):
+            rows = len(check_prompts(prompt)) if image_embeds is None else len(image_embeds)
+            generator = expand_generator(generator, rows, n, "generator")
         settings = self._overrides(
             sampling,
             decoder__steps=steps,
@@ -554,7 +565,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             prompt, negative_prompt, image_embeds, negative_image_embeds,
             n if image_embeds is None else 1, generator, settings, progress, callback_on_step_end,
         )  # fmt: skip
-        return settings, progress, embeds, negative
+        return settings, progress, embeds, negative, generator
 
     def _finish(self, latents, output_type: str, return_dict: bool, embeds):
         images = latents if output_type == "latent" else to_output(
@@ -602,7 +613,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             prior_num_inference_steps,
             prior_guidance_scale,
         )
-        settings, progress, embeds, negative = self._edit_conditioning(
+        settings, progress, embeds, negative, generator = self._edit_conditioning(
             prompt, negative_prompt, image_embeds, negative_image_embeds, n, generator, sampling,
             flat, progress, callback_on_step_end,
         )  # fmt: skip
@@ -678,7 +689,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             prior_num_inference_steps,
             prior_guidance_scale,
         )
-        settings, progress, embeds, negative = self._edit_conditioning(
+        settings, progress, embeds, negative, generator = self._edit_conditioning(
             prompt, negative_prompt, image_embeds, negative_image_embeds, n, generator, sampling,
             flat, progress, callback_on_step_end,
         )  # fmt: skip
@@ -801,6 +812,7 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         callback_on_step_end,
     ):  # fmt: skip
         assert self.clip is not None  # the callers embedded with it
+        self._onload("clip")  # under model offload: the image tower makes it
         negative = zero_image_embed(self.clip, embeds.shape[0]).to(embeds)
         images = self.decode(
             embeds,
@@ -849,3 +861,19 @@ def _scheduler_class(name: str) -> Any:
     from unclip.diffusion.schedulers import scheduler_class
 
     return scheduler_class(name)
+
+
+def _editable(sampling: Optional[Mapping]) -> dict[str, Any]:
+    """``sampling`` as ``{stage: {setting: value}}`` that diffusers' flat keywords can be folded
+    into (a stage given as a :class:`KandinskySampling` becomes its fields)."""
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise TypeError(f"sampling must be a dict of stages, got {type(sampling).__name__}")
+    out: dict[str, Any] = {}
+    for stage, values in (sampling or {}).items():
+        if isinstance(values, KandinskySampling):
+            out[stage] = dataclasses.asdict(values)
+        elif isinstance(values, Mapping):
+            out[stage] = dict(values)
+        else:
+            out[stage] = values  # refused by the resolution, naming the stage
+    return out

@@ -84,6 +84,7 @@ class LoraMixin(BasePipeline):
         on one stage or several; their updates add up. An adapter of another architecture is a
         ``ValueError`` and leaves the pipeline as it was; one trained on other base weights or with
         another CLIP loads with a warning (the results may be off)."""
+        self._refuse_fused("load_lora")
         scale = _check_scale(scale)
         adapter = read_adapter(path, weight_name)
         want = adapter.stage
@@ -161,6 +162,7 @@ class LoraMixin(BasePipeline):
 
     def set_lora_scale(self, scale: float, name: Optional[str] = None) -> None:
         """Set the scale of adapter ``name`` (default: of every loaded adapter)."""
+        self._refuse_fused("set_lora_scale")  # unfuse subtracts the update at the current scale
         scale = _check_scale(scale)
         for n in self._named(name):
             info = self.lora_adapters[n]
@@ -175,6 +177,7 @@ class LoraMixin(BasePipeline):
         load the pipeline again.)"""
         if not self.lora_adapters:
             raise ValueError("merge_lora: no LoRA adapter is loaded")
+        self._refuse_fused("merge_lora")
         self._refuse_disabled("merge_lora")
         self._offload_all()  # with model offload: change the weights where they live, on the CPU
         for stage in {info.stage for info in self.lora_adapters.values()}:
@@ -184,10 +187,14 @@ class LoraMixin(BasePipeline):
     def unload_lora(self, name: Optional[str] = None) -> None:
         """Remove adapter ``name`` (default: every adapter). Without adapters a stage holds its
         original layers again, so the images are the base pipeline's bit for bit."""
+        self._refuse_fused("unload_lora")  # unload_lora_weights keeps fused updates
+        names = self._named(name)
         self._offload_all()
-        for n in self._named(name):
+        for n in names:
             info = self.lora_adapters.pop(n)
             remove_adapter(self._adaptable_stages()[info.stage], n)
+        if not self.lora_adapters:
+            self.__dict__.pop("_lora_disabled", None)  # a later adapter loads active
 
     # ------------------------------------------------------------ diffusers' names
     def load_lora_weights(
@@ -279,6 +286,7 @@ class LoraMixin(BasePipeline):
 
     def enable_lora(self) -> None:
         """Turn the adapters :meth:`disable_lora` turned off back on, each at its scale."""
+        self._refuse_fused("enable_lora")
         self.__dict__.pop("_lora_disabled", None)
         for n, info in self.lora_adapters.items():
             set_adapter_scale(self._adaptable_stages()[info.stage], n, info.scale)
@@ -301,6 +309,8 @@ class LoraMixin(BasePipeline):
         names = self._named(None) if adapter_names is None else list(adapter_names)
         if not names:
             raise ValueError("fuse_lora: no LoRA adapter is loaded")
+        for n in names:
+            self._named(n)  # every name checked before any weight changes
         lora_scale = _check_scale(lora_scale)
         self._offload_all()  # with model offload: change the weights where they live
         for n in names:
@@ -332,6 +342,7 @@ class LoraMixin(BasePipeline):
             for stage in {info.stage for info in self.lora_adapters.values()}:
                 drop_adapter_layers(self._adaptable_stages()[stage])
             self.lora_adapters.clear()
+            self.__dict__.pop("_lora_disabled", None)
             return
         if self.lora_adapters:
             self.unload_lora()
@@ -346,6 +357,7 @@ class LoraMixin(BasePipeline):
 
     def _check_savable(self, action: str) -> None:
         super()._check_savable(action)
+        self._refuse_fused(action)
         self._refuse_unmerged_lora(action)
 
     def _refuse_unmerged_lora(self, action: str) -> None:

@@ -515,9 +515,17 @@ class TokenPipeline(MemoryMixin, BasePipeline):
         pipe._loaded_defaults(autocast, memory_format, weights_dtype)
         return pipe if device is None else pipe.to(device)
 
+    _reads_variants = False  # the tokenizer and transformer folders hold model.safetensors
+
     def _write_folder(self, folder: Path, model_card: Mapping) -> None:
         """The folder described in the module doc (``model_card``'s ``license`` and
         ``description``, when given, go into its ``README.md``)."""
+        unsupported = sorted(set(model_card) - {"description", "license", "repo_id"})
+        if unsupported:
+            raise ValueError(
+                f"save_pretrained: a token pipeline's README takes description and license only; "
+                f"{', '.join(unsupported)} would be dropped (leave them out)"
+            )
         save_component(self.tokenizer, folder / "tokenizer", "tokenizer", self.tokenizer_config)
         save_component(
             self.transformer, folder / "transformer", "transformer", self.transformer_config

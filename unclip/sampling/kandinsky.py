@@ -131,6 +131,13 @@ def sample_prior_embeds(
         )
     scale = loop_guidance(guidance_scale)
     n = num_images_per_prompt
+    if (
+        negatives is not None
+        and isinstance(generator, (list, tuple))
+        and len(generator) == len(prompts) * n
+    ):
+        # one generator per image: the negatives' rows draw from their prompts' generators
+        generator = list(generator) * 2
     # diffusers samples the negative prompts beside the prompts, each guided against the negative
     rows = prompts + negatives if negatives is not None else prompts
     uncond_rows = 2 * negatives if negatives is not None else [""] * len(rows)
