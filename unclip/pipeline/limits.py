@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from unclip.utils.devices import under_fake_tensors
 from unclip.utils.limits import available_memory, check_fits, format_bytes
 
 __all__ = [
@@ -111,6 +112,8 @@ def check_candidates_fit(pipe, settings: Mapping, rows: int, cli: bool = True) -
     every candidate of the ``rows`` images of one call is denoised at once
     (:func:`decoder_bytes_per_candidate` each; half of it under a 16-bit autocast). ``cli``:
     name the setting as ``unclip generate``'s option, else as the call's ``sampling`` entry."""
+    if under_fake_tensors():
+        return  # a dry run on fake CUDA (unclip plan) measures the memory itself
     decoder = settings.get("decoder")
     net = getattr(pipe, "decoder", None)
     if decoder is None or net is None or getattr(net, "config", None) is None:
@@ -144,6 +147,8 @@ def check_token_batch_fits(pipe, settings, images: int) -> None:
     decoder's first and last activations at full resolution; all rows are sampled at once."""
     from unclip.diffusion.loop import is_guided
 
+    if under_fake_tensors():
+        return  # a dry run on fake CUDA measures the memory itself
     model = pipe.transformer_config.model
     tok = pipe.tokenizer_config
     act = 2 if _half(pipe) else 4
