@@ -471,3 +471,37 @@ def text_config_to_transformers(clip: CLIP) -> dict:
         bos_token_id=49406,
         eos_token_id=49407,
     )
+
+
+def text_encoder_to_transformers(clip: CLIP):
+    """transformers' ``CLIPTextModelWithProjection`` and ``CLIPTokenizer`` of ``clip``'s text
+    tower (the inverse of :func:`clip_from_transformers` for the text side)."""
+    try:
+        from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+    except ImportError as exc:
+        raise ImportError(
+            "exporting a CLIP to transformers' layout needs transformers: pip install transformers"
+        ) from exc
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**text_config_to_transformers(clip)))
+    text_state = text_state_to_transformers(
+        clip.model.state_dict(), int(clip.model_cfg["text_cfg"].get("layers", 12))
+    )
+    missing, unexpected = text_encoder.load_state_dict(text_state, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("position_ids")]:
+        raise AssertionError(f"text encoder export: missing {missing}, unexpected {unexpected}")
+    pad = (
+        clip.tokenizer.pad_token if isinstance(clip.tokenizer, CompatTokenizer) else "<|endoftext|>"
+    )
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab, merges = bpe_vocab()
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(tmp) / "merges.txt").write_text(
+            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+        )
+        tokenizer = CLIPTokenizer.from_pretrained(
+            tmp, pad_token=pad, model_max_length=clip.context_length
+        )
+    return text_encoder.eval(), tokenizer

@@ -5,7 +5,6 @@ folder, and list what of a pipeline diffusers cannot express (see :mod:`unclip.i
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
@@ -13,10 +12,9 @@ from typing import Optional, Union
 import torch
 
 from unclip.diffusion.loop import make_scheduler
-from unclip.interop.clip import bpe_vocab, text_config_to_transformers, text_state_to_transformers
+from unclip.interop.clip import text_encoder_to_transformers
 from unclip.interop.diffusers_import import decoder_to_diffusers
 from unclip.nets.ar_prior import UnCLIPARPrior
-from unclip.nets.clip_tokenizer import CompatTokenizer
 from unclip.pipeline.pipeline import UnCLIPPipeline
 
 __all__ = ["export_diffusers", "export_problems", "export_report", "PARTS"]
@@ -201,35 +199,6 @@ def _summary(report: dict[str, list[str]]) -> str:
     return text
 
 
-def _text_encoder(clip):
-    try:
-        from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
-    except ImportError as exc:
-        raise ImportError(
-            "exporting to diffusers needs transformers: pip install transformers"
-        ) from exc
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**text_config_to_transformers(clip)))
-    text_state = text_state_to_transformers(
-        clip.model.state_dict(), int(clip.model_cfg["text_cfg"].get("layers", 12))
-    )
-    missing, unexpected = text_encoder.load_state_dict(text_state, strict=False)
-    if unexpected or [k for k in missing if not k.endswith("position_ids")]:
-        raise AssertionError(f"text encoder export: missing {missing}, unexpected {unexpected}")
-    pad = (
-        clip.tokenizer.pad_token if isinstance(clip.tokenizer, CompatTokenizer) else "<|endoftext|>"
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        vocab, merges = bpe_vocab()
-        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
-        (Path(tmp) / "merges.txt").write_text(
-            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
-        )
-        tokenizer = CLIPTokenizer.from_pretrained(
-            tmp, pad_token=pad, model_max_length=clip.context_length
-        )
-    return text_encoder.eval(), tokenizer
-
-
 def _components(pipe: UnCLIPPipeline, parts) -> dict:
     """The diffusers components of ``parts`` (names of :data:`PARTS`), by component name."""
     from diffusers.pipelines.deprecated.unclip.text_proj import UnCLIPTextProjModel
@@ -241,7 +210,7 @@ def _components(pipe: UnCLIPPipeline, parts) -> dict:
 
     out = {}
     if "text_encoder" in parts:
-        out["text_encoder"], out["tokenizer"] = _text_encoder(pipe.clip)
+        out["text_encoder"], out["tokenizer"] = text_encoder_to_transformers(pipe.clip)
     if "prior" in parts:
         assert pipe.prior is not None  # export_problems refuses a pipeline without one
         out["prior"] = pipe.prior.transformer

@@ -32,7 +32,6 @@ prior a decoder folder's model card names, as diffusers' ``AutoPipelineForText2I
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional, Union, cast
 
@@ -41,10 +40,8 @@ from diffusers.models import PriorTransformer, UNet2DConditionModel, VQModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from unclip.interop.clip import (
-    bpe_vocab,
     clip_from_transformers,
-    text_config_to_transformers,
-    text_state_to_transformers,
+    text_encoder_to_transformers,
     vision_state_to_transformers,
 )
 from unclip.io.weights import read_json, safe_model_from_pretrained
@@ -296,43 +293,19 @@ def _vision_config(clip: CLIP) -> dict:
 def _prior_pipeline(parts: dict):
     """diffusers' ``KandinskyV22PriorPipeline`` over a prior's parts (``prior``, ``clip`` with
     both towers, ``prior_scheduler``)."""
-    import tempfile
-
     from diffusers import KandinskyV22PriorPipeline
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        CLIPVisionConfig,
-        CLIPVisionModelWithProjection,
-    )
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
     clip: CLIP = parts["clip"]
     if not clip.has_vision:
         raise ValueError("the prior's CLIP has no image tower; a Kandinsky prior folder needs one")
-    state = clip.model.state_dict()
-    text = CLIPTextModelWithProjection(CLIPTextConfig(**text_config_to_transformers(clip)))
+    text, tokenizer = text_encoder_to_transformers(clip)
     vision = CLIPVisionModelWithProjection(CLIPVisionConfig(**_vision_config(clip)))
-    text_layers = int(clip.model_cfg["text_cfg"]["layers"])
-    vision_layers = int(clip.model_cfg["vision_cfg"]["layers"])
-    for name, module, weights in (
-        ("text_encoder", text, text_state_to_transformers(state, text_layers)),
-        ("image_encoder", vision, vision_state_to_transformers(state, vision_layers)),
-    ):
-        missing, unexpected = module.load_state_dict(weights, strict=False)
-        if unexpected or [k for k in missing if not k.endswith("position_ids")]:
-            raise AssertionError(f"{name} export: missing {missing}, unexpected {unexpected}")
-    pad = (clip.tokenizer_cfg or {}).get("pad_token", "<|endoftext|>")
-    with tempfile.TemporaryDirectory() as tmp:
-        vocab, merges = bpe_vocab()
-        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
-        (Path(tmp) / "merges.txt").write_text(
-            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
-        )
-        tokenizer = CLIPTokenizer.from_pretrained(
-            tmp, pad_token=pad, model_max_length=clip.context_length
-        )
+    layers = int(clip.model_cfg["vision_cfg"]["layers"])
+    weights = vision_state_to_transformers(clip.model.state_dict(), layers)
+    missing, unexpected = vision.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("position_ids")]:
+        raise AssertionError(f"image_encoder export: missing {missing}, unexpected {unexpected}")
     size = int(clip.model_cfg["vision_cfg"]["image_size"])
     processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size=size)
     return KandinskyV22PriorPipeline(
