@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import sys
 
-from unclip.cli.train_prior import stage_config, stage_parser
+from unclip.cli.train_prior import run_kandinsky, stage_config, stage_parser
 
 
 def main(argv=None) -> int:
-    parser = stage_parser("unclip train-decoder", "train the base decoder or an upsampler")
+    parser = stage_parser(
+        "unclip train-decoder",
+        "train the base decoder or an upsampler (or fine-tune a Kandinsky 2.2 decoder: a config "
+        "with a 'kandinsky:' section)",
+    )
     args = parser.parse_intermixed_args(argv)
     from unclip.utils.config import to_yaml
 
+    done = run_kandinsky(args, "decoder")
+    if done is not None:
+        return done
     cfg = stage_config(args, ("decoder", "upsampler"))
     if args.print_config:
         print(to_yaml(cfg))

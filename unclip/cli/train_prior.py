@@ -93,11 +93,42 @@ def stage_config(args: argparse.Namespace, stages: tuple[str, ...]) -> StageConf
     return load_stage_config(args.config, overrides, stages)
 
 
+def run_kandinsky(args: argparse.Namespace, stage: str) -> int | None:
+    """Train the config named by ``args`` if it is a Kandinsky fine-tuning config (a
+    ``kandinsky:`` section, :mod:`unclip.train.kandinsky`) of ``stage``; ``None`` when it is a
+    native stage config."""
+    from unclip.train.kandinsky import is_kandinsky_config, load_kandinsky_config, train_kandinsky
+    from unclip.utils.config import to_yaml
+
+    if not is_kandinsky_config(args.config):
+        return None
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    cfg = load_kandinsky_config(args.config, overrides, (stage,))
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    return train_kandinsky(
+        cfg,
+        resume=args.resume,
+        max_steps_this_run=args.max_steps_this_run,
+        overwrite=args.overwrite,
+    )
+
+
 def main(argv=None) -> int:
-    parser = stage_parser("unclip train-prior", "train the diffusion prior")
+    parser = stage_parser(
+        "unclip train-prior",
+        "train the diffusion prior (or fine-tune a Kandinsky 2.2 prior: a config with a "
+        "'kandinsky:' section)",
+    )
     args = parser.parse_intermixed_args(argv)
     from unclip.utils.config import to_yaml
 
+    done = run_kandinsky(args, "prior")
+    if done is not None:
+        return done
     cfg = stage_config(args, ("prior",))
     if args.print_config:
         print(to_yaml(cfg))

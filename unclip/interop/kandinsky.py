@@ -58,6 +58,7 @@ __all__ = [
     "check_pair",
     "read_kandinsky_folder",
     "write_kandinsky_folder",
+    "write_kandinsky_prior",
 ]
 
 _TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
@@ -337,6 +338,15 @@ def write_kandinsky_folder(
     pipe: Any = cls(unet=decoder.unet, scheduler=scheduler, movq=decoder.movq)
     pipe.save_pretrained(str(root), safe_serialization=True)
     if prior is not None:
-        parts = {"prior": prior, "clip": clip, "prior_scheduler": prior_scheduler}
-        _prior_pipeline(parts).save_pretrained(str(root / "prior"), safe_serialization=True)
+        write_kandinsky_prior(root / "prior", prior, clip, prior_scheduler)
     return root
+
+
+def write_kandinsky_prior(folder: Union[str, Path], prior, clip: Optional[CLIP], scheduler) -> Path:
+    """Write a prior (``PriorTransformer``), its CLIP's text and image towers and its scheduler
+    as diffusers' ``KandinskyV22PriorPipeline`` folder at ``folder``; safetensors weights."""
+    if clip is None or scheduler is None:
+        raise ValueError("a Kandinsky prior folder needs the prior's clip and scheduler too")
+    parts = {"prior": prior, "clip": clip, "prior_scheduler": scheduler}
+    _prior_pipeline(parts).save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)

@@ -85,6 +85,10 @@ DEFAULT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "UnCLIPPrior": ("to_q", "to_k", "to_v", "to_out.0"),
     "UnCLIPDecoder": ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj"),
     "UnCLIPUpsampler": ("to_q", "to_k", "to_v", "to_out.0"),
+    # Kandinsky 2.2: its UNet reads the image embedding's tokens through add_k_proj/add_v_proj
+    # as unclip's decoder reads captions
+    "UNet2DConditionModel": ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj"),
+    "PriorTransformer": ("to_q", "to_k", "to_v", "to_out.0"),
 }
 
 #: layer types peft's LoRA can adapt (and that these networks contain)

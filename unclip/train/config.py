@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, TypeVar
+from typing import Any, ClassVar, Literal, Optional, TypeVar
 
 from unclip.diffusion.config import DiffusionConfig
 from unclip.nets.clip import ClipConfig
@@ -251,6 +251,9 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     progress: bool = True
     lora: Optional[LoraTrainConfig] = None
+    #: whether the run's starting weights come from elsewhere than ``init_weights`` (a Kandinsky
+    #: run's ``kandinsky.pretrained``), so that an adapter has trained weights to adapt without it
+    weights_named_elsewhere: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -341,7 +344,7 @@ class TrainConfig:
             )
         if self.lora is not None:
             self.lora.validate()
-            if not self.init_weights:
+            if not self.init_weights and not self.weights_named_elsewhere:
                 raise ConfigError(
                     "train.lora adapts trained weights: set train.init_weights to the component "
                     "to adapt (a component folder such as unclip/bundled/shapes/decoder, or a "

@@ -1,0 +1,258 @@
+"""Fine-tuning Kandinsky 2.2 with the one training loop (:mod:`unclip.train.kandinsky`), on tiny
+random folders built from diffusers' own classes: exact resume, the export in diffusers' layout
+that diffusers loads and draws the same images from, LoRA, the latent cache and the refusals."""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import yaml
+from diffusers import KandinskyV22Pipeline, KandinskyV22PriorPipeline
+from kandinsky_tiny import D, build_decoder, build_prior
+from safetensors.torch import load_file
+
+from unclip.cli import train_decoder, train_prior
+from unclip.interop.kandinsky import read_kandinsky_decoder, read_kandinsky_prior
+from unclip.pipeline.auto import load_pipeline
+from unclip.pipeline.kandinsky import KandinskyPipeline
+from unclip.train.kandinsky import LatentCache, load_kandinsky_config, training_noise_schedule
+from unclip.utils.config import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k22train")
+    build_prior(root / "prior")
+    build_decoder(root / "decoder")
+    return root
+
+
+def _config(path: Path, stage: str, folders: Path, **train) -> Path:
+    cfg = {
+        "kandinsky": {"stage": stage, "pretrained": str(folders / stage)},
+        "data": {"source": "shapes", "resolution": SIZE, "batch_size": 2},
+        "train": {
+            "max_steps": 4,
+            "grad_accum_steps": 1,
+            "warmup_steps": 1,
+            "lr": 1e-3,
+            "checkpoint_every": 2,
+            "log_every": 1,
+            "trackers": [],
+            "progress": False,
+            **train,
+        },
+    }
+    if stage == "decoder":
+        cfg["kandinsky"]["prior"] = str(folders / "prior")
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train(stage: str, config: Path, out: Path, *args: str) -> int:
+    main = train_prior.main if stage == "prior" else train_decoder.main
+    return main([str(config), f"train.output_dir={out}", *args])
+
+
+def _weights(folder: Path) -> dict:
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, f"no weights in {folder}"
+    return load_file(str(files[0]))
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stage", ["decoder", "prior"])
+def test_fine_tune_resumes_exactly_and_exports_diffusers_layout(folders, tmp_path, stage):
+    cfg = _config(tmp_path / "run.yaml", stage, folders)
+    assert _train(stage, cfg, tmp_path / "full") == 0
+    # a preempted job: stop after 2 steps with a checkpoint, then resume
+    assert _train(stage, cfg, tmp_path / "split", "--max-steps-this-run", "2") == 0
+    assert not (tmp_path / "split" / "final").exists()
+    assert _train(stage, cfg, tmp_path / "split", "--resume", "latest") == 0
+    net = "unet" if stage == "decoder" else "prior"
+    a = _weights(tmp_path / "full" / "final" / stage / net)
+    b = _weights(tmp_path / "split" / "final" / stage / net)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    before = _weights(folders / stage / net)
+    assert a.keys() == before.keys()
+    moved = [k for k in a if not torch.equal(a[k], before[k])]
+    assert moved, "training changed no weight"
+    if stage == "prior":  # the normalisation statistics are not trained
+        assert "clip_mean" not in moved and "clip_std" not in moved
+        assert all("cosine" in m for m in _metrics(tmp_path / "full") if "loss" in m)
+    losses = [m["loss"] for m in _metrics(tmp_path / "full") if "loss" in m]
+    assert len(losses) == 4 and all(x == x and x > 0 for x in losses)
+
+
+def _np(images) -> torch.Tensor:
+    return torch.as_tensor(images).float()
+
+
+def test_exported_decoder_draws_what_diffusers_draws_and_finds_its_prior(folders, tmp_path):
+    cfg = _config(tmp_path / "run.yaml", "decoder", folders, max_steps=2, sample_every=2)
+    assert _train("decoder", cfg, tmp_path / "r") == 0
+    final = tmp_path / "r" / "final" / "decoder"
+    assert (tmp_path / "r" / "samples" / "step_00000002.png").is_file()
+    ours = load_pipeline(final)  # the prior from the model card the export writes
+    assert isinstance(ours, KandinskyPipeline) and ours.prior is not None
+    theirs = KandinskyV22Pipeline.from_pretrained(str(final))
+    theirs.set_progress_bar_config(disable=True)
+    gen = torch.Generator().manual_seed(1)
+    embeds, negative = torch.randn(2, D, generator=gen), torch.randn(2, D, generator=gen)
+    want = theirs(
+        image_embeds=embeds,
+        negative_image_embeds=negative,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images
+    latents = ours.decode(
+        embeds,
+        negative,
+        SIZE,
+        SIZE,
+        generator=torch.Generator().manual_seed(0),
+        sampling={"decoder": {"steps": 3, "guidance_scale": 4.0}},
+        progress=False,
+    )
+    with torch.no_grad():
+        got = (ours.decoder.decode(latents) * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
+    assert float((got - _np(want)).abs().max()) <= 1e-4
+    # and the fine-tuned UNet is the one both read
+    unet = _weights(final / "unet")
+    read = read_kandinsky_decoder(final)["decoder"].unet.state_dict()
+    assert all(torch.equal(unet[k], read[k]) for k in unet)
+
+
+def test_exported_prior_gives_diffusers_embeddings(folders, tmp_path):
+    cfg = _config(tmp_path / "run.yaml", "prior", folders, max_steps=2)
+    assert _train("prior", cfg, tmp_path / "r") == 0
+    final = tmp_path / "r" / "final" / "prior"
+    theirs = KandinskyV22PriorPipeline.from_pretrained(str(final))
+    theirs.set_progress_bar_config(disable=True)
+    want = theirs(
+        ["a red circle", "two blue squares"],
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        generator=torch.Generator().manual_seed(0),
+    ).image_embeds
+    parts = read_kandinsky_prior(final)
+    pipe = KandinskyPipeline(
+        read_kandinsky_decoder(folders / "decoder")["decoder"],
+        read_kandinsky_decoder(folders / "decoder")["scheduler"],
+        **parts,
+    )
+    got, _ = pipe.sample_image_embeds(
+        ["a red circle", "two blue squares"],
+        generator=torch.Generator().manual_seed(0),
+        sampling={"prior": {"steps": 3, "guidance_scale": 4.0}},
+        progress=False,
+    )
+    assert float((got - want).abs().max()) <= 1e-4
+    base = read_kandinsky_prior(folders / "prior")["prior"].state_dict()
+    tuned = parts["prior"].state_dict()
+    assert any(not torch.equal(base[k], tuned[k]) for k in base)
+
+
+def test_lora_fine_tune_exports_the_merged_decoder_and_the_adapter(folders, tmp_path):
+    cfg = _config(tmp_path / "run.yaml", "decoder", folders, max_steps=2, lr=1e-2)
+    assert _train("decoder", cfg, tmp_path / "r", "train.lora.rank=2") == 0
+    final = tmp_path / "r" / "final"
+    merged = _weights(final / "decoder" / "unet")
+    base = _weights(folders / "decoder" / "unet")
+    assert merged.keys() == base.keys()  # a plain UNet: the adapter is folded in
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    targets = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj")
+    assert changed and all(any(f".{t}." in k for t in targets) for k in changed), changed
+    meta = json.loads((final / "decoder_lora" / "unclip_lora.json").read_text())
+    assert meta["stage"] == "decoder" and meta["rank"] == 2
+    assert meta["component"] == "UNet2DConditionModel"
+    assert (final / "decoder_lora" / "adapter_model.safetensors").is_file()
+
+
+class _Encoder:
+    """A batch encoder whose rows do not depend on their neighbours, counting the rows it ran."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def __call__(self, images, clip_images):
+        self.rows += images.shape[0]
+        return images[:, :2, ::2, ::2] * 2, clip_images.flatten(1)[:, :4] + 1
+
+
+def test_latent_cache_serves_seen_images_exactly_and_stays_bounded():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(4, 3, 8, 8, generator=gen)
+    clips = torch.randn(4, 3, 4, 4, generator=gen)
+    enc = _Encoder()
+    cache = LatentCache(enc, chunk=4, max_mb=1)
+    lat, emb = cache.encode(images, clips)
+    want = _Encoder()(images, clips)
+    assert torch.equal(lat, want[0]) and torch.equal(emb, want[1])
+    ran = enc.rows
+    lat2, emb2 = cache.encode(images[[2, 0]], clips[[2, 0]])
+    assert enc.rows == ran  # all seen: nothing encoded
+    assert torch.equal(lat2, want[0][[2, 0]]) and torch.equal(emb2, want[1][[2, 0]])
+    assert cache.served == 6 and cache.encoded == 4
+    tiny = LatentCache(_Encoder(), chunk=2, max_mb=200 / 2**20)  # room for one row
+    tiny.encode(images[:2], clips[:2])
+    assert len(tiny.rows) == 1 and tiny.bytes <= 200
+
+
+def test_latent_cache_turns_itself_off_where_rows_depend_on_neighbours():
+    def mixing(images, clip_images):  # each row sees the batch mean
+        return images + images.mean(0), clip_images.flatten(1) + clip_images.mean()
+
+    cache = LatentCache(mixing, chunk=2, max_mb=1)
+    images, clips = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    lat, _ = cache.encode(images, clips)
+    assert cache.max_bytes == 0 and not cache.rows
+    assert torch.equal(lat, mixing(images, clips)[0])
+
+
+def test_noise_schedules_are_the_folders(folders):
+    for stage, reader in (("prior", read_kandinsky_prior), ("decoder", read_kandinsky_decoder)):
+        parts = reader(folders / stage)
+        sched = parts["prior_scheduler" if stage == "prior" else "scheduler"]
+        ours = training_noise_schedule(sched)
+        assert torch.allclose(ours.alphas_cumprod, sched.alphas_cumprod.float())
+        assert ours.config["prediction_type"] == sched.config["prediction_type"]
+
+
+def test_refusals_name_what_to_do(folders, tmp_path):
+    cfg = _config(tmp_path / "d.yaml", "decoder", folders)
+    with pytest.raises(ValueError, match="train-decoder"):
+        load_kandinsky_config(cfg, (), ("prior",))
+    with pytest.raises(ConfigError, match="init_weights"):
+        load_kandinsky_config(cfg, ["train.init_weights=x"])
+    with pytest.raises(ConfigError, match="pretrained is required"):
+        load_kandinsky_config({"kandinsky": {"stage": "prior"}})
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        _train("decoder", cfg, tmp_path / "r", "data.resolution=30")
+    wrong = _config(tmp_path / "w.yaml", "decoder", folders)
+    data = yaml.safe_load(wrong.read_text())
+    data["kandinsky"]["pretrained"] = str(folders / "prior")
+    wrong.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="is a Kandinsky prior folder"):
+        _train("decoder", wrong, tmp_path / "r2")
+    assert not (tmp_path / "r2" / "checkpoints").exists()
