@@ -256,3 +256,71 @@ def test_refusals_name_what_to_do(folders, tmp_path):
     with pytest.raises(ValueError, match="is a Kandinsky prior folder"):
         _train("decoder", wrong, tmp_path / "r2")
     assert not (tmp_path / "r2" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_decoder_fine_tune_under_fsdp2_and_ddp_on_two_cpu_processes(folders, tmp_path):
+    """tests/fsdp_worker.py on a Kandinsky decoder config, under fsdp_8gpu.yaml's launch
+    environment on 2 gloo processes: the UNet's ResnetBlock2D and Attention blocks are FSDP2
+    units whose parameters are all DTensor shards, a run stopped and resumed ends with the
+    uninterrupted run's weights, DDP ends with the same weights (to float rounding), and the
+    export is a diffusers folder that loads."""
+    import os
+    import subprocess
+
+    from conftest import ROOT, TORCHRUN
+    from test_sharding import fsdp_env, layout_of
+
+    cfg = _config(tmp_path / "run.yaml", "decoder", folders)
+    proc = subprocess.run(
+        [
+            *TORCHRUN[:-1],
+            "2",
+            str(ROOT / "tests" / "fsdp_worker.py"),
+            str(cfg),
+            str(tmp_path),
+            "--ddp",
+        ],
+        env={
+            **os.environ,
+            **fsdp_env("fsdp_8gpu.yaml"),
+            "OMP_NUM_THREADS": "1",
+            "ACCELERATE_MIXED_PRECISION": "no",
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy: fsdp on 2 processes" in proc.stderr
+    assert "(ResnetBlock2D, Attention) as their own groups" in proc.stderr
+    layouts = json.loads((tmp_path / "layouts.json").read_text())
+    assert set(layouts) == {"fsdp_full", "fsdp_split"}
+    for run in layouts:
+        layout = layout_of(layouts[run])
+        assert (layout["dims"], layout["mesh"]) == (1, "shard 2"), run
+    unet = {
+        r: _weights(tmp_path / r / "final" / "decoder" / "unet")
+        for r in ("fsdp_full", "fsdp_split", "ddp")
+    }
+    full = unet["fsdp_full"]
+    assert all(torch.equal(full[k], unet["fsdp_split"][k]) for k in full)
+    assert all(torch.allclose(full[k], unet["ddp"][k], atol=1e-4) for k in full)
+    before = _weights(folders / "decoder" / "unet")
+    assert any(not torch.equal(full[k], before[k]) for k in full)
+    assert (tmp_path / "fsdp_full" / "samples" / "step_00000004.png").is_file()
+    KandinskyV22Pipeline.from_pretrained(str(tmp_path / "fsdp_full" / "final" / "decoder"))
+
+
+def test_shipped_configs_load_and_plan_refuses_them(capsys):
+    from conftest import CONFIGS
+
+    from unclip.cli import plan
+
+    for stage in ("decoder", "prior"):
+        path = CONFIGS / "kandinsky" / f"{stage}_finetune.yaml"
+        cfg = load_kandinsky_config(path, ["data.path=x"], (stage,))
+        assert cfg.stage == stage and cfg.kandinsky.pretrained.endswith(f"2-2-{stage}")
+        assert cfg.train.grad_accum_steps == 8 and cfg.train.max_grad_norm == 1.0
+        with pytest.raises(ValueError, match=f"does not plan Kandinsky.*train-{stage}"):
+            plan.main([str(path)])
