@@ -749,3 +749,55 @@ def test_generator_lists_and_settings_objects_in_every_call(pipe, decoder_folder
     with tempfile.TemporaryDirectory() as tmp:
         pipe._push_writer("me/k22")(Path(tmp))
         assert (Path(tmp) / "prior" / "model_index.json").is_file()
+
+
+def test_best_of_reranks_prior_and_decoder_candidates_by_clip(pipe):
+    """``best_of`` k: each image's k candidates are the draws of k images per prompt from its
+    generator, and the kept one is the candidate closest in CLIP cosine to the prompt's text
+    embedding: prior embeddings directly, decoder images through the image tower."""
+    k, steps = 3, {"prior": {"steps": 2}, "decoder": {"steps": 2}}
+    prompts = ["a red circle", "two blue squares"]
+    text = prior_text(pipe.clip, prompts).text_embed
+
+    def gens():
+        return [_gen(7), _gen(8)]
+
+    # prior: the candidates are three images per prompt, each prompt's from its generator
+    cands, _ = pipe.sample_image_embeds(
+        prompts,
+        num_images_per_prompt=k,
+        generator=[g for g in gens() for _ in range(k)],
+        sampling=steps,
+        progress=False,
+    )
+    cos = torch.nn.functional.cosine_similarity(cands, text.repeat_interleave(k, 0), dim=-1)
+    want = cands.view(2, k, D)[torch.arange(2), cos.view(2, k).argmax(1)]
+    got, negative = pipe.sample_image_embeds(
+        prompts,
+        generator=gens(),
+        sampling={**steps, "prior": {"steps": 2, "best_of": k}},
+        progress=False,
+    )
+    assert torch.equal(got, want) and negative.shape == got.shape
+    assert not torch.equal(got, cands.view(2, k, D)[:, 0])  # a choice was made somewhere
+    # decoder: three images per embedding, scored by the image tower
+    settings = {"prior": {"steps": 2}, "decoder": {"steps": 2, "best_of": k}}
+    out = pipe(prompts, height=SIZE, width=SIZE, generator=gens(), sampling=settings,
+               output_type="latent", progress=False)  # fmt: skip
+    g = gens()
+    embeds, negatives = pipe.sample_image_embeds(prompts, generator=g, sampling=steps,
+                                                  progress=False)  # fmt: skip
+    lat = pipe.decode(embeds.repeat_interleave(k, 0), negatives.repeat_interleave(k, 0), SIZE,
+                      SIZE, generator=[x for x in g for _ in range(k)], sampling=steps,
+                      progress=False)  # fmt: skip
+    with torch.no_grad():
+        imgs = pipe.decoder.decode(lat).float().clamp(-1, 1)
+        score = torch.nn.functional.cosine_similarity(
+            pipe.clip.encode_image(imgs), text.repeat_interleave(k, 0), dim=-1
+        )
+    best = score.view(2, k).argmax(1)
+    assert torch.equal(out.images, lat.view(2, k, *lat.shape[1:])[torch.arange(2), best])
+    with pytest.raises(ValueError, match="best_of must be an integer in 1"):
+        pipe.sampling_settings({"decoder": {"best_of": 0}})
+    with pytest.raises(ValueError, match="latents= or best_of"):
+        pipe(prompts[0], sampling=settings, latents=lat[:1], height=SIZE, width=SIZE)

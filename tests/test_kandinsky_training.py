@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 pytest.importorskip("transformers")
 
@@ -186,7 +188,48 @@ def test_lora_fine_tune_exports_the_merged_decoder_and_the_adapter(folders, tmp_
     meta = json.loads((final / "decoder_lora" / "unclip_lora.json").read_text())
     assert meta["stage"] == "decoder" and meta["rank"] == 2
     assert meta["component"] == "UNet2DConditionModel"
-    assert (final / "decoder_lora" / "adapter_model.safetensors").is_file()
+    # the adapter on the original pipeline draws what the merged export draws; at scale 0, the
+    # original's images exactly
+    base = KandinskyPipeline.from_pretrained(folders / "decoder", prior=folders / "prior")
+    merged_pipe = KandinskyPipeline.from_pretrained(final / "decoder")
+
+    def draw(pipe):
+        return pipe(
+            "a red circle",
+            height=SIZE,
+            width=SIZE,
+            generator=torch.Generator().manual_seed(0),
+            sampling={"prior": {"steps": 2}, "decoder": {"steps": 2}},
+            output_type="pt",
+            progress=False,
+        ).images
+
+    before = draw(base)
+    with _no_warning():
+        name = base.load_lora(final / "decoder_lora")
+    assert base.get_list_adapters() == {"decoder": [name]}
+    adapted = draw(base)
+    assert float((adapted - draw(merged_pipe)).abs().max()) <= 1e-4
+    assert float((adapted - before).abs().max()) > 1e-3
+    base.set_lora_scale(0.0)
+    assert torch.equal(draw(base), before)
+    with pytest.raises(ValueError, match="for the 'decoder' stage, not 'prior'"):
+        base.load_lora(final / "decoder_lora", stage="prior")
+
+
+def _no_warning():
+    import warnings
+
+    class _Catch:
+        def __enter__(self):
+            self.ctx = warnings.catch_warnings()
+            self.ctx.__enter__()
+            warnings.simplefilter("error")  # trained on these very weights: no fingerprint warning
+
+        def __exit__(self, *exc):
+            return self.ctx.__exit__(*exc)
+
+    return _Catch()
 
 
 class _Encoder:
@@ -324,3 +367,51 @@ def test_shipped_configs_load_and_plan_refuses_them(capsys):
         assert cfg.train.grad_accum_steps == 8 and cfg.train.max_grad_norm == 1.0
         with pytest.raises(ValueError, match=f"does not plan Kandinsky.*train-{stage}"):
             plan.main([str(path)])
+
+
+def test_evaluate_scores_a_kandinsky_pipeline_with_its_own_clip(folders, tmp_path):
+    """``unclip evaluate --model`` on a Kandinsky decoder folder whose model card names its prior:
+    the samples are the pipeline's own draws for the per-sample seeds, and the CLIP score is the
+    prior's CLIP's cosine on them."""
+    import shutil
+
+    from unclip.cli.evaluate import main as evaluate
+    from unclip.eval.evaluate import sample_seed
+
+    model = tmp_path / "k22"
+    shutil.copytree(folders / "decoder", model)
+    (model / "README.md").write_text(f"---\nprior:\n- {folders / 'prior'}\n---\n")
+    (tmp_path / "prompts.txt").write_text("a red circle\ntwo blue squares\n")
+    sampling = {"prior": {"steps": 2}, "decoder": {"steps": 2}}
+    argv = ["--model", str(model), "--prompts", str(tmp_path / "prompts.txt")]
+    argv += ["--num-samples", "2", "--resolution", str(SIZE), "--sample-size", str(SIZE)]
+    argv += ["--save-samples"]
+    argv += ["--sampling", json.dumps(sampling), "--autocast", "none", "--out", str(tmp_path / "o")]
+    assert evaluate([*argv, "--no-progress", "--device", "cpu"]) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert "pipeline's own CLIP" in report["clip_score"]["model"]
+    assert report["sampling"]["decoder"]["steps"] == 2
+    pipe = load_pipeline(model)
+    prompts = ["a red circle", "two blue squares"]
+    images = pipe(
+        prompts,
+        height=SIZE,
+        width=SIZE,
+        generator=[torch.Generator().manual_seed(sample_seed(0, i)) for i in range(2)],
+        sampling=sampling,
+        output_type="pt",
+        progress=False,
+    ).images
+    saved = torch.stack(
+        [
+            torch.from_numpy(np.array(Image.open(tmp_path / "o" / "samples" / f"{i:06d}.png")))
+            for i in range(2)
+        ]
+    )
+    want = (images.permute(0, 2, 3, 1) * 255).round().to(torch.uint8)
+    assert torch.equal(saved, want)
+    with torch.no_grad():
+        img = pipe.clip.encode_image(want.permute(0, 3, 1, 2).float() / 127.5 - 1)
+        txt = pipe.clip.encode_text(prompts).text_embed
+    cos = torch.nn.functional.cosine_similarity(img, txt, dim=-1).mean()
+    assert report["clip_score"]["cosine_mean"] == pytest.approx(float(cos), abs=1e-4)

@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON (or a JSON file) of per-stage overrides, e.g. {"prior": {"steps": 10}}',
     )
     p.add_argument(
+        "--sample-size",
+        type=int,
+        default=None,
+        help="the side the pipeline draws at, for one that draws at any size (Kandinsky 2.2; "
+        "default: its resolution, 512); fixed-resolution pipelines refuse it",
+    )
+    p.add_argument(
         "--save-samples", action="store_true", help="also write OUT/samples/NNNNNN.png + .txt"
     )
     add_hub_args(p)
@@ -149,6 +156,7 @@ def main(argv=None) -> int:
         clip_fid=args.clip_fid,
         resolution=args.resolution,
         sampling=_parse_sampling(args.sampling),
+        sample_size=args.sample_size,
         save_samples=args.save_samples,
         device=device,
         progress=not args.no_progress,

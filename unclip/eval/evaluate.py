@@ -197,13 +197,22 @@ def _iter_generated(
     resolution: int,
     sampling: Optional[dict],
     progress: bool,
+    size: Optional[dict] = None,
 ):
     bar = tqdm(total=num, desc="sampling", disable=not progress)
     for start in range(0, num, batch_size):
         idx = range(start, min(num, start + batch_size))
         batch = [prompts[i % len(prompts)] for i in idx]
         gens = [torch.Generator(device=pipe.device).manual_seed(sample_seed(seed, i)) for i in idx]
-        out = pipe(batch, 1, generator=gens, sampling=sampling, output_type="pt", progress=False)
+        out = pipe(
+            batch,
+            num_images_per_prompt=1,
+            generator=gens,
+            sampling=sampling,
+            output_type="pt",
+            progress=False,
+            **(size or {}),
+        )
         x = out.images  # [B, 3, H, W] in [0, 1]
         finite = torch.isfinite(x).flatten(1).all(1)
         if not bool(finite.all()):
@@ -218,6 +227,21 @@ def _iter_generated(
         yield [M.to_eval_image(Image.fromarray(a), resolution) for a in arr], batch
         bar.update(len(batch))
     bar.close()
+
+
+def _check_sample_size(pipe, size: int) -> int:
+    """``--sample-size``: the side a pipeline that draws at any size (``height``/``width``, as
+    Kandinsky's) draws at; a pipeline of fixed resolution is a ``ValueError``."""
+    import inspect
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 16:
+        raise ValueError(f"--sample-size must be an integer >= 16, got {size!r}")
+    if "height" not in inspect.signature(pipe.__call__).parameters:
+        raise ValueError(
+            f"--sample-size: this {type(pipe).__name__} draws at its fixed resolution "
+            f"({pipe.resolution}px); leave --sample-size out"
+        )
+    return size
 
 
 def _read_caption(path: Path) -> str:
@@ -382,6 +406,7 @@ def evaluate(
     clip_fid: bool = False,
     resolution: int = 256,
     sampling: Optional[dict] = None,
+    sample_size: Optional[int] = None,
     save_samples: bool = False,
     device="cpu",
     progress: bool = True,
@@ -455,10 +480,12 @@ def evaluate(
         report["sampling"] = {k: vars(v) for k, v in settings.items()}
         # resolved on the device ("auto" is bfloat16 on some CPUs, float32 on others)
         report["autocast_dtype"] = dtype_name(pipe.autocast_dtype)
-        if pipe.resolution < resolution:
-            warn.append(
-                f"samples are {pipe.resolution}px, upsampled to {resolution}px for evaluation"
-            )
+        drawn = pipe.resolution
+        if sample_size is not None:
+            drawn = _check_sample_size(pipe, sample_size)
+            report["sample_size"] = sample_size
+        if drawn < resolution:
+            warn.append(f"samples are {drawn}px, upsampled to {resolution}px for evaluation")
     clip, clip_name = _load_clip(clip_model, clip_pretrained, pipe)
     if clip is not None:
         clip.to(device)
@@ -507,6 +534,7 @@ def evaluate(
             resolution,
             sampling,
             progress,
+            None if sample_size is None else {"height": sample_size, "width": sample_size},
         )
     else:
         bad: list = []

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 import operator
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -186,15 +187,54 @@ def _check_fixed_point(value) -> int:
 
 
 def _levels(d: Denoiser) -> list[tuple[float, float]]:
-    """``(a_t, a_s)`` of each DDIM step of ``d``'s timesteps: from ``t`` to the next timestep, and
-    after the last to the fully denoised level."""
-    sched = d.scheduler
+    """``(a_t, a_s)`` of each DDIM step of ``d``'s timesteps (:func:`scheduler_levels`)."""
+    return scheduler_levels(d.scheduler)
+
+
+def scheduler_levels(sched) -> list[tuple[float, float]]:
+    """``(a_t, a_s)`` of each DDIM step of ``sched``'s timesteps: from ``t`` to the next
+    timestep, and after the last to the fully denoised level."""
     ac = sched.alphas_cumprod.double()
     ts = [int(t) for t in sched.timesteps]
     final = float(ac[0])
     return [
         (float(ac[t]), float(ac[ts[i + 1]]) if i + 1 < len(ts) else final) for i, t in enumerate(ts)
     ]
+
+
+def ddim_path(
+    output: Callable[[torch.Tensor, Any], torch.Tensor],
+    x: torch.Tensor,
+    timesteps: Sequence,
+    levels: Sequence[tuple[float, float]],
+    prediction_type: str,
+    invert: bool,
+    *,
+    fixed_point: int = 0,
+    progress: bool = False,
+    desc: str = "ddim",
+) -> torch.Tensor:
+    """Deterministic DDIM through ``timesteps`` (``levels`` from :func:`scheduler_levels`) with
+    the model output ``output(x, t)``: from noise to the sample, or with ``invert`` from the
+    sample back to the noise it decodes from, each inverted step refined by ``fixed_point``
+    damped iterations (one more model call each: the decode evaluates the model at ``x_t``, not
+    at ``x_s``)."""
+    from tqdm.auto import tqdm
+
+    ts = list(timesteps)
+    order = range(len(ts) - 1, -1, -1) if invert else range(len(ts))
+    for i in tqdm(order, desc=desc, disable=not progress, leave=False):
+        out = output(x, ts[i]).float()
+        a_t, a_s = levels[i]
+        if not invert:
+            x = ddim_step(out, x, a_t, a_s, prediction_type)
+            continue
+        x_t = ddim_invert_step(out, x, a_t, a_s, prediction_type)
+        for _ in range(fixed_point):
+            solved = ddim_invert_step(output(x_t, ts[i]).float(), x, a_t, a_s, prediction_type)
+            x_t = x_t + FIXED_POINT_DAMPING * (solved - x_t)
+        x = x_t
+    return x
 
 
 def _same_seed(generator: Optional[torch.Generator], n: int) -> list[torch.Generator]:

@@ -46,7 +46,6 @@ from unclip.diffusion.loop import Generator, denoise_steps, make_scheduler, sche
 from unclip.diffusion.schedulers import scheduler_label
 from unclip.pipeline.cascade import UnCLIPCascade
 from unclip.pipeline.edit_ops import (
-    FIXED_POINT_DAMPING,
     RESAMPLING_SCHEDULERS,
     EditOutput,
     Inversion,
@@ -54,8 +53,7 @@ from unclip.pipeline.edit_ops import (
     _levels,
     _same_seed,
     at_size,
-    ddim_invert_step,
-    ddim_step,
+    ddim_path,
     mask_at_size,
     read_image,
     read_mask,
@@ -128,24 +126,17 @@ def _ddim_run(
     desc: str,
     fixed_point: int = 0,
 ):
-    pred = pipe.diffusion["decoder"].prediction_type
-    ts, levels = list(d.scheduler.timesteps), _levels(d)
-    order = range(len(ts) - 1, -1, -1) if invert else range(len(ts))
-    x = x.to(pipe.device, torch.float32)
-    for i in tqdm(order, desc=desc, disable=not progress, leave=False):
-        out = d.output(x, ts[i], pipe.autocast_dtype).float()
-        a_t, a_s = levels[i]
-        if not invert:
-            x = ddim_step(out, x, a_t, a_s, pred)
-            continue
-        x_t = ddim_invert_step(out, x, a_t, a_s, pred)
-        for _ in range(fixed_point):
-            # the decode evaluates the model at x_t, not at x_s: solve the step again with
-            # the output at the current estimate of x_t
-            out = d.output(x_t, ts[i], pipe.autocast_dtype).float()
-            solved = ddim_invert_step(out, x, a_t, a_s, pred)
-            x_t = x_t + FIXED_POINT_DAMPING * (solved - x_t)
-        x = x_t
+    x = ddim_path(
+        lambda x_in, t: d.output(x_in, t, pipe.autocast_dtype),
+        x.to(pipe.device, torch.float32),
+        d.scheduler.timesteps,
+        _levels(d),
+        pipe.diffusion["decoder"].prediction_type,
+        invert,
+        fixed_point=fixed_point,
+        progress=progress,
+        desc=desc,
+    )
     return check_finite(desc, x)
 
 

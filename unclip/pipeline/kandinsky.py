@@ -34,9 +34,10 @@ from unclip.nets.clip import CLIP
 from unclip.nets.latent_decoder import LatentDecoder
 from unclip.nets.text_encoding import check_prompts
 from unclip.pipeline.base import BasePipeline, ResolvedSampling
+from unclip.pipeline.lora import LoraMixin
 from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.output import UnCLIPOutput
-from unclip.sampling.kandinsky import sample_prior_embeds, zero_image_embed
+from unclip.sampling.kandinsky import prior_text, sample_prior_embeds, zero_image_embed
 from unclip.sampling.latent import (
     img2img_inputs,
     img2img_latents,
@@ -66,17 +67,25 @@ PIPELINE_READERS = EntryPointRegistry("unclip.pipeline_readers")
 PIPELINE_WRITERS = EntryPointRegistry("unclip.pipeline_writers")
 
 
+#: the most candidates per image a stage draws (as the native stages' ``best_of``)
+MAX_BEST_OF = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class KandinskySampling:
     """One stage's settings: ``steps`` (``num_inference_steps``), ``guidance_scale``
     (classifier-free guidance runs only above 1, as in diffusers) and ``scheduler``: ``None``
     for the folder's own, else a diffusers scheduler by alias (``"ddim"``, ``"euler_a"``,
     ``"unipc"``, ...) or class name, built from the folder's scheduler config as diffusers users
-    swap one in (``DDIMScheduler.from_config(pipe.scheduler.config)``)."""
+    swap one in (``DDIMScheduler.from_config(pipe.scheduler.config)``). ``best_of``: candidates
+    per image, the one whose CLIP image embedding is closest (cosine) to the prompt's CLIP text
+    embedding kept — prior embeddings (the paper's prior reranking), or decoded images scored by
+    the image tower; only text-to-image calls rerank (1, the default, draws as diffusers)."""
 
     steps: int
     guidance_scale: float
     scheduler: Optional[str] = None
+    best_of: int = 1
 
     def __post_init__(self) -> None:
         if self.scheduler is not None:
@@ -91,6 +100,9 @@ class KandinskySampling:
         g = self.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not g == g or g < 0:
             raise ValueError(f"guidance_scale must be a number >= 0, got {g!r}")
+        k = self.best_of
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_BEST_OF:
+            raise ValueError(f"best_of must be an integer in 1 … {MAX_BEST_OF}, got {k!r}")
 
 
 #: diffusers' defaults (KandinskyV22CombinedPipeline)
@@ -100,12 +112,14 @@ KANDINSKY_DEFAULTS = {
 }
 
 
-class KandinskyPipeline(MemoryMixin, BasePipeline):
+class KandinskyPipeline(LoraMixin, MemoryMixin, BasePipeline):
     """Kandinsky 2.2's prior and latent decoder (see the module doc). ``sampling``: per-stage
     defaults, ``{"prior": {"steps": 25, "guidance_scale": 4.0}, "decoder": {...}}``. Beside
     text-to-image: :meth:`img2img`, :meth:`inpaint` (with an inpainting decoder),
     :meth:`variations` and :meth:`mix` (weighted prompts and images, diffusers' ``interpolate``),
-    and the attention-memory options."""
+    :meth:`interpolate`, :meth:`invert` and :meth:`text_diff` (DDIM inversion of the decoder),
+    the attention-memory options, and LoRA adapters on the prior and the decoder's UNet
+    (``load_lora`` of an adapter a ``train.lora`` fine-tuning run exported, ``fuse_lora``, ...)."""
 
     family = "kandinsky"
 
@@ -164,6 +178,10 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
     def stage_names(self) -> list[str]:
         return (["prior"] if self.prior is not None else []) + ["decoder"]
 
+    def _adaptable_stages(self) -> dict[str, torch.nn.Module]:
+        # an adapter adapts the trained network itself: the UNet, not the MoVQ beside it
+        return self.denoisers()
+
     def sampling_settings(self, sampling: Optional[Mapping] = None) -> ResolvedSampling:
         return self._resolve(self.sampling, sampling)
 
@@ -209,11 +227,11 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
                 continue
             if not isinstance(values, Mapping):
                 raise TypeError(f"sampling[{stage!r}] must be a dict of settings, got {values!r}")
-            unknown = sorted(set(values) - {"steps", "guidance_scale", "scheduler"})
+            unknown = sorted(set(values) - {"steps", "guidance_scale", "scheduler", "best_of"})
             if unknown:
                 raise ValueError(
                     f"sampling[{stage!r}]: unknown setting {unknown[0]!r} (a Kandinsky stage has "
-                    "steps, guidance_scale and scheduler)"
+                    "steps, guidance_scale, scheduler and best_of)"
                 )
             try:
                 out[stage] = dataclasses.replace(out[stage], **values)
@@ -350,22 +368,41 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             )
         assert self.clip is not None
         s = self.sampling_settings(sampling)["prior"]
-        return sample_prior_embeds(
+        k = s.best_of
+        if k > 1 and latents is not None:
+            raise ValueError(
+                "prior best_of > 1 draws its own candidates: give latents= or best_of, not both"
+            )
+        embeds, negative = sample_prior_embeds(
             self.prior,
             self._scheduler("prior", s),
             self.clip,
             prompt,
             negative_prompt,
-            num_images_per_prompt=num_images_per_prompt,
+            num_images_per_prompt=num_images_per_prompt * k,
             num_inference_steps=s.steps,
             guidance_scale=s.guidance_scale,
-            generator=generator,
+            generator=_per_candidate(generator, k),
             latents=latents,
             progress=self._progress(progress),
             callback=stage_callback(self, "prior", callback_on_step_end),
             autocast_dtype=self.autocast_dtype,
             on_stage=self._onload,
         )
+        if k == 1:
+            return embeds, negative
+        best = self._best(embeds, prompt, num_images_per_prompt, k)
+        return _pick(embeds, best, k), _pick(negative, best, k)
+
+    def _best(self, image_embeds: torch.Tensor, prompt, n: int, k: int) -> torch.Tensor:
+        """The index ``[B·n]`` of each image's candidate (of ``k`` adjacent rows of
+        ``image_embeds``) closest in cosine to its prompt's CLIP text embedding."""
+        assert self.clip is not None
+        self._onload("clip")
+        text = prior_text(self.clip, check_prompts(prompt)).text_embed
+        text = text.repeat_interleave(n * k, dim=0).to(image_embeds)
+        cos = torch.nn.functional.cosine_similarity(image_embeds.float(), text.float(), dim=-1)
+        return cos.view(-1, k).argmax(dim=1)
 
     @releases_gpu
     @torch.no_grad()
@@ -474,21 +511,40 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
             progress=progress,
             callback_on_step_end=callback_on_step_end,
         )
+        k = settings["decoder"].best_of
+        if k > 1 and latents is not None:
+            raise ValueError(
+                "decoder best_of > 1 draws its own candidates: give latents= or best_of, not both"
+            )
         images = self.decode(
-            image_embeds,
-            negative,
+            image_embeds.repeat_interleave(k, dim=0),
+            negative.repeat_interleave(k, dim=0),
             height=height,
             width=width,
-            generator=generator,
+            generator=_per_candidate(generator, k),
             latents=latents,
             sampling=settings,
             progress=progress,
             callback_on_step_end=callback_on_step_end,
-            output_type=output_type,
+            output_type=output_type if k == 1 else "latent",
         )
+        if k > 1:
+            images = self._rerank_images(images, prompt, num_images_per_prompt, k, output_type)
         if not return_dict:
             return (images,)
         return UnCLIPOutput(images=images, image_embeds=image_embeds)
+
+    def _rerank_images(self, latents, prompt, n: int, k: int, output_type: str):
+        """Of ``k`` adjacent candidate latents per image, the one whose decoded image the CLIP's
+        image tower puts closest to the prompt's text embedding, as ``output_type`` says."""
+        assert self.clip is not None
+        images = self.decoder.decode(latents).float().clamp(-1, 1)
+        self._onload("clip")
+        embeds = self.clip.encode_image(images.to(self.clip.device))
+        best = self._best(embeds, prompt, n, k)
+        if output_type == "latent":
+            return _pick(latents, best, k)
+        return to_output(_pick(images, best, k), output_type)
 
     # ------------------------------------------------------------------ editing
     def _overrides(self, sampling, **flat) -> ResolvedSampling:
@@ -729,6 +785,75 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         return self.clip.encode_image(image).to(self.device)
 
     @releases_gpu
+    def invert(
+        self,
+        image,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        image_embeds: Optional[torch.Tensor] = None,
+        size: Optional[int] = None,
+        reconstruct: bool = True,
+        progress: bool = True,
+        fixed_point: int = 2,
+    ):
+        """DDIM inversion of the decoder: image(s) → the latents ``x_T`` its deterministic DDIM
+        decodes them back from (:func:`unclip.pipeline.kandinsky_edits.invert`)."""
+        from unclip.pipeline import kandinsky_edits
+
+        return kandinsky_edits.invert(
+            self, image, steps, guidance_scale, image_embeds, size, reconstruct, progress,
+            fixed_point,
+        )  # fmt: skip
+
+    @releases_gpu
+    def text_diff(
+        self,
+        image,
+        source_caption: str,
+        target_caption: str,
+        num_steps: int = 5,
+        max_theta: float = 0.5,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        size: Optional[int] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        fixed_point: int = 2,
+    ):
+        """A text diff (paper §3.3): the image's embedding turned from ``source_caption``
+        towards ``target_caption``, each frame decoded from the image's inversion
+        (:func:`unclip.pipeline.kandinsky_edits.text_diff`)."""
+        from unclip.pipeline import kandinsky_edits
+
+        return kandinsky_edits.text_diff(
+            self, image, source_caption, target_caption, num_steps, max_theta, steps,
+            guidance_scale, size, output_type, progress, fixed_point,
+        )  # fmt: skip
+
+    @releases_gpu
+    def interpolate(
+        self,
+        start,
+        end,
+        num_steps: int = 5,
+        generator: Optional[torch.Generator] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        sampling: Optional[Mapping] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ):
+        """Frames along the slerp between the CLIP image embeddings of two prompts or images,
+        decoded from one seed (:func:`unclip.pipeline.kandinsky_edits.interpolate`)."""
+        from unclip.pipeline import kandinsky_edits
+
+        return kandinsky_edits.interpolate(
+            self, start, end, num_steps, generator, height, width, sampling, output_type,
+            progress, callback_on_step_end,
+        )  # fmt: skip
+
+    @releases_gpu
     @torch.no_grad()
     def variations(
         self,
@@ -828,6 +953,20 @@ class KandinskyPipeline(MemoryMixin, BasePipeline):
         if not return_dict:
             return (images,)
         return UnCLIPOutput(images=images, image_embeds=embeds)
+
+
+def _per_candidate(generator: Generator, k: int) -> Generator:
+    """A generator list of one per image made one per candidate row (each image's ``k``
+    candidates draw in turn from its generator); a single generator (or None) as it is."""
+    if k == 1 or not isinstance(generator, (list, tuple)):
+        return generator
+    return [g for g in generator for _ in range(k)]
+
+
+def _pick(rows: torch.Tensor, best: torch.Tensor, k: int) -> torch.Tensor:
+    """Row ``best[i]`` of each group of ``k`` adjacent rows of ``rows``."""
+    grouped = rows.view(-1, k, *rows.shape[1:])
+    return grouped[torch.arange(grouped.shape[0], device=grouped.device), best.to(grouped.device)]
 
 
 def _holds_prior(folder) -> bool:
