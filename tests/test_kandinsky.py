@@ -801,3 +801,64 @@ def test_best_of_reranks_prior_and_decoder_candidates_by_clip(pipe):
         pipe.sampling_settings({"decoder": {"best_of": 0}})
     with pytest.raises(ValueError, match="latents= or best_of"):
         pipe(prompts[0], sampling=settings, latents=lat[:1], height=SIZE, width=SIZE)
+
+
+def test_inversion_text_diff_and_interpolation_on_the_latent_decoder(pipe):
+    """DDIM inversion of MoVQ latents decodes back to what MoVQ makes of the image (a random UNet
+    at 20 steps needs the fixed-point refinement: 30 iterations), and the inverted latents decode
+    the same through diffusers' own DDIM step; a text diff's θ = 0 frame is that reconstruction
+    and later frames move; an interpolation's first frame is its start's embedding decoded with
+    the frames' one seed, its last the prompt's prior embedding."""
+    from diffusers import DDIMScheduler
+
+    image = _picture(3).resize((SIZE, SIZE))
+    inv = pipe.invert(image, steps=20, size=SIZE, progress=False, fixed_point=30)
+    assert inv.latents.shape == (1, 4, 16, 16) and inv.error is not None
+    # the round trip against the image as MoVQ itself reconstructs it (the floor of any inversion)
+    with torch.no_grad():
+        direct = pipe.decoder.decode(pipe.decoder.encode(inv.image)).float().clamp(-1, 1)
+    assert float((inv.reconstruction - direct).abs().max()) < 0.02
+    # the decode is diffusers' own DDIM (DDIMScheduler.step, eta 0) from the same latents
+    from unclip.pipeline.kandinsky_edits import _decoder_ddim
+
+    sched = DDIMScheduler.from_config(pipe.scheduler.config)
+    sched.set_timesteps(20)
+    x = torch.randn(1, 4, 16, 16, generator=_gen(9))
+    ours = _decoder_ddim(pipe, inv.image_embeds, 20, 1.0, x, False, False, "decode")
+    with torch.no_grad():
+        for t in sched.timesteps:
+            x = sched.step(pipe.decoder(x, t, inv.image_embeds)[:, :4], t, x, eta=0.0).prev_sample
+    # float32 steps (diffusers) against float64 coefficients (here)
+    assert float((ours - x).abs().max()) < 1e-5 * float(x.abs().max())
+
+    out = pipe.text_diff(image, "a red circle", "a blue square", num_steps=3, steps=20,
+                         size=SIZE, output_type="pt", progress=False, fixed_point=30)  # fmt: skip
+    frames = out.images * 2 - 1
+    assert out.info["theta"] == [0.0, 0.25, 0.5]
+    # θ = 0 is the image's own embedding (to the rounding of normalising and rescaling it), which
+    # this chaotic random decoder turns into the reconstruction within 1e-2
+    assert float((out.image_embeds[0] - inv.image_embeds[0]).abs().max()) < 1e-6
+    assert float((frames[0] - inv.reconstruction[0]).abs().max()) < 1e-2
+    assert float((frames[2] - frames[0]).abs().max()) > 1e-3
+    with pytest.raises(ValueError, match="encode identically"):
+        pipe.text_diff(image, "a cat", "a cat", steps=2, size=SIZE, progress=False)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pipe.invert(image, steps=2, size=30, progress=False)
+
+    settings = {"prior": {"steps": 2}, "decoder": {"steps": 2}}
+    frames = pipe.interpolate(image, "a red circle", num_steps=3, generator=_gen(4), height=SIZE,
+                              width=SIZE, sampling=settings, output_type="latent",
+                              progress=False)  # fmt: skip
+    # the frames' one seed is drawn after the prior's draws for the prompt end
+    from unclip.pipeline.edit_ops import _same_seed
+    from unclip.sampling.kandinsky import zero_image_embed
+
+    g = _gen(4)
+    end, _ = pipe.sample_image_embeds("a red circle", generator=g, sampling=settings,
+                                      progress=False)  # fmt: skip
+    assert torch.allclose(frames.image_embeds[2], end[0], atol=1e-6)
+    assert torch.allclose(frames.image_embeds[0], pipe.clip.encode_image(image)[0], atol=1e-6)
+    first = pipe.decode(frames.image_embeds[:1], zero_image_embed(pipe.clip, 1), SIZE, SIZE,
+                        generator=_same_seed(g, 1), sampling=settings, progress=False)  # fmt: skip
+    assert float((frames.images[0] - first[0]).abs().max()) < 1e-4  # batch of 3 against 1
+    assert not torch.equal(frames.images[0], frames.images[2])

@@ -191,12 +191,13 @@ def _levels(d: Denoiser) -> list[tuple[float, float]]:
     return scheduler_levels(d.scheduler)
 
 
-def scheduler_levels(sched) -> list[tuple[float, float]]:
+def scheduler_levels(sched, final: Optional[float] = None) -> list[tuple[float, float]]:
     """``(a_t, a_s)`` of each DDIM step of ``sched``'s timesteps: from ``t`` to the next
-    timestep, and after the last to the fully denoised level."""
+    timestep, and after the last to the fully denoised level ``final`` (default: the schedule's
+    first, ``alphas_cumprod[0]``; a ``DDIMScheduler``'s own is its ``final_alpha_cumprod``)."""
     ac = sched.alphas_cumprod.double()
     ts = [int(t) for t in sched.timesteps]
-    final = float(ac[0])
+    final = float(ac[0]) if final is None else float(final)
     return [
         (float(ac[t]), float(ac[ts[i + 1]]) if i + 1 < len(ts) else final) for i, t in enumerate(ts)
     ]

@@ -6,7 +6,8 @@ or images. The methods of :class:`~unclip.pipeline.kandinsky.KandinskyPipeline` 
     frames = pipe.text_diff(image, "a cat", "a dog", num_steps=5).images
     frames = pipe.interpolate("a red cat", "a blue dog", num_steps=5).images
 
-The DDIM path is the folder scheduler's noise schedule stepped by ``DDIMScheduler`` with η = 0;
+The DDIM path is the folder scheduler's noise schedule stepped as ``DDIMScheduler`` steps it with
+η = 0 (the same timesteps and final level);
 its model output is the UNet's first ``C`` channels (a learned-variance UNet's second half is its
 variance), guided against the embedding of no image when ``guidance_scale > 1`` (1, the default
 of the inversions, inverts best: guided updates are not the gradient of one model).
@@ -85,7 +86,8 @@ def _decoder_ddim(
         output,
         x.to(param.device, torch.float32),
         sched.timesteps,
-        scheduler_levels(sched),
+        # the last step ends where diffusers' DDIM ends it (its final_alpha_cumprod)
+        scheduler_levels(sched, float(sched.final_alpha_cumprod)),
         str(pipe.scheduler.config.get("prediction_type", "epsilon")),
         invert,
         fixed_point=fixed_point,
