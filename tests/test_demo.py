@@ -327,3 +327,74 @@ def test_serve_builds_a_generate_only_page_for_a_token_pipeline(token_parts, tin
     with_all = build_demo(tiny_pipe)
     assert {"Generate", "Variations", "Interpolate", "Edit"} <= set(tab_labels(with_all))
     assert "Negative prompt (optional)" in text_labels(with_all)
+
+
+@pytest.fixture(scope="module")
+def kandinsky_folder(tmp_path_factory):
+    """A tiny Kandinsky 2.2 decoder folder whose model card names its prior (built offline)."""
+    pytest.importorskip("transformers")
+    from kandinsky_tiny import build_decoder, build_prior
+
+    root = tmp_path_factory.mktemp("k22demo")
+    build_prior(root / "prior")
+    build_decoder(root / "decoder")
+    (root / "decoder" / "README.md").write_text(f"---\nprior:\n- {root / 'prior'}\n---\n")
+    return root / "decoder"
+
+
+@needs_gradio
+def test_serve_builds_a_kandinsky_page_whose_tabs_work(kandinsky_folder, one_thread):
+    from unclip.cli import serve
+
+    args = serve.build_parser().parse_args(["--model", str(kandinsky_folder), "--resolution", "32"])
+    demo = serve.build_app(args)
+    assert {"Generate", "Variations", "Interpolate", "Edit", "Image to image", "Text diff"} <= set(
+        tab_labels(demo)
+    )
+    assert "Inpaint" not in tab_labels(demo)  # a text-to-image decoder does not repaint
+    (header,) = [b.value for b in demo.blocks.values() if isinstance(b, gr.Markdown)]
+    assert header.startswith("# Kandinsky 2.2 demo") and "32 px" in header
+    from unclip.pipeline.auto import load_pipeline
+
+    pipe = load_pipeline(kandinsky_folder)
+    pipe.resolution = 32
+    few = {"prior": {"steps": 2}, "decoder": {"steps": 2}}
+    rec = Recorder()
+    out = h.generate(pipe, "a red circle", "blue", 2, 0, few, rec)
+    assert [im.size for im in out] == [(32, 32)] * 2 and rec.calls
+    again = h.generate(pipe, "a red circle", "blue", 2, 0, few)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, again))
+    assert [im.size for im in h.variations(pipe, picture(32), 2, 0, "", few)] == [(32, 32)] * 2
+    with pytest.raises(gr.Error, match="reads no caption"):
+        h.variations(pipe, picture(32), 1, 0, "a caption", few)
+    frames = h.interpolate(pipe, "a red circle", "a blue square", 3, 0, few)
+    assert len(frames) == 3
+    assert len(h.img2img(pipe, picture(32), "a blue square", 0.5, "", 2, 0, few)) == 2
+    frames = h.text_diff(pipe, picture(32), "a red circle", "a blue circle", 2, 0.5, 3, 0, few)
+    assert [im.size for im in frames] == [(32, 32)] * 2
+    with pytest.raises(ValueError, match="draws at its fixed resolution"):
+        serve.build_app(serve.build_parser().parse_args(["--resolution", "32"]))
+
+
+@needs_gradio
+def test_a_kandinsky_inpainting_decoder_gets_the_inpaint_tab_alone(kandinsky_folder, tmp_path):
+    from diffusers import KandinskyV22InpaintPipeline
+    from kandinsky_tiny import build_decoder
+
+    from unclip.pipeline.kandinsky import KandinskyPipeline
+
+    build_decoder(tmp_path / "inpaint", KandinskyV22InpaintPipeline, in_channels=9)
+    pipe = KandinskyPipeline.from_pretrained(
+        tmp_path / "inpaint", prior=kandinsky_folder.parent / "prior"
+    )
+    pipe.resolution = 32
+    demo = build_demo(pipe)
+    labels = set(tab_labels(demo))
+    assert "Inpaint" in labels and not labels & {"Image to image", "Text diff"}
+    assert "Resampling passes" not in [
+        b.label for b in demo.blocks.values() if getattr(b, "visible", True) and hasattr(b, "label")
+    ]
+    editor = painted_editor(picture(32), (8, 8, 24, 24))
+    few = {"prior": {"steps": 2}, "decoder": {"steps": 2}}
+    out = h.inpaint(pipe, editor, None, "a red circle", "", 2, 0, 4, few)
+    assert [im.size for im in out] == [(32, 32)] * 2

@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s)",
     )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument(
+        "--resolution",
+        type=int,
+        default=None,
+        help="the side of the images a model that draws at any size makes (Kandinsky 2.2; "
+        "default: its own, 512); other families draw at their fixed resolution",
+    )
     add_autocast_arg(p)
     return p
 
@@ -115,6 +122,17 @@ def build_app(args: argparse.Namespace):
     except RuntimeError as exc:
         raise ValueError(f"--device {args.device!r}: {exc}") from None
     pipe = load_pipeline(args.model, autocast_dtype=args.autocast).to(device)
+    if args.resolution is not None:
+        if getattr(pipe, "family", None) != "kandinsky":
+            raise ValueError(
+                f"--resolution: this {type(pipe).__name__} draws at its fixed resolution "
+                f"({pipe.resolution} px); leave --resolution out"
+            )
+        size = args.resolution
+        f2 = pipe.decoder.scale_factor**2
+        if size < f2 or size % f2:
+            raise ValueError(f"--resolution must be a positive multiple of {f2}, got {size}")
+        pipe.resolution = size
     bundled = args.model in (None, "shapes")
     name = "shapes (bundled)" if bundled else str(args.model)
     return build_demo(pipe, name, examples=SHAPES_EXAMPLES if bundled else ())

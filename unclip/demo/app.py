@@ -163,6 +163,13 @@ def _describe(pipe, model_name: str) -> str:
             "Generate only: Variations, Interpolate and Edit work on CLIP image embeddings, "
             f"which a {name} pipeline does not make, and it takes no negative prompt."
         )
+    if getattr(pipe, "family", None) == "kandinsky":
+        stages = (["prior"] if pipe.prior is not None else []) + ["latent decoder (MoVQ)"]
+        edits = "Inpaint" if pipe.decoder.inpaint else "Image to image, Text diff"
+        return (
+            f"# Kandinsky 2.2 demo\n{model} · stages: {' → '.join(stages)} · {images}. "
+            f"Sampling settings below apply to every tab; Edit offers {edits}."
+        )
     sizes = [f"decoder {pipe.decoder.config.sample_size} px", *pipe.upsampler_names]
     stages = (["prior"] if pipe.prior is not None else []) + sizes
     return (
@@ -177,7 +184,14 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
     pipeline. ``examples``: prompts offered under the Generate tab."""
     one_at_a_time = dict(concurrency_limit=1, concurrency_id="pipeline")
     tokens = isinstance(pipe, TokenPipeline)
-    title = f"{FAMILY_NAMES[pipe.family]} demo" if tokens else "unCLIP demo"
+    kandinsky = getattr(pipe, "family", None) == "kandinsky"
+    title = (
+        f"{FAMILY_NAMES[pipe.family]} demo"
+        if tokens
+        else "Kandinsky 2.2 demo"
+        if kandinsky
+        else "unCLIP demo"
+    )
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
         gr.Markdown(_describe(pipe, model_name))
         with gr.Accordion("Sampling settings" + ("" if tokens else " (every tab)"), open=False):
@@ -214,17 +228,21 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
             wire(go, generate, dict(inputs, num_images=count, seed=seed), gallery)
 
         if not tokens:
-            _embedding_tabs(wire)
+            _embedding_tabs(wire, pipe, kandinsky)
     return demo
 
 
-def _embedding_tabs(wire) -> None:
-    """The tabs that work on CLIP image embeddings: an unCLIP pipeline's only."""
+def _embedding_tabs(wire, pipe, kandinsky: bool = False) -> None:
+    """The tabs that work on CLIP image embeddings: an unCLIP or Kandinsky pipeline's. A
+    Kandinsky decoder reads no caption, and repaints (Inpaint) only when it is an inpainting
+    decoder, which in turn draws nothing from noise (no Image to image, no Text diff)."""
     with gr.Tab("Variations"):
         with gr.Row():
             with gr.Column():
                 source = gr.Image(label="Image", type="pil", image_mode="RGB")
-                caption = gr.Textbox(label="Caption for the decoder (optional)")
+                caption = gr.Textbox(
+                    label="Caption for the decoder (optional)", visible=not kandinsky
+                )
                 with gr.Row():
                     v_count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
                     v_seed = gr.Number(0, precision=0, label="Seed")
@@ -266,10 +284,23 @@ def _embedding_tabs(wire) -> None:
         )
 
     with gr.Tab("Edit"):
-        _edit_tabs(wire)
+        inpaints = not kandinsky or pipe.decoder.inpaint
+        _edit_tabs(
+            wire, inpaint_tab=inpaints, other_tabs=not (kandinsky and inpaints), one_pass=kandinsky
+        )
 
 
-def _edit_tabs(wire) -> None:
+def _edit_tabs(
+    wire, inpaint_tab: bool = True, other_tabs: bool = True, one_pass: bool = False
+) -> None:
+    if inpaint_tab:
+        _inpaint_tab(wire, one_pass)
+    if other_tabs:
+        _img2img_and_text_diff_tabs(wire)
+
+
+def _inpaint_tab(wire, one_pass: bool) -> None:
+    """``one_pass``: the model repaints in one pass (no resampling passes to choose)."""
     with gr.Tab("Inpaint"):
         with gr.Row():
             with gr.Column():
@@ -292,7 +323,9 @@ def _edit_tabs(wire) -> None:
                 negative = gr.Textbox(label="Negative prompt (optional)")
                 with gr.Row():
                     count = gr.Slider(1, MAX_IMAGES, value=2, step=1, label="Images")
-                    passes = gr.Slider(1, 8, value=4, step=1, label="Resampling passes")
+                    passes = gr.Slider(
+                        1, 8, value=4, step=1, label="Resampling passes", visible=not one_pass
+                    )
                     seed = gr.Number(0, precision=0, label="Seed")
                 go = gr.Button("Inpaint", variant="primary", elem_id="inpaint")
             gallery = gr.Gallery(
@@ -309,6 +342,8 @@ def _edit_tabs(wire) -> None:
         )
         wire(go, inpaint, inputs, gallery)
 
+
+def _img2img_and_text_diff_tabs(wire) -> None:
     with gr.Tab("Image to image"):
         with gr.Row():
             with gr.Column():

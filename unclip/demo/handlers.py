@@ -87,6 +87,12 @@ class StepProgress:
         self.progress(min(1.0, self.done / self.total), desc=desc)
 
 
+def _latent(pipe) -> bool:
+    """A Kandinsky 2.2 pipeline: its edits take diffusers' keywords (``num_images_per_prompt``)
+    and its decoder reads no caption."""
+    return getattr(pipe, "family", None) == "kandinsky"
+
+
 def _callback(progress: Progress, plan) -> Optional[StepProgress]:
     return None if progress is None else StepProgress(progress, plan)
 
@@ -221,14 +227,21 @@ def variations(
     gen = _generator(seed)
     with _shown_to_user():
         plan = sampling_plan(pipe, sampling, ["decoder", *pipe.upsampler_names])
+        caption = _optional_text(caption)
+        extra = {}
+        if _latent(pipe):
+            if caption is not None:  # Kandinsky's decoder reads the image embedding alone
+                raise _user_error("This model's decoder reads no caption: leave it empty.")
+        else:
+            extra["caption"] = caption
         out = pipe.variations(
             image,
             num_images=n,
             generator=gen,
-            caption=_optional_text(caption),
             sampling=sampling,
             progress=False,
             callback_on_step_end=_callback(progress, plan),
+            **extra,
         )
     return _pil(out)
 
@@ -292,12 +305,15 @@ def inpaint(
     gen = _generator(seed)
     with _shown_to_user():
         plan = sampling_plan(pipe, sampling, pipe.stage_names)
+        # Kandinsky's inpainting decoder repaints in one pass and counts images per prompt
+        count = (
+            {"num_images_per_prompt": n} if _latent(pipe) else {"num_images": n, "resample": passes}
+        )
         out = pipe.inpaint(
             picture,
             mask,
             prompt,
-            num_images=n,
-            resample=passes,
+            **count,
             generator=gen,
             sampling=sampling,
             negative_prompt=_optional_text(negative_prompt),
@@ -325,11 +341,12 @@ def img2img(
     gen = _generator(seed)
     with _shown_to_user():
         plan = sampling_plan(pipe, sampling, pipe.stage_names)
+        count = {"num_images_per_prompt" if _latent(pipe) else "num_images": n}
         out = pipe.img2img(
             image,
             prompt,
             strength=strength,
-            num_images=n,
+            **count,
             generator=gen,
             sampling=sampling,
             negative_prompt=_optional_text(negative_prompt),
@@ -363,6 +380,12 @@ def text_diff(
         callback = _callback(progress, sampling_plan(pipe, sampling, pipe.upsampler_names))
         if callback is not None:  # the inversion and the diff's decode report no steps
             callback.note("inverting the image and decoding the frames")
+        if _latent(pipe):  # frames decoded deterministically at the page's size: no upsamplers
+            out = pipe.text_diff(
+                image, source, target, num_steps=n, max_theta=max_theta, steps=steps,
+                progress=False,
+            )  # fmt: skip
+            return _pil(out)
         out = pipe.text_diff(
             image,
             source,
