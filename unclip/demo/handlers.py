@@ -227,13 +227,13 @@ def variations(
     gen = _generator(seed)
     with _shown_to_user():
         plan = sampling_plan(pipe, sampling, ["decoder", *pipe.upsampler_names])
-        caption = _optional_text(caption)
+        given = _optional_text(caption)
         extra = {}
         if _latent(pipe):
-            if caption is not None:  # Kandinsky's decoder reads the image embedding alone
+            if given is not None:  # Kandinsky's decoder reads the image embedding alone
                 raise _user_error("This model's decoder reads no caption: leave it empty.")
         else:
-            extra["caption"] = caption
+            extra["caption"] = given
         out = pipe.variations(
             image,
             num_images=n,
