@@ -140,7 +140,9 @@ def our_losses(out: Path) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scripts", required=True, help="diffusers' examples/kandinsky2_2/text_to_image")
+    p.add_argument(
+        "--scripts", required=True, help="diffusers' examples/kandinsky2_2/text_to_image"
+    )
     p.add_argument("--stages", nargs="+", default=["decoder", "prior"], choices=list(SCRIPTS))
     p.add_argument("--short", type=int, default=3)
     p.add_argument("--long", type=int, default=23)

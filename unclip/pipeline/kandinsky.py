@@ -34,6 +34,7 @@ from unclip.nets.clip import CLIP
 from unclip.nets.latent_decoder import LatentDecoder
 from unclip.nets.text_encoding import check_prompts
 from unclip.pipeline.base import BasePipeline, ResolvedSampling
+from unclip.pipeline.kandinsky_edits import KandinskyEdits
 from unclip.pipeline.lora import LoraMixin
 from unclip.pipeline.memory import MemoryMixin
 from unclip.pipeline.output import UnCLIPOutput
@@ -112,7 +113,7 @@ KANDINSKY_DEFAULTS = {
 }
 
 
-class KandinskyPipeline(LoraMixin, MemoryMixin, BasePipeline):
+class KandinskyPipeline(LoraMixin, MemoryMixin, KandinskyEdits, BasePipeline):
     """Kandinsky 2.2's prior and latent decoder (see the module doc). ``sampling``: per-stage
     defaults, ``{"prior": {"steps": 25, "guidance_scale": 4.0}, "decoder": {...}}``. Beside
     text-to-image: :meth:`img2img`, :meth:`inpaint` (with an inpainting decoder),
@@ -783,75 +784,6 @@ class KandinskyPipeline(LoraMixin, MemoryMixin, BasePipeline):
             )
         self._onload("clip")
         return self.clip.encode_image(image).to(self.device)
-
-    @releases_gpu
-    def invert(
-        self,
-        image,
-        steps: int = 50,
-        guidance_scale: float = 1.0,
-        image_embeds: Optional[torch.Tensor] = None,
-        size: Optional[int] = None,
-        reconstruct: bool = True,
-        progress: bool = True,
-        fixed_point: int = 2,
-    ):
-        """DDIM inversion of the decoder: image(s) → the latents ``x_T`` its deterministic DDIM
-        decodes them back from (:func:`unclip.pipeline.kandinsky_edits.invert`)."""
-        from unclip.pipeline import kandinsky_edits
-
-        return kandinsky_edits.invert(
-            self, image, steps, guidance_scale, image_embeds, size, reconstruct, progress,
-            fixed_point,
-        )  # fmt: skip
-
-    @releases_gpu
-    def text_diff(
-        self,
-        image,
-        source_caption: str,
-        target_caption: str,
-        num_steps: int = 5,
-        max_theta: float = 0.5,
-        steps: int = 50,
-        guidance_scale: float = 1.0,
-        size: Optional[int] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        fixed_point: int = 2,
-    ):
-        """A text diff (paper §3.3): the image's embedding turned from ``source_caption``
-        towards ``target_caption``, each frame decoded from the image's inversion
-        (:func:`unclip.pipeline.kandinsky_edits.text_diff`)."""
-        from unclip.pipeline import kandinsky_edits
-
-        return kandinsky_edits.text_diff(
-            self, image, source_caption, target_caption, num_steps, max_theta, steps,
-            guidance_scale, size, output_type, progress, fixed_point,
-        )  # fmt: skip
-
-    @releases_gpu
-    def interpolate(
-        self,
-        start,
-        end,
-        num_steps: int = 5,
-        generator: Optional[torch.Generator] = None,
-        height: Optional[int] = None,
-        width: Optional[int] = None,
-        sampling: Optional[Mapping] = None,
-        output_type: str = "pil",
-        progress: bool = True,
-        callback_on_step_end: Optional[StepCallback] = None,
-    ):
-        """Frames along the slerp between the CLIP image embeddings of two prompts or images,
-        decoded from one seed (:func:`unclip.pipeline.kandinsky_edits.interpolate`)."""
-        from unclip.pipeline import kandinsky_edits
-
-        return kandinsky_edits.interpolate(
-            self, start, end, num_steps, generator, height, width, sampling, output_type,
-            progress, callback_on_step_end,
-        )  # fmt: skip
 
     @releases_gpu
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """Kandinsky 2.2's edits along the decoder's deterministic DDIM path (the paper's §3 on the latent
 decoder): DDIM inversion of an image's MoVQ latents, text diffs, and interpolation between prompts
-or images. The methods of :class:`~unclip.pipeline.kandinsky.KandinskyPipeline` call these.
+or images, as :class:`KandinskyEdits`, a capability
+:class:`~unclip.pipeline.kandinsky.KandinskyPipeline` inherits.
 
     inv = pipe.invert(image, steps=50)                 # inv.latents: the x_T it decodes from
     frames = pipe.text_diff(image, "a cat", "a dog", num_steps=5).images
@@ -16,13 +17,17 @@ of the inversions, inverts best: guided updates are not the gradient of one mode
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 
-from unclip.diffusion.loop import guided_output, is_guided
+from unclip.diffusion.loop import Generator, guided_output, is_guided
+from unclip.nets.clip import CLIP
+from unclip.nets.latent_decoder import LatentDecoder
+from unclip.pipeline.base import BasePipeline
 from unclip.pipeline.edit_ops import (
     EditOutput,
     Inversion,
@@ -33,18 +38,18 @@ from unclip.pipeline.edit_ops import (
     read_image,
     scheduler_levels,
 )
+from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.kandinsky import prior_text, zero_image_embed
+from unclip.sampling.stages import StepCallback
 from unclip.sampling.utils import check_count, check_output_type, slerp
 from unclip.utils.images import as_image_input, to_output
+from unclip.utils.offload import releases_gpu
 
-if TYPE_CHECKING:
-    from unclip.pipeline.kandinsky import KandinskyPipeline
-
-__all__ = ["invert", "text_diff", "interpolate"]
+__all__ = ["KandinskyEdits"]
 
 
 def _decoder_ddim(
-    pipe: KandinskyPipeline,
+    pipe: KandinskyEdits,
     embeds: torch.Tensor,
     steps: int,
     guidance_scale: float,
@@ -96,7 +101,7 @@ def _decoder_ddim(
     )
 
 
-def _size(pipe: KandinskyPipeline, size: Optional[int]) -> int:
+def _side(pipe: KandinskyEdits, size: Optional[int]) -> int:
     side = pipe.resolution if size is None else size
     f2 = pipe.decoder.scale_factor**2
     if isinstance(side, bool) or not isinstance(side, int) or side < f2 or side % f2:
@@ -108,8 +113,8 @@ def _size(pipe: KandinskyPipeline, size: Optional[int]) -> int:
 
 
 @torch.no_grad()
-def invert(
-    pipe: KandinskyPipeline,
+def _invert(
+    pipe: KandinskyEdits,
     image,
     steps: int = 50,
     guidance_scale: float = 1.0,
@@ -119,16 +124,11 @@ def invert(
     progress: bool = True,
     fixed_point: int = 2,
 ) -> Inversion:
-    """DDIM inversion of the decoder: image(s), resized to ``size`` (default
-    ``pipe.resolution``) and encoded by MoVQ, → the ``x_T`` latents from which the decoder's
-    deterministic DDIM (``steps``, ``guidance_scale``, conditioned on the images' image-tower
-    embeddings, or ``image_embeds``) decodes them back. ``fixed_point``: damped iterations
-    refining each inverted step; with ``reconstruct`` the round trip is decoded and its RMSE in
-    [-1, 1] units reported (``Inversion.error``)."""
+    """:meth:`KandinskyEdits.invert`."""
     progress = pipe._progress(progress)
     fixed_point = _check_fixed_point(fixed_point)
     x = read_image(image)
-    small = at_size(x, _size(pipe, size)).to(pipe.device)
+    small = at_size(x, _side(pipe, size)).to(pipe.device)
     embeds = pipe._image_embed(x) if image_embeds is None else image_embeds.to(pipe.device)
     if embeds.shape[0] != small.shape[0]:
         raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
@@ -150,8 +150,8 @@ def invert(
 
 
 @torch.no_grad()
-def text_diff(
-    pipe: KandinskyPipeline,
+def _text_diff(
+    pipe: KandinskyEdits,
     image,
     source_caption: str,
     target_caption: str,
@@ -164,12 +164,7 @@ def text_diff(
     progress: bool = True,
     fixed_point: int = 2,
 ) -> EditOutput:
-    """A text diff (paper §3.3) on the latent decoder: the image's image-tower embedding rotated
-    towards the normalised difference of the target and source captions' text-tower embeddings,
-    ``slerp`` for ``num_steps`` values of θ from 0 to ``max_theta`` (the embedding's norm kept),
-    each decoded from the image's inverted latents (:func:`invert` with ``steps``,
-    ``guidance_scale``, ``size`` and ``fixed_point``). θ = 0 is the inversion's reconstruction;
-    ``info["theta"]`` lists the θ values and ``info["inversion_error"]`` the round trip's RMSE."""
+    """:meth:`KandinskyEdits.text_diff`."""
     check_output_type(output_type)
     progress = pipe._progress(progress)
     n = check_count(num_steps, "num_steps")
@@ -180,7 +175,7 @@ def text_diff(
             raise ValueError(f"text_diff: {name} must be a non-empty string")
     if read_image(image).shape[0] != 1:
         raise ValueError("text_diff takes one image; call it once per image")
-    inv = invert(
+    inv = _invert(
         pipe, image, steps, guidance_scale, size=size, progress=progress, fixed_point=fixed_point
     )
     assert pipe.clip is not None
@@ -207,8 +202,8 @@ def text_diff(
 
 
 @torch.no_grad()
-def interpolate(
-    pipe: KandinskyPipeline,
+def _interpolate(
+    pipe: KandinskyEdits,
     start,
     end,
     num_steps: int = 5,
@@ -220,13 +215,7 @@ def interpolate(
     progress: bool = True,
     callback_on_step_end=None,
 ):
-    """Slerp between the CLIP image embeddings of two prompts (the prior's) or two images (the
-    image tower's): ``start``, ``end`` each an image (a path to an existing file, a PIL image, an
-    array or a tensor) or a prompt (any other string). Every frame is decoded with one seed drawn
-    from ``generator``, so the frames differ only by the embedding; guided away from the
-    embedding of no image as text-to-image is."""
-    from unclip.pipeline.output import UnCLIPOutput
-
+    """:meth:`KandinskyEdits.interpolate`."""
     check_output_type(output_type)
     if check_count(num_steps, "num_steps") < 2:
         raise ValueError("interpolate: num_steps must be >= 2")
@@ -262,3 +251,115 @@ def interpolate(
         output_type=output_type,
     )
     return UnCLIPOutput(images=images, image_embeds=embeds)
+
+
+class KandinskyEdits(BasePipeline):
+    """:meth:`invert`, :meth:`text_diff` and :meth:`interpolate` on a Kandinsky pipeline (see the
+    module doc). What they read of the pipeline is declared here; the pipeline provides it."""
+
+    decoder: LatentDecoder
+    clip: Optional[CLIP]
+    scheduler: Any
+    resolution: int
+
+    if TYPE_CHECKING:  # the pipeline's own, declared for the edits that call them
+
+        def _image_embed(self, image) -> torch.Tensor: ...
+
+        def sample_image_embeds(
+            self,
+            prompt,
+            negative_prompt=None,
+            num_images_per_prompt: int = 1,
+            generator: Generator = None,
+            latents: Optional[torch.Tensor] = None,
+            sampling: Optional[Mapping] = None,
+            progress: bool = True,
+            callback_on_step_end: Optional[StepCallback] = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+        def decode(
+            self,
+            image_embeds: torch.Tensor,
+            negative_image_embeds: torch.Tensor,
+            height: Optional[int] = None,
+            width: Optional[int] = None,
+            num_images_per_prompt: int = 1,
+            generator: Generator = None,
+            latents: Optional[torch.Tensor] = None,
+            sampling: Optional[Mapping] = None,
+            progress: bool = True,
+            callback_on_step_end: Optional[StepCallback] = None,
+            output_type: str = "latent",
+        ) -> Any: ...
+
+    @releases_gpu
+    def invert(
+        self,
+        image,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        image_embeds: Optional[torch.Tensor] = None,
+        size: Optional[int] = None,
+        reconstruct: bool = True,
+        progress: bool = True,
+        fixed_point: int = 2,
+    ) -> Inversion:
+        """DDIM inversion of the decoder: image(s), resized to ``size`` (default
+        :attr:`resolution`) and encoded by MoVQ, → the latents ``x_T`` from which the decoder's
+        deterministic DDIM (``steps``, ``guidance_scale``, conditioned on the images' image-tower
+        embeddings, or ``image_embeds``) decodes them back. ``fixed_point``: damped iterations
+        refining each inverted step; with ``reconstruct`` the round trip is decoded and its RMSE
+        in [-1, 1] units reported (``Inversion.error``)."""
+        return _invert(
+            self, image, steps, guidance_scale, image_embeds, size, reconstruct, progress,
+            fixed_point,
+        )  # fmt: skip
+
+    @releases_gpu
+    def text_diff(
+        self,
+        image,
+        source_caption: str,
+        target_caption: str,
+        num_steps: int = 5,
+        max_theta: float = 0.5,
+        steps: int = 50,
+        guidance_scale: float = 1.0,
+        size: Optional[int] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        fixed_point: int = 2,
+    ) -> EditOutput:
+        """A text diff (paper §3.3): the image's embedding turned from ``source_caption``
+        towards ``target_caption`` (θ from 0 to ``max_theta`` in ``num_steps`` frames), each
+        frame decoded from the image's inversion (:meth:`invert` with ``steps``,
+        ``guidance_scale``, ``size``, ``fixed_point``). θ = 0 is the reconstruction;
+        ``info["theta"]`` lists the θ values, ``info["inversion_error"]`` the round trip's
+        RMSE."""
+        return _text_diff(
+            self, image, source_caption, target_caption, num_steps, max_theta, steps,
+            guidance_scale, size, output_type, progress, fixed_point,
+        )  # fmt: skip
+
+    @releases_gpu
+    def interpolate(
+        self,
+        start,
+        end,
+        num_steps: int = 5,
+        generator: Optional[torch.Generator] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        sampling: Optional[Mapping] = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback_on_step_end: Optional[StepCallback] = None,
+    ) -> UnCLIPOutput:
+        """Frames along the slerp between the CLIP image embeddings of two prompts (the
+        prior's) or two images (the image tower's), every frame decoded with one seed drawn from
+        ``generator`` so that they differ only by the embedding."""
+        return _interpolate(
+            self, start, end, num_steps, generator, height, width, sampling, output_type,
+            progress, callback_on_step_end,
+        )  # fmt: skip
