@@ -188,8 +188,8 @@ def test_lora_fine_tune_exports_the_merged_decoder_and_the_adapter(folders, tmp_
     meta = json.loads((final / "decoder_lora" / "unclip_lora.json").read_text())
     assert meta["stage"] == "decoder" and meta["rank"] == 2
     assert meta["component"] == "UNet2DConditionModel"
-    # the adapter on the original pipeline draws what the merged export draws; at scale 0, the
-    # original's images exactly
+    # the adapter on the original pipeline draws what the merged export draws, fused or not; at
+    # scale 0 the original's images exactly
     base = KandinskyPipeline.from_pretrained(folders / "decoder", prior=folders / "prior")
     merged_pipe = KandinskyPipeline.from_pretrained(final / "decoder")
 
@@ -213,6 +213,12 @@ def test_lora_fine_tune_exports_the_merged_decoder_and_the_adapter(folders, tmp_
     assert float((adapted - before).abs().max()) > 1e-3
     base.set_lora_scale(0.0)
     assert torch.equal(draw(base), before)
+    base.set_lora_scale(1.0)
+    base.fuse_lora()  # folded into the UNet's weights: the same images, to float rounding
+    assert float((draw(base) - adapted).abs().max()) <= 1e-4
+    base.unfuse_lora()  # taken out again, to the rounding of adding and subtracting it
+    base.unload_lora()
+    assert float((draw(base) - before).abs().max()) <= 1e-4 and base.get_list_adapters() == {}
     with pytest.raises(ValueError, match="for the 'decoder' stage, not 'prior'"):
         base.load_lora(final / "decoder_lora", stage="prior")
 
