@@ -862,3 +862,32 @@ def test_inversion_text_diff_and_interpolation_on_the_latent_decoder(pipe):
                         generator=_same_seed(g, 1), sampling=settings, progress=False)  # fmt: skip
     assert float((frames.images[0] - first[0]).abs().max()) < 1e-4  # batch of 3 against 1
     assert not torch.equal(frames.images[0], frames.images[2])
+
+
+def test_offload_hooks_and_step_callbacks_change_no_image(pipe):
+    """With the model offloader's hooks on every component (execution device the CPU, so nothing
+    is copied) a call draws the same images, bringing in the CLIP, then the prior, then the
+    decoder; ``callback_on_step_end`` sees every step of both stages, in order."""
+    from unclip.utils.offload import ModelOffloader
+
+    kw = dict(height=SIZE, width=SIZE, output_type="pt", progress=False)
+    sampling = {"prior": {"steps": 2}, "decoder": {"steps": 3}}
+    ref = pipe("a red circle", generator=_gen(3), sampling=sampling, **kw).images
+    seen = []
+
+    def callback(p, step, timestep, kwargs):
+        seen.append((kwargs["stage"], step))
+        return {}
+
+    off = ModelOffloader(pipe.modules(), torch.device("cpu"))
+    order = []
+    activate = off.activate
+    off.activate = lambda name: (order.append(name) if name != off.active else None, activate(name))
+    try:
+        out = pipe("a red circle", generator=_gen(3), sampling=sampling,
+                   callback_on_step_end=callback, **kw).images  # fmt: skip
+    finally:
+        off.remove()
+    assert torch.equal(out, ref)
+    assert order[:3] == ["clip", "prior", "decoder"]
+    assert seen == [("prior", 0), ("prior", 1), ("decoder", 0), ("decoder", 1), ("decoder", 2)]
