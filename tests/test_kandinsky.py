@@ -502,8 +502,8 @@ def test_pipeline_refusals_name_what_to_do(prior_folder, decoder_folder, pipe):
     assert alone.stage_names == ["decoder"]
     with pytest.raises(ValueError, match="has no prior: load it with prior="):
         alone("a cat")
-    with pytest.raises(ValueError, match="unknown setting 'best_of'"):
-        pipe("a cat", sampling={"decoder": {"best_of": 2}})
+    with pytest.raises(ValueError, match="unknown setting 'rerank_at'"):
+        pipe("a cat", sampling={"decoder": {"rerank_at": 2}})
     with pytest.raises(ValueError, match=r"sampling\['prior'\]: steps must be"):
         pipe("a cat", prior_num_inference_steps=0)
     with pytest.raises(ValueError, match="memory_format: not supported for a Kandinsky"):

@@ -294,6 +294,8 @@ def test_refusals_name_what_to_do(folders, tmp_path):
         load_kandinsky_config(cfg, (), ("prior",))
     with pytest.raises(ConfigError, match="init_weights"):
         load_kandinsky_config(cfg, ["train.init_weights=x"])
+    with pytest.raises(ConfigError, match="sampling: steps must be an integer >= 1"):
+        load_kandinsky_config(cfg, ["sampling.steps=0"])
     with pytest.raises(ConfigError, match="pretrained is required"):
         load_kandinsky_config({"kandinsky": {"stage": "prior"}})
     with pytest.raises(ConfigError, match="multiple of 4"):
@@ -305,6 +307,72 @@ def test_refusals_name_what_to_do(folders, tmp_path):
     with pytest.raises(ValueError, match="is a Kandinsky prior folder"):
         _train("decoder", wrong, tmp_path / "r2")
     assert not (tmp_path / "r2" / "checkpoints").exists()
+    # a folder whose scheduler samples with the learned variance, which the loss does not train
+    import shutil
+
+    learned = tmp_path / "learned"
+    shutil.copytree(folders / "decoder", learned)
+    sched = learned / "scheduler" / "scheduler_config.json"
+    sched.write_text(sched.read_text().replace('"fixed_small"', '"learned_range"'))
+    data["kandinsky"]["pretrained"] = str(learned)
+    wrong.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="learned variance"):
+        _train("decoder", wrong, tmp_path / "r3")
+
+
+def test_losses_regress_the_right_targets_from_the_right_conditioning(folders):
+    """The prior's loss is zero exactly when it predicts the image tower's embedding normalised
+    by its own clip_mean/clip_std; the decoder's UNet reads each image's image-tower embedding,
+    or with image_embed_drop_prob 1 the all-zero image's, and its noised input is the MoVQ
+    latents of the training image."""
+    from unclip.sampling.kandinsky import prior_text, zero_image_embed
+    from unclip.train.kandinsky import KandinskyDecoderTask, KandinskyPriorTask
+
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "caption": ["a red circle", "two blue squares"],
+        "image": torch.rand(2, 3, SIZE, SIZE, generator=gen) * 2 - 1,
+        "clip_image": torch.rand(2, 3, SIZE, SIZE, generator=gen) * 2 - 1,
+    }
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    parts = read_kandinsky_prior(folders / "prior")
+    prior, clip = parts["prior"], parts["clip"]
+    stats = (prior.clip_mean.detach().clone(), prior.clip_std.detach().clone())
+    cfg = load_kandinsky_config({
+        "kandinsky": {"stage": "prior", "pretrained": str(folders / "prior")},
+        "train": {"text_drop_prob": 0.0},
+    })  # fmt: skip
+    task = KandinskyPriorTask(cfg, clip, parts["prior_scheduler"], stats, "cpu")
+    with torch.no_grad():
+        true = clip.encode_image(batch["clip_image"]).float()
+        text = prior_text(clip, batch["caption"])
+    seen = {}
+
+    def oracle(x_t, timestep, proj_embedding, encoder_hidden_states, attention_mask):
+        seen.update(embed=proj_embedding, tokens=encoder_hidden_states, mask=attention_mask)
+        out = (true - stats[0]) / stats[1]
+        return type("Out", (), {"predicted_image_embedding": out})
+
+    assert float(task.loss(oracle, batch, gens)) == 0.0
+    assert torch.equal(seen["embed"], text.text_embed) and torch.equal(seen["mask"], text.text_mask)
+    dparts = read_kandinsky_decoder(folders / "decoder")
+    decoder = dparts["decoder"]
+    for drop in (0.0, 1.0):
+        dcfg = load_kandinsky_config({
+            "kandinsky": {"stage": "decoder", "pretrained": str(folders / "decoder")},
+            "train": {"image_embed_drop_prob": drop},
+        })  # fmt: skip
+        dtask = KandinskyDecoderTask(dcfg, decoder.movq, clip, dparts["scheduler"], "cpu")
+        got: dict = {}
+
+        def unet(sample, timestep, encoder_hidden_states, added_cond_kwargs, return_dict, got=got):
+            got.update(embeds=added_cond_kwargs["image_embeds"], x_t=sample)
+            return (torch.zeros(sample.shape[0], 8, *sample.shape[2:]),)
+
+        dtask.loss(unet, batch, [torch.Generator().manual_seed(i) for i in range(2)])
+        want = zero_image_embed(clip, 2) if drop else true
+        assert torch.allclose(got["embeds"], want, atol=1e-6), drop
+        assert got["x_t"].shape == decoder.encode(batch["image"]).shape
 
 
 @pytest.mark.slow
@@ -382,6 +450,7 @@ def test_evaluate_scores_a_kandinsky_pipeline_with_its_own_clip(folders, tmp_pat
     import shutil
 
     from unclip.cli.evaluate import main as evaluate
+    from unclip.eval.evaluate import evaluate as evaluate_fn
     from unclip.eval.evaluate import sample_seed
 
     model = tmp_path / "k22"
@@ -421,3 +490,6 @@ def test_evaluate_scores_a_kandinsky_pipeline_with_its_own_clip(folders, tmp_pat
         txt = pipe.clip.encode_text(prompts).text_embed
     cos = torch.nn.functional.cosine_similarity(img, txt, dim=-1).mean()
     assert report["clip_score"]["cosine_mean"] == pytest.approx(float(cos), abs=1e-4)
+    with pytest.raises(ValueError, match="--sample-size must be a multiple of 4"):
+        evaluate_fn(tmp_path / "o2", model=str(model), prompts_file=tmp_path / "prompts.txt",
+                    sample_size=34, num_samples=2)  # fmt: skip

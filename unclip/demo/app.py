@@ -210,78 +210,87 @@ def build_demo(pipe, model_name: str = "", examples: Sequence[str] = ()) -> gr.B
                 run, inputs={*inputs.values(), *form.components}, outputs=outputs, **one_at_a_time
             )
 
-        with gr.Tab("Generate"):
-            with gr.Row():
-                with gr.Column():
-                    prompt = gr.Textbox(label="Prompt", elem_id="prompt", lines=2)
-                    inputs: dict[str, Any] = dict(prompt=prompt)
-                    if not tokens:
-                        negative = gr.Textbox(label="Negative prompt (optional)")
-                        inputs["negative_prompt"] = negative
-                    with gr.Row():
-                        count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
-                        seed = gr.Number(0, precision=0, label="Seed")
-                    go = gr.Button("Generate", variant="primary", elem_id="generate")
-                    if examples:
-                        gr.Examples([[e] for e in examples], inputs=[prompt])
-                gallery = gr.Gallery(label="Images", elem_id="gallery", format="png", columns=4)
-            wire(go, generate, dict(inputs, num_images=count, seed=seed), gallery)
+        # an inpainting decoder repaints masked images only: nothing to draw from noise
+        draws = not (kandinsky and pipe.decoder.inpaint)
+        if draws:
+            _generate_tab(wire, tokens, examples)
 
         if not tokens:
             _embedding_tabs(wire, pipe, kandinsky)
     return demo
 
 
+def _generate_tab(wire, tokens: bool, examples: Sequence[str]) -> None:
+    with gr.Tab("Generate"):
+        with gr.Row():
+            with gr.Column():
+                prompt = gr.Textbox(label="Prompt", elem_id="prompt", lines=2)
+                inputs: dict[str, Any] = dict(prompt=prompt)
+                if not tokens:
+                    negative = gr.Textbox(label="Negative prompt (optional)")
+                    inputs["negative_prompt"] = negative
+                with gr.Row():
+                    count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
+                    seed = gr.Number(0, precision=0, label="Seed")
+                go = gr.Button("Generate", variant="primary", elem_id="generate")
+                if examples:
+                    gr.Examples([[e] for e in examples], inputs=[prompt])
+            gallery = gr.Gallery(label="Images", elem_id="gallery", format="png", columns=4)
+        wire(go, generate, dict(inputs, num_images=count, seed=seed), gallery)
+
+
 def _embedding_tabs(wire, pipe, kandinsky: bool = False) -> None:
     """The tabs that work on CLIP image embeddings: an unCLIP or Kandinsky pipeline's. A
     Kandinsky decoder reads no caption, and repaints (Inpaint) only when it is an inpainting
-    decoder, which in turn draws nothing from noise (no Image to image, no Text diff)."""
-    with gr.Tab("Variations"):
-        with gr.Row():
-            with gr.Column():
-                source = gr.Image(label="Image", type="pil", image_mode="RGB")
-                caption = gr.Textbox(
-                    label="Caption for the decoder (optional)", visible=not kandinsky
+    decoder, which in turn draws nothing from noise (no Variations, Interpolate, Image to image or
+    Text diff; no Generate either)."""
+    if not (kandinsky and pipe.decoder.inpaint):
+        with gr.Tab("Variations"):
+            with gr.Row():
+                with gr.Column():
+                    source = gr.Image(label="Image", type="pil", image_mode="RGB")
+                    caption = gr.Textbox(
+                        label="Caption for the decoder (optional)", visible=not kandinsky
+                    )
+                    with gr.Row():
+                        v_count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
+                        v_seed = gr.Number(0, precision=0, label="Seed")
+                    v_go = gr.Button("Make variations", variant="primary", elem_id="variations")
+                v_gallery = gr.Gallery(
+                    label="Variations", elem_id="variations-gallery", format="png", columns=4
                 )
-                with gr.Row():
-                    v_count = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="Images")
-                    v_seed = gr.Number(0, precision=0, label="Seed")
-                v_go = gr.Button("Make variations", variant="primary", elem_id="variations")
-            v_gallery = gr.Gallery(
-                label="Variations", elem_id="variations-gallery", format="png", columns=4
+            inputs = dict(image=source, caption=caption, num_images=v_count, seed=v_seed)
+            wire(v_go, variations, inputs, v_gallery)
+
+        with gr.Tab("Interpolate"):
+            with gr.Row():
+                with gr.Column():
+                    start = gr.Textbox(label="Start prompt", elem_id="start-prompt")
+                    end = gr.Textbox(label="End prompt", elem_id="end-prompt")
+                    with gr.Row():
+                        frames = gr.Slider(2, MAX_IMAGES, value=5, step=1, label="Frames")
+                        i_seed = gr.Number(0, precision=0, label="Seed")
+                    i_go = gr.Button("Interpolate", variant="primary", elem_id="interpolate")
+                with gr.Column():
+                    frame = gr.Image(
+                        label="Frame", type="pil", format="png", interactive=False, height=256
+                    )
+                    pick = gr.Slider(0, 4, value=0, step=1, label="Frame (start → end)")
+                    i_gallery = gr.Gallery(
+                        label="Frames", elem_id="interpolate-gallery", format="png", columns=5
+                    )
+            stored = gr.State([])
+
+            def shown(images):
+                return images, images, images[0], gr.Slider(maximum=len(images) - 1, value=0)
+
+            inputs = dict(start=start, end=end, num_frames=frames, seed=i_seed)
+            wire(i_go, interpolate, inputs, [i_gallery, stored, frame, pick], after=shown)
+            pick.change(
+                lambda images, i: images[int(i)] if images and int(i) < len(images) else None,
+                inputs=[stored, pick],
+                outputs=frame,
             )
-        inputs = dict(image=source, caption=caption, num_images=v_count, seed=v_seed)
-        wire(v_go, variations, inputs, v_gallery)
-
-    with gr.Tab("Interpolate"):
-        with gr.Row():
-            with gr.Column():
-                start = gr.Textbox(label="Start prompt", elem_id="start-prompt")
-                end = gr.Textbox(label="End prompt", elem_id="end-prompt")
-                with gr.Row():
-                    frames = gr.Slider(2, MAX_IMAGES, value=5, step=1, label="Frames")
-                    i_seed = gr.Number(0, precision=0, label="Seed")
-                i_go = gr.Button("Interpolate", variant="primary", elem_id="interpolate")
-            with gr.Column():
-                frame = gr.Image(
-                    label="Frame", type="pil", format="png", interactive=False, height=256
-                )
-                pick = gr.Slider(0, 4, value=0, step=1, label="Frame (start → end)")
-                i_gallery = gr.Gallery(
-                    label="Frames", elem_id="interpolate-gallery", format="png", columns=5
-                )
-        stored = gr.State([])
-
-        def shown(images):
-            return images, images, images[0], gr.Slider(maximum=len(images) - 1, value=0)
-
-        inputs = dict(start=start, end=end, num_frames=frames, seed=i_seed)
-        wire(i_go, interpolate, inputs, [i_gallery, stored, frame, pick], after=shown)
-        pick.change(
-            lambda images, i: images[int(i)] if images and int(i) < len(images) else None,
-            inputs=[stored, pick],
-            outputs=frame,
-        )
 
     with gr.Tab("Edit"):
         inpaints = not kandinsky or pipe.decoder.inpaint

@@ -241,6 +241,13 @@ def _check_sample_size(pipe, size: int) -> int:
             f"--sample-size: this {type(pipe).__name__} draws at its fixed resolution "
             f"({pipe.resolution}px); leave --sample-size out"
         )
+    decoder = getattr(pipe, "decoder", None)
+    f2 = int(getattr(decoder, "scale_factor", 1)) ** 2
+    if size % f2:
+        raise ValueError(
+            f"--sample-size must be a multiple of {f2} for this model (its autoencoder's "
+            f"downsampling, squared), got {size}"
+        )
     return size
 
 
@@ -464,6 +471,8 @@ def evaluate(
         raise ValueError(
             "--samples takes the captions from DIR/*.txt; drop --prompts/--coco-captions"
         )
+    elif sample_size is not None:
+        raise ValueError("--sample-size sets the size a --model draws at; --samples are drawn")
     else:
         report["prompts"] = {"source": f"captions in {samples}"}
     if n is not None and n < 2 and reference:

@@ -70,6 +70,8 @@ PIPELINE_WRITERS = EntryPointRegistry("unclip.pipeline_writers")
 
 #: the most candidates per image a stage draws (as the native stages' ``best_of``)
 MAX_BEST_OF = 512
+#: decoder candidates decoded and scored at a time when reranking
+RERANK_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +82,9 @@ class KandinskySampling:
     ``"unipc"``, ...) or class name, built from the folder's scheduler config as diffusers users
     swap one in (``DDIMScheduler.from_config(pipe.scheduler.config)``). ``best_of``: candidates
     per image, the one whose CLIP image embedding is closest (cosine) to the prompt's CLIP text
-    embedding kept — prior embeddings (the paper's prior reranking), or decoded images scored by
-    the image tower; only text-to-image calls rerank (1, the default, draws as diffusers)."""
+    embedding kept — prior embeddings (the paper's prior reranking, wherever the prior samples:
+    text-to-image and the edits that take a prompt), or decoded images scored by the image tower
+    (text-to-image calls only); 1, the default, draws as diffusers."""
 
     steps: int
     guidance_scale: float
@@ -539,13 +542,21 @@ class KandinskyPipeline(LoraMixin, MemoryMixin, KandinskyEdits, BasePipeline):
         """Of ``k`` adjacent candidate latents per image, the one whose decoded image the CLIP's
         image tower puts closest to the prompt's text embedding, as ``output_type`` says."""
         assert self.clip is not None
-        images = self.decoder.decode(latents).float().clamp(-1, 1)
-        self._onload("clip")
-        embeds = self.clip.encode_image(images.to(self.clip.device))
-        best = self._best(embeds, prompt, n, k)
+        # scored a few candidates at a time, keeping only their embeddings: a large best_of at
+        # full size would otherwise hold every decoded candidate at once; the winners are
+        # decoded again (one decode per image more)
+        embeds = []
+        for rows in latents.split(RERANK_CHUNK):
+            self._onload("decoder")
+            images = self.decoder.decode(rows).float().clamp(-1, 1)
+            self._onload("clip")
+            embeds.append(self.clip.encode_image(images.to(self.clip.device)))
+        best = self._best(torch.cat(embeds), prompt, n, k)
+        chosen = _pick(latents, best, k)
         if output_type == "latent":
-            return _pick(latents, best, k)
-        return to_output(_pick(images, best, k), output_type)
+            return chosen
+        self._onload("decoder")
+        return to_output(self.decoder.decode(chosen).float().clamp(-1, 1), output_type)
 
     # ------------------------------------------------------------------ editing
     def _overrides(self, sampling, **flat) -> ResolvedSampling:

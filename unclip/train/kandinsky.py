@@ -137,6 +137,16 @@ class SampleGridConfig:
     steps: int = 25
     guidance_scale: float = 4.0
 
+    def __post_init__(self) -> None:
+        # checked when the config loads: a bad value found at the first grid would end the run
+        # before that step's checkpoint
+        from unclip.pipeline.kandinsky import KandinskySampling
+
+        try:
+            KandinskySampling(self.steps, self.guidance_scale)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"sampling: {exc}") from None
+
 
 @dataclass
 class KandinskyTrainConfig:
@@ -313,9 +323,12 @@ class KandinskyDecoderTask:
     name = "decoder"
     grid_size = GRID_SIZE
 
-    def __init__(self, cfg: KandinskyTrainConfig, movq, clip: CLIP, scheduler, device):
+    def __init__(
+        self, cfg: KandinskyTrainConfig, movq, clip: CLIP, scheduler, device, mixed_precision="no"
+    ):
         self.cfg, self.movq, self.clip, self.scheduler = cfg, movq, clip, scheduler
         self.device = torch.device(device)
+        self.frozen = _frozen_precision(self.device, mixed_precision)
         self.noise_sched = training_noise_schedule(scheduler)
         self.channels = int(movq.config["latent_channels"])
         self.zero = _zero_embed(clip)
@@ -323,8 +336,9 @@ class KandinskyDecoderTask:
 
     @torch.no_grad()
     def _encode(self, images: torch.Tensor, clip_images: torch.Tensor):
-        latents = self.movq.encode(images.to(self.device)).latents.float()
-        embeds = self.clip.encode_image(clip_images.to(self.device)).float()
+        with self.frozen():
+            latents = self.movq.encode(images.to(self.device)).latents.float()
+            embeds = self.clip.encode_image(clip_images.to(self.device)).float()
         return latents, embeds
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
@@ -379,6 +393,18 @@ class KandinskyDecoderTask:
         return image_grid(torch.cat([images.cpu(), out.float().cpu()]), cols=n)
 
 
+def _frozen_precision(device: torch.device, mixed_precision: str):
+    """A context for the frozen encoders (MoVQ, the CLIP towers): the run's half precision under
+    autocast when it trains in one (Accelerate's autocast wraps the trained model's forward
+    only, and these run outside it on every micro-batch), full precision otherwise."""
+    import contextlib
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(mixed_precision))
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
 def _zero_embed(clip: CLIP) -> torch.Tensor:
     from unclip.sampling.kandinsky import zero_image_embed
 
@@ -395,10 +421,13 @@ class KandinskyPriorTask:
 
     name = "prior"
 
-    def __init__(self, cfg: KandinskyTrainConfig, clip: CLIP, scheduler, stats, device):
+    def __init__(
+        self, cfg: KandinskyTrainConfig, clip: CLIP, scheduler, stats, device, mixed_precision="no"
+    ):
         from unclip.sampling.kandinsky import prior_text
 
         self.cfg, self.clip, self.device = cfg, clip, torch.device(device)
+        self.frozen = _frozen_precision(self.device, mixed_precision)
         self.noise_sched = training_noise_schedule(scheduler)
         self.prior_text = prior_text
         self.null = prior_text(clip, [""])
@@ -406,9 +435,10 @@ class KandinskyPriorTask:
         self.cosines: list[float] = []
 
     def loss(self, model, batch: dict, generators) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), self.frozen():
             text = self.prior_text(self.clip, batch["caption"])
             target = self.clip.encode_image(batch["clip_image"].to(self.device)).float()
+        text = text._map(lambda x: x.float() if x.is_floating_point() else x)
         coins = torch.stack([torch.rand((), generator=g) for g in generators]).to(self.device)
         drop = coins < self.cfg.train.text_drop_prob
         null = self.null
@@ -493,6 +523,13 @@ def _load_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
         raise ValueError(
             f"{k.pretrained} is an inpainting decoder (its UNet reads masked images): fine-tuning "
             "one is not supported yet; fine-tune the text-to-image decoder"
+        )
+    variance = parts["scheduler"].config.get("variance_type")
+    if variance in ("learned", "learned_range"):
+        raise ValueError(
+            f"{k.pretrained}: its scheduler samples with the UNet's learned variance "
+            f"(variance_type={variance!r}), which this trainer does not train (the loss covers "
+            "the first C output channels); fine-tune a folder whose scheduler has a fixed variance"
         )
     prior_source = k.prior or parts.get("card_prior")
     if prior_source is None:
@@ -621,9 +658,13 @@ def train_kandinsky(
     task: KandinskyDecoderTask | KandinskyPriorTask
     if cfg.stage == "decoder":
         movq = parts["movq"].to(device).eval().requires_grad_(False)
-        task = KandinskyDecoderTask(cfg, movq, clip, parts["scheduler"], device)
+        task = KandinskyDecoderTask(
+            cfg, movq, clip, parts["scheduler"], device, loop.mixed_precision
+        )
     else:
-        task = KandinskyPriorTask(cfg, clip, parts["scheduler"], parts["stats"], device)
+        task = KandinskyPriorTask(
+            cfg, clip, parts["scheduler"], parts["stats"], device, loop.mixed_precision
+        )
     data = loop.batches(cfg.data, cfg.data.resolution, clip_resolution=clip.image_size)
     if loop.run(task, data):
         _export(loop, cfg, parts)
