@@ -14,8 +14,10 @@ loading the folders and the data, the final save). The ratio is the median over 
 step time over diffusers'. Both run in fp32 on the CPU (``--mixed_precision no``), batch
 ``--batch``, no gradient accumulation, no EMA, no condition dropout (the scripts have none), on 32
 px shapes images (``data/`` holds them with ``metadata.jsonl`` for ``datasets``' imagefolder, and
-with same-stem ``.txt`` captions for unclip). The mean training loss of each long run is reported
-beside it: the two trainers optimise the same objective, so the figures should be alike.
+with same-stem ``.txt`` captions for unclip), a constant learning rate of 1e-4 and Adam's betas
+0.9 / 0.999 on both sides (the scripts' defaults). The mean training loss of each long run is reported beside it: both optimise the
+same objective from the same weights, so the figures should be alike, not equal (the data order and
+the noise draws differ).
 
 Results go to ``benchmarks/results/bench_kandinsky_finetune.json``.
 """
@@ -93,7 +95,10 @@ def ours(stage: str, root: Path, steps: int, batch: int, out: Path) -> list:
             "output_dir": str(out),
             "max_steps": steps,
             "grad_accum_steps": 1,
+            # diffusers' scripts' defaults: a constant 1e-4 and Adam's betas 0.9 / 0.999
             "lr": 1e-4,
+            "min_lr": 1e-4,
+            "adam_betas": [0.9, 0.999],
             "warmup_steps": 0,
             "weight_decay": 0.0,
             "mixed_precision": "no",
