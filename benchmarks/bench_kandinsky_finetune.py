@@ -15,9 +15,9 @@ step time over diffusers'. Both run in fp32 on the CPU (``--mixed_precision no``
 ``--batch``, no gradient accumulation, no EMA, no condition dropout (the scripts have none), on 32
 px shapes images (``data/`` holds them with ``metadata.jsonl`` for ``datasets``' imagefolder, and
 with same-stem ``.txt`` captions for unclip), a constant learning rate of 1e-4 and Adam's betas
-0.9 / 0.999 on both sides (the scripts' defaults). The mean training loss of each long run is reported beside it: both optimise the
-same objective from the same weights, so the figures should be alike, not equal (the data order and
-the noise draws differ).
+0.9 / 0.999 on both sides (the scripts' defaults). The mean training loss of each long run is
+reported beside it: both optimise the same objective from the same weights, so the figures should
+be alike, not equal (the data order and the noise draws differ).
 
 Results go to ``benchmarks/results/bench_kandinsky_finetune.json``.
 """
