@@ -188,12 +188,12 @@ def is_kandinsky_config(path) -> bool:
     run of :mod:`unclip.train.kandinsky` rather than a native stage config)."""
     if isinstance(path, dict):
         return "kandinsky" in path
-    try:
-        import yaml
+    import yaml
 
+    try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, yaml.YAMLError):
         return False  # the stage config loader reports what is wrong with the file
     return isinstance(data, dict) and "kandinsky" in data
 
