@@ -19,6 +19,7 @@ from PIL import Image
 
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.stages import Denoiser
+from unclip.sampling.utils import check_count, slerp
 from unclip.utils.images import (
     open_image_file,
     pil_to_tensor,
@@ -236,6 +237,42 @@ def ddim_path(
             x_t = x_t + FIXED_POINT_DAMPING * (solved - x_t)
         x = x_t
     return x
+
+
+def check_text_diff_args(image, source_caption, target_caption, num_steps, max_theta) -> int:
+    """A text diff's arguments checked (one image, two non-empty captions, θ in (0, 1]); returns
+    the number of frames."""
+    n = check_count(num_steps, "num_steps")
+    if not 0 < float(max_theta) <= 1:
+        raise ValueError(f"text_diff: max_theta must be in (0, 1], got {max_theta!r}")
+    for name, c in (("source_caption", source_caption), ("target_caption", target_caption)):
+        if not isinstance(c, str) or not c.strip():
+            raise ValueError(f"text_diff: {name} must be a non-empty string")
+    if read_image(image).shape[0] != 1:
+        raise ValueError("text_diff takes one image; call it once per image")
+    return n
+
+
+def text_diff_embeds(
+    image_embeds: torch.Tensor, text_embeds: torch.Tensor, n: int, max_theta: float
+) -> tuple[torch.Tensor, list[float]]:
+    """The paper's text diff (§3.3): ``image_embeds [1, D]`` turned towards the normalised
+    difference of ``text_embeds [2, D]`` (target minus source) by ``slerp`` at ``n`` values of θ
+    from 0 to ``max_theta``; returns the ``[n, D]`` embeddings and the θ values."""
+    z = text_embeds.float()
+    diff = z[1] - z[0]
+    if float(diff.norm()) < 1e-6:
+        raise ValueError(
+            "text_diff: the source and target captions encode identically; give two captions "
+            "that differ in what should change"
+        )
+    z_d = F.normalize(diff, dim=-1)[None].to(image_embeds)
+    thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
+    # rotate on the unit sphere and keep the image embedding's norm (a CLIP whose embeddings
+    # are not normalised, e.g. Karlo's, would otherwise scale the direction down)
+    norm = image_embeds.norm(dim=-1, keepdim=True)
+    unit = F.normalize(image_embeds, dim=-1)
+    return torch.cat([slerp(unit, z_d, th) * norm for th in thetas]), thetas
 
 
 def _same_seed(generator: Optional[torch.Generator], n: int) -> list[torch.Generator]:

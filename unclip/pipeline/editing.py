@@ -35,7 +35,6 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_unclip import UnCLIPScheduler
@@ -53,10 +52,12 @@ from unclip.pipeline.edit_ops import (
     _levels,
     _same_seed,
     at_size,
+    check_text_diff_args,
     ddim_path,
     mask_at_size,
     read_image,
     read_mask,
+    text_diff_embeds,
 )
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.settings import (
@@ -218,31 +219,12 @@ def text_diff(
     progress = pipe._progress(progress)
     sampling = pipe.sampling_settings(sampling)  # resolved once for every stage
     check_output_type(output_type)
-    n = check_count(num_steps, "num_steps")
-    if not 0 < float(max_theta) <= 1:
-        raise ValueError(f"text_diff: max_theta must be in (0, 1], got {max_theta!r}")
-    for name, c in (("source_caption", source_caption), ("target_caption", target_caption)):
-        if not isinstance(c, str) or not c.strip():
-            raise ValueError(f"text_diff: {name} must be a non-empty string")
-    if read_image(image).shape[0] != 1:
-        raise ValueError("text_diff takes one image; call it once per image")
+    n = check_text_diff_args(image, source_caption, target_caption, num_steps, max_theta)
     inv = invert(
         pipe, image, caption, steps, guidance_scale, progress=progress, fixed_point=fixed_point
     )
-    z = pipe.clip.encode_text([source_caption, target_caption]).text_embed.float()
-    diff = z[1] - z[0]
-    if float(diff.norm()) < 1e-6:
-        raise ValueError(
-            "text_diff: the source and target captions encode identically; give two captions "
-            "that differ in what should change"
-        )
-    z_d = F.normalize(diff, dim=-1)[None].to(inv.image_embeds)
-    thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
-    # rotate on the unit sphere and keep the image embedding's norm (a CLIP whose embeddings
-    # are not normalised, e.g. Karlo's, would otherwise scale the direction down)
-    z_i = inv.image_embeds
-    norm = z_i.norm(dim=-1, keepdim=True)
-    embeds = torch.cat([slerp(F.normalize(z_i, dim=-1), z_d, th) * norm for th in thetas])
+    z = pipe.clip.encode_text([source_caption, target_caption]).text_embed
+    embeds, thetas = text_diff_embeds(inv.image_embeds, z, n, max_theta)
     d = _ddim_denoiser(pipe, embeds, caption, _edit_settings(pipe, None, steps, guidance_scale))
     small = _ddim_run(pipe, d, inv.latents.repeat(n, 1, 1, 1), False, progress, "text diff")
     gens = _same_seed(generator, n)

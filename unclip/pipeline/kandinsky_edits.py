@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.nn.functional as F
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 
 from unclip.diffusion.loop import Generator, guided_output, is_guided
@@ -34,9 +33,11 @@ from unclip.pipeline.edit_ops import (
     _check_fixed_point,
     _same_seed,
     at_size,
+    check_text_diff_args,
     ddim_path,
     read_image,
     scheduler_levels,
+    text_diff_embeds,
 )
 from unclip.pipeline.output import UnCLIPOutput
 from unclip.sampling.kandinsky import prior_text, zero_image_embed
@@ -167,31 +168,14 @@ def _text_diff(
     """:meth:`KandinskyEdits.text_diff`."""
     check_output_type(output_type)
     progress = pipe._progress(progress)
-    n = check_count(num_steps, "num_steps")
-    if not 0 < float(max_theta) <= 1:
-        raise ValueError(f"text_diff: max_theta must be in (0, 1], got {max_theta!r}")
-    for name, c in (("source_caption", source_caption), ("target_caption", target_caption)):
-        if not isinstance(c, str) or not c.strip():
-            raise ValueError(f"text_diff: {name} must be a non-empty string")
-    if read_image(image).shape[0] != 1:
-        raise ValueError("text_diff takes one image; call it once per image")
+    n = check_text_diff_args(image, source_caption, target_caption, num_steps, max_theta)
     inv = _invert(
         pipe, image, steps, guidance_scale, size=size, progress=progress, fixed_point=fixed_point
     )
     assert pipe.clip is not None
     pipe._onload("clip")
-    z = prior_text(pipe.clip, [source_caption, target_caption]).text_embed.float()
-    diff = z[1] - z[0]
-    if float(diff.norm()) < 1e-6:
-        raise ValueError(
-            "text_diff: the source and target captions encode identically; give two captions "
-            "that differ in what should change"
-        )
-    z_d = F.normalize(diff, dim=-1)[None].to(inv.image_embeds)
-    thetas = [float(max_theta) * i / (n - 1) for i in range(n)] if n > 1 else [0.0]
-    z_i = inv.image_embeds
-    norm = z_i.norm(dim=-1, keepdim=True)
-    embeds = torch.cat([slerp(F.normalize(z_i, dim=-1), z_d, th) * norm for th in thetas])
+    z = prior_text(pipe.clip, [source_caption, target_caption]).text_embed
+    embeds, thetas = text_diff_embeds(inv.image_embeds, z, n, max_theta)
     x = _decoder_ddim(
         pipe, embeds, steps, guidance_scale, inv.latents.repeat(n, 1, 1, 1), False, progress,
         "text diff",
