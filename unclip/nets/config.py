@@ -161,6 +161,11 @@ class DecoderConfig:
     ``learned_variance``: 6 output channels, the mean parameter and a per-channel variance
     interpolation (Improved DDPM; the paper's and Karlo's decoder), trained with
     ``diffusion.vlb_weight`` (see :mod:`unclip.diffusion.vlb`).
+    ``autoencoder``: a folder with a frozen autoencoder (a ``train-tokenizer`` VQGAN, or a
+    diffusers ``VQModel`` / ``AutoencoderKL``) makes this a latent decoder, whose diffusion runs on
+    its latents (``sample_size`` is still the side of the images; the UNet's grid is
+    ``sample_size / f``); ``latent_scale`` overrides the latents' default scale
+    (:mod:`unclip.nets.autoencoder`).
     :meth:`build` makes the network, sized for a CLIP.
     """
 
@@ -198,18 +203,41 @@ class DecoderConfig:
     text_context_length: int = 256
     text_tokenizer: Literal["open_clip_bpe"] = "open_clip_bpe"
     dropout: float = 0.0
+    autoencoder: Optional[str] = None
+    latent_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_dropout("decoder.dropout", self.dropout)
         if self.text_encoder == "transformer":
             _check_text_encoder("decoder", self)
+        if self.latent_scale is not None and self.autoencoder is None:
+            raise ValueError(
+                "decoder.latent_scale scales an autoencoder's latents: set decoder.autoencoder "
+                "too, or drop latent_scale"
+            )
 
     def build(self, clip):
         """The :class:`~unclip.nets.decoder.UnCLIPDecoder` this config describes, sized for
-        ``clip``."""
+        ``clip``; with ``autoencoder`` (a folder, :func:`~unclip.nets.autoencoder.
+        load_autoencoder`) a latent decoder holding that autoencoder's weights."""
         from unclip.nets.decoder import UnCLIPDecoder
 
-        return UnCLIPDecoder.from_clip(clip, **to_dict(self))
+        kwargs = to_dict(self)
+        path, scale = kwargs.pop("autoencoder"), kwargs.pop("latent_scale")
+        if path is None:
+            return UnCLIPDecoder.from_clip(clip, **kwargs)
+        from unclip.nets.autoencoder import autoencoder_config, load_autoencoder
+
+        model, l2_codes = load_autoencoder(path)
+        decoder = UnCLIPDecoder.from_clip(
+            clip,
+            autoencoder=autoencoder_config(model),
+            autoencoder_l2_codes=l2_codes,
+            latent_scale=scale,
+            **kwargs,
+        )
+        decoder.latent_space.model.load_state_dict(model.state_dict())
+        return decoder
 
 
 @dataclass

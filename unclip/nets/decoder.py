@@ -38,6 +38,7 @@ from diffusers.models import ModelMixin, UNet2DConditionModel, UNet2DModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
 from unclip.nets.attention import checkpoint
+from unclip.nets.autoencoder import LatentSpace
 from unclip.nets.text_encoder import CaptionTransformer, caption_tokenizer
 from unclip.nets.text_encoding import TextEncoding, check_prompts
 from unclip.utils.precision import KeepFp32Mixin
@@ -96,9 +97,17 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
     :class:`TextEncoding`) or ``"transformer"`` (the paper's own caption transformer of
     ``text_encoder_width/layers/heads`` over ``text_context_length`` tokens of ``text_tokenizer``;
     ``text`` token ids). ``dropout``: in the UNet's residual blocks during training (paper: 0.1).
+    ``autoencoder`` (a diffusers ``VQModel`` / ``AutoencoderKL`` config, with
+    ``autoencoder_l2_codes`` and ``latent_scale``; see :mod:`unclip.nets.autoencoder`) makes it a
+    latent decoder: ``x_t`` is then the frozen autoencoder's latents ``[B, C, s/f, s/f]``
+    (:attr:`sample_shape`), :meth:`to_latents` and :meth:`to_images` map images to them and
+    back (through :attr:`latent_space`), and ``sample_size`` stays the side of the images it
+    makes. The autoencoder's weights travel in the decoder's own file.
     """
 
     _supports_gradient_checkpointing = True
+    #: never adapted by LoRA (unclip.nets.lora): the frozen autoencoder of a latent decoder
+    _lora_excluded = ("latent_space",)
 
     if TYPE_CHECKING:
         # diffusers' FrozenDict of the registered arguments, whose fields it also sets as attributes
@@ -140,18 +149,37 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
         text_context_length: int = 256,
         text_tokenizer: str = "open_clip_bpe",
         dropout: float = 0.0,
+        autoencoder: Optional[dict] = None,
+        autoencoder_l2_codes: bool = False,
+        latent_scale: Optional[float] = None,
     ):
         super().__init__()
         if text_encoder not in TEXT_ENCODERS:
             raise ValueError(
                 f"decoder text_encoder must be one of {list(TEXT_ENCODERS)}, got {text_encoder!r}"
             )
+        # a latent decoder: the diffusion runs on a frozen autoencoder's latents (named apart from
+        # the ``autoencoder`` config entry, which diffusers' attribute lookup would return)
+        self.latent_space = (
+            None
+            if autoencoder is None
+            else LatentSpace(dict(autoencoder), autoencoder_l2_codes, latent_scale)
+        )
+        channels, grid = 3, sample_size
+        if self.latent_space is not None:
+            channels, f = self.latent_space.channels, self.latent_space.factor
+            if sample_size % f:
+                raise ValueError(
+                    f"decoder sample_size {sample_size} is not a multiple of the autoencoder's "
+                    f"{f} pixels per latent"
+                )
+            grid = sample_size // f
         cross = cross_attention_dim or block_out_channels[-1]
         time_dim = block_out_channels[0] * 4
         self.unet = UNet2DConditionModel(
-            sample_size=sample_size,
-            in_channels=5 if coord_channels else 3,
-            out_channels=6 if learned_variance else 3,
+            sample_size=grid,
+            in_channels=channels + 2 if coord_channels else channels,
+            out_channels=2 * channels if learned_variance else channels,
             down_block_types=tuple(down_block_types),
             up_block_types=tuple(up_block_types),
             mid_block_type=mid_block_type,
@@ -206,6 +234,31 @@ class UnCLIPDecoder(KeepFp32Mixin, ModelMixin, ConfigMixin):  # type: ignore[mis
     @property
     def out_image_channels(self) -> int:
         return 3
+
+    @property
+    def is_latent(self) -> bool:
+        """True for a latent decoder (its diffusion runs on :attr:`latent_space`'s latents)."""
+        return self.latent_space is not None
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """``(C, h, w)`` of what the diffusion samples: the image ``(3, s, s)`` at
+        ``sample_size``, or for a latent decoder its latents ``(C, s/f, s/f)``."""
+        if self.latent_space is None:
+            s = self.config.sample_size
+            return 3, s, s
+        g = self.config.sample_size // self.latent_space.factor
+        return self.latent_space.channels, g, g
+
+    def to_latents(self, images: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, s, s]`` → what the diffusion runs on (the images themselves for a
+        pixel decoder)."""
+        return images if self.latent_space is None else self.latent_space.encode(images)
+
+    def to_images(self, x: torch.Tensor) -> torch.Tensor:
+        """The diffusion's samples → images ``[B, 3, s, s]`` (not clamped; the samples
+        themselves for a pixel decoder)."""
+        return x if self.latent_space is None else self.latent_space.decode(x)
 
     @property
     def has_text_encoder(self) -> bool:

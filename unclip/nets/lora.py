@@ -27,9 +27,11 @@ used.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,14 +124,30 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
+def _frozen_parts(model: torch.nn.Module) -> tuple[str, ...]:
+    """The submodules of ``model`` that LoRA never adapts (a latent decoder's frozen
+    autoencoder, whose attention layers share the UNet's names), from the class's
+    ``_lora_excluded``."""
+    return tuple(n for n in getattr(model, "_lora_excluded", ()) if getattr(model, n, None))
+
+
+def _exclusion(model: torch.nn.Module) -> Optional[str]:
+    """peft's ``exclude_modules`` pattern for :func:`_frozen_parts` (None: nothing excluded)."""
+    parts = _frozen_parts(model)
+    return "|".join(rf"{re.escape(n)}\..*" for n in parts) if parts else None
+
+
 def _layers(model: torch.nn.Module) -> dict[str, _Adaptable]:
     """``{name: base layer}`` of every adaptable layer of ``model``; a layer that already carries
     adapters counts once, under its own name, with its base layer."""
     tuner = _tuner_layer_class()
     out: dict[str, _Adaptable] = {}
     inside: Optional[str] = None
+    frozen = tuple(f"{n}." for n in _frozen_parts(model))
     for name, module in model.named_modules():
         if inside is not None and name.startswith(inside + "."):
+            continue
+        if name.startswith(frozen):
             continue
         inside = None
         if tuner is not None and isinstance(module, tuner):
@@ -292,9 +310,12 @@ def add_adapter(
             lora_alpha=float(rank if alpha is None else alpha),
             lora_dropout=float(dropout),
             target_modules=targets,
+            exclude_modules=_exclusion(model),
         )
     else:
         check_target_modules(model, sorted(config.target_modules))
+        if _exclusion(model) and not config.exclude_modules:
+            config = dataclasses.replace(config, exclude_modules=_exclusion(model))
     existing = _peft_configs(model)
     training = model.training
     with warnings.catch_warnings():

@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_unclip import UnCLIPScheduler
@@ -138,7 +139,9 @@ def _ddim_run(
         progress=progress,
         desc=desc,
     )
-    return check_finite(desc, x)
+    x = check_finite(desc, x)
+    # the inversion's x_T stays in the decoder's own space; a decoded path is an image
+    return x if invert else pipe.decoder.to_images(x)
 
 
 @releases_gpu
@@ -165,6 +168,7 @@ def invert(
     fixed_point = _check_fixed_point(fixed_point)
     x = read_image(image)
     small = at_size(x, pipe.decoder.config.sample_size).to(pipe.device)
+    start = pipe.decoder.to_latents(small)  # a latent decoder inverts its latents
     if image_embeds is None:
         image_embeds = pipe.clip.encode_image(x.to(pipe.device))
     embeds = image_embeds.to(pipe.device).float()
@@ -172,7 +176,7 @@ def invert(
         raise ValueError(f"invert: {embeds.shape[0]} image_embeds for {small.shape[0]} images")
     s = _edit_settings(pipe, None, check_count(steps, "steps"), guidance_scale)
     d = _ddim_denoiser(pipe, embeds, caption, s)
-    latents = _ddim_run(pipe, d, small, True, progress, "invert", fixed_point)
+    latents = _ddim_run(pipe, d, start, True, progress, "invert", fixed_point)
     inv = Inversion(
         latents, embeds, small, s.steps, s.guidance_scale, caption, fixed_point=fixed_point
     )
@@ -387,6 +391,7 @@ def img2img(
     if hasattr(sched, "set_begin_index"):
         sched.set_begin_index(start)  # where sigma-indexed samplers read add_noise's level
     known = at_size(x, pipe.decoder.config.sample_size).to(pipe.device).repeat(n, 1, 1, 1)
+    known = pipe.decoder.to_latents(known)
     noise = randn_tensor(known.shape, generator=gen, device=pipe.device, dtype=known.dtype)
     # the sampler's own forward process: sigma-space samplers (Euler, ...) scale x_t
     # differently from the variance-preserving one the model was trained with
@@ -404,7 +409,7 @@ def img2img(
         autocast_dtype=pipe.autocast_dtype,
         callback=stage_callback(pipe, "decoder", cb),
     )
-    small = check_finite("decoder", small).float().clamp(-1, 1)
+    small = pipe.decoder.to_images(check_finite("decoder", small)).float().clamp(-1, 1)
     out = _finish(
         pipe,
         small,
@@ -471,7 +476,8 @@ def inpaint(
         pipe, prompt, n, gen, sampling, negative_prompt, image_embeds, progress, cb
     )
     d = _edit_decoder(pipe, embeds, prompt, n, sampling, negative_prompt)
-    out = _masked(pipe, d, x, m, "decoder", resample, gen, progress, cb)
+    space = pipe.decoder.latent_space
+    out = _masked(pipe, d, x, m, "decoder", resample, gen, progress, cb, space)
     stages = {"decoder": out}
     for name, up in zip(pipe.upsampler_names, pipe.upsamplers):
         pipe._onload(name)
@@ -486,13 +492,22 @@ def inpaint(
     return res
 
 
-def _masked(pipe: UnCLIPCascade, d: Denoiser, image, mask, stage, resample, gen, progress, cb):
+def _masked(
+    pipe: UnCLIPCascade, d: Denoiser, image, mask, stage, resample, gen, progress, cb, space=None
+):
     """One stage's masked sampling: ``d``'s reverse process with the unmasked region replaced
     at every step by ``image`` noised to the next step's level, ``resample`` passes per step;
-    the result's unmasked pixels are exactly ``image`` at the stage's size."""
+    the result's unmasked pixels are exactly ``image`` at the stage's size. With ``space`` (a
+    latent decoder's :class:`~unclip.nets.autoencoder.LatentSpace`) the process runs on the
+    image's latents and regenerates every latent whose pixels touch the mask."""
     b, size = d.shape[0], d.shape[-1]
-    known = at_size(image, size).to(pipe.device).repeat(b, 1, 1, 1)
-    regen = mask_at_size(mask, size).to(pipe.device)
+    pixels = size if space is None else size * space.factor
+    known_px = at_size(image, pixels).to(pipe.device).repeat(b, 1, 1, 1)
+    regen_px = mask_at_size(mask, pixels).to(pipe.device)
+    known, regen = known_px, regen_px
+    if space is not None:
+        known = space.encode(known_px)
+        regen = F.max_pool2d(regen_px.float(), space.factor) > 0
     sched, ts = d.scheduler, d.scheduler.timesteps
     ac = sched.alphas_cumprod
     x = randn_tensor(d.shape, generator=gen, device=pipe.device) * sched.init_noise_sigma
@@ -518,8 +533,9 @@ def _masked(pipe: UnCLIPCascade, d: Denoiser, image, mask, stage, resample, gen,
         if callback is not None:
             new = callback(i, ts[i], x)
             x = x if new is None else new
-    x = check_finite(stage, x).float().clamp(-1, 1)
-    return torch.where(regen, x, known)
+    x = check_finite(stage, x)
+    x = (x if space is None else space.decode(x)).float().clamp(-1, 1)
+    return torch.where(regen_px, x, known_px)
 
 
 @releases_gpu

@@ -299,7 +299,7 @@ class UnCLIPPipeline(UnCLIPCascade):
         diffusers' keywords work as in its ``UnCLIPPipeline``: ``prior_num_inference_steps``,
         ``decoder_num_inference_steps``, ``super_res_num_inference_steps`` (every upsampler),
         ``prior_guidance_scale``, ``decoder_guidance_scale`` (each the same as that setting in
-        ``sampling``); ``prior_latents [N, D]``, ``decoder_latents [N, 3, s, s]`` and
+        ``sampling``); ``prior_latents [N, D]``, ``decoder_latents [N, *decoder.sample_shape]`` and
         ``super_res_latents [N, 3, S, S]`` (the first upsampler's) give the initial noise of
         each output image (with one candidate per image); ``return_dict=False`` returns
         ``(images,)``.

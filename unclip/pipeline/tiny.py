@@ -13,7 +13,13 @@ from unclip.nets.decoder import UnCLIPDecoder, UnCLIPUpsampler
 from unclip.nets.prior import UnCLIPPrior
 from unclip.pipeline.pipeline import UnCLIPPipeline
 
-__all__ = ["tiny_pipeline", "tiny_decoder_kwargs", "tiny_upsampler_kwargs", "tiny_prior_kwargs"]
+__all__ = [
+    "tiny_pipeline",
+    "tiny_decoder_kwargs",
+    "tiny_upsampler_kwargs",
+    "tiny_prior_kwargs",
+    "tiny_latent_kwargs",
+]
 
 
 def tiny_prior_kwargs() -> dict:
@@ -43,6 +49,32 @@ def tiny_upsampler_kwargs(low_res_size: int, sample_size: int) -> dict:
         up_block_types=("UpBlock2D", "UpBlock2D"),
         norm_num_groups=4,
     )
+
+
+def tiny_latent_kwargs(kind: str = "VQModel", l2_codes: bool = True) -> dict:
+    """Decoder arguments that make a tiny latent decoder: a random tiny ``VQModel`` (cosine codes
+    with ``l2_codes``) or ``AutoencoderKL`` with 4 latent channels, 4 pixels per latent."""
+    blocks = dict(
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+    if kind == "VQModel":
+        config = dict(
+            down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3,
+            num_vq_embeddings=32,
+            **blocks,
+        )
+        return dict(autoencoder={"_class_name": kind, **config}, autoencoder_l2_codes=l2_codes)
+    config = dict(
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        **blocks,
+    )
+    return dict(autoencoder={"_class_name": kind, **config})
 
 
 #: a tiny caption transformer for a tiny decoder or prior (``text_encoder: transformer``)

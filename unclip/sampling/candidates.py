@@ -178,7 +178,8 @@ def _choosing_hook(d, diffusion: DiffusionConfig, guided: bool, decoder: UnCLIPD
         if step.i not in choices:
             return
         x0 = _predicted_x0(step, step.input_scale, training, diffusion.prediction_type)
-        rows = torch.as_tensor(choices[step.i](x0.clamp(-1, 1)), dtype=torch.long).cpu()
+        images = decoder.to_images(x0).clamp(-1, 1)  # a latent decoder's x0 is latents
+        rows = torch.as_tensor(choices[step.i](images), dtype=torch.long).cpu()
         now = step.x.shape[0]
         step.x = step.x[rows.to(step.x.device)]
         state["keep"] = state["keep"][rows]
@@ -274,7 +275,8 @@ def _sample_choosing(
         d.fn, d.shape, d.scheduler, settings, decoder, "decoder",
         learned_variance=d.learned_variance, on_step=hook, **run,
     )  # fmt: skip
-    return check_finite("decoder", x, run.get("autocast_dtype")).float().clamp(-1, 1), kept()
+    x = check_finite("decoder", x, run.get("autocast_dtype"))
+    return decoder.to_images(x).float().clamp(-1, 1), kept()
 
 
 @torch.no_grad()

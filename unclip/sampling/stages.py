@@ -250,16 +250,17 @@ def decoder_denoiser(
         image_embed = torch.cat([image_embed, image_embed])
         drop = torch.arange(2 * b, device=device) < b
     cond = decoder.condition(image_embed, text, drop)
-    size = decoder.config.sample_size
     learned = decoder.config.learned_variance
+    # pixels are clipped to the image range; an autoencoder's latents have no such bound
+    clip_range = None if decoder.is_latent else 1.0
     sched = make_scheduler(
-        settings.scheduler, diffusion, clip_sample_range=1.0, learned_variance=learned
+        settings.scheduler, diffusion, clip_sample_range=clip_range, learned_variance=learned
     )
     sched.set_timesteps(settings.steps, device=device)
     return Denoiser(
         lambda x_in, t: decoder(x_in, t, cond=cond),
         sched,
-        (b, 3, size, size),
+        (b, *decoder.sample_shape),
         settings,
         learned,
         cond,
@@ -316,12 +317,12 @@ def sample_decoder(
     callback: Optional[LoopCallback] = None,
 ) -> torch.Tensor:
     """Decoder: ``image_embed [B, D]`` and captions ``text [B]`` → images ``[B, 3, s, s]`` in
-    [-1, 1] at the decoder's resolution.
+    [-1, 1] at the decoder's resolution (a latent decoder samples its latents and decodes them).
 
     Guidance's unconditional input is the decoder's learned null image embedding with the empty
     caption ``null_text(B)`` (called only when guided). ``text``: a CLIP :class:`TextEncoding`, or
     caption token ids ``[B, L]`` for a decoder with its own text encoder. ``generator``: one, or
-    one per image; ``latents [B, 3, s, s]``: the initial noise. ``autocast_dtype``, ``callback``: as
+    one per image; ``latents [B, *decoder.sample_shape]``: the initial noise. ``autocast_dtype``, ``callback``: as
     :func:`~unclip.diffusion.sample_loop`."""
     settings = sampling_as(DecoderSampling, "decoder", settings)
     d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
@@ -340,7 +341,7 @@ def sample_decoder(
         callback=callback,
     )
     x = check_finite("decoder", x, autocast_dtype, module=decoder, settings=settings)
-    return x.float().clamp(-1, 1)
+    return decoder.to_images(x).float().clamp(-1, 1)
 
 
 def select_scheduler_rows(scheduler, rows: torch.Tensor, batch: int, ndim: int) -> None:

@@ -19,6 +19,7 @@ and concatenate.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Optional
 
@@ -27,6 +28,7 @@ from PIL import Image
 
 from unclip.diffusion.loop import diffusion_loss, training_scheduler
 from unclip.nets.attention import explicit_attention
+from unclip.nets.autoencoder import LatentSpace
 from unclip.nets.clip import CLIP
 from unclip.nets.decoder import (
     Caption,
@@ -64,6 +66,7 @@ __all__ = [
     "train_decoder",
     "build_image_model",
     "clip_device",
+    "frozen_latent_space",
 ]
 
 logger = logging.getLogger("unclip.train")
@@ -73,13 +76,26 @@ GRID_SIZE = 8
 
 
 def decoder_loss(
-    model, batch, clip: CLIP, null: Caption, gens, cfg, noise_sched, device, parts=None
+    model,
+    batch,
+    clip: CLIP,
+    null: Caption,
+    gens,
+    cfg,
+    noise_sched,
+    device,
+    parts=None,
+    latent_space: Optional[LatentSpace] = None,
 ):
     """Denoising loss of the base decoder on one micro-batch, with condition dropout (``null``:
     the empty caption as the decoder takes captions, :func:`~unclip.nets.decoder.encode_captions`);
     with a ``repa:`` section ``model`` is a :class:`~unclip.train.repa.RepaDecoder` and the
-    alignment loss is added (and its value appended to ``parts["repa"]`` if ``parts`` is given)."""
+    alignment loss is added (and its value appended to ``parts["repa"]`` if ``parts`` is given).
+    A latent decoder denoises ``latent_space``'s latents of the batch's images (the autoencoder
+    it holds, :func:`frozen_latent_space`)."""
     images = batch["image"].to(device)
+    if latent_space is not None:
+        images = latent_space.encode(images).float()
     image_embed = decoder_image_embed(batch, clip, device)
     text = encode_captions(cfg.decoder, clip, batch["caption"]).to(device)
     coins = torch.stack([torch.rand(2, generator=g) for g in gens]).to(device)
@@ -187,8 +203,16 @@ class DecoderTask:
 
     name = "decoder"
 
-    def __init__(self, cfg: StageConfig, clip: CLIP, device, mixed_precision: Optional[str] = None):
+    def __init__(
+        self,
+        cfg: StageConfig,
+        clip: CLIP,
+        device,
+        mixed_precision: Optional[str] = None,
+        latent_space: Optional[LatentSpace] = None,
+    ):
         self.cfg, self.clip, self.device = cfg, clip, device
+        self.latent_space = latent_space
         self.null = encode_captions(cfg.decoder, clip, [""])
         self.noise_sched = training_scheduler(cfg.diffusion)
         self.parts: dict[str, list[float]] = {}
@@ -211,6 +235,7 @@ class DecoderTask:
                 self.noise_sched,
                 self.device,
                 self.parts,
+                self.latent_space,
             )
 
     def log_metrics(self) -> dict:
@@ -276,6 +301,14 @@ class UpsamplerTask:
         return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
 
 
+def frozen_latent_space(model: torch.nn.Module) -> Optional[LatentSpace]:
+    """A copy of a latent decoder's frozen autoencoder for the training task to encode each
+    batch with (None for a pixel decoder or an upsampler): the copy stays outside the trained
+    module, so a sharded or wrapped decoder never gathers its autoencoder to encode a batch."""
+    space = getattr(model, "latent_space", None)
+    return None if space is None else copy.deepcopy(space)
+
+
 def clip_device(cfg: StageConfig, device) -> torch.device:
     """Where a stage's frozen CLIP lives: on the training device for the decoder (and the
     prior), which encode every batch with it; on the CPU for an upsampler, which never runs it (it
@@ -293,6 +326,11 @@ def build_image_model(cfg: StageConfig, clip: CLIP) -> torch.nn.Module:
     if cfg.train.gradient_checkpointing:
         # the decoder's own: its UNet and, when it has one, its caption transformer
         (model if cfg.stage == "decoder" else model.unet).enable_gradient_checkpointing()
+    if cfg.repa is not None and cfg.stage == "decoder" and cfg.decoder_section.autoencoder:
+        raise ValueError(
+            "repa: representation alignment is implemented for pixel decoders (its feature map "
+            "sizes follow the image); drop the 'repa:' section or decoder.autoencoder"
+        )
     if cfg.repa is not None:
         # one pass of each at its input size gives the widths the head maps between, and a
         # decoder block too small for the CLIP map is refused here, before training starts
@@ -358,11 +396,12 @@ def train_decoder(
         clip = CLIP.from_config(cfg.clip)
     with torch.device(loop.device):  # built where it trains: no CPU copy of a large network
         model = build_image_model(cfg, clip)
+    space = frozen_latent_space(model)
     model = loop.prepare(model)
     model.train()
     task: DecoderTask | UpsamplerTask
     if cfg.stage == "decoder":
-        task = DecoderTask(cfg, clip, loop.device, loop.mixed_precision)
+        task = DecoderTask(cfg, clip, loop.device, loop.mixed_precision, space)
     else:
         task = UpsamplerTask(cfg, clip, loop.device)
     data = decoder_batches(

@@ -92,9 +92,15 @@ def _build(cfg, clip, device, mixed_precision: str):
             d = clip.embed_dim
             model.set_embedding_stats(torch.zeros(d), torch.ones(d))
             return model, PriorTask(cfg, clip, device, mixed_precision)
-        from unclip.train.decoder import DecoderTask, UpsamplerTask, build_image_model
+        from unclip.train.decoder import (
+            DecoderTask,
+            UpsamplerTask,
+            build_image_model,
+            frozen_latent_space,
+        )
 
         net = build_image_model(cfg, clip)
         if cfg.stage == "decoder":
-            return net, DecoderTask(cfg, clip, device, mixed_precision)
+            space = frozen_latent_space(net)
+            return net, DecoderTask(cfg, clip, device, mixed_precision, space)
         return net, UpsamplerTask(cfg, clip, device)
