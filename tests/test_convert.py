@@ -49,7 +49,7 @@ from unclip.interop.diffusers import convert
 from unclip.interop.diffusers_export import export_diffusers
 from unclip.interop.diffusers_import import load_diffusers_unclip
 from unclip.pipeline.pipeline import UnCLIPPipeline
-from unclip.pipeline.tiny import tiny_pipeline
+from unclip.pipeline.tiny import tiny_latent_kwargs, tiny_pipeline
 
 L, W, D = 16, 32, 32  # context length, text width, CLIP embedding size
 STEPS = 3
@@ -534,7 +534,7 @@ def test_malicious_pickle_weights_are_refused_unrun(folder, tmp_path, component)
 def test_export_refuses_what_diffusers_cannot_express(tmp_path):
     pipe = tiny_pipeline(
         clip_kwargs=dict(width=48),  # text width 48 != CLIP embedding 32, two upsamplers, ...
-        decoder_kwargs=dict(coord_channels=True, embed_scale=8.0),
+        decoder_kwargs=dict(coord_channels=True, embed_scale=8.0, **tiny_latent_kwargs()),
     )
     with pytest.raises(ValueError) as err:
         export_diffusers(pipe, tmp_path / "out")
@@ -543,6 +543,7 @@ def test_export_refuses_what_diffusers_cannot_express(tmp_path):
         "clip: normalize_embeds=True",
         "prior: text_token_proj",
         "decoder: text tokens are 48 wide",
+        "decoder: a latent decoder (over a frozen VQModel)",
         "decoder: coord_channels=True",
         "decoder: embed_scale=8.0",
         "decoder: learned_variance=False",

@@ -18,6 +18,7 @@ from unclip.nets.dvae import DVAEConfig
 from unclip.nets.lora import adaptable_names, add_adapter
 from unclip.nets.token_components import TokenizerConfig, save_component
 from unclip.nets.vqgan import VQGANConfig
+from unclip.pipeline.pipeline import UnCLIPPipeline
 from unclip.pipeline.tiny import tiny_latent_kwargs, tiny_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,6 +125,18 @@ def test_the_folder_keeps_the_autoencoder_and_loads_it_frozen(pipe, tmp_path):
     assert not any(p.requires_grad for p in back.latent_space.parameters())
     back.train()
     assert back.unet.training and not back.latent_space.training
+    # a whole pipeline folder: the same images after loading
+    pipe.save_pretrained(tmp_path / "pipe")
+    loaded = UnCLIPPipeline.from_pretrained(tmp_path / "pipe")
+    assert loaded.decoder.is_latent
+    emb = torch.nn.functional.normalize(
+        torch.randn(1, pipe.clip.embed_dim, generator=gen()), dim=-1
+    )
+    z = torch.randn(1, *pipe.decoder.sample_shape, generator=gen(1))
+    kw = dict(sampling=FAST, latents=z, progress=False)
+    torch.testing.assert_close(
+        loaded.decode(emb, ["a red circle"], **kw), pipe.decode(emb, ["a red circle"], **kw)
+    )
 
 
 def test_lora_leaves_the_autoencoder_alone(pipe):

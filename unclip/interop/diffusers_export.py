@@ -115,6 +115,11 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
             f"{dc.embed_dim}; diffusers' UnCLIPTextProjModel projects text states of the embedding "
             "width"
         )
+    if pipe.decoder.is_latent:
+        out.append(
+            f"decoder: a latent decoder (over a frozen {pipe.decoder.latent_space.kind}); "
+            "diffusers' UnCLIPPipeline decoder samples pixels"
+        )
     if dc.coord_channels:
         out.append(
             "decoder: coord_channels=True (x/y coordinate input channels); diffusers' "

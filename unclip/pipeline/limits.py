@@ -73,7 +73,13 @@ def decoder_bytes_per_candidate(decoder, guided: bool) -> int:
             meta = type(decoder).from_config(config)
         n = config["num_image_tokens"]
         width, caption_len = meta.image_to_tokens.out_features // n, 0
-        size, channels = config["sample_size"], meta.unet.config.in_channels
+        # the UNet's own grid and channels: a latent decoder's are its latents'
+        size, channels = meta.unet.config.sample_size, meta.unet.config.in_channels
+        levels = len(config["block_out_channels"])
+        if n in {(size >> i) ** 2 for i in range(levels)}:
+            # diffusers pads the context's mask for the added self-attention keys only when the
+            # context and the grid differ in length; one caption token keeps them apart
+            caption_len = 1
         rows = 2 if guided else 1
         peaks = []
         for b in (rows, 2 * rows):  # the slope: what one more candidate adds
@@ -90,7 +96,11 @@ def decoder_bytes_per_candidate(decoder, guided: bool) -> int:
                     return_dict=False,
                 )
             peaks.append(meter.peak)
-        _CANDIDATE_BYTES[key] = max(0, peaks[1] - peaks[0]) + 4 * 3 * size * size * 4
+        # a latent decoder also holds each candidate's decoded image when it is scored
+        pixels = config["sample_size"]
+        samples = 4 * meta.sample_shape[0] * size * size * 4
+        decoded = 3 * pixels * pixels * 4 if meta.is_latent else 0
+        _CANDIDATE_BYTES[key] = max(0, peaks[1] - peaks[0]) + samples + decoded
     return _CANDIDATE_BYTES[key]
 
 
