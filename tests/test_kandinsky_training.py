@@ -432,7 +432,7 @@ def test_decoder_fine_tune_under_fsdp2_and_ddp_on_two_cpu_processes(folders, tmp
     KandinskyV22Pipeline.from_pretrained(str(tmp_path / "fsdp_full" / "final" / "decoder"))
 
 
-def test_shipped_configs_load_and_plan_refuses_them(capsys):
+def test_shipped_configs_load_and_plan_reads_them(capsys):
     from conftest import CONFIGS
 
     from unclip.cli import plan
@@ -442,8 +442,10 @@ def test_shipped_configs_load_and_plan_refuses_them(capsys):
         cfg = load_kandinsky_config(path, ["data.path=x"], (stage,))
         assert cfg.stage == stage and cfg.kandinsky.pretrained.endswith(f"2-2-{stage}")
         assert cfg.train.grad_accum_steps == 8 and cfg.train.max_grad_norm == 1.0
-        with pytest.raises(ValueError, match=f"does not plan Kandinsky.*train-{stage}"):
-            plan.main([str(path)])
+        # the dry run of the full-size networks takes minutes: its report is committed
+        # (benchmarks/results/kandinsky_plan); here the plan reads the config as it would
+        assert plan.main([str(path), "train.mixed_precision=bf16", "--check-only"]) == 0
+        assert f"read {path} with 1 override(s)" in capsys.readouterr().out
 
 
 def test_evaluate_scores_a_kandinsky_pipeline_with_its_own_clip(folders, tmp_path):
@@ -496,3 +498,54 @@ def test_evaluate_scores_a_kandinsky_pipeline_with_its_own_clip(folders, tmp_pat
     with pytest.raises(ValueError, match="--sample-size must be a multiple of 4"):
         evaluate_fn(tmp_path / "o2", model=str(model), prompts_file=tmp_path / "prompts.txt",
                     sample_size=34, num_samples=2)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ unclip plan
+def test_unclip_plan_runs_a_fake_cuda_step_of_both_stages(folders, tmp_path):
+    """The dry run builds each stage from the folder's configs alone and runs one training step of
+    the real task on fake CUDA tensors: the trained network is the folder's whole UNet or prior,
+    the frozen towers are counted apart, and Kandinsky's prior keeps no caption cache."""
+    from diffusers.models import PriorTransformer, UNet2DConditionModel
+
+    from unclip.cli.plan import main as plan
+
+    nets = {"decoder": (UNet2DConditionModel, "unet"), "prior": (PriorTransformer, "prior")}
+    for stage, (cls, sub) in nets.items():
+        cfg = _config(tmp_path / f"{stage}.yaml", stage, folders, mixed_precision="bf16")
+        out = tmp_path / f"{stage}.json"
+        assert plan([str(cfg), "--gpus", "8", "--json", str(out)]) == 0
+        m = json.loads(out.read_text())["measure"]
+        net = cls.from_pretrained(folders / stage / sub)
+        trained = sum(p.numel() for p in net.parameters())
+        stats = net.clip_mean.numel() + net.clip_std.numel() if stage == "prior" else 0
+        assert (m["params_total"], m["params_trainable"]) == (trained, trained - stats)
+        assert m["clip_params"] > 0 and m["text_cache"] == 0
+        assert m["mixed_precision"] == "bf16" and m["component"] == stage
+    # a folder of the other stage is refused as a real run refuses it
+    bad = _config(tmp_path / "bad.yaml", "prior", folders)
+    bad.write_text(bad.read_text().replace(str(folders / "prior"), str(folders / "decoder")))
+    with pytest.raises(ValueError, match="is a Kandinsky decoder but kandinsky.stage is 'prior'"):
+        plan([str(bad)])
+
+
+def test_the_published_architectures_have_the_model_cards_sizes():
+    """The built-in configs of the Hub ids build (on the meta device) networks of the sizes the
+    model card gives: UNet 1.22B, MoVQ 67M, prior 1B, image tower 1.8B; another id is refused
+    with what to do."""
+    from diffusers.models import PriorTransformer, UNet2DConditionModel, VQModel
+
+    from unclip.interop.kandinsky_arch import DECODER_ID, PRIOR_ID, kandinsky_architecture
+
+    def count(cls, config):
+        with torch.device("meta"):
+            return sum(p.numel() for p in cls.from_config(config).parameters())
+
+    dec, prior = kandinsky_architecture(DECODER_ID), kandinsky_architecture(PRIOR_ID)
+    assert dec["prior"] == PRIOR_ID and prior["kind"] == "prior"
+    assert count(UNet2DConditionModel, dec["unet"]) == pytest.approx(1.22e9, rel=0.03)
+    assert count(VQModel, dec["movq"]) == pytest.approx(67e6, rel=0.02)
+    assert count(PriorTransformer, prior["prior"]) == pytest.approx(1.0e9, rel=0.03)
+    inpaint = kandinsky_architecture(DECODER_ID + "-inpaint")
+    assert inpaint["unet"]["in_channels"] == 9
+    with pytest.raises(ValueError, match="download the folder's config files"):
+        kandinsky_architecture("someone/kandinsky-finetune")

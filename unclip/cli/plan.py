@@ -97,12 +97,9 @@ def _load_any_config(path, overrides):
 
         return load_tokenizer_train_config(path, overrides)
     if isinstance(top, dict) and "kandinsky" in top:
-        section = top["kandinsky"] if isinstance(top["kandinsky"], dict) else {}
-        raise ValueError(
-            f"{path}: unclip plan does not plan Kandinsky 2.2 fine-tuning runs yet (it builds "
-            "networks from configs, not from folders); train it with unclip "
-            f"train-{section.get('stage', 'decoder')} and size it on the GPU"
-        )
+        from unclip.train.kandinsky import load_kandinsky_config
+
+        return load_kandinsky_config(path, overrides)
     return load_stage_config(path, overrides)
 
 

@@ -37,6 +37,7 @@ from unclip.nets.clip_tokenizer import CompatTokenizer
 
 __all__ = [
     "clip_from_transformers",
+    "clip_from_configs",
     "text_state_to_transformers",
     "text_config_to_transformers",
     "bpe_vocab",
@@ -414,18 +415,28 @@ def clip_from_transformers(
     pad = check_tokenizer(root / "tokenizer", model_cfg["text_cfg"]["context_length"])
     if feature_extractor is not None:
         _check_feature_extractor(feature_extractor, model_cfg["vision_cfg"]["image_size"])
-    tok_cfg = {"pad_token": pad}
-    clip = CLIP(
+    return _transformers_clip(model, model_cfg, pad, has_image_encoder)
+
+
+def _transformers_clip(model, model_cfg: dict, pad: str, has_vision: bool) -> CLIP:
+    return CLIP(
         model,
         CompatTokenizer(model_cfg["text_cfg"]["context_length"], pad),
         "transformers-clip",
         model_cfg,
         None,
         normalize_embeds=False,
-        has_vision=has_image_encoder,
-        tokenizer_cfg=tok_cfg,
+        has_vision=has_vision,
+        tokenizer_cfg={"pad_token": pad},
     )
-    return clip
+
+
+def clip_from_configs(text: dict, vision: Optional[dict], pad: str = "<|endoftext|>") -> CLIP:
+    """The :class:`~unclip.nets.clip.CLIP` that transformers ``text`` (and ``vision``) configs
+    describe, with freshly initialised weights on the current device: what a dry run of a
+    training step (``unclip plan``) needs, where only shapes matter."""
+    model_cfg = clip_model_cfg(text, vision)
+    return _transformers_clip(build_open_clip_model(model_cfg), model_cfg, pad, vision is not None)
 
 
 def _check_feature_extractor(cfg: dict, image_size: int) -> None:

@@ -115,9 +115,10 @@ def export_problems(pipe: UnCLIPPipeline) -> list[str]:
             f"{dc.embed_dim}; diffusers' UnCLIPTextProjModel projects text states of the embedding "
             "width"
         )
-    if pipe.decoder.is_latent:
+    space = pipe.decoder.latent_space
+    if space is not None:
         out.append(
-            f"decoder: a latent decoder (over a frozen {pipe.decoder.latent_space.kind}); "
+            f"decoder: a latent decoder (over a frozen {space.kind}); "
             "diffusers' UnCLIPPipeline decoder samples pixels"
         )
     if dc.coord_channels:

@@ -322,8 +322,8 @@ def sample_decoder(
     Guidance's unconditional input is the decoder's learned null image embedding with the empty
     caption ``null_text(B)`` (called only when guided). ``text``: a CLIP :class:`TextEncoding`, or
     caption token ids ``[B, L]`` for a decoder with its own text encoder. ``generator``: one, or
-    one per image; ``latents [B, *decoder.sample_shape]``: the initial noise. ``autocast_dtype``, ``callback``: as
-    :func:`~unclip.diffusion.sample_loop`."""
+    one per image; ``latents [B, *decoder.sample_shape]``: the initial noise. ``autocast_dtype``,
+    ``callback``: as :func:`~unclip.diffusion.sample_loop`."""
     settings = sampling_as(DecoderSampling, "decoder", settings)
     d = decoder_denoiser(decoder, image_embed, text, null_text, settings, diffusion)
     x = _sample(

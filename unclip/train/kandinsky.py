@@ -52,6 +52,7 @@ import torch
 from diffusers.models import UNet2DConditionModel
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from PIL import Image
+from torch._subclasses.fake_tensor import is_fake
 
 from unclip.diffusion.loop import diffusion_loss
 from unclip.nets.clip import CLIP
@@ -232,6 +233,8 @@ def training_noise_schedule(scheduler) -> DDPMScheduler:
             prediction_type=prediction,
         )
     theirs = getattr(scheduler, "alphas_cumprod", None)
+    if theirs is not None and is_fake(theirs):
+        theirs = None  # a dry run's (unclip plan) tables hold no values; a real run checks them
     if theirs is not None and not torch.allclose(
         sched.alphas_cumprod, theirs.float().cpu(), rtol=1e-5, atol=1e-6
     ):
@@ -560,6 +563,93 @@ def _load_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
     }
 
 
+def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
+    """The parts :func:`_load_parts` gives, built from the folders' configs alone with fresh
+    weights on the current device (:func:`~unclip.interop.kandinsky_arch.kandinsky_architecture`:
+    a local folder's config files, or the published architecture of a Hub id): what ``unclip
+    plan`` runs a step of on fake tensors. The same checks as a real run's apply."""
+    import diffusers
+    from diffusers.models import PriorTransformer, VQModel
+
+    from unclip.interop.clip import clip_from_configs
+    from unclip.interop.kandinsky import check_pair
+    from unclip.interop.kandinsky_arch import kandinsky_architecture
+
+    k = cfg.kandinsky
+    arch = kandinsky_architecture(str(k.pretrained))
+    if arch["kind"] != k.stage:
+        raise ValueError(
+            f"kandinsky.pretrained {k.pretrained!r} is a Kandinsky {arch['kind']} but "
+            f"kandinsky.stage is {k.stage!r}; give the {k.stage} folder or set kandinsky.stage"
+        )
+
+    def scheduler(config: dict):
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+
+    def prior_clip(prior_arch: dict) -> CLIP:
+        return clip_from_configs(prior_arch["text_encoder"], prior_arch["image_encoder"])
+
+    if k.stage == "prior":
+        prior = PriorTransformer.from_config(arch["prior"])
+        return {
+            "model": prior,
+            "clip": prior_clip(arch),
+            "scheduler": scheduler(arch["scheduler"]),
+            "stats": (prior.clip_mean.detach().clone(), prior.clip_std.detach().clone()),
+            "source": str(k.pretrained),
+        }
+    prior_source = k.prior or arch.get("prior")
+    if prior_source is None:
+        raise ValueError(
+            f"{k.pretrained}: a decoder run embeds its images with the prior's image tower, and "
+            "the folder's model card names no prior; set kandinsky.prior to the prior folder"
+        )
+    prior_arch = kandinsky_architecture(str(prior_source))
+    if prior_arch["kind"] != "prior":
+        raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior")
+    clip = prior_clip(prior_arch)
+    decoder = LatentDecoder(
+        UNet2DConditionModel.from_config(arch["unet"]), VQModel.from_config(arch["movq"])
+    )
+    if decoder.inpaint:
+        raise ValueError(
+            f"{k.pretrained} is an inpainting decoder (its UNet reads masked images): fine-tuning "
+            "one is not supported yet; fine-tune the text-to-image decoder"
+        )
+    check_pair(clip, decoder)
+    return {
+        "model": decoder.unet,
+        "movq": decoder.movq,
+        "clip": clip,
+        "scheduler": scheduler(arch["scheduler"]),
+        "source": str(k.pretrained),
+        "prior_source": str(prior_source),
+    }
+
+
+def _on(module, device):
+    # parts built where they run (a dry run's fake GPU, whose tensors .to cannot swap) stay put
+    device = torch.device(device)
+    if all(p.device == device for p in module.parameters()):
+        return module
+    return module.to(device)
+
+
+def kandinsky_task(cfg: KandinskyTrainConfig, parts: dict, device, mixed_precision):
+    """The run's trained network (ready for the loop's ``prepare``) and its training task."""
+    clip: CLIP = _on(parts["clip"], device).eval()
+    model = _trainable(_on(parts["model"], device), cfg)
+    task: KandinskyDecoderTask | KandinskyPriorTask
+    if cfg.stage == "decoder":
+        movq = _on(parts["movq"], device).eval().requires_grad_(False)
+        task = KandinskyDecoderTask(cfg, movq, clip, parts["scheduler"], device, mixed_precision)
+    else:
+        task = KandinskyPriorTask(
+            cfg, clip, parts["scheduler"], parts["stats"], device, mixed_precision
+        )
+    return model, task
+
+
 def _trainable(model: torch.nn.Module, cfg: KandinskyTrainConfig) -> torch.nn.Module:
     model.requires_grad_(True)
     if cfg.stage == "prior":
@@ -651,21 +741,9 @@ def train_kandinsky(
     except BaseException:
         loop.release_output_dir()
         raise
-    device = loop.device
-    clip: CLIP = parts["clip"].to(device).eval()
-    model = _trainable(parts["model"].to(device), cfg)
+    model, task = kandinsky_task(cfg, parts, loop.device, loop.mixed_precision)
     model = loop.prepare(model)
-    task: KandinskyDecoderTask | KandinskyPriorTask
-    if cfg.stage == "decoder":
-        movq = parts["movq"].to(device).eval().requires_grad_(False)
-        task = KandinskyDecoderTask(
-            cfg, movq, clip, parts["scheduler"], device, loop.mixed_precision
-        )
-    else:
-        task = KandinskyPriorTask(
-            cfg, clip, parts["scheduler"], parts["stats"], device, loop.mixed_precision
-        )
-    data = loop.batches(cfg.data, cfg.data.resolution, clip_resolution=clip.image_size)
+    data = loop.batches(cfg.data, cfg.data.resolution, clip_resolution=task.clip.image_size)
     if loop.run(task, data):
         _export(loop, cfg, parts)
     loop.finish()

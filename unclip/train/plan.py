@@ -51,6 +51,7 @@ from torch.utils.flop_counter import flop_registry
 
 from unclip.train.decoder import clip_device
 from unclip.train.distributed import fsdp_units
+from unclip.train.kandinsky import kandinsky_task, skeleton_parts
 from unclip.train.loop import TrainLoop
 from unclip.train.plan_backward import (
     autocast_copies,
@@ -63,6 +64,7 @@ from unclip.train.plan_backward import (
 from unclip.train.plan_build import (
     _build,
     _build_token_family,
+    _is_kandinsky,
     _is_token_family,
     _synthetic_batch,
     _trimmed_text_positions,
@@ -354,7 +356,8 @@ def measure_step(
     if micro_batch is not None:
         cfg.data.batch_size = micro_batch
     token_family = _is_token_family(cfg)
-    if not token_family:
+    kandinsky = _is_kandinsky(cfg)
+    if not token_family and not kandinsky:
         cfg.clip.pretrained = None  # shapes only: nothing is downloaded or read
     cfg.train.init_weights = None
     cfg.train.init_weights_partial = False
@@ -364,8 +367,13 @@ def measure_step(
     cfg.train.grad_accum_steps = steps
     # counted at its full budget; measured without it, so that every micro-batch runs the CLIP
     # (the synthetic batches repeat one caption)
-    text_cache = int(cfg.train.text_cache_mb * 2**20) if getattr(cfg, "stage", "") == "prior" else 0
+    cached = getattr(cfg, "stage", "") == "prior" and not kandinsky  # Kandinsky's prior keeps none
+    text_cache = int(cfg.train.text_cache_mb * 2**20) if cached else 0
     cfg.train.text_cache_mb = 0
+    if kandinsky:
+        # keyed by the images' bytes, which fake tensors do not have; its budget is the user's
+        # kandinsky.latent_cache_mb on top of the plan (docs/kandinsky.md)
+        cfg.kandinsky.latent_cache_mb = 0
     with (
         _fresh_accelerate_state(),
         torch.random.fork_rng(devices=[]),  # the seed below must not change the caller's RNG
@@ -424,16 +432,25 @@ def measure_step(
         ):
             device = torch.device(device_type, 0) if device_type == "cuda" else loop.device
             torch.manual_seed(cfg.train.seed)
+            parts = None
             if token_family:  # no CLIP: the caption is BPE ids
                 clip, clip_flops = None, [0]
+            elif kandinsky:  # the folders' architectures with fresh weights
+                with torch.device(device):
+                    parts = skeleton_parts(cfg)
+                clip = parts["clip"]
+                clip_flops = _count_flops_of(clip, ("encode_text", "encode_image"), flops)
             else:
                 with torch.device(clip_device(cfg, device)):
                     clip = CLIP.from_config(cfg.clip)
                 methods = ("encode_text", "encode_image", "layer_features")
                 clip_flops = _count_flops_of(clip, methods, flops)
-            clip_bytes = mem.current
+            # the frozen towers (a Kandinsky run builds its parts together: counted by size)
+            clip_bytes = _bytes(parts["clip"].model) if parts is not None else mem.current
             if token_family:
                 model, task = _build_token_family(cfg, device, loop)
+            elif parts is not None:
+                model, task = kandinsky_task(cfg, parts, device, loop.mixed_precision)
             else:
                 model, task = _build(cfg, clip, device, loop.mixed_precision)
             weights = mem.current - clip_bytes

@@ -17,6 +17,10 @@ def _synthetic_batch(cfg, clip, b: int) -> dict:
     if _is_token_family(cfg):
         size = cfg.data.resolution
         batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
+    elif _is_kandinsky(cfg):  # the loop's batches: images and their views at the towers' size
+        size, view = cfg.data.resolution, clip.image_size
+        batch["image"] = torch.rand(b, 3, size, size) * 2 - 1
+        batch["clip_image"] = torch.rand(b, 3, view, view) * 2 - 1
     elif cfg.stage == "prior" and cfg.data.source == "embeddings":
         batch["image_embed"] = torch.randn(b, clip.embed_dim)
     else:
@@ -46,6 +50,11 @@ def _trimmed_text_positions(cfg, clip) -> int:
 def _is_token_family(cfg) -> bool:
     """A DALL-E / DALL-E Mega run (:mod:`unclip.train.token_config`) rather than a stage's."""
     return not hasattr(cfg, "stage")
+
+
+def _is_kandinsky(cfg) -> bool:
+    """A Kandinsky 2.2 fine-tuning run (:mod:`unclip.train.kandinsky`)."""
+    return hasattr(cfg, "kandinsky")
 
 
 class _TokensOfShape(torch.nn.Module):
