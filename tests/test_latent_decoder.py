@@ -230,6 +230,14 @@ def test_train_decoder_trains_on_the_tokenizers_latents_and_resumes_exactly(tmp_
     assert any(not torch.equal(init[k], a[k]) for k in init if k.startswith("unet."))
     d = UnCLIPDecoder.from_pretrained(tmp_path / "full" / "final" / "decoder")
     assert d.is_latent and d.latent_space.l2_codes and d.latent_space.scale == 2.0
+    # its latents decode through the tokenizer's own decoder: snapped to codes, the same images
+    # as the tokenizer draws from those codes
+    from unclip.nets.token_components import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(vqgan_folder)
+    x = torch.rand(2, 3, 16, 16, generator=gen()) * 2 - 1
+    z = d.to_latents(x) + 0.01 * torch.randn(2, *d.sample_shape, generator=gen(1))
+    torch.testing.assert_close(d.to_images(z).clamp(-1, 1), tokenizer.decode(tokenizer.encode(x)))
 
 
 def test_autoencoder_folders_and_settings_are_checked(tmp_path, vqgan_folder):

@@ -122,7 +122,10 @@ class LatentSpace(nn.Module):
         codebook = self._codebook()
         codes = torch.cdist(z.permute(0, 2, 3, 1).reshape(-1, c), codebook).argmin(1)
         z_q = codebook[codes].view(b, h, w, c).permute(0, 3, 1, 2)
-        out = self.model.decode(z_q, force_not_quantize=True).sample
+        # the code vectors themselves, not VQModel.decode: with lookup_from_codebook (a
+        # train-tokenizer VQGAN) that reads its input as code indices
+        spatial = self.model.config.get("norm_type") == "spatial"  # MoVQ's decoder reads z_q too
+        out = self.model.decoder(self.model.post_quant_conv(z_q), z_q if spatial else None)
         return out.float()
 
 
