@@ -171,3 +171,18 @@ def test_text_encodings_concatenate_row_wise(tiny_clip):
     ):
         assert torch.equal(got[:1], parts[0]) and torch.equal(got[1:], parts[1])
     assert torch.equal(both[2].text_embed, b[1].text_embed)
+
+
+def test_dropping_the_text_tower_keeps_the_image_embeddings():
+    clip = CLIP.from_config(ClipConfig("tiny", model_cfg=tiny_clip_config()))
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    before = clip.encode_image(x)
+    total = sum(p.numel() for p in clip.model.parameters())
+    assert clip.drop_text_tower() is clip
+    visual = sum(p.numel() for p in clip.model.visual.parameters())
+    assert sum(p.numel() for p in clip.model.parameters()) < total
+    # what is left is the image tower and the temperature
+    assert sum(p.numel() for p in clip.model.parameters()) <= visual + 2
+    torch.testing.assert_close(clip.encode_image(x), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="text tower was dropped"):
+        clip.encode_text(["a red circle"])

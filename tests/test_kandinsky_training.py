@@ -510,6 +510,7 @@ def test_unclip_plan_runs_a_fake_cuda_step_of_both_stages(folders, tmp_path):
     from unclip.cli.plan import main as plan
 
     nets = {"decoder": (UNet2DConditionModel, "unet"), "prior": (PriorTransformer, "prior")}
+    towers = {}
     for stage, (cls, sub) in nets.items():
         cfg = _config(tmp_path / f"{stage}.yaml", stage, folders, mixed_precision="bf16")
         out = tmp_path / f"{stage}.json"
@@ -521,6 +522,12 @@ def test_unclip_plan_runs_a_fake_cuda_step_of_both_stages(folders, tmp_path):
         assert (m["params_total"], m["params_trainable"]) == (trained, trained - stats)
         assert m["clip_params"] > 0 and m["text_cache"] == 0
         assert m["mixed_precision"] == "bf16" and m["component"] == stage
+        towers[stage] = m["clip_params"]
+    # a decoder run holds the image tower alone; the prior's run both towers
+    clip = read_kandinsky_prior(folders / "prior")["clip"]
+    assert towers["prior"] == sum(p.numel() for p in clip.model.parameters())
+    assert towers["decoder"] == sum(p.numel() for p in clip.drop_text_tower().model.parameters())
+    assert towers["decoder"] < towers["prior"]
     # a folder of the other stage is refused as a real run refuses it
     bad = _config(tmp_path / "bad.yaml", "prior", folders)
     bad.write_text(bad.read_text().replace(str(folders / "prior"), str(folders / "decoder")))

@@ -113,6 +113,8 @@ class CLIP(torch.nn.Module):
         # closed vocabulary: the token ids whose embedding rows the weights file holds (None: all
         # of them); see save_pretrained(keep_tokens=...)
         self.kept_token_ids: torch.Tensor | None = None
+        # False after drop_text_tower(): encode_text then raises
+        self.has_text = True
         visual = model.visual
         size = getattr(visual, "image_size", model_cfg.get("vision_cfg", {}).get("image_size", 224))
         self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
@@ -389,9 +391,29 @@ class CLIP(torch.nn.Module):
         return tokens
 
     @torch.no_grad()
+    def drop_text_tower(self) -> CLIP:
+        """Free the text tower's weights (in place; returns ``self``) for a job that only
+        embeds images, such as a Kandinsky decoder run: ``encode_text`` then raises. The image
+        tower, the embedding size and the tokenizer stay."""
+        m = self.model
+        if isinstance(m, OpenCLIPModel):
+            for name in ("transformer", "token_embedding", "ln_final"):
+                setattr(m, name, None)
+            for name in ("positional_embedding", "text_projection"):
+                setattr(m, name, None)
+        else:
+            m.text = None
+        self.has_text = False
+        return self
+
     def encode_text(self, prompts: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
         """Encode prompts (or token ids ``[B, L]``) → :class:`TextEncoding` (see module doc for
         shapes)."""
+        if not self.has_text:
+            raise ValueError(
+                "this CLIP's text tower was dropped (drop_text_tower: a job that embeds images "
+                "only); load the CLIP again to encode text"
+            )
         ids = prompts if isinstance(prompts, torch.Tensor) else self.tokenize(prompts)
         ids = ids.to(self.device)
         m = self.model

@@ -545,7 +545,7 @@ def _load_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
         raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior folder")
     from unclip.interop.kandinsky import check_pair
 
-    clip = prior_parts["clip"]
+    clip = prior_parts["clip"].drop_text_tower()  # a decoder run embeds images only
     check_pair(clip, decoder)
     f2 = decoder.scale_factor**2
     if cfg.data.resolution % f2:
@@ -607,7 +607,7 @@ def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
     prior_arch = kandinsky_architecture(str(prior_source))
     if prior_arch["kind"] != "prior":
         raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior")
-    clip = prior_clip(prior_arch)
+    clip = prior_clip(prior_arch).drop_text_tower()
     decoder = LatentDecoder(
         UNet2DConditionModel.from_config(arch["unet"]), VQModel.from_config(arch["movq"])
     )
