@@ -268,3 +268,17 @@ def test_autoencoder_folders_and_settings_are_checked(tmp_path, vqgan_folder):
         tiny_pipeline(0, sizes=(18,), decoder_kwargs=tiny_latent_kwargs())
     with pytest.raises(ValueError, match="_class_name"):
         LatentSpace({"_class_name": "UNet2DModel"})
+
+
+def test_unclip_plan_dry_runs_a_latent_decoder(tmp_path, vqgan_folder):
+    """The plan builds the autoencoder from its folder's config (fake tensors cannot hold the
+    file's weights) and runs the real training step: the frozen autoencoder is counted in the
+    network's parameters and not among the trained ones."""
+    from unclip.cli.plan import main as plan
+
+    out = tmp_path / "plan.json"
+    cfg = str(CONFIGS / "tiny" / "decoder.yaml")
+    assert plan([cfg, f"decoder.autoencoder={vqgan_folder}", "--json", str(out)]) == 0
+    m = json.loads(out.read_text())["measure"]
+    frozen = sum(p.numel() for p in load_autoencoder(vqgan_folder)[0].parameters())
+    assert m["params_total"] - m["params_trainable"] == frozen

@@ -129,11 +129,14 @@ class LatentSpace(nn.Module):
         return out.float()
 
 
-def load_autoencoder(path: Union[str, Path]) -> tuple[Union[VQModel, AutoencoderKL], bool]:
+def load_autoencoder(
+    path: Union[str, Path], weights: bool = True
+) -> tuple[Union[VQModel, AutoencoderKL], bool]:
     """``(model, l2_codes)`` from ``path``: a ``train-tokenizer`` VQGAN folder (its
     ``VQModel`` and whether it looks codes up by cosine) or a diffusers ``VQModel`` /
     ``AutoencoderKL`` folder (safetensors weights only). Anything else is a ``ValueError``
-    naming what the folder holds."""
+    naming what the folder holds. ``weights=False``: the network its config describes, with
+    fresh weights (a dry run on fake tensors, which cannot hold the file's)."""
     folder = Path(path).expanduser()
     config = folder / "config.json"
     if not config.is_file():
@@ -146,15 +149,15 @@ def load_autoencoder(path: Union[str, Path]) -> tuple[Union[VQModel, Autoencoder
     except json.JSONDecodeError as exc:
         raise ValueError(f"decoder.autoencoder: {config} is not valid JSON ({exc})") from None
     if meta.get("component") == "tokenizer":
-        from unclip.nets.token_components import load_tokenizer
-        from unclip.nets.vqgan import VQGAN
+        from unclip.nets.token_components import load_tokenizer, read_component_config
 
-        tokenizer, cfg = load_tokenizer(folder)
-        if not isinstance(tokenizer, VQGAN):
+        cfg = read_component_config(folder, "tokenizer")
+        if cfg.type != "vqgan":
             raise ValueError(
                 f"decoder.autoencoder: {folder} holds a {cfg.type} tokenizer; a latent decoder "
                 "needs continuous latents: train a vqgan tokenizer (or give an AutoencoderKL)"
             )
+        tokenizer = load_tokenizer(folder)[0] if weights else cfg.build()
         return tokenizer.model, tokenizer.l2_codes
     kind = meta.get("_class_name")
     if kind not in AUTOENCODERS:
@@ -162,6 +165,8 @@ def load_autoencoder(path: Union[str, Path]) -> tuple[Union[VQModel, Autoencoder
             f"decoder.autoencoder: {config} describes a {kind!r}, not one of "
             f"{', '.join(AUTOENCODERS)} (or a train-tokenizer VQGAN folder)"
         )
+    if not weights:
+        return AUTOENCODERS[kind].from_config(meta), False
     from unclip.io.weights import safe_model_from_pretrained
 
     model = safe_model_from_pretrained(

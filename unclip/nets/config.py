@@ -227,8 +227,11 @@ class DecoderConfig:
         if path is None:
             return UnCLIPDecoder.from_clip(clip, **kwargs)
         from unclip.nets.autoencoder import autoencoder_config, load_autoencoder
+        from unclip.utils.devices import under_fake_tensors
 
-        model, l2_codes = load_autoencoder(path)
+        # a dry run (unclip plan) builds on fake tensors, which cannot take the file's weights
+        weights = not under_fake_tensors()
+        model, l2_codes = load_autoencoder(path, weights=weights)
         decoder = UnCLIPDecoder.from_clip(
             clip,
             autoencoder=autoencoder_config(model),
@@ -236,7 +239,8 @@ class DecoderConfig:
             latent_scale=scale,
             **kwargs,
         )
-        decoder.latent_space.model.load_state_dict(model.state_dict())
+        if weights:
+            decoder.latent_space.model.load_state_dict(model.state_dict())
         return decoder
 
 

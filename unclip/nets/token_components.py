@@ -157,14 +157,10 @@ def save_component(module: torch.nn.Module, folder, component: str, cfg) -> Path
     return folder
 
 
-def _load(folder, component: str):
-    """The one loading path of both components, validating before it builds: ``config.json``
-    present, naming this component and holding a ``config`` that the strict loader accepts (a
-    known ``type``, every field checked); the weights ``model.safetensors`` only (a pickle is
-    refused before it is opened), their names and shapes read from the file's header and
-    matched against the module the config describes, built on the meta device; only then the
-    network is built and the tensors read. Each failure is one line naming the file and what
-    was expected."""
+def read_component_config(folder, component: str):
+    """The checked config of the ``component`` saved in ``folder`` (its ``config.json`` alone;
+    the weights are not read): a one-line error naming the file when it is missing, describes
+    another component or holds a setting the strict loader refuses."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -184,11 +180,24 @@ def _load(folder, component: str):
             "save_component writes); re-export the folder"
         )
     try:
-        cfg = from_dict(_SCHEMAS[component], meta["config"], source=str(file))
+        return from_dict(_SCHEMAS[component], meta["config"], source=str(file))
     except ValueError as exc:  # a section's own check (a size out of its bounds) names no file
         if str(file) in str(exc):
             raise
         raise ConfigError(f"{file}: {exc}") from None
+
+
+def _load(folder, component: str):
+    """The one loading path of both components, validating before it builds: ``config.json``
+    present, naming this component and holding a ``config`` that the strict loader accepts (a
+    known ``type``, every field checked); the weights ``model.safetensors`` only (a pickle is
+    refused before it is opened), their names and shapes read from the file's header and
+    matched against the module the config describes, built on the meta device; only then the
+    network is built and the tensors read. Each failure is one line naming the file and what
+    was expected."""
+    folder = Path(folder)
+    cfg = read_component_config(folder, component)
+    file = folder / CONFIG_FILE
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         if pickles_in(folder):

@@ -53,6 +53,7 @@ from unclip.train.repa import (
     exported_model,
 )
 from unclip.train.run_folder import releases_folder
+from unclip.utils.devices import under_fake_tensors
 from unclip.utils.images import image_grid
 
 __all__ = [
@@ -306,7 +307,15 @@ def frozen_latent_space(model: torch.nn.Module) -> Optional[LatentSpace]:
     batch with (None for a pixel decoder or an upsampler): the copy stays outside the trained
     module, so a sharded or wrapped decoder never gathers its autoencoder to encode a batch."""
     space = getattr(model, "latent_space", None)
-    return None if space is None else copy.deepcopy(space)
+    if space is None:
+        return None
+    if under_fake_tensors():
+        # a dry run's fake tensors do not deep-copy into their own mode: a fresh build has the
+        # same shapes, which is all a dry run reads
+        with torch.device(next(space.parameters()).device):
+            c = model.config
+            return LatentSpace(dict(c["autoencoder"]), c["autoencoder_l2_codes"], space.scale)
+    return copy.deepcopy(space)
 
 
 def clip_device(cfg: StageConfig, device) -> torch.device:
