@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +158,7 @@ def load_autoencoder(
                 "needs continuous latents: train a vqgan tokenizer (or give an AutoencoderKL)"
             )
         tokenizer = load_tokenizer(folder)[0] if weights else cfg.build()
-        return tokenizer.model, tokenizer.l2_codes
+        return cast(VQModel, tokenizer.model), bool(tokenizer.l2_codes)
     kind = meta.get("_class_name")
     if kind not in AUTOENCODERS:
         raise ValueError(

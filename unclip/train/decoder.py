@@ -313,8 +313,9 @@ def frozen_latent_space(model: torch.nn.Module) -> Optional[LatentSpace]:
         # a dry run's fake tensors do not deep-copy into their own mode: a fresh build has the
         # same shapes, which is all a dry run reads
         with torch.device(next(space.parameters()).device):
-            c = model.config
-            return LatentSpace(dict(c["autoencoder"]), c["autoencoder_l2_codes"], space.scale)
+            model_cfg = dict(space.model.config)
+            model_cfg["_class_name"] = space.kind
+            return LatentSpace(model_cfg, space.l2_codes, space.scale)
     return copy.deepcopy(space)
 
 
