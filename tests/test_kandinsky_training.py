@@ -442,8 +442,9 @@ def test_shipped_configs_load_and_plan_reads_them(capsys):
         cfg = load_kandinsky_config(path, ["data.path=x"], (stage,))
         assert cfg.stage == stage and cfg.kandinsky.pretrained.endswith(f"2-2-{stage}")
         assert cfg.train.grad_accum_steps == 8 and cfg.train.max_grad_norm == 1.0
-        # the dry run of the full-size networks takes minutes: its report is committed
-        # (benchmarks/results/kandinsky_plan); here the plan reads the config as it would
+        # the dry run of the full-size networks takes half a minute of CPU each, too long for the
+        # suite: its reports are committed (benchmarks/results/kandinsky_plan); here the plan
+        # reads the config as it would
         assert plan.main([str(path), "train.mixed_precision=bf16", "--check-only"]) == 0
         assert f"read {path} with 1 override(s)" in capsys.readouterr().out
 
@@ -537,8 +538,8 @@ def test_unclip_plan_runs_a_fake_cuda_step_of_both_stages(folders, tmp_path):
 
 def test_the_published_architectures_have_the_model_cards_sizes():
     """The built-in configs of the Hub ids build (on the meta device) networks of the sizes the
-    model card gives: UNet 1.22B, MoVQ 67M, prior 1B, image tower 1.8B; another id is refused
-    with what to do."""
+    model card gives: UNet 1.22B, MoVQ 67M, prior 1B, image tower 1.8B (1,280-wide embeddings);
+    another id is refused with what to do."""
     from diffusers.models import PriorTransformer, UNet2DConditionModel, VQModel
 
     from unclip.interop.kandinsky_arch import DECODER_ID, PRIOR_ID, kandinsky_architecture
@@ -552,6 +553,12 @@ def test_the_published_architectures_have_the_model_cards_sizes():
     assert count(UNet2DConditionModel, dec["unet"]) == pytest.approx(1.22e9, rel=0.03)
     assert count(VQModel, dec["movq"]) == pytest.approx(67e6, rel=0.02)
     assert count(PriorTransformer, prior["prior"]) == pytest.approx(1.0e9, rel=0.03)
+    from unclip.interop.clip import clip_from_configs
+
+    with torch.device("meta"):
+        clip = clip_from_configs(prior["text_encoder"], prior["image_encoder"])
+    vision = sum(p.numel() for p in clip.model.visual.parameters())
+    assert vision == pytest.approx(1.8e9, rel=0.03) and clip.embed_dim == 1280
     inpaint = kandinsky_architecture(DECODER_ID + "-inpaint")
     assert inpaint["unet"]["in_channels"] == 9
     with pytest.raises(ValueError, match="download the folder's config files"):

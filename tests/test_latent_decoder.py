@@ -142,10 +142,19 @@ def test_the_folder_keeps_the_autoencoder_and_loads_it_frozen(pipe, tmp_path):
 def test_lora_leaves_the_autoencoder_alone(pipe):
     d = tiny_pipeline(0, sizes=(16,), decoder_kwargs=tiny_latent_kwargs("VQModel")).decoder
     assert "to_q" in adaptable_names(d.unet)  # the UNet's attention is adapted by default
+    # and the autoencoder's mid-block attention has layers of the same names
+    assert any(n.endswith("to_q") for n, _ in d.latent_space.named_modules())
     add_adapter(d, "style", rank=2, trainable=True)
     adapted = {n for n, p in d.named_parameters() if "lora_" in n}
     assert adapted and not any(n.startswith("latent_space.") for n in adapted)
     assert not any(p.requires_grad for p in d.latent_space.parameters())
+    # an adapter config that excludes layers of its own still leaves the autoencoder out
+    import peft
+
+    own = peft.LoraConfig(r=2, target_modules=["to_q", "to_k"], exclude_modules=["to_k"])
+    add_adapter(d, "other", rank=2, config=own)
+    names = [n for n, _ in d.named_modules() if n.endswith("lora_A.other")]
+    assert names and not any(n.startswith("latent_space.") or ".to_k." in n for n in names)
 
 
 def test_inpainting_keeps_the_unmasked_pixels_exactly(pipe):
@@ -282,3 +291,26 @@ def test_unclip_plan_dry_runs_a_latent_decoder(tmp_path, vqgan_folder):
     m = json.loads(out.read_text())["measure"]
     frozen = sum(p.numel() for p in load_autoencoder(vqgan_folder)[0].parameters())
     assert m["params_total"] - m["params_trainable"] == frozen
+
+
+def test_a_diffusers_autoencoder_folder_trains_exports_and_refuses_another(tmp_path):
+    """A decoder over a diffusers AutoencoderKL folder trains and exports (its config nests the
+    autoencoder's architecture only, no path); a resumed run over another autoencoder is refused
+    before a step; decoder_loss refuses a latent decoder without its latent space."""
+    from unclip.train.decoder import decoder_loss
+
+    torch.manual_seed(0)
+    kl = LatentSpace(tiny_latent_kwargs("AutoencoderKL")["autoencoder"])
+    kl.model.save_pretrained(tmp_path / "kl")
+    common = ["train.max_steps=2", "train.checkpoint_every=1"]
+    assert train(tmp_path / "run", tmp_path / "kl", *common) == 0
+    d = UnCLIPDecoder.from_pretrained(tmp_path / "run" / "final" / "decoder")
+    assert d.latent_space.kind == "AutoencoderKL" and "_name_or_path" not in d.config.autoencoder
+    other = LatentSpace(tiny_latent_kwargs("AutoencoderKL")["autoencoder"])
+    other.model.save_pretrained(tmp_path / "kl2")
+    more = ["train.max_steps=3", "train.checkpoint_every=1"]
+    with pytest.raises(ValueError, match="differs from decoder.autoencoder="):
+        train(tmp_path / "run", tmp_path / "kl2", *more, args=["--resume", "latest"])
+    batch = {"image": torch.zeros(1, 3, 16, 16), "caption": ["x"]}
+    with pytest.raises(ValueError, match="pass latent_space"):
+        decoder_loss(d, batch, None, None, None, None, None, "cpu")

@@ -15,9 +15,13 @@ Two kinds of autoencoder, both diffusers' own classes:
 - ``VQModel`` (a VQGAN; e.g. one trained with ``unclip train-tokenizer``, or MoVQ with
   ``norm_type="spatial"``). The latents are the encoder's pre-quantisation output (normalised
   per position when the codes are looked up by cosine, ``l2_codes``); decoding snaps each
-  position to its nearest code first, because the VQ decoder was only ever trained on codes.
+  position to its nearest code first, because the VQ decoder was only ever trained on codes
+  (Kandinsky 2.2's own pipelines decode MoVQ latents without snapping; its decoder is
+  :class:`~unclip.nets.latent_decoder.LatentDecoder`, which does as they do).
 - ``AutoencoderKL`` (Stable Diffusion's VAE). The latents are the posterior's mean (a
-  deterministic encoding, so a training batch's target does not depend on a random draw).
+  deterministic encoding, so a training batch's target does not depend on a random draw), minus
+  its ``shift_factor`` when it has one; one that sets ``force_upcast`` runs in float32 in a half
+  precision pipeline.
 
 ``scale`` multiplies the latents so the diffusion sees roughly unit variance, as Stable
 Diffusion's ``scaling_factor`` does: by default the KL model's own ``scaling_factor``, ``sqrt(C)``
@@ -42,13 +46,18 @@ from torch import nn
 
 __all__ = ["AUTOENCODERS", "LatentSpace", "autoencoder_config", "load_autoencoder"]
 
+#: images decoded at once by :meth:`LatentSpace.decode`
+DECODE_ROWS = 8
 #: the autoencoder classes a latent decoder takes, by diffusers' ``_class_name``
 AUTOENCODERS = {"VQModel": VQModel, "AutoencoderKL": AutoencoderKL}
 
 
 def autoencoder_config(model: Union[VQModel, AutoencoderKL]) -> dict:
-    """``model``'s diffusers config with its ``_class_name``, as :class:`LatentSpace` takes it."""
-    return {**dict(model.config), "_class_name": type(model).__name__}
+    """``model``'s diffusers config with its ``_class_name``, as :class:`LatentSpace` takes it:
+    the architecture only (diffusers' private entries, such as the path it was loaded from, are
+    not JSON a nested config could hold)."""
+    arch = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    return {**arch, "_class_name": type(model).__name__}
 
 
 class LatentSpace(nn.Module):
@@ -88,6 +97,22 @@ class LatentSpace(nn.Module):
         """Pixels per latent side."""
         return 2 ** (len(self.model.config["block_out_channels"]) - 1)
 
+    @property
+    def shift(self) -> float:
+        """Subtracted before scaling (a KL model's ``shift_factor``, as SD3's VAE has; else 0)."""
+        return (
+            float(self.model.config.get("shift_factor") or 0.0)
+            if self.kind == "AutoencoderKL"
+            else 0.0
+        )
+
+    def _compute_model(self):
+        # a VAE that asks for float32 (force_upcast: SDXL's overflows in float16) runs in it
+        half = self.model.dtype in (torch.float16, torch.bfloat16)
+        if half and self.model.config.get("force_upcast", False):
+            self.model.float()
+        return self.model
+
     def default_scale(self) -> float:
         if self.kind == "AutoencoderKL":
             return float(self.model.config.get("scaling_factor", 1.0))
@@ -100,32 +125,42 @@ class LatentSpace(nn.Module):
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` in ``[-1, 1]`` → scaled latents ``[B, C, H/f, W/f]``."""
-        x = images.to(self.model.device, self.model.dtype)
+        model = self._compute_model()
+        x = images.to(model.device, model.dtype)
         if self.kind == "AutoencoderKL":
-            z = self.model.encode(x).latent_dist.mean
+            z = model.encode(x).latent_dist.mean
         else:
-            z = self.model.encode(x).latents
+            z = model.encode(x).latents
             if self.l2_codes:
                 z = F.normalize(z, dim=1)
-        return z * self.scale
+        return (z - self.shift) * self.scale
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latents ``[B, C, h, w]`` → images ``[B, 3, f·h, f·w]`` (float32, not
-        clamped)."""
-        z = latents.to(self.model.device, self.model.dtype) / self.scale
+        clamped), :data:`DECODE_ROWS` rows at a time (a decoder candidate batch can be large,
+        and the decoder's full-resolution activations are per row)."""
+        parts = [self._decode(c) for c in latents.split(DECODE_ROWS)]
+        return torch.cat(parts)
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        model = self._compute_model()
+        z = latents.to(model.device, model.dtype) / self.scale + self.shift
         if self.kind == "AutoencoderKL":
-            return self.model.decode(z).sample.float()
+            return model.decode(z).sample.float()
         if self.l2_codes:
             z = F.normalize(z, dim=1)
         b, c, h, w = z.shape
         codebook = self._codebook()
-        codes = torch.cdist(z.permute(0, 2, 3, 1).reshape(-1, c), codebook).argmin(1)
+        flat = z.permute(0, 2, 3, 1).reshape(-1, c)
+        # nearest codes a block of positions at a time: the distance matrix of all of them
+        # (positions × codes) would be the largest tensor of the decode
+        codes = torch.cat([torch.cdist(q, codebook).argmin(1) for q in flat.split(4096)])
         z_q = codebook[codes].view(b, h, w, c).permute(0, 3, 1, 2)
         # the code vectors themselves, not VQModel.decode: with lookup_from_codebook (a
         # train-tokenizer VQGAN) that reads its input as code indices
-        spatial = self.model.config.get("norm_type") == "spatial"  # MoVQ's decoder reads z_q too
-        out = self.model.decoder(self.model.post_quant_conv(z_q), z_q if spatial else None)
+        spatial = model.config.get("norm_type") == "spatial"  # MoVQ's decoder reads z_q too
+        out = model.decoder(model.post_quant_conv(z_q), z_q if spatial else None)
         return out.float()
 
 

@@ -390,7 +390,6 @@ class CLIP(torch.nn.Module):
                     )
         return tokens
 
-    @torch.no_grad()
     def drop_text_tower(self) -> CLIP:
         """Free the text tower's weights (in place; returns ``self``) for a job that only
         embeds images, such as a Kandinsky decoder run: ``encode_text`` then raises. The image
@@ -406,6 +405,7 @@ class CLIP(torch.nn.Module):
         self.has_text = False
         return self
 
+    @torch.no_grad()
     def encode_text(self, prompts: Union[str, Sequence[str], torch.Tensor]) -> TextEncoding:
         """Encode prompts (or token ids ``[B, L]``) → :class:`TextEncoding` (see module doc for
         shapes)."""

@@ -314,8 +314,14 @@ def add_adapter(
         )
     else:
         check_target_modules(model, sorted(config.target_modules))
-        if _exclusion(model) and not config.exclude_modules:
-            config = dataclasses.replace(config, exclude_modules=_exclusion(model))
+        mine, theirs = _exclusion(model), config.exclude_modules
+        if mine and theirs != mine:
+            # the frozen parts stay out whatever else the adapter's own config leaves out
+            if isinstance(theirs, str):
+                mine = f"{mine}|{theirs}"
+            elif theirs:  # a list of names: as patterns that match a module named so
+                mine = "|".join([mine, *(rf"(.*\.)?{re.escape(n)}" for n in theirs)])
+            config = dataclasses.replace(config, exclude_modules=mine)
     existing = _peft_configs(model)
     training = model.training
     with warnings.catch_warnings():

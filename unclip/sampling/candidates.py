@@ -276,7 +276,9 @@ def _sample_choosing(
         learned_variance=d.learned_variance, on_step=hook, **run,
     )  # fmt: skip
     x = check_finite("decoder", x, run.get("autocast_dtype"))
-    return decoder.to_images(x).float().clamp(-1, 1), kept()
+    if decoder.is_latent:
+        x = check_finite("the decoder's autoencoder", decoder.to_images(x))
+    return x.float().clamp(-1, 1), kept()
 
 
 @torch.no_grad()

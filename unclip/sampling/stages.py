@@ -341,7 +341,9 @@ def sample_decoder(
         callback=callback,
     )
     x = check_finite("decoder", x, autocast_dtype, module=decoder, settings=settings)
-    return decoder.to_images(x).float().clamp(-1, 1)
+    if decoder.is_latent:  # the autoencoder's decode can overflow on its own (half precision)
+        x = check_finite("the decoder's autoencoder", decoder.to_images(x))
+    return x.float().clamp(-1, 1)
 
 
 def select_scheduler_rows(scheduler, rows: torch.Tensor, batch: int, ndim: int) -> None:

@@ -95,8 +95,19 @@ def decoder_loss(
     A latent decoder denoises ``latent_space``'s latents of the batch's images (the autoencoder
     it holds, :func:`frozen_latent_space`)."""
     images = batch["image"].to(device)
-    if latent_space is not None:
+    base = _base_decoder(model)
+    if getattr(base, "is_latent", False):
+        if latent_space is None:
+            raise ValueError(
+                "decoder_loss: this is a latent decoder; pass latent_space (its autoencoder, "
+                "unclip.train.decoder.frozen_latent_space) or it would denoise pixels"
+            )
         images = latent_space.encode(images).float()
+        if tuple(images.shape[1:]) != tuple(base.sample_shape):
+            raise ValueError(
+                f"decoder_loss: latent_space gives latents {tuple(images.shape[1:])} but the "
+                f"decoder samples {tuple(base.sample_shape)}; pass the decoder's own autoencoder"
+            )
     image_embed = decoder_image_embed(batch, clip, device)
     text = encode_captions(cfg.decoder, clip, batch["caption"]).to(device)
     coins = torch.stack([torch.rand(2, generator=g) for g in gens]).to(device)
@@ -302,6 +313,40 @@ class UpsamplerTask:
         return image_grid(torch.cat([low.cpu(), out.cpu()]), cols=n)
 
 
+def _base_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder inside the wrappers a training run puts around it (DDP, torch.compile, the
+    alignment head)."""
+    for _ in range(4):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, RepaDecoder):
+            inner = exported_model(model)
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+def check_latent_space(model: torch.nn.Module, space: Optional[LatentSpace], source) -> None:
+    """Refuse a run whose decoder holds another autoencoder than the one its batches are encoded
+    with: weights from ``train.init_weights`` or a resumed checkpoint carry the autoencoder they
+    were trained over, and ``decoder.autoencoder`` (``source``) must be that one. Sharded weights
+    are gathered to compare (every process runs this)."""
+    if space is None or under_fake_tensors():
+        return
+    held = _base_decoder(model).latent_space
+    theirs = held.state_dict() if held is not None else {}
+    for key, mine in space.state_dict().items():
+        t = theirs.get(key)
+        if t is not None and hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if t is None or not torch.equal(t.detach().cpu(), mine.detach().cpu()):
+            raise ValueError(
+                f"the decoder's autoencoder (from train.init_weights or the resumed checkpoint) "
+                f"differs from decoder.autoencoder={source} at {key}: point decoder.autoencoder "
+                "at the autoencoder the decoder was trained over"
+            )
+
+
 def frozen_latent_space(model: torch.nn.Module) -> Optional[LatentSpace]:
     """A copy of a latent decoder's frozen autoencoder for the training task to encode each
     batch with (None for a pixel decoder or an upsampler): the copy stays outside the trained
@@ -408,6 +453,8 @@ def train_decoder(
         model = build_image_model(cfg, clip)
     space = frozen_latent_space(model)
     model = loop.prepare(model)
+    if cfg.stage == "decoder":
+        check_latent_space(loop.unwrapped, space, cfg.decoder_section.autoencoder)
     model.train()
     task: DecoderTask | UpsamplerTask
     if cfg.stage == "decoder":

@@ -502,6 +502,44 @@ def _read(source: str, cfg: KandinskyTrainConfig, what: str) -> tuple[dict, Path
     return read_kandinsky_folder(folder, variant=k.variant), folder
 
 
+def _decoder_prior(cfg: KandinskyTrainConfig, decoder: LatentDecoder, scheduler, card) -> str:
+    """What a decoder run refuses in its folder (checked before the prior is read), and the
+    prior whose image tower embeds its images (``kandinsky.prior``, else the one the model card
+    names, ``card``)."""
+    k = cfg.kandinsky
+    if decoder.inpaint:
+        raise ValueError(
+            f"{k.pretrained} is an inpainting decoder (its UNet reads masked images): fine-tuning "
+            "one is not supported yet; fine-tune the text-to-image decoder"
+        )
+    variance = scheduler.config.get("variance_type")
+    if variance in ("learned", "learned_range"):
+        raise ValueError(
+            f"{k.pretrained}: its scheduler samples with the UNet's learned variance "
+            f"(variance_type={variance!r}), which this trainer does not train (the loss covers "
+            "the first C output channels); fine-tune a folder whose scheduler has a fixed variance"
+        )
+    prior_source = k.prior or card
+    if prior_source is None:
+        raise ValueError(
+            f"{k.pretrained}: a decoder run embeds its images with the prior's image tower, and "
+            "the folder's model card names no prior; set kandinsky.prior to the prior folder"
+        )
+    return str(prior_source)
+
+
+def _check_pair(cfg: KandinskyTrainConfig, clip: CLIP, decoder: LatentDecoder) -> None:
+    from unclip.interop.kandinsky import check_pair
+
+    check_pair(clip, decoder)
+    f2 = decoder.scale_factor**2
+    if cfg.data.resolution % f2:
+        raise ConfigError(
+            f"data.resolution={cfg.data.resolution} must be a multiple of {f2} (the MoVQ's "
+            f"{decoder.scale_factor}x downsampling, squared, as the pipelines size images)"
+        )
+
+
 def _load_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
     """The folders' components for the run: the trained network under ``model``."""
     k = cfg.kandinsky
@@ -522,37 +560,12 @@ def _load_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
             "source": str(k.pretrained),
         }
     decoder: LatentDecoder = parts["decoder"]
-    if decoder.inpaint:
-        raise ValueError(
-            f"{k.pretrained} is an inpainting decoder (its UNet reads masked images): fine-tuning "
-            "one is not supported yet; fine-tune the text-to-image decoder"
-        )
-    variance = parts["scheduler"].config.get("variance_type")
-    if variance in ("learned", "learned_range"):
-        raise ValueError(
-            f"{k.pretrained}: its scheduler samples with the UNet's learned variance "
-            f"(variance_type={variance!r}), which this trainer does not train (the loss covers "
-            "the first C output channels); fine-tune a folder whose scheduler has a fixed variance"
-        )
-    prior_source = k.prior or parts.get("card_prior")
-    if prior_source is None:
-        raise ValueError(
-            f"{k.pretrained}: a decoder run embeds its images with the prior's image tower, and "
-            "the folder's model card names no prior; set kandinsky.prior to the prior folder"
-        )
+    prior_source = _decoder_prior(cfg, decoder, parts["scheduler"], parts.get("card_prior"))
     prior_parts, _ = _read(str(prior_source), cfg, "Kandinsky prior")
     if prior_parts.pop("kind") != "prior":
         raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior folder")
-    from unclip.interop.kandinsky import check_pair
-
     clip = prior_parts["clip"].drop_text_tower()  # a decoder run embeds images only
-    check_pair(clip, decoder)
-    f2 = decoder.scale_factor**2
-    if cfg.data.resolution % f2:
-        raise ConfigError(
-            f"data.resolution={cfg.data.resolution} must be a multiple of {f2} (the MoVQ's "
-            f"{decoder.scale_factor}x downsampling, squared, as the pipelines size images)"
-        )
+    _check_pair(cfg, clip, decoder)
     return {
         "model": decoder.unet,
         "movq": decoder.movq,
@@ -572,7 +585,6 @@ def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
     from diffusers.models import PriorTransformer, VQModel
 
     from unclip.interop.clip import clip_from_configs
-    from unclip.interop.kandinsky import check_pair
     from unclip.interop.kandinsky_arch import kandinsky_architecture
 
     k = cfg.kandinsky
@@ -598,30 +610,21 @@ def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
             "stats": (prior.clip_mean.detach().clone(), prior.clip_std.detach().clone()),
             "source": str(k.pretrained),
         }
-    prior_source = k.prior or arch.get("prior")
-    if prior_source is None:
-        raise ValueError(
-            f"{k.pretrained}: a decoder run embeds its images with the prior's image tower, and "
-            "the folder's model card names no prior; set kandinsky.prior to the prior folder"
-        )
-    prior_arch = kandinsky_architecture(str(prior_source))
-    if prior_arch["kind"] != "prior":
-        raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior")
-    clip = prior_clip(prior_arch).drop_text_tower()
     decoder = LatentDecoder(
         UNet2DConditionModel.from_config(arch["unet"]), VQModel.from_config(arch["movq"])
     )
-    if decoder.inpaint:
-        raise ValueError(
-            f"{k.pretrained} is an inpainting decoder (its UNet reads masked images): fine-tuning "
-            "one is not supported yet; fine-tune the text-to-image decoder"
-        )
-    check_pair(clip, decoder)
+    sched = scheduler(arch["scheduler"])
+    prior_source = _decoder_prior(cfg, decoder, sched, arch.get("prior"))
+    prior_arch = kandinsky_architecture(prior_source)
+    if prior_arch["kind"] != "prior":
+        raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior")
+    clip = prior_clip(prior_arch).drop_text_tower()
+    _check_pair(cfg, clip, decoder)
     return {
         "model": decoder.unet,
         "movq": decoder.movq,
         "clip": clip,
-        "scheduler": scheduler(arch["scheduler"]),
+        "scheduler": sched,
         "source": str(k.pretrained),
         "prior_source": str(prior_source),
     }

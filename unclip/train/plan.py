@@ -453,6 +453,10 @@ def measure_step(
                 model, task = kandinsky_task(cfg, parts, device, loop.mixed_precision)
             else:
                 model, task = _build(cfg, clip, device, loop.mixed_precision)
+            # the frozen autoencoder a latent decoder's task encodes batches with
+            frozen = getattr(task, "movq", None) or getattr(task, "latent_space", None)
+            if frozen is not None:
+                _count_flops_of(frozen, ("encode",), flops, clip_flops)
             weights = mem.current - clip_bytes
             params = list(model.parameters())
             trainable = [p for p in params if p.requires_grad]
@@ -581,10 +585,11 @@ def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _count_flops_of(obj, methods, flops: _FlopCount) -> list[int]:
-    """Wrap ``obj``'s ``methods`` so the FLOPs they run are added to the returned counter (the
-    frozen CLIP runs forward only: it is counted once, not with the backward's factor)."""
-    counter = [0]
+def _count_flops_of(obj, methods, flops: _FlopCount, counter=None) -> list[int]:
+    """Wrap ``obj``'s ``methods`` so the FLOPs they run are added to the returned counter
+    (``counter``, or a new one): frozen networks (the CLIP, an autoencoder) run forward only and
+    are counted once, not with the backward's factor."""
+    counter = [0] if counter is None else counter
     for name in methods:
         fn = getattr(obj, name)
 
