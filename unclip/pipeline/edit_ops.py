@@ -50,7 +50,8 @@ class EditOutput(UnCLIPOutput):
 @dataclass
 class Inversion:
     """Result of :func:`unclip.pipeline.editing.invert` (``pipe.invert``): ``latents [B,
-    *decoder.sample_shape]`` (the decoder's ``x_T``: pixels, or a latent decoder's latents), the ``image_embeds [B, D]`` and caption it was inverted with, the
+    *decoder.sample_shape]`` (the decoder's ``x_T``: pixels, or a latent decoder's latents), the
+    ``image_embeds [B, D]`` and caption it was inverted with, the
     ``image`` at the decoder's resolution in [-1, 1], its ``reconstruction`` (decoded back from
     ``latents``, when asked) and ``error``, the root-mean-square difference of the two in [-1, 1]
     units (None without a reconstruction), and the ``fixed_point`` iterations of each inverted

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from PIL import Image
@@ -95,7 +95,7 @@ def decoder_loss(
     A latent decoder denoises ``latent_space``'s latents of the batch's images (the autoencoder
     it holds, :func:`frozen_latent_space`)."""
     images = batch["image"].to(device)
-    base = _base_decoder(model)
+    base: Any = _base_decoder(model)
     if getattr(base, "is_latent", False):
         if latent_space is None:
             raise ValueError(
@@ -333,7 +333,7 @@ def check_latent_space(model: torch.nn.Module, space: Optional[LatentSpace], sou
     are gathered to compare (every process runs this)."""
     if space is None or under_fake_tensors():
         return
-    held = _base_decoder(model).latent_space
+    held: Any = getattr(_base_decoder(model), "latent_space", None)
     theirs = held.state_dict() if held is not None else {}
     for key, mine in space.state_dict().items():
         t = theirs.get(key)
