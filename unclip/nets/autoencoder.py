@@ -44,12 +44,25 @@ import torch.nn.functional as F
 from diffusers.models import AutoencoderKL, VQModel
 from torch import nn
 
-__all__ = ["AUTOENCODERS", "LatentSpace", "autoencoder_config", "load_autoencoder"]
+__all__ = [
+    "AUTOENCODERS",
+    "LatentSpace",
+    "autoencoder_config",
+    "latent_geometry",
+    "load_autoencoder",
+]
 
 #: images decoded at once by :meth:`LatentSpace.decode`
 DECODE_ROWS = 8
 #: the autoencoder classes a latent decoder takes, by diffusers' ``_class_name``
 AUTOENCODERS = {"VQModel": VQModel, "AutoencoderKL": AutoencoderKL}
+
+
+def latent_geometry(model: Union[VQModel, AutoencoderKL]) -> tuple[int, int]:
+    """``(C, f)``: the latent channels of a diffusers autoencoder and the pixels per latent side
+    (each level but the last halves the image)."""
+    c = model.config
+    return int(c["latent_channels"]), 2 ** (len(c["block_out_channels"]) - 1)
 
 
 def autoencoder_config(model: Union[VQModel, AutoencoderKL]) -> dict:
@@ -90,12 +103,12 @@ class LatentSpace(nn.Module):
 
     @property
     def channels(self) -> int:
-        return int(self.model.config["latent_channels"])
+        return latent_geometry(self.model)[0]
 
     @property
     def factor(self) -> int:
         """Pixels per latent side."""
-        return 2 ** (len(self.model.config["block_out_channels"]) - 1)
+        return latent_geometry(self.model)[1]
 
     @property
     def shift(self) -> float:

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from diffusers.models import UNet2DConditionModel, VQModel
 
+from unclip.nets.autoencoder import latent_geometry
+
 __all__ = ["LatentDecoder", "latent_size"]
 
 
@@ -60,11 +62,11 @@ class LatentDecoder(torch.nn.Module):
 
     @property
     def latent_channels(self) -> int:
-        return int(self.movq.config["latent_channels"])
+        return latent_geometry(self.movq)[0]
 
     @property
     def scale_factor(self) -> int:
-        return 2 ** (len(self.movq.config["block_out_channels"]) - 1)
+        return latent_geometry(self.movq)[1]
 
     @property
     def inpaint(self) -> bool:

@@ -24,11 +24,12 @@ import logging
 from typing import Any, Optional
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from PIL import Image
 
 from unclip.diffusion.loop import diffusion_loss, training_scheduler
 from unclip.nets.attention import explicit_attention
-from unclip.nets.autoencoder import LatentSpace
+from unclip.nets.autoencoder import LatentSpace, autoencoder_config
 from unclip.nets.clip import CLIP
 from unclip.nets.decoder import (
     Caption,
@@ -314,16 +315,9 @@ class UpsamplerTask:
 
 
 def _base_decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder inside the wrappers a training run puts around it (DDP, torch.compile, the
-    alignment head)."""
-    for _ in range(4):
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(model, RepaDecoder):
-            inner = exported_model(model)
-        if inner is None:
-            return model
-        model = inner
-    return model
+    """The decoder inside the wrappers a training run puts around it (DDP and torch.compile,
+    as Accelerate unwraps them; the alignment head)."""
+    return exported_model(extract_model_from_parallel(model, keep_torch_compile=False))
 
 
 def check_latent_space(model: torch.nn.Module, space: Optional[LatentSpace], source) -> None:
@@ -358,9 +352,7 @@ def frozen_latent_space(model: torch.nn.Module) -> Optional[LatentSpace]:
         # a dry run's fake tensors do not deep-copy into their own mode: a fresh build has the
         # same shapes, which is all a dry run reads
         with torch.device(next(space.parameters()).device):
-            model_cfg = dict(space.model.config)
-            model_cfg["_class_name"] = space.kind
-            return LatentSpace(model_cfg, space.l2_codes, space.scale)
+            return LatentSpace(autoencoder_config(space.model), space.l2_codes, space.scale)
     return copy.deepcopy(space)
 
 

@@ -528,7 +528,36 @@ def _decoder_prior(cfg: KandinskyTrainConfig, decoder: LatentDecoder, scheduler,
     return str(prior_source)
 
 
-def _check_pair(cfg: KandinskyTrainConfig, clip: CLIP, decoder: LatentDecoder) -> None:
+def _check_stage(k: KandinskySection, kind: str, what: str = " folder") -> None:
+    # ``what``: how the source is named (a dry run may plan a published id, not a folder)
+    if kind != k.stage:
+        raise ValueError(
+            f"kandinsky.pretrained {k.pretrained!r} is a Kandinsky {kind}{what} but "
+            f"kandinsky.stage is {k.stage!r}; give the {k.stage} folder or set kandinsky.stage"
+        )
+
+
+def _check_prior(source: str, kind: str, what: str = " folder") -> None:
+    if kind != "prior":
+        raise ValueError(f"kandinsky.prior {source!r} is not a Kandinsky 2.2 prior{what}")
+
+
+def _prior_run(k: KandinskySection, prior, clip: CLIP, scheduler) -> dict[str, Any]:
+    """A prior run's parts (the trained network under ``model``)."""
+    return {
+        "model": prior,
+        "clip": clip,
+        "scheduler": scheduler,
+        "stats": (prior.clip_mean.detach().clone(), prior.clip_std.detach().clone()),
+        "source": str(k.pretrained),
+    }
+
+
+def _decoder_run(
+    cfg: KandinskyTrainConfig, decoder: LatentDecoder, clip: CLIP, scheduler, prior_source: str
+) -> dict[str, Any]:
+    """A decoder run's parts, once the prior's image tower fits the decoder and the resolution
+    the MoVQ's downsampling."""
     from unclip.interop.kandinsky import check_pair
 
     check_pair(clip, decoder)
@@ -538,42 +567,29 @@ def _check_pair(cfg: KandinskyTrainConfig, clip: CLIP, decoder: LatentDecoder) -
             f"data.resolution={cfg.data.resolution} must be a multiple of {f2} (the MoVQ's "
             f"{decoder.scale_factor}x downsampling, squared, as the pipelines size images)"
         )
+    return {
+        "model": decoder.unet,
+        "movq": decoder.movq,
+        "clip": clip,
+        "scheduler": scheduler,
+        "source": str(cfg.kandinsky.pretrained),
+        "prior_source": str(prior_source),
+    }
 
 
 def _load_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
     """The folders' components for the run: the trained network under ``model``."""
     k = cfg.kandinsky
     parts, folder = _read(str(k.pretrained), cfg, f"Kandinsky {k.stage}")
-    kind = parts.pop("kind")
-    if kind != k.stage:
-        raise ValueError(
-            f"kandinsky.pretrained {k.pretrained!r} is a Kandinsky {kind} folder but "
-            f"kandinsky.stage is {k.stage!r}; give the {k.stage} folder or set kandinsky.stage"
-        )
+    _check_stage(k, parts.pop("kind"))
     if k.stage == "prior":
-        prior = parts["prior"]
-        return {
-            "model": prior,
-            "clip": parts["clip"],
-            "scheduler": parts["prior_scheduler"],
-            "stats": (prior.clip_mean.detach().clone(), prior.clip_std.detach().clone()),
-            "source": str(k.pretrained),
-        }
+        return _prior_run(k, parts["prior"], parts["clip"], parts["prior_scheduler"])
     decoder: LatentDecoder = parts["decoder"]
     prior_source = _decoder_prior(cfg, decoder, parts["scheduler"], parts.get("card_prior"))
     prior_parts, _ = _read(str(prior_source), cfg, "Kandinsky prior")
-    if prior_parts.pop("kind") != "prior":
-        raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior folder")
+    _check_prior(prior_source, prior_parts.pop("kind"))
     clip = prior_parts["clip"].drop_text_tower()  # a decoder run embeds images only
-    _check_pair(cfg, clip, decoder)
-    return {
-        "model": decoder.unet,
-        "movq": decoder.movq,
-        "clip": clip,
-        "scheduler": parts["scheduler"],
-        "source": str(k.pretrained),
-        "prior_source": str(prior_source),
-    }
+    return _decoder_run(cfg, decoder, clip, parts["scheduler"], prior_source)
 
 
 def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
@@ -589,11 +605,7 @@ def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
 
     k = cfg.kandinsky
     arch = kandinsky_architecture(str(k.pretrained))
-    if arch["kind"] != k.stage:
-        raise ValueError(
-            f"kandinsky.pretrained {k.pretrained!r} is a Kandinsky {arch['kind']} but "
-            f"kandinsky.stage is {k.stage!r}; give the {k.stage} folder or set kandinsky.stage"
-        )
+    _check_stage(k, arch["kind"], "")
 
     def scheduler(config: dict):
         return getattr(diffusers, config["_class_name"]).from_config(config)
@@ -603,31 +615,16 @@ def skeleton_parts(cfg: KandinskyTrainConfig) -> dict[str, Any]:
 
     if k.stage == "prior":
         prior = PriorTransformer.from_config(arch["prior"])
-        return {
-            "model": prior,
-            "clip": prior_clip(arch),
-            "scheduler": scheduler(arch["scheduler"]),
-            "stats": (prior.clip_mean.detach().clone(), prior.clip_std.detach().clone()),
-            "source": str(k.pretrained),
-        }
+        return _prior_run(k, prior, prior_clip(arch), scheduler(arch["scheduler"]))
     decoder = LatentDecoder(
         UNet2DConditionModel.from_config(arch["unet"]), VQModel.from_config(arch["movq"])
     )
     sched = scheduler(arch["scheduler"])
     prior_source = _decoder_prior(cfg, decoder, sched, arch.get("prior"))
     prior_arch = kandinsky_architecture(prior_source)
-    if prior_arch["kind"] != "prior":
-        raise ValueError(f"kandinsky.prior {prior_source!r} is not a Kandinsky 2.2 prior")
+    _check_prior(prior_source, prior_arch["kind"], "")
     clip = prior_clip(prior_arch).drop_text_tower()
-    _check_pair(cfg, clip, decoder)
-    return {
-        "model": decoder.unet,
-        "movq": decoder.movq,
-        "clip": clip,
-        "scheduler": sched,
-        "source": str(k.pretrained),
-        "prior_source": str(prior_source),
-    }
+    return _decoder_run(cfg, decoder, clip, sched, prior_source)
 
 
 def _on(module, device):

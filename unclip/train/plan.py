@@ -434,17 +434,16 @@ def measure_step(
             torch.manual_seed(cfg.train.seed)
             parts = None
             if token_family:  # no CLIP: the caption is BPE ids
-                clip, clip_flops = None, [0]
+                clip = None
             elif kandinsky:  # the folders' architectures with fresh weights
                 with torch.device(device):
                     parts = skeleton_parts(cfg)
                 clip = parts["clip"]
-                clip_flops = _count_flops_of(clip, ("encode_text", "encode_image"), flops)
             else:
                 with torch.device(clip_device(cfg, device)):
                     clip = CLIP.from_config(cfg.clip)
-                methods = ("encode_text", "encode_image", "layer_features")
-                clip_flops = _count_flops_of(clip, methods, flops)
+            methods = ("encode_text", "encode_image", "layer_features")
+            clip_flops = [0] if clip is None else _count_flops_of(clip, methods, flops)
             # the frozen towers (a Kandinsky run builds its parts together: counted by size)
             clip_bytes = _bytes(parts["clip"].model) if parts is not None else mem.current
             if token_family:
